@@ -1,0 +1,141 @@
+"""The ``convpass`` command line: optimize, inspect, run, cache.
+
+Errors about the user's input are printed as one line (``convpass: error: ...``) with exit code 1;
+argparse's own usage errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+import convpass
+from convpass.errors import ConvpassError
+
+
+def _add_optimize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "optimize",
+        help="tune every convolution of a model and write the annotated model",
+        description="Measure (or look up) the best cuDNN algorithm, memory format and math mode for every "
+        "convolution and record them in the model.",
+    )
+    p.add_argument("model", help="input ONNX model")
+    p.add_argument("-o", "--output", required=True, help="where to write the tuned model (written atomically)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS[,NAME=DIMS]",
+                   help="a shape profile, e.g. input=1x3x224x224; repeat for several profiles (batch 1 and 32)")
+    p.add_argument("--mode", default="measure", choices=["heuristic", "exhaustive", "measure"],
+                   help="heuristic: cuDNN's first choice (MindSpore 'normal'); exhaustive: cuDNN's Find "
+                   "(MindSpore 'performance'); measure: convpass's own timing harness (default)")
+    p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or $XDG_CACHE_HOME/convpass/tuning.db)")
+    p.add_argument("--device-name", help="take decisions from the cache for this GPU (e.g. H200) instead of measuring")
+    for flag, what in (("--fprop-algo", "forward"), ("--dgrad-algo", "backward-data"), ("--wgrad-algo", "backward-filter")):
+        p.add_argument(flag, metavar="NAME", help=f"{what} algorithm: normal, performance or a cuDNN algorithm name")
+    p.add_argument("--tf32", default="auto", help="TF32 for float32 convs: auto (measure both), on, off")
+    p.add_argument("--layout", default="auto", help="memory format: auto (per conv), nchw, nhwc")
+    p.add_argument("--matmul-tf32", default="off", choices=["on", "off"], help="TF32 for Gemm / MatMul (MindSpore matmul_allow_tf32)")
+    p.add_argument("--workspace-limit", metavar="SIZE", help="largest workspace an algorithm may use, e.g. 256MiB")
+    p.add_argument("--deterministic", action="store_true", help="only deterministic algorithms")
+    p.add_argument("--directions", default="fwd", help="fwd, or fwd,dgrad,wgrad to also tune training passes of Conv")
+    p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    p.set_defaults(func=_optimize)
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from convpass.pipeline import optimize
+
+    optimize(
+        args.model,
+        args.output,
+        shapes=args.shape,
+        cache=args.cache,
+        device_name=args.device_name,
+        quiet=args.quiet,
+        mode=args.mode,
+        fprop_algo=args.fprop_algo,
+        dgrad_algo=args.dgrad_algo,
+        wgrad_algo=args.wgrad_algo,
+        tf32=args.tf32,
+        layout=args.layout,
+        matmul_tf32=args.matmul_tf32,
+        workspace_limit=args.workspace_limit,
+        deterministic=args.deterministic,
+        directions=args.directions,
+    )
+    return 0
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="list every convolution of a model and its recorded decisions")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true", help="print a machine-readable JSON list")
+    p.set_defaults(func=_inspect)
+
+
+def _fmt(value, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}{unit}"
+    return f"{value}{unit}"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from convpass.pipeline import inspect
+
+    records = inspect(args.model)
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    table = Table(title=f"{args.model}: {len({r['node'] for r in records})} convolutions")
+    for col in ("node", "op", "profile", "algo", "format", "math", "tf32", "workspace", "time", "source", "problem key"):
+        table.add_column(col, overflow="fold")
+    for r in records:
+        table.add_row(
+            r["node"], r["op"], _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r["memory_format"]), _fmt(r["math_mode"]),
+            _fmt(r["tf32"]), _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-",
+        )
+    Console(width=200).print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convpass",
+        description="Measured, ahead-of-time cuDNN convolution tuning for ONNX models.",
+    )
+    parser.add_argument("--version", action="version", version=f"convpass {convpass.__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_optimize(sub)
+    _add_inspect(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=Console(stderr=True), show_time=False, show_path=False)],
+    )
+    try:
+        return args.func(args)
+    except ConvpassError as e:
+        print(f"convpass: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("convpass: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

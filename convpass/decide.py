@@ -1,0 +1,107 @@
+"""The decision seam: who decides each convolution problem.
+
+``optimize`` hands the model's distinct problems to a :class:`DecisionBackend` and records what
+comes back. Two backends exist:
+
+* :class:`CacheBackend` - no GPU needed: takes decisions from the tuning cache for a named device
+  (``--device-name``); a problem with no usable measurement stays ``auto`` (chosen at run time).
+* ``convpass.tune.tuner.CudnnTuner`` - measures on the local GPU (and fills the cache).
+
+:func:`select` is the one rule for picking a configuration from measurements; both backends use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from convpass.device import DeviceFingerprint
+from convpass.options import TuneOptions
+from convpass.passes.collect_conv_problems import ConvProblem
+from convpass.problem import ProblemKey
+
+if TYPE_CHECKING:
+    from convpass.cache import Measurement, TuningCache
+
+logger = logging.getLogger("convpass")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The decided configuration of one problem."""
+
+    key: ProblemKey
+    algo: str
+    time_ms: float | None
+    workspace_bytes: int | None
+    source: str  # measure | exhaustive | heuristic | forced | cache
+
+
+class DecisionBackend(Protocol):
+    device: DeviceFingerprint | None
+
+    def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
+        """A choice per problem; None where nothing could be decided (recorded as auto)."""
+        ...
+
+
+def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions) -> bool:
+    """Whether a measured configuration satisfies the user's constraints for this problem."""
+    direction = problem.direction
+    strategy, forced = options.strategy(direction)
+    return (
+        m.status == "ok"
+        and m.key.shape in problem.candidates
+        and m.key.layout in options.layouts
+        and m.key.math in options.math_modes(m.key.shape.dtype)
+        and (options.workspace_limit is None or m.workspace_bytes <= options.workspace_limit)
+        and (not options.deterministic or m.deterministic)
+        and (strategy != "forced" or m.algo == forced)
+    )
+
+
+def select(measurements: Iterable["Measurement"], problem: ConvProblem, options: TuneOptions) -> "Measurement | None":
+    """The configuration to run, by the strategy of the problem's direction.
+
+    measure / forced: the fastest timed candidate that satisfies the constraints; heuristic: cuDNN's
+    first heuristic choice (lowest rank) among allowed ones; exhaustive: cuDNN Find's first choice.
+    """
+    strategy, _ = options.strategy(problem.direction)
+    ok = [m for m in measurements if allowed(m, problem, options)]
+    if strategy == "heuristic":
+        ranked = [m for m in ok if m.heuristic_rank is not None]
+        return min(ranked, key=lambda m: (m.heuristic_rank, _layout_pref(m), m.time_ms or 0.0), default=None)
+    if strategy == "exhaustive":
+        ranked = [m for m in ok if m.find_rank is not None]
+        return min(ranked, key=lambda m: (m.find_rank, _layout_pref(m)), default=None)
+    timed = [m for m in ok if m.time_ms is not None and m.method == "measure"]
+    return min(timed, key=lambda m: m.time_ms, default=None)
+
+
+def _layout_pref(m: "Measurement") -> int:
+    # cuDNN's rankings are per layout; with both allowed, its conventional default (NCHW) wins ties.
+    return 0 if m.key.layout == "nchw" else 1
+
+
+def choice_from(m: "Measurement", source: str) -> Choice:
+    return Choice(key=m.key, algo=m.algo, time_ms=m.time_ms, workspace_bytes=m.workspace_bytes, source=source)
+
+
+class CacheBackend:
+    """Decides from the tuning cache only: for machines without a GPU (see the module docstring)."""
+
+    def __init__(self, cache: "TuningCache | None", device: DeviceFingerprint | None) -> None:
+        self.cache = cache
+        self.device = device
+
+    def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
+        out: dict[ConvProblem, Choice | None] = {}
+        for problem in problems:
+            chosen = None
+            if self.cache is not None and self.device is not None:
+                measurements = [m for shape in problem.candidates for m in self.cache.get(self.device, shape)]
+                chosen = select(measurements, problem, options)
+            out[problem] = None if chosen is None else choice_from(chosen, "cache")
+        return out

@@ -1,0 +1,21 @@
+"""Exceptions convpass raises for bad input; the CLI prints them as one line and exits 1."""
+
+
+class ConvpassError(Exception):
+    """A problem with the user's input or options that convpass can describe in one line."""
+
+
+class ModelLoadError(ConvpassError):
+    """The file is not a usable ONNX model (not ONNX, truncated, empty, unsupported opset...)."""
+
+
+class ShapeError(ConvpassError):
+    """A convolution's shapes cannot be resolved, or a --shape profile does not fit the model."""
+
+
+class ConvAttributeError(ConvpassError):
+    """A Conv / ConvTranspose whose attributes are invalid or inconsistent with its shapes."""
+
+
+class OptionError(ConvpassError):
+    """An option value convpass does not understand."""

@@ -1,0 +1,227 @@
+"""The optimize pipeline: load -> resolve shapes -> canonicalize -> collect problems -> decide -> annotate.
+
+The Python API and the CLI both run :func:`optimize_model`; :func:`optimize` is the public entry
+that returns an ``onnx.ModelProto`` (and writes it when ``output`` is given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+from rich.console import Console
+
+import convpass
+from convpass import device as device_mod
+from convpass.annotation import ModelInfo, Profile, SCHEMA_VERSION
+from convpass.decide import CacheBackend, Choice, DecisionBackend
+from convpass.errors import ConvpassError
+from convpass.model_io import load_model, save_model, to_proto
+from convpass.options import TuneOptions, parse_directions, parse_size
+from convpass.passes.annotate_convs import AnnotateConvsPass
+from convpass.passes.canonicalize_convs import CanonicalizeConvsPass
+from convpass.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem
+from convpass.passes.fold_conv_weights import FoldConvWeightsPass
+from convpass.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, ResolveShapesPass
+
+logger = logging.getLogger("convpass")
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    """What an optimize run did, for the summary line and for callers."""
+
+    convs: int = 0
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    problems: int = 0
+    decided: int = 0
+    undecided: int = 0
+    profiles: tuple[Profile, ...] = ()
+    backend: str = ""
+    device: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
+    from convpass.cache import TuningCache
+
+    local = device_mod.detect()
+    if local is not None and (device_name is None or local.matches_name(device_name)):
+        from convpass.tune.tuner import CudnnTuner
+
+        report.backend = f"measured on {local.name} (cuDNN {local.cudnn_version_str})"
+        report.device = str(local)
+        return CudnnTuner(TuningCache(cache_path), local, console=console)
+    cache = TuningCache(cache_path)
+    if device_name is None:
+        report.backend = "no GPU found and no --device-name: nothing can be measured or looked up"
+        return CacheBackend(None, None)
+    target = cache.resolve_device(device_name)
+    report.backend = f"tuning cache {cache.path} for {target.name} (cuDNN {target.cudnn_version_str}); no GPU used"
+    report.device = str(target)
+    return CacheBackend(cache, target)
+
+
+def optimize_model(
+    model: ir.Model,
+    options: TuneOptions,
+    shapes: Sequence[str | dict] = (),
+    cache: str | os.PathLike | None = None,
+    device_name: str | None = None,
+    console: Console | None = None,
+    backend: DecisionBackend | None = None,
+) -> OptimizeReport:
+    """Run the whole pipeline on an in-memory model (modified in place); returns the report."""
+    console = console or Console(stderr=True, soft_wrap=True)
+    report = OptimizeReport()
+    FoldConvWeightsPass()(model)
+    ResolveShapesPass(shapes)(model)
+    CanonicalizeConvsPass()(model)
+    collect = CollectConvProblemsPass(options.directions)
+    collect(model)
+    report.profiles = model.meta[PROFILES_KEY]
+    for node in model.graph:
+        if node.op_type in ("Conv", "ConvTranspose") and node.domain in ("", "ai.onnx"):
+            report.convs += 1
+            if SKIP_KEY in node.meta:
+                report.skipped.append((node.name or node.outputs[0].name, node.meta[SKIP_KEY]))
+    problems = list(collect.problems)
+    report.problems = len(problems)
+    choices: dict[ConvProblem, Choice | None] = {}
+    if problems:
+        if backend is None:
+            backend = _make_backend(options, cache, device_name, report, console)
+        else:
+            report.backend = type(backend).__name__
+            report.device = str(backend.device or "")
+        choices = backend.decide(problems, options)
+    report.decided = sum(1 for c in choices.values() if c is not None)
+    report.undecided = len(problems) - report.decided
+    if report.undecided:
+        report.notes.append(
+            f"{report.undecided} of {len(problems)} problems could not be measured or found in the cache: "
+            "recorded as algo=auto (cuDNN's heuristic decides at run time)"
+        )
+    device = report.device
+    info = ModelInfo(
+        schema_version=SCHEMA_VERSION,
+        convpass_version=convpass.__version__,
+        device=device,
+        cudnn_version=device.rsplit("cudnn", 1)[-1] if device else "",
+        mode=options.mode,
+        profiles=report.profiles,
+        matmul_allow_tf32=options.matmul_tf32,
+        options=options.to_json(),
+    )
+    AnnotateConvsPass(choices, info, options.directions)(model)
+    return report
+
+
+def print_report(report: OptimizeReport, console: Console, output: str | None = None) -> None:
+    tuned = report.convs - len(report.skipped)
+    console.print(
+        f"[bold]convpass[/]: {report.convs} convolutions ({tuned} tuned), {report.problems} distinct problems over "
+        f"{len(report.profiles)} profile(s) [{', '.join(p.name for p in report.profiles)}]"
+    )
+    if report.backend:
+        console.print(f"  decisions: {report.backend}")
+    console.print(f"  decided {report.decided}, left to run time (auto) {report.undecided}")
+    for name, why in report.skipped:
+        console.print(f"  [yellow]untuned[/] {name}: {why}")
+    for note in report.notes:
+        console.print(f"  [yellow]note[/]: {note}")
+    if output:
+        console.print(f"  wrote {output}")
+
+
+def _options(kwargs: dict[str, Any]) -> TuneOptions:
+    kw = dict(kwargs)
+    if "workspace_limit" in kw:
+        kw["workspace_limit"] = parse_size(kw["workspace_limit"])
+    if "directions" in kw:
+        kw["directions"] = parse_directions(kw["directions"])
+    if isinstance(kw.get("matmul_tf32"), str):
+        kw["matmul_tf32"] = {"on": True, "off": False}.get(kw["matmul_tf32"], kw["matmul_tf32"])
+    try:
+        return TuneOptions(**kw)
+    except TypeError as e:
+        raise ConvpassError(f"unknown option: {e}") from None
+
+
+def optimize(
+    model: str | os.PathLike | onnx.ModelProto | bytes,
+    output: str | os.PathLike | None = None,
+    *,
+    shapes: Sequence[str | dict] = (),
+    cache: str | os.PathLike | None = None,
+    device_name: str | None = None,
+    quiet: bool = False,
+    **options: Any,
+) -> onnx.ModelProto:
+    """Tune every convolution of ``model`` and return the annotated model (see the README).
+
+    Options (as on the CLI): ``mode`` (heuristic | exhaustive | measure), ``fprop_algo`` /
+    ``dgrad_algo`` / ``wgrad_algo`` (normal | performance | an algorithm name), ``tf32``
+    (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
+    (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad").
+    ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
+    """
+    tune_options = _options(options)
+    console = Console(stderr=True, quiet=quiet, soft_wrap=True)
+    if output is not None and not Path(output).resolve().parent.is_dir():
+        raise ConvpassError(f"output directory {Path(output).parent} does not exist")
+    ir_model = load_model(model)
+    report = optimize_model(ir_model, tune_options, shapes, cache, device_name, console)
+    if output is not None:
+        save_model(ir_model, output)
+    print_report(report, console, str(output) if output is not None else None)
+    return to_proto(ir_model)
+
+
+def inspect(model: str | os.PathLike | onnx.ModelProto) -> list[dict[str, Any]]:
+    """One record per convolution and profile, in graph order: node, op, profile, decisions.
+
+    Convolutions that were not tuned (plain standard ops) are listed with ``source="untuned"``.
+    """
+    from convpass import annotation
+
+    proto = model if isinstance(model, onnx.ModelProto) else to_proto(load_model(model))
+    info, nodes = annotation.read_annotations(proto)
+    by_name = {n.node_name: n for n in nodes}
+    profiles = [p.name for p in info.profiles] if info else []
+    records = []
+    for node in proto.graph.node:
+        if node.op_type not in annotation.CONV_OPS:
+            continue
+        name = node.name or node.output[0]
+        if not annotation.is_annotated_conv(node):
+            if node.domain in ("", "ai.onnx"):
+                records.append({"node": name, "op": node.op_type, "profile": None, "problem_key": "", "algo": None,
+                                "dgrad_algo": None, "wgrad_algo": None, "memory_format": None, "math_mode": None,
+                                "tf32": None, "workspace_bytes": None, "time_ms": None, "source": "untuned"})
+            continue
+        for i, d in enumerate(by_name[name].decisions):
+            records.append(
+                {
+                    "node": name,
+                    "op": node.op_type,
+                    "profile": profiles[i] if i < len(profiles) else str(i),
+                    "problem_key": d.problem_key,
+                    "algo": d.algo,
+                    "dgrad_algo": d.dgrad_algo,
+                    "wgrad_algo": d.wgrad_algo,
+                    "memory_format": d.memory_format,
+                    "math_mode": d.math_mode,
+                    "tf32": d.tf32,
+                    "workspace_bytes": d.workspace_bytes,
+                    "time_ms": d.time_ms,
+                    "source": d.source,
+                }
+            )
+    return records

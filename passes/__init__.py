@@ -1,0 +1,1 @@
+"""convpass graph passes (installed as ``convpass.passes``), one pass per module."""

@@ -1,0 +1,194 @@
+"""Resolve every convolution's input and weight shapes, per shape profile.
+
+Rules:
+
+* A profile gives concrete shapes to the model's inputs. Each ``--shape`` option is one profile:
+  ``NAME=DIMS[,NAME=DIMS...]`` with DIMS like ``1x3x224x224``; inputs it does not name keep the
+  shape the model declares. With no ``--shape`` there is one profile, the model's own shapes.
+* A profile must fit the model: known input names, the declared rank, and fixed dims unchanged.
+* Shapes are propagated with ONNX shape inference with data propagation (so Shape / Gather /
+  Concat chains feeding Reshape resolve). Large initializers are handed to inference as typed graph
+  inputs, so models past the 2 GB protobuf limit resolve too.
+* Every conv must end with a fully known input shape for every profile; otherwise ShapeError names
+  the node, the tensor and the missing dimension and says which ``--shape`` fixes it.
+* Results: ``node.meta["convpass.shapes"]`` = per profile ``(x_shape, w_shape, dtype)``, and
+  ``model.meta["convpass.profiles"]`` = the profiles. Convs with data types convpass does not tune
+  (anything but float32 / float16 / bfloat16) are marked ``convpass.skip`` with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from convpass.annotation import Profile
+from convpass.errors import ShapeError
+
+logger = logging.getLogger("convpass")
+
+SHAPES_KEY = "convpass.shapes"
+SKIP_KEY = "convpass.skip"
+PROFILES_KEY = "convpass.profiles"
+CONV_OPS = ("Conv", "ConvTranspose")
+
+_DTYPES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
+_INLINE_LIMIT = 1 << 20  # initializers larger than this go to shape inference as typed inputs
+
+
+def parse_shape_spec(text: str) -> dict[str, tuple[int, ...]]:
+    """``"input=1x3x224x224,mask=1x10"`` -> ``{"input": (1, 3, 224, 224), "mask": (1, 10)}``."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([^=\s]+)\s*=\s*(\d+(?:\s*[xX]\s*\d+)*)\s*", part)
+        if not m:
+            raise ShapeError(f"--shape {text!r}: expected NAME=DIMS such as input=1x3x224x224")
+        dims = tuple(int(d) for d in re.split(r"\s*[xX]\s*", m[2]))
+        if 0 in dims:
+            raise ShapeError(f"--shape {text!r}: dimensions must be positive")
+        if m[1] in shapes:
+            raise ShapeError(f"--shape {text!r}: input {m[1]!r} given twice")
+        shapes[m[1]] = dims
+    return shapes
+
+
+def _dims(shape: ir.Shape | None) -> tuple[int | str | None, ...] | None:
+    if shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else (d.value if isinstance(d, ir.SymbolicDim) else None) for d in shape)
+
+
+def _format_dims(dims: Sequence[int | str | None]) -> str:
+    return "x".join("?" if d is None else str(d) for d in dims)
+
+
+class ResolveShapesPass(ir.passes.InPlacePass):
+    """Resolves conv input / weight shapes for each shape profile (see the module rules)."""
+
+    def __init__(self, shape_specs: Sequence[str | Mapping[str, Sequence[int]]] = ()) -> None:
+        super().__init__()
+        self.shape_specs = [parse_shape_spec(s) if isinstance(s, str) else {k: tuple(v) for k, v in s.items()} for s in shape_specs]
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        inputs = {v.name: v for v in model.graph.inputs if not v.is_initializer()}
+        profiles = self._profiles(inputs)
+        model.meta[PROFILES_KEY] = profiles
+        convs = [n for n in model.graph if n.op_type in CONV_OPS and n.domain in ("", "ai.onnx") and SKIP_KEY not in n.meta]
+        if not convs:
+            return ir.passes.PassResult(model, modified=False)
+        inferred = [self._infer(model, profile) for profile in profiles]
+        for node in convs:
+            x, w = node.inputs[0], node.inputs[1]
+            elem = x.type.dtype if x.type is not None else (w.type.dtype if w.type is not None else None)
+            dtype = _DTYPES.get(elem)
+            if dtype is None:
+                node.meta[SKIP_KEY] = f"its data type is {elem}, which convpass does not tune"
+                logger.warning("%s %r is left untuned: data type %s", node.op_type, node.name, elem)
+                continue
+            entries = []
+            for profile, shapes in zip(profiles, inferred):
+                xs = self._require(node, x, shapes, profile, inputs)
+                ws = tuple(w.const_value.shape) if w.const_value is not None else self._require(node, w, shapes, profile, inputs)
+                entries.append((xs, ws, dtype))
+            node.meta[SHAPES_KEY] = tuple(entries)
+        return ir.passes.PassResult(model, modified=False)
+
+    def _profiles(self, inputs: Mapping[str, ir.Value]) -> tuple[Profile, ...]:
+        declared = {name: _dims(v.shape) for name, v in inputs.items()}
+        specs = self.shape_specs or [{}]
+        profiles = []
+        for spec in specs:
+            shapes: dict[str, tuple] = {}
+            for name, dims in declared.items():
+                if name not in spec:
+                    if dims is not None:
+                        shapes[name] = dims
+                    continue
+                given = spec[name]
+                if dims is not None and len(dims) != len(given):
+                    raise ShapeError(
+                        f"--shape {name}={_format_dims(given)}: input {name!r} has rank {len(dims)} ({_format_dims(dims)})"
+                    )
+                for i, (want, got) in enumerate(zip(dims or (), given)):
+                    if isinstance(want, int) and want != got:
+                        raise ShapeError(
+                            f"--shape {name}={_format_dims(given)}: dim {i} of input {name!r} is fixed at {want}, not {got}"
+                        )
+                shapes[name] = given
+            unknown = sorted(set(spec) - set(declared))
+            if unknown:
+                raise ShapeError(f"--shape names unknown input(s) {', '.join(map(repr, unknown))}; the model's inputs are {', '.join(map(repr, declared))}")
+            label = ",".join(f"{k}={_format_dims(v)}" for k, v in spec.items()) or "model shapes"
+            profiles.append(Profile(label, {k: v for k, v in shapes.items()}))
+        return tuple(profiles)
+
+    def _infer(self, model: ir.Model, profile: Profile) -> dict[str, tuple]:
+        proto = ir.serde.serialize_model(model)
+        graph = proto.graph
+        # Large initializers become typed inputs: inference needs their shapes, not their bytes.
+        keep = []
+        for tensor in graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) > _INLINE_LIMIT:
+                graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+            else:
+                keep.append(tensor)
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+        for value_info in graph.input:
+            dims = profile.inputs.get(value_info.name)
+            if dims is None:
+                continue
+            shape = value_info.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in dims:
+                if isinstance(d, int):
+                    shape.dim.add().dim_value = d
+                elif isinstance(d, str):
+                    shape.dim.add().dim_param = d
+                else:
+                    shape.dim.add()
+        del graph.value_info[:]
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        except Exception as e:  # noqa: BLE001  (inference raises several kinds)
+            raise ShapeError(f"shape inference failed for profile {profile.name!r}: {str(e).strip().splitlines()[0]}") from None
+        shapes: dict[str, tuple] = {}
+        for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+            if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+                continue
+            shapes[vi.name] = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in vi.type.tensor_type.shape.dim
+            )
+        return shapes
+
+    def _require(self, node: ir.Node, value: ir.Value, shapes: Mapping[str, tuple], profile: Profile, inputs: Mapping[str, ir.Value]) -> tuple[int, ...]:
+        dims = shapes.get(value.name)
+        label = node.name or (node.outputs[0].name if node.outputs else node.op_type)
+        symbolic_inputs = {name: dims_ for name, dims_ in profile.inputs.items() if any(not isinstance(d, int) for d in dims_)}
+        missing_inputs = [name for name, v in inputs.items() if name not in profile.inputs]
+        hint = ""
+        if symbolic_inputs:
+            examples = " ".join(
+                f"--shape {name}=" + "x".join(str(d) if isinstance(d, int) else "1" for d in dims_)
+                for name, dims_ in symbolic_inputs.items()
+            )
+            names = ", ".join(
+                f"{d!r} of input {name!r}" for name, dims_ in symbolic_inputs.items() for d in dims_ if not isinstance(d, int)
+            )
+            hint = f"; give the symbolic dims ({names}) a value with e.g. {examples}"
+        elif missing_inputs:
+            hint = f"; input(s) {', '.join(map(repr, missing_inputs))} have no declared shape: give one with --shape NAME=DIMS"
+        else:
+            hint = "; shape inference could not propagate it (a data-dependent shape?): give concrete input shapes with --shape"
+        if dims is None:
+            raise ShapeError(f"{node.op_type} {label!r}: the shape of its input {value.name!r} is unknown (profile {profile.name!r}){hint}")
+        for i, d in enumerate(dims):
+            if not isinstance(d, int) or d <= 0:
+                what = f"is {d!r} (symbolic)" if isinstance(d, str) else "is unknown"
+                raise ShapeError(
+                    f"{node.op_type} {label!r}: dim {i} of its input {value.name!r} {what} (profile {profile.name!r}){hint}"
+                )
+        return tuple(dims)
