@@ -1,4 +1,4 @@
-"""The ``convpass`` command line: optimize, inspect, run, cache.
+"""The ``convpass`` command line: optimize, inspect, cache.
 
 Errors about the user's input are printed as one line (``convpass: error: ...``) with exit code 1;
 argparse's own usage errors exit with 2.
@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_optimize(sub)
     _add_inspect(sub)
+    from convpass.cache import add_cache_parser
+
+    add_cache_parser(sub)
     return parser
 
 

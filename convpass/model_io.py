@@ -29,10 +29,11 @@ _EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
     """Read and validate a model from a path, a ModelProto or serialized bytes."""
+    base_dir = None
     if isinstance(source, onnx.ModelProto):
-        proto, base_dir, label = source, None, "model"
+        proto, label = source, "model"
     elif isinstance(source, bytes):
-        proto, base_dir, label = _parse(source, "model bytes"), None, "model bytes"
+        proto, label = _parse(source, "model bytes"), "model bytes"
     else:
         path = Path(source)
         label = str(path)
@@ -43,6 +44,7 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
         proto = _parse(path.read_bytes(), label)
         base_dir = path.resolve().parent
     _validate(proto, label, base_dir)
+    _check(proto, label)
     model = ir.serde.deserialize_model(proto)
     if base_dir is not None:
         ir.external_data.set_base_dir(model.graph, base_dir)
@@ -100,8 +102,14 @@ def _validate(proto: onnx.ModelProto, label: str, base_dir: Path | None) -> None
             )
         if not target.is_file():
             raise ModelLoadError(f"{label}: external data file {location!r} of tensor {tensor.name!r} is missing")
+
+
+def _check(proto: onnx.ModelProto, label: str) -> None:
+    """ONNX's checker; with external data it needs the model's folder, which it takes from a path."""
     try:
-        if proto.ByteSize() < _PROTOBUF_LIMIT:
+        if _has_external_data(proto):
+            onnx.checker.check_model(label)
+        elif proto.ByteSize() < _PROTOBUF_LIMIT:
             onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

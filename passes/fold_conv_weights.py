@@ -22,6 +22,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
 
 from convpass.passes.canonicalize_convs import CONV_OPS, node_label
 from convpass.passes.resolve_shapes import SKIP_KEY
@@ -31,6 +32,21 @@ logger = logging.getLogger("convpass")
 FOLDABLE_OPS = frozenset(
     {"Constant", "Identity", "Cast", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "ConstantOfShape", "DequantizeLinear"}
 )
+
+
+class DequantizeLinear(OpRun):
+    """DequantizeLinear (per tensor or per axis) for every opset: ONNX's reference evaluator only
+    implements opset 19+, while quantized model-zoo exports use 10 and 13."""
+
+    op_domain = ""
+
+    def _run(self, x, scale, zero_point=None, axis=None, block_size=None, output_dtype=None):  # noqa: ARG002
+        axis = 1 if axis is None else axis
+        shape = [1] * x.ndim
+        if np.ndim(scale) == 1:
+            shape[axis] = -1
+        zp = 0 if zero_point is None else np.reshape(zero_point, shape).astype(np.float32)
+        return (((x.astype(np.float32) - zp) * np.reshape(scale, shape)).astype(scale.dtype),)
 
 
 class _Dynamic(Exception):
@@ -111,7 +127,7 @@ def _evaluate(value: ir.Value, opset: int) -> np.ndarray:
         ir_version=8,
     )
     try:
-        (result,) = ReferenceEvaluator(fold_model).run(None, {})
+        (result,) = ReferenceEvaluator(fold_model, new_ops=[DequantizeLinear]).run(None, {})
     except Exception as e:  # noqa: BLE001  (the evaluator raises many kinds)
         raise _Dynamic(f"could not be folded ({type(e).__name__}: {e})") from None
     return np.asarray(result)

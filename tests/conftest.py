@@ -1,0 +1,74 @@
+"""Shared builders for hand-made test models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = REPO / "models"
+
+_NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}
+
+
+def conv_model(
+    op_type: str,
+    x_shape: Sequence,
+    w_shape: Sequence[int],
+    *,
+    bias: bool = True,
+    elem_type: int = TensorProto.FLOAT,
+    opset: int = 17,
+    ir_version: int = 8,
+    seed: int = 0,
+    **attrs,
+) -> onnx.ModelProto:
+    """One Conv / ConvTranspose followed by Relu, with random weights; output shape left to inference."""
+    rng = np.random.default_rng(seed)
+    dtype = _NP[elem_type]
+    w = rng.standard_normal(w_shape).astype(dtype)
+    inits = [numpy_helper.from_array(w, "w")]
+    inputs = ["x", "w"]
+    if bias:
+        out_channels = w_shape[0] if op_type == "Conv" else w_shape[1] * attrs.get("group", 1)
+        inits.append(numpy_helper.from_array(rng.standard_normal(out_channels).astype(dtype), "b"))
+        inputs.append("b")
+    nodes = [
+        helper.make_node(op_type, inputs, ["y"], name="conv", **attrs),
+        helper.make_node("Relu", ["y"], ["out"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "test",
+        [helper.make_tensor_value_info("x", elem_type, list(x_shape))],
+        [helper.make_tensor_value_info("out", elem_type, None)],
+        inits,
+    )
+    # Infer the output shape at a modern opset (old opsets infer less), then build at the requested one.
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    out_type = onnx.shape_inference.infer_shapes(probe).graph.output[0].type
+    graph.output[0].type.CopyFrom(out_type)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
+
+
+def random_input(shape: Sequence[int], elem_type: int = TensorProto.FLOAT, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(_NP[elem_type])
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Every test gets its own tuning cache; nobody's real cache is touched."""
+    monkeypatch.setenv("CONVPASS_CACHE", str(tmp_path / "tuning.db"))
