@@ -23,6 +23,12 @@ Damage
     ``-wal``/``-shm`` siblings), a :class:`CacheWarning` names both paths, and a fresh cache is
     started. A location that cannot be created or written raises :class:`CacheError`.
 
+    Opening (check, move aside, create) runs under an exclusive ``flock`` on ``<name>.lock``, so
+    of several processes that find the same damaged file exactly one moves it aside and the
+    others open the fresh cache it started; a file is only moved aside if it is still the very
+    file (device and inode) that the failing connection opened, never one another process put
+    in its place.
+
 Exchange
     :meth:`TuningCache.export_json` / :meth:`TuningCache.import_json` move measurements between
     machines (a GPU fleet tunes, a GPU-less build machine applies) as JSON::
@@ -38,6 +44,7 @@ No pickle is used anywhere: rows are plain columns, exchange files are plain JSO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -49,9 +56,14 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no cross-process open lock
+    fcntl = None  # type: ignore[assignment]
 
 from convpass.errors import ConvpassError
 from convpass.device import DeviceFingerprint
@@ -362,6 +374,9 @@ class TuningCache:
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._keys: dict[str, ProblemKey] = {}
+        self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file _conn opened
+        self._flock_fd: int | None = None
+        self._flock_depth = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -397,21 +412,71 @@ class TuningCache:
         )
 
     def _open(self) -> None:
-        """Open (creating or repairing) the database; at most a few attempts at moving damage aside."""
-        for _ in range(8):
-            ident = self._identity()
-            try:
-                self._conn = self._retry(self._connect_and_check)
-                return
-            except _Damaged as d:
-                self.close()
-                self._move_aside(str(d), ident)
-            except CacheError:
-                # A file replaced under us (another process moved a damaged cache aside and started
-                # a fresh one) shows up as "readonly" or I/O errors: open the new file instead.
-                if self._identity() == ident:
+        """Open (creating or repairing) the database; at most a few attempts at moving damage aside.
+
+        Runs under the cross-process open lock, so no other convpass process creates, checks or
+        moves the file at this path meanwhile: the file a connection opened is the file at the
+        path until this returns.
+        """
+        with self._lock, self._file_lock():
+            for _ in range(8):
+                ident = self._identity()
+                try:
+                    self._conn = self._retry(self._connect_and_check)
+                    return
+                except _Damaged as d:
+                    self.close()
+                    self._move_aside(str(d), self._ident)
+                except CacheError:
+                    # A file replaced under us (a process outside the lock, e.g. a user, moved it)
+                    # shows up as "readonly" or I/O errors: open the new file instead.
+                    if self._identity() == ident:
+                        raise
+            raise CacheError(f"tuning cache {self.path} keeps turning out damaged; remove it by hand")
+
+    @contextlib.contextmanager
+    def _file_lock(self) -> Iterator[None]:
+        """Hold an exclusive ``flock`` on ``<path>.lock`` (reentrant within this instance).
+
+        Serializes opening, checking, moving aside and creating the database between processes.
+        """
+        if fcntl is None:
+            yield
+            return
+        with self._lock:
+            if self._flock_depth == 0:
+                lock_path = f"{self.path}.lock"
+                try:
+                    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+                except OSError as e:
+                    raise self._unwritable(e) from None
+                try:
+                    deadline = time.monotonic() + _LOCK_RETRY_SECONDS
+                    delay = 0.002
+                    while True:
+                        try:
+                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                            break
+                        except BlockingIOError:
+                            if time.monotonic() > deadline:
+                                raise CacheError(
+                                    f"tuning cache {self.path}: lock file {lock_path} stayed locked "
+                                    f"for over {_LOCK_RETRY_SECONDS:.0f} s"
+                                ) from None
+                            time.sleep(delay * (0.5 + random.random()))
+                            delay = min(delay * 2, 0.1)
+                except BaseException:
+                    os.close(fd)
                     raise
-        raise CacheError(f"tuning cache {self.path} keeps turning out damaged; remove it by hand")
+                self._flock_fd = fd
+            self._flock_depth += 1
+            try:
+                yield
+            finally:
+                self._flock_depth -= 1
+                if self._flock_depth == 0 and self._flock_fd is not None:
+                    fd, self._flock_fd = self._flock_fd, None
+                    os.close(fd)  # releases the flock
 
     def _identity(self) -> tuple[int, int] | None:
         try:
@@ -435,6 +500,9 @@ class TuningCache:
             )
         except sqlite3.OperationalError as e:
             raise self._unwritable(e) from None
+        # sqlite3.connect has opened (or created) the file: under the open lock nothing else moves
+        # it, so the path's identity now is the identity of the file this connection reads.
+        self._ident = self._identity()
         try:
             conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
             self._check_and_init(conn)
@@ -494,8 +562,15 @@ class TuningCache:
             raise _Damaged(f"integrity check failed: {check[0][0] if check else 'no answer'}")
 
     def _move_aside(self, reason: str, ident: tuple[int, int] | None) -> None:
+        """Rename the damaged file ``ident`` (the one our connection opened) out of the way.
+
+        Called with the open lock held, so the identity check and the renames are atomic with
+        respect to other convpass processes: a file that is not ``ident`` (a fresh cache another
+        process started after moving the damage aside) is never touched.
+        """
+        assert fcntl is None or self._flock_depth > 0, "_move_aside needs the open lock"
         current = self._identity()
-        if current is None or (ident is not None and current != ident):
+        if current is None or ident is None or current != ident:
             # Another process already moved the damaged file (and maybe started a fresh one).
             return
         stamp = time.strftime("%Y%m%dT%H%M%S")
@@ -564,10 +639,11 @@ class TuningCache:
                     return self._retry(attempt)
                 except sqlite3.DatabaseError as e:
                     if _is_corrupt(e) and not repaired:
-                        ident = self._identity()
-                        self.close()
-                        self._move_aside(f"damaged while in use ({e})", ident)
-                        self._open()
+                        with self._file_lock():
+                            ident = self._ident  # the file our connection opened, not the path's now
+                            self.close()
+                            self._move_aside(f"damaged while in use ({e})", ident)
+                            self._open()
                         continue
                     if isinstance(e, sqlite3.OperationalError):
                         raise CacheError(f"tuning cache {self.path}: {e}") from None

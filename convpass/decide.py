@@ -65,23 +65,29 @@ def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions) -> boo
 def select(measurements: Iterable["Measurement"], problem: ConvProblem, options: TuneOptions) -> "Measurement | None":
     """The configuration to run, by the strategy of the problem's direction.
 
-    measure / forced: the fastest timed candidate that satisfies the constraints; heuristic: cuDNN's
-    first heuristic choice (lowest rank) among allowed ones; exhaustive: cuDNN Find's first choice.
+    measure / forced: the fastest configuration convpass timed itself; heuristic: cuDNN's first
+    heuristic choice (per layout and math type its ranking differs; ties go to NCHW and default
+    math, cuDNN's conventional setting); exhaustive: the fastest by cuDNN Find's own timing. For
+    heuristic and exhaustive picks, the returned record is convpass's own timing of that choice when
+    there is one (so recorded times are always comparable), else the ranking record.
     """
     strategy, _ = options.strategy(problem.direction)
     ok = [m for m in measurements if allowed(m, problem, options)]
+    timed = {(m.key, m.algo): m for m in ok if m.method == "measure" and m.time_ms is not None}
     if strategy == "heuristic":
-        ranked = [m for m in ok if m.heuristic_rank is not None]
-        return min(ranked, key=lambda m: (m.heuristic_rank, _layout_pref(m), m.time_ms or 0.0), default=None)
-    if strategy == "exhaustive":
-        ranked = [m for m in ok if m.find_rank is not None]
-        return min(ranked, key=lambda m: (m.find_rank, _layout_pref(m)), default=None)
-    timed = [m for m in ok if m.time_ms is not None and m.method == "measure"]
-    return min(timed, key=lambda m: m.time_ms, default=None)
+        ranked = [m for m in ok if m.method == "heuristic" and m.heuristic_rank is not None]
+        best = min(ranked, key=lambda m: (m.heuristic_rank, _layout_pref(m), m.key.math != "default"), default=None)
+    elif strategy == "exhaustive":
+        found = [m for m in ok if m.method == "find" and m.time_ms is not None]
+        best = min(found, key=lambda m: m.time_ms, default=None)
+    else:
+        return min(timed.values(), key=lambda m: m.time_ms, default=None)
+    if best is None:
+        return None
+    return timed.get((best.key, best.algo), best)
 
 
 def _layout_pref(m: "Measurement") -> int:
-    # cuDNN's rankings are per layout; with both allowed, its conventional default (NCHW) wins ties.
     return 0 if m.key.layout == "nchw" else 1
 
 

@@ -46,6 +46,12 @@ class OptimizeReport:
     backend: str = ""
     device: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+    measured: int | None = None  # problems timed on the GPU (None: no GPU backend)
+    cached: int | None = None
+    failed: int | None = None
+    tuning_seconds: float | None = None
+    # per profile: (sum of chosen conv times, sum of cuDNN-heuristic conv times, convs counted)
+    conv_time_ms: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -101,6 +107,7 @@ def optimize_model(
             report.backend = type(backend).__name__
             report.device = str(backend.device or "")
         choices = backend.decide(problems, options)
+        _tuning_summary(report, backend, collect.problems)
     report.decided = sum(1 for c in choices.values() if c is not None)
     report.undecided = len(problems) - report.decided
     if report.undecided:
@@ -123,6 +130,30 @@ def optimize_model(
     return report
 
 
+def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict) -> None:
+    """Counts and conv-time sums from a measuring backend (one that has a ``summary``)."""
+    summary = getattr(backend, "summary", None)
+    if summary is None:
+        return
+    report.measured, report.cached, report.failed = summary.measured, summary.cached, summary.failed
+    report.tuning_seconds = summary.seconds
+    chosen, baseline = getattr(backend, "chosen_ms", {}), getattr(backend, "baseline_ms", {})
+    for i, profile in enumerate(report.profiles):
+        total_c = total_b = 0.0
+        count = 0
+        for problem, problem_uses in uses.items():
+            if problem.direction not in ("fwd", "dgrad") or problem not in chosen or problem not in baseline:
+                continue
+            if problem.direction == "dgrad" and any(u.node.op_type == "Conv" for u in problem_uses):
+                continue  # training direction of a Conv, not its inference
+            n = sum(1 for u in problem_uses if u.profile == i)
+            total_c += n * chosen[problem]
+            total_b += n * baseline[problem]
+            count += n
+        if count:
+            report.conv_time_ms[profile.name] = (total_c, total_b, count)
+
+
 def print_report(report: OptimizeReport, console: Console, output: str | None = None) -> None:
     tuned = report.convs - len(report.skipped)
     console.print(
@@ -132,6 +163,18 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
     if report.backend:
         console.print(f"  decisions: {report.backend}")
     console.print(f"  decided {report.decided}, left to run time (auto) {report.undecided}")
+    if report.measured is not None:
+        line = f"  measured {report.measured} problems, {report.cached} from the tuning cache, {report.failed} failed"
+        if report.tuning_seconds is not None:
+            line += f" ({report.tuning_seconds:.1f} s)"
+        console.print(line)
+        if report.measured == 0 and report.cached:
+            console.print("  every decision came from the tuning cache: nothing was timed")
+        for name, (chosen, heuristic, count) in report.conv_time_ms.items():
+            console.print(
+                f"  conv time [{name}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
+                f"({chosen / heuristic:.2f}x)"
+            )
     for name, why in report.skipped:
         console.print(f"  [yellow]untuned[/] {name}: {why}")
     for note in report.notes:

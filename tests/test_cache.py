@@ -383,7 +383,8 @@ def _open_damaged(path: str, start, results) -> None:
 def test_concurrent_open_of_damaged_file(tmp_path: Path) -> None:
     """Processes that find the same damaged file at once: one moves it aside, all end up writing."""
     path = tmp_path / "shared.db"
-    path.write_bytes(os.urandom(5000))
+    original = os.urandom(5000)
+    path.write_bytes(original)
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(4), ctx.Queue()
     procs = [ctx.Process(target=_open_damaged, args=(str(path), start, results)) for _ in range(4)]
@@ -394,7 +395,9 @@ def test_concurrent_open_of_damaged_file(tmp_path: Path) -> None:
         p.join(30)
     assert [o[0] for o in outcomes] == ["ok"] * 4, outcomes
     assert sum(o[1] for o in outcomes) == 1
-    assert len(list(tmp_path.glob("shared.db.corrupt-*"))) == 1
+    asides = list(tmp_path.glob("shared.db.corrupt-*"))
+    assert len(asides) == 1
+    assert asides[0].read_bytes() == original  # the damaged file, not a fresh cache moved over it
     with TuningCache(path) as c:
         assert c.stats()["measurements"] == 4
 
@@ -418,6 +421,34 @@ def test_damage_found_while_in_use_is_repaired(tmp_path: Path) -> None:
         cache.put(H200, [meas(key)])
     assert cache.get_key(H200, key) == [meas(key)]
     assert len(list(tmp_path.glob("tuning.db.corrupt-*"))) >= 1
+    cache.close()
+
+
+def test_repair_in_use_never_moves_a_replacement(tmp_path: Path, recwarn) -> None:
+    """Damage found on a file another process already replaced: the replacement is left alone."""
+    path = tmp_path / "tuning.db"
+    cache = TuningCache(path)
+    cache._conn.close()  # type: ignore[union-attr]
+
+    class Broken:
+        def execute(self, *a, **k):
+            raise sqlite3.DatabaseError("database disk image is malformed")
+
+        def close(self):
+            pass
+
+        in_transaction = False
+
+    cache._conn = Broken()  # type: ignore[assignment]
+    os.replace(path, tmp_path / "elsewhere.db")  # what another process's move-aside does...
+    other = shape(n=7).key("nchw", "default")
+    with TuningCache(path) as fresh:  # ...before it starts a fresh cache and writes to it
+        fresh.put(H200, [meas(other)])
+    key = shape().key("nchw", "default")
+    cache.put(H200, [meas(key)])
+    assert cache.get_key(H200, other) == [meas(other)] and cache.get_key(H200, key) == [meas(key)]
+    assert not list(tmp_path.glob("tuning.db.corrupt-*"))
+    assert not [w for w in recwarn.list if issubclass(w.category, CacheWarning)]
     cache.close()
 
 

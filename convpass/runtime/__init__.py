@@ -1,0 +1,28 @@
+"""convpass.runtime: the executor that runs (tuned) ONNX models, its op library and backends.
+
+``Executor(model, device="cpu")`` runs a model; ``check_support(model)`` says what it cannot run;
+``supported_ops()`` lists the op table. See :mod:`convpass.runtime.executor`.
+"""
+
+from convpass.runtime.backends import Backend, CpuBackend, cuda_available, default_device, get_backend
+from convpass.runtime.errors import ExecutorError
+from convpass.runtime.executor import ConvSummary, Executor, NodeArg, Plan, SupportReport, check_support, is_supported, prepare_model
+from convpass.runtime.registry import supported_ops
+
+__all__ = [
+    "Backend",
+    "ConvSummary",
+    "CpuBackend",
+    "Executor",
+    "ExecutorError",
+    "NodeArg",
+    "Plan",
+    "SupportReport",
+    "check_support",
+    "cuda_available",
+    "default_device",
+    "get_backend",
+    "is_supported",
+    "prepare_model",
+    "supported_ops",
+]

@@ -1,0 +1,154 @@
+"""Backends: where the executor's arrays live and what computes the convolutions.
+
+The executor and the op library only talk to a :class:`Backend`:
+
+* ``xp`` — the array namespace every op is written over (numpy here, cupy on a GPU);
+* ``upload`` / ``to_host`` — host <-> backend transfers (constants go up once per model / plan;
+  ``to_host`` of a constant must not cost a device sync: backends keep a host mirror of what they
+  uploaded);
+* ``conv`` / ``conv_transpose`` — the convolution kernels, given the canonical geometry and the
+  recorded decision (:class:`convpass.runtime.conv.ConvCall`);
+* ``erf`` — the one special function numpy lacks;
+* ``errstate`` / ``synchronize`` — execution scope and completion;
+* ``compile_plan`` — a hook called once per static plan (input-shape signature): the cuda backend
+  preallocates the buffers the plan's liveness allows it to share, resolves cuDNN algorithms and
+  workspaces from the decisions, and captures the plan into a CUDA graph when asked to.
+
+:class:`CpuBackend` is the NumPy reference. The cuda backend lives in ``convpass.runtime.cuda``
+(``CudaBackend(cuda_graph=...)``) and is picked by :func:`get_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import numpy as np
+
+from convpass.runtime import conv as conv_kernels
+from convpass.runtime.errors import ExecutorError
+
+DEVICES = ("cpu", "cuda")
+
+
+class Backend:
+    """The interface; see the module docstring."""
+
+    name = "abstract"
+    xp: Any = None
+
+    def upload(self, array: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def to_host(self, x: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def conv(self, x: Any, w: Any, b: Any, call: conv_kernels.ConvCall) -> Any:
+        raise NotImplementedError
+
+    def conv_transpose(self, x: Any, w: Any, b: Any, call: conv_kernels.ConvCall) -> Any:
+        raise NotImplementedError
+
+    def erf(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def errstate(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        return None
+
+    def compile_plan(self, plan: Any) -> None:
+        """Called once when a static plan is built (see the module docstring)."""
+        return None
+
+    def describe(self) -> str:
+        return self.name
+
+
+class CpuBackend(Backend):
+    """NumPy: the reference path. Decisions don't change its math; it runs every conv in NCHW."""
+
+    name = "cpu"
+    xp = np
+
+    def __init__(self) -> None:
+        self._erf = np.frompyfunc(math.erf, 1, 1)
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        return np.asarray(array)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def conv(self, x: Any, w: Any, b: Any, call: conv_kernels.ConvCall) -> np.ndarray:
+        return conv_kernels.conv_reference(np, x, w, b, call.geometry)
+
+    def conv_transpose(self, x: Any, w: Any, b: Any, call: conv_kernels.ConvCall) -> np.ndarray:
+        return conv_kernels.conv_transpose_reference(np, x, w, b, call.geometry)
+
+    def erf(self, x: np.ndarray) -> np.ndarray:
+        # math.erf is exact to double precision; fine for a reference path.
+        return self._erf(x.astype(np.float64, copy=False)).astype(x.dtype)
+
+    def errstate(self) -> contextlib.AbstractContextManager[Any]:
+        # Overflow / division by zero give inf / nan as ONNX Runtime does; no warnings.
+        return np.errstate(all="ignore")
+
+    def describe(self) -> str:
+        return f"cpu (numpy {np.__version__})"
+
+
+_HOST = CpuBackend()
+
+
+def host_backend() -> CpuBackend:
+    """The backend the executor folds constants and shape computations with."""
+    return _HOST
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when the cuda backend can run here, else why not."""
+    try:
+        from convpass.runtime import cuda  # noqa: F401  (written by the cuda-backend task)
+    except ModuleNotFoundError as e:
+        if e.name == "convpass.runtime.cuda":
+            return "this convpass has no CuPy + cuDNN executor backend yet (convpass.runtime.cuda)"
+        return f"cannot import the CuPy + cuDNN backend: {e}"
+    except ImportError as e:
+        return f"cannot import the CuPy + cuDNN backend: {e}"
+    reason = getattr(cuda, "unavailable_reason", None)
+    if callable(reason):
+        return reason()
+    return None
+
+
+def cuda_available() -> bool:
+    return cuda_unavailable_reason() is None
+
+
+def default_device() -> str:
+    """'cuda' when the cuda backend is usable here, else 'cpu'."""
+    return "cuda" if cuda_available() else "cpu"
+
+
+def get_backend(device: str | Backend, **options: Any) -> Backend:
+    """The backend for ``device`` ('cpu', 'cuda', 'auto' or a Backend instance)."""
+    if isinstance(device, Backend):
+        return device
+    name = str(device).lower()
+    if name in ("auto", ""):
+        name = default_device()
+    if name.startswith("cuda"):
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise ExecutorError(f"cuda backend not available: {reason}; use device='cpu'")
+        from convpass.runtime import cuda
+
+        return cuda.CudaBackend(device=name, **options)
+    if name == "cpu":
+        return _HOST
+    raise ExecutorError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)} or 'auto'")
+
+

@@ -1,0 +1,950 @@
+"""The executor: runs an ONNX model (tuned by convpass or not) with a static plan per input shape.
+
+Load (once per model)
+    validate (``onnx.checker``), inline model-local functions (except the ``ai.convpass`` convs,
+    which run natively) and schema functions of ops with no kernel here, bind every node to its
+    op implementation — listing *all* unsupported ops and element types in one
+    :class:`ExecutorError` — decode attributes, fold inference BatchNormalization into the
+    preceding Conv / ConvTranspose weights where exact, fold constant subgraphs, and read the
+    recorded conv decisions (:func:`convpass.annotation.read_annotations`).
+
+Plan (once per input-shape signature: the feeds' names, shapes and dtypes, and the requested outputs)
+    the nodes the outputs need, in topological order. Shape computations (``Shape`` of a tensor
+    whose shape the signature fixes and everything computed from such values and constants) are
+    folded to constants on the host, so the plan holds only data-dependent computation; convs get
+    their canonical geometry and the decision of the shape profile the feeds match. Every value
+    gets a slot; after each step the slots whose last reader ran are released (liveness), which is
+    all "buffer reuse" means on numpy; the plan records every value's shape and dtype so a device
+    backend can preallocate (:meth:`Backend.compile_plan`).
+
+Run
+    feeds are validated (names, dtypes, ranks, fixed and symbolic dims), the cached plan's steps
+    run on the backend, outputs come back as numpy arrays (``output_kind="numpy"``, the default)
+    or backend arrays (``output_kind="device"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from convpass import annotation
+from convpass.runtime.backends import Backend, get_backend, host_backend
+from convpass.runtime.conv import ConvCall
+from convpass.runtime.errors import ExecutorError
+from convpass.runtime.registry import (
+    SUPPORTED_ELEM_TYPES,
+    NodeInfo,
+    OpContext,
+    decode_attributes,
+    elem_type_name,
+    lookup,
+    normalize_domain,
+    ort_type_string,
+)
+
+# ---------------------------------------------------------------------------------------------
+# support check
+
+
+@dataclasses.dataclass
+class SupportReport:
+    """What of a model this executor cannot run."""
+
+    # (op_type, domain, opset) -> node names
+    unsupported_ops: dict[tuple[str, str, int], list[str]] = dataclasses.field(default_factory=dict)
+    # type description -> where it occurs
+    unsupported_types: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.unsupported_ops and not self.unsupported_types
+
+    def message(self) -> str:
+        lines = []
+        if self.unsupported_ops:
+            n = sum(len(v) for v in self.unsupported_ops.values())
+            lines.append(f"model uses {len(self.unsupported_ops)} operator(s) the convpass executor does not implement ({n} node(s)):")
+            for (op, domain, opset), names in sorted(self.unsupported_ops.items()):
+                shown = ", ".join(repr(x) for x in names[:5]) + (f", ... (+{len(names) - 5} more)" if len(names) > 5 else "")
+                lines.append(f"  {op} (domain {domain or 'ai.onnx'}, opset {opset}): node(s) {shown}")
+        if self.unsupported_types:
+            lines.append("model uses element types the convpass executor does not support:")
+            for t, where in sorted(self.unsupported_types.items()):
+                shown = ", ".join(repr(x) for x in where[:5]) + (f", ... (+{len(where) - 5} more)" if len(where) > 5 else "")
+                lines.append(f"  {t}: {shown}")
+        return "\n".join(lines)
+
+
+def _opsets(model: onnx.ModelProto) -> dict[str, int]:
+    return {normalize_domain(o.domain): int(o.version) for o in model.opset_import}
+
+
+def _node_name(node: onnx.NodeProto, index: int) -> str:
+    return node.name or (node.output[0] if node.output and node.output[0] else f"{node.op_type}_{index}")
+
+
+def _type_problem(tp: onnx.TypeProto) -> str | None:
+    kind = tp.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind != "tensor_type":
+        return f"non-tensor type ({kind})"
+    et = tp.tensor_type.elem_type
+    if et != onnx.TensorProto.UNDEFINED and et not in SUPPORTED_ELEM_TYPES:
+        return elem_type_name(et)
+    return None
+
+
+def _node_type_problems(node: onnx.NodeProto) -> list[str]:
+    problems = []
+    for a in node.attribute:
+        if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+            problems.append("subgraph attribute")
+        elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type not in SUPPORTED_ELEM_TYPES:
+            problems.append(elem_type_name(a.t.data_type))
+        elif a.type == onnx.AttributeProto.SPARSE_TENSOR:
+            problems.append("sparse tensor")
+        elif a.type in (onnx.AttributeProto.STRING, onnx.AttributeProto.STRINGS) and node.op_type == "Constant":
+            problems.append("STRING")
+    if node.op_type in ("Cast", "EyeLike", "RandomNormalLike") and node.domain in ("", "ai.onnx"):
+        for a in node.attribute:
+            if a.name in ("to", "dtype") and a.i not in SUPPORTED_ELEM_TYPES:
+                problems.append(elem_type_name(a.i))
+    return problems
+
+
+def check_support(model: onnx.ModelProto) -> SupportReport:
+    """The ops and element types of ``model``'s main graph this executor cannot run."""
+    report = SupportReport()
+    opsets = _opsets(model)
+    for i, node in enumerate(model.graph.node):
+        name = _node_name(node, i)
+        domain = normalize_domain(node.domain)
+        opset = opsets.get(domain, 1 if domain == annotation.DOMAIN else 0)
+        if lookup(node.op_type, domain, opset) is None:
+            report.unsupported_ops.setdefault((node.op_type, domain, opset), []).append(name)
+        for p in _node_type_problems(node):
+            report.unsupported_types.setdefault(p, []).append(f"node {name}")
+    g = model.graph
+    for kind, infos in (("input", g.input), ("output", g.output), ("value", g.value_info)):
+        for vi in infos:
+            p = _type_problem(vi.type)
+            if p:
+                report.unsupported_types.setdefault(p, []).append(f"{kind} {vi.name}")
+    for init in g.initializer:
+        if init.data_type not in SUPPORTED_ELEM_TYPES:
+            report.unsupported_types.setdefault(elem_type_name(init.data_type), []).append(f"initializer {init.name}")
+    if g.sparse_initializer:
+        report.unsupported_types.setdefault("sparse tensor", []).extend(f"initializer {s.values.name}" for s in g.sparse_initializer)
+    return report
+
+
+def _schema_function_ops(model: onnx.ModelProto, report: SupportReport) -> list[tuple[str, str]]:
+    """Unsupported ops that ONNX defines as functions of other ops (they can be inlined)."""
+    out = []
+    for op, domain, opset in report.unsupported_ops:
+        try:
+            schema = onnx.defs.get_schema(op, opset, domain)
+        except onnx.defs.SchemaError:
+            continue
+        if schema.has_function or schema.has_context_dependent_function:
+            out.append((domain, op))
+    return out
+
+
+def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, SupportReport]:
+    """Inline what can be inlined (local functions, schema functions of ops with no kernel) and check."""
+    keep = [(annotation.DOMAIN, op) for op in annotation.CONV_OPS]
+    if any((f.domain, f.name) not in keep for f in model.functions):
+        model = onnx.inliner.inline_selected_functions(model, keep, exclude=True)
+    report = check_support(model)
+    for _ in range(4):  # expanded bodies may use ops that are functions themselves
+        if report.ok:
+            break
+        ids = _schema_function_ops(model, report)
+        if not ids:
+            break
+        try:
+            inlined = onnx.inliner.inline_selected_functions(model, ids, exclude=False, inline_schema_functions=True)
+        except Exception:  # noqa: BLE001  (inliner failure: report the ops as unsupported)
+            break
+        new_report = check_support(inlined)
+        if sum(map(len, new_report.unsupported_ops.values())) >= sum(map(len, report.unsupported_ops.values())) and (
+            new_report.unsupported_ops.keys() == report.unsupported_ops.keys()
+        ):
+            break
+        model, report = inlined, new_report
+    return model, report
+
+
+def is_supported(model: onnx.ModelProto) -> bool:
+    return prepare_model(model)[1].ok
+
+
+# ---------------------------------------------------------------------------------------------
+# public data
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeArg:
+    """An input or output of the model, like ONNX Runtime's ``NodeArg``."""
+
+    name: str
+    shape: list[int | str | None] | None  # None: rank unknown
+    type: str
+    elem_type: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return SUPPORTED_ELEM_TYPES[self.elem_type]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSummary:
+    """How one conv runs in a plan: its recorded decision and the problem it computes."""
+
+    node: str
+    op_type: str
+    tuned: bool
+    algo: str
+    memory_format: str
+    math_mode: str
+    source: str
+    workspace_bytes: int | None
+    time_ms: float | None
+    recorded_problem_key: str
+    problem: str | None  # computed ConvShape of this plan (None before a plan exists)
+    profile: int | None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class PlanStep:
+    node: NodeInfo
+    fn: Any
+    inputs: tuple[int, ...]  # slots, -1 = absent optional input
+    outputs: tuple[int, ...]  # slots, -1 = output nobody reads
+    free: tuple[int, ...]  # slots whose last reader is this step
+
+
+@dataclasses.dataclass
+class Plan:
+    """A static execution plan for one input-shape signature."""
+
+    signature: tuple[Any, ...]
+    output_names: tuple[str, ...]
+    steps: list[PlanStep]
+    slot_names: list[str]
+    template: list[Any]  # constants at their slots, None elsewhere
+    feed_slots: dict[str, int]
+    output_slots: list[int]
+    value_info: dict[int, tuple[tuple[int, ...], np.dtype]]
+    profile: int | None
+    convs: list[ConvSummary]
+    folded_nodes: int  # nodes folded to constants for this signature
+    backend_state: Any = None  # whatever Backend.compile_plan keeps
+
+    def describe(self) -> str:
+        lines = [f"plan: {len(self.steps)} step(s), {len(self.slot_names)} value(s), {self.folded_nodes} node(s) folded for these shapes"]
+        for i, s in enumerate(self.steps):
+            ins = ", ".join(self.slot_names[j] if j >= 0 else "-" for j in s.inputs)
+            lines.append(f"  {i:4d} {s.node.op_type:<18} {s.node.name}  ({ins})")
+        return "\n".join(lines)
+
+
+class _ShapeOnly:
+    """Stands for a tensor whose shape (not value) is known, for Shape / Size at plan time."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape = shape
+        self.ndim = len(shape)
+        self.dtype = dtype
+
+
+@dataclasses.dataclass
+class _Val:
+    static: bool
+    value: Any  # host numpy array if static, backend array otherwise
+    shape: tuple[int, ...]
+    dtype: Any
+    determined: bool  # shape is fixed by the input-shape signature
+
+
+# ---------------------------------------------------------------------------------------------
+# the executor
+
+
+class Executor:
+    """Runs an ONNX model with the conv decisions convpass recorded in it.
+
+    ``Executor(model_or_path, device="cpu" | "cuda" | "auto", cuda_graph=True, output_kind=None)``
+
+    * ``run(output_names, feeds)`` -> list of outputs (``output_names`` None = all).
+    * ``get_inputs()`` / ``get_outputs()`` -> :class:`NodeArg` (``.name``, ``.shape``, ``.type``).
+    * ``plan_summary()`` -> :class:`ConvSummary` per conv: the recorded algo / memory format / math.
+    """
+
+    def __init__(
+        self,
+        model: onnx.ModelProto | str | os.PathLike[str] | bytes,
+        device: str | Backend = "cpu",
+        cuda_graph: bool = True,
+        output_kind: str | None = None,
+        *,
+        fold_batchnorm: bool = True,
+        check_model: bool = True,
+    ) -> None:
+        if output_kind not in (None, "numpy", "device"):
+            raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
+        self.output_kind = output_kind or "numpy"
+        self.cuda_graph = bool(cuda_graph)
+        self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
+        self.device = self._backend.name
+        proto = _load(model)
+        if check_model:
+            try:
+                # a path lets the checker handle models over 2 GB
+                onnx.checker.check_model(os.fspath(model) if isinstance(model, (str, os.PathLike)) else proto)
+            except (onnx.checker.ValidationError, ValueError) as e:
+                raise ExecutorError(f"model fails onnx.checker: {e}") from None
+        try:
+            self.model_info, annotations = annotation.read_annotations(proto)
+        except annotation.AnnotationError as e:
+            raise ExecutorError(str(e)) from None
+        # decisions by node name (the key annotation.read_node uses)
+        self._decisions: dict[str, tuple[annotation.ConvDecision, ...]] = {
+            ann.node_name: ann.decisions for ann in annotations
+        }
+        proto, report = prepare_model(proto)
+        if not report.ok:
+            raise ExecutorError(report.message())
+        self.opsets = _opsets(proto)
+        self._init_io(proto)
+        self._nodes = self._init_nodes(proto)
+        self.folded_batchnorms: list[str] = []
+        if fold_batchnorm:
+            self._fold_batchnorms()
+        self.folded_constants = self._fold_constants()
+        self._producers = {o: n for n in self._nodes for o in n.outputs if o}
+        self._device_constants: dict[str, Any] = {}
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._last_plan: Plan | None = None
+
+    # ------------------------------------------------------------------ load
+
+    def _init_io(self, proto: onnx.ModelProto) -> None:
+        g = proto.graph
+        init_names = {t.name for t in g.initializer}
+        self._constants: dict[str, np.ndarray] = {}
+        for t in g.initializer:
+            try:
+                self._constants[t.name] = numpy_helper.to_array(t)
+            except Exception as e:  # noqa: BLE001
+                raise ExecutorError(f"cannot read initializer {t.name!r}: {e}") from None
+        self._inputs: list[NodeArg] = [_node_arg(vi) for vi in g.input if vi.name not in init_names]
+        self._overridable = [vi.name for vi in g.input if vi.name in init_names]
+        self._outputs: list[NodeArg] = [_node_arg(vi) for vi in g.output]
+        self._input_map = {a.name: a for a in self._inputs}
+        self._output_names = [a.name for a in self._outputs]
+
+    def _init_nodes(self, proto: onnx.ModelProto) -> list[NodeInfo]:
+        nodes = []
+        for i, n in enumerate(proto.graph.node):
+            domain = normalize_domain(n.domain)
+            opset = self.opsets.get(domain, 1 if domain == annotation.DOMAIN else 0)
+            attrs = annotation.standard_attributes(n) if annotation.is_annotated_conv(n) else list(n.attribute)
+            info = NodeInfo(
+                name=_node_name(n, i),
+                op_type=n.op_type,
+                domain=domain,
+                opset=opset,
+                attrs=decode_attributes(attrs),
+                inputs=list(n.input),
+                outputs=list(n.output),
+            )
+            info.impl = lookup(n.op_type, domain, opset)
+            nodes.append(info)
+        return _toposort(nodes, set(self._constants) | set(self._input_map))
+
+    def _fold_batchnorms(self) -> None:
+        consumers: dict[str, list[NodeInfo]] = {}
+        for n in self._nodes:
+            for i in n.inputs:
+                if i:
+                    consumers.setdefault(i, []).append(n)
+        producers = {o: n for n in self._nodes for o in n.outputs if o}
+        graph_outputs = set(self._output_names)
+        removed: set[int] = set()
+        c = self._constants
+        for bn in self._nodes:
+            if bn.op_type != "BatchNormalization" or bn.domain != "" or len(bn.inputs) < 5:
+                continue
+            if bn.opset >= 14 and bn.attr("training_mode", 0):
+                continue
+            if bn.opset < 9 and not bn.attr("spatial", 1):
+                continue
+            if any(o and (o in graph_outputs or consumers.get(o)) for o in bn.outputs[1:]):
+                continue
+            conv = producers.get(bn.inputs[0])
+            if conv is None or conv.op_type not in annotation.CONV_OPS or len(conv.outputs) != 1:
+                continue
+            y = conv.outputs[0]
+            if y in graph_outputs or len(consumers.get(y, [])) != 1:
+                continue
+            w_name = conv.inputs[1] if len(conv.inputs) > 1 else ""
+            b_name = conv.inputs[2] if len(conv.inputs) > 2 else ""
+            if w_name not in c or (b_name and b_name not in c) or not all(p in c for p in bn.inputs[1:5]):
+                continue
+            w = c[w_name]
+            if w.dtype.kind != "f":
+                continue
+            scale, beta, mean, var = (c[p].astype(np.float64).reshape(-1) for p in bn.inputs[1:5])
+            k = scale.shape[0]
+            s = scale / np.sqrt(var + float(bn.attr("epsilon", 1e-5)))
+            group = int(conv.attr("group", 1) or 1)
+            w64 = w.astype(np.float64)
+            if conv.op_type == "Conv":
+                if w.shape[0] != k:
+                    continue
+                w_new = w64 * s.reshape((k,) + (1,) * (w.ndim - 1))
+            else:
+                cin, kg = w.shape[0], w.shape[1]
+                if kg * group != k or cin % group:
+                    continue
+                per = np.repeat(s.reshape(group, kg), cin // group, axis=0)  # (C_in, K/g)
+                w_new = w64 * per.reshape(per.shape + (1,) * (w.ndim - 2))
+            b_old = c[b_name].astype(np.float64).reshape(-1) if b_name else np.zeros(k)
+            b_new = (b_old - mean) * s + beta
+            tag = f"{conv.name}::bn_folded"
+            c[f"{tag}/W"] = w_new.astype(w.dtype)
+            c[f"{tag}/B"] = b_new.astype(w.dtype)
+            conv.inputs = [conv.inputs[0], f"{tag}/W", f"{tag}/B"]
+            conv.outputs = [bn.outputs[0]]
+            removed.add(id(bn))
+            self.folded_batchnorms.append(bn.name)
+        if removed:
+            self._nodes = [n for n in self._nodes if id(n) not in removed]
+
+    def _fold_constants(self) -> int:
+        """Evaluate nodes whose inputs are all constants, once, on the host."""
+        ctx = OpContext(host_backend())
+        kept, folded = [], 0
+        for node in self._nodes:
+            if all((not i) or i in self._constants for i in node.inputs):
+                outs = _call_node(ctx, node, [self._constants[i] if i else None for i in node.inputs], host=True)
+                for name, value in zip(node.outputs, outs):
+                    if name:
+                        self._constants[name] = np.asarray(value)
+                folded += 1
+            else:
+                kept.append(node)
+        self._nodes = kept
+        return folded
+
+    # ------------------------------------------------------------------ public
+
+    def get_inputs(self) -> list[NodeArg]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list[NodeArg]:
+        return list(self._outputs)
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[Any]:
+        """Run the model: ``feeds`` maps input names to arrays; returns the outputs in order."""
+        names = self._check_output_names(output_names)
+        arrays = self._check_feeds(feeds)
+        signature = tuple((n, tuple(a.shape), str(a.dtype)) for n, a in sorted(arrays.items()))
+        key = (signature, names)
+        with self._backend.errstate():
+            plan = self._plans.get(key)
+            if plan is None:
+                plan, results = self._build_plan(key, arrays, names)
+                self._plans[key] = plan
+            else:
+                results = self._execute(plan, arrays)
+        self._last_plan = plan
+        return [self._finish(r) for r in results]
+
+    def plan_summary(self) -> list[ConvSummary]:
+        """Per conv: the decision it runs with (from the last plan; the recorded ones before any run)."""
+        if self._last_plan is not None:
+            return list(self._last_plan.convs)
+        out = []
+        for node in self._all_conv_nodes():
+            decisions = self._decisions.get(node.name)
+            d = decisions[0] if decisions else None
+            out.append(_summary(node, d, None, 0 if decisions else None, ""))
+        return out
+
+    def format_plan_summary(self) -> str:
+        rows = self.plan_summary()
+        if not rows:
+            return "no convolutions"
+        head = ("node", "op", "algo", "memory_format", "math", "source", "problem")
+        table = [head] + [
+            (r.node, r.op_type, r.algo, r.memory_format, r.math_mode, r.source, r.problem or r.recorded_problem_key or "-") for r in rows
+        ]
+        widths = [max(len(str(row[i])) for row in table) for i in range(len(head) - 1)]
+        lines = []
+        for row in table:
+            lines.append("  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + str(row[-1]))
+        return "\n".join(lines)
+
+    @property
+    def last_plan(self) -> Plan | None:
+        return self._last_plan
+
+    @property
+    def plans(self) -> list[Plan]:
+        return list(self._plans.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"Executor(device={self.device!r}, inputs={[a.name for a in self._inputs]}, outputs={self._output_names}, "
+            f"nodes={len(self._nodes)}, tuned={self.model_info is not None})"
+        )
+
+    # ------------------------------------------------------------------ feeds
+
+    def _check_output_names(self, output_names: Sequence[str] | None) -> tuple[str, ...]:
+        if output_names is None:
+            return tuple(self._output_names)
+        if isinstance(output_names, str):
+            output_names = [output_names]
+        unknown = [n for n in output_names if n not in self._output_names]
+        if unknown:
+            raise ExecutorError(
+                f"unknown output name(s) {', '.join(map(repr, unknown))}; the model's outputs are: {', '.join(map(repr, self._output_names))}"
+            )
+        return tuple(output_names)
+
+    def _describe_inputs(self) -> str:
+        return ", ".join(f"{a.name!r} ({a.type} {_fmt_shape(a.shape)})" for a in self._inputs) or "(none)"
+
+    def _check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(feeds, Mapping):
+            raise ExecutorError(f"feeds must be a dict of input name -> array, not {type(feeds).__name__}")
+        unknown = [k for k in feeds if k not in self._input_map]
+        if unknown:
+            over = [k for k in unknown if k in self._overridable]
+            if over:
+                raise ExecutorError(
+                    f"input(s) {', '.join(map(repr, over))} have initializers, which the convpass executor treats as constants; "
+                    "they cannot be fed"
+                )
+            raise ExecutorError(f"unknown input name(s) {', '.join(map(repr, unknown))}; the model's inputs are: {self._describe_inputs()}")
+        missing = [a.name for a in self._inputs if a.name not in feeds]
+        if missing:
+            raise ExecutorError(f"missing input(s) {', '.join(map(repr, missing))}; the model's inputs are: {self._describe_inputs()}")
+        arrays: dict[str, Any] = {}
+        symbols: dict[str, tuple[int, str, int]] = {}
+        xp = self._backend.xp
+        for arg in self._inputs:
+            value = feeds[arg.name]
+            if not isinstance(value, (np.ndarray, xp.ndarray)):
+                try:
+                    value = np.asarray(value)
+                except Exception as e:  # noqa: BLE001
+                    raise ExecutorError(f"input {arg.name!r}: cannot convert {type(value).__name__} to an array: {e}") from None
+            if value.dtype != arg.dtype:
+                raise ExecutorError(
+                    f"input {arg.name!r} has dtype {value.dtype}; the model expects {arg.dtype} ({arg.type})"
+                )
+            shape = tuple(int(d) for d in value.shape)
+            if arg.shape is not None and len(arg.shape) != len(shape):
+                raise ExecutorError(
+                    f"input {arg.name!r} has rank {len(shape)} (shape {shape}); the model expects rank {len(arg.shape)} "
+                    f"(shape {_fmt_shape(arg.shape)})"
+                )
+            for i, (want, got) in enumerate(zip(arg.shape or [], shape)):
+                if isinstance(want, int) and want != got:
+                    raise ExecutorError(
+                        f"input {arg.name!r} dim {i} is {got}; the model expects {want} (shape {_fmt_shape(arg.shape)}, got {shape})"
+                    )
+                if isinstance(want, str) and want:
+                    seen = symbols.get(want)
+                    if seen is not None and seen[2] != got:
+                        raise ExecutorError(
+                            f"input {arg.name!r} dim {i} ({want!r}) is {got}, but input {seen[1]!r} dim {seen[0]} ({want!r}) is {seen[2]}"
+                        )
+                    symbols.setdefault(want, (i, arg.name, got))
+            if xp is np or not isinstance(value, np.ndarray):
+                arrays[arg.name] = value
+            else:
+                arrays[arg.name] = self._backend.upload(value)
+        return arrays
+
+    def _finish(self, value: Any) -> Any:
+        if self.output_kind == "device":
+            return value
+        return self._backend.to_host(value)
+
+    # ------------------------------------------------------------------ plans
+
+    def _all_conv_nodes(self) -> list[NodeInfo]:
+        return [n for n in self._nodes if n.op_type in annotation.CONV_OPS]
+
+    def _profile_for(self, arrays: Mapping[str, Any]) -> int | None:
+        info = self.model_info
+        if info is None or not info.profiles:
+            return 0
+        for i, p in enumerate(info.profiles):
+            if all(name in arrays and tuple(arrays[name].shape) == tuple(shape) for name, shape in p.inputs.items()):
+                return i
+        return None
+
+    def _needed(self, outputs: Sequence[str]) -> list[NodeInfo]:
+        want = {o for o in outputs if o not in self._constants}
+        needed: set[int] = set()
+        stack = list(want)
+        seen = set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            node = self._producers.get(v)
+            if node is None:
+                continue
+            if id(node) not in needed:
+                needed.add(id(node))
+                stack.extend(i for i in node.inputs if i and i not in self._constants)
+        return [n for n in self._nodes if id(n) in needed]
+
+    def _device_constant(self, name: str, value: np.ndarray, plan_consts: dict[str, Any]) -> Any:
+        if name in self._constants and self._constants[name] is value:
+            dev = self._device_constants.get(name)
+            if dev is None:
+                dev = self._device_constants[name] = self._backend.upload(value)
+            return dev
+        dev = plan_consts.get(name)
+        if dev is None:
+            dev = plan_consts[name] = self._backend.upload(value)
+        return dev
+
+    def _build_plan(self, key: tuple[Any, ...], arrays: dict[str, Any], outputs: tuple[str, ...]) -> tuple[Plan, list[Any]]:
+        backend = self._backend
+        ctx = OpContext(backend)
+        hctx = OpContext(host_backend())
+        profile = self._profile_for(arrays)
+        vals: dict[str, _Val] = {}
+        for name, a in arrays.items():
+            vals[name] = _Val(False, a, tuple(a.shape), a.dtype, True)
+        plan_consts: dict[str, Any] = {}
+        steps: list[tuple[NodeInfo, list[str], list[str]]] = []
+        convs: list[ConvSummary] = []
+        folded = 0
+
+        def get(name: str) -> _Val | None:
+            if not name:
+                return None
+            v = vals.get(name)
+            if v is None:
+                c = self._constants.get(name)
+                if c is None:
+                    raise ExecutorError(f"value {name!r} is used but never produced")
+                v = vals[name] = _Val(True, c, tuple(c.shape), c.dtype, True)
+            return v
+
+        for node in self._needed(outputs):
+            impl = node.impl
+            ins = [get(n) for n in node.inputs]
+            present = [v for v in ins if v is not None]
+            if all(v.static for v in present):
+                outs = _call_node(hctx, node, [v.value if v else None for v in ins], host=True)
+                for name, o in zip(node.outputs, outs):
+                    if name:
+                        o = np.asarray(o)
+                        vals[name] = _Val(True, o, tuple(o.shape), o.dtype, True)
+                folded += 1
+                continue
+            if node.domain == "" and node.op_type in ("Shape", "Size") and ins[0] is not None and ins[0].determined:
+                o = np.asarray(impl.fn(hctx, node, _ShapeOnly(ins[0].shape, ins[0].dtype)))
+                vals[node.outputs[0]] = _Val(True, o, tuple(o.shape), o.dtype, True)
+                folded += 1
+                continue
+            args = [None if v is None else (self._device_constant(n, v.value, plan_consts) if v.static else v.value) for n, v in zip(node.inputs, ins)]
+            run_node = node
+            if impl.prepare is not None:
+                prepared = impl.prepare(node, [v.shape if v else None for v in ins], [v.dtype if v else None for v in ins])
+                if isinstance(prepared, ConvCall):
+                    decision, note = self._decision(node, profile)
+                    prepared = dataclasses.replace(prepared, decision=decision, profile=profile if decision is not None else None)
+                    convs.append(_summary(node, decision, prepared, prepared.profile, note))
+                run_node = node.with_prepared(prepared)
+            outs = _call_node(ctx, run_node, args, host=False)
+            determined = (
+                all(v.determined for v in present)
+                and not impl.data_dependent_shape
+                and all(ins[i] is None or ins[i].static for i in impl.value_inputs if i < len(ins))
+            )
+            for name, o in zip(node.outputs, outs):
+                if name:
+                    vals[name] = _Val(False, o, tuple(o.shape), o.dtype, determined)
+            steps.append((run_node, list(node.inputs), list(node.outputs)))
+
+        results = [vals[n].value if n in vals else self._constants[n] for n in outputs]
+        plan = self._assemble(key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded)
+        backend.compile_plan(plan)
+        # outputs that are constants or feeds: hand out copies, never our own arrays
+        results = [r.copy() if _is_shared(n, vals, arrays) else r for n, r in zip(outputs, results)]
+        return plan, results
+
+    def _decision(self, node: NodeInfo, profile: int | None) -> tuple[annotation.ConvDecision | None, str]:
+        decisions = self._decisions.get(node.name)
+        if decisions is None:
+            return None, "untuned"
+        if profile is None:
+            return annotation.ConvDecision(), "no shape profile matches the inputs: decided at run time"
+        return decisions[min(profile, len(decisions) - 1)], ""
+
+    def _assemble(self, key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded) -> Plan:
+        slot_of: dict[str, int] = {}
+        names: list[str] = []
+
+        def slot(name: str) -> int:
+            if name not in slot_of:
+                slot_of[name] = len(names)
+                names.append(name)
+            return slot_of[name]
+
+        for n in arrays:
+            slot(n)
+        for node, ins, outs in steps:
+            for n in ins:
+                if n:
+                    slot(n)
+            for n in outs:
+                if n:
+                    slot(n)
+        for n in outputs:
+            slot(n)
+        template: list[Any] = [None] * len(names)
+        for n, i in slot_of.items():
+            v = vals.get(n)
+            if v is not None and v.static:
+                template[i] = self._device_constant(n, v.value, plan_consts)
+            elif v is None and n in self._constants:
+                template[i] = self._device_constant(n, self._constants[n], plan_consts)
+        last_use: dict[str, int] = {}
+        for idx, (node, ins, outs) in enumerate(steps):
+            for n in ins:
+                if n:
+                    last_use[n] = idx
+            for n in outs:
+                if n and n not in last_use:
+                    last_use[n] = idx  # produced, maybe never read
+        keep = set(outputs)
+        free_at: dict[int, list[int]] = {}
+        for n, idx in last_use.items():
+            if n in keep or template[slot_of[n]] is not None:
+                continue
+            free_at.setdefault(idx, []).append(slot_of[n])
+        # feeds nobody reads
+        for n in arrays:
+            if n not in last_use and n not in keep:
+                free_at.setdefault(0, []).append(slot_of[n])
+        plan_steps = []
+        for idx, (node, ins, outs) in enumerate(steps):
+            used_outs = tuple(slot_of[n] if n else -1 for n in outs)
+            plan_steps.append(
+                PlanStep(node, node.impl.fn, tuple(slot_of[n] if n else -1 for n in ins), used_outs, tuple(free_at.get(idx, ())))
+            )
+        value_info = {slot_of[n]: (v.shape, np.dtype(v.dtype)) for n, v in vals.items() if n in slot_of}
+        return Plan(
+            signature=key,
+            output_names=tuple(outputs),
+            steps=plan_steps,
+            slot_names=names,
+            template=template,
+            feed_slots={n: slot_of[n] for n in arrays},
+            output_slots=[slot_of[n] for n in outputs],
+            value_info=value_info,
+            profile=profile,
+            convs=convs,
+            folded_nodes=folded,
+        )
+
+    def _execute(self, plan: Plan, arrays: Mapping[str, Any]) -> list[Any]:
+        runner = getattr(self._backend, "run_plan", None)
+        if runner is not None and plan.backend_state is not None:
+            return runner(plan, arrays)
+        env = list(plan.template)
+        for name, s in plan.feed_slots.items():
+            env[s] = arrays[name]
+        ctx = OpContext(self._backend)
+        for step in plan.steps:
+            args = [env[i] if i >= 0 else None for i in step.inputs]
+            try:
+                outs = step.fn(ctx, step.node, *args)
+            except ExecutorError as e:
+                msg = str(e)
+                raise ExecutorError(msg if step.node.name in msg else f"node {step.node.name!r} ({step.node.op_type}): {msg}") from None
+            except (ValueError, IndexError, TypeError) as e:
+                shapes = [None if a is None else tuple(a.shape) for a in args]
+                raise ExecutorError(f"node {step.node.name!r} ({step.node.op_type}) failed on inputs of shapes {shapes}: {e}") from None
+            if not isinstance(outs, (tuple, list)):
+                env[step.outputs[0]] = outs
+            else:
+                for s, o in zip(step.outputs, outs):
+                    if s >= 0:
+                        env[s] = o
+            for s in step.free:
+                env[s] = None
+        out = []
+        for n, s in zip(plan.output_names, plan.output_slots):
+            v = env[s]
+            if plan.template[s] is not None or n in plan.feed_slots:
+                v = v.copy()
+            out.append(v)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _is_shared(name: str, vals: Mapping[str, _Val], arrays: Mapping[str, Any]) -> bool:
+    v = vals.get(name)
+    return name in arrays or v is None or v.static
+
+
+def _call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> tuple[Any, ...]:
+    impl = node.impl
+    if impl is None:  # pragma: no cover  (checked at load)
+        raise ExecutorError(f"node {node.name!r}: no implementation of {node.op_type}")
+    try:
+        if host and impl.prepare is not None and node.prepared is None:
+            shapes = [None if a is None else tuple(a.shape) for a in args]
+            node = node.with_prepared(impl.prepare(node, shapes, [None if a is None else a.dtype for a in args]))
+        outs = impl.fn(ctx, node, *args)
+    except ExecutorError as e:
+        msg = str(e)
+        if node.name not in msg:
+            msg = f"node {node.name!r} ({node.op_type}): {msg}"
+        raise ExecutorError(msg) from None
+    except (ValueError, IndexError, TypeError) as e:
+        shapes = [None if a is None else tuple(a.shape) for a in args]
+        raise ExecutorError(f"node {node.name!r} ({node.op_type}) failed on inputs of shapes {shapes}: {e}") from None
+    if not isinstance(outs, (tuple, list)):
+        outs = (outs,)
+    if len(outs) < len([o for o in node.outputs if o]) and any(node.outputs[len(outs) :]):
+        wanted = [o for o in node.outputs[len(outs) :] if o]
+        raise ExecutorError(f"node {node.name!r} ({node.op_type}): output(s) {wanted} are not supported")
+    return tuple(outs[: len(node.outputs)])
+
+
+def _summary(node: NodeInfo, d: annotation.ConvDecision | None, call: ConvCall | None, profile: int | None, note: str) -> ConvSummary:
+    problem = None
+    if call is not None and call.geometry.problem is not None:
+        problem = str(call.geometry.problem)
+    if d is None:
+        return ConvSummary(node.name, node.op_type, False, "-", "NCHW" if call is not None else "-", "-", "untuned", None, None, "", problem, None, note or "untuned")
+    return ConvSummary(
+        node=node.name,
+        op_type=node.op_type,
+        tuned=True,
+        algo=d.algo,
+        memory_format=d.memory_format,
+        math_mode=d.math_mode,
+        source=d.source,
+        workspace_bytes=d.workspace_bytes,
+        time_ms=d.time_ms,
+        recorded_problem_key=d.problem_key,
+        problem=problem,
+        profile=profile,
+        note=note,
+    )
+
+
+def _fmt_shape(shape: Sequence[Any] | None) -> str:
+    if shape is None:
+        return "[?]"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
+    tt = vi.type.tensor_type
+    shape: list[int | str | None] | None = None
+    if tt.HasField("shape"):
+        shape = []
+        for d in tt.shape.dim:
+            if d.HasField("dim_value"):
+                shape.append(int(d.dim_value))
+            elif d.HasField("dim_param"):
+                shape.append(d.dim_param)
+            else:
+                shape.append(None)
+    return NodeArg(vi.name, shape, ort_type_string(tt.elem_type), tt.elem_type)
+
+
+def _load(model: Any) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (bytes, bytearray)):
+        try:
+            return onnx.load_from_string(bytes(model))
+        except Exception as e:  # noqa: BLE001
+            raise ExecutorError(f"cannot parse the model bytes: {e}") from None
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.exists(path):
+            raise ExecutorError(f"model file not found: {path}")
+        try:
+            return onnx.load(path)
+        except Exception as e:  # noqa: BLE001
+            raise ExecutorError(f"cannot load {path}: {e}") from None
+    raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
+
+
+def _toposort(nodes: list[NodeInfo], available: set[str]) -> list[NodeInfo]:
+    """Nodes in an order where every input is produced before use (stable for sorted graphs)."""
+    produced_by: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for o in n.outputs:
+            if o:
+                if o in produced_by:
+                    raise ExecutorError(f"value {o!r} is produced by two nodes")
+                produced_by[o] = i
+    deps = []
+    for i, n in enumerate(nodes):
+        d = set()
+        for inp in n.inputs:
+            if not inp or inp in available:
+                continue
+            if inp not in produced_by:
+                raise ExecutorError(f"node {n.name!r} reads {inp!r}, which no node, input or initializer provides")
+            d.add(produced_by[inp])
+        deps.append(d)
+    if all(all(j < i for j in d) for i, d in enumerate(deps)):
+        return nodes
+    order, done = [], set()
+    pending = list(range(len(nodes)))
+    while pending:
+        progress = False
+        rest = []
+        for i in pending:
+            if deps[i] <= done:
+                order.append(i)
+                done.add(i)
+                progress = True
+            else:
+                rest.append(i)
+        if not progress:
+            raise ExecutorError(f"the graph has a cycle through node {nodes[rest[0]].name!r}")
+        pending = rest
+    return [nodes[i] for i in order]

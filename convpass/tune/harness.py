@@ -1,0 +1,172 @@
+"""Timing on the GPU, done the way that gives numbers worth recording.
+
+* Clocks are warmed once per session by a large matrix product (idle GPUs sit at low clocks).
+* Every launch gets a warm-up first (module loading and lazy kernel selection stay out).
+* Launches run back to back between CUDA events, in groups captured once into a CUDA graph and
+  replayed, so small kernels are timed as the GPU runs them, not as fast as Python can launch them
+  (eager launches are the fallback when a call cannot be captured); the recorded time is the median
+  of the groups' per-launch times. The number of launches per group adapts to the first estimate so a
+  group lasts about ``group_ms``: big problems are not repeated for ever, small ones are not noise.
+* Inputs rotate among several random sets whose total size exceeds the L2 cache, so small problems
+  are timed from device memory as in a real network, not from a warm cache.
+* A candidate far slower than the best one already timed for the same problem is stopped after its
+  estimate (and says so): it will not be chosen, and timing it fully would only cost tuning time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def cupy():
+    import cupy as cp
+
+    return cp
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    time_ms: float
+    launches: int
+    spread: float  # (max - min) / median of the group times
+    early_stop: bool = False
+
+
+_clocks_warmed_at = 0.0
+
+
+def warm_clocks(seconds: float = 0.2) -> None:
+    """Keep the GPU busy with a large matmul for ``seconds`` (at most once every 30 s)."""
+    global _clocks_warmed_at
+    if time.monotonic() - _clocks_warmed_at < 30:
+        return
+    cp = cupy()
+    a = cp.random.standard_normal((4096, 4096), dtype=cp.float32)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(4):
+            a @ a
+        cp.cuda.get_current_stream().synchronize()
+    _clocks_warmed_at = time.monotonic()
+
+
+def l2_cache_bytes() -> int:
+    cp = cupy()
+    try:
+        return int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"])
+    except Exception:  # noqa: BLE001
+        return 50 << 20
+
+
+def rotation_sets(bytes_per_set: int, limit: int = 8) -> int:
+    """How many input sets to rotate so that together they exceed twice the L2 cache."""
+    return max(1, min(limit, math.ceil(2 * l2_cache_bytes() / max(1, bytes_per_set))))
+
+
+def random_array(shape, dtype: str, layout: str, rng_seed: int, scale: float = 1.0):
+    """Random (never zero) device data of a convpass dtype, stored in ``layout``."""
+    from convpass.cudnn import empty_like_layout
+
+    cp = cupy()
+    rs = cp.random.RandomState(rng_seed)
+    values = rs.standard_normal(shape, dtype=cp.float32) * scale
+    out = empty_like_layout(shape, dtype, layout)
+    out[...] = to_storage(values, dtype)
+    return out
+
+
+def to_storage(values, dtype: str):
+    """float32 CuPy values in the storage dtype of ``dtype`` (bfloat16 as raw uint16 bits)."""
+    cp = cupy()
+    if dtype == "bfloat16":
+        bits = values.astype(cp.float32).view(cp.uint32)
+        rounded = bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))
+        return (rounded >> 16).astype(cp.uint16)
+    return values.astype(dtype)
+
+
+def to_float32(array, dtype: str):
+    """A float32 copy of device data stored in the convpass dtype ``dtype``."""
+    cp = cupy()
+    if dtype == "bfloat16":
+        return (cp.ascontiguousarray(array).astype(cp.uint32) << 16).view(cp.float32)
+    return array.astype(cp.float32)
+
+
+def relative_error(out, ref) -> float:
+    """Normwise ||out - ref|| / ||ref||; inf when out has NaN or Inf (e.g. unwritten elements)."""
+    cp = cupy()
+    diff = float(cp.linalg.norm((out - ref).ravel()))
+    norm = float(cp.linalg.norm(ref.ravel()))
+    if not np.isfinite(diff):
+        return math.inf
+    return diff / max(norm, 1e-30)
+
+
+def time_launches(
+    launch: Callable[[int], None],
+    sets: int,
+    best_ms: float | None = None,
+    group_ms: float = 1.0,
+    max_groups: int = 7,
+    budget_ms: float = 40.0,
+) -> Timing:
+    """Median per-launch time of ``launch(set_index)`` (see the module docstring).
+
+    Must run with a non-default CuPy stream current (CUDA graphs cannot capture the legacy stream).
+    """
+    cp = cupy()
+    stream = cp.cuda.get_current_stream()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    launch(0)  # warm-up
+    stream.synchronize()
+    start.record()
+    for i in range(3):
+        launch((i + 1) % sets)
+    stop.record()
+    stop.synchronize()
+    estimate = cp.cuda.get_elapsed_time(start, stop) / 3
+    # The eager estimate includes Python's launch cost (tens of microseconds), so only stop early
+    # when the gap is far beyond that.
+    if best_ms is not None and estimate > 4 * best_ms and estimate > 0.2:
+        return Timing(estimate, 4, 0.0, early_stop=True)
+    per_group = max(1, min(200, round(group_ms / max(estimate, 1e-3))))
+    groups = max(3, min(max_groups, int(budget_ms / max(per_group * estimate, 1e-3))))
+    replay = _capture(launch, sets, per_group, stream)
+    times = []
+    n = 0
+    for _ in range(groups):
+        start.record()
+        if replay is not None:
+            replay.launch(stream)
+            n += per_group
+        else:
+            for _ in range(per_group):
+                launch(n % sets)
+                n += 1
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / per_group)
+    median = statistics.median(times)
+    return Timing(median, n + 4, (max(times) - min(times)) / median if median > 0 else 0.0)
+
+
+def _capture(launch: Callable[[int], None], sets: int, count: int, stream):
+    """A CUDA graph of ``count`` launches, or None when the calls cannot be captured."""
+    try:
+        stream.begin_capture()
+        try:
+            for i in range(count):
+                launch(i % sets)
+        finally:
+            graph = stream.end_capture()
+        return graph
+    except Exception:  # noqa: BLE001  (capture unsupported for this call: time eagerly)
+        stream.synchronize()
+        return None

@@ -1,0 +1,326 @@
+"""The measuring decision backend: tunes every problem on the local GPU through cuDNN.
+
+For each distinct problem and each candidate configuration (geometry mapping x memory format x math
+type allowed by the options):
+
+* cuDNN's heuristic ranking (``_v7``) is recorded for every configuration (it is also the baseline
+  the summary compares against: its first choice in NCHW with default math, as frameworks run);
+* ``exhaustive`` mode adds cuDNN's own Find; ``measure`` mode (the default) times every algorithm
+  cuDNN supports with :mod:`convpass.tune.harness`; ``heuristic`` / ``exhaustive`` / forced modes
+  time only the configuration they pick, so every recorded time comes from the same harness;
+* every timed algorithm is first run once and checked against a reference computed by a
+  deterministic algorithm with FMA math (no TF32) on the same random inputs, within a tolerance that
+  fits its math type; a wrong result, an error or running out of memory is recorded as such and
+  the algorithm is skipped — tuning always continues;
+* everything measured goes to the tuning cache (per device fingerprint); a problem whose
+  measurements are all in the cache is decided from there without timing anything.
+
+The choice among measurements is :func:`convpass.decide.select`, the same rule the GPU-less cache
+backend uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from convpass.cache import Measurement, TuningCache
+from convpass.decide import Choice, choice_from, select
+from convpass.device import DeviceFingerprint
+from convpass.options import TuneOptions
+from convpass.passes.collect_conv_problems import ConvProblem
+from convpass.problem import ConvShape, ProblemKey
+from convpass.tune import harness
+
+logger = logging.getLogger("convpass")
+
+# Normwise relative error allowed against the FMA reference, by data type and math type.
+TOLERANCE = {
+    ("float32", "fma"): 1e-3,  # FFT / Winograd reorder sums (winograd_nonfused 5x5: ~5e-4); < TF32's
+    ("float32", "default"): 5e-3,  # TF32: 10-bit mantissa products, ~3e-4 typical
+    ("float32", "tensor_op"): 5e-3,
+    ("float16", "default"): 1e-2,
+    ("float16", "tensor_op"): 1e-2,
+    ("float16", "fma"): 1e-2,
+    ("bfloat16", "default"): 3e-2,
+    ("bfloat16", "tensor_op"): 3e-2,
+    ("bfloat16", "fma"): 3e-2,
+}
+# Deterministic algorithms a reference can be computed with, in order of preference.
+REFERENCE_ALGOS = {
+    "fwd": ("implicit_gemm", "implicit_precomp_gemm", "gemm", "direct"),
+    "dgrad": ("algo_1", "fft_tiling", "fft"),
+    "wgrad": ("algo_1", "fft", "fft_tiling"),
+}
+# What each direction reads and writes.
+OUTPUT = {"fwd": "y", "dgrad": "x", "wgrad": "w"}
+
+
+@dataclasses.dataclass
+class TuningSummary:
+    measured: int = 0
+    cached: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+
+class CudnnTuner:
+    """Decides problems by measuring them on the local GPU (see the module docstring)."""
+
+    def __init__(self, cache: TuningCache, device: DeviceFingerprint, console: Console | None = None) -> None:
+        self.cache = cache
+        self.device = device
+        self.console = console or Console(stderr=True)
+        self.summary = TuningSummary()
+        # cuDNN heuristic's first choice (NCHW, default math) per problem, timed by us: the baseline.
+        self.baseline_ms: dict[ConvProblem, float] = {}
+        self.chosen_ms: dict[ConvProblem, float] = {}
+
+    # ---------------------------------------------------------------------------------------
+    def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
+        import cupy as cp
+
+        started = time.perf_counter()
+        out: dict[ConvProblem, Choice | None] = {}
+        columns = (TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"), TimeRemainingColumn())
+        with Progress(*columns, console=self.console, transient=True) as progress, cp.cuda.Stream(non_blocking=True):
+            task = progress.add_task("tuning", total=len(problems))
+            for problem in problems:
+                out[problem] = self._decide_one(problem, options)
+                progress.advance(task)
+        self.summary.seconds = time.perf_counter() - started
+        return out
+
+    def _decide_one(self, problem: ConvProblem, options: TuneOptions) -> Choice | None:
+        strategy, forced = options.strategy(problem.direction)
+        keys = candidate_keys(problem, options)
+        rows = [m for shape in problem.candidates for m in self.cache.get(self.device, shape)]
+        from_cache = complete(rows, keys, strategy, forced)
+        if from_cache:
+            self.summary.cached += 1
+        else:
+            harness.warm_clocks()
+            fresh = self._measure(problem, keys, strategy, forced)
+            self.cache.put(self.device, fresh)
+            self.summary.measured += 1
+            fresh_ids = {(m.key, m.algo, m.method) for m in fresh}
+            rows = fresh + [m for m in rows if (m.key, m.algo, m.method) not in fresh_ids]
+        self._record_baseline(problem, rows)
+        chosen = select(rows, problem, options)
+        if chosen is None:
+            self.summary.failed += 1
+            logger.warning("no %s configuration of %s passed the constraints and checks: left to run time", problem.direction, problem)
+            return None
+        if chosen.time_ms is not None and chosen.method == "measure":
+            self.chosen_ms[problem] = chosen.time_ms
+        return choice_from(chosen, "cache" if from_cache else strategy)
+
+    def _record_baseline(self, problem: ConvProblem, rows: list[Measurement]) -> None:
+        key = problem.primary.key("nchw", "default")
+        first = next((m for m in rows if m.key == key and m.method == "heuristic" and m.heuristic_rank == 0 and m.status == "ok"), None)
+        if first is None:
+            return
+        timed = next((m for m in rows if m.key == key and m.algo == first.algo and m.method == "measure" and m.time_ms is not None), None)
+        if timed is not None:
+            self.baseline_ms[problem] = timed.time_ms
+
+    # ---------------------------------------------------------------------------------------
+    def _measure(self, problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None) -> list[Measurement]:
+        from convpass.cudnn import ConvDescriptors, find, heuristic
+
+        rows: list[Measurement] = []
+        best: float | None = None
+        for shape in problem.candidates:
+            bench = _ShapeBench(shape)
+            for key in (k for k in keys if k.shape == shape):
+                now = time.time()
+                with ConvDescriptors(key) as descs:
+                    ranked = heuristic(descs)
+                    ok_ranked = [p for p in ranked if p.ok]
+                    for rank, perf in enumerate(ok_ranked):
+                        rows.append(_row(key, perf.algo, "ok", None, perf.workspace_bytes, perf.deterministic, now, "heuristic", heuristic_rank=rank))
+                    to_time: list[str]
+                    if strategy == "measure":
+                        from convpass.cudnn import algo_names
+
+                        to_time = list(algo_names(shape.direction))
+                    elif strategy == "forced":
+                        to_time = [forced]
+                    elif strategy == "heuristic":
+                        to_time = [ok_ranked[0].algo] if ok_ranked else []
+                    else:
+                        buffers = bench.buffers(key.layout, 1)[0]
+                        found = [p for p in find(descs, None, buffers["x"], buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
+                        for rank, perf in enumerate(found):
+                            rows.append(_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
+                        to_time = [found[0].algo] if found else []
+                    # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
+                    if strategy != "measure" and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
+                        to_time.append(ok_ranked[0].algo)
+                    for algo in to_time:
+                        row = bench.measure(descs, key, algo, best)
+                        rows.append(row)
+                        if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
+                            best = row.time_ms if best is None else min(best, row.time_ms)
+            bench.release()
+        return rows
+
+
+def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKey]:
+    return [
+        shape.key(layout, math)  # type: ignore[arg-type]
+        for shape in problem.candidates
+        for layout in options.layouts
+        for math in options.math_modes(shape.dtype)
+    ]
+
+
+def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, forced: str | None) -> bool:
+    """Whether the cache already holds everything this strategy needs for these keys."""
+    from convpass.cudnn.enums import algo_names
+
+    for key in keys:
+        mine = [m for m in rows if m.key == key]
+        if not any(m.method == "heuristic" for m in mine):
+            return False
+        timed = {m.algo for m in mine if m.method == "measure"}
+        if strategy == "measure" and not set(algo_names(key.shape.direction)) <= timed:
+            return False
+        if strategy == "forced" and forced not in timed:
+            return False
+        if strategy == "exhaustive" and not any(m.method == "find" for m in mine):
+            return False
+        if strategy == "heuristic":
+            first = min((m for m in mine if m.method == "heuristic"), key=lambda m: m.heuristic_rank, default=None)
+            if first is not None and first.algo not in timed:
+                return False
+    return True
+
+
+def _row(key, algo, status, time_ms, workspace, deterministic, now, method, note="", heuristic_rank=None, find_rank=None) -> Measurement:
+    return Measurement(
+        key=key,
+        algo=algo,
+        status=status,
+        time_ms=time_ms,
+        workspace_bytes=int(max(0, workspace)),
+        deterministic=bool(deterministic),
+        measured_at=now,
+        method=method,
+        note=note,
+        heuristic_rank=heuristic_rank,
+        find_rank=find_rank,
+    )
+
+
+class _ShapeBench:
+    """Random inputs, rotation sets and the reference output for one geometry."""
+
+    def __init__(self, shape: ConvShape) -> None:
+        self.shape = shape
+        self._sets: dict[str, list[dict]] = {}
+        self._reference = None
+        self._base = {
+            name: harness.random_array(dims, shape.dtype, "nchw", seed, scale)
+            for name, dims, seed, scale in (
+                ("x", shape.x_shape, 1, 1.0),
+                ("w", shape.w_shape, 2, (shape.c // shape.groups * _prod(shape.kernel)) ** -0.5),
+                ("y", shape.y_shape, 3, 1.0),
+            )
+        }
+
+    def buffers(self, layout: str, count: int) -> list[dict]:
+        from convpass.cudnn import as_layout
+
+        have = self._sets.setdefault(layout, [])
+        if not have:
+            have.append({name: as_layout(array, layout).copy() if layout == "nchw" else as_layout(array, layout) for name, array in self._base.items()})
+        seed = 10 + len(have) * 3
+        while len(have) < count:
+            have.append({name: harness.random_array(a.shape, self.shape.dtype, layout, seed + i) for i, (name, a) in enumerate(self._base.items())})
+            seed += 3
+        return have[:count]
+
+    def find_workspace(self) -> int:
+        import cupy as cp
+
+        free, _ = cp.cuda.runtime.memGetInfo()
+        return int(min(free // 4, 1 << 30))
+
+    def reference(self):
+        """float32 output of a deterministic FMA algorithm on set 0 (NCHW), computed once."""
+        if self._reference is not None:
+            return self._reference
+        from convpass.cudnn import ConvDescriptors, CudnnError, run
+
+        key = self.shape.key("nchw", "fma")
+        out_name = OUTPUT[self.shape.direction]
+        base = self.buffers("nchw", 1)[0]
+        with ConvDescriptors(key) as descs:
+            for algo in REFERENCE_ALGOS[self.shape.direction]:
+                try:
+                    run(descs, None, algo, base["x"], base["w"], base["y"])
+                except CudnnError:
+                    continue
+                self._reference = harness.to_float32(base[out_name], self.shape.dtype).copy()
+                # restore the output buffer's random content for later timings of other directions
+                return self._reference
+        raise RuntimeError(f"no deterministic reference algorithm supports {self.shape}")
+
+    def measure(self, descs, key: ProblemKey, algo: str, best_ms: float | None) -> Measurement:
+        import cupy as cp
+
+        from convpass.cudnn import CudnnError, is_deterministic, run, workspace_size
+
+        now = time.time()
+        det = is_deterministic(key.shape.direction, algo)
+        try:
+            ws = workspace_size(descs, None, algo)
+        except CudnnError as e:
+            status = "unsupported" if e.not_supported else "error"
+            return _row(key, algo, status, None, 0, det, now, "measure", note=str(e))
+        direction = key.shape.direction
+        out_name = OUTPUT[direction]
+        try:
+            reference = self.reference()
+            workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
+            per_set = sum(a.nbytes for a in self._base.values())
+            sets = self.buffers(key.layout, harness.rotation_sets(per_set))
+            check = sets[0]
+            check[out_name].fill(float("nan")) if key.shape.dtype != "bfloat16" else check[out_name].fill(0x7FC0)
+            run(descs, None, algo, check["x"], check["w"], check["y"], workspace=workspace)
+            err = harness.relative_error(harness.to_float32(check[out_name], key.shape.dtype), reference)
+            tolerance = TOLERANCE[(key.shape.dtype, key.math)]
+            if not err <= tolerance:
+                return _row(key, algo, "wrong_result", None, ws, det, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
+            timing = harness.time_launches(
+                lambda i: run(descs, None, algo, sets[i]["x"], sets[i]["w"], sets[i]["y"], workspace=workspace),
+                len(sets),
+                best_ms,
+            )
+        except cp.cuda.memory.OutOfMemoryError as e:
+            return _row(key, algo, "oom", None, ws, det, now, "measure", note=str(e).splitlines()[0])
+        except CudnnError as e:
+            status = "oom" if "ALLOC" in e.status_name else ("unsupported" if e.not_supported else "error")
+            return _row(key, algo, status, None, ws, det, now, "measure", note=str(e))
+        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
+        if timing.early_stop:
+            note += f"; early stop: estimate over 4x the best ({best_ms:.4f} ms)"
+        return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
+
+    def release(self) -> None:
+        self._sets.clear()
+        self._base.clear()
+        self._reference = None
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

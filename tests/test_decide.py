@@ -1,0 +1,138 @@
+"""Choosing from measurements (shared by the tuner and the cache backend), candidate keys, cache
+completeness, and cache-only optimize on a machine without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import convpass
+from conftest import conv_model, random_input, run_ort
+from convpass import annotation
+from convpass.cache import Measurement, TuningCache
+from convpass.decide import select
+from convpass.device import DeviceFingerprint
+from convpass.errors import ConvpassError
+from convpass.options import TuneOptions
+from convpass.passes.canonicalize_convs import canonicalize_conv
+from convpass.passes.collect_conv_problems import ConvProblem
+from convpass.tune.tuner import candidate_keys, complete
+
+H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
+SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (1, 3, 8, 8), (4, 3, 3, 3)).shapes[0]
+PROBLEM = ConvProblem((SHAPE,))
+
+
+def m(layout, math, algo, time_ms, method="measure", status="ok", ws=0, det=True, hr=None, fr=None, shape=SHAPE):
+    return Measurement(shape.key(layout, math), algo, status, time_ms, ws, det, 1.0, method, heuristic_rank=hr, find_rank=fr)
+
+
+ROWS = [
+    m("nchw", "default", "implicit_gemm", 0.020),
+    m("nchw", "default", "fft", 0.012, ws=1 << 20),
+    m("nchw", "default", "winograd_nonfused", None, status="wrong_result"),
+    m("nhwc", "default", "implicit_precomp_gemm", 0.015),
+    m("nchw", "fma", "implicit_gemm", 0.030),
+    m("nchw", "fma", "gemm", 0.018),
+    m("nhwc", "fma", "implicit_gemm", 0.011, det=False),
+    m("nchw", "default", "implicit_precomp_gemm", None, method="heuristic", hr=0),
+    m("nchw", "default", "implicit_gemm", None, method="heuristic", hr=1),
+    m("nhwc", "default", "implicit_gemm", None, method="heuristic", hr=0),
+    m("nchw", "default", "gemm", 0.050, method="find", fr=0),
+    m("nchw", "default", "implicit_gemm", 0.060, method="find", fr=1),
+    m("nchw", "default", "implicit_precomp_gemm", 0.016),
+    m("nchw", "default", "gemm", 0.025),
+]
+
+
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        (TuneOptions(), ("nhwc", "fma", "implicit_gemm")),
+        (TuneOptions(deterministic=True), ("nchw", "default", "fft")),
+        (TuneOptions(deterministic=True, workspace_limit=0), ("nhwc", "default", "implicit_precomp_gemm")),
+        (TuneOptions(tf32="off"), ("nhwc", "fma", "implicit_gemm")),
+        (TuneOptions(tf32="off", layout="nchw"), ("nchw", "fma", "gemm")),
+        (TuneOptions(tf32="on", layout="nchw"), ("nchw", "default", "fft")),
+        (TuneOptions(fprop_algo="gemm"), ("nchw", "fma", "gemm")),
+        (TuneOptions(mode="heuristic"), ("nchw", "default", "implicit_precomp_gemm")),
+        (TuneOptions(fprop_algo="normal", layout="nhwc"), ("nhwc", "default", "implicit_gemm")),
+        (TuneOptions(mode="exhaustive"), ("nchw", "default", "gemm")),
+    ],
+)
+def test_select_follows_strategy_and_constraints(options, expected):
+    chosen = select(ROWS, PROBLEM, options)
+    assert (chosen.key.layout, chosen.key.math, chosen.algo) == expected
+
+
+def test_select_reports_our_own_timing_of_heuristic_and_find_choices():
+    assert select(ROWS, PROBLEM, TuneOptions(mode="heuristic")).time_ms == 0.016
+    assert select(ROWS, PROBLEM, TuneOptions(mode="exhaustive")).time_ms == 0.025
+
+
+def test_nothing_allowed_gives_none():
+    assert select(ROWS, PROBLEM, TuneOptions(fprop_algo="direct")) is None
+    assert select([r for r in ROWS if r.status != "ok"], PROBLEM, TuneOptions()) is None
+
+
+def test_candidate_keys_cover_mappings_layouts_and_math():
+    can = canonicalize_conv("Conv", {}, (1, 2, 30), (3, 2, 5))
+    problem = ConvProblem(can.shapes)
+    assert len(candidate_keys(problem, TuneOptions())) == 2 * 2 * 2
+    assert len(candidate_keys(problem, TuneOptions(layout="nhwc", tf32="on"))) == 2
+    half = ConvProblem((SHAPE.__class__(**{**SHAPE.__dict__, "dtype": "float16"}),))
+    assert {k.math for k in candidate_keys(half, TuneOptions(tf32="off"))} == {"default"}
+
+
+def test_complete_knows_what_each_strategy_needs():
+    from convpass.cudnn.enums import algo_names
+
+    keys = [SHAPE.key("nchw", "default")]
+    heur = [m("nchw", "default", "implicit_gemm", None, method="heuristic", hr=0)]
+    all_timed = [m("nchw", "default", a, 0.01) for a in algo_names("fwd")]
+    assert not complete([], keys, "measure", None)
+    assert not complete(heur, keys, "measure", None)
+    assert complete(heur + all_timed, keys, "measure", None)
+    assert not complete(heur + all_timed[:2], keys, "measure", None)
+    assert complete(heur + all_timed[:1], keys, "heuristic", None)
+    assert not complete(heur, keys, "heuristic", None)
+    assert complete(heur + all_timed[:3], keys, "forced", "gemm")
+    assert not complete(heur + all_timed, keys, "exhaustive", None)
+
+
+def _fill_cache(path, shapes_rows):
+    with TuningCache(path) as cache:
+        cache.put(H200, shapes_rows)
+
+
+def test_cache_only_optimize_without_gpu(tmp_path):
+    """A build machine without a GPU applies measurements imported from a GPU machine."""
+    model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1])
+    gpu_cache = tmp_path / "gpu.db"
+    _fill_cache(gpu_cache, ROWS)
+    TuningCache(gpu_cache).export_json(tmp_path / "h200.json")
+    build_cache = tmp_path / "build.db"
+    TuningCache(build_cache).import_json(tmp_path / "h200.json")
+
+    tuned = convpass.optimize(model, cache=build_cache, device_name="H200", quiet=True)
+    (record,) = convpass.inspect(tuned)
+    assert (record["algo"], record["memory_format"], record["math_mode"], record["source"]) == ("implicit_gemm", "NHWC", "fma", "cache")
+    assert record["time_ms"] == pytest.approx(0.011) and record["tf32"] is False
+    assert record["problem_key"] == str(SHAPE.key("nhwc", "fma"))
+    info = annotation.read_model_info(tuned)
+    assert info.device == str(H200) and info.cudnn_version == "91900"
+    for want, got in zip(run_ort(model, {"x": random_input((1, 3, 8, 8))}), run_ort(tuned, {"x": random_input((1, 3, 8, 8))})):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_only_optimize_leaves_unknown_problems_auto(tmp_path):
+    _fill_cache(tmp_path / "c.db", ROWS)
+    model = conv_model("Conv", (1, 3, 16, 16), (4, 3, 3, 3))  # a problem the cache has not seen
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", device_name="H200", quiet=True)
+    assert convpass.inspect(tuned)[0]["algo"] == "auto"
+
+
+def test_unknown_device_name_lists_known_devices(tmp_path):
+    _fill_cache(tmp_path / "c.db", ROWS)
+    with pytest.raises(ConvpassError, match="H200"):
+        convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), cache=tmp_path / "c.db", device_name="A100", quiet=True)
