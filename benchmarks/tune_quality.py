@@ -37,8 +37,12 @@ def _input_spec(model: onnx.ModelProto, batch: int) -> str:
     return f"{inp.name}={'x'.join(map(str, dims))}"
 
 
-def _choices(tuned: onnx.ModelProto) -> list[tuple[str, ProblemKey, str]]:
-    return [(r["node"], ProblemKey.parse(r["problem_key"]), r["algo"]) for r in convpass.inspect(tuned) if r["algo"] not in (None, "auto")]
+def _choices(tuned: onnx.ModelProto) -> list[tuple[str, ProblemKey, str, float | None]]:
+    return [
+        (r["node"], ProblemKey.parse(r["problem_key"]), r["algo"], r["time_ms"])
+        for r in convpass.inspect(tuned)
+        if r["algo"] not in (None, "auto")
+    ]
 
 
 def measure(path: Path, batch: int, workdir: Path) -> dict:
@@ -56,11 +60,12 @@ def measure(path: Path, batch: int, workdir: Path) -> dict:
     convpass.optimize(path, shapes=[spec], cache=caches["oracle"], quiet=True)
 
     oracle = TuningCache(caches["oracle"])
-    find_by_node = {node: (key, algo) for node, key, algo in _choices(found)}
+    find_by_node = {node: (key, algo) for node, key, algo, _ in _choices(found)}
     sums = {"chosen": 0.0, "heuristic": 0.0, "find": 0.0, "oracle": 0.0}
     per_problem: dict[str, float] = {}
+    detail: dict[str, dict] = {}
     convs = 0
-    for node, key, algo in _choices(tuned):
+    for node, key, algo, tuned_ms in _choices(tuned):
         rows = [m for m in oracle.get(dev, key.shape) if m.status == "ok"]
         timed = {(m.key, m.algo): m.time_ms for m in rows if m.method == "measure" and m.time_ms is not None}
         if not timed:
@@ -80,6 +85,15 @@ def measure(path: Path, batch: int, workdir: Path) -> dict:
         for k, v in values.items():
             sums[k] += v
         per_problem[str(key.shape)] = values["chosen"] / values["oracle"]
+        best = min(timed, key=timed.get)
+        detail[str(key.shape)] = {
+            "chosen": f"{key.layout}/{key.math}/{algo}",
+            "chosen_ms_tuning_run": tuned_ms,
+            "chosen_ms_oracle_run": values["chosen"],
+            "oracle": f"{best[0].layout}/{best[0].math}/{best[1]}",
+            "oracle_ms": values["oracle"],
+            "heuristic_ms": values["heuristic"],
+        }
         convs += 1
     within = sum(1 for r in per_problem.values() if r <= 1.03)
     return {
@@ -95,6 +109,7 @@ def measure(path: Path, batch: int, workdir: Path) -> dict:
         "chosen_vs_oracle": round(sums["chosen"] / sums["oracle"], 3),
         "within_3pct_of_oracle": f"{within}/{len(per_problem)}",
         "device": str(dev),
+        "detail": detail,
     }
 
 
@@ -114,7 +129,7 @@ def main(argv=None) -> int:
             for batch in (int(b) for b in args.batches.split(",")):
                 result = measure(args.panel / f"{name}.onnx", batch, Path(tmp))
                 results.append(result)
-                print(json.dumps(result), flush=True)
+                print(json.dumps({k: v for k, v in result.items() if k != "detail"}), flush=True)
     header = f"{'model':<20}{'batch':>6}{'convs':>6}{'tune s':>8}{'cached s':>9}{'chosen':>9}{'heur':>9}{'find':>9}{'oracle':>9}{'vs heur':>8}{'vs find':>8}{'<=3%':>8}"
     print(header)
     for r in results:

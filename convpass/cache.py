@@ -84,7 +84,8 @@ __all__ = [
     "cache_command",
 ]
 
-STATUSES: tuple[str, ...] = ("ok", "unsupported", "wrong_result", "error", "oom")
+# "skipped": not run, on purpose (the note says why, e.g. an algorithm known to take seconds per launch).
+STATUSES: tuple[str, ...] = ("ok", "unsupported", "wrong_result", "error", "oom", "skipped")
 METHODS: tuple[str, ...] = ("measure", "find", "heuristic")
 
 SCHEMA_VERSION = 1

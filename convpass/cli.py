@@ -1,4 +1,4 @@
-"""The ``convpass`` command line: optimize, inspect, cache.
+"""The ``convpass`` command line: optimize, inspect, run, cache.
 
 Errors about the user's input are printed as one line (``convpass: error: ...``) with exit code 1;
 argparse's own usage errors exit with 2.
@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimize(sub)
     _add_inspect(sub)
     from convpass.cache import add_cache_parser
+    from convpass.runtime.cli import add_run_parser
 
+    add_run_parser(sub)
     add_cache_parser(sub)
     return parser
 

@@ -16,7 +16,7 @@ from convpass.errors import ConvpassError
 from convpass.options import TuneOptions
 from convpass.passes.canonicalize_convs import canonicalize_conv
 from convpass.passes.collect_conv_problems import ConvProblem
-from convpass.tune.tuner import candidate_keys, complete
+from convpass.tune.tuner import candidate_keys, complete, skip_reason
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (1, 3, 8, 8), (4, 3, 3, 3)).shapes[0]
@@ -136,3 +136,12 @@ def test_unknown_device_name_lists_known_devices(tmp_path):
     _fill_cache(tmp_path / "c.db", ROWS)
     with pytest.raises(ConvpassError, match="H200"):
         convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), cache=tmp_path / "c.db", device_name="A100", quiet=True)
+
+
+def test_fft_tiling_is_skipped_on_many_groups_unless_forced():
+    depthwise = canonicalize_conv("Conv", {"group": 64, "pads": [1, 1, 1, 1]}, (1, 64, 14, 14), (64, 1, 3, 3)).shapes[0]
+    key = depthwise.key("nchw", "default")
+    assert "per group" in skip_reason(key, "fft_tiling", forced=False)
+    assert skip_reason(key, "fft_tiling", forced=True) is None
+    assert skip_reason(key, "implicit_gemm", forced=False) is None
+    assert skip_reason(SHAPE.key("nchw", "default"), "fft_tiling", forced=False) is None

@@ -5,7 +5,7 @@ The executor and the op library only talk to a :class:`Backend`:
 * ``xp`` — the array namespace every op is written over (numpy here, cupy on a GPU);
 * ``upload`` / ``to_host`` — host <-> backend transfers (constants go up once per model / plan;
   ``to_host`` of a constant must not cost a device sync: backends keep a host mirror of what they
-  uploaded);
+  uploaded); ``constant`` — cached upload of host-built tables ops reuse (resize weights);
 * ``conv`` / ``conv_transpose`` — the convolution kernels, given the canonical geometry and the
   recorded decision (:class:`convpass.runtime.conv.ConvCall`);
 * ``erf`` — the one special function numpy lacks;
@@ -15,7 +15,24 @@ The executor and the op library only talk to a :class:`Backend`:
   workspaces from the decisions, and captures the plan into a CUDA graph when asked to.
 
 :class:`CpuBackend` is the NumPy reference. The cuda backend lives in ``convpass.runtime.cuda``
-(``CudaBackend(cuda_graph=...)``) and is picked by :func:`get_backend`.
+(``CudaBackend(device=..., cuda_graph=...)``, optional ``unavailable_reason() -> str | None``) and
+is picked by :func:`get_backend`. What it has to provide, beyond ``xp = cupy``:
+
+* ``conv`` / ``conv_transpose``: cuDNN forward / backward-data from ``call.geometry`` (symmetric
+  ``pads`` for cuDNN; ``extra_pads`` = zero pre-pad of the input for Conv, crop of the output for
+  ConvTranspose; ``shapes`` = the cuDNN problems, two 2-D mappings for 1-D convs) and
+  ``call.decision`` (``algo`` by name, ``memory_format`` NCHW / NHWC -> tensor descriptors and the
+  transposes the plan needs, ``math_mode`` -> ``cudnnSetConvolutionMathType``, ``workspace_bytes``;
+  ``None`` for untuned convs and ``algo == "auto"`` where no profile matched: pick at run time).
+  A geometry with ``shapes == ()`` is one canonicalization refused: run
+  :func:`convpass.runtime.conv.conv_reference` with ``xp = cupy`` (the kernels are xp-generic).
+* ``erf``: ``cupyx.scipy.special.erf`` (import lazily).
+* ``compile_plan(plan)``: ``plan.steps`` (with ``free`` = liveness), ``plan.value_info`` (shape,
+  dtype per slot) and ``plan.template`` (constants, uploaded once) are what a preallocating,
+  graph-capturing runner needs; set ``plan.backend_state`` and implement
+  ``run_plan(plan, feeds) -> outputs`` to take over execution; ``plan.matmul_allow_tf32`` is the
+  model's Gemm / MatMul TF32 switch. The first run of a signature executes eagerly (it builds
+  the plan): a natural warm-up before capture.
 """
 
 from __future__ import annotations
@@ -43,6 +60,22 @@ class Backend:
 
     def to_host(self, x: Any) -> np.ndarray:
         raise NotImplementedError
+
+    def constant(self, array: np.ndarray) -> Any:
+        """``upload`` for host-built tables ops reuse (resize weights, pool offsets): cached by identity,
+        so a device backend uploads each once and never copies host->device while replaying a plan."""
+        key = id(array)
+        hit = self._constants.get(key)
+        if hit is None or hit[0] is not array:
+            hit = self._constants[key] = (array, self.upload(array))
+        return hit[1]
+
+    @property
+    def _constants(self) -> dict[int, tuple[np.ndarray, Any]]:
+        cache = self.__dict__.get("_constant_cache")
+        if cache is None:
+            cache = self.__dict__["_constant_cache"] = {}
+        return cache
 
     def conv(self, x: Any, w: Any, b: Any, call: conv_kernels.ConvCall) -> Any:
         raise NotImplementedError
@@ -78,6 +111,9 @@ class CpuBackend(Backend):
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.asarray(array)
+
+    def constant(self, array: np.ndarray) -> np.ndarray:
+        return array
 
     def to_host(self, x: Any) -> np.ndarray:
         return np.asarray(x)

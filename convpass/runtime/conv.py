@@ -293,7 +293,18 @@ def conv_reference(xp: Any, x: Any, w: Any, b: Any, g: ConvGeometry) -> Any:
     wm = w.astype(ct, copy=False).reshape(groups, kg, cg * math.prod(g.kernel))
     kk = math.prod(g.kernel)
     p = math.prod(out_spatial)
+    if cg == 1 and groups > 1:
+        y = _depthwise(xp, x, wm, g, out_spatial, kg).reshape(n, k, *out_spatial)
+        if b is not None:
+            y = y + b.astype(ct, copy=False).reshape((1, k) + (1,) * r)
+        return y.astype(out_dtype, copy=False)
     per_image = groups * cg * kk * p * x.itemsize
+    if per_image > _CHUNK_BYTES and kk > 1:
+        # one image's columns alone are too big (3-D video convs): accumulate per kernel offset
+        y = _per_offset(xp, x, wm.reshape(groups, kg, cg, kk), g, out_spatial).reshape(n, k, *out_spatial)
+        if b is not None:
+            y = y + b.astype(ct, copy=False).reshape((1, k) + (1,) * r)
+        return y.astype(out_dtype, copy=False)
     chunk = max(1, min(n, _CHUNK_BYTES // max(1, per_image)))
     outs = []
     as_strided = xp.lib.stride_tricks.as_strided
@@ -317,6 +328,37 @@ def conv_reference(xp: Any, x: Any, w: Any, b: Any, g: ConvGeometry) -> Any:
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape((1, k) + (1,) * r)
     return y.astype(out_dtype, copy=False)
+
+
+def _per_offset(xp: Any, x: Any, w4: Any, g: ConvGeometry, out_spatial: tuple[int, ...]) -> Any:
+    """y[n, g, k, p] = sum over kernel offsets of w[g, k, c, offset] @ x_offset[n, g, c, p]."""
+    n, c = x.shape[:2]
+    groups, kg, cg = w4.shape[:3]
+    p = math.prod(out_spatial)
+    y = xp.zeros((n, groups, kg, p), dtype=x.dtype)
+    for i, offset in enumerate(itertools.product(*(range(kv) for kv in g.kernel))):
+        index = tuple(
+            slice(o * g.dilations[d], o * g.dilations[d] + g.strides[d] * (out_spatial[d] - 1) + 1, g.strides[d])
+            for d, o in enumerate(offset)
+        )
+        patch = x[(slice(None), slice(None), *index)].reshape(n, groups, cg, p)
+        y += xp.matmul(w4[:, :, :, i], patch)
+    return y
+
+
+def _depthwise(xp: Any, x: Any, wm: Any, g: ConvGeometry, out_spatial: tuple[int, ...], kg: int) -> Any:
+    """One input channel per group: accumulate each kernel offset's strided slice (no tiny matmuls)."""
+    r = g.spatial_rank
+    n, c = x.shape[:2]
+    y = xp.zeros((n, c, kg, *out_spatial), dtype=x.dtype)
+    for i, offset in enumerate(itertools.product(*(range(kv) for kv in g.kernel))):
+        index = tuple(
+            slice(o * g.dilations[d], o * g.dilations[d] + g.strides[d] * (out_spatial[d] - 1) + 1, g.strides[d])
+            for d, o in enumerate(offset)
+        )
+        patch = x[(slice(None), slice(None), *index)]  # N, C, out...
+        y += patch[:, :, None] * wm[:, :, i].reshape((1, c, kg) + (1,) * r)
+    return y
 
 
 def conv_transpose_reference(xp: Any, x: Any, w: Any, b: Any, g: ConvGeometry) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import numpy_helper
 
 from convpass import annotation
@@ -173,6 +174,8 @@ def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, SupportRepor
             break
         try:
             inlined = onnx.inliner.inline_selected_functions(model, ids, exclude=False, inline_schema_functions=True)
+            # the inliner can leave references to unset attributes with defaults behind: keep only valid results
+            onnx.checker.check_model(inlined)
         except Exception:  # noqa: BLE001  (inliner failure: report the ops as unsupported)
             break
         new_report = check_support(inlined)
@@ -252,7 +255,8 @@ class Plan:
     profile: int | None
     convs: list[ConvSummary]
     folded_nodes: int  # nodes folded to constants for this signature
-    backend_state: Any = None  # whatever Backend.compile_plan keeps
+    matmul_allow_tf32: bool = False  # the model's convpass.matmul_allow_tf32 (Gemm / MatMul)
+    backend_state: Any = None  # whatever Backend.compile_plan keeps; with it set, Backend.run_plan runs the plan
 
     def describe(self) -> str:
         lines = [f"plan: {len(self.steps)} step(s), {len(self.slot_names)} value(s), {self.folded_nodes} node(s) folded for these shapes"]
@@ -332,9 +336,13 @@ class Executor:
         self._init_io(proto)
         self._nodes = self._init_nodes(proto)
         self.folded_batchnorms: list[str] = []
+        # constants first, so BatchNormalization parameters given by Constant nodes fold too
+        self.folded_constants = self._fold_constants()
         if fold_batchnorm:
             self._fold_batchnorms()
-        self.folded_constants = self._fold_constants()
+        # drop constants nothing reads any more (e.g. conv weights replaced by their BN-folded copies)
+        live = {i for n in self._nodes for i in n.inputs} | set(self._output_names)
+        self._constants = {k: v for k, v in self._constants.items() if k in live}
         self._producers = {o: n for n in self._nodes for o in n.outputs if o}
         self._device_constants: dict[str, Any] = {}
         self._plans: dict[tuple[Any, ...], Plan] = {}
@@ -700,9 +708,7 @@ class Executor:
         results = [vals[n].value if n in vals else self._constants[n] for n in outputs]
         plan = self._assemble(key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded)
         backend.compile_plan(plan)
-        # outputs that are constants or feeds: hand out copies, never our own arrays
-        results = [r.copy() if _is_shared(n, vals, arrays) else r for n, r in zip(outputs, results)]
-        return plan, results
+        return plan, _unshare(results, plan, arrays)
 
     def _decision(self, node: NodeInfo, profile: int | None) -> tuple[annotation.ConvDecision | None, str]:
         decisions = self._decisions.get(node.name)
@@ -777,6 +783,7 @@ class Executor:
             profile=profile,
             convs=convs,
             folded_nodes=folded,
+            matmul_allow_tf32=bool(self.model_info and self.model_info.matmul_allow_tf32),
         )
 
     def _execute(self, plan: Plan, arrays: Mapping[str, Any]) -> list[Any]:
@@ -805,22 +812,24 @@ class Executor:
                         env[s] = o
             for s in step.free:
                 env[s] = None
-        out = []
-        for n, s in zip(plan.output_names, plan.output_slots):
-            v = env[s]
-            if plan.template[s] is not None or n in plan.feed_slots:
-                v = v.copy()
-            out.append(v)
-        return out
+        return _unshare([env[s] for s in plan.output_slots], plan, arrays)
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
 
 
-def _is_shared(name: str, vals: Mapping[str, _Val], arrays: Mapping[str, Any]) -> bool:
-    v = vals.get(name)
-    return name in arrays or v is None or v.static
+def _root(a: Any) -> Any:
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
+def _unshare(results: list[Any], plan: Plan, feeds: Mapping[str, Any]) -> list[Any]:
+    """Outputs that are (views of) feeds or constants are copied: callers may write into outputs."""
+    owned = {id(_root(a)) for a in plan.template if a is not None}
+    owned.update(id(_root(a)) for a in feeds.values())
+    return [r.copy() if id(_root(r)) in owned else r for r in results]
 
 
 def _call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> tuple[Any, ...]:
@@ -850,8 +859,10 @@ def _call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> t
 
 def _summary(node: NodeInfo, d: annotation.ConvDecision | None, call: ConvCall | None, profile: int | None, note: str) -> ConvSummary:
     problem = None
-    if call is not None and call.geometry.problem is not None:
-        problem = str(call.geometry.problem)
+    if call is not None and call.geometry.shapes:
+        candidates = [str(c) for c in call.geometry.shapes]  # 1-D convs have two 2-D mappings
+        recorded = d.problem_key if d is not None else ""
+        problem = next((c for c in candidates if recorded.startswith(c + "|")), candidates[0])
     if d is None:
         return ConvSummary(node.name, node.op_type, False, "-", "NCHW" if call is not None else "-", "-", "untuned", None, None, "", problem, None, note or "untuned")
     return ConvSummary(

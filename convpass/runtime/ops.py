@@ -47,7 +47,8 @@ def _axes(axes: Any, rank: int) -> tuple[int, ...]:
 
 
 def _like(xp: Any, value: Any, dtype: Any) -> Any:
-    return xp.asarray(value, dtype=dtype)
+    """A typed scalar: combines with arrays without promotion and without a device allocation."""
+    return np.dtype(dtype).type(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -937,17 +938,26 @@ _register_softmax("LogSoftmax", "log")
 _register_softmax("Hardmax", "hardmax")
 
 
+@register("TopK", 1)
+def _topk_attr(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
+    return _do_topk(ctx, node, x, int(node.attr("k")))
+
+
 @register("TopK", 10, value_inputs=(1,))
 def _topk(ctx: OpContext, node: NodeInfo, x: Any, k: Any) -> Any:
+    return _do_topk(ctx, node, x, int(ctx.scalar(k)))
+
+
+def _do_topk(ctx: OpContext, node: NodeInfo, x: Any, kk: int) -> Any:
     xp = ctx.xp
-    kk = int(ctx.scalar(k))
     axis = _axis(node.attr("axis", -1), x.ndim)
     largest = node.attr("largest", 1)
     if largest:
         key = -(x.astype(np.int64) if np.dtype(x.dtype).kind == "u" else x)
     else:
         key = x
-    order = xp.argsort(key, axis=axis, kind="stable")
+    # ties keep the lower index first: a stable sort (cupy's sort is always stable)
+    order = xp.argsort(key, axis=axis, kind="stable") if xp is np else xp.argsort(key, axis=axis)
     index = [slice(None)] * x.ndim
     index[axis] = slice(0, kk)
     idx = order[tuple(index)]

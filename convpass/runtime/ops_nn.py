@@ -135,7 +135,7 @@ def _max_pool(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     offs = np.unravel_index(np.arange(math.prod(kernel)), kernel)
     coords = []
     for i in range(r):
-        k_off = xp.asarray(offs[i])[arg]
+        k_off = ctx.backend.constant(offs[i])[arg]
         o = xp.arange(out[i]).reshape([out[i] if j == i else 1 for j in range(r)])
         coords.append(o * strides[i] - begin[i] + k_off * dilations[i])
     spatial = x.shape[2:]
@@ -446,8 +446,12 @@ def _resize_axis(
     cubic_a: float,
     exclude_outside: bool,
     antialias: bool,
+    dtype: str = "float32",
 ) -> tuple[str, np.ndarray, np.ndarray | None]:
-    """('index', indices, outside) for nearest, ('matrix', M[out, in], outside) otherwise."""
+    """('index', indices, outside) for nearest, ('matrix', M[in, out] in ``dtype``, outside) otherwise.
+
+    Cached: the same arrays come back for the same resize, so backends upload them once.
+    """
     x, outside = _source_coords(coord_mode, out_len, in_len, scale, roi)
     base = np.ceil(x).astype(np.int64) - 1  # left neighbour; ratio in (0, 1]
     ratio = x - base
@@ -490,7 +494,7 @@ def _resize_axis(
     matrix = np.zeros((out_len, in_len), dtype=np.float64)
     rows = np.repeat(np.arange(out_len), idx.shape[1])
     np.add.at(matrix, (rows, np.clip(idx, 0, in_len - 1).reshape(-1)), coeffs.reshape(-1))
-    return "matrix", matrix, outside
+    return "matrix", np.ascontiguousarray(matrix.T.astype(dtype)), outside
 
 
 def _resize(
@@ -551,19 +555,19 @@ def _resize(
             y = xp.zeros(new_shape, dtype=y.dtype)
             continue
         kind, table, outside = _resize_axis(
-            mode, coord_mode, nearest_mode, shape[a], out[a], full_scales[a], full_roi[a], cubic_a, exclude, antialias
+            mode, coord_mode, nearest_mode, shape[a], out[a], full_scales[a], full_roi[a], cubic_a, exclude, antialias, np.dtype(ct).name
         )
         if kind == "index":
-            y = xp.take(y, ctx.backend.upload(table), axis=a)
+            y = xp.take(y, ctx.backend.constant(table), axis=a)
         else:
-            m = ctx.backend.upload(table.T.astype(ct))
+            m = ctx.backend.constant(table)
             y = xp.moveaxis(xp.matmul(xp.moveaxis(y, a, -1), m), -1, a)
         if outside is not None and outside.any():
             mask = outside.reshape([out[a] if i == a else 1 for i in range(r)])
             outside_total = mask if outside_total is None else (outside_total | mask)
     if outside_total is not None:
         ev = node.attr("extrapolation_value", 0.0)
-        y = xp.where(ctx.backend.upload(outside_total), _like(xp, ev, y.dtype), y)
+        y = xp.where(ctx.backend.upload(outside_total), _like(xp, ev, y.dtype), y)  # tf_crop_and_resize only
     if y.dtype != dtype:
         if np.dtype(dtype).kind in "iu":
             info = np.iinfo(dtype)

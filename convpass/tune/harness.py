@@ -36,6 +36,7 @@ class Timing:
     launches: int
     spread: float  # (max - min) / median of the group times
     early_stop: bool = False
+    eager: bool = False  # launches could not be captured: times include Python's launch cost
 
 
 _clocks_warmed_at = 0.0
@@ -64,7 +65,7 @@ def l2_cache_bytes() -> int:
         return 50 << 20
 
 
-def rotation_sets(bytes_per_set: int, limit: int = 8) -> int:
+def rotation_sets(bytes_per_set: int, limit: int = 64) -> int:
     """How many input sets to rotate so that together they exceed twice the L2 cache."""
     return max(1, min(limit, math.ceil(2 * l2_cache_bytes() / max(1, bytes_per_set))))
 
@@ -124,37 +125,47 @@ def time_launches(
     cp = cupy()
     stream = cp.cuda.get_current_stream()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
-    launch(0)  # warm-up
-    stream.synchronize()
-    start.record()
-    for i in range(3):
-        launch((i + 1) % sets)
-    stop.record()
-    stop.synchronize()
-    estimate = cp.cuda.get_elapsed_time(start, stop) / 3
-    # The eager estimate includes Python's launch cost (tens of microseconds), so only stop early
-    # when the gap is far beyond that.
-    if best_ms is not None and estimate > 4 * best_ms and estimate > 0.2:
-        return Timing(estimate, 4, 0.0, early_stop=True)
-    per_group = max(1, min(200, round(group_ms / max(estimate, 1e-3))))
-    groups = max(3, min(max_groups, int(budget_ms / max(per_group * estimate, 1e-3))))
-    replay = _capture(launch, sets, per_group, stream)
-    times = []
-    n = 0
-    for _ in range(groups):
+
+    def timed(replay, count: int) -> float:
         start.record()
         if replay is not None:
             replay.launch(stream)
-            n += per_group
         else:
-            for _ in range(per_group):
-                launch(n % sets)
-                n += 1
+            for i in range(count):
+                launch(i % sets)
         stop.record()
         stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) / per_group)
+        return cp.cuda.get_elapsed_time(start, stop) / count
+
+    start.record()
+    launch(0)  # warm-up (module load, lazy setup)
+    stop.record()
+    stop.synchronize()
+    if best_ms is not None and cp.cuda.get_elapsed_time(start, stop) > max(4 * best_ms, 2.0):
+        # Slow, or slow only because of loading? One more launch tells, before any group of them.
+        again = timed(None, 1)
+        if again > 4 * best_ms:
+            return Timing(again, 2, 0.0, early_stop=True)
+    # First estimate from a short captured graph: eager launches would measure Python, not the GPU.
+    probe = min(sets, 4)
+    graph = _capture(launch, sets, probe, stream)
+    if graph is not None:
+        timed(graph, probe)  # first replay uploads the graph
+    estimate = timed(graph, probe)
+    if best_ms is not None and estimate > 4 * best_ms:
+        return Timing(estimate, probe + 1, 0.0, early_stop=True)
+    per_group = max(1, min(200, round(group_ms / max(estimate, 1e-3))))
+    # One graph covers every rotation set, so replays never re-read a set still in L2 (for slow
+    # launches, only as many sets as a quarter of the budget allows: those are not cache-bound).
+    rotate = min(sets, 256, max(1, int(budget_ms / 4 / max(estimate, 1e-3))))
+    per_group = max(per_group, rotate)
+    groups = max(3, min(max_groups, int(budget_ms / max(per_group * estimate, 1e-3))))
+    replay = _capture(launch, sets, per_group, stream) if graph is not None else None
+    if replay is not None:
+        timed(replay, per_group)
+    times = [timed(replay, per_group) for _ in range(groups)]
     median = statistics.median(times)
-    return Timing(median, n + 4, (max(times) - min(times)) / median if median > 0 else 0.0)
+    return Timing(median, probe + (groups + 1) * per_group, (max(times) - min(times)) / median if median > 0 else 0.0, eager=replay is None)
 
 
 def _capture(launch: Callable[[int], None], sets: int, count: int, stream):

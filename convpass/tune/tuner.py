@@ -57,6 +57,9 @@ REFERENCE_ALGOS = {
     "dgrad": ("algo_1", "fft_tiling", "fft"),
     "wgrad": ("algo_1", "fft", "fft_tiling"),
 }
+# cuDNN's legacy API runs FFT tiling once per group: on depthwise convs one launch takes seconds
+# (measured on an H200: 22 s for g=960 at 14x14). Above this many groups it is skipped unless forced.
+FFT_TILING_MAX_GROUPS = 8
 # What each direction reads and writes.
 OUTPUT = {"fwd": "y", "dgrad": "x", "wgrad": "w"}
 
@@ -162,13 +165,26 @@ class CudnnTuner:
                     # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
                     if strategy != "measure" and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
                         to_time.append(ok_ranked[0].algo)
+                    # cuDNN's own pick first: a good early "best" lets slow candidates stop early.
+                    preferred = [p.algo for p in ok_ranked]
+                    to_time.sort(key=lambda a: preferred.index(a) if a in preferred else len(preferred))
                     for algo in to_time:
-                        row = bench.measure(descs, key, algo, best)
+                        t0 = time.perf_counter()
+                        row = bench.measure(descs, key, algo, best, forced=strategy == "forced")
+                        logger.debug("%s %s %s: %s %s (%.0f ms) %s", shape, key.layout, key.math, algo, row.status,
+                                     (time.perf_counter() - t0) * 1e3, row.note)
                         rows.append(row)
                         if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
                             best = row.time_ms if best is None else min(best, row.time_ms)
             bench.release()
         return rows
+
+
+def skip_reason(key: ProblemKey, algo: str, forced: bool) -> str | None:
+    """Why a candidate is not run at all (None: run it). Forced choices are always run."""
+    if algo == "fft_tiling" and key.shape.groups > FFT_TILING_MAX_GROUPS and not forced:
+        return f"skipped: cuDNN runs FFT tiling once per group (g={key.shape.groups}); seconds per launch"
+    return None
 
 
 def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKey]:
@@ -272,13 +288,16 @@ class _ShapeBench:
                 return self._reference
         raise RuntimeError(f"no deterministic reference algorithm supports {self.shape}")
 
-    def measure(self, descs, key: ProblemKey, algo: str, best_ms: float | None) -> Measurement:
+    def measure(self, descs, key: ProblemKey, algo: str, best_ms: float | None, forced: bool = False) -> Measurement:
         import cupy as cp
 
         from convpass.cudnn import CudnnError, is_deterministic, run, workspace_size
 
         now = time.time()
         det = is_deterministic(key.shape.direction, algo)
+        why = skip_reason(key, algo, forced)
+        if why:
+            return _row(key, algo, "skipped", None, 0, det, now, "measure", note=why)
         try:
             ws = workspace_size(descs, None, algo)
         except CudnnError as e:
@@ -311,6 +330,8 @@ class _ShapeBench:
         note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
         if timing.early_stop:
             note += f"; early stop: estimate over 4x the best ({best_ms:.4f} ms)"
+        if timing.eager:
+            note += "; eager launches (not capturable): includes launch overhead"
         return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
 
     def release(self) -> None:
