@@ -11,6 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from convpass.cudnn.enums import algo_names
 from convpass.errors import OptionError
 from convpass.problem import DIRECTIONS
 
@@ -19,13 +20,9 @@ TF32_CHOICES = ("auto", "on", "off")
 LAYOUT_CHOICES = ("auto", "nchw", "nhwc")
 ALGO_KEYWORDS = ("normal", "performance")
 
-# Algorithm names per direction, as users write them (cuDNN's enum order; convpass.cudnn.enums
-# holds the numeric values and must agree).
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "fwd": ("implicit_gemm", "implicit_precomp_gemm", "gemm", "direct", "fft", "fft_tiling", "winograd", "winograd_nonfused"),
-    "dgrad": ("algo_0", "algo_1", "fft", "fft_tiling", "winograd", "winograd_nonfused"),
-    "wgrad": ("algo_0", "algo_1", "fft", "algo_3", "winograd", "winograd_nonfused", "fft_tiling"),
-}
+# Algorithm names per direction, as users write them (MindSpore's vocabulary); the cuDNN enums
+# module owns them (pure Python: importing it loads nothing).
+ALGORITHMS: dict[str, tuple[str, ...]] = {d: algo_names(d) for d in ("fwd", "dgrad", "wgrad")}
 _ALGO_OPTION = {"fwd": "fprop_algo", "dgrad": "dgrad_algo", "wgrad": "wgrad_algo"}
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

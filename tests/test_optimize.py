@@ -327,3 +327,19 @@ def test_python_api_accepts_bytes_and_reports_errors_as_convpass_errors():
     assert convpass.optimize(model.SerializeToString(), quiet=True).graph.node[0].domain == annotation.DOMAIN
     with pytest.raises(ConvpassError):
         convpass.optimize(b"garbage", quiet=True)
+
+
+def test_large_model_paths(tmp_path, monkeypatch):
+    """Past the protobuf limit, initializers go to shape inference as typed inputs and the output is
+    written with external data; exercised here by lowering both thresholds to zero."""
+    from convpass import model_io
+    from convpass.passes import resolve_shapes
+
+    monkeypatch.setattr(resolve_shapes, "_INLINE_LIMIT", 0)
+    monkeypatch.setattr(model_io, "_EXTERNAL_DATA_THRESHOLD", 0)
+    model = conv_model("Conv", ("n", 8, 8, 8), (16, 8, 3, 3), pads=[1, 1, 1, 1])
+    convpass.optimize(model, tmp_path / "big.onnx", shapes=["x=2x8x8x8"], quiet=True)
+    assert (tmp_path / "big.onnx.data").is_file()
+    tuned = onnx.load(tmp_path / "big.onnx")
+    _check_tuned(model, tuned, {"x": random_input((2, 8, 8, 8))})
+    assert "n=2" in convpass.inspect(tuned)[0]["problem_key"]
