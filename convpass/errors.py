@@ -19,3 +19,7 @@ class ConvAttributeError(ConvpassError):
 
 class OptionError(ConvpassError):
     """An option value convpass does not understand."""
+
+
+class UnsupportedConvError(ConvAttributeError):
+    """A valid convolution that convpass cannot express as a cuDNN problem; it is left untuned."""

@@ -15,7 +15,9 @@ Rules (per conv node and per shape profile; results in ``node.meta["convpass.can
   3-D stays 3-D; groups (depthwise included) and dilations are preserved.
 * Invalid attributes (negative pads, wrong lengths, stride or dilation < 1, kernel larger than the
   padded input, group not dividing channels, output_padding >= stride) raise ConvAttributeError
-  naming the node.
+  naming the node. Valid convs that are no cuDNN problem (a ConvTranspose ``output_shape`` larger
+  than its natural output, which ONNX fills with zeros) raise UnsupportedConvError in
+  ``canonicalize_conv``; the pass marks those nodes ``convpass.skip`` with a warning instead.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import logging
+
 import onnx_ir as ir
 
-from convpass.errors import ConvAttributeError
+from convpass.errors import ConvAttributeError, UnsupportedConvError
 from convpass.problem import ConvShape
+
+logger = logging.getLogger("convpass")
 
 CONV_OPS = ("Conv", "ConvTranspose")
 META_KEY = "convpass.canonical"
@@ -145,7 +151,7 @@ def canonicalize_conv(
             if op < 0 or op >= max(st, d):
                 raise fail(f"output_padding {list(out_pad)} must be >= 0 and < stride (or dilation)")
         natural = tuple(st * (s - 1) + op + x for st, s, op, x in zip(strides, spatial, out_pad, extent))
-        begin, end = _conv_transpose_pads(attrs, auto_pad, rank, spatial, strides, natural, fail)
+        begin, end = _conv_transpose_pads(attrs, auto_pad, rank, spatial, strides, natural, fail, op_type, node_name)
         out = tuple(nat - b - e for nat, b, e in zip(natural, begin, end))
         if min(out) < 1:
             raise fail(f"pads {list(begin) + list(end)} leave an empty output")
@@ -203,7 +209,7 @@ def _conv_pads(attrs, auto_pad, rank, spatial, strides, extent, fail):
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
-def _conv_transpose_pads(attrs, auto_pad, rank, spatial, strides, natural, fail):
+def _conv_transpose_pads(attrs, auto_pad, rank, spatial, strides, natural, fail, op="ConvTranspose", node_name=""):
     requested = _ints(attrs, "output_shape", None)
     if requested is not None:
         requested = requested[-rank:] if len(requested) in (rank, rank + 2) else None
@@ -219,7 +225,10 @@ def _conv_transpose_pads(attrs, auto_pad, rank, spatial, strides, natural, fail)
     for nat, want in zip(natural, requested):
         total = nat - want
         if total < 0:
-            raise fail(f"output_shape {list(requested)} is larger than this transposed conv produces ({list(natural)})")
+            raise UnsupportedConvError(
+                f"{op} {node_name!r}: output_shape {list(requested)} is larger than the transposed conv produces "
+                f"({list(natural)}); ONNX pads the rest with zeros, which is no cuDNN problem"
+            )
         # ONNX: SAME_UPPER puts the larger half at the end, anything else at the beginning.
         pairs.append(_same_pads(total, "SAME_UPPER" if auto_pad == "SAME_UPPER" else "SAME_LOWER"))
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
@@ -257,8 +266,12 @@ class CanonicalizeConvsPass(ir.passes.InPlacePass):
             if node.op_type not in CONV_OPS or node.domain not in ("", "ai.onnx") or SKIP_KEY in node.meta:
                 continue
             attrs = attribute_values(node)
-            node.meta[META_KEY] = tuple(
-                canonicalize_conv(node.op_type, attrs, x, w, dtype, node_label(node))
-                for x, w, dtype in node.meta[SHAPES_KEY]
-            )
+            try:
+                node.meta[META_KEY] = tuple(
+                    canonicalize_conv(node.op_type, attrs, x, w, dtype, node_label(node))
+                    for x, w, dtype in node.meta[SHAPES_KEY]
+                )
+            except UnsupportedConvError as e:
+                node.meta[SKIP_KEY] = str(e).split(": ", 1)[1]
+                logger.warning("%s is left untuned: %s", node_label(node), node.meta[SKIP_KEY])
         return ir.passes.PassResult(model, modified=False)
