@@ -64,10 +64,10 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
         report.backend = f"measured on {local.name} (cuDNN {local.cudnn_version_str})"
         report.device = str(local)
         return CudnnTuner(TuningCache(cache_path), local, console=console)
-    cache = TuningCache(cache_path)
     if device_name is None:
         report.backend = "no GPU found and no --device-name: nothing can be measured or looked up"
         return CacheBackend(None, None)
+    cache = TuningCache(cache_path)
     target = cache.resolve_device(device_name)
     report.backend = f"tuning cache {cache.path} for {target.name} (cuDNN {target.cudnn_version_str}); no GPU used"
     report.device = str(target)

@@ -182,6 +182,12 @@ def test_training_directions_are_recorded():
     assert info.options["directions"] == ["fwd", "dgrad", "wgrad"]
 
 
+def test_no_gpu_and_no_device_name_touches_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVPASS_CACHE", str(tmp_path / "never.db"))
+    convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), quiet=True)
+    assert not (tmp_path / "never.db").exists()
+
+
 def test_metadata_records_version_mode_profiles_and_matmul_tf32():
     model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3))
     tuned = convpass.optimize(model, mode="heuristic", matmul_tf32="on", quiet=True)
