@@ -39,7 +39,9 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     for flag, what in (("--fprop-algo", "forward"), ("--dgrad-algo", "backward-data"), ("--wgrad-algo", "backward-filter")):
         p.add_argument(flag, metavar="NAME", help=f"{what} algorithm: normal, performance or a cuDNN algorithm name")
     p.add_argument("--tf32", default="auto", help="TF32 for float32 convs: auto (measure both), on, off")
-    p.add_argument("--layout", default="auto", help="memory format: auto (per conv), nchw, nhwc")
+    p.add_argument("--layout", default="auto",
+                   help="memory format: auto (whole-graph plan: conv times + transposes), per-conv (each conv its "
+                   "own best, transposes ignored), nchw, nhwc")
     p.add_argument("--matmul-tf32", default="off", choices=["on", "off"], help="TF32 for Gemm / MatMul (MindSpore matmul_allow_tf32)")
     p.add_argument("--workspace-limit", metavar="SIZE", help="largest workspace an algorithm may use, e.g. 256MiB")
     p.add_argument("--deterministic", action="store_true", help="only deterministic algorithms")

@@ -17,7 +17,9 @@ from convpass.problem import DIRECTIONS
 
 MODES = ("heuristic", "exhaustive", "measure")
 TF32_CHOICES = ("auto", "on", "off")
-LAYOUT_CHOICES = ("auto", "nchw", "nhwc")
+# auto: whole-graph plan (conv times + transposes, a min cut); per-conv: each conv its own best
+# layout, transposes ignored; nchw / nhwc: one layout everywhere.
+LAYOUT_CHOICES = ("auto", "per-conv", "nchw", "nhwc")
 ALGO_KEYWORDS = ("normal", "performance")
 
 # Algorithm names per direction, as users write them (MindSpore's vocabulary); the cuDNN enums
@@ -87,7 +89,7 @@ class TuneOptions:
 
     @property
     def layouts(self) -> tuple[str, ...]:
-        return ("nchw", "nhwc") if self.layout == "auto" else (self.layout,)
+        return ("nchw", "nhwc") if self.layout in ("auto", "per-conv") else (self.layout,)
 
     def math_modes(self, dtype: str) -> tuple[str, ...]:
         """cuDNN math types to consider for a data type under --tf32."""

@@ -20,7 +20,7 @@ from rich.console import Console
 import convpass
 from convpass import device as device_mod
 from convpass.annotation import ModelInfo, Profile, SCHEMA_VERSION
-from convpass.decide import CacheBackend, Choice, DecisionBackend
+from convpass.decide import CacheBackend, Choice, DecisionBackend, choice_from, select
 from convpass.errors import ConvpassError
 from convpass.model_io import load_model, save_model, to_proto
 from convpass.options import TuneOptions, parse_directions, parse_size
@@ -28,7 +28,8 @@ from convpass.passes.annotate_convs import AnnotateConvsPass
 from convpass.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem
 from convpass.passes.fold_conv_weights import FoldConvWeightsPass
-from convpass.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, ResolveShapesPass
+from convpass.passes.plan_layouts import plan_layouts
+from convpass.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
 
 logger = logging.getLogger("convpass")
 
@@ -52,6 +53,7 @@ class OptimizeReport:
     tuning_seconds: float | None = None
     # per profile: (sum of chosen conv times, sum of cuDNN-heuristic conv times, convs counted)
     conv_time_ms: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
+    layout_plans: dict[str, Any] = dataclasses.field(default_factory=dict)  # profile -> LayoutPlan
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -100,6 +102,7 @@ def optimize_model(
     problems = list(collect.problems)
     report.problems = len(problems)
     choices: dict[ConvProblem, Choice | None] = {}
+    overrides: dict = {}
     if problems:
         if backend is None:
             backend = _make_backend(options, cache, device_name, report, console)
@@ -107,7 +110,8 @@ def optimize_model(
             report.backend = type(backend).__name__
             report.device = str(backend.device or "")
         choices = backend.decide(problems, options)
-        _tuning_summary(report, backend, collect.problems)
+        overrides = _plan_layouts(model, backend, options, collect.problems, report)
+        _tuning_summary(report, backend, collect.problems, overrides)
     report.decided = sum(1 for c in choices.values() if c is not None)
     report.undecided = len(problems) - report.decided
     if report.undecided:
@@ -126,12 +130,13 @@ def optimize_model(
         matmul_allow_tf32=options.matmul_tf32,
         options=options.to_json(),
     )
-    AnnotateConvsPass(choices, info, options.directions)(model)
+    AnnotateConvsPass(choices, info, options.directions, overrides)(model)
     return report
 
 
-def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict) -> None:
-    """Counts and conv-time sums from a measuring backend (one that has a ``summary``)."""
+def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict, overrides: dict) -> None:
+    """Counts and conv-time sums (the recorded decisions vs cuDNN's heuristic) from a measuring
+    backend (one that has a ``summary``)."""
     summary = getattr(backend, "summary", None)
     if summary is None:
         return
@@ -142,16 +147,63 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
         total_c = total_b = 0.0
         count = 0
         for problem, problem_uses in uses.items():
-            if problem.direction not in ("fwd", "dgrad") or problem not in chosen or problem not in baseline:
-                continue
-            if problem.direction == "dgrad" and any(u.node.op_type == "Conv" for u in problem_uses):
-                continue  # training direction of a Conv, not its inference
-            n = sum(1 for u in problem_uses if u.profile == i)
-            total_c += n * chosen[problem]
-            total_b += n * baseline[problem]
-            count += n
+            for use in problem_uses:
+                if use.profile != i or problem.direction == "wgrad" or problem not in baseline:
+                    continue
+                if (use.node.op_type == "ConvTranspose") != (problem.direction == "dgrad"):
+                    continue  # a training direction of a Conv, not how it runs
+                planned = overrides.get((use.node, i))
+                time_ms = planned.time_ms if planned is not None else chosen.get(problem)
+                if time_ms is None:
+                    continue
+                total_c += time_ms
+                total_b += baseline[problem]
+                count += 1
         if count:
             report.conv_time_ms[profile.name] = (total_c, total_b, count)
+
+
+def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport) -> dict:
+    """With ``--layout auto`` and a measuring backend: each conv's layout from the min-cut plan over
+    the whole graph (conv times + measured transposes), then its best configuration in that layout."""
+    rows = getattr(backend, "rows", None)
+    transpose_ms = getattr(backend, "transpose_ms", None)
+    if options.layout != "auto" or rows is None or transpose_ms is None:
+        return {}
+    overrides = {}
+    value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
+    for i, profile in enumerate(report.profiles):
+        shapes = value_shapes[i] if i < len(value_shapes) else {}
+        own: dict = {}  # node -> its own-direction problem at this profile
+        for problem, problem_uses in uses.items():
+            for use in problem_uses:
+                if use.profile == i and (use.node.op_type == "ConvTranspose") == (problem.direction == "dgrad") and problem.direction != "wgrad":
+                    own.setdefault(use.node, problem)
+        conv_costs = {}
+        for node, problem in own.items():
+            costs = {}
+            for layout in ("nchw", "nhwc"):
+                pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
+                if pick is not None and pick.time_ms is not None:
+                    costs[layout] = pick.time_ms
+            conv_costs[node] = costs
+
+        def cost(value: ir.Value) -> float:
+            dims = shapes.get(value.name)
+            if not dims or any(not isinstance(d, int) for d in dims):
+                return 0.0
+            dtype = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}.get(value.dtype, "float32")
+            return transpose_ms(tuple(dims), dtype)
+
+        plan = plan_layouts(model.graph, conv_costs, cost)
+        for node, layout in plan.layouts.items():
+            problem = own[node]
+            pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
+            if pick is not None:
+                overrides[(node, i)] = choice_from(pick, "cache" if report.measured == 0 else options.strategy(problem.direction)[0])
+        if plan.layouts:
+            report.layout_plans[profile.name] = plan
+    return overrides
 
 
 def print_report(report: OptimizeReport, console: Console, output: str | None = None) -> None:
@@ -170,6 +222,12 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         console.print(line)
         if report.measured == 0 and report.cached:
             console.print("  every decision came from the tuning cache: nothing was timed")
+        for name, plan in report.layout_plans.items():
+            nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
+            console.print(
+                f"  layout plan [{name}]: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
+                f"{plan.cost_ms:.3f} ms with transposes (per-conv best layouts alone: {plan.per_conv_best_ms:.3f} ms of convs)"
+            )
         for name, (chosen, heuristic, count) in report.conv_time_ms.items():
             console.print(
                 f"  conv time [{name}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "

@@ -42,11 +42,18 @@ def _ir_attr(name: str, value: Any) -> ir.Attr:
     return ir.AttrFloat32s(name, [float(v) for v in values])
 
 
-def decision_for(node: ir.Node, profile: int, choices: Mapping[ConvProblem, Choice | None], directions) -> ConvDecision:
-    """The ConvDecision of a node at a profile from the backend's choices."""
+def decision_for(
+    node: ir.Node,
+    profile: int,
+    choices: Mapping[ConvProblem, Choice | None],
+    directions,
+    overrides: Mapping[tuple[ir.Node, int], Choice] | None = None,
+) -> ConvDecision:
+    """The ConvDecision of a node at a profile: the layout plan's choice for this node if there is
+    one (``overrides``), else the backend's choice for its problem."""
     canonical = node.meta[CANONICAL_KEY][profile]
     own, *training = node_problems(node, profile, directions)
-    chosen = choices.get(own)
+    chosen = (overrides or {}).get((node, profile)) or choices.get(own)
     extra = {}
     for problem in training:
         c = choices.get(problem)
@@ -68,9 +75,16 @@ def decision_for(node: ir.Node, profile: int, choices: Mapping[ConvProblem, Choi
 class AnnotateConvsPass(ir.passes.InPlacePass):
     """Records the choices on the conv nodes and makes the model self-describing (module rules)."""
 
-    def __init__(self, choices: Mapping[ConvProblem, Choice | None], info: ModelInfo, directions=("fwd",)) -> None:
+    def __init__(
+        self,
+        choices: Mapping[ConvProblem, Choice | None],
+        info: ModelInfo,
+        directions=("fwd",),
+        overrides: Mapping[tuple[ir.Node, int], Choice] | None = None,
+    ) -> None:
         super().__init__()
         self.choices = choices
+        self.overrides = overrides or {}
         self.info = info
         self.directions = tuple(directions)
 
@@ -84,7 +98,9 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
             counters[node.op_type] = counters.get(node.op_type, 0) + 1
             if not node.name:
                 node.name = f"{node.op_type}_{counters[node.op_type]}"
-            decisions = [decision_for(node, p, self.choices, self.directions) for p in range(len(node.meta[CANONICAL_KEY]))]
+            decisions = [
+                decision_for(node, p, self.choices, self.directions, self.overrides) for p in range(len(node.meta[CANONICAL_KEY]))
+            ]
             for name, value in annotation.decision_attributes(decisions).items():
                 node.attributes[name] = _ir_attr(name, value)
             node.domain = annotation.DOMAIN

@@ -11,8 +11,9 @@ Rules:
   inputs, so models past the 2 GB protobuf limit resolve too.
 * Every conv must end with a fully known input shape for every profile; otherwise ShapeError names
   the node, the tensor and the missing dimension and says which ``--shape`` fixes it.
-* Results: ``node.meta["convpass.shapes"]`` = per profile ``(x_shape, w_shape, dtype)``, and
-  ``model.meta["convpass.profiles"]`` = the profiles. Convs with data types convpass does not tune
+* Results: ``node.meta["convpass.shapes"]`` = per profile ``(x_shape, w_shape, dtype)``,
+  ``model.meta["convpass.profiles"]`` = the profiles and ``model.meta["convpass.value_shapes"]`` =
+  per profile every inferred value shape (the layout planner prices transposes with them). Convs with data types convpass does not tune
   (anything but float32 / float16 / bfloat16) are marked ``convpass.skip`` with a warning.
 """
 
@@ -33,6 +34,7 @@ logger = logging.getLogger("convpass")
 SHAPES_KEY = "convpass.shapes"
 SKIP_KEY = "convpass.skip"
 PROFILES_KEY = "convpass.profiles"
+VALUE_SHAPES_KEY = "convpass.value_shapes"  # model.meta: per profile, {value name: dims}
 CONV_OPS = ("Conv", "ConvTranspose")
 
 _DTYPES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
@@ -80,6 +82,7 @@ class ResolveShapesPass(ir.passes.InPlacePass):
         if not convs:
             return ir.passes.PassResult(model, modified=False)
         inferred = [self._infer(model, profile) for profile in profiles]
+        model.meta[VALUE_SHAPES_KEY] = inferred
         for node in convs:
             x, w = node.inputs[0], node.inputs[1]
             elem = x.type.dtype if x.type is not None else (w.type.dtype if w.type is not None else None)

@@ -27,6 +27,10 @@ is picked by :func:`get_backend`. What it has to provide, beyond ``xp = cupy``:
   A geometry with ``shapes == ()`` is one canonicalization refused: run
   :func:`convpass.runtime.conv.conv_reference` with ``xp = cupy`` (the kernels are xp-generic).
 * ``erf``: ``cupyx.scipy.special.erf`` (import lazily).
+* ``bind_model(model_info)``: the model's metadata, once per executor (recorded device
+  fingerprint to re-validate the decisions against, ``matmul_allow_tf32``);
+  ``upload_input`` / ``adopt``: feeds (NumPy uploaded without a host mirror; CuPy and CUDA
+  DLPack arrays used in place).
 * ``compile_plan(plan)``: ``plan.steps`` (with ``free`` = liveness), ``plan.value_info`` (shape,
   dtype per slot) and ``plan.template`` (constants, uploaded once) are what a preallocating,
   graph-capturing runner needs; set ``plan.backend_state`` and implement
@@ -60,6 +64,19 @@ class Backend:
 
     def to_host(self, x: Any) -> np.ndarray:
         raise NotImplementedError
+
+    def upload_input(self, array: np.ndarray) -> Any:
+        """``upload`` for a feed: not kept, so no host mirror (the default is ``upload``)."""
+        return self.upload(array)
+
+    def adopt(self, value: Any) -> Any:
+        """A foreign array already in this backend's memory (e.g. a CUDA DLPack tensor) as an ``xp``
+        array without a copy, or None when ``value`` is not one."""
+        return None
+
+    def bind_model(self, model_info: Any) -> None:
+        """Called once by the executor with the model's convpass metadata (None for untuned models)."""
+        return None
 
     def constant(self, array: np.ndarray) -> Any:
         """``upload`` for host-built tables ops reuse (resize weights, pool offsets): cached by identity,

@@ -19,8 +19,9 @@ Plan (once per input-shape signature: the feeds' names, shapes and dtypes, and t
 
 Run
     feeds are validated (names, dtypes, ranks, fixed and symbolic dims), the cached plan's steps
-    run on the backend, outputs come back as numpy arrays (``output_kind="numpy"``, the default)
-    or backend arrays (``output_kind="device"``).
+    run on the backend, outputs come back as numpy arrays (``output_kind="numpy"``), backend
+    arrays (``output_kind="device"``) or, by default (``output_kind=None``), in the kind of the
+    feeds: device arrays when any feed is one (CuPy, CUDA DLPack), numpy otherwise.
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ class Executor:
     ) -> None:
         if output_kind not in (None, "numpy", "device"):
             raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
-        self.output_kind = output_kind or "numpy"
+        self.output_kind = output_kind or "auto"
         self.cuda_graph = bool(cuda_graph)
         self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
         self.device = self._backend.name
@@ -325,6 +326,7 @@ class Executor:
             self.model_info, annotations = annotation.read_annotations(proto)
         except annotation.AnnotationError as e:
             raise ExecutorError(str(e)) from None
+        self._backend.bind_model(self.model_info)
         # decisions by node name (the key annotation.read_node uses)
         self._decisions: dict[str, tuple[annotation.ConvDecision, ...]] = {
             ann.node_name: ann.decisions for ann in annotations
@@ -475,6 +477,10 @@ class Executor:
         """Run the model: ``feeds`` maps input names to arrays; returns the outputs in order."""
         names = self._check_output_names(output_names)
         arrays = self._check_feeds(feeds)
+        xp = self._backend.xp
+        device_out = self.output_kind == "device" or (
+            self.output_kind == "auto" and xp is not np and any(_on_device(v, xp) for v in feeds.values())
+        )
         signature = tuple((n, tuple(a.shape), str(a.dtype)) for n, a in sorted(arrays.items()))
         key = (signature, names)
         with self._backend.errstate():
@@ -485,7 +491,7 @@ class Executor:
             else:
                 results = self._execute(plan, arrays)
         self._last_plan = plan
-        return [self._finish(r) for r in results]
+        return [self._finish(r, device_out) for r in results]
 
     def plan_summary(self) -> list[ConvSummary]:
         """Per conv: the decision it runs with (from the last plan; the recorded ones before any run)."""
@@ -563,6 +569,10 @@ class Executor:
         xp = self._backend.xp
         for arg in self._inputs:
             value = feeds[arg.name]
+            if not isinstance(value, (np.ndarray, xp.ndarray)) and xp is not np:
+                adopted = self._backend.adopt(value)
+                if adopted is not None:
+                    value = adopted
             if not isinstance(value, (np.ndarray, xp.ndarray)):
                 try:
                     value = np.asarray(value)
@@ -593,11 +603,11 @@ class Executor:
             if xp is np or not isinstance(value, np.ndarray):
                 arrays[arg.name] = value
             else:
-                arrays[arg.name] = self._backend.upload(value)
+                arrays[arg.name] = self._backend.upload_input(value)
         return arrays
 
-    def _finish(self, value: Any) -> Any:
-        if self.output_kind == "device":
+    def _finish(self, value: Any, device_out: bool) -> Any:
+        if device_out:
             return value
         return self._backend.to_host(value)
 
@@ -817,6 +827,21 @@ class Executor:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _on_device(value: Any, xp: Any) -> bool:
+    """Whether a feed is a device array: an ``xp`` array or a CUDA DLPack tensor."""
+    if isinstance(value, np.ndarray):
+        return False
+    if isinstance(value, xp.ndarray):
+        return True
+    probe = getattr(value, "__dlpack_device__", None)
+    if probe is None:
+        return False
+    try:
+        return int(probe()[0]) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _root(a: Any) -> Any:

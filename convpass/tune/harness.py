@@ -57,6 +57,13 @@ def warm_clocks(seconds: float = 0.2) -> None:
     _clocks_warmed_at = time.monotonic()
 
 
+def prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
 def l2_cache_bytes() -> int:
     cp = cupy()
     try:

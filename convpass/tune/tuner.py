@@ -83,6 +83,9 @@ class CudnnTuner:
         # cuDNN heuristic's first choice (NCHW, default math) per problem, timed by us: the baseline.
         self.baseline_ms: dict[ConvProblem, float] = {}
         self.chosen_ms: dict[ConvProblem, float] = {}
+        # every measurement of every decided problem: the layout planner chooses among them
+        self.rows: dict[ConvProblem, list[Measurement]] = {}
+        self._transpose_ms: dict[tuple, float] = {}
 
     # ---------------------------------------------------------------------------------------
     def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
@@ -114,6 +117,7 @@ class CudnnTuner:
             fresh_ids = {(m.key, m.algo, m.method) for m in fresh}
             rows = fresh + [m for m in rows if (m.key, m.algo, m.method) not in fresh_ids]
         self._record_baseline(problem, rows)
+        self.rows[problem] = rows
         chosen = select(rows, problem, options)
         if chosen is None:
             self.summary.failed += 1
@@ -122,6 +126,27 @@ class CudnnTuner:
         if chosen.time_ms is not None and chosen.method == "measure":
             self.chosen_ms[problem] = chosen.time_ms
         return choice_from(chosen, "cache" if from_cache else strategy)
+
+    def transpose_ms(self, dims: tuple[int, ...], dtype: str) -> float:
+        """Measured time of converting a tensor between channels-first and channels-last."""
+        import cupy as cp
+
+        from convpass.cudnn import empty_like_layout
+
+        if len(dims) < 3:
+            return 0.0  # no channels-last form
+        key = (tuple(dims), dtype)
+        if key not in self._transpose_ms:
+            with cp.cuda.Stream(non_blocking=True):
+                sets = harness.rotation_sets(harness.prod(dims) * 4)
+                sources = [harness.random_array(dims, dtype, "nchw", 100 + i) for i in range(sets)]
+                targets = [empty_like_layout(dims, dtype, "nhwc") for _ in range(sets)]
+
+                def convert(i: int) -> None:
+                    targets[i][...] = sources[i]
+
+                self._transpose_ms[key] = harness.time_launches(convert, sets).time_ms
+        return self._transpose_ms[key]
 
     def _record_baseline(self, problem: ConvProblem, rows: list[Measurement]) -> None:
         key = problem.primary.key("nchw", "default")
@@ -245,7 +270,7 @@ class _ShapeBench:
             name: harness.random_array(dims, shape.dtype, "nchw", seed, scale)
             for name, dims, seed, scale in (
                 ("x", shape.x_shape, 1, 1.0),
-                ("w", shape.w_shape, 2, (shape.c // shape.groups * _prod(shape.kernel)) ** -0.5),
+                ("w", shape.w_shape, 2, (shape.c // shape.groups * harness.prod(shape.kernel)) ** -0.5),
                 ("y", shape.y_shape, 3, 1.0),
             )
         }
@@ -338,10 +363,3 @@ class _ShapeBench:
         self._sets.clear()
         self._base.clear()
         self._reference = None
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out

@@ -1,0 +1,121 @@
+"""Choose each convolution's memory format for the whole graph at once: an s-t minimum cut.
+
+Rules (per shape profile):
+
+* Every conv has a measured cost in NCHW and in NHWC (its best configuration in each). A conv with
+  no measurement in a layout cannot take it (infinite cost).
+* Layout-agnostic ops (elementwise ops, BatchNormalization, activations: :data:`AGNOSTIC_OPS`)
+  take whatever format their tensors arrive in and pass it on. Every other op, graph inputs and
+  graph outputs are fixed in NCHW (ONNX semantics).
+* An edge between two nodes whose formats differ costs one transpose of the tensor on that edge
+  (measured on the GPU, by tensor size).
+* Source side = NCHW, sink side = NHWC: conv ``v`` gets ``s -> v`` with its NHWC cost and
+  ``v -> t`` with its NCHW cost; fixed-NCHW nodes are tied to the source; each data edge gets its
+  transpose cost both ways. The minimum cut is the cheapest assignment (networkx).
+
+The result is ``{node: "nchw" | "nhwc"}`` for the convs; the caller then takes each conv's best
+configuration in its planned layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import networkx as nx
+import onnx_ir as ir
+
+AGNOSTIC_OPS = frozenset(
+    {
+        "Relu", "LeakyRelu", "PRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu",
+        "Softplus", "Gelu", "Erf", "Exp", "Log", "Sqrt", "Neg", "Abs", "Identity", "Dropout", "Cast",
+        "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "BatchNormalization",
+    }
+)
+INF = float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPlan:
+    layouts: dict[ir.Node, str]
+    cost_ms: float  # conv times + transposes of the plan
+    per_conv_best_ms: float  # conv times if every conv took its own best layout (transposes ignored)
+    transposes: int
+
+
+def plan_layouts(
+    graph: ir.Graph,
+    conv_costs: Mapping[ir.Node, Mapping[str, float]],
+    transpose_ms: Callable[[ir.Value], float],
+) -> LayoutPlan:
+    """The min-cut layout assignment (see the module rules)."""
+    conv_costs = {n: c for n, c in conv_costs.items() if c}
+    if not conv_costs:
+        return LayoutPlan({}, 0.0, 0.0, 0)
+    g = nx.DiGraph()
+    source, sink = "<nchw>", "<nhwc>"
+
+    def add(u, v, capacity):
+        if capacity <= 0:
+            return
+        if g.has_edge(u, v):
+            g[u][v]["capacity"] += capacity
+        else:
+            g.add_edge(u, v, capacity=capacity)
+
+    movable = set(conv_costs) | {n for n in graph if n.op_type in AGNOSTIC_OPS and n.domain in ("", "ai.onnx")}
+    for node in graph:
+        if node in conv_costs:
+            costs = conv_costs[node]
+            add(source, node, costs.get("nhwc", INF))
+            add(node, sink, costs.get("nchw", INF))
+        elif node not in movable:
+            add(source, node, INF)
+        else:
+            g.add_node(node)
+    for node in graph:
+        for value in node.outputs:
+            consumers = {c for c, _ in value.uses()}
+            for consumer in consumers:
+                if node in movable or consumer in movable:
+                    cost = transpose_ms(value)
+                    add(node, consumer, cost)
+                    add(consumer, node, cost)
+            if value.is_graph_output() and node in movable:
+                add(source, node, transpose_ms(value))  # outputs are NCHW: NHWC here costs a transpose
+    # Graph inputs feeding movable nodes: a transpose if that node ends up NHWC.
+    for value in graph.inputs:
+        for consumer, _ in value.uses():
+            if consumer in movable:
+                add(source, consumer, transpose_ms(value))
+    # Constants (weights, BN params) are pre-transformed once: no run-time cost.
+    _, (s_side, _) = nx.minimum_cut(g, source, sink)
+    fmt = {n: ("nchw" if n in s_side or n not in g else "nhwc") for n in movable}
+    return _evaluate(graph, fmt, conv_costs, transpose_ms)
+
+
+def _evaluate(graph, fmt, conv_costs, transpose_ms) -> LayoutPlan:
+    """Total cost of an assignment: conv times plus a transpose per data edge whose ends differ.
+
+    (A value read by several consumers in the other format is counted once per consumer: the
+    executor may share one transposed copy, so this slightly over-estimates mixed plans.)
+    """
+    layouts = {n: fmt[n] for n in conv_costs}
+    total = sum(conv_costs[n].get(layouts[n], INF) for n in layouts)
+    transposes = 0
+    for node in graph:
+        here = fmt.get(node, "nchw")
+        for value in node.inputs:
+            if value is None or value.const_value is not None:
+                continue
+            producer = value.producer()
+            there = fmt.get(producer, "nchw") if producer is not None else "nchw"
+            if here != there:
+                total += transpose_ms(value)
+                transposes += 1
+        for value in node.outputs:
+            if value.is_graph_output() and here != "nchw":
+                total += transpose_ms(value)
+                transposes += 1
+    best = sum(min(c.values()) for c in conv_costs.values())
+    return LayoutPlan(layouts, total, best, transposes)
