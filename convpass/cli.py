@@ -1,4 +1,4 @@
-"""The ``convpass`` command line: optimize, inspect, run, cache.
+"""The ``convpass`` command line: optimize, inspect, run, cache, bench.
 
 Errors about the user's input are printed as one line (``convpass: error: ...``) with exit code 1;
 argparse's own usage errors exit with 2.
@@ -118,11 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_optimize(sub)
     _add_inspect(sub)
+    from convpass.bench.cli import add_bench_parser
     from convpass.cache import add_cache_parser
     from convpass.runtime.cli import add_run_parser
 
     add_run_parser(sub)
     add_cache_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -234,6 +234,25 @@ class _PlanState:
         return self.graph is not None
 
 
+class _Namespace:
+    """``cupy`` for the ops, except ``matmul``: the backend's capturable cuBLAS path."""
+
+    def __init__(self, cupy: Any, backend: "CudaBackend") -> None:
+        self.__dict__["_cupy"] = cupy
+        self.__dict__["_backend"] = backend
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._cupy, name)
+        self.__dict__[name] = value  # looked up once
+        return value
+
+    def matmul(self, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._backend._matmul(a, b, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<cupy namespace of the convpass cuda backend (CuPy {self._cupy.__version__})>"
+
+
 class CudaBackend(Backend):
     """CuPy + cuDNN on one GPU (see the module docstring)."""
 
@@ -245,7 +264,8 @@ class CudaBackend(Backend):
             raise ExecutorError(f"cuda backend not available: {reason}")
         import cupy
 
-        self.xp = cupy
+        self._cp = cupy
+        self.xp = _Namespace(cupy, self)
         self.device_id = _device_index(device)
         count = int(cupy.cuda.runtime.getDeviceCount())
         if not 0 <= self.device_id < count:
@@ -257,6 +277,7 @@ class CudaBackend(Backend):
         self._consts: dict[Any, tuple[Any, Any]] = {}
         self._descs: dict[ProblemKey, Any] = {}
         self._execs: dict[Any, Any] = {}
+        self._by_call: dict[int, tuple[Any, Any, Any]] = {}
         self._weights: dict[Any, tuple[Any, Any]] = {}
         self._biases: dict[Any, tuple[Any, Any]] = {}
         self._arena: Any = None
@@ -264,6 +285,8 @@ class CudaBackend(Backend):
         self._host_syncs = 0
         self._uploads = 0
         self._allow_tf32 = False
+        self._tf32_now = False
+        self._blas: Any = None  # cuda_blas.Blas, False when it cannot be loaded
         self._recorded_device = ""
         self._current_device: Any = None
         self._device_mismatch = False
@@ -388,9 +411,45 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ matmul TF32
 
+    def _matmul(self, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        """``xp.matmul``: cuBLAS by ctypes (capturable, explicit TF32 switch), else ``cupy.matmul``."""
+        cp = self._cp
+        if not args and not kwargs and isinstance(a, cp.ndarray) and isinstance(b, cp.ndarray):
+            blas = self._get_blas()
+            if blas:
+                try:
+                    out = blas.matmul(a, b, self._tf32_now)
+                except RuntimeError as e:
+                    if self._capturing:
+                        raise
+                    logger.debug("cuBLAS by ctypes failed (%s): cupy.matmul instead", e)
+                    out = None
+                if out is not None:
+                    return out
+        if self._capturing:
+            raise _CaptureBreak(f"a matmul of shapes {getattr(a, 'shape', '?')} @ {getattr(b, 'shape', '?')} needs cupy.matmul, which cannot be captured")
+        return cp.matmul(a, b, *args, **kwargs)
+
+    def _get_blas(self) -> Any:
+        if self._blas is None:
+            if self._capturing:
+                raise _CaptureBreak("cuBLAS handle created during capture")
+            from convpass.runtime import cuda_blas
+
+            try:
+                with self._device:
+                    self._blas = cuda_blas.Blas(self._cp)
+            except Exception as e:  # noqa: BLE001
+                self._blas = False
+                self._note_once("blas", f"cuBLAS cannot be called directly ({e}): Gemm / MatMul use cupy.matmul, plans with them run eagerly", warn=False)
+        return self._blas
+
     @contextlib.contextmanager
     def _matmul_math(self, allow_tf32: bool):
         restore = []
+        tf32_before = self._tf32_now
+        self._tf32_now = bool(allow_tf32)
+        restore.append(lambda: setattr(self, "_tf32_now", tf32_before))
         try:
             from cupy._core import _routines_linalg as lin
 
@@ -452,11 +511,15 @@ class CudaBackend(Backend):
         return d
 
     def _resolve(self, call: ConvCall, dtype: Any) -> Any:
+        # fast path: a plan's steps hold the same ConvCall objects run after run
+        hit = self._by_call.get(id(call))
+        if hit is not None and hit[0] is call and hit[1] == dtype:
+            return self._execs[hit[2]]
         cache_key = (call.node_name, call.geometry, call.decision, np.dtype(dtype).str)
-        ex = self._execs.get(cache_key)
-        if ex is None:
-            ex = self._execs[cache_key] = self._make_exec(call, dtype)
-        return ex
+        if cache_key not in self._execs:
+            self._execs[cache_key] = self._make_exec(call, dtype)
+        self._by_call[id(call)] = (call, dtype, cache_key)
+        return self._execs[cache_key]
 
     def _make_exec(self, call: ConvCall, dtype: Any) -> Any:
         g = call.geometry
@@ -628,7 +691,7 @@ class CudaBackend(Backend):
             why = f"recorded algorithm {ex.algo!r} ({ex.layout}, {ex.key.math}) failed here: {_first_line(e)}"
             math = ex.key.math
             new = self._heuristic_exec(call, "fallback", why, math)
-            self._execs[(call.node_name, call.geometry, call.decision, np.dtype(x.dtype).str)] = new
+            self._execs[(call.node_name, call.geometry, call.decision, np.dtype(x.dtype).str)] = new  # _by_call points here
             self._warn_node(call.node_name, f"node {call.node_name!r}: {why}; running cuDNN's heuristic choice {self._describe_exec(new)} instead")
             if new is _REFERENCE:
                 return self._reference(call, x, w, b, relu)
@@ -762,9 +825,10 @@ class CudaBackend(Backend):
             return dataclasses.replace(s, algo="reference", note=(s.note + "; " if s.note else "") + "runs CuPy reference kernels")
         if ex.source == "recorded":
             return s
-        note = "cuDNN heuristic" if ex.source == "untuned" else f"recorded choice not used ({ex.note}): cuDNN heuristic"
+        note = "cuDNN heuristic" if ex.source == "untuned" else f"recorded {s.algo!r} not used ({ex.note}): cuDNN heuristic"
         return dataclasses.replace(
             s,
+            source=s.source if ex.source == "untuned" else "fallback",
             algo=ex.algo,
             memory_format=ex.memory_format,
             math_mode=ex.key.math,

@@ -1,0 +1,25 @@
+"""convpass.bench: ``convpass bench``, the tuned executor against ONNX Runtime's CUDA EP and PyTorch.
+
+* :mod:`convpass.bench.report` — the pure logic: timing statistics, correctness verdicts, ratios to
+  the best peer, geometric means, the issue's targets and their verdicts, the text / Markdown
+  tables, the JSON document and its schema check, the optional bar chart (matplotlib, lazily).
+* :mod:`convpass.bench.roofline` — the per-model roofline (sum over convs of
+  max(FLOPs / peak TF32 rate, bytes / copy bandwidth)) and the GPU peak measurements.
+* :mod:`convpass.bench.contenders` — what runs on the GPU: convpass (optimize + executor), ONNX
+  Runtime CUDA EP (four configurations, IOBinding), PyTorch eager, the ONNX Runtime CPU reference,
+  and the environment record (device, driver, CUDA, cuDNN, package versions).
+* :mod:`convpass.bench.cli` — ``add_bench_parser(subparsers)`` and the command.
+
+Importing any of these imports neither CuPy, nor PyTorch, nor ONNX Runtime: those are imported when
+a benchmark runs, and a missing one is reported as ``unavailable: <reason>``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["add_bench_parser"]
+
+
+def add_bench_parser(subparsers):  # noqa: ANN001, ANN201  (thin lazy re-export)
+    from convpass.bench.cli import add_bench_parser as add
+
+    return add(subparsers)

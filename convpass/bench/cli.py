@@ -1,0 +1,250 @@
+"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs ort,torch] [--runs N] [--json FILE] [--plot FILE.png]``.
+
+One process, one run per model and batch: convpass (optimize, then the executor) against ONNX
+Runtime's CUDA EP in four configurations and PyTorch eager in two, every output checked against
+ONNX Runtime CPU; prints a table per case, the roofline, the summary against the issue's targets
+and a Markdown table; ``--json`` writes everything (device, driver, CUDA, cuDNN, versions, every
+timing), ``--plot`` a bar chart. ``--from-json A.json B.json`` re-renders (and merges) recorded
+runs without a GPU.
+
+Exit status: 0 when the benchmark ran (whatever the verdicts); 2 with one line when there is no
+usable GPU; 1 for bad input (``convpass: error: ...``); argparse usage errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from convpass.bench import report
+from convpass.errors import ConvpassError
+
+DEFAULT_BATCHES = (1, 32)
+VS_CHOICES = ("ort", "torch")
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark the tuned executor against ONNX Runtime CUDA EP and PyTorch (GPU)",
+        description="Tune each model, run it with the convpass executor and compare cold start and steady-state "
+        "latency with ONNX Runtime's CUDA EP (EXHAUSTIVE / HEURISTIC x NCHW / NHWC) and PyTorch eager "
+        "(cudnn.benchmark, channels_last off / on), every output checked against ONNX Runtime CPU.",
+    )
+    p.add_argument("models", nargs="*", metavar="MODEL.onnx", help="models with a symbolic (or matching) batch axis")
+    p.add_argument("--batch", action="append", default=[], metavar="N[,N] | NAME=N[,N]",
+                   help="batch sizes (default 1,32); NAME=N[,N] overrides them for the model whose file stem is NAME")
+    p.add_argument("--vs", default="ort,torch", help="peers: ort, torch, both (default) or none")
+    p.add_argument("--runs", type=int, default=50, help="timed steady-state runs per contender (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs before them (default 10)")
+    p.add_argument("--tf32", default="auto", choices=["auto", "on", "off"],
+                   help="convpass --tf32; ONNX Runtime's use_tf32 and torch's allow_tf32 are 1 unless this is off")
+    p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or the XDG cache dir)")
+    p.add_argument("--panel-json", help="panel.json of models/export_panel.py (default: the one next to each model)")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
+    p.add_argument("--no-roofline", action="store_true", help="do not measure the GPU peaks (no roofline)")
+    p.add_argument("--from-json", nargs="+", metavar="FILE.json",
+                   help="no benchmark: print (and with --json / --plot, write) the report of recorded runs, merged")
+    p.set_defaults(func=bench_command)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# option parsing (pure)
+
+
+def parse_batches(specs: list[str]) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+    """``["1,32", "r3d_18=1,8"]`` -> ((1, 32), {"r3d_18": (1, 8)})."""
+    default: tuple[int, ...] | None = None
+    per_model: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        name, sep, values = spec.rpartition("=")
+        try:
+            batches = tuple(dict.fromkeys(int(v) for v in values.split(",") if v.strip()))
+        except ValueError:
+            raise ConvpassError(f"--batch {spec!r}: expected N[,N] or NAME=N[,N] with integers") from None
+        if not batches or min(batches) < 1:
+            raise ConvpassError(f"--batch {spec!r}: batch sizes must be positive integers")
+        if sep:
+            if not name:
+                raise ConvpassError(f"--batch {spec!r}: empty model name before '='")
+            per_model[name] = batches
+        else:
+            default = batches
+    return default or DEFAULT_BATCHES, per_model
+
+
+def parse_vs(text: str) -> tuple[str, ...]:
+    items = [t.strip().lower() for t in (text or "").split(",") if t.strip()]
+    if items in (["none"], []):
+        return ()
+    bad = [t for t in items if t not in VS_CHOICES]
+    if bad:
+        raise ConvpassError(f"--vs {text!r}: expected a comma-separated subset of {', '.join(VS_CHOICES)}, or none")
+    return tuple(dict.fromkeys(items))
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when there is a CUDA GPU CuPy and cuDNN can use, else why not (one line)."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 'convpass[gpu]')"
+    except Exception as e:  # noqa: BLE001
+        return f"CuPy cannot be imported: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    try:
+        if int(cupy.cuda.runtime.getDeviceCount()) < 1:
+            return "no CUDA GPU is visible"
+    except Exception as e:  # noqa: BLE001
+        return f"no usable CUDA driver or GPU ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    try:
+        from convpass.cudnn import library
+
+        library.version()
+    except Exception as e:  # noqa: BLE001
+        return f"cuDNN cannot be loaded ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def _out(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    errors = report.validate_document(doc)
+    if errors:  # a bug in this module, not the user's: say so, still write what we have
+        print(f"convpass bench: warning: the JSON document does not match its schema: {errors[0]}", file=sys.stderr)
+    if args.json_path:
+        Path(args.json_path).write_text(report.to_json(doc))
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        try:
+            report.write_plot(doc, args.plot)
+            print(f"wrote {args.plot}")
+        except report.PlotUnavailable as e:
+            print(f"convpass bench: {e}", file=sys.stderr)
+
+
+def _from_json(args: argparse.Namespace) -> int:
+    docs = []
+    for f in args.from_json:
+        try:
+            docs.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConvpassError(f"--from-json {f}: cannot read a bench JSON document ({e})") from None
+        errors = report.validate_document(docs[-1])
+        if errors:
+            raise ConvpassError(f"--from-json {f}: not a convpass bench document ({errors[0]})")
+    doc = report.merge_documents(docs)
+    print(report.format_report(doc))
+    _out(doc, args)
+    return 0
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if args.from_json:
+        return _from_json(args)
+    if not args.models:
+        raise ConvpassError("give one or more MODEL.onnx files (or --from-json FILE.json)")
+    if args.runs < 1 or args.warmup < 0:
+        raise ConvpassError("--runs must be >= 1 and --warmup >= 0")
+    batches, per_model = parse_batches(list(args.batch))
+    vs = parse_vs(args.vs)
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        print(f"convpass bench: no usable GPU here: {reason}; nothing was benchmarked", file=sys.stderr)
+        return 2
+    paths = [Path(m) for m in args.models]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ConvpassError(f"no such model file(s): {', '.join(missing)}")
+    unknown = sorted(set(per_model) - {p.stem for p in paths})
+    if unknown:
+        raise ConvpassError(f"--batch names model(s) not given: {', '.join(unknown)}")
+
+    from convpass.bench import contenders
+    from convpass.bench.roofline import measure_peaks
+
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    env = contenders.environment()
+    notes = [
+        "convpass's executor replays a CUDA graph after its first run; ONNX Runtime runs with enable_cuda_graph=0 "
+        "(its default and the issue's four configurations); PyTorch eager launches op by op.",
+        "cold start: convpass = Executor construction (model read, checks, plan) -> first result; ONNX Runtime = "
+        "session creation + first run (incl. its algorithm search); PyTorch = module.to(cuda) + first forward. "
+        "All in one process whose CUDA context already exists; convpass's tuning is ahead of time and reported apart.",
+    ]
+    peaks = None
+    if not args.no_roofline:
+        log("measuring peaks (TF32 / FP32 matmul, device copy)")
+        try:
+            peaks = measure_peaks()
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"peaks not measured ({type(e).__name__}: {e}); no roofline")
+    settings = {
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "batches": {p.stem: list(per_model.get(p.stem, batches)) for p in paths},
+        "vs": list(vs),
+        "tf32": args.tf32,
+        "timing": contenders.TIMING,
+        "cache": args.cache,
+        "tolerances": {"tf32": report.TOL_TF32, "fp32": report.TOL_FP32, "half": report.TOL_HALF},
+        "targets": dict(report.TARGETS),
+        "argv": sys.argv[1:],
+    }
+    print(report.format_environment(env, settings, peaks), flush=True)
+    cases: list[dict[str, Any]] = []
+    module_cache: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="convpass-bench-") as tmp:
+        for path in paths:
+            for batch in per_model.get(path.stem, batches):
+                try:
+                    case = contenders.bench_case(
+                        path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache,
+                        panel_json=args.panel_json, peaks=peaks, workdir=Path(tmp), module_cache=module_cache, log=log,
+                    )
+                except contenders.CaseSkipped as e:
+                    notes.append(f"{path.stem} b{batch} skipped: {e}")
+                    log(f"{path.stem} b{batch}: skipped ({e})")
+                    continue
+                except ValueError as e:
+                    raise ConvpassError(f"{path}: {e}") from None
+                report.annotate_case(case)
+                cases.append(case)
+                print("\n" + report.format_case(case), flush=True)
+    module_cache.clear()
+    doc = report.build_document(env, settings, peaks, cases, created, notes)
+    print("\n" + report.format_summary(doc["summary"]))
+    if cases:
+        print("\n" + report.format_markdown(cases))
+    for n in notes:
+        print(f"note: {n}")
+    _out(doc, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m convpass.bench.cli MODEL.onnx ...``: the same command without the ``convpass`` entry point."""
+    parser = argparse.ArgumentParser(prog="convpass")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ConvpassError as e:
+        print(f"convpass: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,770 @@
+"""What ``convpass bench`` runs on the GPU: the contenders, the reference, the environment record.
+
+Every contender is timed the same way (:func:`time_steady`): ``warmup`` untimed runs, then ``runs``
+runs each followed by ``cudaDeviceSynchronize``, timed on the host clock (``perf_counter``) from
+before the call to after the synchronize, so every runtime pays its own launch and Python overhead
+(ONNX Runtime runs on its own stream, so CUDA events on CuPy's stream would not bracket it). Inputs
+and outputs stay on the device: CuPy arrays for convpass, IOBinding to CuPy buffers for ONNX
+Runtime, DLPack views of the same CuPy input for PyTorch. The clocks are warmed by a short matmul
+before each contender's steady-state runs.
+
+* convpass: ``optimize`` of the model for this batch (timed: wall seconds, the tuner's seconds,
+  problems measured vs from the tuning cache), saved to a temporary file; then the executor's cold
+  start (``Executor(path, device="cuda")`` -> first result, synchronized) and its steady state.
+* ONNX Runtime CUDA EP: ``cudnn_conv_algo_search`` EXHAUSTIVE / HEURISTIC x ``prefer_nhwc`` 0 / 1,
+  ``use_tf32`` = 1 unless convpass was asked for ``--tf32 off``: session creation, first run (it
+  includes ORT's algorithm search), steady state.
+* PyTorch eager, for models that ``models/export_panel.py`` builds (found through the
+  ``panel.json`` next to the model or ``--panel-json``; seeded, so the weights are the exported
+  ones, which the output check confirms): ``cudnn.benchmark = True``, ``inference_mode``,
+  channels_last off and on; cold start = ``module.to("cuda")`` + first forward (with
+  cudnn.benchmark's search); building the module on the CPU is not counted.
+* Reference: ONNX Runtime's CPU EP on the original model and the same input (the convpass CPU
+  executor, said so, when onnxruntime is not installed).
+
+A contender whose runtime is missing comes back as ``unavailable: <reason>``, one that raises as
+``failed: <error>``; nothing here stops the other contenders.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from convpass.bench import report
+from convpass.bench.roofline import conv_roofline
+
+ORT_CONFIGS: tuple[tuple[str, int], ...] = (("EXHAUSTIVE", 0), ("EXHAUSTIVE", 1), ("HEURISTIC", 0), ("HEURISTIC", 1))
+TIMING = "host perf_counter around each run + cudaDeviceSynchronize; device-resident input and output"
+
+
+class CaseSkipped(Exception):
+    """This model cannot run at this batch (e.g. a fixed batch dimension)."""
+
+
+def ort_name(search: str, nhwc: int) -> str:
+    return f"ort {search} {'nhwc' if nhwc else 'nchw'}"
+
+
+def torch_name(channels_last: bool) -> str:
+    return "torch channels_last" if channels_last else "torch nchw"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def model_inputs(model: onnx.ModelProto) -> list[tuple[str, list[int | str | None], np.dtype]]:
+    """(name, dims, dtype) of every graph input that is not an initializer."""
+    inits = {t.name for t in model.graph.initializer}
+    out = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dims: list[int | str | None] = []
+        for d in tt.shape.dim:
+            dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
+        out.append((vi.name, dims, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))))
+    return out
+
+
+def input_shapes(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]:
+    """Concrete input shapes at ``batch``: a symbolic first dim becomes the batch.
+
+    Raises :class:`CaseSkipped` for a fixed first dim other than ``batch``, ValueError for other
+    symbolic dims (the benchmark only sets the batch axis).
+    """
+    shapes = {}
+    for name, dims, _ in model_inputs(model):
+        if not dims:
+            raise ValueError(f"input {name!r} has no shape; the benchmark needs ranked inputs")
+        first = dims[0]
+        if isinstance(first, int) and first > 0 and first != batch:
+            raise CaseSkipped(f"input {name!r} has a fixed batch of {first}, not {batch}")
+        rest = []
+        for i, d in enumerate(dims[1:], start=1):
+            if not isinstance(d, int) or d <= 0:
+                raise ValueError(f"input {name!r} dim {i} is symbolic ({d!r}); the benchmark only sets the batch axis")
+            rest.append(d)
+        shapes[name] = (batch, *rest)
+    return shapes
+
+
+def shape_spec(shapes: Mapping[str, Sequence[int]]) -> str:
+    """The ``--shape`` profile string for ``optimize``: ``input=32x3x224x224``."""
+    return ",".join(f"{n}={'x'.join(map(str, s))}" for n, s in shapes.items())
+
+
+def make_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]], seed: int = 0) -> dict[str, np.ndarray]:
+    """Random host inputs: standard normal for floats, small integers otherwise (never all zeros)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, _, dtype in model_inputs(model):
+        shape = tuple(shapes[name])
+        if dtype.kind == "f":
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[name] = rng.integers(0, 2, shape).astype(dtype)
+        else:
+            feeds[name] = rng.integers(1, 10, shape).astype(dtype)
+    return feeds
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def time_steady(run: Callable[[], Any], sync: Callable[[], None], runs: int, warmup: int,
+                clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """``warmup`` untimed runs, then ``runs`` timed runs (ms), each ended by ``sync``."""
+    for _ in range(warmup):
+        run()
+        sync()
+    times = []
+    for _ in range(runs):
+        t0 = clock()
+        run()
+        sync()
+        times.append((clock() - t0) * 1e3)
+    return times
+
+
+def _cupy():
+    import cupy as cp
+
+    return cp
+
+
+def device_sync() -> None:
+    _cupy().cuda.runtime.deviceSynchronize()
+
+
+def warm_gpu(seconds: float = 0.05) -> None:
+    """Bring the clocks up before a steady-state measurement (idle GPUs sit at low clocks)."""
+    cp = _cupy()
+    a = cp.ones((2048, 2048), dtype=cp.float32)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(4):
+            a @ a
+        device_sync()
+
+
+def free_gpu_memory() -> None:
+    gc.collect()
+    cp = _cupy()
+    device_sync()
+    cp.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# availability
+
+
+def ort_unavailable_reason() -> str | None:
+    """None when ONNX Runtime's CUDA EP is importable, else why not."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        return f"onnxruntime is not installed ({e}); install onnxruntime-gpu"
+    try:
+        providers = list(ort.get_available_providers())
+    except Exception as e:  # noqa: BLE001
+        return f"onnxruntime cannot list its providers: {_first_line(e)}"
+    if "CUDAExecutionProvider" not in providers:
+        return (f"onnxruntime {getattr(ort, '__version__', '?')} has no CUDAExecutionProvider "
+                f"(providers: {', '.join(providers) or 'none'}); install onnxruntime-gpu")
+    return None
+
+
+def torch_unavailable_reason() -> str | None:
+    """None when PyTorch with CUDA is importable, else why not."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch is not installed ({e})"
+    except Exception as e:  # noqa: BLE001
+        return f"torch cannot be imported: {_first_line(e)}"
+    try:
+        if not torch.cuda.is_available():
+            return f"torch {torch.__version__} sees no CUDA device (CPU-only build or no driver)"
+    except Exception as e:  # noqa: BLE001
+        return f"torch CUDA check failed: {_first_line(e)}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the PyTorch builder of a model
+
+
+def panel_entry(model_path: str | os.PathLike, panel_json: str | os.PathLike | None = None) -> tuple[dict | None, str | None]:
+    """The ``panel.json`` entry of ``model_path`` (written by ``models/export_panel.py``) or (None, why not).
+
+    ``panel_json`` defaults to ``panel.json`` in the model's folder. The entry is the one whose
+    ``file`` is the model's file name (or whose ``name`` is its stem).
+    """
+    model_path = Path(model_path)
+    pj = Path(panel_json) if panel_json else model_path.parent / "panel.json"
+    if not pj.is_file():
+        return None, f"no {pj} (export the model with models/export_panel.py, or give --panel-json)"
+    try:
+        doc = json.loads(pj.read_text())
+        entries = list(doc.get("models", []))
+    except (OSError, ValueError, AttributeError) as e:
+        return None, f"cannot read {pj}: {_first_line(e)}"
+    for e in entries:
+        if isinstance(e, dict) and e.get("file") == model_path.name:
+            return e, None
+    for e in entries:
+        if isinstance(e, dict) and e.get("name") == model_path.stem:
+            return e, None
+    return None, f"{model_path.name} is not listed in {pj}: no known PyTorch builder"
+
+
+def export_panel_candidates() -> list[Path]:
+    import convpass
+
+    here = Path(convpass.__file__).resolve().parent.parent
+    return [here / "models" / "export_panel.py", Path.cwd() / "models" / "export_panel.py"]
+
+
+def load_export_panel() -> Any:
+    """Import ``models/export_panel.py`` (it defines ``build_torch_model``); ImportError when not found."""
+    mod = sys.modules.get("export_panel")
+    if mod is not None and hasattr(mod, "build_torch_model"):
+        return mod
+    for path in export_panel_candidates():
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location("export_panel", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules["export_panel"] = mod
+            try:
+                spec.loader.exec_module(mod)  # type: ignore[union-attr]
+            except BaseException:
+                sys.modules.pop("export_panel", None)
+                raise
+            return mod
+    raise ImportError(f"models/export_panel.py not found (looked in {', '.join(map(str, export_panel_candidates()))})")
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def reference_outputs(path: str | os.PathLike, feeds: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray] | None, str | None, str | None]:
+    """(outputs, label, note): ONNX Runtime CPU on the original model, else the convpass CPU executor."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        ort = None
+    if ort is not None:
+        try:
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            sess = ort.InferenceSession(os.fspath(path), so, providers=["CPUExecutionProvider"])
+            outs = sess.run(None, dict(feeds))
+            return [np.asarray(o) for o in outs], f"onnxruntime {ort.__version__} CPU", None
+        except Exception as e:  # noqa: BLE001
+            note = f"onnxruntime CPU reference failed ({_first_line(e)}); "
+    else:
+        note = "onnxruntime is not installed; "
+    try:
+        from convpass.runtime.executor import Executor
+
+        ex = Executor(os.fspath(path), device="cpu")
+        outs = ex.run(None, dict(feeds))
+        return [np.asarray(o) for o in outs], "convpass CPU executor (NumPy)", note + "reference is the convpass CPU executor"
+    except Exception as e:  # noqa: BLE001
+        return None, None, note + f"the convpass CPU executor failed too ({_first_line(e)}): outputs are unchecked"
+
+
+def check(c: dict[str, Any], output_sets: Sequence[Sequence[Any] | None], ref: Sequence[np.ndarray] | None,
+          tf32: bool | None, dtype: str) -> dict[str, Any]:
+    """Judge a timed contender against the reference: the worst error over its output sets (the
+    first run's and the last steady-state run's, so a broken replay cannot hide behind a good first run)."""
+    tol = report.tolerance_for(tf32, dtype)
+    if ref is None:
+        return report.judge(c, None, tol)
+    worst = 0.0
+    for outputs in output_sets:
+        worst = max(worst, math.inf if outputs is None else report.relative_error(outputs, ref))
+    return report.judge(c, worst, tol)
+
+
+def _host(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    get = getattr(x, "get", None)
+    if callable(get):  # CuPy
+        return get()
+    return np.asarray(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# convpass
+
+
+def decision_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts of memory formats, math modes and sources over a tuned model's conv records."""
+    out: dict[str, dict[str, int]] = {"memory_format": {}, "math_mode": {}, "source": {}}
+    for r in records:
+        for k in out:
+            v = str(r.get(k))
+            out[k][v] = out[k].get(v, 0) + 1
+    return out
+
+
+def uses_tf32(records: Sequence[Mapping[str, Any]], matmul_tf32: bool = False) -> bool:
+    """Whether any conv may run with TF32: every conv not recorded as ``fma`` (TF32 off) may, since
+    undecided (``auto``) and untuned convs run with cuDNN's default math; or Gemm / MatMul does."""
+    return any(r.get("math_mode") != "fma" for r in records) or bool(matmul_tf32)
+
+
+def run_optimize(path: Path, spec: str, tf32: str, cache: str | None, out_path: Path) -> tuple[dict[str, Any], list[dict]]:
+    """Tune ``path`` for one shape profile; save to ``out_path``; (tuning record, inspect records)."""
+    from rich.console import Console
+
+    import convpass
+    from convpass.model_io import load_model, save_model
+    from convpass.options import TuneOptions
+    from convpass.pipeline import optimize_model
+
+    options = TuneOptions(tf32=tf32)
+    t0 = time.perf_counter()
+    model = load_model(path)
+    rep = optimize_model(model, options, [spec], cache, None, Console(stderr=True, quiet=True))
+    save_model(model, out_path)
+    wall = time.perf_counter() - t0
+    records = convpass.inspect(out_path)
+    tuning = {
+        "optimize_s": wall,
+        "tuning_s": rep.tuning_seconds,
+        "problems": rep.problems,
+        "measured": rep.measured,
+        "cached": rep.cached,
+        "failed": rep.failed,
+        "undecided": rep.undecided,
+        "all_cached": bool(rep.measured == 0 and (rep.cached or 0) > 0),
+        "backend": rep.backend,
+        "decisions": decision_summary(records),
+        "tf32_option": tf32,
+    }
+    return tuning, records
+
+
+def run_convpass(tuned_path: Path, tuning: dict[str, Any], records: Sequence[Mapping[str, Any]], dev_feeds: Mapping[str, Any],
+                 ref: Sequence[np.ndarray] | None, dtype: str, runs: int, warmup: int) -> dict[str, Any]:
+    """The convpass executor on the tuned model: cold start, steady state, output check."""
+    tf32 = uses_tf32(records) if dtype == "float32" else None
+    config = {"device": "cuda", "cuda_graph": True, "tf32_option": tuning.get("tf32_option")}
+    try:
+        from convpass.runtime.errors import ExecutorError
+        from convpass.runtime.executor import Executor
+    except ImportError as e:
+        return report.unavailable("convpass", "convpass", f"convpass executor cannot be imported: {_first_line(e)}", config)
+    free_gpu_memory()
+    try:
+        t0 = time.perf_counter()
+        ex = Executor(os.fspath(tuned_path), device="cuda", output_kind="device")
+        first = ex.run(None, dict(dev_feeds))
+        device_sync()
+        cold = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001  (ExecutorError, CudnnError, out of memory...: reported, the peers still run)
+        msg = _first_line(e)
+        status = "unavailable" if isinstance(e, ExecutorError) and "not available" in msg else "failed"
+        return report.contender("convpass", "convpass", config, status=status, reason=f"convpass executor: {msg}", tf32=tf32,
+                                tuning=tuning)
+    try:
+        first_host = [_host(o) for o in first]
+        del first
+        last: list[Any] = []
+
+        def run() -> None:
+            last[:] = ex.run(None, dev_feeds)
+
+        warm_gpu()
+        times = time_steady(run, device_sync, runs, warmup)
+        last_host = [_host(o) for o in last]
+    except Exception as e:  # noqa: BLE001
+        c = report.contender("convpass", "convpass", config, status="failed", reason=_first_line(e), cold_start_s=cold, tf32=tf32)
+        c["tuning"] = tuning
+        return c
+    c = report.contender("convpass", "convpass", config, cold_start_s=cold, times_ms=times, tf32=tf32)
+    c["tuning"] = tuning
+    check(c, [first_host, last_host], ref, tf32, dtype)  # the steady-state (graph-replayed) output too
+    del ex, last
+    free_gpu_memory()
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime CUDA EP
+
+
+def run_ort(path: Path, feeds_host: Mapping[str, np.ndarray], dev_feeds: Mapping[str, Any], ref: Sequence[np.ndarray] | None,
+            use_tf32: bool, dtype: str, runs: int, warmup: int) -> list[dict[str, Any]]:
+    """The four ORT CUDA EP configurations (or four ``unavailable`` records saying why)."""
+    configs = [
+        {"cudnn_conv_algo_search": s, "prefer_nhwc": n, "use_tf32": int(use_tf32), "io_binding": True, "enable_cuda_graph": 0}
+        for s, n in ORT_CONFIGS
+    ]
+    reason = ort_unavailable_reason()
+    if reason is not None:
+        return [report.unavailable(ort_name(c["cudnn_conv_algo_search"], c["prefer_nhwc"]), "ort", reason, c) for c in configs]
+    return [_run_ort_one(path, feeds_host, dev_feeds, ref, cfg, dtype, runs, warmup) for cfg in configs]
+
+
+def _run_ort_one(path: Path, feeds_host: Mapping[str, np.ndarray], dev_feeds: Mapping[str, Any], ref: Sequence[np.ndarray] | None,
+                 cfg: dict[str, Any], dtype: str, runs: int, warmup: int) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    cp = _cupy()
+    name = ort_name(cfg["cudnn_conv_algo_search"], cfg["prefer_nhwc"])
+    tf32 = bool(cfg["use_tf32"])
+    free_gpu_memory()
+    sess = binding = None
+    try:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        dev = cp.cuda.Device().id
+        provider_options = {
+            "device_id": str(dev),
+            "cudnn_conv_algo_search": cfg["cudnn_conv_algo_search"],
+            "prefer_nhwc": str(cfg["prefer_nhwc"]),
+            "use_tf32": str(cfg["use_tf32"]),
+        }
+        t0 = time.perf_counter()
+        sess = ort.InferenceSession(os.fspath(path), so, providers=[("CUDAExecutionProvider", provider_options), "CPUExecutionProvider"])
+        session_s = time.perf_counter() - t0
+        if "CUDAExecutionProvider" not in sess.get_providers():
+            return report.unavailable(name, "ort", "the CUDA EP did not load (the session fell back to CPU; check CUDA / cuDNN libraries)", cfg)
+        binding = sess.io_binding()
+        for n, x in dev_feeds.items():
+            binding.bind_input(n, "cuda", dev, feeds_host[n].dtype.type, list(x.shape), x.data.ptr)
+        out_names = [o.name for o in sess.get_outputs()]
+        out_bufs = []
+        if ref is not None and len(ref) == len(out_names):
+            for n, r in zip(out_names, ref):
+                buf = cp.empty(r.shape, dtype=r.dtype)
+                out_bufs.append(buf)
+                binding.bind_output(n, "cuda", dev, r.dtype.type, list(r.shape), buf.data.ptr)
+        else:
+            for n in out_names:
+                binding.bind_output(n, "cuda", dev)
+        t0 = time.perf_counter()
+        sess.run_with_iobinding(binding)
+        device_sync()
+        first_s = time.perf_counter() - t0
+
+        def outputs() -> list[np.ndarray]:
+            if out_bufs:
+                return [b.get() for b in out_bufs]
+            return [np.asarray(o.numpy()) for o in binding.get_outputs()]
+
+        first_host = outputs()
+        warm_gpu()
+        times = time_steady(lambda: sess.run_with_iobinding(binding), device_sync, runs, warmup)
+        last_host = outputs()
+    except Exception as e:  # noqa: BLE001
+        return report.contender(name, "ort", cfg, status="failed", reason=_first_line(e), tf32=tf32)
+    finally:
+        del sess, binding
+    c = report.contender(name, "ort", cfg, cold_start_s=session_s + first_s, session_s=session_s, first_run_s=first_s,
+                         times_ms=times, tf32=tf32)
+    check(c, [first_host, last_host], ref, tf32, dtype)
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch eager
+
+
+def run_torch(model_path: Path, panel_json: str | None, dev_feeds: Mapping[str, Any], ref: Sequence[np.ndarray] | None,
+              tf32: bool, dtype: str, runs: int, warmup: int, module_cache: dict[str, Any]) -> list[dict[str, Any]]:
+    """PyTorch eager, channels_last off and on (or records saying why not)."""
+    cfgs = [{"cudnn_benchmark": True, "channels_last": cl, "inference_mode": True, "allow_tf32": bool(tf32)} for cl in (False, True)]
+    names = [torch_name(c["channels_last"]) for c in cfgs]
+    reason = torch_unavailable_reason()
+    if reason is not None:
+        return [report.unavailable(n, "torch", reason, c) for n, c in zip(names, cfgs)]
+    entry, why = panel_entry(model_path, panel_json)
+    if entry is None:
+        return [report.unavailable(n, "torch", why or "no known builder", c, status="skipped") for n, c in zip(names, cfgs)]
+    if len(dev_feeds) != 1:
+        return [report.unavailable(n, "torch", "PyTorch contender supports single-input models only", c, status="skipped")
+                for n, c in zip(names, cfgs)]
+    key = entry.get("name") or model_path.stem
+    try:
+        if key not in module_cache:
+            panel = load_export_panel()
+            t0 = time.perf_counter()
+            module, _ = panel.build_torch_model(key)
+            module_cache.clear()  # one CPU module at a time
+            module_cache[key] = (module, time.perf_counter() - t0)
+        module, build_s = module_cache[key]
+    except Exception as e:  # noqa: BLE001
+        return [report.contender(n, "torch", c, status="failed", reason=f"building {key}: {_first_line(e)}") for n, c in zip(names, cfgs)]
+    out = []
+    for n, c in zip(names, cfgs):
+        c = dict(c, builder=entry.get("builder"), panel_name=key, module_build_s=round(build_s, 3),
+                 cold_start="module.to(cuda) + first forward (incl. cudnn.benchmark search); CPU construction excluded")
+        out.append(_run_torch_one(n, c, module, entry, dev_feeds, ref, tf32, dtype, runs, warmup))
+    return out
+
+
+def _run_torch_one(name: str, cfg: dict[str, Any], module_cpu: Any, entry: Mapping[str, Any], dev_feeds: Mapping[str, Any],
+                   ref: Sequence[np.ndarray] | None, tf32: bool, dtype: str, runs: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    (x_cp,) = dev_feeds.values()
+    fmt = None
+    if cfg["channels_last"]:
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x_cp.ndim)
+        if fmt is None:
+            return report.unavailable(name, "torch", f"channels_last does not apply to rank-{x_cp.ndim} inputs", cfg, status="skipped")
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = bool(tf32)
+    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    free_gpu_memory()
+    m = None
+    try:
+        x = torch.from_dlpack(x_cp)  # the same device input, no copy
+        if fmt is not None:
+            x = x.contiguous(memory_format=fmt)
+        m = copy.deepcopy(module_cpu)
+        if entry.get("dtype") == "float16":
+            m = m.half()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = m.to("cuda")
+        if fmt is not None:
+            m = m.to(memory_format=fmt)
+        with torch.inference_mode():
+            y = _first_tensor(m(x))
+            torch.cuda.synchronize()
+            cold = time.perf_counter() - t0
+            first_host = [y.detach().float().contiguous().cpu().numpy()]
+            last: list[Any] = [None]
+
+            def run() -> None:
+                last[0] = m(x)
+
+            warm_gpu()
+            times = time_steady(run, torch.cuda.synchronize, runs, warmup)
+            last_host = [_first_tensor(last[0]).detach().float().contiguous().cpu().numpy()]
+    except Exception as e:  # noqa: BLE001
+        return report.contender(name, "torch", cfg, status="failed", reason=_first_line(e), tf32=bool(tf32))
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        del m
+    c = report.contender(name, "torch", cfg, cold_start_s=cold, times_ms=times, tf32=bool(tf32))
+    check(c, [first_host, last_host], ref, tf32, dtype)
+    if c["status"] == "wrong":
+        c["reason"] += " (weights differ from the ONNX file, or a different computation)"
+    return c
+
+
+def _first_tensor(y: Any) -> Any:
+    if isinstance(y, Mapping):
+        y = y.get("out", next(iter(y.values())))
+    if isinstance(y, (tuple, list)):
+        y = y[0]
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# one case
+
+
+def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: int, tf32: str, cache: str | None,
+               panel_json: str | None, peaks: Mapping[str, Any] | None, workdir: Path,
+               module_cache: dict[str, Any], log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Benchmark one model at one batch; returns the (not yet annotated) case record."""
+    model = onnx.load(os.fspath(path), load_external_data=False)
+    shapes = input_shapes(model, batch)
+    dtypes = {n: str(dt) for n, _, dt in model_inputs(model)}
+    dtype = next(iter(dtypes.values()), "float32")
+    feeds = make_feeds(model, shapes)
+    del model
+    case: dict[str, Any] = {
+        "model": path.stem, "file": str(path), "batch": batch, "inputs": {n: list(s) for n, s in shapes.items()},
+        "dtype": dtype, "reference": None, "contenders": [], "best_peer": None, "best_ort": None, "best_torch": None,
+        "ratios": {}, "roofline": None, "notes": [],
+    }
+    log(f"{path.stem} b{batch}: reference")
+    ref, label, note = reference_outputs(path, feeds)
+    case["reference"] = label
+    if note:
+        case["notes"].append(note)
+
+    cp = _cupy()
+    dev_feeds = {n: cp.asarray(a) for n, a in feeds.items()}
+    device_sync()
+
+    # convpass: optimize, then the executor
+    log(f"{path.stem} b{batch}: convpass optimize")
+    tuned_path = workdir / f"{path.stem}.b{batch}.tuned.onnx"
+    records: list[dict] = []
+    try:
+        tuning, records = run_optimize(path, shape_spec(shapes), tf32, cache, tuned_path)
+    except Exception as e:  # noqa: BLE001
+        case["contenders"].append(report.contender("convpass", "convpass", {"tf32_option": tf32}, status="failed",
+                                                   reason=f"optimize: {_first_line(e)}"))
+    else:
+        log(f"{path.stem} b{batch}: convpass executor")
+        case["contenders"].append(run_convpass(tuned_path, tuning, records, dev_feeds, ref, dtype, runs, warmup))
+        profile = next((r["profile"] for r in records if r.get("profile")), None)
+        case["roofline"] = conv_roofline(records, peaks, profile)
+    use_tf32 = tf32 != "off"
+    if "ort" in vs:
+        log(f"{path.stem} b{batch}: onnxruntime CUDA EP x4")
+        case["contenders"] += run_ort(path, feeds, dev_feeds, ref, use_tf32, dtype, runs, warmup)
+    if "torch" in vs:
+        log(f"{path.stem} b{batch}: torch eager x2")
+        case["contenders"] += run_torch(path, panel_json, dev_feeds, ref, use_tf32, dtype, runs, warmup, module_cache)
+    del dev_feeds
+    for f in workdir.glob(f"{path.stem}.b{batch}.tuned.onnx*"):
+        try:
+            f.unlink()
+        except OSError:
+            pass
+    free_gpu_memory()
+    return case
+
+
+# ---------------------------------------------------------------------------------------------
+# environment
+
+
+def _dist_version(*names: str) -> str | None:
+    from importlib import metadata
+
+    for n in names:
+        try:
+            return metadata.version(n)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _module_version(name: str) -> str | None:
+    mod = sys.modules.get(name)
+    return getattr(mod, "__version__", None) if mod is not None else None
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of everything the numbers depend on (None: not installed)."""
+    import convpass
+
+    out = {
+        "python": platform.python_version(),
+        "convpass": convpass.__version__,
+        "numpy": np.__version__,
+        "onnx": onnx.__version__,
+        "onnx-ir": _dist_version("onnx-ir", "onnx_ir"),
+        "onnxruntime": _dist_version("onnxruntime") or None,
+        "onnxruntime-gpu": _dist_version("onnxruntime-gpu"),
+        "cupy": _dist_version("cupy-cuda13x", "cupy-cuda12x", "cupy") or _module_version("cupy"),
+        "nvidia-cudnn": _dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"),
+        "torch": _dist_version("torch") or _module_version("torch"),
+        "torchvision": _dist_version("torchvision") or _module_version("torchvision"),
+        "matplotlib": _dist_version("matplotlib"),
+    }
+    ort = sys.modules.get("onnxruntime")
+    if ort is None:
+        try:
+            import onnxruntime as ort  # noqa: F811
+        except ImportError:
+            ort = None
+    if ort is not None:
+        version = getattr(ort, "__version__", None)
+        if out["onnxruntime-gpu"] is None and out["onnxruntime"] is None:
+            out["onnxruntime"] = version
+        try:
+            out["onnxruntime-providers"] = ",".join(ort.get_available_providers())
+        except Exception:  # noqa: BLE001
+            out["onnxruntime-providers"] = None
+    return out
+
+
+def driver_version() -> str | None:
+    """The NVIDIA kernel driver release (e.g. 580.159.04)."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        m = re.search(r"Module(?:\s+for\s+\S+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=False)
+        line = res.stdout.strip().splitlines()
+        return line[0].strip() if res.returncode == 0 and line else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def environment() -> dict[str, Any]:
+    """Device, driver, CUDA, cuDNN and package versions."""
+    cp = _cupy()
+    rt = cp.cuda.runtime
+    dev = cp.cuda.Device()
+    props = rt.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    env: dict[str, Any] = {
+        "device": name,
+        "compute_capability": f"{props['major']}.{props['minor']}",
+        "sm_count": int(props["multiProcessorCount"]),
+        "memory_bytes": int(props["totalGlobalMem"]),
+        "driver": driver_version(),
+        "cuda_runtime": _cuda_version(int(rt.runtimeGetVersion())),
+        "cuda_driver_api": _cuda_version(int(rt.driverGetVersion())),
+        "cudnn": None,
+        "cudnn_path": None,
+        "host": platform.node(),
+    }
+    try:
+        from convpass.cudnn import library
+        from convpass.device import cudnn_version_string
+
+        env["cudnn"] = cudnn_version_string(library.version())
+        env["cudnn_path"] = library.path()
+    except Exception as e:  # noqa: BLE001
+        env["cudnn"] = None
+        env["cudnn_error"] = _first_line(e)
+    env["packages"] = package_versions()
+    return env

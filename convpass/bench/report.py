@@ -1,0 +1,816 @@
+"""The pure logic of ``convpass bench``: statistics, verdicts, ratios, targets, tables, JSON.
+
+Nothing here touches a GPU; everything works on plain dicts (the JSON document's own form), so a
+recorded run can be re-rendered (``convpass bench --from-json``) and every rule is testable on a
+machine without a GPU.
+
+Data
+----
+A *contender* is one runtime configuration timed on one model and batch (see :func:`contender`):
+``name`` (``convpass``, ``ort EXHAUSTIVE nhwc``, ``torch channels_last``...), ``family``
+(``convpass`` / ``ort`` / ``torch``), ``config``, ``status`` and ``reason``, the timings
+(``cold_start_s``; ORT's ``session_s`` + ``first_run_s``; ``median_ms``, ``p10_ms``, ``p90_ms``,
+``min_ms`` and every steady-state run in ``times_ms``), the output check (``rel_err`` against the
+reference, ``tolerance``) and ``ratio_to_best_peer``. Statuses:
+
+* ``ok`` — timed and its output matched the reference within the tolerance;
+* ``unchecked`` — timed, but there was no reference output to check it against (said so);
+* ``wrong`` — its output did not match: it is shown, never ranked (no ratio, never a "best");
+* ``unavailable`` — the runtime is missing here (no onnxruntime-gpu, no torch, no cuda executor);
+* ``skipped`` — not applicable (PyTorch for a model no known builder made);
+* ``failed`` — it raised while running (the reason holds the error's first line).
+
+A *case* is one model at one batch: its contenders, the best peer (fastest rankable ORT or PyTorch
+configuration), ``ratios`` and the ``roofline``. The *document* adds the environment, the settings,
+the measured peaks and the ``summary`` against the issue's targets.
+
+Targets (issue 5), reported met or not, never tuned to pass
+-----------------------------------------------------------
+* steady state: geometric mean over the cases of convpass median / best ORT configuration median
+  at most 0.85;
+* steady state: convpass median / best PyTorch eager median at most 1.00 in every case;
+* cold start: ORT EXHAUSTIVE (session creation + first run, the faster of its two layouts) at
+  least 5x convpass's (executor construction -> first result) in every case.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+SCHEMA_ID = "convpass.bench/1"
+
+FAMILIES = ("convpass", "ort", "torch")
+STATUSES = ("ok", "unchecked", "wrong", "unavailable", "skipped", "failed")
+RANKABLE = ("ok", "unchecked")
+VERDICTS = ("met", "not met", "not measured")
+
+# Normwise relative error allowed against the fp32 ONNX Runtime CPU reference.
+TOL_TF32 = 5e-3
+TOL_FP32 = 1e-4
+TOL_HALF = 1e-2
+
+TARGETS: dict[str, float] = {
+    "steady_vs_best_ort": 0.85,  # geomean of convpass / best ORT, at most
+    "steady_vs_best_torch": 1.00,  # convpass / best torch in every case, at most
+    "cold_start_speedup_vs_ort_exhaustive": 5.0,  # ORT EXHAUSTIVE cold / convpass cold in every case, at least
+}
+
+CONTENDER_KEYS = (
+    "name", "family", "config", "status", "reason", "cold_start_s", "session_s", "first_run_s", "median_ms",
+    "p10_ms", "p90_ms", "min_ms", "runs", "times_ms", "rel_err", "tolerance", "tf32", "ratio_to_best_peer", "tuning",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics and checks
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics (NumPy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    xs = sorted(float(v) for v in values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize_times(times_ms: Sequence[float]) -> dict[str, Any]:
+    """Median, p10, p90, min and count of steady-state run times (ms)."""
+    if not times_ms:
+        raise ValueError("no run times")
+    return {
+        "median_ms": statistics.median(times_ms),
+        "p10_ms": percentile(times_ms, 10),
+        "p90_ms": percentile(times_ms, 90),
+        "min_ms": min(times_ms),
+        "runs": len(times_ms),
+    }
+
+
+def relative_error(outputs: Sequence[Any], references: Sequence[Any]) -> float:
+    """Normwise ||out - ref|| / ||ref||, the largest over the outputs; inf on NaN / Inf / shape mismatch."""
+    import numpy as np
+
+    if len(outputs) != len(references):
+        return math.inf
+    worst = 0.0
+    for out, ref in zip(outputs, references):
+        o = np.asarray(out, dtype=np.float64)
+        r = np.asarray(ref, dtype=np.float64)
+        if o.shape != r.shape:
+            return math.inf
+        diff = float(np.linalg.norm((o - r).ravel()))
+        if not math.isfinite(diff):
+            return math.inf
+        worst = max(worst, diff / max(float(np.linalg.norm(r.ravel())), 1e-30))
+    return worst
+
+
+def tolerance_for(tf32: bool | None, dtype: str = "float32") -> float:
+    """The allowed normwise relative error: 1e-2 for half types, 5e-3 with TF32, 1e-4 in full fp32."""
+    if dtype in ("float16", "bfloat16"):
+        return TOL_HALF
+    return TOL_TF32 if tf32 or tf32 is None else TOL_FP32
+
+
+def judge(c: dict[str, Any], rel_err: float | None, tolerance: float) -> dict[str, Any]:
+    """Record the output check on a timed contender: ``ok``, ``wrong`` (with why) or ``unchecked``."""
+    c["tolerance"] = tolerance
+    if rel_err is None:
+        c["status"] = "unchecked"
+        c["reason"] = c.get("reason") or "no reference output to check against"
+        return c
+    c["rel_err"] = rel_err if math.isfinite(rel_err) else None
+    if not math.isfinite(rel_err):
+        c["status"] = "wrong"
+        c["reason"] = "output has NaN / Inf or the wrong shape"
+    elif rel_err > tolerance:
+        c["status"] = "wrong"
+        c["reason"] = f"relative error {rel_err:.2e} > tolerance {tolerance:.0e}"
+    else:
+        c["status"] = "ok"
+    return c
+
+
+def contender(name: str, family: str, config: Mapping[str, Any] | None = None, status: str = "ok",
+              reason: str | None = None, **values: Any) -> dict[str, Any]:
+    """A contender record with every key present (None where it does not apply)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    unknown = set(values) - set(CONTENDER_KEYS)
+    if unknown:
+        raise ValueError(f"unknown contender field(s): {', '.join(sorted(unknown))}")
+    c: dict[str, Any] = {k: None for k in CONTENDER_KEYS}
+    c.update(name=name, family=family, config=dict(config or {}), status=status, reason=reason, times_ms=[])
+    c.update(values)
+    if c["times_ms"] and c["median_ms"] is None:
+        c.update(summarize_times(c["times_ms"]))
+    return c
+
+
+def unavailable(name: str, family: str, reason: str, config: Mapping[str, Any] | None = None,
+                status: str = "unavailable") -> dict[str, Any]:
+    """A contender that could not run here, with the reason in plain words."""
+    return contender(name, family, config, status=status, reason=reason)
+
+
+def rankable(c: Mapping[str, Any]) -> bool:
+    return c.get("status") in RANKABLE and isinstance(c.get("median_ms"), (int, float)) and c["median_ms"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# ratios
+
+
+def geomean(values: Iterable[float]) -> float | None:
+    """Geometric mean; None for no values; ValueError for a value <= 0."""
+    xs = list(values)
+    if not xs:
+        return None
+    if any(not (isinstance(x, (int, float)) and x > 0 and math.isfinite(x)) for x in xs):
+        raise ValueError(f"geometric mean needs positive finite values, got {xs}")
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def best_of(contenders: Sequence[Mapping[str, Any]], families: Sequence[str]) -> Mapping[str, Any] | None:
+    """The rankable contender of the given families with the lowest median (None when there is none)."""
+    pool = [c for c in contenders if c.get("family") in families and rankable(c)]
+    return min(pool, key=lambda c: c["median_ms"]) if pool else None
+
+
+def find(case: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    for c in case.get("contenders", []):
+        if c.get("name") == name:
+            return c
+    return None
+
+
+def ort_exhaustive_cold(case: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ORT EXHAUSTIVE configuration with the shortest session + first run (the one kindest to ORT)."""
+    pool = [
+        c for c in case.get("contenders", [])
+        if c.get("family") == "ort" and (c.get("config") or {}).get("cudnn_conv_algo_search") == "EXHAUSTIVE"
+        and c.get("status") in RANKABLE and isinstance(c.get("cold_start_s"), (int, float))
+    ]
+    return min(pool, key=lambda c: c["cold_start_s"]) if pool else None
+
+
+def annotate_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``best_peer`` / ``best_ort`` / ``best_torch``, each contender's ``ratio_to_best_peer`` and ``ratios``."""
+    cs = case.get("contenders", [])
+    best_peer = best_of(cs, ("ort", "torch"))
+    best_ort = best_of(cs, ("ort",))
+    best_torch = best_of(cs, ("torch",))
+    for c in cs:
+        c["ratio_to_best_peer"] = c["median_ms"] / best_peer["median_ms"] if best_peer and rankable(c) else None
+    case["best_peer"] = best_peer["name"] if best_peer else None
+    case["best_ort"] = best_ort["name"] if best_ort else None
+    case["best_torch"] = best_torch["name"] if best_torch else None
+    ours = find(case, "convpass")
+    ok = ours is not None and rankable(ours)
+    cold = ort_exhaustive_cold(case)
+    ours_cold = ours.get("cold_start_s") if ok else None
+    case["ratios"] = {
+        "vs_best_ort": ours["median_ms"] / best_ort["median_ms"] if ok and best_ort else None,
+        "vs_best_torch": ours["median_ms"] / best_torch["median_ms"] if ok and best_torch else None,
+        "cold_start_speedup_vs_ort_exhaustive": (
+            cold["cold_start_s"] / ours_cold if cold and isinstance(ours_cold, (int, float)) and ours_cold > 0 else None
+        ),
+        "ort_exhaustive_cold": cold["name"] if cold else None,
+    }
+    return case
+
+
+def case_label(case: Mapping[str, Any]) -> str:
+    return f"{case.get('model')} b{case.get('batch')}"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("met" if ok else "not met")
+
+
+def summarize(cases: Sequence[Mapping[str, Any]], targets: Mapping[str, float] = TARGETS) -> dict[str, Any]:
+    """Geometric means and worst cases of the three ratios, each with its target and verdict.
+
+    A case where convpass itself is wrong or failed makes every steady-state target ``not met``
+    (convpass gave no valid result there); cases where a peer could not be measured are left out and
+    listed; with no case measured the verdict is ``not measured``.
+    """
+    summary: dict[str, Any] = {"cases": len(cases)}
+    bad_ours = []
+    for case in cases:
+        ours = find(case, "convpass")
+        if ours is not None and ours.get("status") in ("wrong", "failed"):
+            bad_ours.append(case_label(case))
+
+    def collect(key: str) -> tuple[dict[str, float], list[str]]:
+        got, missing = {}, []
+        for case in cases:
+            v = (case.get("ratios") or {}).get(key)
+            if isinstance(v, (int, float)) and v > 0:
+                got[case_label(case)] = float(v)
+            else:
+                missing.append(case_label(case))
+        return got, missing
+
+    # steady state vs best ORT: geometric mean
+    got, missing = collect("vs_best_ort")
+    gm = geomean(got.values())
+    target = targets["steady_vs_best_ort"]
+    ok = None if gm is None else (gm <= target and not bad_ours)
+    summary["steady_vs_best_ort"] = {
+        "geomean": gm, "n": len(got), "target": target, "rule": f"geometric mean of convpass / best ORT <= {target:g}",
+        "verdict": _verdict(ok), "per_case": got, "not_measured": missing, "convpass_invalid": bad_ours,
+    }
+    # steady state vs best torch: every case
+    got, missing = collect("vs_best_torch")
+    target = targets["steady_vs_best_torch"]
+    worst = max(got.items(), key=lambda kv: kv[1]) if got else None
+    ok = None if not got else (worst[1] <= target and not bad_ours)
+    summary["steady_vs_best_torch"] = {
+        "geomean": geomean(got.values()), "worst": worst[1] if worst else None, "worst_case": worst[0] if worst else None,
+        "n": len(got), "target": target, "rule": f"convpass / best PyTorch eager <= {target:g} in every case",
+        "verdict": _verdict(ok), "per_case": got, "not_measured": missing, "convpass_invalid": bad_ours,
+    }
+    # cold start vs ORT EXHAUSTIVE: every case
+    got, missing = collect("cold_start_speedup_vs_ort_exhaustive")
+    target = targets["cold_start_speedup_vs_ort_exhaustive"]
+    least = min(got.items(), key=lambda kv: kv[1]) if got else None
+    ok = None if not got else (least[1] >= target and not bad_ours)
+    summary["cold_start_vs_ort_exhaustive"] = {
+        "geomean": geomean(got.values()), "worst": least[1] if least else None, "worst_case": least[0] if least else None,
+        "n": len(got), "target": target,
+        "rule": f"ORT EXHAUSTIVE session + first run >= {target:g}x convpass construct -> first result, in every case",
+        "verdict": _verdict(ok), "per_case": got, "not_measured": missing, "convpass_invalid": bad_ours,
+    }
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# the document
+
+
+def build_document(environment: Mapping[str, Any], settings: Mapping[str, Any], peaks: Mapping[str, Any] | None,
+                   cases: Sequence[dict[str, Any]], created: str | None = None,
+                   notes: Sequence[str] = ()) -> dict[str, Any]:
+    """The JSON document: environment, settings, peaks, the annotated cases and the summary."""
+    for case in cases:
+        annotate_case(case)
+    return {
+        "schema": SCHEMA_ID,
+        "created": created,
+        "environment": copy.deepcopy(dict(environment)),
+        "settings": copy.deepcopy(dict(settings)),
+        "peaks": dict(peaks) if peaks else None,
+        "cases": list(cases),
+        "summary": summarize(cases),
+        "notes": list(notes),
+    }
+
+
+def merge_documents(docs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several recorded runs as one document (cases concatenated, summary recomputed).
+
+    The environment and settings of the first run are kept; runs on another device are noted.
+    """
+    if not docs:
+        raise ValueError("nothing to merge")
+    first = docs[0]
+    cases = [dict(c) for d in docs for c in d.get("cases", [])]
+    notes = [n for d in docs for n in d.get("notes", [])]
+    devices = {(d.get("environment") or {}).get("device") for d in docs}
+    if len(devices) > 1:
+        notes.append(f"merged runs from different devices: {', '.join(sorted(map(str, devices)))}; ratios are per run")
+    return build_document(first.get("environment") or {}, first.get("settings") or {}, first.get("peaks"), cases,
+                          first.get("created"), notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+
+
+class Opt:
+    """Schema: the key may be absent or None, else matches ``spec``."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+class Enum:
+    def __init__(self, *values: Any) -> None:
+        self.values = values
+
+
+class MapOf:
+    """Schema: an object with any string keys whose values match ``spec``."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+NUM = "number"
+ANY = "any"
+
+CONTENDER_SCHEMA = {
+    "name": str,
+    "family": Enum(*FAMILIES),
+    "config": MapOf(ANY),
+    "status": Enum(*STATUSES),
+    "reason": Opt(str),
+    "cold_start_s": Opt(NUM),
+    "session_s": Opt(NUM),
+    "first_run_s": Opt(NUM),
+    "median_ms": Opt(NUM),
+    "p10_ms": Opt(NUM),
+    "p90_ms": Opt(NUM),
+    "min_ms": Opt(NUM),
+    "runs": Opt(int),
+    "times_ms": [NUM],
+    "rel_err": Opt(NUM),
+    "tolerance": Opt(NUM),
+    "tf32": Opt(bool),
+    "ratio_to_best_peer": Opt(NUM),
+    "tuning": Opt(MapOf(ANY)),
+}
+
+ROOFLINE_SCHEMA = {
+    "convs": int,
+    "counted": int,
+    "flops": NUM,
+    "bytes": NUM,
+    "bound_ms": Opt(NUM),
+    "measured_conv_ms": Opt(NUM),
+    "efficiency": Opt(NUM),
+    "compute_bound_convs": int,
+    "peaks": MapOf(Opt(NUM)),
+    "per_conv": [MapOf(ANY)],
+    "note": Opt(str),
+}
+
+CASE_SCHEMA = {
+    "model": str,
+    "file": str,
+    "batch": int,
+    "inputs": MapOf([int]),
+    "dtype": str,
+    "reference": Opt(str),
+    "contenders": [CONTENDER_SCHEMA],
+    "best_peer": Opt(str),
+    "best_ort": Opt(str),
+    "best_torch": Opt(str),
+    "ratios": {
+        "vs_best_ort": Opt(NUM),
+        "vs_best_torch": Opt(NUM),
+        "cold_start_speedup_vs_ort_exhaustive": Opt(NUM),
+        "ort_exhaustive_cold": Opt(str),
+    },
+    "roofline": Opt(ROOFLINE_SCHEMA),
+    "notes": [str],
+}
+
+_TARGET_SCHEMA = {
+    "geomean": Opt(NUM),
+    "n": int,
+    "target": NUM,
+    "rule": str,
+    "verdict": Enum(*VERDICTS),
+    "per_case": MapOf(NUM),
+    "not_measured": [str],
+    "convpass_invalid": [str],
+}
+
+DOCUMENT_SCHEMA = {
+    "schema": Enum(SCHEMA_ID),
+    "created": Opt(str),
+    "environment": {
+        "device": Opt(str),
+        "driver": Opt(str),
+        "cuda_runtime": Opt(str),
+        "cuda_driver_api": Opt(str),
+        "cudnn": Opt(str),
+        "packages": MapOf(Opt(str)),
+    },
+    "settings": {
+        "runs": int,
+        "warmup": int,
+        "batches": MapOf([int]),
+        "vs": [str],
+        "tf32": str,
+        "timing": str,
+    },
+    "peaks": Opt(MapOf(Opt(NUM))),
+    "cases": [CASE_SCHEMA],
+    "summary": {
+        "cases": int,
+        "steady_vs_best_ort": _TARGET_SCHEMA,
+        "steady_vs_best_torch": dict(_TARGET_SCHEMA, worst=Opt(NUM), worst_case=Opt(str)),
+        "cold_start_vs_ort_exhaustive": dict(_TARGET_SCHEMA, worst=Opt(NUM), worst_case=Opt(str)),
+    },
+    "notes": [str],
+}
+
+
+def _check(value: Any, spec: Any, path: str, errors: list[str]) -> None:
+    if isinstance(spec, Opt):
+        if value is not None:
+            _check(value, spec.spec, path, errors)
+        return
+    if spec is ANY:
+        return
+    if spec is NUM:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            errors.append(f"{path}: expected a number, got {type(value).__name__}")
+        return
+    if isinstance(spec, Enum):
+        if value not in spec.values:
+            errors.append(f"{path}: {value!r} is not one of {', '.join(map(repr, spec.values))}")
+        return
+    if isinstance(spec, MapOf):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected an object, got {type(value).__name__}")
+            return
+        for k, v in value.items():
+            if not isinstance(k, str):
+                errors.append(f"{path}: key {k!r} is not a string")
+            _check(v, spec.spec, f"{path}.{k}", errors)
+        return
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected a list, got {type(value).__name__}")
+            return
+        for i, v in enumerate(value):
+            _check(v, spec[0], f"{path}[{i}]", errors)
+        return
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected an object, got {type(value).__name__}")
+            return
+        for k, sub in spec.items():
+            if k not in value:
+                if not isinstance(sub, Opt):
+                    errors.append(f"{path}.{k}: missing")
+                continue
+            _check(value[k], sub, f"{path}.{k}", errors)
+        return
+    if isinstance(spec, type):
+        ok = isinstance(value, spec) and not (spec is int and isinstance(value, bool))
+        if not ok:
+            errors.append(f"{path}: expected {spec.__name__}, got {type(value).__name__}")
+        return
+    raise TypeError(f"bad schema spec at {path}: {spec!r}")
+
+
+def validate_document(doc: Any) -> list[str]:
+    """Schema errors of a bench document (empty when valid); also checks it survives a JSON round trip."""
+    errors: list[str] = []
+    _check(doc, DOCUMENT_SCHEMA, "$", errors)
+    if not errors:
+        try:
+            json.loads(json.dumps(doc, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            errors.append(f"$: not JSON-serializable without NaN / Inf: {e}")
+    return errors
+
+
+def to_json(doc: Mapping[str, Any]) -> str:
+    return json.dumps(_finite(doc), indent=2) + "\n"
+
+
+def _finite(x: Any) -> Any:
+    """NaN / Inf (not JSON) become None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# text
+
+
+def _ms(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
+
+
+def _s(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
+
+
+def _x(v: Any) -> str:
+    return f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
+
+
+def _sci(v: Any) -> str:
+    return f"{v:.1e}" if isinstance(v, (int, float)) else "-"
+
+
+def _cold_detail(c: Mapping[str, Any]) -> str:
+    if c.get("family") == "ort" and isinstance(c.get("session_s"), (int, float)):
+        return f"{_s(c['cold_start_s'])} ({_s(c['session_s'])}+{_s(c['first_run_s'])})"
+    return _s(c.get("cold_start_s"))
+
+
+def _check_text(c: Mapping[str, Any]) -> str:
+    st = c.get("status")
+    if st == "ok":
+        return "ok"
+    if st == "wrong":
+        return f"WRONG: {c.get('reason') or ''}".rstrip(": ")
+    if st == "unchecked":
+        return f"unchecked: {c.get('reason') or ''}".rstrip(": ")
+    return f"{st}: {c.get('reason') or ''}".rstrip(": ")
+
+
+def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [(c.rjust(w) if i in right else c.ljust(w)) for i, (c, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def tuning_line(t: Mapping[str, Any] | None) -> str | None:
+    """One line on how convpass's decisions were taken (measured or all from the tuning cache)."""
+    if not t:
+        return None
+    wall = t.get("optimize_s")
+    measured, cached, failed = t.get("measured"), t.get("cached"), t.get("failed")
+    if measured is None:
+        where = "no GPU tuner ran"
+    elif t.get("all_cached"):
+        where = f"every decision from the tuning cache ({cached} problems), nothing timed"
+    else:
+        where = f"{measured} problems measured, {cached} from the tuning cache" + (f", {failed} failed" if failed else "")
+    extra = ""
+    if t.get("undecided"):
+        extra = f"; {t['undecided']} left to run time (auto)"
+    tuning = t.get("tuning_s")
+    tail = f", tuner {tuning:.1f} s" if isinstance(tuning, (int, float)) else ""
+    return f"convpass optimize: {_s(wall)} s{tail} ({where}{extra})"
+
+
+def roofline_line(r: Mapping[str, Any] | None) -> str | None:
+    if not r:
+        return None
+    if r.get("bound_ms") is None:
+        return f"roofline: not computed ({r.get('note') or 'no measured peaks'})"
+    eff = r.get("efficiency")
+    pk = r.get("peaks") or {}
+    tf = pk.get("tf32_flops_per_s")
+    bw = pk.get("copy_bytes_per_s")
+    peaks = []
+    if isinstance(tf, (int, float)):
+        peaks.append(f"TF32 {tf / 1e12:.0f} TFLOP/s")
+    if isinstance(bw, (int, float)):
+        peaks.append(f"copy {bw / 1e12:.2f} TB/s")
+    line = (
+        f"roofline: {r['counted']} convs, {r['flops'] / 1e9:.2f} GFLOP, {r['bytes'] / 1e6:.1f} MB -> bound "
+        f"{_ms(r['bound_ms'])} ms ({r['compute_bound_convs']} compute-bound; {', '.join(peaks)}); "
+        f"measured conv time {_ms(r.get('measured_conv_ms'))} ms"
+    )
+    if isinstance(eff, (int, float)) and eff > 0:
+        line += f", {1 / eff:.1f}x the bound ({100 * eff:.0f}% of the roofline)"
+    if r.get("note"):
+        line += f" [{r['note']}]"
+    return line
+
+
+def format_case(case: Mapping[str, Any]) -> str:
+    """The per-case table: cold start, steady median, p10-p90, ratio to the best peer, correctness."""
+    inputs = ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in (case.get("inputs") or {}).items())
+    ours = find(case, "convpass") or {}
+    tf32 = ours.get("tf32")
+    head = (
+        f"{case.get('model')} batch {case.get('batch')} ({inputs}; {case.get('dtype')}"
+        + ("" if tf32 is None else f"; TF32 {'on' if tf32 else 'off'}")
+        + f"); reference: {case.get('reference') or 'none'}"
+    )
+    lines = [head]
+    tl = tuning_line(ours.get("tuning"))
+    if tl:
+        lines.append("  " + tl)
+    rows = [["contender", "cold start s", "median ms", "p10-p90 ms", "vs best peer", "rel err", "check"]]
+    for c in case.get("contenders", []):
+        if c.get("status") in ("unavailable", "skipped", "failed") and c.get("median_ms") is None:
+            rows.append([c["name"], "-", "-", "-", "-", "-", _check_text(c)])
+            continue
+        ratio = _x(c.get("ratio_to_best_peer"))
+        if c.get("name") == case.get("best_peer"):
+            ratio += " (best)"
+        if c.get("status") == "wrong":
+            ratio = "not ranked"
+        spread = f"{_ms(c.get('p10_ms'))}-{_ms(c.get('p90_ms'))}" if c.get("p10_ms") is not None else "-"
+        rows.append([c["name"], _cold_detail(c), _ms(c.get("median_ms")), spread, ratio, _sci(c.get("rel_err")), _check_text(c)])
+    lines += ["  " + line for line in _table(rows, right=(1, 2, 3, 4, 5))]
+    rl = roofline_line(case.get("roofline"))
+    if rl:
+        lines.append("  " + rl)
+    r = case.get("ratios") or {}
+    lines.append(
+        "  convpass vs best ORT {}, vs best PyTorch {}, cold start {} sooner than {}".format(
+            _x(r.get("vs_best_ort")), _x(r.get("vs_best_torch")), _x(r.get("cold_start_speedup_vs_ort_exhaustive")),
+            r.get("ort_exhaustive_cold") or "ORT EXHAUSTIVE",
+        )
+    )
+    for n in case.get("notes") or []:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The three targets, each with its measured value and an honest met / not met / not measured."""
+    lines = [f"Summary over {summary.get('cases', 0)} model/batch case(s)"]
+
+    def tail(s: Mapping[str, Any]) -> str:
+        parts = []
+        if s.get("not_measured"):
+            parts.append(f"not measured for {', '.join(s['not_measured'])}")
+        if s.get("convpass_invalid"):
+            parts.append(f"convpass output wrong or failed for {', '.join(s['convpass_invalid'])}")
+        return f" ({'; '.join(parts)})" if parts else ""
+
+    s = summary["steady_vs_best_ort"]
+    lines.append(
+        f"  steady state, convpass / best ORT configuration: geometric mean {_x(s.get('geomean'))} over {s['n']} case(s); "
+        f"target <= {s['target']:.2f}x: {s['verdict'].upper()}{tail(s)}"
+    )
+    s = summary["steady_vs_best_torch"]
+    worst = f"worst {_x(s.get('worst'))} ({s.get('worst_case')}), " if s.get("worst") is not None else ""
+    lines.append(
+        f"  steady state, convpass / best PyTorch eager: {worst}geometric mean {_x(s.get('geomean'))} over {s['n']} case(s); "
+        f"target <= {s['target']:.2f}x in every case: {s['verdict'].upper()}{tail(s)}"
+    )
+    s = summary["cold_start_vs_ort_exhaustive"]
+    worst = f"least {_x(s.get('worst'))} ({s.get('worst_case')}), " if s.get("worst") is not None else ""
+    lines.append(
+        f"  cold start, ORT EXHAUSTIVE (session + first run) / convpass (construct -> first result): {worst}"
+        f"geometric mean {_x(s.get('geomean'))}; target >= {s['target']:.0f}x in every case: {s['verdict'].upper()}{tail(s)}"
+    )
+    return "\n".join(lines)
+
+
+def format_markdown(cases: Sequence[Mapping[str, Any]]) -> str:
+    """One Markdown row per case, for the README's Performance section."""
+    head = ("| model, batch | convpass ms | best ORT ms (config) | best PyTorch ms (config) | vs ORT | vs PyTorch "
+            "| convpass cold s | ORT EXHAUSTIVE cold s | cold speedup | conv time vs roofline |")
+    rows = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    for case in cases:
+        ours = find(case, "convpass") or {}
+        bo = find(case, case.get("best_ort") or "") or {}
+        bt = find(case, case.get("best_torch") or "") or {}
+        r = case.get("ratios") or {}
+        cold = find(case, r.get("ort_exhaustive_cold") or "") or {}
+        ours_ms = _ms(ours.get("median_ms")) if ours.get("status") in RANKABLE else (ours.get("status") or "-")
+        roof = case.get("roofline") or {}
+        eff = roof.get("efficiency")
+        roof_txt = f"{_ms(roof.get('measured_conv_ms'))} / {_ms(roof.get('bound_ms'))} ms ({100 * eff:.0f}%)" if isinstance(eff, (int, float)) else "-"
+        rows.append(
+            f"| {case.get('model')}, {case.get('batch')} | {ours_ms} | "
+            f"{_ms(bo.get('median_ms'))} ({bo.get('name', '-').replace('ort ', '')}) | "
+            f"{_ms(bt.get('median_ms'))} ({bt.get('name', '-').replace('torch ', '')}) | "
+            f"{_x(r.get('vs_best_ort'))} | {_x(r.get('vs_best_torch'))} | {_s(ours.get('cold_start_s'))} | "
+            f"{_s(cold.get('cold_start_s'))} | {_x(r.get('cold_start_speedup_vs_ort_exhaustive'))} | {roof_txt} |"
+        )
+    return "\n".join(rows)
+
+
+def format_environment(env: Mapping[str, Any], settings: Mapping[str, Any], peaks: Mapping[str, Any] | None) -> str:
+    pk = ", ".join(f"{k}={v}" for k, v in sorted((env.get("packages") or {}).items()) if v)
+    lines = [
+        f"device: {env.get('device') or '?'}; driver {env.get('driver') or '?'}; CUDA runtime {env.get('cuda_runtime') or '?'} "
+        f"(driver API {env.get('cuda_driver_api') or '?'}); cuDNN {env.get('cudnn') or '?'}",
+        f"packages: {pk}",
+        f"runs: {settings.get('runs')} timed after {settings.get('warmup')} warm-up; timing: {settings.get('timing')}",
+    ]
+    if peaks:
+        tf, fp, bw = peaks.get("tf32_flops_per_s"), peaks.get("fp32_flops_per_s"), peaks.get("copy_bytes_per_s")
+        bits = []
+        if isinstance(tf, (int, float)):
+            bits.append(f"TF32 matmul {tf / 1e12:.1f} TFLOP/s")
+        if isinstance(fp, (int, float)):
+            bits.append(f"FP32 matmul {fp / 1e12:.1f} TFLOP/s")
+        if isinstance(bw, (int, float)):
+            bits.append(f"device copy {bw / 1e12:.2f} TB/s (read + write)")
+        lines.append("measured peaks: " + ", ".join(bits))
+    return "\n".join(lines)
+
+
+def format_report(doc: Mapping[str, Any]) -> str:
+    """Everything a run prints: environment, one table per case, the summary, the Markdown panel table."""
+    parts = [format_environment(doc.get("environment") or {}, doc.get("settings") or {}, doc.get("peaks"))]
+    parts += [format_case(c) for c in doc.get("cases", [])]
+    parts.append(format_summary(doc["summary"]))
+    if doc.get("cases"):
+        parts.append(format_markdown(doc["cases"]))
+    for n in doc.get("notes") or []:
+        parts.append(f"note: {n}")
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# plot
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not importable: no chart was written."""
+
+
+def write_plot(doc: Mapping[str, Any], path: str, importer: Callable[[], Any] | None = None) -> str:
+    """A bar chart per case: convpass, the best ORT and the best PyTorch median, relative to the best ORT.
+
+    Raises :class:`PlotUnavailable` when matplotlib is missing. Returns the path written.
+    """
+    try:
+        plt = importer() if importer else _pyplot()
+    except ImportError as e:
+        raise PlotUnavailable(f"matplotlib is not installed ({e}); no plot written (pip install matplotlib)") from None
+    cases = doc.get("cases", [])
+    labels = [case_label(c) for c in cases]
+    series = {"convpass": [], "best ORT": [], "best PyTorch": []}
+    for case in cases:
+        base = find(case, case.get("best_ort") or "")
+        base_ms = base["median_ms"] if base else None
+        picks = {"convpass": find(case, "convpass"), "best ORT": base, "best PyTorch": find(case, case.get("best_torch") or "")}
+        for k, c in picks.items():
+            ok = c is not None and rankable(c) and base_ms
+            series[k].append(c["median_ms"] / base_ms if ok else 0.0)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) + 2), 4))
+    width = 0.27
+    for i, (k, vals) in enumerate(series.items()):
+        xs = [j + (i - 1) * width for j in range(len(labels))]
+        ax.bar(xs, vals, width, label=k)
+    ax.axhline(TARGETS["steady_vs_best_ort"], linestyle="--", linewidth=1, color="gray", label="target 0.85x best ORT")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel("steady-state median / best ORT configuration")
+    env = doc.get("environment") or {}
+    ax.set_title(f"convpass bench on {env.get('device') or 'GPU'} (lower is better; 0 = not measured / wrong)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,360 @@
+"""The cuda executor backend on a real GPU: CuPy + cuDNN with the recorded choices, CUDA graphs.
+
+Every sample model, untuned and tuned, against ONNX Runtime (CPU) with a TF32-aware tolerance
+(normwise relative error <= 5e-3 when TF32 may be used, 1e-4 with FMA math only); the recorded
+algorithm and problem key are the ones cuDNN is asked to run; CUDA-graph replay equals eager
+execution, also for new inputs; fallbacks (other GPU, unsupported algorithm) warn and stay
+correct; CuPy / DLPack feeds give CuPy outputs; cuDNN's Find is never called; the torchvision
+panel in ``.panel/`` when it was exported there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+import convpass  # noqa: E402
+from convpass import annotation  # noqa: E402
+from conftest import MODELS, REPO, conv_model, run_ort  # noqa: E402
+from convpass import cudnn  # noqa: E402
+from convpass.runtime import Executor  # noqa: E402
+
+SAMPLES = sorted(MODELS.glob("*.onnx"))
+PANEL = REPO / ".panel"
+TF32_TOL = 5e-3
+FMA_TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda():
+    from convpass.runtime import cuda
+
+    reason = cuda.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuda backend unusable: {reason}")
+
+
+def _ExecutorWarning():
+    from convpass.runtime.cuda import ExecutorWarning
+
+    return ExecutorWarning
+
+
+def _feeds(model: onnx.ModelProto, batch: int = 2, seed: int = 1) -> tuple[dict, list[str]]:
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds, shapes = {}, []
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else batch for d in inp.type.tensor_type.shape.dim]
+        shapes.append(f"{inp.name}={'x'.join(map(str, dims))}")
+        feeds[inp.name] = rng.standard_normal(dims).astype(np.float32)
+    return feeds, shapes
+
+
+def _rel(got, want) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    return float(np.linalg.norm((got - want).ravel()) / max(np.linalg.norm(want.ravel()), 1e-30))
+
+
+def _tolerance(tuned: onnx.ModelProto | None) -> float:
+    if tuned is None:
+        return TF32_TOL  # untuned convs run cuDNN's default math: TF32 on Ampere and later
+    info = annotation.read_model_info(tuned)
+    records = convpass.inspect(tuned)
+    fma_only = all(r["math_mode"] == "fma" for r in records if r["algo"] is not None)
+    return FMA_TOL if fma_only and not (info and info.matmul_allow_tf32) else TF32_TOL
+
+
+def _check_against(outs, refs, tol, what):
+    assert len(outs) == len(refs)
+    for got, want in zip(outs, refs):
+        assert isinstance(got, np.ndarray), type(got)
+        err = _rel(got, want)
+        assert err <= tol, f"{what}: normwise relative error {err:.3g} > {tol:g}"
+
+
+_TUNED: dict[tuple[str, str], onnx.ModelProto] = {}
+
+
+def _tuned(path: Path, tmp_path_factory, **options) -> onnx.ModelProto:
+    """Each sample tuned once per session (measured on this GPU)."""
+    tag = repr(sorted(options.items()))
+    key = (str(path), tag)
+    if key not in _TUNED:
+        _, shapes = _feeds(onnx.load(path))
+        cache = tmp_path_factory.mktemp("tune") / "c.db"
+        _TUNED[key] = convpass.optimize(path, cache=cache, shapes=shapes, quiet=True, **options)
+    return _TUNED[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness against ONNX Runtime
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_untuned_sample_matches_ort(path):
+    model = onnx.load(path)
+    feeds, _ = _feeds(model)
+    refs = run_ort(model, feeds)
+    with pytest.warns(_ExecutorWarning(), match="untuned: using cuDNN's heuristic"):
+        ex = Executor(model, device="cuda")
+        first = ex.run(None, feeds)
+    _check_against(first, refs, _tolerance(None), f"{path.stem} untuned, first run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _ExecutorWarning())  # the note comes once per executor
+        for i in range(3):  # warm-up + capture, then replays
+            _check_against(ex.run(None, feeds), refs, _tolerance(None), f"{path.stem} untuned, run {i + 2}")
+    assert all(not s.tuned and s.algo not in ("-", "auto") for s in ex.plan_summary())
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_tuned_sample_matches_ort_and_runs_the_recorded_algorithms(path, tmp_path_factory):
+    model = onnx.load(path)
+    tuned = _tuned(path, tmp_path_factory)
+    feeds, _ = _feeds(model)
+    refs = run_ort(model, feeds)
+    recorded = {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned)}
+    assert recorded and all(a not in (None, "auto") and k for a, k in recorded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _ExecutorWarning())  # tuned here: nothing to warn about
+        ex = Executor(tuned, device="cuda", cuda_graph=False)
+        with cudnn.record_calls() as calls:
+            outs = [ex.run(None, feeds) for _ in range(2)]  # the plan-building run, then the plan's runner
+    for i, o in enumerate(outs):
+        _check_against(o, refs, _tolerance(tuned), f"{path.stem} tuned, run {i + 1}")
+    called = {(c.algo, str(c.key)) for c in calls}
+    assert called == recorded, f"called {sorted(called - recorded)}, recorded but not called {sorted(recorded - called)}"
+    assert all(s.tuned and s.source != "fallback" for s in ex.plan_summary())
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_cuda_graph_replay_equals_eager(path, tmp_path_factory):
+    model = onnx.load(path)
+    tuned = _tuned(path, tmp_path_factory)
+    feeds_a, _ = _feeds(model, seed=1)
+    feeds_b, _ = _feeds(model, seed=2)
+    graph = Executor(tuned, device="cuda", cuda_graph=True)
+    eager = Executor(tuned, device="cuda", cuda_graph=False)
+    for _ in range(3):
+        graph.run(None, feeds_a)
+        eager.run(None, feeds_a)
+    state = graph.last_plan.backend_state
+    assert state.captured and state.mode == "graph", state.note
+    assert eager.last_plan.backend_state.graph is None
+    refs = run_ort(model, feeds_b)
+    for _ in range(2):  # replays see new inputs
+        got, want = graph.run(None, feeds_b), eager.run(None, feeds_b)
+        for g, e in zip(got, want):
+            assert _rel(g, e) <= 1e-5
+        _check_against(got, refs, _tolerance(tuned), f"{path.stem} graph replay")
+    assert state.replays >= 2
+
+
+def test_fma_only_tuning_meets_the_tight_tolerance(tmp_path_factory):
+    path = MODELS / "residual_cnn.onnx"
+    tuned = _tuned(path, tmp_path_factory, tf32="off")
+    assert all(r["math_mode"] == "fma" for r in convpass.inspect(tuned))
+    model = onnx.load(path)
+    feeds, _ = _feeds(model)
+    refs = run_ort(model, feeds)
+    ex = Executor(tuned, device="cuda")
+    for i in range(3):
+        _check_against(ex.run(None, feeds), refs, FMA_TOL, f"fma run {i + 1}")
+
+
+# ---------------------------------------------------------------------------------------------
+# fallbacks
+
+
+def _set_meta(model: onnx.ModelProto, key: str, value: str) -> onnx.ModelProto:
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for p in model.metadata_props:
+        if p.key == key:
+            p.value = value
+            return model
+    model.metadata_props.add(key=key, value=value)
+    return model
+
+
+def test_other_gpu_fingerprint_falls_back_to_the_heuristic_with_a_warning(tmp_path_factory):
+    path = MODELS / "residual_cnn.onnx"
+    tuned = _set_meta(_tuned(path, tmp_path_factory), "convpass.device", "NVIDIA Imaginary 9000|sm_7.0|80sm|cudnn90100")
+    model = onnx.load(path)
+    feeds, _ = _feeds(model)
+    refs = run_ort(model, feeds)
+    with pytest.warns(_ExecutorWarning(), match="tuned on 'NVIDIA Imaginary 9000") as record:
+        ex = Executor(tuned, device="cuda")
+        with cudnn.record_calls() as calls:
+            out = ex.run(None, feeds)
+    assert any("stem/conv" in str(w.message) for w in record)
+    _check_against(out, refs, TF32_TOL, "other-GPU fallback")
+    assert calls and all(c.key.layout == "nchw" for c in calls)
+    assert all(s.source == "fallback" for s in ex.plan_summary())
+    for _ in range(2):
+        _check_against(ex.run(None, feeds), refs, TF32_TOL, "other-GPU fallback, replay")
+
+
+def test_recorded_algorithm_unsupported_here_falls_back_naming_the_node(tmp_path):
+    model = conv_model("Conv", (1, 8, 16, 16), (8, 8, 3, 3), strides=[2, 2], dilations=[2, 2])
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True)
+    (node,) = [n for n in tuned.graph.node if n.domain == "ai.convpass"]
+    for a in node.attribute:
+        if a.name == "algo":
+            a.s = b"fft"  # cuDNN's FFT forward takes neither strides nor dilations
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 16, 16)).astype(np.float32)}
+    (ref,) = run_ort(model, feeds)
+    with pytest.warns(_ExecutorWarning(), match="node 'conv': recorded algorithm 'fft'"):
+        ex = Executor(tuned, device="cuda")
+        (out,) = ex.run(None, feeds)
+    assert _rel(out, ref) <= TF32_TOL
+    (summary,) = ex.plan_summary()
+    assert summary.source == "fallback" and summary.algo != "fft"
+
+
+def test_data_dependent_plan_runs_eagerly():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 4, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["y"], ["r"], name="relu"),
+            helper.make_node("NonZero", ["r"], ["idx"], name="nonzero"),
+        ],
+        "nz",
+        [x],
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, [4, "nnz"])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    want = Executor(model).run(None, feeds)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _ExecutorWarning())
+        ex = Executor(model, device="cuda", cuda_graph=True)
+        for _ in range(3):
+            (got,) = ex.run(None, feeds)
+            np.testing.assert_array_equal(got, want)
+    state = ex.last_plan.backend_state
+    assert state.mode == "eager" and not state.captured and "NonZero" in state.note
+
+
+# ---------------------------------------------------------------------------------------------
+# feeds and outputs, start-up
+
+
+def test_cupy_feeds_give_cupy_outputs(tmp_path_factory):
+    path = MODELS / "residual_cnn.onnx"
+    tuned = _tuned(path, tmp_path_factory)
+    feeds, _ = _feeds(onnx.load(path))
+    ex = Executor(tuned, device="cuda")
+    host = ex.run(None, feeds)
+    for _ in range(3):
+        dev = ex.run(None, {k: cp.asarray(v) for k, v in feeds.items()})
+        assert all(isinstance(d, cp.ndarray) for d in dev)
+        for d, h in zip(dev, host):
+            assert _rel(cp.asnumpy(d), h) <= 1e-5
+    assert all(isinstance(h, np.ndarray) for h in host)
+    forced = Executor(tuned, device="cuda", output_kind="numpy").run(None, {k: cp.asarray(v) for k, v in feeds.items()})
+    assert all(isinstance(o, np.ndarray) for o in forced)
+
+
+def test_dlpack_cuda_feeds_are_used_in_place(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    path = MODELS / "residual_cnn.onnx"
+    tuned = _tuned(path, tmp_path_factory)
+    feeds, _ = _feeds(onnx.load(path))
+    ex = Executor(tuned, device="cuda")
+    host = ex.run(None, feeds)
+    dev = ex.run(None, {k: torch.from_numpy(v).cuda() for k, v in feeds.items()})
+    assert all(isinstance(d, cp.ndarray) for d in dev)
+    for d, h in zip(dev, host):
+        assert _rel(cp.asnumpy(d), h) <= 1e-5
+
+
+def test_no_search_at_start_up(tmp_path_factory, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the executor called cuDNN Find")
+
+    monkeypatch.setattr(cudnn, "find", refuse)
+    monkeypatch.setattr(cudnn.api, "find", refuse)
+    path = MODELS / "encoder_decoder.onnx"
+    feeds, _ = _feeds(onnx.load(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _ExecutorWarning())
+        for model in (onnx.load(path), _tuned(path, tmp_path_factory)):
+            ex = Executor(model, device="cuda")
+            for _ in range(3):
+                ex.run(None, feeds)
+
+
+def test_matmul_tf32_follows_the_model_switch():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((256, 1024)).astype(np.float32)
+    b = numpy_helper.from_array(rng.standard_normal((1024, 256)).astype(np.float32), "b")
+    b3 = numpy_helper.from_array(rng.standard_normal((4, 1024, 64)).astype(np.float32), "b3")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["a", "b"], ["y2"], name="mm2"),
+            helper.make_node("Reshape", ["a", "shape"], ["a3"], name="reshape"),
+            helper.make_node("MatMul", ["a3", "b3"], ["y3"], name="mm3"),
+        ],
+        "mm",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [256, 1024])],
+        [helper.make_tensor_value_info("y2", TensorProto.FLOAT, [256, 256]), helper.make_tensor_value_info("y3", TensorProto.FLOAT, [4, 64, 64])],
+        [b, b3, numpy_helper.from_array(np.array([4, 64, 1024], np.int64), "shape")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    b64 = numpy_helper.to_array(b).astype(np.float64)
+    b364 = numpy_helper.to_array(b3).astype(np.float64)
+    want = [a.astype(np.float64) @ b64, a.astype(np.float64).reshape(4, 64, 1024) @ b364]
+    errors = {}
+    for flag in ("0", "1"):
+        m = _set_meta(_set_meta(model, "convpass.schema_version", "1"), "convpass.matmul_allow_tf32", flag)
+        ex = Executor(m, device="cuda")
+        assert ex.model_info.matmul_allow_tf32 == (flag == "1")
+        errors[flag] = [max(_rel(o, w) for o in (ex.run(None, {"a": a})[i] for _ in range(3))) for i, w in enumerate(want)]
+    assert all(e < 1e-5 for e in errors["0"]), errors
+    major = cp.cuda.Device().compute_capability[0]
+    if int(major) >= 8:
+        assert all(e > 5e-5 for e in errors["1"]), errors  # TF32 rounds the inputs to 10 mantissa bits
+
+
+# ---------------------------------------------------------------------------------------------
+# the torchvision panel (when exported to .panel/ on this machine)
+
+
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v3_large"])
+def test_panel_model(name, tmp_path):
+    path = PANEL / f"{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models {name})")
+    model = onnx.load(path)
+    feeds, shapes = _feeds(model, batch=2)
+    tuned = convpass.optimize(path, cache=tmp_path / "c.db", shapes=shapes, quiet=True)
+    refs = run_ort(model, feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _ExecutorWarning())
+        ex = Executor(tuned, device="cuda")
+        with cudnn.record_calls() as calls:
+            first = ex.run(None, feeds)
+    recorded = {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned)}
+    assert {(c.algo, str(c.key)) for c in calls} == recorded
+    _check_against(first, refs, _tolerance(tuned), f"{name} first run")
+    for i in range(3):
+        _check_against(ex.run(None, feeds), refs, _tolerance(tuned), f"{name} run {i + 2}")
+    assert ex.last_plan.backend_state.captured, ex.last_plan.backend_state.note
