@@ -33,17 +33,25 @@ Convolutions
 Memory formats
     Arrays keep their logical ONNX (channels-first) shapes; an NHWC conv stores its output
     channels-last (a transposed view, :func:`convpass.cudnn.empty_like_layout`). A conv converts
-    its input only when it arrives in another format (one :func:`convpass.cudnn.as_layout` copy),
-    so a chain of NHWC convs and the element-wise ops between them (CuPy keeps the input's memory
-    order) never transposes. Every other op works on the logical view; reshapes copy when the
-    storage needs it. Weights of NHWC convs are converted once and cached.
+    its input only when it arrives in another format (one :func:`convpass.cudnn.as_layout` copy).
+    CuPy allocates every element-wise result C-contiguous in the shape it is given, so the plan's
+    runner calls element-wise ops (Add, Relu, Clip, HardSwish, Mul, Sigmoid, ...) on the
+    channels-last storage view when a full-rank input is channels-last: their outputs stay
+    channels-last and a chain of NHWC convs with residual adds between them never transposes (the
+    layout plan's assumption that such ops pass the format through). Bias adds and activations
+    that are not fused also run in storage order. Every other op works on the logical view;
+    reshapes copy when the storage needs it. Weights of NHWC convs are converted once and cached.
 
 Gemm / MatMul
-    cuBLAS through ``cupy.matmul``. TF32 follows the model's ``convpass.matmul_allow_tf32``: CuPy's
-    float32 compute type (``cupy._core._routines_linalg.set_compute_type``: ``COMPUTE_TYPE_TF32``
-    or ``COMPUTE_TYPE_DEFAULT``, what the ``CUPY_TF32`` variable sets at start-up; 2-D products)
-    and the math mode of CuPy's cuBLAS handle (``cublasSetMathMode``: ``CUBLAS_TF32_TENSOR_OP_MATH``
-    or ``CUBLAS_DEFAULT_MATH``; batched products) are set while the executor runs and restored after.
+    cuBLAS, through :mod:`convpass.runtime.cuda_blas` (ctypes on the libcublas CuPy loaded, own
+    handle and workspace) because CuPy refuses cuBLAS calls during stream capture; cases it does
+    not cover go to ``cupy.matmul`` (the plan then runs eagerly). TF32 follows the model's
+    ``convpass.matmul_allow_tf32``: ``CUBLAS_COMPUTE_32F_FAST_TF32`` or ``CUBLAS_COMPUTE_32F``;
+    for the ``cupy.matmul`` fallback CuPy's float32 compute type
+    (``cupy._core._routines_linalg.set_compute_type``: ``COMPUTE_TYPE_TF32`` or
+    ``COMPUTE_TYPE_DEFAULT``, what ``CUPY_TF32`` sets at start-up) and the math mode of CuPy's cuBLAS
+    handle (``CUBLAS_TF32_TENSOR_OP_MATH`` / ``CUBLAS_DEFAULT_MATH``) are set while the executor runs
+    and restored after.
 
 Plans and CUDA graphs
     ``compile_plan`` resolves every conv of a static plan (descriptors, algorithm, workspace,
@@ -56,8 +64,10 @@ Plans and CUDA graphs
     addresses. Later runs copy the feeds into the static buffers, replay the graph on CuPy's
     current stream and return copies of the outputs. A plan whose ops need the host (a device ->
     host copy or an upload while running: NonZero, data-dependent shapes, values read on the host)
-    or whose capture fails runs eagerly instead, with a debug log line. ``cuda_graph=False``:
-    always eager (same kernels, same fusions).
+    or whose capture fails runs eagerly instead, with a debug log line (``plan.backend_state.mode``
+    and ``.note`` say which and why). ``cuda_graph=False``: always eager (same kernels, same
+    fusions). Eager runs are bound by host time: cuDNN 9's legacy API costs about 0.1 ms of host
+    time per convolution call, which replaying the graph removes.
 """
 
 from __future__ import annotations
@@ -186,6 +196,16 @@ class _ConvExec:
 
 _REFERENCE = "reference"  # cache marker: run the CuPy reference kernel
 
+# Ops whose result does not depend on the memory order of their operands: in a plan they run on the
+# channels-last storage of channels-last inputs, so their outputs stay channels-last (CuPy allocates
+# every element-wise result C-contiguous in the shape it is given).
+_ELEMENTWISE = frozenset(
+    """Abs Neg Exp Log Sqrt Reciprocal Floor Ceil Round Sign Sin Cos Tan Asin Acos Atan Sinh Cosh Asinh
+    Acosh Atanh Tanh Relu Not IsNaN Softsign Sigmoid Softplus Mish Erf IsInf LeakyRelu Elu Celu Selu
+    ThresholdedRelu HardSigmoid HardSwish Swish Shrink Gelu Clip Add Sub Mul Div Pow Mod Equal Less
+    LessOrEqual Greater GreaterOrEqual And Or Xor Where Cast Max Min Sum Mean""".split()
+)
+
 
 def _insert_axis(g: ConvGeometry, key: ProblemKey) -> int | None:
     if g.spatial_rank != 1:
@@ -294,7 +314,7 @@ class CudaBackend(Backend):
         self._warned: set[str] = set()
         self._mismatch_nodes: list[str] = []
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
-        self.counters = {"cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "reference_convs": 0, "graph_replays": 0}
+        self.counters = {"cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "reference_convs": 0, "graph_replays": 0, "layout_copies": 0}
 
     # ------------------------------------------------------------------ Backend interface
 
@@ -661,7 +681,7 @@ class CudaBackend(Backend):
         eb, ee = g.extra_pads[:r], g.extra_pads[r:]
         shape = (x.shape[0], x.shape[1], *(x.shape[2 + i] + eb[i] + ee[i] for i in range(r)))
         out = cudnn.empty_like_layout(shape, x.dtype, layout)
-        out.fill(0)
+        _storage(out, layout).fill(0)  # in memory order: coalesced
         out[(slice(None), slice(None), *(slice(eb[i], eb[i] + x.shape[2 + i]) for i in range(r)))] = x
         return out
 
@@ -700,14 +720,15 @@ class CudaBackend(Backend):
     def _run_conv(self, ex: _ConvExec, x: Any, w: Any, b: Any, relu: bool) -> Any:
         from convpass import cudnn
 
-        cp = self.xp
         g = ex.geometry
         r = g.spatial_rank
         wk = self._weight(w, ex)
         ws = self._workspace(ex.workspace)
-        bshape = (1, -1) + (1,) * r
         if ex.op_type == "ConvTranspose":
-            dy = cudnn.as_layout(self._map(x, ex), ex.layout)
+            mapped = self._map(x, ex)
+            dy = cudnn.as_layout(mapped, ex.layout)
+            if dy is not mapped:
+                self.counters["layout_copies"] += 1
             full_spatial = tuple(g.output_shape[2 + i] + g.extra_pads[i] + g.extra_pads[r + i] for i in range(r))
             full = cudnn.empty_like_layout((g.output_shape[0], g.output_shape[1], *full_spatial), x.dtype, ex.layout)
             cudnn.run(ex.descs, "dgrad", ex.algo, self._map(full, ex), wk, dy, workspace=ws)
@@ -715,13 +736,13 @@ class CudaBackend(Backend):
             y = full
             if any(g.extra_pads):
                 y = full[(slice(None), slice(None), *(slice(g.extra_pads[i], g.extra_pads[i] + g.output_shape[2 + i]) for i in range(r)))]
-            if b is not None:
-                y += b.reshape(bshape)
-            if relu:
-                cp.maximum(y, y.dtype.type(0), out=y)
+            self._bias_relu(y, b, relu, ex.layout)
             return y
         xin = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
-        x4 = cudnn.as_layout(self._map(xin, ex), ex.layout)
+        mapped = self._map(xin, ex)
+        x4 = cudnn.as_layout(mapped, ex.layout)
+        if x4 is not mapped:
+            self.counters["layout_copies"] += 1
         y = cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
         y4 = self._map(y, ex)
         activation = None
@@ -745,11 +766,19 @@ class CudaBackend(Backend):
                 return y
         cudnn.run(ex.descs, "fwd", ex.algo, x4, wk, y4, workspace=ws)
         self.counters["cudnn_calls"] += 1
-        if b is not None:
-            y += b.reshape(bshape)
-        if relu:
-            cp.maximum(y, y.dtype.type(0), out=y)
+        self._bias_relu(y, b, relu, ex.layout)
         return y
+
+    def _bias_relu(self, y: Any, b: Any, relu: bool, layout: str) -> None:
+        """In place, on the storage order of ``y`` (element-wise kernels over a channels-last array
+        seen channels-first would read and write with a stride of C elements)."""
+        if b is None and not relu:
+            return
+        phys = _storage(y, layout)
+        if b is not None:
+            phys += b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))
+        if relu:
+            self._cp.maximum(phys, phys.dtype.type(0), out=phys)
 
     # ------------------------------------------------------------------ plans
 
@@ -806,6 +835,12 @@ class CudaBackend(Backend):
                     + "; re-tune on this GPU with `convpass optimize`",
                 )
             actions = self._plan_fusions(plan)
+            for i, st in enumerate(plan.steps):
+                node = st.node
+                if actions[i] is None and node.domain == "" and (
+                    node.op_type in _ELEMENTWISE or (node.op_type == "PRelu" and node.opset >= 7)
+                ):
+                    actions[i] = "elementwise"
             blockers = [s.node for s in plan.steps if s.node.impl is not None and s.node.impl.data_dependent_shape]
             capturable = self.cuda_graph and not blockers
             note = ""
@@ -880,7 +915,15 @@ class CudaBackend(Backend):
             if action != "skip":
                 args = [env[s] if s >= 0 else None for s in step.inputs]
                 try:
-                    if action is not None:
+                    if action == "elementwise":
+                        outs = self._elementwise(ctx, step, args)
+                        if not isinstance(outs, (tuple, list)):
+                            env[step.outputs[0]] = outs
+                        else:
+                            for s, o in zip(step.outputs, outs):
+                                if s >= 0:
+                                    env[s] = o
+                    elif action is not None:
                         x, w = args[0], args[1]
                         b = args[2] if len(args) > 2 else None
                         env[action[1]] = self._conv(step.node.prepared, x, w, b, relu=True)
@@ -900,6 +943,27 @@ class CudaBackend(Backend):
             for s in step.free:
                 env[s] = None
         return [env[s] for s in plan.output_slots]
+
+    def _elementwise(self, ctx: OpContext, step: Any, args: list[Any]) -> Any:
+        """Run an element-wise op on the channels-last storage when a full-rank input has it."""
+        from convpass import cudnn
+
+        r = max((a.ndim for a in args if a is not None), default=0)
+        if not 3 <= r <= 5 or not any(a is not None and a.ndim == r and cudnn.layout_of(a) == "nhwc" for a in args):
+            return step.fn(ctx, step.node, *args)
+        perm = (0, *range(2, r), 1)
+        inv = (0, r - 1, *range(1, r - 1))
+        moved = []
+        for i, a in enumerate(args):
+            if a is None or a.ndim == 0 or i in step.node.impl.value_inputs:
+                moved.append(a)
+            else:
+                full = a if a.ndim == r else a.reshape((1,) * (r - a.ndim) + tuple(a.shape))
+                moved.append(full.transpose(perm))
+        outs = step.fn(ctx, step.node, *moved)
+        if isinstance(outs, (tuple, list)):
+            return [o.transpose(inv) if o is not None and o.ndim == r else o for o in outs]
+        return outs.transpose(inv) if outs.ndim == r else outs
 
     def run_plan(self, plan: Any, feeds: dict[str, Any]) -> list[Any]:
         state: _PlanState = plan.backend_state
@@ -1009,6 +1073,13 @@ class CudaBackend(Backend):
         state.mode = "eager"
         state.note = note
         logger.debug("cuda graph: %s", note)
+
+
+def _storage(a: Any, layout: str) -> Any:
+    """``a`` (logical channels-first) in its memory order: the channels-last view for ``nhwc``."""
+    if layout != "nhwc" or a.ndim < 3:
+        return a
+    return a.transpose(0, *range(2, a.ndim), 1)
 
 
 def _root(a: Any) -> Any:
