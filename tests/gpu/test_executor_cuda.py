@@ -335,10 +335,41 @@ def test_matmul_tf32_follows_the_model_switch():
 
 
 # ---------------------------------------------------------------------------------------------
+# fp16
+
+
+@pytest.mark.parametrize(
+    "op_type,x_shape,w_shape,attrs",
+    [
+        ("Conv", (2, 16, 14, 14), (32, 16, 3, 3), {"pads": [1, 1, 1, 1]}),
+        ("ConvTranspose", (2, 16, 8, 8), (16, 8, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+        ("Conv", (2, 32, 14, 14), (32, 1, 3, 3), {"group": 32, "pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    ],
+    ids=["conv", "conv_transpose", "depthwise"],
+)
+def test_fp16_tuned_models(op_type, x_shape, w_shape, attrs, tmp_path):
+    model = conv_model(op_type, x_shape, w_shape, elem_type=TensorProto.FLOAT16, **attrs)
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True)
+    x = np.random.default_rng(5).standard_normal(x_shape).astype(np.float16)
+    (ref,) = run_ort(model, {"x": x})
+    ex = Executor(tuned, device="cuda")
+    with cudnn.record_calls() as calls:
+        (out,) = ex.run(None, {"x": x})
+    assert out.dtype == np.float16
+    assert {(c.algo, str(c.key)) for c in calls} == {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned)}
+    err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64))
+    assert err < 1e-2, err
+
+
+# ---------------------------------------------------------------------------------------------
 # the torchvision panel (when exported to .panel/ on this machine)
 
 
-@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v3_large"])
+@pytest.mark.parametrize(
+    "name",
+    ["resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "r3d_18", "fcn_resnet50",
+     "deeplabv3_mobilenet_v3_large", "dcgan_generator"],
+)
 def test_panel_model(name, tmp_path):
     path = PANEL / f"{name}.onnx"
     if not path.exists():
