@@ -86,6 +86,7 @@ from convpass.runtime import conv as conv_kernels
 from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall, ConvGeometry
 from convpass.runtime.errors import ExecutorError
+from convpass.runtime.executor import unshare_outputs
 from convpass.runtime.registry import OpContext
 
 logger = logging.getLogger("convpass")
@@ -975,7 +976,7 @@ class CudaBackend(Backend):
             env = list(plan.template)
             for name, s in plan.feed_slots.items():
                 env[s] = feeds[name]
-            return _unshare(self._run_steps(plan, state, env), plan, feeds)
+            return unshare_outputs(self._run_steps(plan, state, env), plan, feeds)
 
     def _replay(self, plan: Any, state: _PlanState, feeds: dict[str, Any]) -> list[Any]:
         cp = self.xp
@@ -1080,16 +1081,3 @@ def _storage(a: Any, layout: str) -> Any:
     if layout != "nhwc" or a.ndim < 3:
         return a
     return a.transpose(0, *range(2, a.ndim), 1)
-
-
-def _root(a: Any) -> Any:
-    while getattr(a, "base", None) is not None:
-        a = a.base
-    return a
-
-
-def _unshare(results: list[Any], plan: Any, feeds: dict[str, Any]) -> list[Any]:
-    """Outputs that are (views of) feeds or constants are copied: callers may write into outputs."""
-    owned = {id(_root(a)) for a in plan.template if a is not None}
-    owned.update(id(_root(a)) for a in feeds.values())
-    return [r.copy() if id(_root(r)) in owned else r for r in results]

@@ -718,7 +718,7 @@ class Executor:
         results = [vals[n].value if n in vals else self._constants[n] for n in outputs]
         plan = self._assemble(key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded)
         backend.compile_plan(plan)
-        return plan, _unshare(results, plan, arrays)
+        return plan, unshare_outputs(results, plan, arrays)
 
     def _decision(self, node: NodeInfo, profile: int | None) -> tuple[annotation.ConvDecision | None, str]:
         decisions = self._decisions.get(node.name)
@@ -822,7 +822,7 @@ class Executor:
                         env[s] = o
             for s in step.free:
                 env[s] = None
-        return _unshare([env[s] for s in plan.output_slots], plan, arrays)
+        return unshare_outputs([env[s] for s in plan.output_slots], plan, arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -850,7 +850,7 @@ def _root(a: Any) -> Any:
     return a
 
 
-def _unshare(results: list[Any], plan: Plan, feeds: Mapping[str, Any]) -> list[Any]:
+def unshare_outputs(results: list[Any], plan: Plan, feeds: Mapping[str, Any]) -> list[Any]:
     """Outputs that are (views of) feeds or constants are copied: callers may write into outputs."""
     owned = {id(_root(a)) for a in plan.template if a is not None}
     owned.update(id(_root(a)) for a in feeds.values())
