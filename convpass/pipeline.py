@@ -54,6 +54,7 @@ class OptimizeReport:
     # per profile: (sum of chosen conv times, sum of cuDNN-heuristic conv times, convs counted)
     conv_time_ms: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
     layout_plans: dict[str, Any] = dataclasses.field(default_factory=dict)  # profile -> LayoutPlan
+    layout_mode: str | None = None  # what --layout auto became when it could not plan
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -110,6 +111,7 @@ def optimize_model(
             report.backend = type(backend).__name__
             report.device = str(backend.device or "")
         choices = backend.decide(problems, options)
+        report.decided = sum(1 for c in choices.values() if c is not None)
         overrides = _plan_layouts(model, backend, options, collect.problems, report)
         _tuning_summary(report, backend, collect.problems, overrides)
     report.decided = sum(1 for c in choices.values() if c is not None)
@@ -128,7 +130,7 @@ def optimize_model(
         mode=options.mode,
         profiles=report.profiles,
         matmul_allow_tf32=options.matmul_tf32,
-        options=options.to_json(),
+        options={**options.to_json(), **({"layout_applied": report.layout_mode} if report.layout_mode else {})},
     )
     AnnotateConvsPass(choices, info, options.directions, overrides)(model)
     return report
@@ -168,7 +170,15 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
     the whole graph (conv times + measured transposes), then its best configuration in that layout."""
     rows = getattr(backend, "rows", None)
     transpose_ms = getattr(backend, "transpose_ms", None)
-    if options.layout != "auto" or rows is None or transpose_ms is None:
+    if options.layout != "auto":
+        return {}
+    if rows is None or transpose_ms is None:
+        report.layout_mode = "per-conv"
+        if report.decided:
+            report.notes.append(
+                "--layout auto plans the whole graph with transpose timings measured on the GPU, which the tuning "
+                "cache does not hold: each conv takes its own best layout here (as --layout per-conv)"
+            )
         return {}
     overrides = {}
     value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])

@@ -121,6 +121,7 @@ def test_cache_only_optimize_without_gpu(tmp_path):
     assert record["problem_key"] == str(SHAPE.key("nhwc", "fma"))
     info = annotation.read_model_info(tuned)
     assert info.device == str(H200) and info.cudnn_version == "91900"
+    assert info.options["layout"] == "auto" and info.options["layout_applied"] == "per-conv"
     for want, got in zip(run_ort(model, {"x": random_input((1, 3, 8, 8))}), run_ort(tuned, {"x": random_input((1, 3, 8, 8))})):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -145,3 +146,14 @@ def test_fft_tiling_is_skipped_on_many_groups_unless_forced():
     assert skip_reason(key, "fft_tiling", forced=True) is None
     assert skip_reason(key, "implicit_gemm", forced=False) is None
     assert skip_reason(SHAPE.key("nchw", "default"), "fft_tiling", forced=False) is None
+
+
+def test_cache_only_layout_auto_says_it_cannot_plan(tmp_path):
+    from convpass.model_io import load_model
+    from convpass.pipeline import optimize_model
+
+    _fill_cache(tmp_path / "c.db", ROWS)
+    model = load_model(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1]))
+    report = optimize_model(model, TuneOptions(), cache=tmp_path / "c.db", device_name="H200")
+    assert report.layout_mode == "per-conv"
+    assert any("transpose timings measured on the GPU" in note for note in report.notes)
