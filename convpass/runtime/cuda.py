@@ -15,7 +15,10 @@ Convolutions
     Bias: fused into ``cudnnConvolutionBiasActivationForward`` as ``relu`` when the only reader of
     the conv is a Relu (the Relu step then disappears from the plan), as ``identity`` when the
     algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an identity with); otherwise
-    one broadcast add. A fused call cuDNN refuses falls back to the unfused form for good.
+    one broadcast add. A residual ``Add`` that is the conv's only reader, whose other operand is
+    computed before the conv with the same shape, goes into the same call as its ``z`` input
+    (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused call
+    cuDNN refuses falls back to the unfused form for good.
 
     * Untuned convs (no decision) and ``algo == "auto"``: cuDNN's heuristic first choice that is
       usable, in NCHW, with the recorded math mode when there is one (``default`` otherwise): one
@@ -181,6 +184,7 @@ class _ConvExec:
     note: str = ""
     fuse_relu_ok: bool = True
     fuse_identity_ok: bool = True
+    fuse_residual_ok: bool = True
 
     @property
     def layout(self) -> str:
@@ -315,7 +319,7 @@ class CudaBackend(Backend):
         self._warned: set[str] = set()
         self._mismatch_nodes: list[str] = []
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
-        self.counters = {"cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "reference_convs": 0, "graph_replays": 0, "layout_copies": 0}
+        self.counters = {"cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0, "reference_convs": 0, "graph_replays": 0, "layout_copies": 0}
 
     # ------------------------------------------------------------------ Backend interface
 
@@ -686,25 +690,28 @@ class CudaBackend(Backend):
         out[(slice(None), slice(None), *(slice(eb[i], eb[i] + x.shape[2 + i]) for i in range(r)))] = x
         return out
 
-    def _reference(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool) -> Any:
+    def _reference(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool, z: Any = None) -> Any:
         self.counters["reference_convs"] += 1
         g = call.geometry
         if g.op_type == "ConvTranspose":
             y = conv_kernels.conv_transpose_reference(self.xp, x, w, b, g)
         else:
             y = conv_kernels.conv_reference(self.xp, x, w, b, g)
+        if z is not None:
+            y = y + z
         if relu:
             y = self.xp.maximum(y, y.dtype.type(0))
         return y
 
-    def _conv(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool = False) -> Any:
+    def _conv(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool = False, z: Any = None) -> Any:
+        """The conv of ``call`` plus bias, plus the residual ``z`` when given, then ReLU if asked."""
         from convpass import cudnn
 
         ex = self._resolve(call, x.dtype)
         if ex is _REFERENCE or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-            return self._reference(call, x, w, b, relu)
+            return self._reference(call, x, w, b, relu, z)
         try:
-            return self._run_conv(ex, x, w, b, relu)
+            return self._run_conv(ex, x, w, b, relu, z)
         except cudnn.CudnnError as e:
             if self._capturing or ex.source != "recorded":
                 raise
@@ -715,10 +722,10 @@ class CudaBackend(Backend):
             self._execs[(call.node_name, call.geometry, call.decision, np.dtype(x.dtype).str)] = new  # _by_call points here
             self._warn_node(call.node_name, f"node {call.node_name!r}: {why}; running cuDNN's heuristic choice {self._describe_exec(new)} instead")
             if new is _REFERENCE:
-                return self._reference(call, x, w, b, relu)
-            return self._run_conv(new, x, w, b, relu)
+                return self._reference(call, x, w, b, relu, z)
+            return self._run_conv(new, x, w, b, relu, z)
 
-    def _run_conv(self, ex: _ConvExec, x: Any, w: Any, b: Any, relu: bool) -> Any:
+    def _run_conv(self, ex: _ConvExec, x: Any, w: Any, b: Any, relu: bool, z: Any = None) -> Any:
         from convpass import cudnn
 
         g = ex.geometry
@@ -746,27 +753,41 @@ class CudaBackend(Backend):
             self.counters["layout_copies"] += 1
         y = cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
         y4 = self._map(y, ex)
+        z4 = None
+        if z is not None:  # the residual, in the conv's own memory format
+            mapped_z = self._map(z, ex)
+            z4 = cudnn.as_layout(mapped_z, ex.layout)
+            if z4 is not mapped_z:
+                self.counters["layout_copies"] += 1
         activation = None
         if b is not None and self.fuse:
-            if relu and ex.fuse_relu_ok:
+            if z4 is not None:
+                if ex.fuse_residual_ok and (relu or ex.algo == "implicit_precomp_gemm"):
+                    activation = "relu" if relu else "identity"
+            elif relu and ex.fuse_relu_ok:
                 activation = "relu"
             elif not relu and ex.algo == "implicit_precomp_gemm" and ex.fuse_identity_ok:
                 activation = "identity"
         if activation is not None:
             try:
-                cudnn.conv_bias_activation_forward(ex.descs, ex.algo, x4, wk, y4, self._bias(b), activation=activation, workspace=ws)
+                cudnn.conv_bias_activation_forward(ex.descs, ex.algo, x4, wk, y4, self._bias(b), z=z4, activation=activation, workspace=ws)
             except (cudnn.CudnnError, ValueError) as e:
-                if activation == "relu":
+                if z4 is not None:
+                    ex.fuse_residual_ok = False
+                elif activation == "relu":
                     ex.fuse_relu_ok = False
                 else:
                     ex.fuse_identity_ok = False
-                logger.debug("node %r: cuDNN refuses the fused conv + bias + %s (%s); running them apart", ex.node, activation, _first_line(e))
+                what = f"{'residual + ' if z4 is not None else ''}{activation}"
+                logger.debug("node %r: cuDNN refuses the fused conv + bias + %s (%s); running them apart", ex.node, what, _first_line(e))
             else:
                 self.counters["cudnn_calls"] += 1
-                self.counters["fused_" + activation] += 1
+                self.counters["fused_" + ("residual_" if z4 is not None else "") + activation] += 1
                 return y
         cudnn.run(ex.descs, "fwd", ex.algo, x4, wk, y4, workspace=ws)
         self.counters["cudnn_calls"] += 1
+        if z4 is not None:
+            y4 += z4  # same memory format on both sides: one pass over the storage
         self._bias_relu(y, b, relu, ex.layout)
         return y
 
@@ -883,6 +904,17 @@ class CudaBackend(Backend):
                 if s >= 0:
                     readers.setdefault(s, []).append(i)
         outputs = set(plan.output_slots)
+        producer = {s: i for i, st in enumerate(steps) for s in st.outputs if s >= 0}
+
+        def only_reader(slot: int, after: int, op_type: str) -> int | None:
+            """The step that is the one reader of ``slot``, if it is a plain ``op_type`` after ``after``."""
+            if slot < 0 or slot in outputs or len(readers.get(slot, ())) != 1:
+                return None
+            k = readers[slot][0]
+            st = steps[k]
+            ok = k > after and st.node.op_type == op_type and st.node.domain == "" and actions[k] is None
+            return k if ok and st.outputs and st.outputs[0] >= 0 else None
+
         for i, st in enumerate(steps):
             node = st.node
             if node.op_type != "Conv" or not isinstance(node.prepared, ConvCall) or not node.prepared.geometry.shapes:
@@ -892,6 +924,21 @@ class CudaBackend(Backend):
             y = st.outputs[0] if st.outputs else -1
             if y < 0 or y in outputs or len(readers.get(y, ())) != 1:
                 continue
+            # conv + bias + residual Add (+ Relu): y = act(conv(x, w) + z + b) in one cuDNN call, when the
+            # residual z is computed before the conv and has the conv output's exact shape and dtype.
+            j = only_reader(y, i, "Add")
+            if j is not None and len(steps[j].inputs) == 2:
+                z = steps[j].inputs[1] if steps[j].inputs[0] == y else steps[j].inputs[0]
+                ready = z >= 0 and z != y and producer.get(z, -1) < i
+                if ready and plan.value_info.get(z) == plan.value_info.get(y) and plan.value_info.get(y) is not None:
+                    k = only_reader(steps[j].outputs[0], j, "Relu")
+                    if k is not None and len(steps[k].inputs) == 1:
+                        actions[i] = ("residual", z, "relu", steps[k].outputs[0])
+                        actions[j] = actions[k] = "skip"
+                    else:
+                        actions[i] = ("residual", z, "identity", steps[j].outputs[0])
+                        actions[j] = "skip"
+                    continue
             j = readers[y][0]
             relu = steps[j]
             if (
@@ -927,7 +974,11 @@ class CudaBackend(Backend):
                     elif action is not None:
                         x, w = args[0], args[1]
                         b = args[2] if len(args) > 2 else None
-                        env[action[1]] = self._conv(step.node.prepared, x, w, b, relu=True)
+                        if action[0] == "relu":
+                            env[action[1]] = self._conv(step.node.prepared, x, w, b, relu=True)
+                        else:  # ("residual", z slot, activation, output slot)
+                            z = env[action[1]]
+                            env[action[3]] = self._conv(step.node.prepared, x, w, b, relu=action[2] == "relu", z=z)
                     else:
                         outs = step.fn(ctx, step.node, *args)
                         if not isinstance(outs, (tuple, list)):

@@ -334,6 +334,20 @@ def test_matmul_tf32_follows_the_model_switch():
         assert all(e > 5e-5 for e in errors["1"]), errors  # TF32 rounds the inputs to 10 mantissa bits
 
 
+def test_residual_add_and_relu_are_fused_into_the_conv(tmp_path):
+    path = MODELS / "residual_cnn.onnx"
+    model = onnx.load(path)
+    feeds, shapes = _feeds(model)
+    tuned = convpass.optimize(path, cache=tmp_path / "c.db", shapes=shapes, quiet=True)
+    ex = Executor(tuned, device="cuda", cuda_graph=False)
+    with cudnn.record_calls() as calls:
+        outs = ex.run(None, feeds)
+    # two residual blocks: conv + bias + identity/projection Add + Relu, each one cuDNN call
+    assert ex._backend.counters["fused_residual_relu"] >= 1, ex._backend.counters
+    assert any(c.call == "cudnnConvolutionBiasActivationForward" for c in calls)
+    _check_against(outs, run_ort(model, feeds), _tolerance(tuned), "residual fusion")
+
+
 # ---------------------------------------------------------------------------------------------
 # fp16
 
