@@ -90,7 +90,7 @@ from convpass.runtime import conv as conv_kernels
 from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall, ConvGeometry
 from convpass.runtime.errors import ExecutorError
-from convpass.runtime.executor import unshare_outputs
+from convpass.runtime.executor import store_outputs, unshare_outputs
 from convpass.runtime.registry import OpContext
 
 logger = logging.getLogger("convpass")
@@ -968,13 +968,7 @@ class CudaBackend(Backend):
                 args = [env[s] if s >= 0 else None for s in step.inputs]
                 try:
                     if action == "elementwise":
-                        outs = self._elementwise(ctx, step, args)
-                        if not isinstance(outs, (tuple, list)):
-                            env[step.outputs[0]] = outs
-                        else:
-                            for s, o in zip(step.outputs, outs):
-                                if s >= 0:
-                                    env[s] = o
+                        store_outputs(env, step.outputs, self._elementwise(ctx, step, args))
                     elif action is not None:
                         x, w = args[0], args[1]
                         b = args[2] if len(args) > 2 else None
@@ -984,13 +978,7 @@ class CudaBackend(Backend):
                             z = env[action[1]]
                             env[action[3]] = self._conv(step.node.prepared, x, w, b, relu=action[2] == "relu", z=z)
                     else:
-                        outs = step.fn(ctx, step.node, *args)
-                        if not isinstance(outs, (tuple, list)):
-                            env[step.outputs[0]] = outs
-                        else:
-                            for s, o in zip(step.outputs, outs):
-                                if s >= 0:
-                                    env[s] = o
+                        store_outputs(env, step.outputs, step.fn(ctx, step.node, *args))
                 except (_CaptureBreak, ExecutorError):
                     raise
                 except (ValueError, IndexError, TypeError) as e:

@@ -814,12 +814,7 @@ class Executor:
             except (ValueError, IndexError, TypeError) as e:
                 shapes = [None if a is None else tuple(a.shape) for a in args]
                 raise ExecutorError(f"node {step.node.name!r} ({step.node.op_type}) failed on inputs of shapes {shapes}: {e}") from None
-            if not isinstance(outs, (tuple, list)):
-                env[step.outputs[0]] = outs
-            else:
-                for s, o in zip(step.outputs, outs):
-                    if s >= 0:
-                        env[s] = o
+            store_outputs(env, step.outputs, outs)
             for s in step.free:
                 env[s] = None
         return unshare_outputs([env[s] for s in plan.output_slots], plan, arrays)
@@ -848,6 +843,16 @@ def _root(a: Any) -> Any:
     while getattr(a, "base", None) is not None:
         a = a.base
     return a
+
+
+def store_outputs(env: list[Any], slots: Sequence[int], outs: Any) -> None:
+    """Put an op's result (one array, or a tuple with one entry per output) into its slots."""
+    if not isinstance(outs, (tuple, list)):
+        env[slots[0]] = outs
+        return
+    for s, o in zip(slots, outs):
+        if s >= 0:
+            env[s] = o
 
 
 def unshare_outputs(results: list[Any], plan: Plan, feeds: Mapping[str, Any]) -> list[Any]:
