@@ -117,6 +117,38 @@ def measure(path: Path, batch: int, workdir: Path, cache: Path, runs: int) -> di
     }
 
 
+def _profile_ops(path: Path, batch: int, cache: Path | None, runs: int = 10) -> dict[str, tuple[float, int]]:
+    """GPU time per op type (or fusion) in eager runs: CUDA events around every plan step."""
+    import cupy as cp
+
+    import convpass
+    from convpass.runtime import Executor
+
+    model = onnx.load(path, load_external_data=False)
+    name, shape = _input(model, batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        tuned = convpass.optimize(path, shapes=[f"{name}={'x'.join(map(str, shape))}"], cache=cache or Path(tmp) / "c.db", quiet=True)
+    ex = Executor(tuned, device="cuda", cuda_graph=False, output_kind="device")
+    feeds = {name: cp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))}
+    for _ in range(3):
+        ex.run(None, feeds)
+    ex.backend.step_events = events = []
+    for _ in range(runs):
+        ex.run(None, feeds)
+    cp.cuda.get_current_stream().synchronize()
+    ex.backend.step_events = None
+    per: dict[str, list[float]] = {}
+    for label, start, end in events:
+        per.setdefault(label, []).append(cp.cuda.get_elapsed_time(start, end))
+    table = {k: (sum(v) / runs, len(v) // runs) for k, v in per.items()}
+    total = sum(t for t, _ in table.values())
+    print(f"GPU time per op, {path.stem} batch {batch} (eager, CUDA events around each step, mean of {runs} runs; "
+          f"includes launch gaps): {total:.3f} ms")
+    for label, (ms, count) in sorted(table.items(), key=lambda kv: -kv[1][0])[:16]:
+        print(f"  {ms:8.3f} ms  {100 * ms / total:5.1f}%  x{count:<4d} {label}")
+    return table
+
+
 def _profile_eager(path: Path, batch: int, cache: Path | None) -> None:
     import cProfile
     import pstats
@@ -181,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile-eager", action="store_true", help="also print where eager runs spend host time (cProfile)")
+    p.add_argument("--profile-ops", action="store_true", help="also print GPU time per op type for every model and batch")
     args = p.parse_args(argv)
 
     from convpass import device as device_mod
@@ -216,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
           "(CuPy imported, cuDNN loaded, CuPy kernel cache warm); latency = median of "
           f"{args.runs} runs, input on the device, synchronized")
     print(_table(rows))
+    if args.profile_ops:
+        for r in rows:
+            r["ops_ms"] = _profile_ops(args.panel / f"{r['model']}.onnx", r["batch"], args.cache or None)
     if args.profile_eager and rows:
         _profile_eager(args.panel / f"{rows[0]['model']}.onnx", rows[0]["batch"], args.cache or None)
     if args.json:

@@ -79,9 +79,11 @@ def select(measurements: Iterable["Measurement"], problem: ConvProblem, options:
         best = min(ranked, key=lambda m: (m.heuristic_rank, _layout_pref(m), m.key.math != "default"), default=None)
     elif strategy == "exhaustive":
         found = [m for m in ok if m.method == "find" and m.time_ms is not None]
-        best = min(found, key=lambda m: m.time_ms, default=None)
+        best = min(found, key=lambda m: (m.time_ms, _layout_pref(m), m.key.math != "default", m.algo), default=None)
     else:
-        return min(timed.values(), key=lambda m: m.time_ms, default=None)
+        # equal times (event-resolution ties on tiny convs) break the same way whatever order the
+        # rows came in (live measurements or the cache's ORDER BY): the cached re-run reproduces the choice
+        return min(timed.values(), key=lambda m: (m.time_ms, _layout_pref(m), m.key.math != "default", m.algo), default=None)
     if best is None:
         return None
     return timed.get((best.key, best.algo), best)

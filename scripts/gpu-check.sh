@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's one-command GPU check, for a machine with an NVIDIA GPU, CuPy and cuDNN (e.g. the
 # device machine): installs convpass from this tree without touching the registry, runs the GPU
-# tests, exports the torchvision panel and prints the tuning-quality benchmark.
+# tests (the exported panel models included, fp32 and fp16) and prints the tuning-quality benchmark.
 #   bash scripts/gpu-check.sh [MODELS] [BATCHES]      (defaults: the three tuning models, 1,32)
 # Logs and JSON go to $OUT (or ./gpu-check-out).
 set -uo pipefail
@@ -11,8 +11,10 @@ models=${1:-resnet50,mobilenet_v3_large,efficientnet_b0}
 batches=${2:-1,32}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+# the panel first (fp32 and fp16), so the GPU tests check the exported models too
+{ python3 models/export_panel.py --out .panel --models "$models" && python3 models/export_panel.py --out .panel --models "$models" --fp16; } \
+    >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log" | tail -15
 rc=${PIPESTATUS[0]}
-python3 models/export_panel.py --out .panel --models "$models" >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
 python3 benchmarks/tune_quality.py --panel .panel --models "$models" --batches "$batches" --json "$out/tune_quality.json" 2>&1 | tee "$out/tune_quality.log" | tail -12
 exit "$rc"

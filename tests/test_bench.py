@@ -659,6 +659,41 @@ def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
     assert "[bench] mobile_block b1: convpass optimize" in err
 
 
+def test_bench_json_keeps_finished_cases_when_a_later_one_is_interrupted(monkeypatch, tmp_path):
+    import convpass.runtime.executor as executor_mod
+
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
+    real = executor_mod.Executor
+
+    class CpuExecutor(real):
+        def __init__(self, model, device="cpu", **kw):
+            super().__init__(model, device="cpu", **kw)
+
+    monkeypatch.setattr(executor_mod, "Executor", CpuExecutor)
+    real_case = contenders.bench_case
+    calls = []
+
+    def interrupted_second(*a, **kw):
+        calls.append(a[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_case(*a, **kw)
+
+    monkeypatch.setattr(contenders, "bench_case", interrupted_second)
+    out_json = tmp_path / "bench.json"
+    args = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--batch", "1,2", "--vs", "none", "--no-roofline",
+                                 "--runs", "2", "--warmup", "0", "--cache", str(tmp_path / "t.db"), "--json", str(out_json)])
+    with pytest.raises(KeyboardInterrupt):
+        args.func(args)
+    doc = json.loads(out_json.read_text())
+    assert report.validate_document(doc) == []
+    assert [report.case_label(c) for c in doc["cases"]] == ["mobile_block b1"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
+
+
 def test_bench_reports_ort_cuda_ep_that_does_not_load(monkeypatch):
     ort = pytest.importorskip("onnxruntime")
     import numpy as np

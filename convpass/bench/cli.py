@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -116,12 +117,20 @@ def gpu_unavailable_reason() -> str | None:
 # the command
 
 
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    """Atomically: a reader (or an interrupted run) never sees half a document."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(report.to_json(doc))
+    os.replace(tmp, target)
+
+
 def _out(doc: dict[str, Any], args: argparse.Namespace) -> None:
     errors = report.validate_document(doc)
     if errors:  # a bug in this module, not the user's: say so, still write what we have
         print(f"convpass bench: warning: the JSON document does not match its schema: {errors[0]}", file=sys.stderr)
     if args.json_path:
-        Path(args.json_path).write_text(report.to_json(doc))
+        _write_json(args.json_path, doc)
         print(f"wrote {args.json_path}")
     if args.plot:
         try:
@@ -222,6 +231,8 @@ def bench_command(args: argparse.Namespace) -> int:
                 report.annotate_case(case)
                 cases.append(case)
                 print("\n" + report.format_case(case), flush=True)
+                if args.json_path:  # every finished case is kept, should a later one be interrupted
+                    _write_json(args.json_path, report.build_document(env, settings, peaks, cases, created, notes))
     module_cache.clear()
     doc = report.build_document(env, settings, peaks, cases, created, notes)
     print("\n" + report.format_summary(doc["summary"]))

@@ -9,7 +9,8 @@ Runtime, DLPack views of the same CuPy input for PyTorch. The clocks are warmed 
 before each contender's steady-state runs.
 
 * convpass: ``optimize`` of the model for this batch (timed: wall seconds, the tuner's seconds,
-  problems measured vs from the tuning cache), saved to a temporary file; then the executor's cold
+  problems measured vs from the tuning cache; Gemm / MatMul TF32 on unless ``--tf32 off``, as for
+  the peers), saved to a temporary file; then the executor's cold
   start (``Executor(path, device="cuda")`` -> first result, synchronized) and its steady state.
 * ONNX Runtime CUDA EP: ``cudnn_conv_algo_search`` EXHAUSTIVE / HEURISTIC x ``prefer_nhwc`` 0 / 1,
   ``use_tf32`` = 1 unless convpass was asked for ``--tf32 off``: session creation, first run (it
@@ -357,7 +358,9 @@ def run_optimize(path: Path, spec: str, tf32: str, cache: str | None, out_path: 
     from convpass.options import TuneOptions
     from convpass.pipeline import optimize_model
 
-    options = TuneOptions(tf32=tf32)
+    # Gemm / MatMul TF32 as the peers get it (ONNX Runtime's use_tf32, torch's allow_tf32): on
+    # unless --tf32 off; convpass optimize's own default (--matmul-tf32 off) is MindSpore's.
+    options = TuneOptions(tf32=tf32, matmul_tf32=tf32 != "off")
     t0 = time.perf_counter()
     model = load_model(path)
     rep = optimize_model(model, options, [spec], cache, None, Console(stderr=True, quiet=True))
@@ -376,6 +379,7 @@ def run_optimize(path: Path, spec: str, tf32: str, cache: str | None, out_path: 
         "backend": rep.backend,
         "decisions": decision_summary(records),
         "tf32_option": tf32,
+        "matmul_tf32": options.matmul_tf32,
     }
     return tuning, records
 
@@ -383,8 +387,8 @@ def run_optimize(path: Path, spec: str, tf32: str, cache: str | None, out_path: 
 def run_convpass(tuned_path: Path, tuning: dict[str, Any], records: Sequence[Mapping[str, Any]], dev_feeds: Mapping[str, Any],
                  ref: Sequence[np.ndarray] | None, dtype: str, runs: int, warmup: int) -> dict[str, Any]:
     """The convpass executor on the tuned model: cold start, steady state, output check."""
-    tf32 = uses_tf32(records) if dtype == "float32" else None
-    config = {"device": "cuda", "cuda_graph": True, "tf32_option": tuning.get("tf32_option")}
+    tf32 = uses_tf32(records, tuning.get("matmul_tf32", False)) if dtype == "float32" else None
+    config = {"device": "cuda", "cuda_graph": True, "tf32_option": tuning.get("tf32_option"), "matmul_tf32": tuning.get("matmul_tf32", False)}
     try:
         from convpass.runtime.errors import ExecutorError
         from convpass.runtime.executor import Executor

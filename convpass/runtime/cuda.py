@@ -17,9 +17,9 @@ Convolutions
     algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an identity with); otherwise
     one broadcast add. A residual ``Add`` that is the conv's only reader, whose other operand is
     computed before the conv with the same shape, goes into the same call as its ``z`` input
-    (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one — opt-in
-    (``CudaBackend(fuse_residual=True)``) until its GPU correctness test has run. A fused call cuDNN
-    refuses falls back to the unfused form for good.
+    (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one
+    (``CudaBackend(fuse_residual=False)`` turns that off). A fused call cuDNN refuses falls back to
+    the unfused form for good.
 
     * Untuned convs (no decision) and ``algo == "auto"``: cuDNN's heuristic first choice that is
       usable, in NCHW, with the recorded math mode when there is one (``default`` otherwise): one
@@ -45,6 +45,15 @@ Memory formats
     layout plan's assumption that such ops pass the format through). Bias adds and activations
     that are not fused also run in storage order. Every other op works on the logical view;
     reshapes copy when the storage needs it. Weights of NHWC convs are converted once and cached.
+
+Element-wise fusion
+    Chains of element-wise ops (Sigmoid + Mul as SiLU, HardSigmoid + Mul gates, decomposed GELU,
+    HardSwish, Clip, ...) run as one generated ``cupy.ElementwiseKernel`` each, in float32 math for
+    float16 tensors: :mod:`convpass.runtime.cuda_fusion` states the rules. Kernels are built when
+    the plan is compiled; one that does not build leaves its ops running one by one, with a warning.
+    LayerNormalization over the last axis is one hand-written kernel
+    (:mod:`convpass.runtime.cuda_kernels`). ``fuse=False`` turns every fusion (conv, element-wise,
+    LayerNormalization) off.
 
 Gemm / MatMul
     cuBLAS, through :mod:`convpass.runtime.cuda_blas` (ctypes on the libcublas CuPy loaded, own
@@ -87,6 +96,7 @@ import numpy as np
 from convpass import annotation
 from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.runtime import conv as conv_kernels
+from convpass.runtime import cuda_fusion, cuda_kernels
 from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall, ConvGeometry
 from convpass.runtime.errors import ExecutorError
@@ -243,7 +253,11 @@ def _same_device(recorded: str, current: Any) -> bool:
 
 @dataclasses.dataclass
 class _PlanState:
-    actions: list[Any]  # per step: None, ("relu", out_slot) for a conv fused with its Relu, or "skip"
+    # per step: None (the op), "elementwise", "skip", ("relu", out slot) / ("residual", z slot,
+    # activation, out slot) for fused convs, ("fused", FusedGroup, kernel) for element-wise groups,
+    # ("layernorm", epsilon) for LayerNormalization by cuda_kernels
+    actions: list[Any]
+    free: list[tuple[int, ...]]  # per step: slots released after it ran (plan.steps' free, moved by fusion)
     capturable: bool
     mode: str  # "graph" (warm-up pending / captured), "eager"
     note: str = ""
@@ -284,10 +298,8 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
-    def __init__(self, device: Any = 0, cuda_graph: bool = True, *, fuse: bool = True, fuse_residual: bool = False) -> None:
-        # fuse_residual: opt-in until its GPU correctness test (tests/gpu/test_executor_cuda.py,
-        # test_residual_add_and_relu_are_fused_into_the_conv) has run; it was only timed on a GPU so far.
-        self.fuse_residual = fuse_residual
+    def __init__(self, device: Any = 0, cuda_graph: bool = True, *, fuse: bool = True, fuse_residual: bool = True) -> None:
+        self.fuse_residual = bool(fuse and fuse_residual)
         reason = unavailable_reason()
         if reason is not None:
             raise ExecutorError(f"cuda backend not available: {reason}")
@@ -323,7 +335,9 @@ class CudaBackend(Backend):
         self._warned: set[str] = set()
         self._mismatch_nodes: list[str] = []
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
-        self.counters = {"cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0, "reference_convs": 0, "graph_replays": 0, "layout_copies": 0}
+        # Set to a list to profile eager runs: (step label, start event, end event) per step run.
+        self.step_events: list[tuple[str, Any, Any]] | None = None
+        self.counters = {"cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0, "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0}
 
     # ------------------------------------------------------------------ Backend interface
 
@@ -418,7 +432,7 @@ class CudaBackend(Backend):
     def erf(self, x: Any) -> Any:
         from cupyx.scipy.special import erf
 
-        return erf(x)
+        return erf(x).astype(x.dtype, copy=False)  # CuPy computes float16 in float32 and returns float32
 
     def errstate(self) -> contextlib.AbstractContextManager[Any]:
         return self._scope(self._allow_tf32)
@@ -556,6 +570,9 @@ class CudaBackend(Backend):
         if not g.shapes:
             return _REFERENCE
         if np.dtype(dtype).name != g.shapes[0].dtype:
+            # Conv requires X and W of one type: an input of another dtype means an op before it
+            # changed the dtype, which is an executor bug worth hearing about
+            self._warn_node(node, f"node {node!r}: input is {np.dtype(dtype).name}, the model says {g.shapes[0].dtype}: running CuPy reference kernels")
             return _REFERENCE
         d = call.decision
         math = "default"
@@ -861,6 +878,13 @@ class CudaBackend(Backend):
                     + "; re-tune on this GPU with `convpass optimize`",
                 )
             actions = self._plan_fusions(plan)
+            free = [st.free for st in plan.steps]
+            for group in self._plan_elementwise(plan, actions):
+                for i in group.members[:-1]:
+                    actions[i] = "skip"
+                    free[group.root] += free[i]  # the root reads what members read last
+                    free[i] = ()
+            self._plan_layer_norms(plan, actions)
             for i, st in enumerate(plan.steps):
                 node = st.node
                 if actions[i] is None and node.domain == "" and (
@@ -875,6 +899,7 @@ class CudaBackend(Backend):
                 logger.debug("cuda graph: %s", note)
             plan.backend_state = _PlanState(
                 actions=actions,
+                free=free,
                 capturable=capturable,
                 mode="graph" if capturable else "eager",
                 note=note or ("" if self.cuda_graph else "cuda_graph=False"),
@@ -960,15 +985,74 @@ class CudaBackend(Backend):
             actions[j] = "skip"
         return actions
 
+    def _plan_elementwise(self, plan: Any, actions: list[Any]) -> list[Any]:
+        """Element-wise groups (:mod:`convpass.runtime.cuda_fusion`) whose kernel compiles, as actions."""
+        if not self.fuse:
+            return []
+        groups = []
+        for group in cuda_fusion.plan_groups(plan, actions):
+            try:
+                kern = cuda_fusion.kernel(self._cp, group)
+                probe = [self._cp.zeros((1,), dtype=group.dtype) for _ in group.inputs]
+                kern(*probe)  # compiles now (or loads CuPy's kernel cache), not inside a capture
+            except Exception as e:  # noqa: BLE001  (a compiler or driver error: run the ops one by one)
+                self._note_once(
+                    "fusion",
+                    f"fused element-wise kernel for {'+'.join(group.ops)} did not build ({_first_line(e)}): "
+                    "those ops run one by one",
+                )
+                continue
+            actions[group.root] = ("fused", group, kern)
+            groups.append(group)
+        return groups
+
+    def _plan_layer_norms(self, plan: Any, actions: list[Any]) -> None:
+        """LayerNormalization over the last axis, Y only, float32 / float16: one kernel (cuda_kernels)."""
+        if not self.fuse:
+            return
+        for i, st in enumerate(plan.steps):
+            node = st.node
+            if actions[i] is not None or node.op_type != "LayerNormalization" or node.domain != "":
+                continue
+            info = plan.value_info.get(st.inputs[0])
+            if info is None or not info[0] or np.dtype(info[1]) not in cuda_kernels.LAYER_NORM_DTYPES:
+                continue
+            shape, dtype = info[0], np.dtype(info[1])
+            axis = int(node.attr("axis", -1))
+            if axis not in (-1, len(shape) - 1) or int(node.attr("stash_type", 1)) != 1:
+                continue
+            if any(o >= 0 for o in st.outputs[1:]) or st.outputs[0] < 0:
+                continue  # Mean / InvStdDev wanted: the op library computes them
+            params = [plan.value_info.get(s) or (None if plan.template[s] is None else (plan.template[s].shape, plan.template[s].dtype))
+                      for s in st.inputs[1:] if s >= 0]
+            if any(p is None or int(np.prod(p[0])) != shape[-1] or np.dtype(p[1]) != dtype for p in params):
+                continue
+            try:
+                cuda_kernels.layer_norm_kernel(self._cp, dtype)
+            except Exception as e:  # noqa: BLE001  (a compiler or driver error: the op library runs it)
+                self._note_once(f"layernorm-{dtype}", f"LayerNormalization kernel for {dtype} did not build ({_first_line(e)}): running it op by op")
+                continue
+            actions[i] = ("layernorm", float(node.attr("epsilon", 1e-5)))
+
     def _run_steps(self, plan: Any, state: _PlanState, env: list[Any]) -> list[Any]:
         ctx = OpContext(self)
+        timing = None if self._capturing else self.step_events
         for i, step in enumerate(plan.steps):
             action = state.actions[i]
+            if timing is not None and action != "skip":
+                start = self._cp.cuda.Event()
+                start.record()
             if action != "skip":
                 args = [env[s] if s >= 0 else None for s in step.inputs]
                 try:
                     if action == "elementwise":
-                        store_outputs(env, step.outputs, self._elementwise(ctx, step, args))
+                        store_outputs(env, step.outputs, self._elementwise(step.node.impl.value_inputs, args, lambda *a: step.fn(ctx, step.node, *a)))
+                    elif action is not None and action[0] == "layernorm":
+                        env[step.outputs[0]] = cuda_kernels.layer_norm(self._cp, args[0], args[1], args[2] if len(args) > 2 else None, action[1])
+                    elif action is not None and action[0] == "fused":
+                        group, kern = action[1], action[2]
+                        env[group.output] = self._elementwise((), [env[s] for s in group.inputs], kern)
+                        self.counters["fused_elementwise"] += 1
                     elif action is not None:
                         x, w = args[0], args[1]
                         b = args[2] if len(args) > 2 else None
@@ -984,27 +1068,31 @@ class CudaBackend(Backend):
                 except (ValueError, IndexError, TypeError) as e:
                     shapes = [None if a is None else tuple(a.shape) for a in args]
                     raise ExecutorError(f"node {step.node.name!r} ({step.node.op_type}) failed on inputs of shapes {shapes}: {e}") from None
-            for s in step.free:
+            if timing is not None and action != "skip":
+                end = self._cp.cuda.Event()
+                end.record()
+                timing.append((_step_label(step, action), start, end))
+            for s in state.free[i]:
                 env[s] = None
         return [env[s] for s in plan.output_slots]
 
-    def _elementwise(self, ctx: OpContext, step: Any, args: list[Any]) -> Any:
-        """Run an element-wise op on the channels-last storage when a full-rank input has it."""
+    def _elementwise(self, value_inputs: tuple[int, ...], args: list[Any], fn: Any) -> Any:
+        """``fn(*args)``, an element-wise computation, on the channels-last storage when a full-rank input has it."""
         from convpass import cudnn
 
         r = max((a.ndim for a in args if a is not None), default=0)
         if not 3 <= r <= 5 or not any(a is not None and a.ndim == r and cudnn.layout_of(a) == "nhwc" for a in args):
-            return step.fn(ctx, step.node, *args)
+            return fn(*args)
         perm = (0, *range(2, r), 1)
         inv = (0, r - 1, *range(1, r - 1))
         moved = []
         for i, a in enumerate(args):
-            if a is None or a.ndim == 0 or i in step.node.impl.value_inputs:
+            if a is None or a.ndim == 0 or i in value_inputs:
                 moved.append(a)
             else:
                 full = a if a.ndim == r else a.reshape((1,) * (r - a.ndim) + tuple(a.shape))
                 moved.append(full.transpose(perm))
-        outs = step.fn(ctx, step.node, *moved)
+        outs = fn(*moved)
         if isinstance(outs, (tuple, list)):
             return [o.transpose(inv) if o is not None and o.ndim == r else o for o in outs]
         return outs.transpose(inv) if outs.ndim == r else outs
@@ -1117,6 +1205,17 @@ class CudaBackend(Backend):
         state.mode = "eager"
         state.note = note
         logger.debug("cuda graph: %s", note)
+
+
+def _step_label(step: Any, action: Any) -> str:
+    """What a step runs, for profiles: its op type, or the fusion it heads."""
+    if isinstance(action, tuple):
+        if action[0] == "layernorm":
+            return "LayerNormalization kernel"
+        if action[0] == "fused":
+            return "fused " + "+".join(action[1].ops)
+        return f"{step.node.op_type}+{action[0]}" + (f"+{action[2]}" if action[0] == "residual" else "")
+    return step.node.op_type
 
 
 def _storage(a: Any, layout: str) -> Any:

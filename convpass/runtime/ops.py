@@ -117,7 +117,7 @@ def _mish(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
 def _erf(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     if not _is_float(x):
         return ctx.backend.erf(x.astype(np.float64)).astype(x.dtype)
-    return ctx.backend.erf(x)
+    return ctx.backend.erf(x).astype(x.dtype, copy=False)
 
 
 @register("IsInf", 10)

@@ -27,6 +27,7 @@ from convpass import annotation  # noqa: E402
 from conftest import MODELS, REPO, conv_model, run_ort  # noqa: E402
 from convpass import cudnn  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
+import test_cuda_fusion as fusion_cases  # noqa: E402
 
 SAMPLES = sorted(MODELS.glob("*.onnx"))
 PANEL = REPO / ".panel"
@@ -58,7 +59,7 @@ def _feeds(model: onnx.ModelProto, batch: int = 2, seed: int = 1) -> tuple[dict,
             continue
         dims = [d.dim_value if d.HasField("dim_value") else batch for d in inp.type.tensor_type.shape.dim]
         shapes.append(f"{inp.name}={'x'.join(map(str, dims))}")
-        feeds[inp.name] = rng.standard_normal(dims).astype(np.float32)
+        feeds[inp.name] = rng.standard_normal(dims).astype(helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type))
     return feeds, shapes
 
 
@@ -361,7 +362,7 @@ def test_residual_add_and_relu_are_fused_into_the_conv(tmp_path):
     x = np.random.default_rng(8).standard_normal((2, 16, 14, 14)).astype(np.float32)
     from convpass.runtime.cuda import CudaBackend
 
-    ex = Executor(tuned, device=CudaBackend(cuda_graph=False, fuse_residual=True))
+    ex = Executor(tuned, device=CudaBackend(cuda_graph=False))  # residual fusion is on by default
     ex.run(None, {"x": x})  # the first run builds the plan; fusions apply from the plan on
     before = dict(ex._backend.counters)
     with cudnn.record_calls() as calls:
@@ -372,6 +373,71 @@ def test_residual_add_and_relu_are_fused_into_the_conv(tmp_path):
     assert counters["fused_residual_relu"] + counters["fused_relu"] >= 1, counters
     assert len(calls) == 2
     _check_against(outs, run_ort(model, {"x": x}), _tolerance(tuned), "residual fusion")
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise fusion (the generated kernels; grouping rules and kernel math: tests/test_cuda_fusion.py)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=["fp32", "fp16", "fp64"])
+@pytest.mark.parametrize("case", sorted(fusion_cases.CASES))
+def test_fused_elementwise_kernels_match_the_cpu_executor(case, dtype):
+    """Each case is one fused kernel; float16 against the float32 model on the CPU, rounded once."""
+    from convpass.runtime.cuda import CudaBackend
+
+    nodes, extra, inits, opset = fusion_cases.CASES[case]
+
+    def variant(dt):
+        tp = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16, np.float64: TensorProto.DOUBLE}[dt]
+        cast = [fusion_cases._const(t.name, numpy_helper.to_array(t), dt) for t in inits]
+        return fusion_cases._model(nodes, [("X", fusion_cases.X_SHAPE), *extra], "Y", tp, cast, opset)
+
+    feeds = fusion_cases._feeds(extra, dtype)
+    ref_dtype = np.float32 if dtype == np.float16 else dtype
+    (ref,) = Executor(variant(ref_dtype), device="cpu").run(None, {k: v.astype(ref_dtype) for k, v in feeds.items()})
+    ref = ref.astype(dtype)
+    tol = {np.float32: 1e-5, np.float16: 2e-3, np.float64: 1e-12}[dtype]
+    for graph in (False, True):
+        backend = CudaBackend(cuda_graph=graph)
+        ex = Executor(variant(dtype), device=backend)
+        ex.run(None, feeds)
+        (out,) = ex.run(None, feeds)
+        assert backend.counters["fused_elementwise"] >= 1, (case, backend.notes)
+        assert out.dtype == dtype
+        # absolute tolerance on the data's scale: GELU's 1 + erf(x) cancels for negative x, so an
+        # ulp of erf near -1 is a large relative error on a result near 0 (as in any evaluation)
+        scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=1.0))
+        np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), rtol=tol, atol=tol * scale, equal_nan=True,
+                                   err_msg=f"{case} {np.dtype(dtype)} graph={graph}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape,bias", [((2, 7, 5, 96), True), ((3, 768), False), ((4, 33), True)], ids=["nhwc96", "c768_nobias", "c33"])
+def test_layer_norm_kernel_matches_the_cpu_executor(shape, bias, dtype):
+    from convpass.runtime.cuda import CudaBackend
+
+    tp = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    rng = np.random.default_rng(3)
+    c = shape[-1]
+    inits = [numpy_helper.from_array((1 + 0.1 * rng.standard_normal(c)).astype(dtype), "g")]
+    ins = ["x", "g"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(c).astype(dtype), "b"))
+        ins.append("b")
+    node = helper.make_node("LayerNormalization", ins, ["y"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([node], "ln", [helper.make_tensor_value_info("x", tp, shape)], [helper.make_tensor_value_info("y", tp, shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = (3 + 2 * rng.standard_normal(shape)).astype(dtype)  # an offset mean: the centred variance matters
+    (ref,) = Executor(model, device="cpu").run(None, {"x": x})
+    for graph_mode in (False, True):
+        backend = CudaBackend(cuda_graph=graph_mode)
+        ex = Executor(model, device=backend)
+        ex.run(None, {"x": x})
+        (out,) = ex.run(None, {"x": x})
+        assert ex.last_plan.backend_state.actions[0][0] == "layernorm", backend.notes
+        assert out.dtype == dtype
+        tol = 1e-5 if dtype == np.float32 else 2e-3
+        np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), rtol=tol, atol=tol * 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,19 +471,57 @@ def test_fp16_tuned_models(op_type, x_shape, w_shape, attrs, tmp_path):
 # the torchvision panel (when exported to .panel/ on this machine)
 
 
+def _fp16_probe(ref_model: onnx.ModelProto, model: onnx.ModelProto, feeds: dict) -> tuple[str | None, np.ndarray | None]:
+    """The deepest conv output of the fp32 model whose values are comfortably inside float16's
+    normal range (RMS >= 1e-2) and that the fp16 export also has, with its fp32 reference value.
+
+    Random-weight exports of deep nets shrink their signal layer by layer: the final logits of
+    mobilenet_v3_large / efficientnet_b0 are ~1e-10, below float16's smallest subnormal, so they
+    are 0 in any float16 execution. A probe inside the network keeps the fp16 check meaningful."""
+    fp16_names = {o for n in model.graph.node for o in n.output}
+    candidates = [n.output[0] for n in ref_model.graph.node if n.op_type in annotation.CONV_OPS and n.output[0] in fp16_names]
+    probe_model = onnx.ModelProto()
+    probe_model.CopyFrom(ref_model)
+    for name in candidates:
+        probe_model.graph.output.append(helper.make_empty_tensor_value_info(name))
+    values = run_ort(probe_model, {k: v.astype(np.float32) for k, v in feeds.items()})[len(ref_model.graph.output):]
+    for name, v in reversed(list(zip(candidates, values))):
+        if np.sqrt(np.mean(np.square(v, dtype=np.float64))) >= 1e-2:
+            return name, v
+    return None, None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize(
     "name",
     ["resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "r3d_18", "fcn_resnet50",
      "deeplabv3_mobilenet_v3_large", "dcgan_generator"],
 )
-def test_panel_model(name, tmp_path):
-    path = PANEL / f"{name}.onnx"
-    if not path.exists():
-        pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models {name})")
+def test_panel_model(name, precision, tmp_path):
+    """fp16 exports (``export_panel.py --fp16``) are checked against ONNX Runtime CPU running the
+    fp32 export (same seeded weights) on the same, fp16-rounded, inputs, normwise 1e-2: the outputs
+    rounded to float16, and one inner conv output (:func:`_fp16_probe`) added as a model output."""
+    path = PANEL / (f"{name}_fp16.onnx" if precision == "fp16" else f"{name}.onnx")
+    ref_path = PANEL / f"{name}.onnx"
+    if not path.exists() or not ref_path.exists():
+        flag = " --fp16" if precision == "fp16" else ""
+        pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models {name}{flag})")
     model = onnx.load(path)
+    ref_model = onnx.load(ref_path)
     feeds, shapes = _feeds(model, batch=2)
+    refs = run_ort(ref_model, {k: v.astype(np.float32) for k, v in feeds.items()})
+    tol = 1e-2 if precision == "fp16" else None
+    if precision == "fp16":
+        refs = [r.astype(np.float16) for r in refs]
+        if any(np.sqrt(np.mean(np.square(r, dtype=np.float64))) < 1e-2 for r in refs):
+            probe, probe_ref = _fp16_probe(ref_model, model, feeds)
+            assert probe is not None, "no conv output of the fp32 model has RMS >= 1e-2"
+            model.graph.output.append(helper.make_tensor_value_info(probe, TensorProto.FLOAT16, ["batch", *probe_ref.shape[1:]]))
+            refs.append(probe_ref)
+            path = tmp_path / path.name
+            onnx.save(model, path)
     tuned = convpass.optimize(path, cache=tmp_path / "c.db", shapes=shapes, quiet=True)
-    refs = run_ort(model, feeds)
+    tol = tol or _tolerance(tuned)
     with warnings.catch_warnings():
         warnings.simplefilter("error", _ExecutorWarning())
         ex = Executor(tuned, device="cuda")
@@ -425,7 +529,8 @@ def test_panel_model(name, tmp_path):
             first = ex.run(None, feeds)
     recorded = {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned)}
     assert {(c.algo, str(c.key)) for c in calls} == recorded
-    _check_against(first, refs, _tolerance(tuned), f"{name} first run")
+    assert all(o.dtype == (np.float16 if precision == "fp16" else np.float32) for o in first)
+    _check_against(first, refs, tol, f"{name} {precision} first run")
     for i in range(3):
-        _check_against(ex.run(None, feeds), refs, _tolerance(tuned), f"{name} run {i + 2}")
+        _check_against(ex.run(None, feeds), refs, tol, f"{name} {precision} run {i + 2}")
     assert ex.last_plan.backend_state.captured, ex.last_plan.backend_state.note

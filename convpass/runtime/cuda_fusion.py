@@ -1,0 +1,286 @@
+"""Element-wise fusion for the cuda backend: chains of element-wise ops as one generated kernel.
+
+CuPy runs every NumPy-style call as its own kernel, and the op library writes activations as
+NumPy expressions: Sigmoid is nine kernels over the whole tensor, HardSwish four, a GELU that
+``torch.onnx.export`` decomposed (Div, Erf, Add, Mul, Mul) five. On large activations each kernel
+is a full read and write of memory, so those ops, not the convolutions, dominated models such as
+efficientnet_b0 at batch 32. :func:`plan_groups` finds the element-wise steps of a plan that can
+run as one ``cupy.ElementwiseKernel`` each; :func:`kernel` builds (and caches) that kernel.
+
+Rules (``plan_groups``):
+
+* A step is *fusible* when its op has an expression below (:data:`EXPRESSIONS`), it has one output,
+  the op's registration is one this module knows (Clip's attribute and input forms; the legacy
+  ``broadcast`` attribute of opset < 7 excluded), nothing else already claimed it (conv fusions),
+  and every input and its output have one floating-point dtype.
+* A fusible step's output is *internal* when its only reader is a fusible step and it is not a
+  graph output: the reader computes it inline and it is never stored. Internal edges make trees; a
+  tree is a group whose root (its last step) runs the kernel and whose other members are skipped.
+* A group's external inputs are the slots its members read that no member computes (constants
+  included, as 0-d or broadcastable arrays). Element-wise ops commute with broadcasting, so the
+  kernel broadcasts the external inputs to the root's output shape and computes every member per
+  output element, which gives the root's value exactly as the ops one by one would (smaller
+  intermediates such as a squeeze-excite gate are recomputed per element: cheap next to a read).
+* Math in float32 for float16 and float32 tensors, float64 for float64; the result is rounded to
+  the tensor's dtype once, at the end (op-by-op float16 rounds after every op: results differ in
+  the last float16 bit at most, well inside the 1e-2 tolerance of float16 checks).
+* A group of one step is formed only for ops CuPy runs as several kernels (Sigmoid, HardSwish,
+  Clip, ...); a lone Add or Relu is one CuPy kernel already.
+* Slots a member frees (last read) are freed after the root runs instead, since the root reads them.
+NaN and infinity follow NumPy's element-wise semantics (``maximum`` / ``minimum`` / ``clip``
+propagate NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from convpass.runtime.registry import NodeInfo
+
+__all__ = ["EXPRESSIONS", "FusedGroup", "kernel", "plan_groups"]
+
+Expr = Callable[[NodeInfo, Sequence["str | None"]], "str | None"]
+
+# Helpers the generated kernels use: NumPy's NaN-propagating maximum / minimum / clip.
+PREAMBLE = """
+template <typename X> __device__ __forceinline__ X cp_max(X a, X b) { return (a != a || a > b) ? a : b; }
+template <typename X> __device__ __forceinline__ X cp_min(X a, X b) { return (a != a || a < b) ? a : b; }
+template <typename X> __device__ __forceinline__ X cp_clamp(X v, X lo, X hi) { return v < lo ? lo : (v > hi ? hi : v); }
+"""
+
+
+def _lit(value: Any) -> str | None:
+    """A floating-point literal in the kernel's math type, or None when not finite."""
+    v = float(value)
+    return f"A({v!r})" if np.isfinite(v) else None
+
+
+def _fmt(template: str) -> Expr:
+    return lambda node, a: template.format(*a)
+
+
+def _softplus(x: str) -> str:
+    return f"(cp_max({x}, A(0)) + log1p(exp(-fabs({x}))))"
+
+
+def _hard_sigmoid(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    alpha, beta = _lit(node.attr("alpha", 0.2)), _lit(node.attr("beta", 0.5))
+    if alpha is None or beta is None:
+        return None
+    return f"cp_clamp({alpha} * {a[0]} + {beta}, A(0), A(1))"
+
+
+def _hard_swish(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    return f"({a[0]} * cp_clamp({a[0]} * {_lit(1 / 6)} + A(0.5), A(0), A(1)))"
+
+
+def _leaky_relu(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    alpha = _lit(node.attr("alpha", 0.01))
+    return None if alpha is None else f"({a[0]} >= A(0) ? {a[0]} : {a[0]} * {alpha})"
+
+
+def _elu(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    alpha = _lit(node.attr("alpha", 1.0))
+    return None if alpha is None else f"({a[0]} > A(0) ? {a[0]} : {alpha} * expm1({a[0]}))"
+
+
+def _clip(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    x = a[0]
+    if node.impl is not None and node.impl.since < 11:  # bounds are attributes
+        lo, hi = float(node.attr("min", -np.inf)), float(node.attr("max", np.inf))
+        lo_s = _lit(lo) if lo != -np.inf else ""
+        hi_s = _lit(hi) if hi != np.inf else ""
+        if lo_s is None or hi_s is None:
+            return None
+    else:
+        lo_s = a[1] if len(a) > 1 and a[1] else ""
+        hi_s = a[2] if len(a) > 2 and a[2] else ""
+    y = f"cp_max({x}, {lo_s})" if lo_s else x
+    return f"cp_min({y}, {hi_s})" if hi_s else f"({y})"
+
+
+def _gelu(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    x = a[0]
+    if node.attr("approximate", "none") == "tanh":
+        return f"(A(0.5) * {x} * (A(1) + tanh({_lit(np.sqrt(2 / np.pi))} * ({x} + A(0.044715) * {x} * {x} * {x}))))"
+    return f"(A(0.5) * {x} * (A(1) + erf({x} * {_lit(1 / np.sqrt(2))})))"
+
+
+def _swish(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    alpha = _lit(node.attr("alpha", 1.0))
+    return None if alpha is None else f"({a[0]} / (A(1) + exp(-{alpha} * {a[0]})))"
+
+
+def _two(template: str) -> Expr:
+    """Variadic Max / Min: fused only with exactly two operands."""
+    return lambda node, a: template.format(*a) if len(a) == 2 and all(a) else None
+
+
+# op_type -> C expression in the math type ``A`` over its operands' names (None: not fusible here).
+EXPRESSIONS: dict[str, Expr] = {
+    "Add": _fmt("({0} + {1})"),
+    "Sub": _fmt("({0} - {1})"),
+    "Mul": _fmt("({0} * {1})"),
+    "Div": _fmt("({0} / {1})"),
+    "Pow": _fmt("pow({0}, {1})"),
+    "Max": _two("cp_max({0}, {1})"),
+    "Min": _two("cp_min({0}, {1})"),
+    "Neg": _fmt("(-{0})"),
+    "Abs": _fmt("fabs({0})"),
+    "Exp": _fmt("exp({0})"),
+    "Log": _fmt("log({0})"),
+    "Sqrt": _fmt("sqrt({0})"),
+    "Reciprocal": _fmt("(A(1) / {0})"),
+    "Tanh": _fmt("tanh({0})"),
+    "Erf": _fmt("erf({0})"),
+    "Relu": _fmt("cp_max({0}, A(0))"),
+    "Sigmoid": _fmt("({0} >= A(0) ? A(1) / (A(1) + exp(-{0})) : exp({0}) / (A(1) + exp({0})))"),
+    "Softsign": _fmt("({0} / (A(1) + fabs({0})))"),
+    "Softplus": lambda node, a: _softplus(a[0]),
+    "Mish": lambda node, a: f"({a[0]} * tanh({_softplus(a[0])}))",
+    "HardSigmoid": _hard_sigmoid,
+    "HardSwish": _hard_swish,
+    "LeakyRelu": _leaky_relu,
+    "Elu": _elu,
+    "Clip": _clip,
+    "PRelu": _fmt("({0} < A(0) ? {0} * {1} : {0})"),
+    "Gelu": _gelu,
+    "Swish": _swish,
+}
+
+# Ops CuPy already runs as one kernel: alone, fusing them gains nothing.
+_ONE_KERNEL = frozenset("Add Sub Mul Div Pow Max Min Neg Abs Exp Log Sqrt Reciprocal Tanh Relu".split())
+
+_MATH_TYPE = {np.dtype(np.float16): "float", np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGroup:
+    """Steps of a plan that run as one generated kernel at the root step."""
+
+    root: int  # step index that runs the kernel
+    members: tuple[int, ...]  # step indices, in plan order, root last
+    inputs: tuple[int, ...]  # external input slots, kernel parameter order
+    output: int  # the root's output slot
+    dtype: np.dtype
+    code: str  # kernel body
+    ops: tuple[str, ...]  # member op types, for notes
+
+    @property
+    def name(self) -> str:
+        return "convpass_ew_" + hashlib.sha1(f"{self.dtype}|{self.code}".encode()).hexdigest()[:12]
+
+
+def _slot_dtype(plan: Any, slot: int) -> np.dtype | None:
+    info = plan.value_info.get(slot)
+    if info is not None:
+        return np.dtype(info[1])
+    const = plan.template[slot]
+    return None if const is None else np.dtype(const.dtype)
+
+
+def _placeholders(step: Any) -> list[str | None]:
+    return [f"v{k}" if s >= 0 else None for k, s in enumerate(step.inputs)]
+
+
+def _fusible(plan: Any, step: Any) -> np.dtype | None:
+    """The step's dtype when it may join a group (module rules), else None."""
+    node = step.node
+    expr = EXPRESSIONS.get(node.op_type)
+    if expr is None or node.domain != "" or node.opset < 7 or len(step.outputs) != 1 or step.outputs[0] < 0:
+        return None
+    if node.op_type in ("Max", "Min") and node.opset < 8:  # no broadcasting before opset 8
+        return None
+    dtype = _slot_dtype(plan, step.outputs[0])
+    if dtype not in _MATH_TYPE:
+        return None
+    for s in step.inputs:
+        if s >= 0 and _slot_dtype(plan, s) != dtype:
+            return None
+    if not any(s >= 0 for s in step.inputs) or expr(node, _placeholders(step)) is None:
+        return None
+    return dtype
+
+
+def plan_groups(plan: Any, claimed: Sequence[Any]) -> list[FusedGroup]:
+    """The fused groups of ``plan`` (module rules); ``claimed[i]`` not None: step i is taken."""
+    steps = plan.steps
+    readers: dict[int, list[int]] = {}
+    for i, st in enumerate(steps):
+        for s in st.inputs:
+            if s >= 0:
+                readers.setdefault(s, []).append(i)
+    dtypes = [None if claimed[i] is not None else _fusible(plan, st) for i, st in enumerate(steps)]
+    graph_outputs = set(plan.output_slots)
+    parent: dict[int, int] = {}
+    for i, st in enumerate(steps):
+        if dtypes[i] is None:
+            continue
+        out = st.outputs[0]
+        rd = readers.get(out, [])
+        if out not in graph_outputs and len(rd) == 1 and rd[0] > i and dtypes[rd[0]] == dtypes[i]:
+            parent[i] = rd[0]
+    children: dict[int, list[int]] = {}
+    for i, p in parent.items():
+        children.setdefault(p, []).append(i)
+    groups = []
+    for root, st in enumerate(steps):
+        if dtypes[root] is None or root in parent:
+            continue
+        members, todo = [], [root]
+        while todo:
+            i = todo.pop()
+            members.append(i)
+            todo.extend(children.get(i, ()))
+        members.sort()
+        if len(members) == 1 and st.node.op_type in _ONE_KERNEL:
+            continue
+        groups.append(_build(plan, members, dtypes[root]))
+    return groups
+
+
+def _build(plan: Any, members: list[int], dtype: np.dtype) -> FusedGroup:
+    steps = plan.steps
+    computed = {steps[i].outputs[0] for i in members}
+    inputs: list[int] = []
+    for i in members:
+        for s in steps[i].inputs:
+            if s >= 0 and s not in computed and s not in inputs:
+                inputs.append(s)
+    names = {s: f"a{k}" for k, s in enumerate(inputs)}
+    lines = [f"typedef {_MATH_TYPE[dtype]} A;"]
+    lines += [f"const A a{k} = (A)in{k};" for k in range(len(inputs))]
+    for i in members:
+        st = steps[i]
+        expr = EXPRESSIONS[st.node.op_type](st.node, [names[s] if s >= 0 else None for s in st.inputs])
+        names[st.outputs[0]] = f"t{i}"
+        lines.append(f"const A t{i} = {expr};")
+    root = members[-1]
+    lines.append(f"out0 = (T)t{root};")
+    return FusedGroup(
+        root=root,
+        members=tuple(members),
+        inputs=tuple(inputs),
+        output=steps[root].outputs[0],
+        dtype=dtype,
+        code="\n".join(lines),
+        ops=tuple(steps[i].node.op_type for i in members),
+    )
+
+
+_KERNELS: dict[str, Any] = {}
+
+
+def kernel(cupy: Any, group: FusedGroup) -> Any:
+    """The group's ``cupy.ElementwiseKernel`` (one per distinct code and dtype, compiled on first use)."""
+    k = _KERNELS.get(group.name)
+    if k is None:
+        params = ", ".join(f"T in{j}" for j in range(len(group.inputs)))
+        k = cupy.ElementwiseKernel(params, "T out0", group.code, group.name, preamble=PREAMBLE)
+        _KERNELS[group.name] = k
+    return k

@@ -1,0 +1,224 @@
+"""Element-wise fusion of the cuda backend (convpass.runtime.cuda_fusion), checked on the CPU.
+
+The grouping rules run on plans the CPU executor builds. The generated kernel bodies are plain
+C++ over ``float`` / ``double``: here they are compiled with the host C++ compiler (``__device__``
+defined away) and run on the same inputs as the NumPy op library, so every expression in
+``EXPRESSIONS`` is checked against the reference implementation of its op without a GPU. The
+kernels themselves, on CuPy, are checked in tests/gpu/test_executor_cuda.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from convpass.runtime import cuda_fusion
+from convpass.runtime.executor import Executor
+
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+X_SHAPE = (2, 3, 4, 5)
+
+
+def _model(nodes, inputs, output, dtype=TensorProto.FLOAT, inits=(), opset=20):
+    ins = [helper.make_tensor_value_info(n, dtype, s) for n, s in inputs]
+    out = helper.make_tensor_value_info(output, dtype, X_SHAPE)
+    graph = helper.make_graph(nodes, "g", ins, [out], initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11 if opset >= 23 else 9)
+
+
+def _const(name, value, dtype=np.float32):
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+N = helper.make_node
+
+# name -> (nodes, extra inputs beyond X, initializers, opset, expected group op types)
+CASES = {
+    "silu": ([N("Sigmoid", ["X"], ["s"]), N("Mul", ["X", "s"], ["Y"])], [], [], 17),
+    "gelu_decomposed": (
+        [
+            N("Div", ["X", "sqrt2"], ["d"]),
+            N("Erf", ["d"], ["e"]),
+            N("Add", ["e", "one"], ["a"]),
+            N("Mul", ["X", "a"], ["m"]),
+            N("Mul", ["m", "half"], ["Y"]),
+        ],
+        [],
+        [_const("sqrt2", 1.4142135), _const("one", 1.0), _const("half", 0.5)],
+        17,
+    ),
+    "se_gate": ([N("HardSigmoid", ["G"], ["h"], alpha=1 / 6, beta=0.5), N("Mul", ["X", "h"], ["Y"])], [("G", (2, 3, 1, 1))], [], 17),
+    "hard_swish": ([N("HardSwish", ["X"], ["Y"])], [], [], 17),
+    "activations": (
+        [
+            N("LeakyRelu", ["X"], ["l"], alpha=0.1),
+            N("Elu", ["l"], ["e"], alpha=0.7),
+            N("Softplus", ["e"], ["p"]),
+            N("Mish", ["p"], ["m"]),
+            N("Softsign", ["m"], ["q"]),
+            N("Tanh", ["q"], ["t"]),
+            N("Relu", ["t"], ["Y"]),
+        ],
+        [],
+        [],
+        18,
+    ),
+    "arithmetic": (
+        [
+            N("Abs", ["X"], ["a"]),
+            N("Sqrt", ["a"], ["s"]),
+            N("Neg", ["s"], ["n"]),
+            N("Exp", ["n"], ["e"]),
+            N("Log", ["e"], ["l"]),
+            N("Reciprocal", ["X"], ["r"]),
+            N("Sub", ["l", "r"], ["d"]),
+            N("Pow", ["X", "two"], ["p"]),
+            N("Div", ["d", "p"], ["q"]),
+            N("Max", ["q", "B"], ["mx"]),
+            N("Min", ["mx", "X"], ["Y"]),
+        ],
+        [("B", (1, 3, 1, 5))],
+        [_const("two", 2.0)],
+        17,
+    ),
+    "clip_inputs": ([N("Clip", ["X", "lo", "hi"], ["c"]), N("Clip", ["c", "", "hi2"], ["Y"])], [], [_const("lo", -0.5), _const("hi", 0.75), _const("hi2", 0.5)], 17),
+    "clip_attrs": ([N("Clip", ["X"], ["c"], min=-0.25), N("Clip", ["c"], ["Y"], max=0.3)], [], [], 10),
+    "prelu": ([N("PRelu", ["X", "slope"], ["Y"])], [], [_const("slope", np.array([0.1, -0.2, 0.3]).reshape(3, 1, 1))], 17),
+    "gelu_ops": ([N("Gelu", ["X"], ["g"]), N("Gelu", ["g"], ["Y"], approximate="tanh")], [], [], 20),
+    "sigmoid_chain": ([N("Sigmoid", ["X"], ["s"]), N("Mul", ["s", "X"], ["m"]), N("Sigmoid", ["m"], ["Y"])], [], [], 17),
+    "swish": ([N("Swish", ["X"], ["Y"], alpha=0.8)], [], [], 24),
+}
+
+
+def _plan(model, feeds):
+    ex = Executor(model, device="cpu")
+    ref = ex.run(None, feeds)[0]
+    return ex.last_plan, ref
+
+
+def _feeds(extra, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    feeds = {"X": (rng.standard_normal(X_SHAPE) * 2).astype(dtype)}
+    for name, shape in extra:
+        feeds[name] = (rng.standard_normal(shape) * 2).astype(dtype)
+    # exact zeros and NaN / inf take the branches and propagation paths
+    feeds["X"].flat[:4] = [0.0, -0.0, np.nan, np.inf]
+    return feeds
+
+
+def _host_program(groups) -> str:
+    lines = [
+        "#include <cmath>",
+        "#include <cstdio>",
+        "#include <cstdlib>",
+        "#include <vector>",
+        "using namespace std;",
+        "#define __device__",
+        "#define __forceinline__ inline",
+        cuda_fusion.PREAMBLE,
+    ]
+    for k, (group, ctype) in enumerate(groups):
+        params = ", ".join(f"{ctype} in{j}" for j in range(len(group.inputs)))
+        lines.append(f"static {ctype} group{k}({params}) {{ typedef {ctype} T; T out0;\n{group.code}\nreturn out0; }}")
+    lines.append("int main(int argc, char** argv) { int g = atoi(argv[1]); long n = atol(argv[2]); int k = atoi(argv[3]); int size = atoi(argv[4]);")
+    lines.append("  std::vector<char> buf((size_t)n * k * size); fread(buf.data(), 1, buf.size(), stdin);")
+    for k, (group, ctype) in enumerate(groups):
+        args = ", ".join(f"(({ctype}*)buf.data())[{j} * n + i]" for j in range(len(group.inputs)))
+        lines.append(f"  if (g == {k}) for (long i = 0; i < n; ++i) {{ {ctype} y = group{k}({args}); fwrite(&y, sizeof y, 1, stdout); }}")
+    lines.append("  return 0; }")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Every case's groups, in float32 and float64, compiled into one host program."""
+    if CXX is None:
+        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the generated kernel code with")
+    entries = []
+    for case, (nodes, extra, inits, opset) in CASES.items():
+        for dtype, tp in ((np.float32, TensorProto.FLOAT), (np.float64, TensorProto.DOUBLE)):
+            cast_inits = [_const(t.name, numpy_helper.to_array(t), dtype) for t in inits]
+            model = _model(nodes, [("X", X_SHAPE), *extra], "Y", tp, cast_inits, opset)
+            feeds = _feeds(extra, dtype)
+            plan, ref = _plan(model, feeds)
+            groups = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+            entries.append((case, dtype, plan, feeds, ref, groups))
+    flat = [(g, "float" if e[1] == np.float32 else "double") for e in entries for g in e[5]]
+    d = tmp_path_factory.mktemp("fusion")
+    (d / "groups.cpp").write_text(_host_program(flat))
+    subprocess.run([CXX, "-O1", "-std=c++14", "-o", str(d / "groups"), str(d / "groups.cpp")], check=True, capture_output=True)
+    return entries, d / "groups"
+
+
+def _run_group(binary, index, group, plan, feeds, dtype):
+    env = dict(zip(plan.slot_names, plan.template))
+    env.update(feeds)
+    values = [env[plan.slot_names[s]] for s in group.inputs]
+    shape = np.broadcast_shapes(*(np.shape(v) for v in values))
+    flat = np.concatenate([np.broadcast_to(np.asarray(v, dtype=dtype), shape).ravel() for v in values])
+    n = int(np.prod(shape))
+    size = np.dtype(dtype).itemsize
+    out = subprocess.run([str(binary), str(index), str(n), str(len(values)), str(size)], input=flat.tobytes(), capture_output=True, check=True)
+    return np.frombuffer(out.stdout, dtype=dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_generated_kernel_matches_the_numpy_ops(compiled, case):
+    entries, binary = compiled
+    index = 0
+    for name, dtype, plan, feeds, ref, groups in entries:
+        if name == case:
+            assert len(groups) == 1, f"{case}: expected one group, got {[g.ops for g in groups]}"
+            group = groups[0]
+            assert group.members == tuple(range(len(plan.steps))), f"{case}: every step fuses"
+            got = _run_group(binary, index, group, plan, feeds, dtype)
+            rtol = 1e-5 if dtype == np.float32 else 1e-12
+            np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * 1e-3, equal_nan=True, err_msg=f"{case} {np.dtype(dtype)}")
+        index += len(groups)
+
+
+def test_every_expression_is_covered_by_a_case():
+    covered = {n.op_type for nodes, *_ in CASES.values() for n in nodes}
+    assert set(cuda_fusion.EXPRESSIONS) <= covered
+
+
+def _steps(plan):
+    return [s.node.op_type for s in plan.steps]
+
+
+def test_values_read_outside_a_group_or_graph_outputs_are_not_fused_away():
+    # s = Sigmoid(X) is read by Mul and by Transpose (not element-wise): s is stored, so Sigmoid is
+    # its own group and Mul, a lone one-kernel op, is not fused.
+    nodes = [N("Sigmoid", ["X"], ["s"]), N("Mul", ["X", "s"], ["Y"]), N("Transpose", ["s"], ["T"], perm=[0, 1, 3, 2])]
+    ins = [helper.make_tensor_value_info("X", TensorProto.FLOAT, X_SHAPE)]
+    outs = [helper.make_tensor_value_info("Y", TensorProto.FLOAT, X_SHAPE), helper.make_tensor_value_info("T", TensorProto.FLOAT, (2, 3, 5, 4))]
+    model = helper.make_model(helper.make_graph(nodes, "g", ins, outs), opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    plan, _ = _plan(model, _feeds([], np.float32))
+    groups = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    assert [g.ops for g in groups] == [("Sigmoid",)]
+
+
+def test_claimed_steps_integer_math_and_lone_one_kernel_ops_stay_out():
+    nodes = [N("Relu", ["X"], ["r"]), N("Add", ["r", "X"], ["Y"])]
+    plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y"), _feeds([], np.float32))
+    assert [g.ops for g in cuda_fusion.plan_groups(plan, [None, None])] == [("Relu", "Add")]
+    # the Relu claimed (as a conv fusion would): the Add alone is one CuPy kernel, no group
+    assert cuda_fusion.plan_groups(plan, ["skip", None]) == []
+    ints = _model([N("Abs", ["X"], ["a"]), N("Neg", ["a"], ["Y"])], [("X", X_SHAPE)], "Y", TensorProto.INT32)
+    plan, _ = _plan(ints, {"X": np.arange(120, dtype=np.int32).reshape(X_SHAPE)})
+    assert cuda_fusion.plan_groups(plan, [None, None]) == []
+
+
+def test_group_kernel_names_depend_on_code_and_dtype_only():
+    nodes, extra, inits, opset = CASES["silu"]
+    a, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y"), _feeds([], np.float32))
+    b, _ = _plan(_model(nodes, [("X", (1, 8, 2, 2))], "Y"), {"X": np.ones((1, 8, 2, 2), np.float32)})
+    c, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y", TensorProto.DOUBLE), {"X": np.ones(X_SHAPE)})
+    ga, gb, gc = (cuda_fusion.plan_groups(p, [None] * len(p.steps))[0] for p in (a, b, c))
+    assert ga.name == gb.name != gc.name
+    assert "typedef float A;" in ga.code and "typedef double A;" in gc.code
