@@ -29,6 +29,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -117,8 +118,8 @@ def measure(path: Path, batch: int, workdir: Path, cache: Path, runs: int) -> di
     }
 
 
-def _profile_ops(path: Path, batch: int, cache: Path | None, runs: int = 10) -> dict[str, tuple[float, int]]:
-    """GPU time per op type (or fusion) in eager runs: CUDA events around every plan step."""
+def _warm_eager(path: Path, batch: int, cache: Path | None) -> tuple[Any, dict[str, Any]]:
+    """The tuned model in an eager (no CUDA graph) cuda executor, warmed up, and its device feeds."""
     import cupy as cp
 
     import convpass
@@ -132,6 +133,14 @@ def _profile_ops(path: Path, batch: int, cache: Path | None, runs: int = 10) -> 
     feeds = {name: cp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))}
     for _ in range(3):
         ex.run(None, feeds)
+    return ex, feeds
+
+
+def _profile_ops(path: Path, batch: int, cache: Path | None, runs: int = 10) -> dict[str, tuple[float, int]]:
+    """GPU time per op type (or fusion) in eager runs: CUDA events around every plan step."""
+    import cupy as cp
+
+    ex, feeds = _warm_eager(path, batch, cache)
     ex.backend.step_events = events = []
     for _ in range(runs):
         ex.run(None, feeds)
@@ -155,17 +164,7 @@ def _profile_eager(path: Path, batch: int, cache: Path | None) -> None:
 
     import cupy as cp
 
-    import convpass
-    from convpass.runtime import Executor
-
-    model = onnx.load(path, load_external_data=False)
-    name, shape = _input(model, batch)
-    with tempfile.TemporaryDirectory() as tmp:
-        tuned = convpass.optimize(path, shapes=[f"{name}={'x'.join(map(str, shape))}"], cache=cache or Path(tmp) / "c.db", quiet=True)
-    ex = Executor(tuned, device="cuda", cuda_graph=False, output_kind="device")
-    feeds = {name: cp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))}
-    for _ in range(3):
-        ex.run(None, feeds)
+    ex, feeds = _warm_eager(path, batch, cache)
     cp.cuda.get_current_stream().synchronize()
     prof = cProfile.Profile()
     prof.enable()
