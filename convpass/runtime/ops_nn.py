@@ -251,15 +251,17 @@ def _instance_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any
     return y.astype(x.dtype, copy=False)
 
 
+def _normalized_axes(node: NodeInfo, x: Any) -> tuple[float, tuple[int, ...], Any, Any]:
+    """LayerNormalization / RMSNormalization: (epsilon, axes from ``axis`` on, compute dtype, x in it)."""
+    axis = _axis(node.attr("axis", -1), x.ndim)
+    ct = np.float32 if node.attr("stash_type", 1) == 1 and x.dtype != np.float64 else x.dtype
+    return node.attr("epsilon", 1e-5), tuple(range(axis, x.ndim)), ct, x.astype(ct, copy=False)
+
+
 @register("LayerNormalization", 17)
 def _layer_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any = None) -> Any:
     xp = ctx.xp
-    eps = node.attr("epsilon", 1e-5)
-    axis = _axis(node.attr("axis", -1), x.ndim)
-    stash = node.attr("stash_type", 1)
-    ct = np.float32 if stash == 1 and x.dtype != np.float64 else x.dtype
-    xf = x.astype(ct, copy=False)
-    axes = tuple(range(axis, x.ndim))
+    eps, axes, ct, xf = _normalized_axes(node, x)
     m = xp.mean(xf, axis=axes, keepdims=True)
     d = xf - m
     v = xp.mean(d * d, axis=axes, keepdims=True)
@@ -273,12 +275,7 @@ def _layer_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any = 
 @register("RMSNormalization", 23)
 def _rms_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any) -> Any:
     xp = ctx.xp
-    eps = node.attr("epsilon", 1e-5)
-    axis = _axis(node.attr("axis", -1), x.ndim)
-    stash = node.attr("stash_type", 1)
-    ct = np.float32 if stash == 1 and x.dtype != np.float64 else x.dtype
-    xf = x.astype(ct, copy=False)
-    axes = tuple(range(axis, x.ndim))
+    eps, axes, ct, xf = _normalized_axes(node, x)
     inv = 1 / xp.sqrt(xp.mean(xf * xf, axis=axes, keepdims=True) + _like(xp, eps, ct))
     return (xf * inv * scale.astype(ct, copy=False)).astype(x.dtype, copy=False)
 
