@@ -173,8 +173,12 @@ def onnx_geometry(op_type: str, attrs: Mapping[str, Any], x_shape: Sequence[int]
         out_pad = out_pad[r:]
     full = tuple(strides[i] * (spatial[i] - 1) + (kernel[i] - 1) * dilations[i] + 1 for i in range(r))
     out_shape_attr = attrs.get("output_shape")
-    if out_shape_attr:
-        out_spatial = tuple(int(v) for v in out_shape_attr)[-r:]
+    if out_shape_attr or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        # the crop that gives the asked-for output size, split as auto_pad says (extra at the end for SAME_UPPER)
+        if out_shape_attr:
+            out_spatial = tuple(int(v) for v in out_shape_attr)[-r:]
+        else:
+            out_spatial = tuple(spatial[i] * strides[i] for i in range(r))
         begin, end = [], []
         for i in range(r):
             total = full[i] + out_pad[i] - out_spatial[i]
@@ -183,18 +187,8 @@ def onnx_geometry(op_type: str, attrs: Mapping[str, Any], x_shape: Sequence[int]
             begin.append(b)
             end.append(e)
     else:
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            out_spatial = tuple(spatial[i] * strides[i] for i in range(r))
-            begin, end = [], []
-            for i in range(r):
-                total = full[i] + out_pad[i] - out_spatial[i]
-                small, big = total // 2, total - total // 2
-                b, e = (small, big) if auto_pad == "SAME_UPPER" else (big, small)
-                begin.append(b)
-                end.append(e)
-        else:
-            begin, end = (list(pads_attr[:r]), list(pads_attr[r:])) if auto_pad != "VALID" else ([0] * r, [0] * r)
-            out_spatial = tuple(full[i] + out_pad[i] - begin[i] - end[i] for i in range(r))
+        begin, end = (list(pads_attr[:r]), list(pads_attr[r:])) if auto_pad != "VALID" else ([0] * r, [0] * r)
+        out_spatial = tuple(full[i] + out_pad[i] - begin[i] - end[i] for i in range(r))
     # crop of the full (stride-dilated) result: begin at the start, end_crop at the end (< 0: zeros)
     end_crop = [full[i] - begin[i] - out_spatial[i] for i in range(r)]
     sym = tuple(max(0, min(begin[i], end_crop[i])) for i in range(r))
