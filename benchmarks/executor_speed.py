@@ -147,7 +147,7 @@ def _profile_ops(path: Path, batch: int, cache: Path | None, runs: int = 10) -> 
     cp.cuda.get_current_stream().synchronize()
     ex.backend.step_events = None
     per: dict[str, list[float]] = {}
-    for label, start, end in events:
+    for label, _op_type, start, end in events:
         per.setdefault(label, []).append(cp.cuda.get_elapsed_time(start, end))
     table = {k: (sum(v) / runs, len(v) // runs) for k, v in per.items()}
     total = sum(t for t, _ in table.values())
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     from convpass.runtime import cuda_available
 
     if not cuda_available():
-        from convpass.runtime.backends import cuda_unavailable_reason
+        from convpass.runtime.devices import cuda_unavailable_reason
 
         print(f"cuda backend not available: {cuda_unavailable_reason()}", file=sys.stderr)
         return 2

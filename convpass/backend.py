@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 from onnx.backend.base import Backend, BackendRep, namedtupledict
 
-from convpass.runtime import backends as _backends
+from convpass.runtime import devices as _devices
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.executor import Executor, is_supported
 
@@ -114,7 +114,7 @@ class ConvpassBackend(Backend):
             name = _device_name(device)
         except ExecutorError:
             return False
-        return name == "cpu" or _backends.cuda_available()
+        return name == "cpu" or _devices.cuda_available()
 
 
 prepare = ConvpassBackend.prepare

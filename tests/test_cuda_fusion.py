@@ -1,4 +1,4 @@
-"""Element-wise fusion of the cuda backend (convpass.runtime.cuda_fusion), checked on the CPU.
+"""Element-wise fusion of the cuda backend (convpass.runtime.cuda.elementwise), checked on the CPU.
 
 The grouping rules run on plans the CPU executor builds. The generated kernel bodies are plain
 C++ over ``float`` / ``double``: here they are compiled with the host C++ compiler (``__device__``
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from convpass.runtime import cuda_fusion
+from convpass.runtime.cuda import elementwise as cuda_fusion
 from convpass.runtime.executor import Executor
 
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
@@ -92,6 +92,28 @@ CASES = {
     "gelu_ops": ([N("Gelu", ["X"], ["g"]), N("Gelu", ["g"], ["Y"], approximate="tanh")], [], [], 20),
     "sigmoid_chain": ([N("Sigmoid", ["X"], ["s"]), N("Mul", ["s", "X"], ["m"]), N("Sigmoid", ["m"], ["Y"])], [], [], 17),
     "swish": ([N("Swish", ["X"], ["Y"], alpha=0.8)], [], [], 24),
+    # a MatMul's bias Add read twice by the decomposed GELU after it: internal to one group (a DAG)
+    "bias_gelu": (
+        [
+            N("Add", ["X", "B"], ["a"]),
+            N("Div", ["a", "sqrt2"], ["d"]),
+            N("Erf", ["d"], ["e"]),
+            N("Add", ["e", "one"], ["e1"]),
+            N("Mul", ["a", "e1"], ["m"]),
+            N("Mul", ["m", "half"], ["Y"]),
+        ],
+        [("B", (5,))],
+        [_const("sqrt2", 1.4142135), _const("one", 1.0), _const("half", 0.5)],
+        17,
+    ),
+    # pre-activation: an inference BatchNormalization that no conv precedes, then Relu; the
+    # per-channel parameters are read as (C, 1, 1) views
+    "batchnorm_relu": (
+        [N("BatchNormalization", ["X", "scale", "bias", "mean", "var"], ["b"], epsilon=1e-3), N("Relu", ["b"], ["Y"])],
+        [],
+        [_const("scale", [0.5, -1.5, 2.0]), _const("bias", [0.1, 0.0, -0.3]), _const("mean", [0.2, -0.1, 1.0]), _const("var", [0.7, 1.3, 0.05])],
+        15,
+    ),
 }
 
 
@@ -158,7 +180,8 @@ def compiled(tmp_path_factory):
 def _run_group(binary, index, group, plan, feeds, dtype):
     env = dict(zip(plan.slot_names, plan.template))
     env.update(feeds)
-    values = [env[plan.slot_names[s]] for s in group.inputs]
+    values = [np.reshape(env[plan.slot_names[s]], group.view_of(k)) if group.view_of(k) else env[plan.slot_names[s]]
+              for k, s in enumerate(group.inputs)]
     shape = np.broadcast_shapes(*(np.shape(v) for v in values))
     flat = np.concatenate([np.broadcast_to(np.asarray(v, dtype=dtype), shape).ravel() for v in values])
     n = int(np.prod(shape))

@@ -221,7 +221,8 @@ def layout_of(array) -> str | None:
 
 
 def _ptr(array, role: str, t: TensorParams, dtype: str, layout: str) -> int:
-    """Device pointer of ``array`` after checking it against the descriptor it will be read with."""
+    """Device pointer of ``array`` after checking it against the descriptor it will be read with
+    (``t.strides`` None: any strides, the caller described them)."""
     if isinstance(array, int):
         return array
     shape = getattr(array, "shape", None)
@@ -233,7 +234,7 @@ def _ptr(array, role: str, t: TensorParams, dtype: str, layout: str) -> int:
     dt = str(array.dtype)
     if dt not in _ACCEPTED_DTYPES[dtype]:
         raise ValueError(f"{role}: dtype {dt} does not match the problem's {dtype}")
-    if shape == t.dims:
+    if shape == t.dims and t.strides is not None:
         strides = tuple(s // array.itemsize for s in array.strides)
         if not _matches(shape, strides, t.strides):
             raise ValueError(
@@ -502,13 +503,16 @@ def run(
     alpha: float = 1.0,
     beta: float = 0.0,
     handle=None,
+    y_strides: tuple[int, ...] | None = None,
 ) -> None:
     """Run one direction with one algorithm, asynchronously on the handle's stream.
 
     ``fwd``: y = alpha * conv(x, w) + beta * y; ``dgrad``: x = alpha * dgrad(y, w) + beta * x;
     ``wgrad``: w = alpha * wgrad(x, y) + beta * w. ``workspace``: a buffer (CuPy array,
     MemoryPointer or ``(ptr, nbytes)``) of at least :func:`workspace_size` bytes; ``None`` queries
-    the size and allocates from CuPy's pool. Raises :class:`CudnnError` on failure.
+    the size and allocates from CuPy's pool. ``y_strides`` (forward only): ``y`` is a strided
+    slice of a larger buffer with these element strides (see :meth:`ConvDescriptors.output`).
+    Raises :class:`CudnnError` on failure.
     """
     direction = _direction(descs, direction)
     info = enums.algo_info(direction, algo_name)
@@ -516,13 +520,16 @@ def run(
     p = descs.params
     xp = _ptr(x, "x", p.x, p.dtype, p.layout)
     wp = _ptr(w, "w", p.w, p.dtype, p.layout)
-    yp = _ptr(y, "y", p.y, p.dtype, p.layout)
+    if y_strides is not None and direction != "fwd":
+        raise ValueError("y_strides is for the forward direction")
+    y_desc = descs.output(y_strides)
+    yp = _ptr(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
     if workspace is None:
         workspace = _workspace_size(descs, direction, info.id, h)
     ws_ptr, ws_size, keep = _workspace_arg(workspace)
     a, b = c_float(alpha), c_float(beta)
     if direction == "fwd":
-        args = (h, byref(a), descs.x, xp, descs.w, wp, descs.conv, info.id, ws_ptr, ws_size, byref(b), descs.y, yp)
+        args = (h, byref(a), descs.x, xp, descs.w, wp, descs.conv, info.id, ws_ptr, ws_size, byref(b), y_desc, yp)
     elif direction == "dgrad":
         args = (h, byref(a), descs.w, wp, descs.y, yp, descs.conv, info.id, ws_ptr, ws_size, byref(b), descs.x, xp)
     else:
@@ -544,6 +551,7 @@ def conv_bias_activation_forward(
     alpha2: float | None = None,
     workspace=None,
     handle=None,
+    y_strides: tuple[int, ...] | None = None,
 ) -> None:
     """Fused ``y = act(alpha1 * conv(x, w) + alpha2 * z + bias)`` (cudnnConvolutionBiasActivationForward).
 
@@ -552,6 +560,8 @@ def conv_bias_activation_forward(
     without (then y is passed as z and not read). ``activation``: ``relu`` or ``identity`` -- cuDNN
     implements ``identity`` only with the ``implicit_precomp_gemm`` algorithm, so any other pairing
     raises ``ValueError`` here instead of a bare ``CUDNN_STATUS_NOT_SUPPORTED`` later.
+    ``y_strides``: ``y`` (and ``z``, which must then be ``None`` or ``y``) is a strided slice of a
+    larger buffer with these element strides.
     """
     if activation not in enums.FUSED_ACTIVATIONS:
         raise ValueError(
@@ -572,8 +582,11 @@ def conv_bias_activation_forward(
     p = descs.params
     xp = _ptr(x, "x", p.x, p.dtype, p.layout)
     wp = _ptr(w, "w", p.w, p.dtype, p.layout)
-    yp = _ptr(y, "y", p.y, p.dtype, p.layout)
-    zp = yp if z is None else _ptr(z, "z", p.y, p.dtype, p.layout)
+    if y_strides is not None and z is not None and z is not y:
+        raise ValueError("a strided y takes no separate residual z")
+    y_desc = descs.output(y_strides)
+    yp = _ptr(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
+    zp = yp if z is None or z is y else _ptr(z, "z", p.y, p.dtype, p.layout)
     bp = _ptr(bias, "bias", p.bias, p.dtype, p.layout)
     if workspace is None:
         workspace = _workspace_size(descs, "fwd", info.id, h)
@@ -591,12 +604,12 @@ def conv_bias_activation_forward(
         ws_ptr,
         ws_size,
         byref(a2),
-        descs.y,
+        y_desc,
         zp,
         descs.bias,
         bp,
         descs.activation(activation),
-        descs.y,
+        y_desc,
         yp,
     )
     _execute("cudnnConvolutionBiasActivationForward", "fwd", info.name, descs.key, args, ws_size, handle)

@@ -139,6 +139,7 @@ class ConvDescriptors:
         self._owned: list[tuple[str, int]] = []  # (destroy function, handle)
         self._activations: dict[str, int] = {}
         self._bias: int | None = None
+        self._outputs: dict[tuple[int, ...], int] = {}
         try:
             self.x = self._tensor(p.x)
             self.y = self._tensor(p.y)
@@ -204,6 +205,17 @@ class ConvDescriptors:
             self._bias = self._tensor(self.params.bias)
         return self._bias
 
+    def output(self, strides: tuple[int, ...] | None) -> int:
+        """Tensor descriptor of ``y`` with element ``strides`` (None: the key's packed layout), for
+        an output written into a slice of a larger buffer (created once per strides)."""
+        if strides is None or tuple(strides) == self.params.y.strides:
+            return self.y
+        strides = tuple(int(v) for v in strides)
+        h = self._outputs.get(strides)
+        if h is None:
+            h = self._outputs[strides] = self._tensor(TensorParams(self.params.y.dims, strides))
+        return h
+
     def activation(self, name: str, coef: float = 0.0) -> int:
         """Activation descriptor (``relu``, ``identity``, ...), created once per name."""
         h = self._activations.get(name)
@@ -231,6 +243,7 @@ class ConvDescriptors:
         self.x = self.y = self.w = self.conv = None  # type: ignore[assignment]
         self._bias = None
         self._activations = {}
+        self._outputs = {}
         if first_error is not None:
             raise first_error
 

@@ -326,6 +326,23 @@ def tensor_format(layout: str) -> int:
 CUDNN_CONVOLUTION = 0
 CUDNN_CROSS_CORRELATION = 1
 
+# cudnnPoolingMode_t and cudnnNanPropagation_t (pooling: ONNX's MaxPool propagates NaN, like NumPy's max)
+POOLING_MODES: Mapping[str, int] = {
+    "max": 0,  # CUDNN_POOLING_MAX
+    "average_include_pad": 1,  # CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING
+    "average_exclude_pad": 2,  # CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING
+    "max_deterministic": 3,  # CUDNN_POOLING_MAX_DETERMINISTIC
+}
+CUDNN_NOT_PROPAGATE_NAN = 0
+CUDNN_PROPAGATE_NAN = 1
+
+
+def pooling_mode(name: str) -> int:
+    if name not in POOLING_MODES:
+        raise ValueError(f"unknown pooling mode {name!r}; expected one of {tuple(POOLING_MODES)}")
+    return POOLING_MODES[name]
+
+
 # cudnnActivationMode_t
 ACTIVATION_MODES: Mapping[str, int] = {
     "sigmoid": 0,

@@ -290,6 +290,12 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "cudnnSetConvolutionMathType": (_I, [_P, _I]),
     "cudnnGetConvolutionMathType": (_I, [_P, _IP]),
     "cudnnGetConvolutionNdForwardOutputDim": (_I, [_P, _P, _P, _I, _IP]),
+    # pooling
+    "cudnnCreatePoolingDescriptor": (_I, [POINTER(c_void_p)]),
+    "cudnnDestroyPoolingDescriptor": (_I, [_P]),
+    "cudnnSetPoolingNdDescriptor": (_I, [_P, _I, _I, _I, _IP, _IP, _IP]),
+    "cudnnGetPoolingNdForwardOutputDim": (_I, [_P, _P, _I, _IP]),
+    "cudnnPoolingForward": (_I, [_P, _P, _P, _P, _P, _P, _P, _P]),
     # activation
     "cudnnCreateActivationDescriptor": (_I, [POINTER(c_void_p)]),
     "cudnnDestroyActivationDescriptor": (_I, [_P]),

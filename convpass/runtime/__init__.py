@@ -4,9 +4,11 @@
 ``supported_ops()`` lists the op table. See :mod:`convpass.runtime.executor`.
 """
 
-from convpass.runtime.backends import Backend, CpuBackend, cuda_available, default_device, get_backend
+from convpass.runtime.backends import Backend, CpuBackend
+from convpass.runtime.devices import cuda_available, default_device, get_backend
 from convpass.runtime.errors import ExecutorError
-from convpass.runtime.executor import ConvSummary, Executor, NodeArg, Plan, SupportReport, check_support, is_supported, prepare_model
+from convpass.runtime.executor import Executor, NodeArg, SupportReport, check_support, is_supported, prepare_model
+from convpass.runtime.plan import ConvSummary, GraphStatus, Plan
 from convpass.runtime.registry import supported_ops
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "ConvSummary",
     "CpuBackend",
     "Executor",
+    "GraphStatus",
     "ExecutorError",
     "NodeArg",
     "Plan",

@@ -16,7 +16,9 @@ The executor and the op library only talk to a :class:`Backend`:
 
 :class:`CpuBackend` is the NumPy reference. The cuda backend lives in ``convpass.runtime.cuda``
 (``CudaBackend(device=..., cuda_graph=...)``, optional ``unavailable_reason() -> str | None``) and
-is picked by :func:`get_backend`. What it has to provide, beyond ``xp = cupy``:
+is picked by :func:`convpass.runtime.devices.get_backend` (this module never imports it: the
+dependencies run executor -> devices -> {backends, cuda} -> backends). What it has to provide,
+beyond ``xp = cupy``:
 
 * ``conv`` / ``conv_transpose``: cuDNN forward / backward-data from ``call.geometry`` (symmetric
   ``pads`` for cuDNN; ``extra_pads`` = zero pre-pad of the input for Conv, crop of the output for
@@ -37,6 +39,8 @@ is picked by :func:`get_backend`. What it has to provide, beyond ``xp = cupy``:
   ``run_plan(plan, feeds) -> outputs`` to take over execution; ``plan.matmul_allow_tf32`` is the
   model's Gemm / MatMul TF32 switch. The first run of a signature executes eagerly (it builds
   the plan): a natural warm-up before capture.
+* ``graph_status(plan)``: a :class:`convpass.runtime.plan.GraphStatus` — whether the compiled plan
+  replays as one CUDA graph and, if not, which node stopped it and why.
 """
 
 from __future__ import annotations
@@ -48,9 +52,8 @@ from typing import Any
 import numpy as np
 
 from convpass.runtime import conv as conv_kernels
-from convpass.runtime.errors import ExecutorError
+from convpass.runtime.plan import GraphStatus, Plan
 
-DEVICES = ("cpu", "cuda")
 
 
 class Backend:
@@ -113,6 +116,10 @@ class Backend:
         """Called once when a static plan is built (see the module docstring)."""
         return None
 
+    def graph_status(self, plan: Plan) -> GraphStatus:
+        """Whether ``plan`` runs as one captured CUDA graph (not applicable here)."""
+        return GraphStatus(None, f"{self.name} backend")
+
     def describe(self) -> str:
         return self.name
 
@@ -159,49 +166,3 @@ _HOST = CpuBackend()
 def host_backend() -> CpuBackend:
     """The backend the executor folds constants and shape computations with."""
     return _HOST
-
-
-def cuda_unavailable_reason() -> str | None:
-    """None when the cuda backend can run here, else why not."""
-    try:
-        from convpass.runtime import cuda  # noqa: F401  (written by the cuda-backend task)
-    except ModuleNotFoundError as e:
-        if e.name == "convpass.runtime.cuda":
-            return "this convpass has no CuPy + cuDNN executor backend yet (convpass.runtime.cuda)"
-        return f"cannot import the CuPy + cuDNN backend: {e}"
-    except ImportError as e:
-        return f"cannot import the CuPy + cuDNN backend: {e}"
-    reason = getattr(cuda, "unavailable_reason", None)
-    if callable(reason):
-        return reason()
-    return None
-
-
-def cuda_available() -> bool:
-    return cuda_unavailable_reason() is None
-
-
-def default_device() -> str:
-    """'cuda' when the cuda backend is usable here, else 'cpu'."""
-    return "cuda" if cuda_available() else "cpu"
-
-
-def get_backend(device: str | Backend, **options: Any) -> Backend:
-    """The backend for ``device`` ('cpu', 'cuda', 'auto' or a Backend instance)."""
-    if isinstance(device, Backend):
-        return device
-    name = str(device).lower()
-    if name in ("auto", ""):
-        name = default_device()
-    if name.startswith("cuda"):
-        reason = cuda_unavailable_reason()
-        if reason is not None:
-            raise ExecutorError(f"cuda backend not available: {reason}; use device='cpu'")
-        from convpass.runtime import cuda
-
-        return cuda.CudaBackend(device=name, **options)
-    if name == "cpu":
-        return _HOST
-    raise ExecutorError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)} or 'auto'")
-
-

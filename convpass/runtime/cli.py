@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from convpass.errors import ConvpassError
-from convpass.runtime.backends import default_device
-from convpass.runtime.errors import ExecutorError
+from convpass.runtime.devices import default_device
 
 
 def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -48,7 +47,12 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="where to run: cuda (CuPy + cuDNN), cpu (NumPy reference); default: cuda when usable, else cpu",
     )
     p.add_argument("--no-cuda-graph", action="store_true", help="cuda: launch kernels one by one instead of replaying a CUDA graph")
-    p.add_argument("--summary", action="store_true", help="also print each conv's decision (algo, memory format, math)")
+    p.add_argument(
+        "--summary",
+        action="store_true",
+        help="also print whether the plan runs as one CUDA graph (and if not, which node stops it and why) and each conv's decision "
+        "(algo, memory format, math); on cuda the model runs twice so that the plan is captured",
+    )
     p.set_defaults(func=run_command)
     return p
 
@@ -125,10 +129,9 @@ def run_command(args: argparse.Namespace) -> int:
                 raise ConvpassError(f"outputs {seen[fname]!r} and {o.name!r} would both be saved as {fname}")
             seen[fname] = o.name
             targets[o.name] = os.path.join(args.output_dir, fname)
-    try:
-        results = executor.run(None, feeds)
-    except ExecutorError:
-        raise
+    results = executor.run(None, feeds)
+    if args.summary and executor.device == "cuda" and executor.cuda_graph:
+        executor.run(None, feeds)  # the second run captures the plan: the summary says whether it could
     print(f"{args.model}: ran on {executor.backend.describe()}")
     width = max((len(o.name) for o in outputs), default=0)
     for o, value in zip(outputs, results):
@@ -138,6 +141,7 @@ def run_command(args: argparse.Namespace) -> int:
             line += f"  -> {targets[o.name]}"
         print(line)
     if args.summary:
+        print(executor.graph_status().describe())
         print(executor.format_plan_summary())
     sys.stdout.flush()
     return 0

@@ -37,9 +37,11 @@ import onnx.inliner
 from onnx import numpy_helper
 
 from convpass import annotation
-from convpass.runtime.backends import Backend, get_backend, host_backend
+from convpass.runtime.backends import Backend, host_backend
 from convpass.runtime.conv import ConvCall
+from convpass.runtime.devices import get_backend
 from convpass.runtime.errors import ExecutorError
+from convpass.runtime.plan import ConvSummary, GraphStatus, Plan, PlanStep, store_outputs, unshare_outputs
 from convpass.runtime.registry import (
     SUPPORTED_ELEM_TYPES,
     NodeInfo,
@@ -208,63 +210,6 @@ class NodeArg:
     @property
     def dtype(self) -> np.dtype:
         return SUPPORTED_ELEM_TYPES[self.elem_type]
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvSummary:
-    """How one conv runs in a plan: its recorded decision and the problem it computes."""
-
-    node: str
-    op_type: str
-    tuned: bool
-    algo: str
-    memory_format: str
-    math_mode: str
-    source: str
-    workspace_bytes: int | None
-    time_ms: float | None
-    recorded_problem_key: str
-    problem: str | None  # computed ConvShape of this plan (None before a plan exists)
-    profile: int | None
-    note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class PlanStep:
-    node: NodeInfo
-    fn: Any
-    inputs: tuple[int, ...]  # slots, -1 = absent optional input
-    outputs: tuple[int, ...]  # slots, -1 = output nobody reads
-    free: tuple[int, ...]  # slots whose last reader is this step
-
-
-@dataclasses.dataclass
-class Plan:
-    """A static execution plan for one input-shape signature."""
-
-    signature: tuple[Any, ...]
-    output_names: tuple[str, ...]
-    steps: list[PlanStep]
-    slot_names: list[str]
-    template: list[Any]  # constants at their slots, None elsewhere
-    feed_slots: dict[str, int]
-    output_slots: list[int]
-    value_info: dict[int, tuple[tuple[int, ...], np.dtype]]
-    profile: int | None
-    convs: list[ConvSummary]
-    folded_nodes: int  # nodes folded to constants for this signature
-    matmul_allow_tf32: bool = False  # the model's convpass.matmul_allow_tf32 (Gemm / MatMul)
-    backend_state: Any = None  # whatever Backend.compile_plan keeps; with it set, Backend.run_plan runs the plan
-
-    def describe(self) -> str:
-        lines = [f"plan: {len(self.steps)} step(s), {len(self.slot_names)} value(s), {self.folded_nodes} node(s) folded for these shapes"]
-        for i, s in enumerate(self.steps):
-            ins = ", ".join(self.slot_names[j] if j >= 0 else "-" for j in s.inputs)
-            lines.append(f"  {i:4d} {s.node.op_type:<18} {s.node.name}  ({ins})")
-        return "\n".join(lines)
 
 
 class _ShapeOnly:
@@ -521,6 +466,14 @@ class Executor:
     @property
     def last_plan(self) -> Plan | None:
         return self._last_plan
+
+    def graph_status(self) -> GraphStatus:
+        """Whether the last plan runs as one captured CUDA graph, and if not, which node stopped it
+        and why (:class:`~convpass.runtime.plan.GraphStatus`). Known from the second run of a plan on
+        (the first builds it, the second warms it up and captures it)."""
+        if self._last_plan is None:
+            return GraphStatus(None, "no plan has run yet")
+        return self._backend.graph_status(self._last_plan)
 
     @property
     def plans(self) -> list[Plan]:
@@ -837,29 +790,6 @@ def _on_device(value: Any, xp: Any) -> bool:
         return int(probe()[0]) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
     except Exception:  # noqa: BLE001
         return False
-
-
-def _root(a: Any) -> Any:
-    while getattr(a, "base", None) is not None:
-        a = a.base
-    return a
-
-
-def store_outputs(env: list[Any], slots: Sequence[int], outs: Any) -> None:
-    """Put an op's result (one array, or a tuple with one entry per output) into its slots."""
-    if not isinstance(outs, (tuple, list)):
-        env[slots[0]] = outs
-        return
-    for s, o in zip(slots, outs):
-        if s >= 0:
-            env[s] = o
-
-
-def unshare_outputs(results: list[Any], plan: Plan, feeds: Mapping[str, Any]) -> list[Any]:
-    """Outputs that are (views of) feeds or constants are copied: callers may write into outputs."""
-    owned = {id(_root(a)) for a in plan.template if a is not None}
-    owned.update(id(_root(a)) for a in feeds.values())
-    return [r.copy() if id(_root(r)) in owned else r for r in results]
 
 
 def _call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> tuple[Any, ...]:

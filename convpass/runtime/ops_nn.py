@@ -6,8 +6,10 @@ with the canonical geometry (:mod:`convpass.runtime.conv`), prepared once per st
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -494,22 +496,73 @@ def _resize_axis(
     return "matrix", np.ascontiguousarray(matrix.T.astype(dtype)), outside
 
 
-def _resize(
-    ctx: OpContext,
+@dataclasses.dataclass(frozen=True)
+class ResizeGeometry:
+    """How a Resize / Upsample maps ``in_shape`` to ``out_shape``.
+
+    ``axes``: per axis that changes, in order, ``(axis, kind, table, outside)`` from
+    :func:`_resize_axis` (``kind`` "index" for nearest, "matrix" for linear / cubic, "empty" when
+    the axis has no elements), in the compute dtype. The op library applies them axis by axis; the
+    cuda backend's resize kernel (:mod:`convpass.runtime.cuda.tensor_ops`) reads the same tables.
+    """
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    mode: str
+    axes: tuple[tuple[int, str, Any, Any], ...]
+    compute_dtype: np.dtype
+    extrapolation_value: float
+
+    @property
+    def extrapolates(self) -> bool:
+        return any(outside is not None and outside.any() for _, _, _, outside in self.axes)
+
+
+def resize_arguments(node: NodeInfo, values: Sequence[Any]) -> dict[str, Any]:
+    """The resampling arguments of a Resize / Upsample node: ``mode``, ``coord_mode``,
+    ``nearest_mode``, ``scales``, ``sizes``, ``roi``, ``axes``; ``values`` are its inputs as host
+    arrays (``values[0]``, the data, is not read; absent inputs None)."""
+    def get(i: int) -> Any:
+        v = values[i] if i < len(values) else None
+        return None if v is None or np.asarray(v).size == 0 else np.asarray(v).reshape(-1)
+
+    mode = node.attr("mode", "nearest")
+    since = node.impl.since if node.impl is not None else node.opset
+    if node.op_type == "Upsample" or since < 11:
+        mode = "linear" if mode == "bilinear" else mode
+        scales = node.attr("scales") if node.op_type == "Upsample" and since < 9 else get(1)
+        return {"mode": mode, "coord_mode": "asymmetric", "nearest_mode": "simple", "roi": None, "sizes": None,
+                "scales": None if scales is None else [float(v) for v in scales], "axes": None}
+    if mode not in ("nearest", "linear", "cubic"):
+        raise ExecutorError(f"node {node.name!r}: Resize mode {mode!r} is not supported")
+    roi, scales, sizes = get(1), get(2), get(3)
+    return {
+        "mode": mode,
+        "coord_mode": node.attr("coordinate_transformation_mode", "half_pixel"),
+        "nearest_mode": node.attr("nearest_mode", "round_prefer_floor"),
+        "roi": None if roi is None else [float(v) for v in roi],
+        "scales": None if scales is None else [float(v) for v in scales],
+        "sizes": None if sizes is None else [int(v) for v in sizes],
+        "axes": node.attr("axes"),
+    }
+
+
+def resize_geometry(
     node: NodeInfo,
-    x: Any,
+    shape: tuple[int, ...],
+    dtype: Any,
+    *,
     scales: list[float] | None,
     sizes: list[int] | None,
     roi: list[float] | None,
-    *,
     mode: str,
     coord_mode: str,
     nearest_mode: str,
     axes: list[int] | None = None,
-) -> Any:
-    xp = ctx.xp
-    r = x.ndim
-    shape = tuple(x.shape)
+) -> ResizeGeometry:
+    """The :class:`ResizeGeometry` of a Resize / Upsample on an input of ``shape`` (ONNX semantics)."""
+    r = len(shape)
+    shape = tuple(int(d) for d in shape)
     axes = list(range(r)) if axes is None else [_axis(a, r) for a in axes]
     full_scales = [1.0] * r
     out = list(shape)
@@ -534,37 +587,49 @@ def _resize(
             out[a] = int(math.floor(shape[a] * full_scales[a]))
     else:
         raise ExecutorError(f"node {node.name!r}: Resize needs scales or sizes")
-    dtype = x.dtype
-    ct = np.float64 if dtype == np.float64 else np.float32
-    y = x if mode == "nearest" else x.astype(ct, copy=False)
-    outside_total = None
+    ct = np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
     cubic_a = float(node.attr("cubic_coeff_a", -0.75))
     exclude = bool(node.attr("exclude_outside", 0))
     antialias = bool(node.attr("antialias", 0))
+    steps = []
     for a in range(r):
         if out[a] == shape[a] and math.isclose(full_scales[a], 1.0) and (
             full_roi[a] is None or (math.isclose(full_roi[a][0], 0.0) and math.isclose(full_roi[a][1], 1.0))
         ):
             continue
         if out[a] == 0 or shape[a] == 0:
-            new_shape = list(y.shape)
-            new_shape[a] = out[a]
-            y = xp.zeros(new_shape, dtype=y.dtype)
+            steps.append((a, "empty", None, None))
             continue
         kind, table, outside = _resize_axis(
-            mode, coord_mode, nearest_mode, shape[a], out[a], full_scales[a], full_roi[a], cubic_a, exclude, antialias, np.dtype(ct).name
+            mode, coord_mode, nearest_mode, shape[a], out[a], full_scales[a], full_roi[a], cubic_a, exclude, antialias, ct.name
         )
+        steps.append((a, kind, table, outside))
+    return ResizeGeometry(shape, tuple(out), mode, tuple(steps), ct, float(node.attr("extrapolation_value", 0.0)))
+
+
+def _resize(ctx: OpContext, node: NodeInfo, x: Any, values: Sequence[Any]) -> Any:
+    xp = ctx.xp
+    g = resize_geometry(node, tuple(x.shape), x.dtype, **resize_arguments(node, values))
+    r = x.ndim
+    dtype = x.dtype
+    y = x if g.mode == "nearest" else x.astype(g.compute_dtype, copy=False)
+    outside_total = None
+    for a, kind, table, outside in g.axes:
+        if kind == "empty":
+            new_shape = list(y.shape)
+            new_shape[a] = g.out_shape[a]
+            y = xp.zeros(new_shape, dtype=y.dtype)
+            continue
         if kind == "index":
             y = xp.take(y, ctx.backend.constant(table), axis=a)
         else:
             m = ctx.backend.constant(table)
             y = xp.moveaxis(xp.matmul(xp.moveaxis(y, a, -1), m), -1, a)
         if outside is not None and outside.any():
-            mask = outside.reshape([out[a] if i == a else 1 for i in range(r)])
+            mask = outside.reshape([g.out_shape[a] if i == a else 1 for i in range(r)])
             outside_total = mask if outside_total is None else (outside_total | mask)
-    if outside_total is not None:
-        ev = node.attr("extrapolation_value", 0.0)
-        y = xp.where(ctx.backend.upload(outside_total), _like(xp, ev, y.dtype), y)  # tf_crop_and_resize only
+    if outside_total is not None:  # tf_crop_and_resize only
+        y = xp.where(ctx.backend.constant(outside_total), _like(xp, g.extrapolation_value, y.dtype), y)
     if y.dtype != dtype:
         if np.dtype(dtype).kind in "iu":
             info = np.iinfo(dtype)
@@ -573,36 +638,25 @@ def _resize(
     return xp.ascontiguousarray(y)
 
 
+def _host_values(ctx: OpContext, inputs: Sequence[Any]) -> list[Any]:
+    return [None, *(None if v is None else ctx.host(v) for v in inputs)]
+
+
 @register("Resize", 10, value_inputs=(1,))
 def _resize_10(ctx: OpContext, node: NodeInfo, x: Any, scales: Any) -> Any:
-    mode = node.attr("mode", "nearest")
-    return _resize(ctx, node, x, ctx.floats(scales), None, None, mode=mode, coord_mode="asymmetric", nearest_mode="simple")
+    return _resize(ctx, node, x, _host_values(ctx, [scales]))
 
 
 @register("Resize", 11, value_inputs=(1, 2, 3))
 def _resize_11(ctx: OpContext, node: NodeInfo, x: Any, roi: Any = None, scales: Any = None, sizes: Any = None) -> Any:
-    mode = node.attr("mode", "nearest")
-    coord_mode = node.attr("coordinate_transformation_mode", "half_pixel")
-    nearest_mode = node.attr("nearest_mode", "round_prefer_floor")
-    roi_v = None if roi is None or ctx.host(roi).size == 0 else ctx.floats(roi)
-    scales_v = None if scales is None or ctx.host(scales).size == 0 else ctx.floats(scales)
-    sizes_v = None if sizes is None or ctx.host(sizes).size == 0 else ctx.ints(sizes)
-    if mode not in ("nearest", "linear", "cubic"):
-        raise ExecutorError(f"node {node.name!r}: Resize mode {mode!r} is not supported")
-    return _resize(
-        ctx, node, x, scales_v, sizes_v, roi_v, mode=mode, coord_mode=coord_mode, nearest_mode=nearest_mode, axes=node.attr("axes")
-    )
+    return _resize(ctx, node, x, _host_values(ctx, [roi, scales, sizes]))
 
 
 @register("Upsample", 7)
 def _upsample_7(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
-    mode = node.attr("mode", "nearest")
-    mode = "linear" if mode == "bilinear" else mode
-    return _resize(ctx, node, x, list(node.attr("scales")), None, None, mode=mode, coord_mode="asymmetric", nearest_mode="simple")
+    return _resize(ctx, node, x, [None])
 
 
 @register("Upsample", 9, value_inputs=(1,))
 def _upsample_9(ctx: OpContext, node: NodeInfo, x: Any, scales: Any) -> Any:
-    mode = node.attr("mode", "nearest")
-    mode = "linear" if mode == "bilinear" else mode
-    return _resize(ctx, node, x, ctx.floats(scales), None, None, mode=mode, coord_mode="asymmetric", nearest_mode="simple")
+    return _resize(ctx, node, x, _host_values(ctx, [scales]))

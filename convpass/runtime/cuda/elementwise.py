@@ -2,33 +2,45 @@
 
 CuPy runs every NumPy-style call as its own kernel, and the op library writes activations as
 NumPy expressions: Sigmoid is nine kernels over the whole tensor, HardSwish four, a GELU that
-``torch.onnx.export`` decomposed (Div, Erf, Add, Mul, Mul) five. On large activations each kernel
-is a full read and write of memory, so those ops, not the convolutions, dominated models such as
-efficientnet_b0 at batch 32. :func:`plan_groups` finds the element-wise steps of a plan that can
-run as one ``cupy.ElementwiseKernel`` each; :func:`kernel` builds (and caches) that kernel.
+``torch.onnx.export`` decomposed (Div, Erf, Add, Mul, Mul) five, an inference BatchNormalization
+that cannot be folded into a conv (pre-activation nets: BN -> ReLU -> Conv) six. On large
+activations each kernel is a full read and write of memory, so those ops, not the convolutions,
+dominated models such as efficientnet_b0 at batch 32. :func:`plan_groups` finds the element-wise
+steps of a plan that can run as one ``cupy.ElementwiseKernel`` each; :func:`kernel` builds (and
+caches) that kernel; :class:`FusedLaunch` runs it in a compiled plan.
 
 Rules (``plan_groups``):
 
-* A step is *fusible* when its op has an expression below (:data:`EXPRESSIONS`), it has one output,
-  the op's registration is one this module knows (Clip's attribute and input forms; the legacy
-  ``broadcast`` attribute of opset < 7 excluded), nothing else already claimed it (conv fusions),
-  and every input and its output have one floating-point dtype.
-* A fusible step's output is *internal* when its only reader is a fusible step and it is not a
-  graph output: the reader computes it inline and it is never stored. Internal edges make trees; a
-  tree is a group whose root (its last step) runs the kernel and whose other members are skipped.
+* A step is *fusible* when its op has an expression below (:data:`EXPRESSIONS`), it has one used
+  output, the op's registration is one this module knows (Clip's attribute and input forms; the
+  legacy ``broadcast`` attribute of opset < 7 excluded; BatchNormalization in inference mode only),
+  nothing else already claimed it (conv fusions), and every input and its output have one
+  floating-point dtype.
+* A fusible step's output is *internal* when every reader of it is a fusible step of one and the
+  same group and it is not a graph output: the group computes it once per element, in a register,
+  and it is never stored. Groups are built from the last step backwards, so they are DAGs with one
+  root (their last step, which runs the kernel); their other members are skipped. (A GELU's input
+  ``x`` read by both ``x / sqrt(2)`` and ``x * (...)`` is internal to the GELU's group, so a MatMul's
+  bias Add fuses into the GELU that follows it.)
 * A group's external inputs are the slots its members read that no member computes (constants
   included, as 0-d or broadcastable arrays). Element-wise ops commute with broadcasting, so the
   kernel broadcasts the external inputs to the root's output shape and computes every member per
   output element, which gives the root's value exactly as the ops one by one would (smaller
   intermediates such as a squeeze-excite gate are recomputed per element: cheap next to a read).
+  BatchNormalization's per-channel parameters are viewed as ``(C, 1, ..., 1)`` for that (an input
+  with a *view*).
 * Math in float32 for float16 and float32 tensors, float64 for float64; the result is rounded to
   the tensor's dtype once, at the end (op-by-op float16 rounds after every op: results differ in
   the last float16 bit at most, well inside the 1e-2 tolerance of float16 checks).
 * A group of one step is formed only for ops CuPy runs as several kernels (Sigmoid, HardSwish,
-  Clip, ...); a lone Add or Relu is one CuPy kernel already.
+  Clip, BatchNormalization, ...); a lone Add or Relu is one CuPy kernel already.
 * Slots a member frees (last read) are freed after the root runs instead, since the root reads them.
 NaN and infinity follow NumPy's element-wise semantics (``maximum`` / ``minimum`` / ``clip``
 propagate NaN).
+
+Memory order: a group whose full-rank inputs are channels-last runs on the channels-last storage
+(:func:`in_storage_order`), so its output stays channels-last; it can also write straight into a
+slice of a Concat buffer (:attr:`FusedLaunch.supports_placement`).
 """
 
 from __future__ import annotations
@@ -40,9 +52,11 @@ from typing import Any
 
 import numpy as np
 
+from convpass.runtime.cuda.common import channels_last
+from convpass.runtime.cuda.launch import Launch
 from convpass.runtime.registry import NodeInfo
 
-__all__ = ["EXPRESSIONS", "FusedGroup", "kernel", "plan_groups"]
+__all__ = ["EXPRESSIONS", "FusedGroup", "FusedLaunch", "in_storage_order", "kernel", "plan_groups"]
 
 Expr = Callable[[NodeInfo, Sequence["str | None"]], "str | None"]
 
@@ -116,6 +130,15 @@ def _swish(node: NodeInfo, a: Sequence[str | None]) -> str | None:
     return None if alpha is None else f"({a[0]} / (A(1) + exp(-{alpha} * {a[0]})))"
 
 
+def _batch_norm(node: NodeInfo, a: Sequence[str | None]) -> str | None:
+    """Inference BatchNormalization: ``(x - mean) * scale / sqrt(var + eps) + bias`` per channel."""
+    if node.attr("training_mode", 0) or (node.opset < 9 and not node.attr("spatial", 1)) or len(a) < 5 or not all(a[:5]):
+        return None
+    eps = _lit(node.attr("epsilon", 1e-5))
+    x, scale, bias, mean, var = a[:5]
+    return None if eps is None else f"(({x} - {mean}) * ({scale} / sqrt({var} + {eps})) + {bias})"
+
+
 def _two(template: str) -> Expr:
     """Variadic Max / Min: fused only with exactly two operands."""
     return lambda node, a: template.format(*a) if len(a) == 2 and all(a) else None
@@ -151,7 +174,11 @@ EXPRESSIONS: dict[str, Expr] = {
     "PRelu": _fmt("({0} < A(0) ? {0} * {1} : {0})"),
     "Gelu": _gelu,
     "Swish": _swish,
+    "BatchNormalization": _batch_norm,
 }
+
+# Inputs an op broadcasts along the channel axis (1) rather than NumPy-style: (op, input index).
+_CHANNEL_INPUTS = {("BatchNormalization", k) for k in (1, 2, 3, 4)}
 
 # Ops CuPy already runs as one kernel: alone, fusing them gains nothing.
 _ONE_KERNEL = frozenset("Add Sub Mul Div Pow Max Min Neg Abs Exp Log Sqrt Reciprocal Tanh Relu".split())
@@ -170,6 +197,10 @@ class FusedGroup:
     dtype: np.dtype
     code: str  # kernel body
     ops: tuple[str, ...]  # member op types, for notes
+    views: tuple[tuple[int, ...] | None, ...] = ()  # per input: the shape it is read as (None: as is)
+
+    def view_of(self, k: int) -> tuple[int, ...] | None:
+        return self.views[k] if k < len(self.views) else None
 
     @property
     def name(self) -> str:
@@ -192,7 +223,8 @@ def _fusible(plan: Any, step: Any) -> np.dtype | None:
     """The step's dtype when it may join a group (module rules), else None."""
     node = step.node
     expr = EXPRESSIONS.get(node.op_type)
-    if expr is None or node.domain != "" or node.opset < 7 or len(step.outputs) != 1 or step.outputs[0] < 0:
+    used = [o for o in step.outputs if o >= 0]
+    if expr is None or node.domain != "" or node.opset < 7 or len(used) != 1 or step.outputs[0] < 0:
         return None
     if node.op_type in ("Max", "Min") and node.opset < 8:  # no broadcasting before opset 8
         return None
@@ -210,54 +242,66 @@ def _fusible(plan: Any, step: Any) -> np.dtype | None:
 def plan_groups(plan: Any, claimed: Sequence[Any]) -> list[FusedGroup]:
     """The fused groups of ``plan`` (module rules); ``claimed[i]`` not None: step i is taken."""
     steps = plan.steps
-    readers: dict[int, list[int]] = {}
-    for i, st in enumerate(steps):
-        for s in st.inputs:
-            if s >= 0:
-                readers.setdefault(s, []).append(i)
+    readers = plan.readers()
     dtypes = [None if claimed[i] is not None else _fusible(plan, st) for i, st in enumerate(steps)]
     graph_outputs = set(plan.output_slots)
-    parent: dict[int, int] = {}
-    for i, st in enumerate(steps):
+    root_of: dict[int, int] = {}
+    for i in range(len(steps) - 1, -1, -1):  # readers first: their groups are known
         if dtypes[i] is None:
             continue
-        out = st.outputs[0]
+        out = steps[i].outputs[0]
         rd = readers.get(out, [])
-        if out not in graph_outputs and len(rd) == 1 and rd[0] > i and dtypes[rd[0]] == dtypes[i]:
-            parent[i] = rd[0]
-    children: dict[int, list[int]] = {}
-    for i, p in parent.items():
-        children.setdefault(p, []).append(i)
+        roots = {root_of.get(r) for r in rd}
+        internal = (
+            out not in graph_outputs
+            and rd
+            and all(r > i and dtypes[r] == dtypes[i] for r in rd)
+            and len(roots) == 1
+            and None not in roots
+        )
+        root_of[i] = roots.pop() if internal else i
+    members_of: dict[int, list[int]] = {}
+    for i, root in root_of.items():
+        members_of.setdefault(root, []).append(i)
     groups = []
-    for root, st in enumerate(steps):
-        if dtypes[root] is None or root in parent:
-            continue
-        members, todo = [], [root]
-        while todo:
-            i = todo.pop()
-            members.append(i)
-            todo.extend(children.get(i, ()))
-        members.sort()
-        if len(members) == 1 and st.node.op_type in _ONE_KERNEL:
+    for root in sorted(members_of):
+        members = sorted(members_of[root])
+        if len(members) == 1 and steps[root].node.op_type in _ONE_KERNEL:
             continue
         groups.append(_build(plan, members, dtypes[root]))
     return groups
 
 
+def _channel_view(plan: Any, step: Any) -> tuple[int, ...] | None:
+    """The shape per-channel parameters of ``step`` are read as: (C, 1, ..., 1) for X's rank."""
+    x = plan.info(step.inputs[0])
+    if x is None or len(x[0]) < 2:
+        return None
+    return (int(x[0][1]),) + (1,) * (len(x[0]) - 2)
+
+
 def _build(plan: Any, members: list[int], dtype: np.dtype) -> FusedGroup:
     steps = plan.steps
     computed = {steps[i].outputs[0] for i in members}
-    inputs: list[int] = []
+    inputs: list[tuple[int, tuple[int, ...] | None]] = []  # (slot, view)
+    operands: dict[tuple[int, int], tuple[int, tuple[int, ...] | None]] = {}  # (step, input index) -> input
     for i in members:
-        for s in steps[i].inputs:
-            if s >= 0 and s not in computed and s not in inputs:
-                inputs.append(s)
-    names = {s: f"a{k}" for k, s in enumerate(inputs)}
+        st = steps[i]
+        for k, s in enumerate(st.inputs):
+            if s < 0 or s in computed:
+                continue
+            view = _channel_view(plan, st) if (st.node.op_type, k) in _CHANNEL_INPUTS else None
+            if (s, view) not in inputs:
+                inputs.append((s, view))
+            operands[(i, k)] = (s, view)
+    arg = {key: f"a{k}" for k, key in enumerate(inputs)}
+    names: dict[int, str] = {}
     lines = [f"typedef {_MATH_TYPE[dtype]} A;"]
     lines += [f"const A a{k} = (A)in{k};" for k in range(len(inputs))]
     for i in members:
         st = steps[i]
-        expr = EXPRESSIONS[st.node.op_type](st.node, [names[s] if s >= 0 else None for s in st.inputs])
+        ops = [None if s < 0 else (names[s] if s in computed else arg[operands[(i, k)]]) for k, s in enumerate(st.inputs)]
+        expr = EXPRESSIONS[st.node.op_type](st.node, ops)
         names[st.outputs[0]] = f"t{i}"
         lines.append(f"const A t{i} = {expr};")
     root = members[-1]
@@ -265,11 +309,12 @@ def _build(plan: Any, members: list[int], dtype: np.dtype) -> FusedGroup:
     return FusedGroup(
         root=root,
         members=tuple(members),
-        inputs=tuple(inputs),
+        inputs=tuple(s for s, _ in inputs),
         output=steps[root].outputs[0],
         dtype=dtype,
         code="\n".join(lines),
         ops=tuple(steps[i].node.op_type for i in members),
+        views=tuple(v for _, v in inputs),
     )
 
 
@@ -284,3 +329,52 @@ def kernel(cupy: Any, group: FusedGroup) -> Any:
         k = cupy.ElementwiseKernel(params, "T out0", group.code, group.name, preamble=PREAMBLE)
         _KERNELS[group.name] = k
     return k
+
+
+def in_storage_order(args: Sequence[Any], fn: Callable[..., Any], value_inputs: Sequence[int] = (), out: Any = None) -> Any:
+    """``fn(*args)`` (or ``fn(*args, out)``), an element-wise computation, on the channels-last storage
+    when a full-rank input has it: element-wise kernels over a channels-last array seen channels-first
+    would read and write with a stride of C elements, and CuPy would allocate the result
+    channels-first. Inputs listed in ``value_inputs`` (read as values, e.g. Clip's bounds) and 0-d
+    ones are passed as they are."""
+    r = max((a.ndim for a in args if a is not None), default=0)
+    if not 3 <= r <= 5 or not any(a is not None and a.ndim == r and channels_last(a) for a in args):
+        return fn(*args) if out is None else fn(*args, out)
+    perm = (0, *range(2, r), 1)
+    inv = (0, r - 1, *range(1, r - 1))
+    moved = []
+    for i, a in enumerate(args):
+        if a is None or a.ndim == 0 or i in value_inputs:
+            moved.append(a)
+        else:
+            full = a if a.ndim == r else a.reshape((1,) * (r - a.ndim) + tuple(a.shape))
+            moved.append(full.transpose(perm))
+    outs = fn(*moved) if out is None else fn(*moved, out.transpose(perm))
+    if isinstance(outs, (tuple, list)):
+        return [o.transpose(inv) if o is not None and o.ndim == r else o for o in outs]
+    return outs.transpose(inv) if outs.ndim == r else outs
+
+
+class FusedLaunch(Launch):
+    """One fused group: its generated kernel over the group's external inputs."""
+
+    supports_placement = True
+
+    def __init__(self, plan: Any, group: FusedGroup, kern: Any, counters: dict[str, int]) -> None:
+        node = plan.steps[group.root].node
+        super().__init__(group.root, node, "fused " + "+".join(group.ops), (group.output,), absorbs=group.members[:-1])
+        self.group = group
+        self.kern = kern
+        self.counters = counters
+        # constant inputs viewed once, here; computed ones at run time
+        self._fixed = [None if plan.template[s] is None else _as_view(plan.template[s], group.view_of(k)) for k, s in enumerate(group.inputs)]
+
+    def run(self, env: list[Any]) -> None:
+        g = self.group
+        args = [f if f is not None else _as_view(env[s], g.view_of(k)) for k, (s, f) in enumerate(zip(g.inputs, self._fixed))]
+        env[g.output] = in_storage_order(args, self.kern, out=self.destination(env))
+        self.counters["fused_elementwise"] += 1
+
+
+def _as_view(a: Any, view: tuple[int, ...] | None) -> Any:
+    return a if view is None else a.reshape(view)

@@ -1,0 +1,30 @@
+"""The cuda backend of the executor: CuPy + cuDNN with the recorded choices, CUDA-graph replay.
+
+``CudaBackend(device=0, cuda_graph=True, ...)`` implements
+:class:`convpass.runtime.backends.Backend` with ``xp = cupy``; :func:`unavailable_reason` says why
+it cannot run here (no CuPy, no GPU, no cuDNN), ``None`` when it can. Importing this package
+imports neither CuPy nor cuDNN.
+
+One module per concern, dependencies one way (:mod:`.backend` is the only one that knows them all):
+
+* :mod:`.lowering` — which kernel runs each plan step; :mod:`.memory` — Concat buffers;
+  :mod:`.runner` — warm-up, capture, replay; :mod:`.launch` — the unit of a compiled plan;
+* kernel families: :mod:`.convolution` (cuDNN convolutions and their epilogues),
+  :mod:`.elementwise` (generated element-wise groups), :mod:`.normalization` (row-wise norms and
+  softmax), :mod:`.pooling` (window and global pooling), :mod:`.tensor_ops` (Resize, Concat),
+  :mod:`.blas` (capturable cuBLAS);
+* :mod:`.compiler` — the one place CUDA source becomes kernels; :mod:`.common` — shared helpers.
+"""
+
+from convpass.runtime.cuda.common import ExecutorWarning, unavailable_reason
+
+
+def __getattr__(name: str):  # CudaBackend without importing CuPy-facing modules at package import
+    if name == "CudaBackend":
+        from convpass.runtime.cuda.backend import CudaBackend
+
+        return CudaBackend
+    raise AttributeError(name)
+
+
+__all__ = ["CudaBackend", "ExecutorWarning", "unavailable_reason"]

@@ -1,0 +1,398 @@
+"""The cuda backend: CuPy arrays on one GPU, the executor's :class:`~convpass.runtime.backends.Backend`.
+
+This module holds what is about arrays and the device: transfers (uploads with a host mirror so
+constants never need a device sync, feeds adopted from DLPack), the matmul path that CUDA graphs
+can capture (cuBLAS by ctypes, :mod:`.blas`), the model's TF32 switch for Gemm / MatMul, and the
+notes and warnings. What runs how is decided elsewhere, in layers that depend one way:
+
+    lowering (:mod:`.lowering`: per step, which kernel — :mod:`.convolution`, :mod:`.elementwise`,
+    :mod:`.normalization`, :mod:`.pooling`, :mod:`.tensor_ops`, or the op library)
+    -> memory plan (:mod:`.memory`: Concat buffers that producers write into)
+    -> compiled plan (every launch prepared: kernels built, descriptors, workspaces, tables)
+    -> runner (:mod:`.runner`: warm-up, capture as CUDA graphs, replay)
+
+Memory formats: arrays keep their logical ONNX (channels-first) shapes; an NHWC conv stores its
+output channels-last (a transposed view, :func:`convpass.cudnn.empty_like_layout`), element-wise
+ops, pooling, Resize and the fused groups run on that storage and keep it, so a chain of NHWC
+convs never transposes (the layout planner's assumption). Other ops work on the logical view.
+
+Gemm / MatMul: cuBLAS through :mod:`.blas` because CuPy refuses cuBLAS calls during stream
+capture; cases it does not cover go to ``cupy.matmul`` (and that launch then runs eagerly between
+graphs). TF32 follows the model's ``convpass.matmul_allow_tf32``: ``CUBLAS_COMPUTE_32F_FAST_TF32``
+or ``CUBLAS_COMPUTE_32F``; for the ``cupy.matmul`` fallback CuPy's float32 compute type and the
+math mode of CuPy's cuBLAS handle are set while the executor runs and restored after.
+
+Options: ``CudaBackend(device=0, cuda_graph=True, *, fuse=True, fuse_residual=True, kernels=True,
+concat_in_place=True, pooling="auto")``: ``fuse=False`` turns every fusion off (conv epilogues,
+element-wise groups); ``kernels=False`` leaves normalization, softmax, pooling and Resize to the op
+library; ``concat_in_place=False`` makes every Concat copy; ``pooling`` is ``"auto"`` (the measured
+choice), ``"cudnn"`` or ``"kernel"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any
+
+import numpy as np
+
+from convpass.runtime.backends import Backend
+from convpass.runtime.conv import ConvCall
+from convpass.runtime.cuda import lowering, runner
+from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, unavailable_reason
+from convpass.runtime.cuda.convolution import Convolutions
+from convpass.runtime.errors import ExecutorError
+from convpass.runtime.plan import GraphStatus, Plan
+
+logger = logging.getLogger("convpass")
+
+__all__ = ["CudaBackend"]
+
+# Host tables up to this size are cached by content in ``constant`` (pool offsets, resize indices).
+_CONTENT_KEY_BYTES = 1 << 16
+# DLPack device types of CUDA memory (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
+_DLPACK_CUDA = (2, 3, 13)
+_POOLING = ("auto", "cudnn", "kernel")
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        return 0
+    if isinstance(device, (int, np.integer)):
+        return int(device)
+    text = str(device).strip().lower()
+    if text in ("", "cuda", "gpu", "auto"):
+        return 0
+    for prefix in ("cuda:", "gpu:"):
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    try:
+        return int(text)
+    except ValueError:
+        raise ExecutorError(f"cannot read a CUDA device from {device!r}; use 0, 1, 'cuda' or 'cuda:1'") from None
+
+
+class _Namespace:
+    """``cupy`` for the ops, except ``matmul``: the backend's capturable cuBLAS path."""
+
+    def __init__(self, cupy: Any, backend: "CudaBackend") -> None:
+        self.__dict__["_cupy"] = cupy
+        self.__dict__["_backend"] = backend
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._cupy, name)
+        self.__dict__[name] = value  # looked up once
+        return value
+
+    def matmul(self, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._backend._matmul(a, b, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<cupy namespace of the convpass cuda backend (CuPy {self._cupy.__version__})>"
+
+
+class CudaBackend(Backend):
+    """CuPy + cuDNN on one GPU (see the module docstring)."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        device: Any = 0,
+        cuda_graph: bool = True,
+        *,
+        fuse: bool = True,
+        fuse_residual: bool = True,
+        kernels: bool = True,
+        concat_in_place: bool = True,
+        pooling: str = "auto",
+    ) -> None:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ExecutorError(f"cuda backend not available: {reason}")
+        if pooling not in _POOLING:
+            raise ExecutorError(f"pooling must be one of {', '.join(_POOLING)}, not {pooling!r}")
+        import cupy
+
+        self.cp = cupy
+        self.xp = _Namespace(cupy, self)
+        self.device_id = _device_index(device)
+        count = int(cupy.cuda.runtime.getDeviceCount())
+        if not 0 <= self.device_id < count:
+            raise ExecutorError(f"CUDA device {self.device_id} does not exist ({count} visible)")
+        self._device = cupy.cuda.Device(self.device_id)
+        self.cuda_graph = bool(cuda_graph)
+        self.fuse = bool(fuse)
+        self.fuse_residual = bool(fuse and fuse_residual)
+        self.kernels = bool(kernels)
+        self.concat_in_place = bool(concat_in_place)
+        self.pooling = pooling
+        self._mirror: dict[int, tuple[Any, np.ndarray]] = {}  # id(device array) -> (device array, host array)
+        self._consts: dict[Any, tuple[Any, Any]] = {}
+        self.capturing = False  # a CUDA graph is being captured: transfers are refused
+        self.host_syncs = 0  # device -> host copies of computed values
+        self.uploads = 0  # host -> device copies while running
+        self._allow_tf32 = False
+        self._tf32_now = False
+        self._blas: Any = None  # blas.Blas, False when it cannot be loaded
+        self.recorded_device = ""
+        self.current_device: Any = None
+        self._warned_nodes: set[str] = set()
+        self._warned: set[str] = set()
+        self.notes: list[str] = []  # every warning / note this backend emitted, in order
+        # Set to a list to profile eager runs: (launch label, op type of its node, start event, end event)
+        # per launch run; the label says which kernel ran ("fused Sigmoid+Mul", "MaxPool (kernel)", ...).
+        self.step_events: list[tuple[str, str, Any, Any]] | None = None
+        self.counters = {
+            "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
+            "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0,
+        }
+        with self._device:
+            self.convs = Convolutions(self)
+
+    # ------------------------------------------------------------------ Backend interface
+
+    def describe(self) -> str:
+        cp = self.cp
+        try:
+            from convpass.cudnn import library
+
+            props = cp.cuda.runtime.getDeviceProperties(self.device_id)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+            v = library.version()
+            cudnn = f"cuDNN {v // 10000}.{v // 100 % 100}.{v % 100}"
+        except Exception:  # noqa: BLE001
+            name, cudnn = "?", "cuDNN ?"
+        graphs = "CUDA graphs" if self.cuda_graph else "eager"
+        return f"cuda:{self.device_id} ({name}, {cudnn}, CuPy {cp.__version__}, {graphs})"
+
+    def bind_model(self, model_info: Any) -> None:
+        """The executor's model metadata: device fingerprint to re-validate, matmul TF32 switch."""
+        from convpass import device as device_mod
+
+        self._allow_tf32 = bool(model_info is not None and model_info.matmul_allow_tf32)
+        self.recorded_device = (model_info.device if model_info is not None else "") or ""
+        with self._device:
+            self.current_device = device_mod.detect()
+
+    def upload(self, array: np.ndarray) -> Any:
+        if self.capturing:
+            raise CaptureBreak("host -> device upload")
+        self.uploads += 1
+        return self._upload(array)
+
+    def _upload(self, array: Any) -> Any:
+        host = np.asarray(array)
+        with self._device:
+            dev = self.cp.asarray(host)
+        self._mirror[id(dev)] = (dev, host)
+        return dev
+
+    def upload_constant(self, array: np.ndarray) -> Any:
+        """A table built when a plan is compiled (not counted as an upload while running)."""
+        return self._upload(array)
+
+    def upload_input(self, array: np.ndarray) -> Any:
+        """A feed: uploaded without a host mirror (it is not kept)."""
+        with self._device:
+            return self.cp.asarray(array)
+
+    def adopt(self, value: Any) -> Any:
+        """A CUDA array of another library (DLPack), as a CuPy array without a copy; None if not one."""
+        if isinstance(value, self.cp.ndarray):
+            return value
+        probe = getattr(value, "__dlpack_device__", None)
+        if probe is None or not hasattr(value, "__dlpack__"):
+            return None
+        try:
+            kind, _ = probe()
+        except Exception:  # noqa: BLE001
+            return None
+        if int(kind) not in _DLPACK_CUDA:
+            return None
+        with self._device:
+            return self.cp.from_dlpack(value)
+
+    def constant(self, array: np.ndarray) -> Any:
+        a = np.asarray(array)
+        if a.nbytes <= _CONTENT_KEY_BYTES:
+            key: Any = ("value", a.dtype.str, a.shape, a.tobytes())
+            hit = self._consts.get(key)
+        else:
+            key = ("id", id(array))
+            hit = self._consts.get(key)
+            if hit is not None and hit[0] is not array:
+                hit = None
+        if hit is None:
+            if self.capturing:
+                raise CaptureBreak("host -> device upload of a new table")
+            hit = self._consts[key] = (array, self._upload(a))
+        return hit[1]
+
+    def is_constant(self, a: Any) -> bool:
+        hit = self._mirror.get(id(a))
+        return hit is not None and hit[0] is a
+
+    def to_host(self, x: Any) -> np.ndarray:
+        if isinstance(x, np.ndarray):
+            return x
+        hit = self._mirror.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        if not isinstance(x, self.cp.ndarray):
+            return np.asarray(x)
+        if self.capturing:
+            raise CaptureBreak("device -> host copy")
+        self.host_syncs += 1
+        with self._device:
+            return self.cp.asnumpy(x)
+
+    def erf(self, x: Any) -> Any:
+        from cupyx.scipy.special import erf
+
+        return erf(x).astype(x.dtype, copy=False)  # CuPy computes float16 in float32 and returns float32
+
+    def errstate(self) -> contextlib.AbstractContextManager[Any]:
+        return self._scope(self._allow_tf32)
+
+    @contextlib.contextmanager
+    def _scope(self, allow_tf32: bool):
+        with self._device, self._matmul_math(allow_tf32):
+            yield
+
+    def synchronize(self) -> None:
+        with self._device:
+            self.cp.cuda.get_current_stream().synchronize()
+
+    def conv(self, x: Any, w: Any, b: Any, call: ConvCall) -> Any:
+        return self.convs.run(call, x, w, b)
+
+    def conv_transpose(self, x: Any, w: Any, b: Any, call: ConvCall) -> Any:
+        return self.convs.run(call, x, w, b)
+
+    # ------------------------------------------------------------------ plans
+
+    def compile_plan(self, plan: Plan) -> None:
+        """Lower, plan memory and prepare every launch (:mod:`.lowering`); take over execution."""
+        if not plan.steps:
+            return
+        with self._device:
+            plan.backend_state = lowering.compile_plan(self, plan)
+
+    def run_plan(self, plan: Plan, feeds: dict[str, Any]) -> list[Any]:
+        with self._device, self._matmul_math(plan.matmul_allow_tf32):
+            return runner.run_plan(self, plan, feeds)
+
+    def graph_status(self, plan: Plan) -> GraphStatus:
+        state = plan.backend_state
+        if state is None:
+            return GraphStatus(None, "the plan has no steps" if not plan.steps else "not compiled")
+        return state.graph_status(self.cuda_graph)
+
+    def concat_allocator(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The function that allocates a Concat family's buffer in a memory format (:mod:`.memory`)."""
+        from convpass import cudnn
+
+        def allocate(layout: str) -> Any:
+            if len(shape) >= 3:
+                return cudnn.empty_like_layout(shape, dtype, layout)
+            return self.cp.empty(shape, dtype=dtype)
+
+        return allocate
+
+    # ------------------------------------------------------------------ matmul TF32
+
+    def _matmul(self, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        """``xp.matmul``: cuBLAS by ctypes (capturable, explicit TF32 switch), else ``cupy.matmul``."""
+        cp = self.cp
+        if not args and not kwargs and isinstance(a, cp.ndarray) and isinstance(b, cp.ndarray):
+            blas = self._get_blas()
+            if blas:
+                try:
+                    out = blas.matmul(a, b, self._tf32_now)
+                except RuntimeError as e:
+                    if self.capturing:
+                        raise
+                    logger.debug("cuBLAS by ctypes failed (%s): cupy.matmul instead", e)
+                    out = None
+                if out is not None:
+                    return out
+        if self.capturing:
+            raise CaptureBreak(f"a matmul of shapes {getattr(a, 'shape', '?')} @ {getattr(b, 'shape', '?')} needs cupy.matmul, which cannot be captured")
+        return cp.matmul(a, b, *args, **kwargs)
+
+    def _get_blas(self) -> Any:
+        if self._blas is None:
+            if self.capturing:
+                raise CaptureBreak("cuBLAS handle created during capture")
+            from convpass.runtime.cuda import blas
+
+            try:
+                with self._device:
+                    self._blas = blas.Blas(self.cp)
+            except Exception as e:  # noqa: BLE001
+                self._blas = False
+                self.note_once("blas", f"cuBLAS cannot be called directly ({e}): Gemm / MatMul use cupy.matmul, which runs eagerly between CUDA graphs")
+        return self._blas
+
+    @contextlib.contextmanager
+    def _matmul_math(self, allow_tf32: bool):
+        restore = []
+        tf32_before = self._tf32_now
+        self._tf32_now = bool(allow_tf32)
+        restore.append(lambda: setattr(self, "_tf32_now", tf32_before))
+        try:
+            from cupy._core import _routines_linalg as lin
+
+            f32 = np.dtype(np.float32)
+            want = getattr(lin, "COMPUTE_TYPE_TF32", 7) if allow_tf32 else getattr(lin, "COMPUTE_TYPE_DEFAULT", 1)
+            before = lin.get_compute_type(f32)
+            if before != want:
+                lin.set_compute_type(f32, want)
+                restore.append(lambda: lin.set_compute_type(f32, before))
+        except Exception as e:  # noqa: BLE001
+            self.note_once("compute_type", f"cannot set CuPy's float32 matmul compute type: {e}", warn=False)
+        try:
+            from cupy_backends.cuda.libs import cublas
+
+            handle = self.cp.cuda.device.get_cublas_handle()
+            mode = getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if allow_tf32 else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0)
+            old = cublas.getMathMode(handle)
+            if old != mode:
+                cublas.setMathMode(handle, mode)
+                restore.append(lambda: cublas.setMathMode(handle, old))
+        except Exception as e:  # noqa: BLE001
+            self.note_once("cublas_math", f"cannot set the cuBLAS math mode: {e}", warn=False)
+        try:
+            yield
+        finally:
+            for undo in reversed(restore):
+                try:
+                    undo()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    # ------------------------------------------------------------------ notes
+
+    def note_once(self, tag: str, message: str, warn: bool = True) -> None:
+        if tag in self._warned:
+            return
+        self._warned.add(tag)
+        self.notes.append(message)
+        if warn:
+            warnings.warn(message, ExecutorWarning, stacklevel=4)
+        else:
+            logger.debug("%s", message)
+
+    def warn_node(self, node: str, message: str) -> None:
+        if node in self._warned_nodes:
+            return
+        self._warned_nodes.add(node)
+        self.notes.append(message)
+        warnings.warn(message, ExecutorWarning, stacklevel=4)
+
+    def warn_capture(self, note: str) -> None:
+        """A plan that does not run as one CUDA graph: warned once per reason (runner, lowering)."""
+        self.note_once(f"capture:{note}", f"CUDA graph: {note}")

@@ -1,0 +1,101 @@
+"""What every module of the cuda backend shares: availability, warnings, memory-format helpers.
+
+Importing this module imports neither CuPy nor cuDNN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CaptureBreak",
+    "ELEMENTWISE",
+    "ExecutorWarning",
+    "channels_last",
+    "first_line",
+    "storage",
+    "unavailable_reason",
+]
+
+
+class ExecutorWarning(UserWarning):
+    """The cuda executor runs something otherwise than the model records, or cannot capture a plan."""
+
+
+class CaptureBreak(RuntimeError):
+    """An op needs the host (an upload, a device -> host copy, an allocation) while a CUDA graph is
+    being captured. Raised by the backend's transfer hooks; the runner reports the node."""
+
+
+# Ops whose result does not depend on the memory order of their operands: they run on the
+# channels-last storage of channels-last inputs, so their outputs stay channels-last (CuPy allocates
+# every element-wise result C-contiguous in the shape it is given).
+ELEMENTWISE = frozenset(
+    """Abs Neg Exp Log Sqrt Reciprocal Floor Ceil Round Sign Sin Cos Tan Asin Acos Atan Sinh Cosh Asinh
+    Acosh Atanh Tanh Relu Not IsNaN Softsign Sigmoid Softplus Mish Erf IsInf LeakyRelu Elu Celu Selu
+    ThresholdedRelu HardSigmoid HardSwish Swish Shrink Gelu Clip Add Sub Mul Div Pow Mod Equal Less
+    LessOrEqual Greater GreaterOrEqual And Or Xor Where Cast Max Min Sum Mean""".split()
+)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def channels_last(a: Any) -> bool:
+    """Whether ``a`` (logical channels-first, rank 3-5) is stored channels-last and not also
+    channels-first (C == 1 or 1x1 spatial arrays are both)."""
+    from convpass import cudnn
+
+    return a.ndim >= 3 and cudnn.layout_of(a) == "nhwc"
+
+
+def storage(a: Any) -> Any:
+    """``a`` in its memory order: the channels-last view ``(n, *spatial, c)`` for channels-last
+    arrays, ``a`` itself otherwise."""
+    if channels_last(a):
+        return a.transpose(0, *range(2, a.ndim), 1)
+    return a
+
+
+def elements(strides: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    return tuple(int(s) // itemsize for s in strides)
+
+
+_reason_cache: list[str | None] = []
+
+
+def _probe() -> str | None:
+    try:
+        import cupy
+    except ImportError as e:
+        return f"CuPy is not installed ({e}); install convpass[gpu] (cupy-cuda13x, nvidia-cudnn-cu13)"
+    except Exception as e:  # noqa: BLE001  (a broken CuPy install)
+        return f"CuPy cannot be imported: {e}"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:  # noqa: BLE001
+        return f"no usable CUDA driver or GPU: {e}"
+    if count < 1:
+        return "no CUDA GPU is visible"
+    try:
+        from convpass.cudnn import library
+
+        library.version()
+    except Exception as e:  # noqa: BLE001
+        return f"cuDNN cannot be loaded: {str(e).splitlines()[0]}"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when the cuda backend can run here, else why not (checked once per process)."""
+    if not _reason_cache:
+        _reason_cache.append(_probe())
+    return _reason_cache[0]
+
+
+def float_dtype(dtype: Any) -> bool:
+    return np.dtype(dtype) in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))

@@ -1,0 +1,65 @@
+"""The one place the cuda backend turns CUDA C++ source into callable kernels.
+
+Every hand-written kernel family (:mod:`.normalization`, :mod:`.pooling`, :mod:`.tensor_ops`)
+declares its code as a :class:`KernelSource` — a name, the source text, and the ``extern "C"``
+entry points — and asks :func:`function` for an entry point. Sources are compiled once per process
+(NVRTC through ``cupy.RawModule``; CuPy keeps its own on-disk cache) and every compilation is
+counted (:data:`COMPILATIONS`), so a test or a benchmark can tell start-up compilation apart from
+loading. Kernels are built when a plan is compiled, never while a CUDA graph is captured.
+
+Keeping every kernel behind this seam is what lets kernels be compiled ahead of time for a target
+GPU and loaded as binaries instead (see issue "cold start": nothing compiled at start-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from typing import Any
+
+__all__ = ["COMPILATIONS", "KernelSource", "function"]
+
+# Compiler options for every source: fast math is off (ONNX semantics: exact exp / division / sqrt).
+OPTIONS = ("-std=c++17",)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSource:
+    """CUDA C++ source with ``extern "C" __global__`` entry points named in ``entries``."""
+
+    name: str
+    code: str
+    entries: tuple[str, ...]
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha1(self.code.encode()).hexdigest()[:16]
+
+
+COMPILATIONS: list[str] = []  # names of the sources compiled in this process, in order
+_MODULES: dict[tuple[str, str, int], Any] = {}
+_LOCK = threading.Lock()
+
+
+def module(cupy: Any, source: KernelSource) -> Any:
+    """The compiled ``cupy.RawModule`` of ``source`` on the current device (built on first use)."""
+    device = int(cupy.cuda.runtime.getDevice())
+    key = (source.name, source.digest, device)
+    mod = _MODULES.get(key)
+    if mod is None:
+        with _LOCK:
+            mod = _MODULES.get(key)
+            if mod is None:
+                mod = cupy.RawModule(code=source.code, options=OPTIONS, name_expressions=None)
+                mod.compile()
+                COMPILATIONS.append(source.name)
+                _MODULES[key] = mod
+    return mod
+
+
+def function(cupy: Any, source: KernelSource, entry: str) -> Any:
+    """Entry point ``entry`` of ``source`` as a ``cupy.RawKernel``-like callable."""
+    if entry not in source.entries:
+        raise KeyError(f"{source.name} has no entry {entry!r} (it has {', '.join(source.entries)})")
+    return module(cupy, source).get_function(entry)

@@ -1,0 +1,561 @@
+"""Convolutions of the cuda backend: the recorded cuDNN choices, their fallbacks, fused epilogues.
+
+Every Conv / ConvTranspose runs through :mod:`convpass.cudnn` with the decision recorded in the
+model: the algorithm by name, the memory format (NCHW / NHWC; NCW / NWC run as the 2-D mapping
+the problem key names, NCDHW / NDHWC as 5-D descriptors) and the math type. Descriptors are
+built once per :class:`~convpass.problem.ProblemKey` and kept; the workspace comes from one
+arena (a single CuPy buffer) sized, when the plan is compiled, to the largest workspace the plan
+needs. Conv with ``extra_pads`` zero-pads the input first (one copy, which also converts the
+memory format); ConvTranspose is cuDNN's backward data into a buffer of the uncropped size, then
+a cropped view.
+
+Epilogues (:func:`lower_convs`): bias fused into ``cudnnConvolutionBiasActivationForward`` as
+``relu`` when the only reader of the conv is a Relu (the Relu step is absorbed), as ``identity``
+when the algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an identity with);
+otherwise one broadcast add. A residual ``Add`` that is the conv's only reader, whose other
+operand is computed before the conv with the same shape, goes into the same call as its ``z``
+input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused
+call cuDNN refuses falls back to the unfused form for good.
+
+Placement: a plain Conv (no residual) can write its output straight into a slice of a Concat
+buffer (:mod:`.memory`): cuDNN gets an output descriptor with the slice's strides. When cuDNN
+refuses that (some algorithms want packed outputs), the conv writes a packed output and copies it
+into the slice, from then on, with a debug note.
+
+Decisions:
+
+* Untuned convs (no decision) and ``algo == "auto"``: cuDNN's heuristic first choice that is
+  usable, in NCHW, with the recorded math mode when there is one (``default`` otherwise): one
+  :class:`~.common.ExecutorWarning` per executor counts them.
+* Re-validation: when the model's recorded device fingerprint is not this GPU, recorded
+  algorithms are not trusted: every tuned conv takes the heuristic (NCHW, recorded math mode, so
+  TF32 stays as decided) and one warning names the devices and the nodes. A recorded algorithm
+  cuDNN refuses here (``workspace_size`` or the launch raises
+  :class:`~convpass.cudnn.CudnnError`), or a recorded problem key that is not the problem the
+  plan computes, falls back the same way with one warning naming the node. Nothing crashes,
+  nothing changes silently. The executor never calls cuDNN's Find.
+* Geometries cuDNN cannot express (``shapes == ()``) or dtypes it is not asked for (float64) run
+  :func:`convpass.runtime.conv.conv_reference` over CuPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from convpass import annotation
+from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
+from convpass.runtime import conv as conv_kernels
+from convpass.runtime.conv import ConvCall, ConvGeometry
+from convpass.runtime.cuda.common import CaptureBreak, elements, first_line, storage
+from convpass.runtime.cuda.launch import Launch
+
+logger = logging.getLogger("convpass")
+
+__all__ = ["ConvLaunch", "Convolutions", "lower_convs"]
+
+# Heuristic picks above this workspace are skipped while a smaller usable one exists.
+HEURISTIC_WORKSPACE_LIMIT = 512 << 20
+
+REFERENCE = "reference"  # exec marker: run the CuPy reference kernel
+
+
+@dataclasses.dataclass
+class ConvExec:
+    """How one conv of one plan runs: problem key, descriptors, algorithm, workspace."""
+
+    node: str
+    op_type: str
+    geometry: ConvGeometry
+    key: ProblemKey
+    descs: Any
+    algo: str
+    workspace: int
+    insert_axis: int | None  # 1-D convs: 2 for the (1, L) mapping, 3 for (L, 1)
+    source: str  # "recorded", "untuned" or "fallback"
+    note: str = ""
+    fuse_relu_ok: bool = True
+    fuse_identity_ok: bool = True
+    fuse_residual_ok: bool = True
+    strided_output_ok: bool = True
+
+    @property
+    def layout(self) -> str:
+        return self.key.layout
+
+    @property
+    def memory_format(self) -> str:
+        return memory_format_name(self.geometry.spatial_rank, self.key.layout)
+
+
+def _insert_axis(g: ConvGeometry, key: ProblemKey) -> int | None:
+    if g.spatial_rank != 1:
+        return None
+    s = key.shape
+    row = s.spatial[0] == 1 and s.kernel[0] == 1 and s.pads[0] == 0 and s.strides[0] == 1 and s.dilations[0] == 1
+    return 2 if row else 3
+
+
+def _same_device(recorded: str, current: Any) -> bool:
+    from convpass.device import DeviceFingerprint
+
+    if current is None:
+        return False
+    try:
+        return DeviceFingerprint.parse(recorded) == current
+    except ValueError:
+        return recorded.strip() == str(current)
+
+
+class Convolutions:
+    """The conv state of one backend: descriptors, resolved executions, converted weights, the
+    workspace arena. ``rt`` is the backend: ``cp``, ``fuse``, ``counters``, ``is_constant(a)``,
+    ``warn_node(node, message)``, ``capturing``, and the device check (``recorded_device``,
+    ``current_device``)."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.cp = rt.cp
+        self._descs: dict[ProblemKey, Any] = {}
+        self._execs: dict[Any, Any] = {}
+        self._by_call: dict[int, tuple[Any, Any, Any]] = {}
+        self._weights: dict[Any, tuple[Any, Any]] = {}
+        self._biases: dict[Any, tuple[Any, Any]] = {}
+        self.arena: Any = None
+        self.mismatch_nodes: list[str] = []
+
+    @property
+    def device_mismatch(self) -> bool:
+        recorded = self.rt.recorded_device
+        return bool(recorded) and not _same_device(recorded, self.rt.current_device)
+
+    # ------------------------------------------------------------------ resolution
+
+    def descriptors(self, key: ProblemKey) -> Any:
+        d = self._descs.get(key)
+        if d is None:
+            from convpass import cudnn
+
+            d = self._descs[key] = cudnn.ConvDescriptors(key)
+        return d
+
+    def resolve(self, call: ConvCall, dtype: Any) -> Any:
+        """The :class:`ConvExec` (or :data:`REFERENCE`) ``call`` runs with for inputs of ``dtype``."""
+        hit = self._by_call.get(id(call))  # fast path: a plan holds the same ConvCall objects run after run
+        if hit is not None and hit[0] is call and hit[1] == dtype:
+            return self._execs[hit[2]]
+        cache_key = (call.node_name, call.geometry, call.decision, np.dtype(dtype).str)
+        if cache_key not in self._execs:
+            self._execs[cache_key] = self._make_exec(call, dtype)
+        self._by_call[id(call)] = (call, dtype, cache_key)
+        return self._execs[cache_key]
+
+    def _make_exec(self, call: ConvCall, dtype: Any) -> Any:
+        g = call.geometry
+        node = call.node_name
+        if not g.shapes:
+            return REFERENCE
+        if np.dtype(dtype).name != g.shapes[0].dtype:
+            # Conv requires X and W of one type: an input of another dtype means an op before it
+            # changed the dtype, which is an executor bug worth hearing about
+            self.rt.warn_node(node, f"node {node!r}: input is {np.dtype(dtype).name}, the model says {g.shapes[0].dtype}: running CuPy reference kernels")
+            return REFERENCE
+        d = call.decision
+        math = d.math_mode if d is not None and d.math_mode in MATH_MODES else "default"
+        if d is None or d.algo == annotation.AUTO:
+            return self.heuristic_exec(call, "untuned", "")
+        if self.device_mismatch:
+            self.mismatch_nodes.append(node)
+            return self.heuristic_exec(call, "fallback", f"tuned on {self.rt.recorded_device}", math)
+        key, why = self._recorded_key(d, g)
+        if key is not None:
+            from convpass import cudnn
+
+            try:
+                descs = self.descriptors(key)
+                ws = cudnn.workspace_size(descs, None, d.algo)
+            except (cudnn.CudnnError, ValueError) as e:
+                why = f"recorded algorithm {d.algo!r} ({key.layout}, {key.math}) is not usable here: {first_line(e)}"
+            else:
+                return ConvExec(node, g.op_type, g, key, descs, d.algo, ws, _insert_axis(g, key), "recorded")
+        ex = self.heuristic_exec(call, "fallback", why, math)
+        self.rt.warn_node(node, f"node {node!r}: {why}; running cuDNN's heuristic choice {describe_exec(ex)} instead")
+        return ex
+
+    @staticmethod
+    def _recorded_key(d: annotation.ConvDecision, g: ConvGeometry) -> tuple[ProblemKey | None, str]:
+        if d.problem_key:
+            try:
+                key = ProblemKey.parse(d.problem_key)
+            except ValueError:
+                return None, f"recorded problem key {d.problem_key!r} cannot be read"
+            if key.shape not in g.shapes:
+                return None, f"recorded problem {d.problem_key} is not the problem this plan computes ({g.shapes[0]})"
+            return key, ""
+        layout = "nchw"
+        if d.memory_format not in ("", annotation.AUTO):
+            try:
+                _, layout = layout_from_memory_format(d.memory_format)
+            except ValueError:
+                return None, f"unknown recorded memory format {d.memory_format!r}"
+        math = d.math_mode if d.math_mode in MATH_MODES else "default"
+        return ProblemKey(g.shapes[0], layout, math), ""
+
+    def heuristic_exec(self, call: ConvCall, source: str, note: str, math: str = "default") -> Any:
+        from convpass import cudnn
+
+        g = call.geometry
+        attempts = [("nchw", math)] + ([("nchw", "default")] if math != "default" else [])
+        for layout, m in attempts:
+            key = ProblemKey(g.shapes[0], layout, m)
+            try:
+                descs = self.descriptors(key)
+                ranking = cudnn.heuristic(descs)
+            except (cudnn.CudnnError, ValueError) as e:
+                logger.debug("node %r: no cuDNN descriptors / heuristic for %s: %s", call.node_name, key, e)
+                continue
+            usable = []
+            for p in ranking:
+                if not p.ok:
+                    continue
+                try:
+                    ws = cudnn.workspace_size(descs, None, p.algo)
+                except (cudnn.CudnnError, ValueError):
+                    continue
+                usable.append((p.algo, ws))
+            if not usable:
+                continue
+            small = [u for u in usable if u[1] <= HEURISTIC_WORKSPACE_LIMIT]
+            algo, ws = (small or usable)[0]
+            return ConvExec(call.node_name, g.op_type, g, key, descs, algo, ws, _insert_axis(g, key), source, note)
+        self.rt.warn_node(call.node_name, f"node {call.node_name!r}: cuDNN offers no usable algorithm for {g.shapes[0]}: running CuPy reference kernels")
+        return REFERENCE
+
+    # ------------------------------------------------------------------ compile time
+
+    def prepare(self, call: ConvCall, x_dtype: Any, w: Any) -> Any:
+        """Resolve ``call`` for inputs of ``x_dtype``, convert a constant weight to the conv's
+        memory format and grow the workspace arena: everything a launch must not do while a CUDA
+        graph is captured. Returns the exec."""
+        ex = self.resolve(call, x_dtype)
+        if ex is not REFERENCE:
+            if w is not None and w.dtype == x_dtype:
+                self.weight(w, ex)
+            self.workspace(ex.workspace)
+        return ex
+
+    def weight(self, w: Any, ex: ConvExec) -> Any:
+        from convpass import cudnn
+
+        key = (id(w), ex.layout, ex.insert_axis)
+        hit = self._weights.get(key)
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        wk = cudnn.as_layout(self._map(w, ex), ex.layout)
+        if self.rt.is_constant(w):
+            self._weights[key] = (w, wk)
+        return wk
+
+    def _bias(self, b: Any) -> Any:
+        if b.flags.c_contiguous:
+            return b
+        key = id(b)
+        hit = self._biases.get(key)
+        if hit is not None and hit[0] is b:
+            return hit[1]
+        out = self.cp.ascontiguousarray(b)
+        if self.rt.is_constant(b):
+            self._biases[key] = (b, out)
+        return out
+
+    def workspace(self, nbytes: int) -> Any:
+        if nbytes <= 0:
+            return (0, 0)
+        if self.arena is None or self.arena.nbytes < nbytes:
+            if self.rt.capturing:
+                raise CaptureBreak("the cuDNN workspace arena is too small")
+            self.arena = self.cp.empty(int(nbytes), dtype=np.uint8)
+        return self.arena
+
+    # ------------------------------------------------------------------ execution
+
+    @staticmethod
+    def _map(a: Any, ex: ConvExec) -> Any:
+        if ex.insert_axis == 2:
+            return a[:, :, None]
+        if ex.insert_axis == 3:
+            return a[:, :, :, None]
+        return a
+
+    def _prepad(self, x: Any, g: ConvGeometry, layout: str) -> Any:
+        from convpass import cudnn
+
+        r = g.spatial_rank
+        eb, ee = g.extra_pads[:r], g.extra_pads[r:]
+        shape = (x.shape[0], x.shape[1], *(x.shape[2 + i] + eb[i] + ee[i] for i in range(r)))
+        out = cudnn.empty_like_layout(shape, x.dtype, layout)
+        storage(out).fill(0)  # in memory order: coalesced
+        out[(slice(None), slice(None), *(slice(eb[i], eb[i] + x.shape[2 + i]) for i in range(r)))] = x
+        return out
+
+    def _reference(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool, z: Any = None) -> Any:
+        self.rt.counters["reference_convs"] += 1
+        g = call.geometry
+        if g.op_type == "ConvTranspose":
+            y = conv_kernels.conv_transpose_reference(self.cp, x, w, b, g)
+        else:
+            y = conv_kernels.conv_reference(self.cp, x, w, b, g)
+        if z is not None:
+            y = y + z
+        if relu:
+            y = self.cp.maximum(y, y.dtype.type(0))
+        return y
+
+    def run(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool = False, z: Any = None, out: Any = None) -> Any:
+        """The conv of ``call`` plus bias, plus the residual ``z`` when given, then ReLU if asked;
+        written into ``out`` (a slice of a Concat buffer) when given."""
+        from convpass import cudnn
+
+        ex = self.resolve(call, x.dtype)
+        if ex is REFERENCE or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+            return self._into(self._reference(call, x, w, b, relu, z), out)
+        try:
+            return self._run(ex, x, w, b, relu, z, out)
+        except cudnn.CudnnError as e:
+            if self.rt.capturing or ex.source != "recorded":
+                raise
+            # the recorded algorithm was accepted by workspace_size but cuDNN refuses to run it
+            why = f"recorded algorithm {ex.algo!r} ({ex.layout}, {ex.key.math}) failed here: {first_line(e)}"
+            new = self.heuristic_exec(call, "fallback", why, ex.key.math)
+            self._execs[(call.node_name, call.geometry, call.decision, np.dtype(x.dtype).str)] = new  # _by_call points here
+            self.rt.warn_node(call.node_name, f"node {call.node_name!r}: {why}; running cuDNN's heuristic choice {describe_exec(new)} instead")
+            if new is REFERENCE:
+                return self._into(self._reference(call, x, w, b, relu, z), out)
+            self.workspace(new.workspace)
+            return self._run(new, x, w, b, relu, z, out)
+
+    def _into(self, y: Any, out: Any) -> Any:
+        if out is None:
+            return y
+        out[...] = y
+        return out
+
+    def _run(self, ex: ConvExec, x: Any, w: Any, b: Any, relu: bool, z: Any = None, out: Any = None) -> Any:
+        from convpass import cudnn
+
+        g = ex.geometry
+        r = g.spatial_rank
+        counters = self.rt.counters
+        wk = self.weight(w, ex)
+        ws = self.workspace(ex.workspace)
+        if ex.op_type == "ConvTranspose":
+            mapped = self._map(x, ex)
+            dy = cudnn.as_layout(mapped, ex.layout)
+            if dy is not mapped:
+                counters["layout_copies"] += 1
+            full_spatial = tuple(g.output_shape[2 + i] + g.extra_pads[i] + g.extra_pads[r + i] for i in range(r))
+            full = cudnn.empty_like_layout((g.output_shape[0], g.output_shape[1], *full_spatial), x.dtype, ex.layout)
+            cudnn.run(ex.descs, "dgrad", ex.algo, self._map(full, ex), wk, dy, workspace=ws)
+            counters["cudnn_calls"] += 1
+            y = full
+            if any(g.extra_pads):
+                y = full[(slice(None), slice(None), *(slice(g.extra_pads[i], g.extra_pads[i] + g.output_shape[2 + i]) for i in range(r)))]
+            self._bias_relu(y, b, relu)
+            return self._into(y, out)
+        xin = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
+        mapped = self._map(xin, ex)
+        x4 = cudnn.as_layout(mapped, ex.layout)
+        if x4 is not mapped:
+            counters["layout_copies"] += 1
+        y_strides = None
+        if out is not None and z is None and ex.strided_output_ok and ex.insert_axis is None:
+            y, y_strides = out, elements(out.strides, out.itemsize)
+        else:
+            y = cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
+        y4 = self._map(y, ex)
+        z4 = None
+        if z is not None:  # the residual, in the conv's own memory format
+            mapped_z = self._map(z, ex)
+            z4 = cudnn.as_layout(mapped_z, ex.layout)
+            if z4 is not mapped_z:
+                counters["layout_copies"] += 1
+        activation = None
+        if b is not None and self.rt.fuse:
+            if z4 is not None:
+                if ex.fuse_residual_ok and (relu or ex.algo == "implicit_precomp_gemm"):
+                    activation = "relu" if relu else "identity"
+            elif relu and ex.fuse_relu_ok:
+                activation = "relu"
+            elif not relu and ex.algo == "implicit_precomp_gemm" and ex.fuse_identity_ok:
+                activation = "identity"
+        if activation is not None:
+            try:
+                cudnn.conv_bias_activation_forward(ex.descs, ex.algo, x4, wk, y4, self._bias(b), z=z4, activation=activation, workspace=ws, y_strides=y_strides)
+            except (cudnn.CudnnError, ValueError) as e:
+                if y_strides is not None:
+                    return self._strided_refused(ex, e, x, w, b, relu, out)
+                if z4 is not None:
+                    ex.fuse_residual_ok = False
+                elif activation == "relu":
+                    ex.fuse_relu_ok = False
+                else:
+                    ex.fuse_identity_ok = False
+                what = f"{'residual + ' if z4 is not None else ''}{activation}"
+                logger.debug("node %r: cuDNN refuses the fused conv + bias + %s (%s); running them apart", ex.node, what, first_line(e))
+            else:
+                counters["cudnn_calls"] += 1
+                counters["fused_" + ("residual_" if z4 is not None else "") + activation] += 1
+                return y
+        try:
+            cudnn.run(ex.descs, "fwd", ex.algo, x4, wk, y4, workspace=ws, y_strides=y_strides)
+        except cudnn.CudnnError as e:
+            if y_strides is None:
+                raise
+            return self._strided_refused(ex, e, x, w, b, relu, out)
+        counters["cudnn_calls"] += 1
+        if z4 is not None:
+            y4 += z4  # same memory format on both sides: one pass over the storage
+        self._bias_relu(y, b, relu)
+        return y
+
+    def _strided_refused(self, ex: ConvExec, e: Exception, x: Any, w: Any, b: Any, relu: bool, out: Any) -> Any:
+        if self.rt.capturing:
+            raise CaptureBreak(f"cuDNN refused a strided output during capture: {first_line(e)}")
+        ex.strided_output_ok = False
+        logger.debug("node %r: cuDNN %r does not write into a Concat slice (%s): packed output + copy", ex.node, ex.algo, first_line(e))
+        return self._run(ex, x, w, b, relu, None, out)
+
+    def _bias_relu(self, y: Any, b: Any, relu: bool) -> None:
+        """In place, on the storage order of ``y`` (element-wise kernels over a channels-last array
+        seen channels-first would read and write with a stride of C elements)."""
+        if b is None and not relu:
+            return
+        phys = storage(y)
+        if b is not None:
+            phys += b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))
+        if relu:
+            self.cp.maximum(phys, phys.dtype.type(0), out=phys)
+
+
+def describe_exec(ex: Any) -> str:
+    if ex is REFERENCE:
+        return "(none: CuPy reference kernels)"
+    return f"{ex.algo!r} ({ex.memory_format}, {ex.key.math})"
+
+
+def summarize(s: Any, ex: Any) -> Any:
+    """A plan's :class:`~convpass.runtime.plan.ConvSummary` updated with how the conv really runs."""
+    if ex is REFERENCE:
+        return dataclasses.replace(s, algo="reference", note=(s.note + "; " if s.note else "") + "runs CuPy reference kernels")
+    if ex.source == "recorded":
+        return s
+    note = "cuDNN heuristic" if ex.source == "untuned" else f"recorded {s.algo!r} not used ({ex.note}): cuDNN heuristic"
+    return dataclasses.replace(
+        s,
+        source=s.source if ex.source == "untuned" else "fallback",
+        algo=ex.algo,
+        memory_format=ex.memory_format,
+        math_mode=ex.key.math,
+        workspace_bytes=ex.workspace,
+        note=(s.note + "; " if s.note and s.note != "untuned" else "") + note,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# lowering
+
+
+class ConvLaunch(Launch):
+    """One Conv / ConvTranspose step with its fused epilogue (``epilogue``: None, ``"relu"``, or
+    ``("residual", z slot, activation)``)."""
+
+    def __init__(self, plan: Any, index: int, convs: Convolutions, epilogue: Any, output: int, absorbs: tuple[int, ...]) -> None:
+        step = plan.steps[index]
+        label = step.node.op_type
+        if epilogue == "relu":
+            label += "+relu"
+        elif epilogue is not None:
+            label += f"+residual+{epilogue[2]}"
+        super().__init__(index, step.node, label, (output,), absorbs)
+        self.convs = convs
+        self.call: ConvCall = step.node.prepared
+        self.inputs = step.inputs
+        self.epilogue = epilogue
+        # a plain Conv writes into a Concat slice through a strided output descriptor
+        self.supports_placement = step.node.op_type == "Conv" and (epilogue is None or epilogue == "relu")
+        x = plan.info(step.inputs[0])
+        self.x_dtype = None if x is None else x[1]
+        self.w_const = plan.template[step.inputs[1]] if len(step.inputs) > 1 and step.inputs[1] >= 0 else None
+        self.exec: Any = None
+
+    def prepare(self) -> None:
+        if self.x_dtype is not None:
+            self.exec = self.convs.prepare(self.call, self.x_dtype, self.w_const)
+
+    def run(self, env: list[Any]) -> None:
+        ins = self.inputs
+        x, w = env[ins[0]], env[ins[1]]
+        b = env[ins[2]] if len(ins) > 2 and ins[2] >= 0 else None
+        e = self.epilogue
+        out = self.destination(env, self._layout())
+        if e is None or e == "relu":
+            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e == "relu", out=out)
+        else:
+            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e[2] == "relu", z=env[e[1]], out=out)
+
+    def _layout(self) -> str:
+        return self.exec.layout if isinstance(self.exec, ConvExec) else "nchw"
+
+
+def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool) -> dict[int, ConvLaunch]:
+    """A launch per Conv / ConvTranspose step of ``plan``, with the epilogues of the module
+    docstring (steps they absorb are listed in each launch's ``absorbs``)."""
+    steps = plan.steps
+    readers = plan.readers()
+    outputs = set(plan.output_slots)
+    producer = plan.producers()
+    taken: set[int] = set()
+    launches: dict[int, ConvLaunch] = {}
+
+    def only_reader(slot: int, after: int, op_type: str) -> int | None:
+        """The step that is the one reader of ``slot``, if it is a plain ``op_type`` after ``after``."""
+        if slot < 0 or slot in outputs or len(readers.get(slot, ())) != 1:
+            return None
+        k = readers[slot][0]
+        st = steps[k]
+        ok = k > after and st.node.op_type == op_type and st.node.domain == "" and k not in taken
+        return k if ok and st.outputs and st.outputs[0] >= 0 else None
+
+    for i, st in enumerate(steps):
+        node = st.node
+        if not isinstance(node.prepared, ConvCall):
+            continue
+        y = st.outputs[0] if st.outputs else -1
+        epilogue, out, absorbs = None, y, ()
+        fusible = (
+            fuse and node.op_type == "Conv" and node.prepared.geometry.shapes and len(st.inputs) >= 3 and st.inputs[2] >= 0
+            and plan.template[st.inputs[2]] is not None and y >= 0 and y not in outputs and len(readers.get(y, ())) == 1
+        )
+        if fusible:
+            # conv + bias + residual Add (+ Relu): y = act(conv(x, w) + z + b) in one cuDNN call, when the
+            # residual z is computed before the conv and has the conv output's exact shape and dtype.
+            j = only_reader(y, i, "Add") if fuse_residual else None
+            if j is not None and len(steps[j].inputs) == 2:
+                z = steps[j].inputs[1] if steps[j].inputs[0] == y else steps[j].inputs[0]
+                ready = z >= 0 and z != y and producer.get(z, -1) < i
+                if ready and plan.value_info.get(z) == plan.value_info.get(y) and plan.value_info.get(y) is not None:
+                    k = only_reader(steps[j].outputs[0], j, "Relu")
+                    if k is not None and len(steps[k].inputs) == 1:
+                        epilogue, out, absorbs = ("residual", z, "relu"), steps[k].outputs[0], (j, k)
+                    else:
+                        epilogue, out, absorbs = ("residual", z, "identity"), steps[j].outputs[0], (j,)
+            if epilogue is None:
+                k = only_reader(y, i, "Relu")
+                if k is not None and len(steps[k].inputs) == 1 and steps[k].inputs[0] == y:
+                    epilogue, out, absorbs = "relu", steps[k].outputs[0], (k,)
+        taken.update(absorbs)
+        launches[i] = ConvLaunch(plan, i, convs, epilogue, out, absorbs)
+    return launches

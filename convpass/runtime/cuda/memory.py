@@ -1,0 +1,181 @@
+"""Memory planning of the cuda backend's compiled plans: Concat without copies.
+
+ONNX's Concat copies every input into a new tensor. Networks built on concatenation pay that
+again and again: a DenseNet block concatenates *all* earlier features before every layer (the
+copied volume grows with the square of the block's depth), Inception modules concatenate their
+branches, a UNet its skip connections. :func:`plan_concats` arranges the plan so that producers
+write their results straight into the slice of the buffer they end up in.
+
+Rules:
+
+* Concats are grouped into families. A Concat is *inside* another when its inputs are a
+  contiguous run of the other's inputs, on the same axis and with the same dtype; each Concat
+  belongs to the largest Concat that contains it (transitively): its *root*. DenseNet's
+  ``cat([x0, f1])``, ``cat([x0, f1, f2])``, ... all have the last one as root.
+* A root's output slot holds the family's buffer. It is allocated by the first launch that
+  writes into it (a placed producer, or a Concat of the family), in the memory format that
+  launch would have produced, from the same pool as every other intermediate, so the CUDA-graph
+  capture sees the same allocation sequence as the warm-up run.
+* A Concat inside a root is a view of the root's buffer at its offset: it copies nothing that
+  is already there.
+* An input ``v`` of a root is *placed* — its producer writes into the root's slice — when ``v``
+  appears once among the root's inputs and in no other family, is neither a graph input, a
+  constant nor a graph output, and its producer is a launch that can write into a given array
+  (:attr:`~.launch.Launch.supports_placement`), computes only ``v``, and has no placement yet.
+  A Concat that is itself an input of another family (Inception's inner ``cat``) can be placed
+  that way; its own inputs are then copied.
+* Every other input is copied once, by the first Concat of its family (in plan order) that
+  contains it.
+
+Nothing else changes: values keep their slots, readers read the slices as the strided views
+they are (every kernel of this backend takes strided inputs; cuDNN's convolutions convert an
+input they cannot read to their format, as for any other producer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from convpass.runtime.cuda.launch import Launch, Placement
+from convpass.runtime.cuda.tensor_ops import ConcatLaunch
+
+__all__ = ["ConcatFamily", "plan_concats"]
+
+
+@dataclasses.dataclass
+class ConcatFamily:
+    """A root Concat and the Concats inside it (as ``step -> offset`` into the root's buffer)."""
+
+    root: int
+    axis: int
+    members: dict[int, int]  # concat step -> offset of its first input in the root's buffer
+    placed: list[int] = dataclasses.field(default_factory=list)  # slots written in place
+
+
+def _concat_info(plan: Any, index: int) -> tuple[int, list[int], list[int]] | None:
+    """(axis, input slots, their lengths along the axis) of a Concat step, or None when it is not
+    one this planner handles (absent inputs, unknown shapes)."""
+    st = plan.steps[index]
+    node = st.node
+    if node.op_type != "Concat" or node.domain != "" or st.outputs[0] < 0 or not st.inputs or any(s < 0 for s in st.inputs):
+        return None
+    out = plan.info(st.outputs[0])
+    if out is None or not out[0]:
+        return None
+    rank = len(out[0])
+    axis = int(node.attr("axis", 1))
+    axis = axis + rank if axis < 0 else axis
+    if not 0 <= axis < rank:
+        return None
+    lengths = []
+    for s in st.inputs:
+        info = plan.info(s)
+        if info is None or len(info[0]) != rank or np.dtype(info[1]) != np.dtype(out[1]):
+            return None
+        lengths.append(int(info[0][axis]))
+    return axis, list(st.inputs), lengths
+
+
+def _run_at(inner: list[int], outer: list[int]) -> int | None:
+    """Where ``inner`` occurs as a contiguous run of ``outer`` (first occurrence), or None."""
+    n = len(inner)
+    for k in range(len(outer) - n + 1):
+        if outer[k : k + n] == inner:
+            return k
+    return None
+
+
+def families(plan: Any) -> list[ConcatFamily]:
+    """The Concat families of ``plan`` (module rules)."""
+    infos = {i: _concat_info(plan, i) for i, st in enumerate(plan.steps) if st.node.op_type == "Concat"}
+    infos = {i: v for i, v in infos.items() if v is not None}
+    # parent: the largest Concat that contains it (ties: the later one)
+    parent: dict[int, tuple[int, int]] = {}  # step -> (containing step, index of its first input there)
+    for i, (axis, ins, _) in infos.items():
+        best = None
+        for j, (axis_j, ins_j, _) in infos.items():
+            if j == i or axis_j != axis or len(ins_j) <= len(ins):
+                continue
+            at = _run_at(ins, ins_j)
+            if at is not None and (best is None or len(ins_j) > len(infos[best[0]][1]) or (len(ins_j) == len(infos[best[0]][1]) and j > best[0])):
+                best = (j, at)
+        if best is not None:
+            parent[i] = best
+    result: dict[int, ConcatFamily] = {}
+    for i in infos:
+        # walk up to the root, adding the offsets
+        node, offset_inputs = i, 0
+        while node in parent:
+            up, at = parent[node]
+            offset_inputs += at
+            node = up
+        root = node
+        axis, root_ins, root_lengths = infos[root]
+        fam = result.setdefault(root, ConcatFamily(root, axis, {}))
+        fam.members[i] = sum(root_lengths[:offset_inputs])
+    return sorted(result.values(), key=lambda f: f.root)
+
+
+def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[[tuple[int, ...], Any], Callable[[str], Any]]) -> dict[int, ConcatLaunch]:
+    """Place Concat inputs and build the Concat launches (module rules).
+
+    ``launches``: step -> the launch that computes the step's outputs (fused members map to their
+    group's launch); placements are set on them here. ``allocator(shape, dtype)`` gives the
+    function that allocates a family's buffer in a memory format. Returns step -> ConcatLaunch for
+    every Concat the planner took; others stay with the op library.
+    """
+    fams = families(plan)
+    graph_outputs = set(plan.output_slots)
+    feeds = set(plan.feed_slots.values())
+    producers = plan.producers()
+    seen_in: dict[int, int] = {}  # input slot -> number of families that read it
+    for fam in fams:
+        axis, ins, _ = _concat_info(plan, fam.root)
+        for s in set(ins):
+            seen_in[s] = seen_in.get(s, 0) + 1
+    result: dict[int, ConcatLaunch] = {}
+    lookup: dict[int, Launch] = dict(launches)  # + the Concat launches made so far
+    family_of: dict[int, ConcatFamily] = {}
+    for fam in fams:
+        axis, ins, lengths = _concat_info(plan, fam.root)
+        root_slot = plan.steps[fam.root].outputs[0]
+        shape, dtype = plan.info(root_slot)
+        allocate = allocator(tuple(shape), dtype)
+        offsets = [sum(lengths[:k]) for k in range(len(ins))]
+        placed: set[int] = set()
+        for k, s in enumerate(ins):
+            if ins.count(s) != 1 or seen_in.get(s, 0) != 1 or s in graph_outputs or s in feeds or plan.template[s] is not None:
+                continue
+            p = producers.get(s)
+            launch = lookup.get(p) if p is not None else None
+            if launch is None or not launch.supports_placement or launch.placement is not None or launch.outputs != (s,):
+                continue
+            if isinstance(launch, ConcatLaunch) and (launch.step in fam.members or family_of[launch.step].placed):
+                continue  # a view of this buffer already, or its own inputs write into its own buffer
+            launch.placement = Placement(root_slot, axis, offsets[k], lengths[k], allocate)
+            placed.add(s)
+            fam.placed.append(s)
+        copied: set[int] = set(placed)
+        for step in sorted(fam.members):
+            st = plan.steps[step]
+            base = fam.members[step]
+            _, step_ins, step_lengths = _concat_info(plan, step)
+            copies = []
+            for k, s in enumerate(step_ins):
+                if s in copied:
+                    continue
+                copies.append((s, base + sum(step_lengths[:k]), step_lengths[k]))
+                copied.add(s)
+            # offsets above are relative to the root; a view Concat writes through the root's buffer
+            own = Placement(root_slot, axis, 0, int(shape[axis]), allocate)
+            launch = ConcatLaunch(plan, step, axis, copies, own)
+            if step != fam.root:
+                launch.placement = Placement(root_slot, axis, base, sum(step_lengths), allocate)
+                launch.copies = [(s, off - base, n) for s, off, n in copies]
+            result[step] = lookup[step] = launch
+            family_of[step] = fam
+    return result

@@ -1,0 +1,306 @@
+"""Running a compiled plan: eagerly, or captured once as CUDA graphs and replayed.
+
+The first run of a plan (right after the executor built it) is the *warm-up*: feeds are copied
+into static input buffers and every launch runs eagerly on a private non-blocking stream,
+allocating from a private CuPy memory pool (intermediates are released when their last reader
+ran, so the pool holds what the plan's liveness needs). Each launch is watched: one that copies
+to the host or uploads while it runs (an op that reads values on the host) cannot be captured.
+
+Then the plan is captured on that stream, reusing the same pool blocks at fixed addresses. A
+launch that fails while capturing (CuPy refuses an operation, cuDNN cannot be captured, ...) is
+reported by node and reason and the capture starts again without it: the plan is cut into
+*segments*, maximal runs of capturable launches, each captured as its own CUDA graph, with the
+launches that cannot be captured run eagerly between them. An eager launch is replayed from the
+environment it saw while capturing (its inputs are the graphs' fixed buffers) and its outputs are
+copied into the buffers the later graphs read. Later runs copy the feeds into the static inputs,
+replay the segments on CuPy's current stream, and return copies of the outputs.
+
+Nothing is silent: :meth:`CompiledPlan.graph_status` says "yes" only when the whole plan is one
+graph; otherwise which node stopped it and why, and the backend warns once
+(:class:`~.common.ExecutorWarning`). A plan with a data-dependent output shape (NonZero) runs
+eagerly as a whole: its shapes change between runs, so no graph can hold it.
+
+``cuda_graph=False``: always eager (same launches). Eager runs are bound by host time: cuDNN 9's
+legacy API costs about 0.1 ms of host time per convolution call, which replaying removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from convpass.runtime.cuda.common import CaptureBreak, first_line
+from convpass.runtime.cuda.launch import Launch
+from convpass.runtime.errors import ExecutorError
+from convpass.runtime.plan import GraphStatus, unshare_outputs
+
+logger = logging.getLogger("convpass")
+
+__all__ = ["CompiledPlan", "run_plan"]
+
+_MAX_CAPTURE_ATTEMPTS = 8
+
+
+@dataclasses.dataclass
+class _EagerPart:
+    """A launch replayed eagerly between graph segments (module docstring)."""
+
+    index: int  # step
+    env: list[Any]  # the environment it ran in while capturing
+    outputs: list[Any]  # its outputs then: the buffers later graphs read
+
+
+@dataclasses.dataclass
+class CompiledPlan:
+    """What :meth:`CudaBackend.compile_plan` keeps in ``plan.backend_state``."""
+
+    launches: list[Launch | None]  # per step: the launch that runs at it (None: absorbed or nothing)
+    free: list[tuple[int, ...]]  # per step: slots released after it
+    capturable: bool
+    mode: str  # "graph" (warm-up pending or captured), "segmented", "eager"
+    note: str = ""
+    break_node: str = ""  # the node that kept the plan from being one graph
+    uncapturable: set[int] = dataclasses.field(default_factory=set)  # steps run eagerly between graphs
+    segments: list[Any] | None = None  # after capture: graphs and _EagerParts, in order
+    stream: Any = None
+    pool: Any = None
+    static_inputs: dict[str, Any] | None = None
+    outputs: list[Any] | None = None
+    replays: int = 0
+
+    @property
+    def captured(self) -> bool:
+        """The whole plan replays as one CUDA graph."""
+        return self.segments is not None and len(self.segments) == 1 and not isinstance(self.segments[0], _EagerPart)
+
+    @property
+    def graph(self) -> Any:
+        return self.segments[0] if self.captured else None
+
+    def graph_status(self, cuda_graph: bool) -> GraphStatus:
+        if not cuda_graph:
+            return GraphStatus(None, "cuda_graph=False")
+        if self.captured:
+            return GraphStatus(True, self.note)
+        if self.mode in ("eager", "segmented"):
+            return GraphStatus(False, self.note, self.break_node)
+        return GraphStatus(None, "not captured yet: the plan has run once (the warm-up comes with the second run)")
+
+    def launch_list(self) -> list[Launch]:
+        return [launch for launch in self.launches if launch is not None]
+
+
+def _run_launch(rt: Any, launch: Launch, env: list[Any]) -> None:
+    try:
+        launch.run(env)
+    except (CaptureBreak, ExecutorError):
+        raise
+    except (ValueError, IndexError, TypeError) as e:
+        raise ExecutorError(f"node {launch.node.name!r} ({launch.node.op_type}, run as {launch.label}) failed: {e}") from None
+
+
+def _run_range(rt: Any, state: CompiledPlan, env: list[Any], start: int, stop: int) -> None:
+    """Run steps ``start..stop-1`` on ``env`` (eagerly, or into the capture in progress)."""
+    timing = None if rt.capturing else rt.step_events
+    cp = rt.cp
+    for i in range(start, stop):
+        launch = state.launches[i]
+        if launch is not None:
+            if timing is not None:
+                begin = cp.cuda.Event()
+                begin.record()
+            _run_launch(rt, launch, env)
+            if timing is not None:
+                end = cp.cuda.Event()
+                end.record()
+                timing.append((launch.label, launch.node.op_type, begin, end))
+        for s in state.free[i]:
+            env[s] = None
+
+
+def run_plan(rt: Any, plan: Any, feeds: dict[str, Any]) -> list[Any]:
+    """Run a compiled plan (module docstring)."""
+    state: CompiledPlan = plan.backend_state
+    if state.segments is not None:
+        return _replay(rt, plan, state, feeds)
+    if state.capturable:
+        return _warm_up_and_capture(rt, plan, state, feeds)
+    env = list(plan.template)
+    for name, s in plan.feed_slots.items():
+        env[s] = feeds[name]
+    _run_range(rt, state, env, 0, len(state.launches))
+    return unshare_outputs([env[s] for s in plan.output_slots], plan, feeds)
+
+
+def _replay(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> list[Any]:
+    cp = rt.cp
+    for name, buf in state.static_inputs.items():
+        src = feeds[name]
+        if src is not buf:
+            cp.copyto(buf, src)
+    stream = cp.cuda.get_current_stream()
+    for seg in state.segments:
+        if isinstance(seg, _EagerPart):
+            env = list(seg.env)
+            _run_launch(rt, state.launches[seg.index], env)
+            for slot, static in zip(state.launches[seg.index].outputs, seg.outputs):
+                if slot >= 0 and env[slot] is not static:
+                    cp.copyto(static, env[slot])
+        else:
+            seg.launch(stream)
+    state.replays += 1
+    rt.counters["graph_replays"] += 1
+    return [o.copy() for o in state.outputs]
+
+
+def _warm_up(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any]) -> list[Any]:
+    """The eager warm-up run (module docstring); marks launches that need the host."""
+    env = list(plan.template)
+    for name, s in plan.feed_slots.items():
+        env[s] = static[name]
+    for i, launch in enumerate(state.launches):
+        if launch is not None:
+            before = (rt.host_syncs, rt.uploads)
+            _run_launch(rt, launch, env)
+            after = (rt.host_syncs, rt.uploads)
+            if after != before:
+                what = []
+                if after[0] != before[0]:
+                    what.append(f"{after[0] - before[0]} device -> host copies")
+                if after[1] != before[1]:
+                    what.append(f"{after[1] - before[1]} uploads")
+                _mark(state, i, f"needs the host while running ({', '.join(what)})")
+        for s in state.free[i]:
+            env[s] = None
+    return [env[s] for s in plan.output_slots]
+
+
+def _mark(state: CompiledPlan, index: int, reason: str) -> None:
+    node = state.launches[index].node
+    state.uncapturable.add(index)
+    if not state.break_node:
+        state.break_node = node.name
+        state.note = f"node {node.name!r} ({node.op_type}) {reason}"
+
+
+def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], stream: Any, pool: Any) -> tuple[list[Any], list[Any]] | int:
+    """Capture the plan as segments; returns (segments, outputs) or the step whose launch failed."""
+    cp = rt.cp
+    env = list(plan.template)
+    for name, s in plan.feed_slots.items():
+        env[s] = static[name]
+    segments: list[Any] = []
+    n = len(state.launches)
+    i = 0
+    while i < n:
+        if i in state.uncapturable:
+            launch = state.launches[i]
+            snapshot = list(env)
+            _run_launch(rt, launch, env)
+            segments.append(_EagerPart(i, snapshot, [env[s] if s >= 0 else None for s in launch.outputs]))
+            for s in state.free[i]:
+                env[s] = None
+            i += 1
+            continue
+        stop = i
+        while stop < n and stop not in state.uncapturable:
+            stop += 1
+        failed, error, graph = None, None, None
+        rt.capturing = True
+        try:
+            stream.begin_capture()
+            try:
+                for k in range(i, stop):
+                    launch = state.launches[k]
+                    if launch is not None:
+                        try:
+                            _run_launch(rt, launch, env)
+                        except BaseException as e:  # noqa: BLE001  (end the capture whatever happened)
+                            failed, error = k, e
+                            break
+                    for s in state.free[k]:
+                        env[s] = None
+            finally:
+                rt.capturing = False
+                try:
+                    graph = stream.end_capture()
+                except Exception as e:  # noqa: BLE001
+                    graph = None
+                    if error is None:
+                        error = e
+        finally:
+            rt.capturing = False
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt and the like
+        if failed is not None:
+            _mark(state, failed, f"cannot be captured: {first_line(error)}")
+            return failed
+        if graph is None or error is not None:
+            # the capture as a whole was refused: blame the segment's first launch
+            first = next(k for k in range(i, stop) if state.launches[k] is not None)
+            _mark(state, first, f"capture failed: {first_line(error) if error else 'no graph'}")
+            return first
+        upload = getattr(graph, "upload", None)
+        if upload is not None:
+            try:
+                upload(stream)
+            except Exception:  # noqa: BLE001  (an optimization only)
+                pass
+        segments.append(graph)
+        i = stop
+    del cp
+    return segments, [env[s] for s in plan.output_slots]
+
+
+def _warm_up_and_capture(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> list[Any]:
+    cp = rt.cp
+    current = cp.cuda.get_current_stream()
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    stream.wait_event(current.record())
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        static = {name: cp.empty(tuple(feeds[name].shape), dtype=feeds[name].dtype) for name in plan.feed_slots}
+        for name, buf in static.items():
+            cp.copyto(buf, feeds[name])
+        outs = _warm_up(rt, plan, state, static)
+    current.wait_event(stream.record())
+    results = [o.copy() for o in outs]  # on the caller's stream and pool
+    del outs
+    captured = None
+    for _ in range(_MAX_CAPTURE_ATTEMPTS):
+        if len(state.uncapturable) >= sum(1 for launch in state.launches if launch is not None):
+            break
+        with cp.cuda.using_allocator(pool.malloc), stream:
+            attempt = _capture(rt, plan, state, static, stream, pool)
+        if not isinstance(attempt, int):
+            captured = attempt
+            break
+        try:
+            stream.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+    if captured is None:
+        state.mode = "eager"
+        state.capturable = False
+        state.note = (state.note or "CUDA graph capture failed") + ": plan runs eagerly"
+        rt.warn_capture(state.note)
+        return results
+    segments, outputs = captured
+    current.wait_event(stream.record())
+    state.segments = segments
+    state.outputs = outputs
+    state.static_inputs = static
+    state.stream = stream
+    state.pool = pool
+    launches = len(state.launch_list())
+    if state.uncapturable:
+        graphs = sum(1 for s in segments if not isinstance(s, _EagerPart))
+        state.mode = "segmented"
+        state.note += f": {graphs} CUDA graph(s) with {len(state.uncapturable)} launch(es) run eagerly between them"
+        rt.warn_capture(state.note)
+    else:
+        state.mode = "graph"
+        state.note = f"{launches} launch(es) in one CUDA graph"
+    logger.debug("cuda graph: %s", state.note)
+    return results

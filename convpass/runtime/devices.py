@@ -1,0 +1,51 @@
+"""Which backend runs a model: ``get_backend("cpu" | "cuda" | "cuda:1" | "auto" | Backend)``.
+
+The one module that knows both backends: the executor asks it, the backends never import it, so
+the dependencies run one way (executor -> devices -> backends / cuda -> backends, plan).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from convpass.runtime.backends import Backend, host_backend
+from convpass.runtime.errors import ExecutorError
+
+DEVICES = ("cpu", "cuda")
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when the cuda backend can run here, else why not."""
+    try:
+        from convpass.runtime import cuda
+    except ImportError as e:
+        return f"cannot import the CuPy + cuDNN backend: {e}"
+    return cuda.unavailable_reason()
+
+
+def cuda_available() -> bool:
+    return cuda_unavailable_reason() is None
+
+
+def default_device() -> str:
+    """'cuda' when the cuda backend is usable here, else 'cpu'."""
+    return "cuda" if cuda_available() else "cpu"
+
+
+def get_backend(device: str | Backend, **options: Any) -> Backend:
+    """The backend for ``device`` ('cpu', 'cuda', 'cuda:N', 'auto' or a Backend instance)."""
+    if isinstance(device, Backend):
+        return device
+    name = str(device).lower()
+    if name in ("auto", ""):
+        name = default_device()
+    if name.startswith("cuda"):
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise ExecutorError(f"cuda backend not available: {reason}; use device='cpu'")
+        from convpass.runtime import cuda
+
+        return cuda.CudaBackend(device=name, **options)
+    if name == "cpu":
+        return host_backend()
+    raise ExecutorError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)} or 'auto'")
