@@ -234,9 +234,9 @@ def _ptr(array, role: str, t: TensorParams, dtype: str, layout: str) -> int:
     dt = str(array.dtype)
     if dt not in _ACCEPTED_DTYPES[dtype]:
         raise ValueError(f"{role}: dtype {dt} does not match the problem's {dtype}")
-    if shape == t.dims and t.strides is not None:
+    if shape == t.dims:
         strides = tuple(s // array.itemsize for s in array.strides)
-        if not _matches(shape, strides, t.strides):
+        if t.strides is not None and not _matches(shape, strides, t.strides):
             raise ValueError(
                 f"{role}: element strides {strides} are not a packed {layout} tensor of shape {shape} "
                 f"(expected {t.strides}); use empty_like_layout / as_layout"

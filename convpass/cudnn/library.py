@@ -296,6 +296,12 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "cudnnSetPoolingNdDescriptor": (_I, [_P, _I, _I, _I, _IP, _IP, _IP]),
     "cudnnGetPoolingNdForwardOutputDim": (_I, [_P, _P, _I, _IP]),
     "cudnnPoolingForward": (_I, [_P, _P, _P, _P, _P, _P, _P, _P]),
+    # softmax, batch normalization (the library baselines of the cuda backend's row-wise kernels)
+    "cudnnSoftmaxForward": (_I, [_P, _I, _I, _P, _P, _P, _P, _P, _P]),
+    "cudnnBatchNormalizationForwardTraining": (
+        _I,
+        [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, c_double, _P, _P, c_double, _P, _P],
+    ),
     # activation
     "cudnnCreateActivationDescriptor": (_I, [POINTER(c_void_p)]),
     "cudnnDestroyActivationDescriptor": (_I, [_P]),

@@ -17,10 +17,10 @@ operand is computed before the conv with the same shape, goes into the same call
 input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused
 call cuDNN refuses falls back to the unfused form for good.
 
-Placement: a plain Conv (no residual) can write its output straight into a slice of a Concat
-buffer (:mod:`.memory`): cuDNN gets an output descriptor with the slice's strides. When cuDNN
-refuses that (some algorithms want packed outputs), the conv writes a packed output and copies it
-into the slice, from then on, with a debug note.
+Placement: a Conv without bias, activation or residual (DenseNet's convs) writes its output
+straight into its slice of a Concat buffer (:mod:`.memory`): cuDNN gets an output descriptor with
+the slice's strides. When cuDNN refuses that (some algorithms want packed outputs), and for every
+conv with an epilogue, the conv writes a packed output that is copied into the slice.
 
 Decisions:
 
@@ -370,12 +370,6 @@ class Convolutions:
         x4 = cudnn.as_layout(mapped, ex.layout)
         if x4 is not mapped:
             counters["layout_copies"] += 1
-        y_strides = None
-        if out is not None and z is None and ex.strided_output_ok and ex.insert_axis is None:
-            y, y_strides = out, elements(out.strides, out.itemsize)
-        else:
-            y = cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
-        y4 = self._map(y, ex)
         z4 = None
         if z is not None:  # the residual, in the conv's own memory format
             mapped_z = self._map(z, ex)
@@ -391,12 +385,20 @@ class Convolutions:
                 activation = "relu"
             elif not relu and ex.algo == "implicit_precomp_gemm" and ex.fuse_identity_ok:
                 activation = "identity"
+        # Only cudnnConvolutionForward writes through a strided output descriptor: the fused bias +
+        # activation call wrote packed rows into a Concat slice on an H200 (cuDNN 9.19), so a fused
+        # conv computes into a packed buffer that is then copied into its slice.
+        y_strides = None
+        if (out is not None and z is None and b is None and not relu and ex.strided_output_ok and ex.insert_axis is None
+                and _same_order(out, ex.layout)):
+            y, y_strides = out, elements(out.strides, out.itemsize)
+        else:
+            y = cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
+        y4 = self._map(y, ex)
         if activation is not None:
             try:
-                cudnn.conv_bias_activation_forward(ex.descs, ex.algo, x4, wk, y4, self._bias(b), z=z4, activation=activation, workspace=ws, y_strides=y_strides)
+                cudnn.conv_bias_activation_forward(ex.descs, ex.algo, x4, wk, y4, self._bias(b), z=z4, activation=activation, workspace=ws)
             except (cudnn.CudnnError, ValueError) as e:
-                if y_strides is not None:
-                    return self._strided_refused(ex, e, x, w, b, relu, out)
                 if z4 is not None:
                     ex.fuse_residual_ok = False
                 elif activation == "relu":
@@ -408,7 +410,7 @@ class Convolutions:
             else:
                 counters["cudnn_calls"] += 1
                 counters["fused_" + ("residual_" if z4 is not None else "") + activation] += 1
-                return y
+                return self._into(y, out)
         try:
             cudnn.run(ex.descs, "fwd", ex.algo, x4, wk, y4, workspace=ws, y_strides=y_strides)
         except cudnn.CudnnError as e:
@@ -419,7 +421,7 @@ class Convolutions:
         if z4 is not None:
             y4 += z4  # same memory format on both sides: one pass over the storage
         self._bias_relu(y, b, relu)
-        return y
+        return y if y_strides is not None else self._into(y, out)
 
     def _strided_refused(self, ex: ConvExec, e: Exception, x: Any, w: Any, b: Any, relu: bool, out: Any) -> Any:
         if self.rt.capturing:
@@ -438,6 +440,15 @@ class Convolutions:
             phys += b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))
         if relu:
             self.cp.maximum(phys, phys.dtype.type(0), out=phys)
+
+
+def _same_order(a: Any, layout: str) -> bool:
+    """Whether a slice of a Concat buffer is stored in ``layout``'s order (channels-first: the
+    channel stride above the spatial ones; channels-last: channels adjacent)."""
+    st = elements(a.strides, a.itemsize)
+    if layout == "nhwc":
+        return st[1] == 1
+    return all(st[1] >= st[k] for k in range(2, a.ndim))
 
 
 def describe_exec(ex: Any) -> str:

@@ -372,7 +372,11 @@ class FusedLaunch(Launch):
     def run(self, env: list[Any]) -> None:
         g = self.group
         args = [f if f is not None else _as_view(env[s], g.view_of(k)) for k, (s, f) in enumerate(zip(g.inputs, self._fixed))]
-        env[g.output] = in_storage_order(args, self.kern, out=self.destination(env))
+        out = None
+        if self.placement is not None:
+            layout = "nhwc" if any(a is not None and a.ndim >= 3 and channels_last(a) for a in args) else "nchw"
+            out = self.destination(env, layout)
+        env[g.output] = in_storage_order(args, self.kern, out=out)
         self.counters["fused_elementwise"] += 1
 
 

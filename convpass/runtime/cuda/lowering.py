@@ -5,9 +5,8 @@
 preference (a step claimed by an earlier family is not offered to a later one):
 
 1. convolutions with their fused epilogues (:mod:`.convolution`);
-2. hand-written kernel families, when ``kernels`` is on: normalizations and softmax
-   (:mod:`.normalization`), pooling and spatial reductions (:mod:`.pooling`), Resize
-   (:mod:`.tensor_ops`);
+2. kernel families, when ``kernels`` is on: normalizations and softmax (:mod:`.normalization`),
+   window pooling (:mod:`.pooling`), Resize (:mod:`.tensor_ops`);
 3. fused element-wise groups, when ``fuse`` is on (:mod:`.elementwise`; BatchNormalization in
    inference mode joins them);
 4. every other step: the op library over CuPy (:class:`OpLaunch`; element-wise ops on the
@@ -60,9 +59,9 @@ def _kernel_launch(rt: Any, plan: Any, i: int, host: Any) -> Any:
     """The hand-written kernel family's launch for step ``i``, or None."""
     cp = rt.cp
     for lower in (
-        lambda: normalization.lower_norm(plan, i, cp, rt.upload),
+        lambda: normalization.lower_norm(plan, i, cp),
         lambda: normalization.lower_softmax(plan, i, cp),
-        lambda: pooling.lower_pool(plan, i, cp, host, rt.pooling),
+        lambda: pooling.lower_pool(plan, i, cp, rt.pooling),
         lambda: tensor_ops.lower_resize(plan, i, cp, host, rt.upload_constant),
     ):
         launch = lower()
@@ -74,10 +73,10 @@ def _kernel_launch(rt: Any, plan: Any, i: int, host: Any) -> Any:
 def _sources(launch: Launch) -> list[compiler.KernelSource]:
     """The kernel sources a hand-written launch needs, so they are compiled at plan time."""
     dtype = launch.dtype
-    if isinstance(launch, (normalization.NormLaunch, normalization.SoftmaxLaunch)):
+    if isinstance(launch, normalization.NormLaunch):
         return [normalization.source(dtype)]
     if isinstance(launch, pooling.PoolLaunch):
-        return [] if launch.use_cudnn and launch.spec["kind"] == "window" else [pooling.source(dtype)]
+        return [] if launch.use_cudnn else [pooling.source(dtype)]
     if isinstance(launch, tensor_ops.ResizeLaunch):
         return [tensor_ops.source(dtype)]
     return []

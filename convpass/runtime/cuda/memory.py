@@ -146,7 +146,7 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
         shape, dtype = plan.info(root_slot)
         allocate = allocator(tuple(shape), dtype)
         offsets = [sum(lengths[:k]) for k in range(len(ins))]
-        placed: set[int] = set()
+        placed: set[tuple[int, int]] = set()  # (slot, offset in the root's buffer)
         for k, s in enumerate(ins):
             if ins.count(s) != 1 or seen_in.get(s, 0) != 1 or s in graph_outputs or s in feeds or plan.template[s] is not None:
                 continue
@@ -157,19 +157,20 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
             if isinstance(launch, ConcatLaunch) and (launch.step in fam.members or family_of[launch.step].placed):
                 continue  # a view of this buffer already, or its own inputs write into its own buffer
             launch.placement = Placement(root_slot, axis, offsets[k], lengths[k], allocate)
-            placed.add(s)
+            placed.add((s, offsets[k]))
             fam.placed.append(s)
-        copied: set[int] = set(placed)
+        copied = set(placed)  # (slot, offset) already in the buffer
         for step in sorted(fam.members):
             st = plan.steps[step]
             base = fam.members[step]
             _, step_ins, step_lengths = _concat_info(plan, step)
             copies = []
             for k, s in enumerate(step_ins):
-                if s in copied:
+                at = base + sum(step_lengths[:k])
+                if (s, at) in copied:
                     continue
-                copies.append((s, base + sum(step_lengths[:k]), step_lengths[k]))
-                copied.add(s)
+                copies.append((s, at, step_lengths[k]))
+                copied.add((s, at))
             # offsets above are relative to the root; a view Concat writes through the root's buffer
             own = Placement(root_slot, axis, 0, int(shape[axis]), allocate)
             launch = ConcatLaunch(plan, step, axis, copies, own)

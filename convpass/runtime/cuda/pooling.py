@@ -1,26 +1,24 @@
-"""Pooling for the cuda backend: window pooling and global pooling, in the tensor's memory format.
+"""Window pooling for the cuda backend (MaxPool, AveragePool, LpPool), in the tensor's memory format.
 
 The op library writes pooling as a padded copy of the input, a strided window view and a
 reduction over it (AveragePool twice: once more over a tensor of ones for the divisor), and its
-padding goes through ``cupy.pad``, which uploads its fill value: a plan with a padded pooling
-could not be captured as a CUDA graph. Here each pooling is one kernel launch over the input as it
-is stored (channels-first, channels-last, or a slice of a Concat buffer: every array is passed
-with its strides), writing its output where the plan wants it.
+padding goes through ``cupy.pad``: 4-11x slower than cuDNN here (benchmarks/op_kernels.py). Each
+pooling is one launch instead, on the input as it is stored (channels-first, channels-last, or a
+slice of a Concat buffer: arrays are passed with their strides), writing its output where the plan
+wants it:
 
-Kernels (one CUDA source, float32 / float16 data, float32 accumulation):
+* cuDNN's ``cudnnPoolingForward`` (:mod:`convpass.cudnn.pooling`) for the max and average poolings
+  it expresses (2-D / 3-D windows, symmetric pads, no dilation, no ceil-mode tail): measured 2-2.6x
+  faster than convpass's own kernel on an H200 (:data:`CUDNN_FAMILIES`);
+* ``pool_window``, convpass's kernel, for everything else ONNX allows: 1-D windows, asymmetric pads,
+  ``auto_pad``, ``ceil_mode``, dilations, LpPool. The window geometry comes from the op library's
+  :func:`~convpass.runtime.ops_nn._pool_geometry`, so both agree by construction;
+  ``count_include_pad`` counts window positions inside the input and its explicit pads, never the
+  ceil-mode tail; MaxPool propagates NaN. One thread per output element, threads ordered as the
+  output's memory, 32-bit index arithmetic (outputs up to 2^31 elements).
 
-* ``pool_window``: MaxPool, AveragePool, LpPool of 1-D, 2-D and 3-D windows with all of ONNX's
-  attributes: asymmetric pads, ``auto_pad``, ``ceil_mode`` (the window geometry comes from the op
-  library's :func:`~convpass.runtime.ops_nn._pool_geometry`, so both agree by construction),
-  dilations, ``count_include_pad`` (the divisor counts window positions inside the input and its
-  explicit pads, never the ceil-mode tail), NaN propagated by MaxPool. One thread per output
-  element, threads ordered as the output's memory, so channels-last reads are coalesced.
-* ``pool_global_rows`` / ``pool_global_cl``: GlobalAveragePool, GlobalMaxPool and ReduceMean /
-  ReduceMax over all spatial axes (squeeze-excitation blocks): a warp or a block per (n, c) row
-  for channels-first data, 32 channels x 8 lanes of the spatial axis per block for channels-last.
-* cuDNN's ``cudnnPoolingForward`` (:mod:`convpass.cudnn.pooling`) for the window poolings it
-  expresses (2-D / 3-D, symmetric pads, no dilation, no ceil-mode tail): chosen per family by
-  :data:`CUDNN_FAMILIES` from the measured comparison in ``benchmarks/op_kernels.py``.
+Global pooling (GlobalAveragePool, GlobalMaxPool, ReduceMean over the spatial axes) stays with the
+op library: CuPy's reduction measured as fast as a dedicated kernel, or faster.
 """
 
 from __future__ import annotations
@@ -35,11 +33,13 @@ from convpass.runtime.cuda.common import elements
 from convpass.runtime.cuda.launch import Launch
 from convpass.runtime.ops_nn import _pool_geometry
 
-__all__ = ["CUDNN_FAMILIES", "POOL_DTYPES", "PoolLaunch", "lower_pool", "pool_global", "pool_window"]
+__all__ = ["CUDNN_FAMILIES", "MAX_ELEMENTS", "POOL_DTYPES", "PoolLaunch", "lower_pool", "pool_window"]
 
-# Window poolings cuDNN runs where it can ("max", "average"); the rest run convpass's kernel.
-# Set from benchmarks/op_kernels.py: see the README's kernel table.
-CUDNN_FAMILIES: frozenset[str] = frozenset()
+# Window poolings cuDNN runs where it expresses them; the rest run convpass's kernel. From
+# benchmarks/op_kernels.py on an H200: MaxPool 3x3/2 84 us (cuDNN) vs 157 us (kernel), AveragePool
+# 3x3/1 82 vs 216 us, AveragePool 2x2/2 52 vs 130 us (fp32, batch 32; both layouts alike).
+CUDNN_FAMILIES: frozenset[str] = frozenset({"max", "average"})
+MAX_ELEMENTS = (1 << 31) - 1  # the kernel's 32-bit index arithmetic
 
 _BLOCK = 256
 
@@ -50,20 +50,20 @@ _SOURCE = r"""
 
 // mode: 0 max, 1 average, 2 Lp
 extern "C" __global__ void pool_window(
-    const TYPE* __restrict__ x, TYPE* __restrict__ y, long long total,
-    int C, int OD, int OH, int OW, int channels_last,
+    const TYPE* __restrict__ x, TYPE* __restrict__ y, unsigned total,
+    unsigned C, unsigned OD, unsigned OH, unsigned OW, int channels_last,
     long long xsn, long long xsc, long long xsd, long long xsh, long long xsw,
     long long ysn, long long ysc, long long ysd, long long ysh, long long ysw,
     int ID, int IH, int IW, int KD, int KH, int KW, int SD, int SH, int SW, int DD, int DH, int DW,
     int PD, int PH, int PW, int ED, int EH, int EW, int mode, int count_include_pad, float p)
 {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-        long long r = i, n;
-        int c, od, oh, ow;
+    // 32-bit index arithmetic (the host keeps total below 2^31): 64-bit division is many times slower
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        unsigned r = i, n, c, od, oh, ow;
         if (channels_last) { c = r % C; r /= C; ow = r % OW; r /= OW; oh = r % OH; r /= OH; od = r % OD; n = r / OD; }
         else { ow = r % OW; r /= OW; oh = r % OH; r /= OH; od = r % OD; r /= OD; c = r % C; n = r / C; }
         const TYPE* xb = x + n * xsn + c * xsc;
-        const int d0 = od * SD - PD, h0 = oh * SH - PH, w0 = ow * SW - PW;
+        const int d0 = (int)od * SD - PD, h0 = (int)oh * SH - PH, w0 = (int)ow * SW - PW;
         float acc = mode == 0 ? NEG_INF : 0.f;
         int inside = 0;
         for (int kd = 0; kd < KD; ++kd) {
@@ -99,64 +99,6 @@ extern "C" __global__ void pool_window(
         y[n * ysn + c * ysc + od * ysd + oh * ysh + ow * ysw] = STORE(acc);
     }
 }
-
-__device__ __forceinline__ float combine(float a, float v, int mode) {
-    return mode == 0 ? ((v != v || v > a) ? v : a) : a + v;
-}
-__device__ __forceinline__ float warp_combine(float v, int mode) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const float u = __shfl_xor_sync(FULL, v, o);
-        v = mode == 0 ? ((u != u || u > v) ? u : v) : v + u;
-    }
-    return v;
-}
-
-// Channels-first global pooling: rows = n * c of L contiguous elements; y[row * ys].
-// A warp per row (8 rows per 256-thread block) when warp_rows, else a block per row.
-extern "C" __global__ void pool_global_rows(const TYPE* __restrict__ x, TYPE* __restrict__ y, long long rows, long long L,
-                                            long long C, long long ysn, long long ysc, int mode, int warp_rows) {
-    __shared__ float sh[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    long long row;
-    int start, step;
-    if (warp_rows) { row = (long long)blockIdx.x * (blockDim.x >> 5) + warp; start = lane; step = 32; }
-    else { row = blockIdx.x; start = threadIdx.x; step = blockDim.x; }
-    float acc = mode == 0 ? NEG_INF : 0.f;
-    if (row < rows) {
-        const TYPE* xr = x + row * L;
-        for (long long k = start; k < L; k += step) acc = combine(acc, LOAD(xr[k]), mode);
-    }
-    acc = warp_combine(acc, mode);
-    if (!warp_rows) {
-        if (lane == 0) sh[warp] = acc;
-        __syncthreads();
-        if (warp == 0) {
-            acc = lane < (int)(blockDim.x >> 5) ? sh[lane] : (mode == 0 ? NEG_INF : 0.f);
-            acc = warp_combine(acc, mode);
-        }
-    }
-    if (row < rows && (warp_rows ? lane == 0 : threadIdx.x == 0)) {
-        y[(row / C) * ysn + (row % C) * ysc] = STORE(mode == 1 ? acc / (float)L : acc);
-    }
-}
-
-// Channels-last global pooling: block (32 channels) x (8 lanes over the L spatial positions).
-extern "C" __global__ void pool_global_cl(const TYPE* __restrict__ x, TYPE* __restrict__ y, long long C, long long L,
-                                          long long xsn, long long xsc, long long xsl, long long ysn, long long ysc, int mode) {
-    __shared__ float sh[8][33];
-    const long long n = blockIdx.y, c = (long long)blockIdx.x * 32 + threadIdx.x;
-    float acc = mode == 0 ? NEG_INF : 0.f;
-    if (c < C) {
-        const TYPE* xb = x + n * xsn + c * xsc;
-        for (long long k = threadIdx.y; k < L; k += blockDim.y) acc = combine(acc, LOAD(xb[k * xsl]), mode);
-    }
-    sh[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-        for (int k = 1; k < blockDim.y; ++k) acc = combine(acc, sh[k][threadIdx.x], mode);
-        y[n * ysn + c * ysc] = STORE(mode == 1 ? acc / (float)L : acc);
-    }
-}
 """
 
 _VARIANTS = {
@@ -172,7 +114,7 @@ def source(dtype: Any) -> compiler.KernelSource:
     code = _SOURCE
     for token, text in _VARIANTS[dtype].items():
         code = code.replace(token, text)
-    return compiler.KernelSource(f"convpass_pool_{dtype.name}", code, ("pool_window", "pool_global_rows", "pool_global_cl"))
+    return compiler.KernelSource(f"convpass_pool_{dtype.name}", code, ("pool_window",))
 
 
 def _pad3(values: tuple[int, ...] | list[int], fill: int) -> tuple[int, ...]:
@@ -200,7 +142,7 @@ def pool_window(cupy: Any, x: Any, y: Any, *, mode: str, kernel: tuple[int, ...]
     od, oh, ow = _pad3(out, 1)
     idd, ih, iw = _pad3(x.shape[2:], 1)
     params = (
-        x, y, np.int64(total), np.int32(c), np.int32(od), np.int32(oh), np.int32(ow), np.int32(_channels_last(y)),
+        x, y, np.uint32(total), np.uint32(c), np.uint32(od), np.uint32(oh), np.uint32(ow), np.int32(_channels_last(y)),
         *(np.int64(s) for s in _strides5(x)), *(np.int64(s) for s in _strides5(y)),
         np.int32(idd), np.int32(ih), np.int32(iw),
         *(np.int32(v) for v in _pad3(kernel, 1)), *(np.int32(v) for v in _pad3(strides, 1)), *(np.int32(v) for v in _pad3(dilations, 1)),
@@ -209,36 +151,6 @@ def pool_window(cupy: Any, x: Any, y: Any, *, mode: str, kernel: tuple[int, ...]
     )
     blocks = min(math.ceil(total / _BLOCK), 65535 * 4)
     compiler.function(cupy, source(x.dtype), "pool_window")((blocks,), (_BLOCK,), params)
-    return y
-
-
-def pool_global(cupy: Any, x: Any, y: Any, *, mode: str) -> Any:
-    """``y[n, c] = max / mean of x[n, c, ...]`` over all spatial positions (any memory format)."""
-    n, c = x.shape[:2]
-    length = math.prod(x.shape[2:])
-    if y.size == 0:
-        return y
-    src = source(x.dtype)
-    ys = elements(y.strides, y.itemsize)
-    if x.flags.c_contiguous or length == 1:
-        rows = n * c
-        warp_rows = length <= 1024
-        grid = (math.ceil(rows / (_BLOCK // 32)),) if warp_rows else (rows,)
-        xin = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
-        compiler.function(cupy, src, "pool_global_rows")(
-            grid, (_BLOCK,), (xin, y, np.int64(rows), np.int64(length), np.int64(c), np.int64(ys[0]), np.int64(ys[1]),
-                              np.int32(_MODES[mode]), np.int32(warp_rows)))
-        return y
-    xs = elements(x.strides, x.itemsize)
-    spatial = xs[2:]
-    # the spatial axes must be one strided run (packed channels-last: stride of the last = C)
-    run_ok = all(spatial[i] == spatial[i + 1] * x.shape[3 + i] for i in range(len(spatial) - 1))
-    if not run_ok:
-        x = cupy.ascontiguousarray(x)
-        return pool_global(cupy, x, y, mode=mode)
-    compiler.function(cupy, src, "pool_global_cl")(
-        (math.ceil(c / 32), n), (32, 8), (x, y, np.int64(c), np.int64(length), np.int64(xs[0]), np.int64(xs[1]), np.int64(spatial[-1]),
-                                          np.int64(ys[0]), np.int64(ys[1]), np.int32(_MODES[mode])))
     return y
 
 
@@ -264,21 +176,17 @@ class PoolLaunch(Launch):
         self._cudnn: dict[tuple, Any] = {}
 
     def _output(self, env: list[Any], x: Any) -> Any:
-        out = self.destination(env)
-        if out is not None:
-            return out
         from convpass import cudnn
 
         layout = "nhwc" if _channels_last(x) else "nchw"
-        return cudnn.empty_like_layout(self.out_shape, x.dtype, layout)
+        out = self.destination(env, layout)
+        return out if out is not None else cudnn.empty_like_layout(self.out_shape, x.dtype, layout)
 
     def run(self, env: list[Any]) -> None:
         x = env[self.x]
         y = self._output(env, x)
         s = self.spec
-        if s["kind"] == "global":
-            pool_global(self.cp, x, y, mode=s["mode"])
-        elif self.use_cudnn:
+        if self.use_cudnn:
             self._run_cudnn(x, y)
         else:
             pool_window(self.cp, x, y, mode=s["mode"], kernel=s["kernel"], strides=s["strides"], dilations=s["dilations"],
@@ -301,7 +209,7 @@ class PoolLaunch(Launch):
 
 def _cudnn_expressible(spec: dict[str, Any], rank: int) -> bool:
     """cuDNN's pooling computes this window pooling exactly (module docstring)."""
-    if spec["kind"] != "window" or spec["mode"] == "lp" or rank not in (4, 5):
+    if spec["mode"] == "lp" or rank not in (4, 5):
         return False
     if any(d != 1 for d in spec["dilations"]) or spec["begin"] != spec["end"]:
         return False
@@ -312,57 +220,33 @@ def _cudnn_expressible(spec: dict[str, Any], rank: int) -> bool:
     )
 
 
-def lower_pool(plan: Any, index: int, cupy: Any, host: Any, prefer: str = "auto") -> PoolLaunch | None:
-    """A :class:`PoolLaunch` for plan step ``index`` when it is a pooling this module runs.
+def lower_pool(plan: Any, index: int, cupy: Any, prefer: str = "auto") -> PoolLaunch | None:
+    """A :class:`PoolLaunch` for plan step ``index`` when it is a window pooling this module runs.
 
-    ``host(device constant) -> numpy array`` reads constant inputs (ReduceMean's axes). ``prefer``: ``"auto"`` (cuDNN for the families in :data:`CUDNN_FAMILIES` where it expresses
+    ``prefer``: ``"auto"`` (cuDNN for the families in :data:`CUDNN_FAMILIES` where it expresses
     the problem), ``"cudnn"`` (wherever it does), ``"kernel"`` (never)."""
     step = plan.steps[index]
     node = step.node
-    if node.domain != "" or step.outputs[0] < 0 or any(o >= 0 for o in step.outputs[1:]):
+    if node.domain != "" or node.op_type not in ("MaxPool", "AveragePool", "LpPool"):
+        return None
+    if step.outputs[0] < 0 or any(o >= 0 for o in step.outputs[1:]):
         return None  # MaxPool's Indices output: the op library
     info = plan.info(step.inputs[0])
     if info is None or np.dtype(info[1]) not in POOL_DTYPES or not 3 <= len(info[0]) <= 5:
         return None
     shape = tuple(info[0])
     rank = len(shape)
-    op = node.op_type
-    spec: dict[str, Any]
-    if op in ("GlobalAveragePool", "GlobalMaxPool"):
-        spec = {"kind": "global", "mode": "max" if op == "GlobalMaxPool" else "average"}
-    elif op in ("ReduceMean", "ReduceMax"):
-        axes = _reduce_axes(plan, step, rank, host)
-        if axes != tuple(range(2, rank)) or not int(node.attr("keepdims", 1)):
-            return None
-        spec = {"kind": "global", "mode": "max" if op == "ReduceMax" else "average"}
-    elif op in ("MaxPool", "AveragePool", "LpPool"):
-        kernel = tuple(int(k) for k in node.attr("kernel_shape") or ())
-        if len(kernel) != rank - 2 or node.attr("storage_order", 0):
-            return None
-        begin, end, strides, dilations, out = _pool_geometry(node, shape[2:], kernel)
-        if op == "AveragePool" and node.opset < 19 and any(d != 1 for d in dilations):
-            return None  # dilations on AveragePool exist from opset 19 on
-        mode = {"MaxPool": "max", "AveragePool": "average", "LpPool": "lp"}[op]
-        spec = {
-            "kind": "window", "mode": mode, "kernel": kernel, "strides": strides, "dilations": dilations, "begin": begin, "end": end,
-            "count_include_pad": bool(node.attr("count_include_pad", 0)), "p": float(node.attr("p", 2)), "in": shape[2:], "out": out,
-        }
-    else:
+    kernel = tuple(int(k) for k in node.attr("kernel_shape") or ())
+    if len(kernel) != rank - 2 or node.attr("storage_order", 0):
         return None
-    family = "max" if spec["mode"] == "max" else "average"
-    expressible = _cudnn_expressible(spec, rank)
-    use_cudnn = expressible and (prefer == "cudnn" or (prefer == "auto" and family in CUDNN_FAMILIES))
+    begin, end, strides, dilations, out = _pool_geometry(node, shape[2:], kernel)
+    if math.prod((*shape[:2], *out)) > MAX_ELEMENTS:
+        return None
+    mode = {"MaxPool": "max", "AveragePool": "average", "LpPool": "lp"}[node.op_type]
+    spec = {
+        "mode": mode, "kernel": kernel, "strides": strides, "dilations": dilations, "begin": begin, "end": end,
+        "count_include_pad": bool(node.attr("count_include_pad", 0)), "p": float(node.attr("p", 2)), "in": shape[2:], "out": out,
+    }
+    family = "max" if mode == "max" else "average"
+    use_cudnn = _cudnn_expressible(spec, rank) and (prefer == "cudnn" or (prefer == "auto" and family in CUDNN_FAMILIES))
     return PoolLaunch(plan, index, cupy, spec, use_cudnn)
-
-
-def _reduce_axes(plan: Any, step: Any, rank: int, host: Any) -> tuple[int, ...] | None:
-    node = step.node
-    axes = node.attr("axes")
-    if axes is None and len(step.inputs) > 1 and step.inputs[1] >= 0:
-        const = plan.template[step.inputs[1]]
-        if const is None:
-            return None
-        axes = np.asarray(host(const)).reshape(-1).tolist()
-    if axes is None:
-        return None
-    return tuple(sorted(int(a) + rank if int(a) < 0 else int(a) for a in axes))

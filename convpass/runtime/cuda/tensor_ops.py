@@ -38,13 +38,13 @@ _BLOCK = 256
 _SOURCE = r"""
 #HEADER
 extern "C" __global__ void resize_2d(
-    const TYPE* __restrict__ x, TYPE* __restrict__ y, long long total, int C, int OH, int OW, int channels_last,
+    const TYPE* __restrict__ x, TYPE* __restrict__ y, unsigned total, unsigned C, unsigned OH, unsigned OW, int channels_last,
     long long xsn, long long xsc, long long xsh, long long xsw, long long ysn, long long ysc, long long ysh, long long ysw,
     const int* __restrict__ iy, const float* __restrict__ wy, int ty, const int* __restrict__ ix, const float* __restrict__ wx, int tx)
 {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-        long long r = i, n;
-        int c, oh, ow;
+    // 32-bit index arithmetic (the host keeps total below 2^31): 64-bit division is many times slower
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        unsigned r = i, n, c, oh, ow;
         if (channels_last) { c = r % C; r /= C; ow = r % OW; r /= OW; oh = r % OH; n = r / OH; }
         else { ow = r % OW; r /= OW; oh = r % OH; r /= OH; c = r % C; n = r / C; }
         const TYPE* xb = x + n * xsn + c * xsc;
@@ -116,7 +116,7 @@ def resize_2d(cupy: Any, x: Any, y: Any, tables: tuple[Any, Any, Any, Any]) -> A
     else:
         oh, ow = y.shape[2], y.shape[3]
     params = (
-        x, y, np.int64(total), np.int32(y.shape[1]), np.int32(oh), np.int32(ow), np.int32(_channels_last(y)),
+        x, y, np.uint32(total), np.uint32(y.shape[1]), np.uint32(oh), np.uint32(ow), np.int32(_channels_last(y)),
         *(np.int64(v) for v in xs), *(np.int64(v) for v in ys),
         iy, wy, np.int32(iy.shape[1]), ix, wx, np.int32(ix.shape[1]),
     )
@@ -174,8 +174,8 @@ def lower_resize(plan: Any, index: int, cupy: Any, host: Any, upload: Any) -> Re
     rank = len(g.in_shape)
     if g.extrapolates or any(kind == "empty" or a < rank - 2 for a, kind, _, _ in g.axes) or (rank == 3 and any(a != 2 for a, *_ in g.axes)):
         return None
-    if tuple(plan.info(step.outputs[0])[0]) != g.out_shape:
-        return None
+    if tuple(plan.info(step.outputs[0])[0]) != g.out_shape or math.prod(g.out_shape) > (1 << 31) - 1:
+        return None  # (the kernel's 32-bit index arithmetic)
     by_axis = {a: (kind, table) for a, kind, table, _ in g.axes}
     h_axis, w_axis = (rank - 2, rank - 1) if rank == 4 else (None, 2)
     if h_axis is None:

@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""The cuda backend's kernels between the convolutions, each timed against its alternatives.
+
+For every op family on shapes from the wide panel, the same single-op model is run by the
+executor in its variants — the op library over CuPy (``kernels=False``: what convpass ran before),
+convpass's kernel, cuDNN's where it has one (pooling; softmax and InstanceNormalization through
+cuDNN's legacy softmax / batch-norm calls) — each captured as a CUDA graph and replayed back to
+back, timed with CUDA events (median of ``--batches`` groups of ``--reps`` replays), outputs
+checked against the first variant. A hand-written kernel stays the default only where it beats
+the library; this table is where that is shown.
+
+    python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7]
+
+Prints one row per case and variant: median microseconds, effective bandwidth (input + output
+bytes / time), speedup over the op library, the relative error against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+N = helper.make_node
+
+
+def _model(nodes, x_shape, inits=(), opset=19, dtype=np.float32):
+    tp = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    ins = [helper.make_tensor_value_info("x", tp, x_shape)]
+    outs = [helper.make_tensor_value_info("y", tp, [f"d{i}" for i in range(len(x_shape))])]
+    return helper.make_model(helper.make_graph(nodes, "g", ins, outs, list(inits)), opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+def _const(name, value, dtype=np.float32):
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def _replay_us(run_once: Callable[[], None], reps: int, batches: int) -> float:
+    """Median microseconds per call of ``run_once`` (stream work), captured once as a graph."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        run_once()
+        stream.synchronize()
+        stream.begin_capture()
+        run_once()
+        graph = stream.end_capture()
+        for _ in range(3):
+            graph.launch(stream)
+        times = []
+        for _ in range(batches):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            for _ in range(reps):
+                graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def _executor_variant(model, x, reps: int, batches: int, channels_last: bool, **options) -> tuple[float, Any]:
+    """Time the compiled plan of ``model`` (one graph) on device input ``x``; returns (us, output)."""
+    import cupy as cp
+
+    from convpass.runtime import Executor
+    from convpass.runtime.cuda import CudaBackend
+
+    xd = cp.asarray(x)
+    if channels_last:
+        xd = cp.moveaxis(cp.ascontiguousarray(cp.moveaxis(xd, 1, -1)), -1, 1)
+    ex = Executor(model, device=CudaBackend(**options), output_kind="device")
+    for _ in range(3):
+        (y,) = ex.run(None, {"x": xd})
+    status = ex.graph_status()
+    if not status.captured:
+        raise RuntimeError(status.describe())
+    state = ex.last_plan.backend_state
+    graph = state.segments[0]
+    stream = cp.cuda.get_current_stream()
+
+    def once() -> None:
+        graph.launch(stream)
+
+    # the plan's graph replays on the caller's stream; time it the same way as the library calls
+    times = []
+    for _ in range(3):
+        once()
+    for _ in range(batches):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(reps):
+            once()
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / reps)
+    labels = [launch.label for launch in state.launch_list()]
+    return statistics.median(times), (cp.asnumpy(y), labels)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def cases() -> list[dict[str, Any]]:
+    rng = np.random.default_rng(0)
+    out = []
+
+    def pool(name, op, shape, **attrs):
+        out.append({"name": name, "family": "pooling", "model": _model([N(op, ["x"], ["y"], **attrs)], shape), "shape": shape,
+                    "variants": {"op library": {"kernels": False}, "convpass kernel": {"pooling": "kernel"}, "cuDNN": {"pooling": "cudnn"}}})
+
+    for cl in (False, True):
+        tag = " nhwc" if cl else ""
+        pool(f"MaxPool 3x3/2 p1 32x64x112x112{tag}", "MaxPool", (32, 64, 112, 112), kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+        pool(f"AveragePool 3x3/1 p1 incl. pad 32x192x35x35{tag}", "AveragePool", (32, 192, 35, 35), kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1], count_include_pad=1)
+        pool(f"AveragePool 2x2/2 32x256x56x56{tag}", "AveragePool", (32, 256, 56, 56), kernel_shape=[2, 2], strides=[2, 2])
+        for c in out[-3:]:
+            c["channels_last"] = cl
+    pool("MaxPool 3x3/2 ceil_mode 32x64x112x112", "MaxPool", (32, 64, 112, 112), kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)
+    c = 256
+    bn = [_const(k, v) for k, v in (("s", 1 + 0.1 * rng.standard_normal(c)), ("b", rng.standard_normal(c)), ("m", rng.standard_normal(c)), ("v", 0.5 + rng.random(c)))]
+    out.append({"name": "BatchNormalization+Relu 32x256x28x28", "family": "normalization", "shape": (32, c, 28, 28),
+                "model": _model([N("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"]), N("Relu", ["n"], ["y"])], (32, c, 28, 28), bn, 15),
+                "variants": {"op library": {"kernels": False, "fuse": False}, "fused kernel": {}}})
+    for shape, groups, name in (((1, 1, 512 * 2000), None, "InstanceNormalization (GroupNorm(1, 512) of a 1-D audio net, b1) 1x1x1024000"),
+                                ((16, 1, 512 * 2000), None, "InstanceNormalization (GroupNorm(1, 512), b16) 16x1x1024000"),
+                                ((32, 64, 56 * 56), None, "InstanceNormalization 32x64x3136")):
+        cc = shape[1]
+        inits = [_const("s", 1 + 0.1 * rng.standard_normal(cc)), _const("b", rng.standard_normal(cc))]
+        out.append({"name": name, "family": "normalization", "shape": shape, "cudnn": "instance_norm",
+                    "model": _model([N("InstanceNormalization", ["x", "s", "b"], ["y"])], shape, inits, 17),
+                    "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
+    gshape = (8, 256, 64, 64)
+    out.append({"name": "GroupNormalization 32 groups 8x256x64x64", "family": "normalization", "shape": gshape,
+                "model": _model([N("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=32)], gshape,
+                                [_const("s", np.ones(256)), _const("b", np.zeros(256))], 21),
+                "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
+    lshape = (32, 56, 56, 96)
+    out.append({"name": "LayerNormalization last axis (ConvNeXt) 32x56x56x96", "family": "normalization", "shape": lshape,
+                "model": _model([N("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)], lshape, [_const("g", np.ones(96)), _const("b", np.zeros(96))], 17),
+                "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
+    sshape = (32, 12, 197, 197)
+    out.append({"name": "Softmax last axis (ViT attention) 32x12x197x197", "family": "softmax", "shape": sshape,
+                "model": _model([N("Softmax", ["x"], ["y"], axis=-1)], sshape, opset=13),
+                "variants": {"op library": {"kernels": False}, "cuDNN (the runtime's path)": {}}})
+    rshape = (32, 64, 56, 56)
+    for mode in ("nearest", "linear"):
+        out.append({"name": f"Resize {mode} 2x 32x64x56x56", "family": "resize", "shape": rshape,
+                    "model": _model([N("Resize", ["x", "", "scales"], ["y"], mode=mode)], rshape, [_const("scales", [1, 1, 2, 2])]),
+                    "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
+    return out
+
+
+def _cudnn_instance_norm(case: dict[str, Any], x: np.ndarray, reps: int, batches: int) -> tuple[float, np.ndarray]:
+    """The library baseline of InstanceNormalization: cuDNN's batch norm over n * c channels."""
+    import cupy as cp
+
+    from convpass.cudnn import get_handle
+    from convpass.cudnn.rowwise import instance_norm_rows
+
+    xd = cp.asarray(x)
+    y = cp.empty_like(xd)
+    n, c = x.shape[:2]
+    length = x.size // (n * c)
+    init = {t.name: numpy_helper.to_array(t) for t in case["model"].graph.initializer}
+    scale = cp.asarray(np.tile(init["s"].astype(np.float32), n))
+    bias = cp.asarray(np.tile(init["b"].astype(np.float32), n))
+    save = cp.empty(2 * n * c, dtype=cp.float32)
+
+    def once() -> None:
+        instance_norm_rows(xd, y, n * c, length, scale, bias, 1e-5, save, get_handle().ptr)
+
+    return _replay_us(once, reps, batches), cp.asnumpy(y)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--batches", type=int, default=7)
+    args = ap.parse_args(argv)
+    try:
+        import cupy as cp  # noqa: F401
+    except ImportError:
+        print("op_kernels: needs CuPy and a GPU", file=sys.stderr)
+        return 2
+    rows = []
+    t0 = time.perf_counter()
+    for case in cases():
+        x = np.random.default_rng(1).standard_normal(case["shape"]).astype(np.float32)
+        base = None
+        results = []
+        for variant, options in case["variants"].items():
+            try:
+                us, (y, labels) = _executor_variant(case["model"], x, args.reps, args.batches, case.get("channels_last", False), **options)
+            except Exception as e:  # noqa: BLE001  (a variant that cannot run is reported, the others still are)
+                results.append({"variant": variant, "error": str(e).splitlines()[0]})
+                continue
+            base = base if base is not None else (y, us)
+            results.append({"variant": variant, "us": us, "labels": labels, "rel_err": _rel(y, base[0])})
+        if case.get("cudnn"):
+            try:
+                us, y = _cudnn_instance_norm(case, x, args.reps, args.batches)
+                results.append({"variant": f"cuDNN {case['cudnn']}", "us": us, "labels": [], "rel_err": _rel(y, base[0]) if base else None})
+            except Exception as e:  # noqa: BLE001
+                results.append({"variant": f"cuDNN {case['cudnn']}", "error": str(e).splitlines()[0]})
+        nbytes = 2 * int(np.prod(case["shape"])) * 4  # one read of the input, one write of an output of that size
+        for r in results:
+            if "us" in r:
+                r["GBps"] = nbytes / (r["us"] * 1e-6) / 1e9
+                r["speedup_vs_op_library"] = base[1] / r["us"] if base else None
+        rows.append({"case": case["name"], "family": case["family"], "results": results})
+        for r in results:
+            if "error" in r:
+                print(f"{case['name'][:62]:<62} {r['variant']:<18} error: {r['error']}", flush=True)
+            else:
+                print(f"{case['name'][:62]:<62} {r['variant']:<18} {r['us']:9.1f} us {r['GBps']:7.0f} GB/s  "
+                      f"x{r['speedup_vs_op_library']:.2f}  err {r['rel_err']:.1e}", flush=True)
+    print(f"op_kernels: {len(rows)} cases in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cases": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""The cuda backend's per-element kernels, checked on the CPU.
+
+``pool_window`` (MaxPool / AveragePool / LpPool) and ``resize_2d`` compute one output element per
+loop iteration and use no warp or block cooperation, so their CUDA source compiles as host C++
+(``__global__`` and friends defined away, the grid one thread that strides over every output) and
+runs here on the same inputs as the NumPy op library: every ONNX attribute the kernels take
+(pads, ceil_mode, dilations, count_include_pad, auto_pad; resize modes and coordinate transforms)
+and both memory orders are checked without a GPU. The kernels on a GPU, and the ones that use
+warps (normalizations), are checked in tests/gpu/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from convpass.runtime.cuda import pooling, tensor_ops
+from convpass.runtime.executor import Executor
+from convpass.runtime.ops_nn import _pool_geometry, resize_arguments, resize_geometry
+from convpass.runtime.registry import NodeInfo, decode_attributes, lookup
+
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+_SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+using std::min; using std::max;
+struct Dim3 { unsigned x, y, z; };
+static Dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
+#define __shfl_xor_sync(mask, v, o) (v)
+#define __syncthreads()
+"""
+
+
+def _host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
+    if CXX is None:
+        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"'))
+    lib = tmp_path / f"lib{name}.so"
+    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module")
+def pool_lib(tmp_path_factory):
+    return _host_library(tmp_path_factory.mktemp("pool"), pooling.source(np.float32).code, "pool")
+
+
+@pytest.fixture(scope="module")
+def resize_lib(tmp_path_factory):
+    return _host_library(tmp_path_factory.mktemp("resize"), tensor_ops.source(np.float32).code, "resize")
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def _elements(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def _channels_last(shape, rng):
+    """A float32 array of logical shape ``shape`` stored channels-last (a transposed view)."""
+    phys = (shape[0], *shape[2:], shape[1])
+    data = rng.standard_normal(phys).astype(np.float32)
+    return data.transpose(0, len(shape) - 1, *range(1, len(shape) - 1))
+
+
+def _node(op: str, opset: int, **attrs) -> NodeInfo:
+    proto = helper.make_node(op, ["x"], ["y"], name=op.lower(), **attrs)
+    node = NodeInfo(proto.name, op, "", opset, decode_attributes(list(proto.attribute)), ["x"], ["y"])
+    node.impl = lookup(op, "", opset)
+    return node
+
+
+def _reference(op: str, opset: int, x: np.ndarray, inits=(), extra_inputs=(), **attrs) -> np.ndarray:
+    node = helper.make_node(op, ["x", *extra_inputs], ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["?"] * x.ndim)], list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+    return Executor(model, device="cpu").run(None, {"x": np.ascontiguousarray(x)})[0]
+
+
+def _run_pool(lib, x: np.ndarray, out_shape, mode: str, kernel, begin, end, strides, dilations, include_pad=False, p=2.0, channels_last=False):
+    pad3 = pooling._pad3
+    y = (_channels_last(out_shape, np.random.default_rng(0)) if channels_last else np.empty(out_shape, np.float32))
+    y[...] = np.nan  # poison: every element must be written
+    xs5 = (*_elements(x)[:2], *pad3(_elements(x)[2:], 0))
+    ys5 = (*_elements(y)[:2], *pad3(_elements(y)[2:], 0))
+    n, c, *out = y.shape
+    od, oh, ow = pad3(out, 1)
+    idd, ih, iw = pad3(x.shape[2:], 1)
+    ll, i, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
+    args = [_ptr(x), _ptr(y), u(y.size), u(c), u(od), u(oh), u(ow), i(int(channels_last)), *(ll(v) for v in xs5), *(ll(v) for v in ys5),
+            i(idd), i(ih), i(iw), *(i(v) for v in pad3(kernel, 1)), *(i(v) for v in pad3(strides, 1)), *(i(v) for v in pad3(dilations, 1)),
+            *(i(v) for v in pad3(begin, 0)), *(i(v) for v in pad3(end, 0)), i(pooling._MODES[mode]), i(int(include_pad)), ctypes.c_float(p)]
+    lib.pool_window(*args)
+    return y
+
+
+POOL_CASES = [
+    ("MaxPool", (2, 3, 9, 11), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("MaxPool", (1, 4, 10, 10), {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
+    ("MaxPool", (1, 2, 12, 12), {"kernel_shape": [2, 3], "dilations": [2, 2], "pads": [0, 1, 2, 0]}),
+    ("MaxPool", (2, 3, 7, 8), {"kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+    ("MaxPool", (2, 3, 17), {"kernel_shape": [4], "strides": [3], "pads": [1, 2]}),
+    ("MaxPool", (1, 2, 5, 6, 7), {"kernel_shape": [2, 3, 3], "strides": [1, 2, 2], "pads": [0, 1, 1, 1, 0, 1]}),
+    ("AveragePool", (2, 3, 9, 9), {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+    ("AveragePool", (2, 3, 9, 9), {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1], "count_include_pad": 0}),
+    ("AveragePool", (1, 4, 10, 11), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1, "count_include_pad": 1}),
+    ("AveragePool", (1, 4, 10, 11), {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1}),
+    ("AveragePool", (1, 3, 8, 8), {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 1], "pads": [1, 0, 0, 1]}),
+    ("AveragePool", (2, 2, 5, 6, 7), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2], "pads": [1, 0, 1, 0, 1, 1], "count_include_pad": 1}),
+    ("LpPool", (2, 3, 8, 9), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "p": 3}),
+]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("op,shape,attrs", POOL_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(POOL_CASES)])
+def test_pool_window_kernel_matches_the_op_library(pool_lib, op, shape, attrs, channels_last):
+    opset = 19
+    rng = np.random.default_rng(1)
+    x = _channels_last(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
+    x.flat[0] = np.nan if op == "MaxPool" else x.flat[0]  # NaN propagates through MaxPool
+    node = _node(op, opset, **attrs)
+    kernel = tuple(attrs["kernel_shape"])
+    begin, end, strides, dilations, out = _pool_geometry(node, shape[2:], kernel)
+    mode = {"MaxPool": "max", "AveragePool": "average", "LpPool": "lp"}[op]
+    got = _run_pool(pool_lib, x, (*shape[:2], *out), mode, kernel, begin, end, strides, dilations,
+                    include_pad=bool(attrs.get("count_include_pad", 0)), p=float(attrs.get("p", 2)), channels_last=channels_last)
+    want = _reference(op, opset, x, **attrs)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+
+
+def _resize_values(node_inputs, scales=None, sizes=None):
+    return [None, None, None if scales is None else np.asarray(scales, np.float32), None if sizes is None else np.asarray(sizes, np.int64)]
+
+
+RESIZE_CASES = [
+    ({"mode": "nearest"}, (1, 3, 5, 7), [1, 1, 2, 2], None),
+    ({"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, (2, 2, 6, 5), [1, 1, 1.5, 3], None),
+    ({"mode": "linear"}, (1, 3, 5, 7), None, [1, 3, 11, 16]),
+    ({"mode": "linear", "coordinate_transformation_mode": "align_corners"}, (2, 4, 8, 8), [1, 1, 2, 2], None),
+    ({"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, (1, 2, 9, 9), [1, 1, 0.5, 0.5], None),
+    ({"mode": "cubic", "cubic_coeff_a": -0.5}, (1, 2, 6, 6), [1, 1, 2, 1.5], None),
+    ({"mode": "linear", "antialias": 1}, (1, 2, 12, 12), [1, 1, 0.5, 0.25], None),
+    ({"mode": "linear"}, (2, 3, 10), [1, 1, 2.5], None),
+]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("attrs,shape,scales,sizes", RESIZE_CASES, ids=[f"{c[0]['mode']}-{i}" for i, c in enumerate(RESIZE_CASES)])
+def test_resize_kernel_matches_the_op_library(resize_lib, attrs, shape, scales, sizes, channels_last):
+    opset = 19
+    rng = np.random.default_rng(2)
+    x = _channels_last(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
+    node = _node("Resize", opset, **attrs)
+    g = resize_geometry(node, shape, np.float32, **resize_arguments(node, _resize_values(None, scales, sizes)))
+    by_axis = {a: (kind, table) for a, kind, table, _ in g.axes}
+    rank = len(shape)
+    if rank == 4:
+        iy, wy = tensor_ops.resize_taps(*by_axis.get(2, (None, None)), shape[2], g.out_shape[2])
+    else:
+        iy, wy = np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32)
+    ix, wx = tensor_ops.resize_taps(*by_axis.get(rank - 1, (None, None)), shape[-1], g.out_shape[-1])
+    y = _channels_last(g.out_shape, rng) if channels_last else np.empty(g.out_shape, np.float32)
+    y[...] = np.nan
+    xs, ys = _elements(x), _elements(y)
+    if rank == 3:
+        xs, ys = (*xs[:2], 0, xs[2]), (*ys[:2], 0, ys[2])
+        oh, ow = 1, g.out_shape[2]
+    else:
+        oh, ow = g.out_shape[2:]
+    tables = [np.ascontiguousarray(t) for t in (iy, wy, ix, wx)]
+    ll, i, u = ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
+    resize_lib.resize_2d(_ptr(x), _ptr(y), u(y.size), u(g.out_shape[1]), u(oh), u(ow), i(int(channels_last)), *(ll(v) for v in xs),
+                         *(ll(v) for v in ys), _ptr(tables[0]), _ptr(tables[1]), i(iy.shape[1]), _ptr(tables[2]), _ptr(tables[3]), i(ix.shape[1]))
+    inits = []
+    extra = ["", "scales" if scales is not None else "", "sizes" if sizes is not None else ""]
+    if scales is not None:
+        inits.append(numpy_helper.from_array(np.asarray(scales, np.float32), "scales"))
+    if sizes is not None:
+        inits.append(numpy_helper.from_array(np.asarray(sizes, np.int64), "sizes"))
+    want = _reference("Resize", opset, x, inits, [e for e in extra], **attrs)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_resize_taps_identity_index_and_matrix():
+    idx, w = tensor_ops.resize_taps(None, None, 4, 4)
+    assert idx.ravel().tolist() == [0, 1, 2, 3] and w.ravel().tolist() == [1, 1, 1, 1]
+    idx, w = tensor_ops.resize_taps("index", np.array([0, 0, 1, 1]), 2, 4)
+    assert idx.ravel().tolist() == [0, 0, 1, 1]
+    m = np.array([[1.0, 0.25, 0.0], [0.0, 0.75, 1.0]], np.float32)  # M[in, out]
+    idx, w = tensor_ops.resize_taps("matrix", m, 2, 3)
+    assert idx.tolist() == [[0, 0], [0, 1], [1, 0]] and np.allclose(w, [[1, 0], [0.25, 0.75], [1, 0]])
