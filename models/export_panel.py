@@ -1,18 +1,31 @@
 #!/usr/bin/env python
-"""Export the benchmark panel (torchvision models and a DCGAN generator) to ONNX.
+"""Export the benchmark panel (torchvision, timm and torchaudio models, and three defined here) to ONNX.
 
-Needs torch and torchvision (written for torch 2.11 / torchvision 0.26); without them it
-exits with status 2. Weights are random (``weights=None``) after ``torch.manual_seed(0)``;
-models are exported in eval mode with the TorchScript exporter (``dynamo=False``), opset 17,
-input ``input`` and output ``output`` with a dynamic batch axis ``batch``::
+The panel is 21 real architectures chosen so that together they cover the convolution families
+and the surrounding op families a tuned executor meets in practice (``PANEL`` below names the
+family each one covers; ``models/README.md`` has the table).
+
+Needs torch and torchvision (written for torch 2.11 / torchvision 0.26 and checked with torch 2.9
+/ torchvision 0.24); the two timm models need timm and ConvTasNet needs torchaudio, imported only
+when those models are exported. Without torch it exits with status 2; a model whose library is
+missing or whose export fails is reported on stderr and the exit status is 1 (the others are
+still exported). Weights are random (``weights=None`` / ``pretrained=False``) after
+``torch.manual_seed(0)``; models are exported in eval mode with the TorchScript exporter
+(``dynamo=False``), opset 17, input ``input`` and output ``output`` with a dynamic batch axis
+``batch``::
 
     python models/export_panel.py --out DIR [--models resnet50,r3d_18] [--opset 17] [--fp16]
 
 Writes ``DIR/<name>.onnx`` (``DIR/<name>_fp16.onnx`` with ``--fp16``) and ``DIR/panel.json``.
-``panel.json`` is merged with an existing one: entries for other files are kept.
+``panel.json`` is merged with an existing one: entries for other files are kept. Each entry
+records the family, the input kind and the default benchmark batches next to the file facts.
 
 A benchmark that wants the same torch module imports this file and calls
-``build_torch_model(name) -> (module, example_input_shape)``.
+``build_torch_model(name) -> (module, example_input_shape)``. Every panel input is one float
+tensor that a standard-normal sample of ``example_input_shape`` (batch replaced) feeds
+correctly: an image or a clip (normalized pixels), a latent vector (DCGAN), a luminance plane
+(ESPCN) or a mono waveform (ConvTasNet; white noise is a valid waveform). ``PANEL[name]["input_kind"]``
+says which. Importing this file needs only the standard library (CI reads ``PANEL`` without torch).
 """
 
 from __future__ import annotations
@@ -31,56 +44,202 @@ DEFAULT_OPSET = 17
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 PANEL_FILE = "panel.json"
-PANEL_FORMAT = 1
+PANEL_FORMAT = 2
+DEFAULT_BATCHES = (1, 32)
+INPUT_KINDS = ("image", "video", "audio", "latent")
 
-# name -> (builder, builder kwargs, example input shape with batch 1, note)
-# The builder is a dotted path into torchvision, or "export_panel.dcgan_generator" for the
-# generator defined here. Segmentation models return a dict; they are wrapped so that the
-# exported graph (and the module from build_torch_model) returns only ``["out"]``.
+# name -> spec. Keys:
+#   builder      dotted path of the constructor: into torchvision, "timm.create_model",
+#                torchaudio, or "export_panel.<fn>" for a model defined in this file
+#   kwargs       its keyword arguments (random weights: weights=None / pretrained=False)
+#   shape        example input shape, batch 1
+#   input_kind   one of INPUT_KINDS (what the input is; every kind is fed standard-normal samples)
+#   family       the architecture family the model stands for in the panel
+#   batches      default benchmark batches (DEFAULT_BATCHES when absent)
+#   output_key   for models returning a dict: the exported graph (and the module from
+#                build_torch_model) return only this entry
+# Every batch default is 1,32, the video and audio models included: on the target H200 (141 GB)
+# the largest batch-32 case (r2plus1d_18: all its layers' fp32 outputs together 24 GB, with no
+# buffer reuse at all; conv_tasnet_base 21 GB; the largest single tensor ESPCN's 1.9 GB) fits
+# several times over, so no model needs a smaller batch for memory.
 PANEL: Dict[str, Dict[str, Any]] = {
+    # --- the first eight ---------------------------------------------------------------------
     "resnet50": {
         "builder": "torchvision.models.resnet50",
         "kwargs": {"weights": None},
         "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "residual bottlenecks (1x1-3x3-1x1 convs, BatchNorm folded), MaxPool, "
+                  "GlobalAveragePool + Gemm classifier",
     },
     "mobilenet_v3_large": {
         "builder": "torchvision.models.mobilenet_v3_large",
         "kwargs": {"weights": None},
         "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "depthwise-separable inverted residuals, squeeze-excitation, hard-swish",
     },
     "efficientnet_b0": {
         "builder": "torchvision.models.efficientnet_b0",
         "kwargs": {"weights": None},
         "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "MBConv (depthwise 3x3 / 5x5) with squeeze-excitation and SiLU",
     },
     "convnext_tiny": {
         "builder": "torchvision.models.convnext_tiny",
         "kwargs": {"weights": None},
         "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "7x7 depthwise convs + LayerNorm + MLP (MatMul, GELU), patchify stem",
     },
     "r3d_18": {
         "builder": "torchvision.models.video.r3d_18",
         "kwargs": {"weights": None},
         "shape": (1, 3, 16, 112, 112),
+        "input_kind": "video",
+        "family": "3-D convolutions (3x3x3 residual video network)",
     },
     "fcn_resnet50": {
         "builder": "torchvision.models.segmentation.fcn_resnet50",
         "kwargs": {"weights": None, "weights_backbone": None, "aux_loss": False},
         "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "dilated ResNet-50 backbone + FCN head, bilinear Resize to the input size",
         "output_key": "out",
     },
     "deeplabv3_mobilenet_v3_large": {
         "builder": "torchvision.models.segmentation.deeplabv3_mobilenet_v3_large",
         "kwargs": {"weights": None, "weights_backbone": None, "aux_loss": False},
         "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "atrous spatial pyramid pooling (dilated convs, pooled branch), dilated depthwise "
+                  "backbone, bilinear Resize",
         "output_key": "out",
     },
     "dcgan_generator": {
         "builder": "export_panel.dcgan_generator",
         "kwargs": {"nz": 100},
         "shape": (1, 100, 1, 1),
+        "input_kind": "latent",
+        "family": "ConvTranspose chain (image generator from a latent vector)",
+    },
+    # --- the wide panel ------------------------------------------------------------------------
+    "densenet121": {
+        "builder": "torchvision.models.densenet121",
+        "kwargs": {"weights": None},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "dense concatenation: every layer's Concat of all earlier features, BN-ReLU-conv "
+                  "(pre-activation, BatchNorm not foldable into a conv), AveragePool transitions",
+    },
+    "inception_v3": {
+        "builder": "torchvision.models.inception_v3",
+        # init_weights=False: PyTorch's default layer init. Inception's own (truncated normal, std
+        # 0.1 whatever the fan-in) grows random-weight activations ~4x per conv: logits ~1e12,
+        # past float16's range, so the fp16 export computed inf / NaN.
+        "kwargs": {"weights": None, "aux_logits": False, "init_weights": False},
+        "shape": (1, 3, 299, 299),
+        "input_kind": "image",
+        "family": "Inception branches: parallel 1x1 / 3x3 / 5x5 / factorized 1x7-7x1 convs and "
+                  "Max/AveragePool branches joined by Concat; unpadded (valid) strided convs",
+    },
+    "shufflenet_v2_x1_0": {
+        "builder": "torchvision.models.shufflenet_v2_x1_0",
+        "kwargs": {"weights": None},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "channel shuffle (Reshape-Transpose-Reshape), channel Split, depthwise 3x3",
+    },
+    "resnext50_32x4d": {
+        "builder": "torchvision.models.resnext50_32x4d",
+        "kwargs": {"weights": None},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "grouped convs, ResNeXt: 3x3 with 32 groups of 4-32 channels",
+    },
+    "regnet_y_800mf": {
+        "builder": "torchvision.models.regnet_y_800mf",
+        "kwargs": {"weights": None},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "grouped convs, RegNet: 3x3 with group width 16, squeeze-excitation",
+    },
+    "efficientnet_v2_s": {
+        "builder": "torchvision.models.efficientnet_v2_s",
+        "kwargs": {"weights": None},
+        "shape": (1, 3, 384, 384),
+        "input_kind": "image",
+        "family": "fused-MBConv (full 3x3 expansion conv in the early stages) then MBConv with SE",
+    },
+    "ghostnet_100": {
+        "builder": "timm.create_model",
+        "kwargs": {"model_name": "ghostnet_100", "pretrained": False},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "ghost modules: a 1x1 conv's features plus cheap depthwise 'ghost' features, "
+                  "Concat + Slice; SE with hard-sigmoid",
+    },
+    "mobilevit_s": {
+        "builder": "timm.create_model",
+        "kwargs": {"model_name": "mobilevit_s", "pretrained": False},
+        "shape": (1, 3, 256, 256),
+        "input_kind": "image",
+        "family": "vision-transformer hybrid: MobileNetV2 blocks + transformer blocks (LayerNorm, "
+                  "attention MatMul / Softmax), unfold / fold as Reshape-Transpose chains, Concat",
+    },
+    "conv_tasnet_base": {
+        "builder": "torchaudio.models.conv_tasnet_base",
+        "kwargs": {"num_sources": 2},
+        "shape": (1, 1, 16000),
+        "input_kind": "audio",
+        "family": "1-D audio (speech separation): Conv1d encoder, dilated depthwise Conv1d blocks "
+                  "with GroupNorm(1) (InstanceNormalization over a Reshape) and PReLU, "
+                  "ConvTranspose1d decoder on batch x sources",
+    },
+    "r2plus1d_18": {
+        "builder": "torchvision.models.video.r2plus1d_18",
+        "kwargs": {"weights": None},
+        "shape": (1, 3, 16, 112, 112),
+        "input_kind": "video",
+        "family": "(2+1)-D video: each 3x3x3 conv factorized into 1x3x3 spatial + 3x1x1 temporal",
+    },
+    "lraspp_mobilenet_v3_large": {
+        "builder": "torchvision.models.segmentation.lraspp_mobilenet_v3_large",
+        "kwargs": {"weights": None, "weights_backbone": None},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "segmentation head with Resize: LR-ASPP (GlobalAveragePool + Sigmoid gate, "
+                  "bilinear Resize to the low-level features and to the input)",
+        "output_key": "out",
+    },
+    "espcn": {
+        "builder": "export_panel.espcn",
+        "kwargs": {"upscale_factor": 3},
+        "shape": (1, 1, 360, 640),
+        "input_kind": "image",
+        "family": "super-resolution by sub-pixel convolution: PixelShuffle exported as "
+                  "DepthToSpace (CRD), 360x640 -> 1080x1920",
+    },
+    "unet": {
+        "builder": "export_panel.unet",
+        "kwargs": {"n_channels": 3, "n_classes": 2},
+        "shape": (1, 3, 256, 256),
+        "input_kind": "image",
+        "family": "UNet: DoubleConv (conv-BN-ReLU x2) encoder with MaxPool, ConvTranspose 2x2 "
+                  "stride-2 decoder, skip Concat, widths 64-1024",
     },
 }
+
+
+def panel_names() -> List[str]:
+    """Every panel model, in panel order."""
+    return list(PANEL)
+
+
+def bench_batches(name: str) -> Tuple[int, ...]:
+    """The default benchmark batches of panel model ``name``."""
+    return tuple(PANEL[name].get("batches", DEFAULT_BATCHES))
 
 
 def _import_torch():
@@ -91,6 +250,10 @@ def _import_torch():
     import torchvision.models.segmentation  # noqa: F401
     import torchvision.models.video  # noqa: F401
     return torch, torchvision
+
+
+# ---------------------------------------------------------------------------------------------
+# models defined here
 
 
 def dcgan_generator(nz: int = 100, ngf: int = 64, nc: int = 3):
@@ -129,6 +292,125 @@ def dcgan_generator(nz: int = 100, ngf: int = 64, nc: int = 3):
     return model
 
 
+def espcn(upscale_factor: int = 3):
+    """ESPCN super-resolution (Shi et al. 2016), as in PyTorch's ``examples/super_resolution``
+    (``model.py``, ``Net``), the model of PyTorch's ONNX export tutorial: the luminance plane
+    [N, 1, H, W] -> [N, 1, r*H, r*W].
+
+    Conv 5x5 1->64, Conv 3x3 64->64, Conv 3x3 64->32 (each + ReLU), Conv 3x3 32->r^2, then
+    PixelShuffle(r) (exported as DepthToSpace, mode CRD); orthogonal initialisation with the
+    ReLU gain, as the example does. With r = 3 and a 360x640 input the output is 1080x1920.
+    """
+    import torch.nn as nn
+    import torch.nn.init as init
+
+    class Net(nn.Module):
+        def __init__(self, r: int) -> None:
+            super().__init__()
+            self.relu = nn.ReLU()
+            self.conv1 = nn.Conv2d(1, 64, (5, 5), (1, 1), (2, 2))
+            self.conv2 = nn.Conv2d(64, 64, (3, 3), (1, 1), (1, 1))
+            self.conv3 = nn.Conv2d(64, 32, (3, 3), (1, 1), (1, 1))
+            self.conv4 = nn.Conv2d(32, r ** 2, (3, 3), (1, 1), (1, 1))
+            self.pixel_shuffle = nn.PixelShuffle(r)
+            init.orthogonal_(self.conv1.weight, init.calculate_gain("relu"))
+            init.orthogonal_(self.conv2.weight, init.calculate_gain("relu"))
+            init.orthogonal_(self.conv3.weight, init.calculate_gain("relu"))
+            init.orthogonal_(self.conv4.weight)
+
+        def forward(self, x):
+            x = self.relu(self.conv1(x))
+            x = self.relu(self.conv2(x))
+            x = self.relu(self.conv3(x))
+            return self.pixel_shuffle(self.conv4(x))
+
+    return Net(upscale_factor)
+
+
+def unet(n_channels: int = 3, n_classes: int = 2):
+    """UNet (Ronneberger et al. 2015) in the structure of the widely used milesial/Pytorch-UNet
+    (``unet/unet_model.py``, ``unet/unet_parts.py``) with ``bilinear=False``: [N, C, H, W] ->
+    per-pixel class logits [N, n_classes, H, W] (H, W multiples of 16).
+
+    DoubleConv = (Conv 3x3 no bias, BatchNorm, ReLU) x 2. Encoder: DoubleConv(C, 64), then four
+    Down = MaxPool 2x2 + DoubleConv doubling the width to 1024. Decoder: four Up =
+    ConvTranspose2d(k=2, s=2) halving the width, Pad to the skip's size (a no-op for sizes
+    divisible by 16, as here; kept because it is part of the structure), Concat [skip, upsampled]
+    on channels, DoubleConv. Head: Conv 1x1 -> n_classes. Default PyTorch initialisation.
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class DoubleConv(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.double_conv = nn.Sequential(
+                nn.Conv2d(cin, cout, kernel_size=3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(cout, cout, kernel_size=3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+            )
+
+        def forward(self, x):
+            return self.double_conv(x)
+
+    class Down(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.maxpool_conv = nn.Sequential(nn.MaxPool2d(2), DoubleConv(cin, cout))
+
+        def forward(self, x):
+            return self.maxpool_conv(x)
+
+    class Up(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose2d(cin, cin // 2, kernel_size=2, stride=2)
+            self.conv = DoubleConv(cin, cout)
+
+        def forward(self, x1, x2):
+            x1 = self.up(x1)
+            dy = x2.size()[2] - x1.size()[2]
+            dx = x2.size()[3] - x1.size()[3]
+            x1 = F.pad(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+            return self.conv(torch.cat([x2, x1], dim=1))
+
+    class UNet(nn.Module):
+        def __init__(self, cin: int, classes: int) -> None:
+            super().__init__()
+            self.inc = DoubleConv(cin, 64)
+            self.down1 = Down(64, 128)
+            self.down2 = Down(128, 256)
+            self.down3 = Down(256, 512)
+            self.down4 = Down(512, 1024)
+            self.up1 = Up(1024, 512)
+            self.up2 = Up(512, 256)
+            self.up3 = Up(256, 128)
+            self.up4 = Up(128, 64)
+            self.outc = nn.Conv2d(64, classes, kernel_size=1)
+
+        def forward(self, x):
+            x1 = self.inc(x)
+            x2 = self.down1(x1)
+            x3 = self.down2(x2)
+            x4 = self.down3(x3)
+            x5 = self.down4(x4)
+            x = self.up1(x5, x4)
+            x = self.up2(x, x3)
+            x = self.up3(x, x2)
+            x = self.up4(x, x1)
+            return self.outc(x)
+
+    return UNet(n_channels, n_classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# building and exporting
+
+
 def _resolve(dotted: str):
     if dotted.startswith("export_panel."):
         return globals()[dotted.split(".", 1)[1]]
@@ -141,8 +423,11 @@ def _resolve(dotted: str):
 def build_torch_model(name: str) -> Tuple[Any, Tuple[int, ...]]:
     """Build panel model ``name`` as exported: seeded random weights, eval mode, on CPU, fp32.
 
-    Returns ``(module, example_input_shape)``; the shape has batch 1. For the segmentation
-    models the module returns the ``"out"`` tensor only (as in the exported graph).
+    Returns ``(module, example_input_shape)``; the shape has batch 1. The module takes one float
+    tensor of that shape (any batch) and returns one tensor: for the segmentation models the
+    ``"out"`` entry only (as in the exported graph). A standard-normal input of the shape is a
+    valid input for every model (``PANEL[name]["input_kind"]`` says what it stands for).
+    Raises KeyError for an unknown name, ImportError when the model's library is missing.
     """
     if name not in PANEL:
         raise KeyError(f"unknown panel model {name!r}; known: {', '.join(PANEL)}")
@@ -176,8 +461,9 @@ def _select_output(module, key: str):
 
 def _pin_output_dims(path: str, out_shape: List[int]) -> None:
     """Replace symbolic non-batch output dims left by the exporter (the segmentation heads'
-    Resize gives 'Resizeoutput_dim_1', ...) by the sizes torch produced for the example; the
-    input's non-batch dims are static, so those sizes are too."""
+    Resize gives 'Resizeoutput_dim_1', ConvTasNet's Reshape 'Reshapeoutput_dim_2', ...) by the
+    sizes torch produced for the example; the input's non-batch dims are static, so those sizes
+    are too. A missing batch name is set to ``batch``."""
     try:
         import onnx
     except ImportError:
@@ -190,7 +476,8 @@ def _pin_output_dims(path: str, out_shape: List[int]) -> None:
     changed = False
     for i, d in enumerate(dims):
         if i == 0:
-            if not d.dim_param:
+            if d.dim_param != "batch":
+                d.Clear()
                 d.dim_param = "batch"
                 changed = True
         elif not d.HasField("dim_value"):
@@ -222,6 +509,9 @@ def export_one(name: str, out_dir: str, opset: int, fp16: bool) -> Dict[str, Any
     t0 = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+        # Python-level shape arithmetic in ConvTasNet / UNet / timm is traced as constants for
+        # the non-batch dims, which are static here; the warnings say so for every such line.
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         torch.onnx.export(
             module,
             (example,),
@@ -238,23 +528,27 @@ def export_one(name: str, out_dir: str, opset: int, fp16: bool) -> Dict[str, Any
         out_shape = list(module(example).shape)
     _pin_output_dims(path, out_shape)
 
+    spec = PANEL[name]
     entry: Dict[str, Any] = {
         "name": name,
         "file": fname,
         "dtype": "float16" if fp16 else "float32",
+        "family": spec["family"],
+        "input_kind": spec["input_kind"],
         "input": INPUT_NAME,
         "input_shape": ["batch"] + list(shape[1:]),
         "outputs": [OUTPUT_NAME],
+        "bench_batches": list(bench_batches(name)),
         "opset": opset,
         "export_seconds": round(seconds, 3),
         "bytes": os.path.getsize(path),
         "sha256": _sha256(path),
-        "builder": PANEL[name]["builder"],
-        "builder_kwargs": PANEL[name]["kwargs"],
+        "builder": spec["builder"],
+        "builder_kwargs": spec["kwargs"],
         "seed": SEED,
     }
-    if PANEL[name].get("output_key"):
-        entry["output_key"] = PANEL[name]["output_key"]
+    if spec.get("output_key"):
+        entry["output_key"] = spec["output_key"]
     # Read back what the file really holds (names, output shapes) when onnx is available.
     try:
         import onnx
@@ -297,9 +591,22 @@ def _write_panel(out_dir: str, entries: List[Dict[str, Any]], header: Dict[str, 
     return path
 
 
+def _library_versions() -> Dict[str, Optional[str]]:
+    """Versions of the optional model libraries (None: not installed)."""
+    from importlib import metadata
+
+    out: Dict[str, Optional[str]] = {}
+    for dist in ("timm", "torchaudio"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        description="Export the convpass benchmark panel (torchvision) to ONNX.")
+        description="Export the convpass benchmark panel (torchvision, timm, torchaudio) to ONNX.")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--models", default=None,
                     help="comma-separated subset (default: all): " + ",".join(PANEL))
@@ -331,6 +638,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "format": PANEL_FORMAT,
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
+        **_library_versions(),
         "seed": SEED,
         "input": INPUT_NAME,
         "output": OUTPUT_NAME,
@@ -346,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         entries.append(entry)
         print(f"{name}: {entry['file']} {entry['bytes'] / 1e6:.1f} MB "
-              f"in {entry['export_seconds']:.1f} s")
+              f"in {entry['export_seconds']:.1f} s", flush=True)
     if entries:
         print(f"panel: {_write_panel(args.out, entries, header)}")
     if failed:

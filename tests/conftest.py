@@ -72,3 +72,14 @@ def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 def _isolated_cache(tmp_path, monkeypatch):
     """Every test gets its own tuning cache; nobody's real cache is touched."""
     monkeypatch.setenv("CONVPASS_CACHE", str(tmp_path / "tuning.db"))
+
+
+def panel_models() -> list[str]:
+    """The benchmark panel's model names, in panel order, read from ``models/export_panel.py``
+    (importing it needs only the standard library), so the tests never drift from the exporter."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_export_panel_names", MODELS / "export_panel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.panel_names()

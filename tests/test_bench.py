@@ -507,6 +507,37 @@ def test_option_parsing():
         50, 10, "ort,torch", None, None, None, None)
 
 
+def test_model_batches_precedence(tmp_path):
+    """NAME=N,N > plain --batch > panel.json's bench_batches > 1,32."""
+    (tmp_path / "panel.json").write_text(json.dumps({"models": [
+        {"name": "r2plus1d_18", "file": "r2plus1d_18.onnx", "bench_batches": [1, 16]},
+        {"name": "resnet50", "file": "resnet50.onnx", "bench_batches": [1, 32]},
+        {"name": "broken", "file": "broken.onnx", "bench_batches": [0, "x"]},
+    ]}))
+    paths = [tmp_path / f"{n}.onnx" for n in ("r2plus1d_18", "resnet50", "broken", "mine")]
+    assert bench_cli.model_batches(paths, []) == {
+        "r2plus1d_18": (1, 16), "resnet50": (1, 32), "broken": (1, 32), "mine": (1, 32)}
+    assert bench_cli.model_batches(paths, ["resnet50=4"]) == {
+        "r2plus1d_18": (1, 16), "resnet50": (4,), "broken": (1, 32), "mine": (1, 32)}
+    assert set(bench_cli.model_batches(paths, ["1,8", "mine=2"]).items()) == {
+        ("r2plus1d_18", (1, 8)), ("resnet50", (1, 8)), ("broken", (1, 8)), ("mine", (2,))}
+    elsewhere = [tmp_path / "sub" / "r2plus1d_18.onnx"]
+    assert bench_cli.model_batches(elsewhere, []) == {"r2plus1d_18": (1, 32)}
+    assert bench_cli.model_batches(elsewhere, [], str(tmp_path / "panel.json")) == {"r2plus1d_18": (1, 16)}
+
+
+def test_every_panel_model_has_its_bench_facts():
+    """What the bench reads about a panel model (batches, input) is declared for every one of them."""
+    panel = contenders.load_export_panel()
+    for name in panel.panel_names():
+        spec = panel.PANEL[name]
+        batches = panel.bench_batches(name)
+        assert batches and all(type(b) is int and b >= 1 for b in batches), name
+        rank = {"image": 4, "latent": 4, "video": 5, "audio": 3}[spec["input_kind"]]
+        assert len(spec["shape"]) == rank and spec["shape"][0] == 1, name
+        assert spec["family"] and spec["builder"], name
+
+
 def test_from_json_renders_and_merges_without_gpu(tmp_path, capsys, monkeypatch):
     doc = _doc()
     a, b = tmp_path / "a.json", tmp_path / "b.json"

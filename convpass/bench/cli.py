@@ -39,7 +39,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("models", nargs="*", metavar="MODEL.onnx", help="models with a symbolic (or matching) batch axis")
     p.add_argument("--batch", action="append", default=[], metavar="N[,N] | NAME=N[,N]",
-                   help="batch sizes (default 1,32); NAME=N[,N] overrides them for the model whose file stem is NAME")
+                   help="batch sizes (default: the model's bench_batches in panel.json, else 1,32); "
+                   "NAME=N[,N] overrides them for the model whose file stem is NAME")
     p.add_argument("--vs", default="ort,torch", help="peers: ort, torch, both (default) or none")
     p.add_argument("--runs", type=int, default=50, help="timed steady-state runs per contender (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before them (default 10)")
@@ -79,6 +80,26 @@ def parse_batches(specs: list[str]) -> tuple[tuple[int, ...], dict[str, tuple[in
         else:
             default = batches
     return default or DEFAULT_BATCHES, per_model
+
+
+def model_batches(paths: list[Path], specs: list[str], panel_json: str | None = None) -> dict[str, tuple[int, ...]]:
+    """The batches of each model (by file stem), first rule that applies: ``--batch NAME=N[,N]``;
+    a plain ``--batch N[,N]``; the model's ``bench_batches`` in its ``panel.json`` (written by
+    ``models/export_panel.py``, which owns the panel's per-model defaults); 1,32."""
+    default, per_model = parse_batches(specs)
+    explicit = any("=" not in spec for spec in specs)
+    out: dict[str, tuple[int, ...]] = {}
+    for path in paths:
+        batches = per_model.get(path.stem)
+        if batches is None and not explicit:
+            from convpass.bench.contenders import panel_entry
+
+            entry, _ = panel_entry(path, panel_json)
+            listed = (entry or {}).get("bench_batches")
+            if isinstance(listed, list) and listed and all(type(b) is int and b >= 1 for b in listed):
+                batches = tuple(dict.fromkeys(listed))
+        out[path.stem] = batches or default
+    return out
 
 
 def parse_vs(text: str) -> tuple[str, ...]:
@@ -163,7 +184,7 @@ def bench_command(args: argparse.Namespace) -> int:
         raise ConvpassError("give one or more MODEL.onnx files (or --from-json FILE.json)")
     if args.runs < 1 or args.warmup < 0:
         raise ConvpassError("--runs must be >= 1 and --warmup >= 0")
-    batches, per_model = parse_batches(list(args.batch))
+    _, per_model = parse_batches(list(args.batch))
     vs = parse_vs(args.vs)
     reason = gpu_unavailable_reason()
     if reason is not None:
@@ -176,6 +197,7 @@ def bench_command(args: argparse.Namespace) -> int:
     unknown = sorted(set(per_model) - {p.stem for p in paths})
     if unknown:
         raise ConvpassError(f"--batch names model(s) not given: {', '.join(unknown)}")
+    batches = model_batches(paths, list(args.batch), args.panel_json)
 
     from convpass.bench import contenders
     from convpass.bench.roofline import measure_peaks
@@ -202,7 +224,7 @@ def bench_command(args: argparse.Namespace) -> int:
     settings = {
         "runs": args.runs,
         "warmup": args.warmup,
-        "batches": {p.stem: list(per_model.get(p.stem, batches)) for p in paths},
+        "batches": {p.stem: list(batches[p.stem]) for p in paths},
         "vs": list(vs),
         "tf32": args.tf32,
         "timing": contenders.TIMING,
@@ -216,7 +238,7 @@ def bench_command(args: argparse.Namespace) -> int:
     module_cache: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="convpass-bench-") as tmp:
         for path in paths:
-            for batch in per_model.get(path.stem, batches):
+            for batch in batches[path.stem]:
                 try:
                     case = contenders.bench_case(
                         path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache,

@@ -24,7 +24,7 @@ cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
 from convpass import annotation  # noqa: E402
-from conftest import MODELS, REPO, conv_model, run_ort  # noqa: E402
+from conftest import MODELS, REPO, conv_model, panel_models, run_ort  # noqa: E402
 from convpass import cudnn  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 import test_cuda_fusion as fusion_cases  # noqa: E402
@@ -33,6 +33,7 @@ SAMPLES = sorted(MODELS.glob("*.onnx"))
 PANEL = REPO / ".panel"
 TF32_TOL = 5e-3
 FMA_TOL = 1e-4
+FP16_NORMAL_MIN = 2.0**-14  # smallest normal float16
 
 
 @pytest.fixture(autouse=True)
@@ -63,11 +64,13 @@ def _feeds(model: onnx.ModelProto, batch: int = 2, seed: int = 1) -> tuple[dict,
     return feeds, shapes
 
 
-def _rel(got, want) -> float:
+def _rel(got, want, floor: float = 0.0) -> float:
+    """Normwise relative error; ``floor`` is the smallest RMS the error is relative to."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape
-    return float(np.linalg.norm((got - want).ravel()) / max(np.linalg.norm(want.ravel()), 1e-30))
+    scale = max(np.linalg.norm(want.ravel()), floor * np.sqrt(want.size), 1e-30)
+    return float(np.linalg.norm((got - want).ravel()) / scale)
 
 
 def _tolerance(tuned: onnx.ModelProto | None) -> float:
@@ -79,11 +82,11 @@ def _tolerance(tuned: onnx.ModelProto | None) -> float:
     return FMA_TOL if fma_only and not (info and info.matmul_allow_tf32) else TF32_TOL
 
 
-def _check_against(outs, refs, tol, what):
+def _check_against(outs, refs, tol, what, floor: float = 0.0):
     assert len(outs) == len(refs)
     for got, want in zip(outs, refs):
         assert isinstance(got, np.ndarray), type(got)
-        err = _rel(got, want)
+        err = _rel(got, want, floor)
         assert err <= tol, f"{what}: normwise relative error {err:.3g} > {tol:g}"
 
 
@@ -494,15 +497,15 @@ def _fp16_probe(ref_model: onnx.ModelProto, model: onnx.ModelProto, feeds: dict)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-@pytest.mark.parametrize(
-    "name",
-    ["resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "r3d_18", "fcn_resnet50",
-     "deeplabv3_mobilenet_v3_large", "dcgan_generator"],
-)
+@pytest.mark.parametrize("name", panel_models())
 def test_panel_model(name, precision, tmp_path):
     """fp16 exports (``export_panel.py --fp16``) are checked against ONNX Runtime CPU running the
     fp32 export (same seeded weights) on the same, fp16-rounded, inputs, normwise 1e-2: the outputs
-    rounded to float16, and one inner conv output (:func:`_fp16_probe`) added as a model output."""
+    rounded to float16, and one inner conv output (:func:`_fp16_probe`) added as a model output.
+    An output below float16's normal range (RMS < 2**-14, e.g. efficientnet_v2_s's random-weight
+    logits, ~1e-6) carries a few percent of rounding error in any float16 computation (PyTorch's
+    own fp16 run of efficientnet_v2_s: 2.9%); its error is taken relative to that floor, and the
+    probe checks the computation at full float16 precision."""
     path = PANEL / (f"{name}_fp16.onnx" if precision == "fp16" else f"{name}.onnx")
     ref_path = PANEL / f"{name}.onnx"
     if not path.exists() or not ref_path.exists():
@@ -513,6 +516,7 @@ def test_panel_model(name, precision, tmp_path):
     feeds, shapes = _feeds(model, batch=2)
     refs = run_ort(ref_model, {k: v.astype(np.float32) for k, v in feeds.items()})
     tol = 1e-2 if precision == "fp16" else None
+    floor = FP16_NORMAL_MIN if precision == "fp16" else 0.0
     if precision == "fp16":
         refs = [r.astype(np.float16) for r in refs]
         if any(np.sqrt(np.mean(np.square(r, dtype=np.float64))) < 1e-2 for r in refs):
@@ -532,7 +536,7 @@ def test_panel_model(name, precision, tmp_path):
     recorded = {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned)}
     assert {(c.algo, str(c.key)) for c in calls} == recorded
     assert all(o.dtype == (np.float16 if precision == "fp16" else np.float32) for o in first)
-    _check_against(first, refs, tol, f"{name} {precision} first run")
+    _check_against(first, refs, tol, f"{name} {precision} first run", floor)
     for i in range(3):
-        _check_against(ex.run(None, feeds), refs, tol, f"{name} {precision} run {i + 2}")
+        _check_against(ex.run(None, feeds), refs, tol, f"{name} {precision} run {i + 2}", floor)
     assert ex.graph_status().captured, ex.graph_status().describe()
