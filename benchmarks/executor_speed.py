@@ -73,8 +73,8 @@ def _steady(model, feeds_dev: dict, cuda_graph: bool, runs: int, fuse: bool = Tr
         ex.run(None, feeds_dev)
         stream.synchronize()
         times.append(time.perf_counter() - t0)
-    state = ex.last_plan.backend_state
-    info = {"captured": bool(state is not None and state.captured), "note": getattr(state, "note", ""), "counters": dict(ex.backend.counters)}
+    status = ex.graph_status()
+    info = {"captured": status.captured is True, "note": status.describe(), "counters": dict(ex.backend.counters)}
     return statistics.median(times) * 1e3, info
 
 
@@ -136,26 +136,19 @@ def _warm_eager(path: Path, batch: int, cache: Path | None) -> tuple[Any, dict[s
     return ex, feeds
 
 
-def _profile_ops(path: Path, batch: int, cache: Path | None, runs: int = 10) -> dict[str, tuple[float, int]]:
-    """GPU time per op type (or fusion) in eager runs: CUDA events around every plan step."""
-    import cupy as cp
+def _profile_ops(path: Path, batch: int, cache: Path | None, runs: int = 10) -> dict[str, Any]:
+    """GPU time per launch in eager runs, by op family: convpass bench's --profile-ops measurement and
+    classification (convpass.bench.opprofile), printed with the launch labels that took the most."""
+    from convpass.bench import opprofile
 
     ex, feeds = _warm_eager(path, batch, cache)
-    ex.backend.step_events = events = []
-    for _ in range(runs):
-        ex.run(None, feeds)
-    cp.cuda.get_current_stream().synchronize()
-    ex.backend.step_events = None
-    per: dict[str, list[float]] = {}
-    for label, _op_type, start, end in events:
-        per.setdefault(label, []).append(cp.cuda.get_elapsed_time(start, end))
-    table = {k: (sum(v) / runs, len(v) // runs) for k, v in per.items()}
-    total = sum(t for t, _ in table.values())
-    print(f"GPU time per op, {path.stem} batch {batch} (eager, CUDA events around each step, mean of {runs} runs; "
-          f"includes launch gaps): {total:.3f} ms")
-    for label, (ms, count) in sorted(table.items(), key=lambda kv: -kv[1][0])[:16]:
-        print(f"  {ms:8.3f} ms  {100 * ms / total:5.1f}%  x{count:<4d} {label}")
-    return table
+    prof = opprofile.profile_executor(ex, feeds, runs=runs)
+    print(f"GPU time per op, {path.stem} batch {batch} ({prof['method']}):")
+    print(f"  {opprofile.summary_line(prof)}")
+    print(f"  {opprofile.family_line(prof)}")
+    for line in opprofile.label_lines(prof, top=16):
+        print(f"  {line}")
+    return prof
 
 
 def _profile_eager(path: Path, batch: int, cache: Path | None) -> None:
@@ -194,7 +187,7 @@ def _table(rows: list[dict]) -> str:
                 f"{r['eager_ms']:.3f}",
                 f"{r['unfused_graph_ms']:.3f}",
                 f"{r['untuned_graph_ms']:.3f}",
-                "yes" if r["graph_captured"] else f"no ({r['graph_note']})",
+                "yes" if r["graph_captured"] else r["graph_note"],
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
@@ -212,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile-eager", action="store_true", help="also print where eager runs spend host time (cProfile)")
-    p.add_argument("--profile-ops", action="store_true", help="also print GPU time per op type for every model and batch")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="also print GPU time per launch for every model and batch: outside convolutions, per op family "
+                   "and per launch label (convpass bench --profile-ops's measurement)")
     args = p.parse_args(argv)
 
     from convpass import device as device_mod
@@ -250,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(rows))
     if args.profile_ops:
         for r in rows:
-            r["ops_ms"] = _profile_ops(args.panel / f"{r['model']}.onnx", r["batch"], args.cache or None)
+            r["op_profile"] = _profile_ops(args.panel / f"{r['model']}.onnx", r["batch"], args.cache or None)
     if args.profile_eager and rows:
         _profile_eager(args.panel / f"{rows[0]['model']}.onnx", rows[0]["batch"], args.cache or None)
     if args.json:

@@ -1,8 +1,11 @@
 """convpass.bench: ``convpass bench``, the tuned executor against ONNX Runtime's CUDA EP and PyTorch.
 
 * :mod:`convpass.bench.report` — the pure logic: timing statistics, correctness verdicts, ratios to
-  the best peer, geometric means, the issue's targets and their verdicts, the text / Markdown
-  tables, the JSON document and its schema check, the optional bar chart (matplotlib, lazily).
+  the best peer, geometric means, the targets (issue 9's per batch group, worst case, CUDA graph
+  capture, op profile; issue 5's cold start) and their verdicts, the text / Markdown tables, the
+  JSON document and its schema check, the optional bar chart (matplotlib, lazily).
+* :mod:`convpass.bench.opprofile` — ``--profile-ops``: the tuned model's GPU time per launch in eager
+  runs, classified by op family (one table), aggregated per case; the text lines it prints.
 * :mod:`convpass.bench.roofline` — the per-model roofline (sum over convs of
   max(FLOPs / peak TF32 rate, bytes / copy bandwidth)) and the GPU peak measurements.
 * :mod:`convpass.bench.contenders` — what runs on the GPU: convpass (optimize + executor), ONNX

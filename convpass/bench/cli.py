@@ -1,11 +1,13 @@
-"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs ort,torch] [--runs N] [--json FILE] [--plot FILE.png]``.
+"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs ort,torch] [--runs N] [--profile-ops] [--json FILE] [--plot FILE.png]``.
 
 One process, one run per model and batch: convpass (optimize, then the executor) against ONNX
 Runtime's CUDA EP in four configurations and PyTorch eager in two, every output checked against
-ONNX Runtime CPU; prints a table per case, the roofline, the summary against the issue's targets
-and a Markdown table; ``--json`` writes everything (device, driver, CUDA, cuDNN, versions, every
-timing), ``--plot`` a bar chart. ``--from-json A.json B.json`` re-renders (and merges) recorded
-runs without a GPU.
+ONNX Runtime CPU; prints a table per case (with whether convpass ran as one captured CUDA graph),
+the roofline, the summary against the targets and a Markdown table; ``--profile-ops`` adds, per
+case, the tuned model's GPU time by op family in eager runs (:mod:`convpass.bench.opprofile`);
+``--json`` writes everything (device, driver, CUDA, cuDNN, versions, every timing), ``--plot`` a
+bar chart. ``--from-json A.json B.json`` re-renders (and merges) recorded runs without a GPU,
+``convpass.bench/1`` documents included.
 
 Exit status: 0 when the benchmark ran (whatever the verdicts); 2 with one line when there is no
 usable GPU; 1 for bad input (``convpass: error: ...``); argparse usage errors exit with 2.
@@ -22,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from convpass.bench import report
+from convpass.bench import opprofile, report
 from convpass.errors import ConvpassError
 
 DEFAULT_BATCHES = (1, 32)
@@ -51,6 +53,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write every result as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.add_argument("--no-roofline", action="store_true", help="do not measure the GPU peaks (no roofline)")
+    p.add_argument("--profile-ops", action="store_true",
+                   help=f"after each case's timed runs, run the tuned model eagerly {opprofile.PROFILE_RUNS} times with CUDA "
+                   "events around every launch: GPU time outside convolutions and per op family")
     p.add_argument("--from-json", nargs="+", metavar="FILE.json",
                    help="no benchmark: print (and with --json / --plot, write) the report of recorded runs, merged")
     p.set_defaults(func=bench_command)
@@ -168,7 +173,7 @@ def _from_json(args: argparse.Namespace) -> int:
             docs.append(json.loads(Path(f).read_text()))
         except (OSError, ValueError) as e:
             raise ConvpassError(f"--from-json {f}: cannot read a bench JSON document ({e})") from None
-        errors = report.validate_document(docs[-1])
+        errors = report.validate_document(docs[-1], recorded=True)
         if errors:
             raise ConvpassError(f"--from-json {f}: not a convpass bench document ({errors[0]})")
     doc = report.merge_documents(docs)
@@ -214,6 +219,10 @@ def bench_command(args: argparse.Namespace) -> int:
         "session creation + first run (incl. its algorithm search); PyTorch = module.to(cuda) + first forward. "
         "All in one process whose CUDA context already exists; convpass's tuning is ahead of time and reported apart.",
     ]
+    if args.profile_ops:
+        notes.append("--profile-ops: GPU time per launch of the tuned model in eager runs (cuda_graph=False, the launches "
+                     "a graph replays), each run queued whole behind a hold kernel so that host launch overhead is not "
+                     "timed; after the case's timed runs, so the steady-state figures are not affected.")
     peaks = None
     if not args.no_roofline:
         log("measuring peaks (TF32 / FP32 matmul, device copy)")
@@ -231,6 +240,7 @@ def bench_command(args: argparse.Namespace) -> int:
         "cache": args.cache,
         "tolerances": {"tf32": report.TOL_TF32, "fp32": report.TOL_FP32, "half": report.TOL_HALF},
         "targets": dict(report.TARGETS),
+        "profile_ops": opprofile.PROFILE_RUNS if args.profile_ops else 0,
         "argv": sys.argv[1:],
     }
     print(report.format_environment(env, settings, peaks), flush=True)
@@ -243,6 +253,7 @@ def bench_command(args: argparse.Namespace) -> int:
                     case = contenders.bench_case(
                         path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache,
                         panel_json=args.panel_json, peaks=peaks, workdir=Path(tmp), module_cache=module_cache, log=log,
+                        profile_runs=settings["profile_ops"],
                     )
                 except contenders.CaseSkipped as e:
                     notes.append(f"{path.stem} b{batch} skipped: {e}")

@@ -22,6 +22,11 @@ before each contender's steady-state runs.
   cudnn.benchmark's search); building the module on the CPU is not counted.
 * Reference: ONNX Runtime's CPU EP on the original model and the same input (the convpass CPU
   executor, said so, when onnxruntime is not installed).
+* convpass's CUDA graph status (``Executor.graph_status()`` after the steady-state runs: one
+  captured graph, or which node stopped the capture and why) is recorded on its contender.
+* ``--profile-ops`` (``profile_runs`` > 0): after every contender's timed runs, the tuned model runs
+  eagerly with CUDA events around each launch (:func:`convpass.bench.opprofile.profile_executor`):
+  GPU time per launch, by op family, recorded as the case's ``op_profile``.
 
 A contender whose runtime is missing comes back as ``unavailable: <reason>``, one that raises as
 ``failed: <error>``; nothing here stops the other contenders.
@@ -47,7 +52,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from convpass.bench import report
+from convpass.bench import opprofile, report
 from convpass.bench.roofline import conv_roofline
 
 ORT_CONFIGS: tuple[tuple[str, int], ...] = (("EXHAUSTIVE", 0), ("EXHAUSTIVE", 1), ("HEURISTIC", 0), ("HEURISTIC", 1))
@@ -417,16 +422,35 @@ def run_convpass(tuned_path: Path, tuning: dict[str, Any], records: Sequence[Map
         warm_gpu()
         times = time_steady(run, device_sync, runs, warmup)
         last_host = [_host(o) for o in last]
+        graph = report.graph_status_record(ex.graph_status())  # known: the plan has run at least twice
     except Exception as e:  # noqa: BLE001
         c = report.contender("convpass", "convpass", config, status="failed", reason=_first_line(e), cold_start_s=cold, tf32=tf32)
         c["tuning"] = tuning
         return c
-    c = report.contender("convpass", "convpass", config, cold_start_s=cold, times_ms=times, tf32=tf32)
+    c = report.contender("convpass", "convpass", config, cold_start_s=cold, times_ms=times, tf32=tf32, cuda_graph=graph)
     c["tuning"] = tuning
     check(c, [first_host, last_host], ref, tf32, dtype)  # the steady-state (graph-replayed) output too
     del ex, last
     free_gpu_memory()
     return c
+
+
+def run_op_profile(tuned_path: Path, dev_feeds: Mapping[str, Any], runs: int) -> dict[str, Any]:
+    """GPU time per launch of the tuned model in eager runs, by op family (the case's ``op_profile``)."""
+    try:
+        from convpass.runtime.executor import Executor
+    except ImportError as e:
+        return opprofile.failed(f"convpass executor cannot be imported: {_first_line(e)}")
+    free_gpu_memory()
+    ex = None
+    try:
+        ex = Executor(os.fspath(tuned_path), device="cuda", cuda_graph=False, output_kind="device")
+        return opprofile.profile_executor(ex, dict(dev_feeds), runs=runs)
+    except Exception as e:  # noqa: BLE001  (reported; the case's other figures stand)
+        return opprofile.failed(_first_line(e))
+    finally:
+        del ex
+        free_gpu_memory()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,8 +635,12 @@ def _first_tensor(y: Any) -> Any:
 
 def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: int, tf32: str, cache: str | None,
                panel_json: str | None, peaks: Mapping[str, Any] | None, workdir: Path,
-               module_cache: dict[str, Any], log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Benchmark one model at one batch; returns the (not yet annotated) case record."""
+               module_cache: dict[str, Any], log: Callable[[str], None] = lambda s: None,
+               profile_runs: int = 0) -> dict[str, Any]:
+    """Benchmark one model at one batch; returns the (not yet annotated) case record.
+
+    ``profile_runs`` > 0: after every contender's timed runs, that many eager runs of the tuned
+    model with a CUDA event pair around each launch (``op_profile``)."""
     model = onnx.load(os.fspath(path), load_external_data=False)
     shapes = input_shapes(model, batch)
     dtypes = {n: str(dt) for n, _, dt in model_inputs(model)}
@@ -622,7 +650,7 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
     case: dict[str, Any] = {
         "model": path.stem, "file": str(path), "batch": batch, "inputs": {n: list(s) for n, s in shapes.items()},
         "dtype": dtype, "reference": None, "contenders": [], "best_peer": None, "best_ort": None, "best_torch": None,
-        "ratios": {}, "roofline": None, "notes": [],
+        "ratios": {}, "roofline": None, "op_profile": None, "notes": [],
     }
     log(f"{path.stem} b{batch}: reference")
     ref, label, note = reference_outputs(path, feeds)
@@ -655,6 +683,10 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
     if "torch" in vs:
         log(f"{path.stem} b{batch}: torch eager x2")
         case["contenders"] += run_torch(path, panel_json, dev_feeds, ref, use_tf32, dtype, runs, warmup, module_cache)
+    if profile_runs > 0:
+        log(f"{path.stem} b{batch}: convpass GPU time per op family (eager x{profile_runs})")
+        case["op_profile"] = (run_op_profile(tuned_path, dev_feeds, profile_runs) if tuned_path.is_file()
+                              else opprofile.failed("no tuned model: convpass optimize failed"))
     del dev_feeds
     for f in workdir.glob(f"{path.stem}.b{batch}.tuned.onnx*"):
         try:
