@@ -11,11 +11,12 @@ The executor and the op library only talk to a :class:`Backend`:
 * ``erf`` — the one special function numpy lacks;
 * ``errstate`` / ``synchronize`` — execution scope and completion;
 * ``compile_plan`` — a hook called once per static plan (input-shape signature): the cuda backend
-  preallocates the buffers the plan's liveness allows it to share, resolves cuDNN algorithms and
-  workspaces from the decisions, and captures the plan into a CUDA graph when asked to.
+  lowers every step to a kernel, plans Concat buffers, resolves cuDNN algorithms and workspaces
+  from the decisions, and captures the plan into CUDA graphs on its next run;
+* ``graph_status`` — whether a compiled plan replays as one CUDA graph.
 
-:class:`CpuBackend` is the NumPy reference. The cuda backend lives in ``convpass.runtime.cuda``
-(``CudaBackend(device=..., cuda_graph=...)``, optional ``unavailable_reason() -> str | None``) and
+:class:`CpuBackend` is the NumPy reference. The cuda backend lives in the package ``convpass.runtime.cuda``
+(``CudaBackend(device=..., cuda_graph=...)``, ``unavailable_reason() -> str | None``) and
 is picked by :func:`convpass.runtime.devices.get_backend` (this module never imports it: the
 dependencies run executor -> devices -> {backends, cuda} -> backends). What it has to provide,
 beyond ``xp = cupy``:

@@ -10,6 +10,7 @@ panel in ``.panel/`` when it was exported there.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -34,6 +35,10 @@ PANEL = REPO / ".panel"
 TF32_TOL = 5e-3
 FMA_TOL = 1e-4
 FP16_NORMAL_MIN = 2.0**-14  # smallest normal float16
+# The panel is checked at batch 1 and tuned into one cache for the whole session (CONVPASS_TUNE_CACHE
+# names a file to keep, e.g. for the benchmark that follows on the same GPU): tuning every model from
+# scratch for the tests alone would cost more device time than the checks themselves.
+PANEL_BATCH = int(os.environ.get("CONVPASS_PANEL_BATCH", "1"))
 
 
 @pytest.fixture(autouse=True)
@@ -513,7 +518,7 @@ def test_panel_model(name, precision, tmp_path):
         pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models {name}{flag})")
     model = onnx.load(path)
     ref_model = onnx.load(ref_path)
-    feeds, shapes = _feeds(model, batch=2)
+    feeds, shapes = _feeds(model, batch=PANEL_BATCH)
     refs = run_ort(ref_model, {k: v.astype(np.float32) for k, v in feeds.items()})
     tol = 1e-2 if precision == "fp16" else None
     floor = FP16_NORMAL_MIN if precision == "fp16" else 0.0
@@ -526,7 +531,7 @@ def test_panel_model(name, precision, tmp_path):
             refs.append(probe_ref)
             path = tmp_path / path.name
             onnx.save(model, path)
-    tuned = convpass.optimize(path, cache=tmp_path / "c.db", shapes=shapes, quiet=True)
+    tuned = convpass.optimize(path, cache=os.environ.get("CONVPASS_TUNE_CACHE") or tmp_path / "c.db", shapes=shapes, quiet=True)
     tol = tol or _tolerance(tuned)
     with warnings.catch_warnings():
         warnings.simplefilter("error", _ExecutorWarning())
