@@ -179,7 +179,7 @@ def test_instance_norm(shape, dtype):
     inits = [_const("s", 1 + 0.1 * rng.standard_normal(c), dtype), _const("b", rng.standard_normal(c), dtype)]
     model = _model([N("InstanceNormalization", ["x", "s", "b"], ["y"], epsilon=1e-5)], [("x", shape)], ["y"], dtype, inits, 17)
     x = (1 + 2 * rng.standard_normal(shape)).astype(dtype)
-    _check(model, {"x": x}, TOL[dtype] * 4, expect_launch="InstanceNormalization kernel")
+    _check(model, {"x": x}, TOL[dtype] * 4, expect_launch="InstanceNormalization")  # kernel or cuDNN by row shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -74,7 +74,7 @@ def _sources(launch: Launch) -> list[compiler.KernelSource]:
     """The kernel sources a hand-written launch needs, so they are compiled at plan time."""
     dtype = launch.dtype
     if isinstance(launch, normalization.NormLaunch):
-        return [normalization.source(dtype)]
+        return [] if launch.use_cudnn else [normalization.source(dtype)]
     if isinstance(launch, pooling.PoolLaunch):
         return [] if launch.use_cudnn else [pooling.source(dtype)]
     if isinstance(launch, tensor_ops.ResizeLaunch):

@@ -4,7 +4,9 @@ Every op here is a reduction over *rows* of a C-contiguous tensor seen as ``(row
 
 * LayerNormalization, any ``axis``: rows = prod(shape[:axis]), L = prod(shape[axis:]); scale and
   bias have the normalized shape (indexed by the column).
-* InstanceNormalization: rows = N * C, L = spatial size; scale and bias per channel.
+* InstanceNormalization: rows = N * C, L = spatial size; scale and bias per channel. Rows of 1-4
+  thousand elements run as cuDNN's batch norm over N * C channels instead (the way frameworks run
+  InstanceNormalization on cuDNN), where it measured faster (:data:`CUDNN_INSTANCE_NORM_KINDS`).
 * GroupNormalization (opset 21: per-channel scale and bias): rows = N * G, L = (C / G) * spatial
   size.
 * Softmax / LogSoftmax over the last axis, and the opset < 13 forms (which flatten ``axis..``):
@@ -322,22 +324,41 @@ def row_norm(cupy: Any, x: Any, g: Any, b: Any | None, *, rows: int, length: int
 # lowering
 
 
+# Row shapes where cuDNN's batch norm ran InstanceNormalization faster than convpass's kernel on an
+# H200 (benchmarks/op_kernels.py: 32x64x3136, 36 us against 42 us); the kernel won by 3-20x on long
+# rows (split launches: GroupNorm(1, C) of 1-D audio models).
+CUDNN_INSTANCE_NORM_KINDS = frozenset({"block_16", "block"})
+
+
 class NormLaunch(Launch):
-    """LayerNormalization / InstanceNormalization / GroupNormalization as :func:`row_norm`."""
+    """LayerNormalization / InstanceNormalization / GroupNormalization as :func:`row_norm`, or as
+    cuDNN's batch norm (:func:`convpass.cudnn.rowwise.instance_norm_rows`) for the
+    InstanceNormalizations it runs faster (:data:`CUDNN_INSTANCE_NORM_KINDS`)."""
 
     def __init__(self, plan: Any, index: int, cupy: Any, geometry: dict[str, Any], scale: int, bias: int) -> None:
         step = plan.steps[index]
-        super().__init__(index, step.node, f"{step.node.op_type} kernel ({norm_kind(geometry['rows'], geometry['length'])})", step.outputs[:1])
+        kind = norm_kind(geometry["rows"], geometry["length"])
+        self.use_cudnn = (
+            step.node.op_type == "InstanceNormalization" and kind in CUDNN_INSTANCE_NORM_KINDS
+            and geometry["eps"] >= _cudnn_min_eps() and plan.template[scale] is not None and plan.template[bias] is not None
+        )
+        super().__init__(index, step.node, f"{step.node.op_type} " + ("(cuDNN)" if self.use_cudnn else f"kernel ({kind})"), step.outputs[:1])
         self.dtype = np.dtype(plan.info(step.inputs[0])[1])
         self.cp = cupy
         self.x = step.inputs[0]
         self.scale, self.bias = scale, bias
         self.geometry = geometry
         self.scratch = None
+        self.rows_params: tuple[Any, Any] | None = None
+        if self.use_cudnn:  # per-row float32 scale / bias: the channel's, repeated for every sample
+            n = geometry["rows"] // geometry["channels"]
+            self.rows_params = tuple(cupy.tile(plan.template[s].reshape(-1).astype(np.float32), n) for s in (scale, bias))
 
     def prepare(self) -> None:
         g = self.geometry
-        if norm_kind(g["rows"], g["length"]) == "split":
+        if self.use_cudnn:
+            self.scratch = self.cp.empty(2 * g["rows"], dtype=np.float32)
+        elif norm_kind(g["rows"], g["length"]) == "split":
             _, chunks = split_chunks(g["rows"], g["length"])
             self.scratch = self.cp.empty(g["rows"] * chunks * 3, dtype=np.float32)
 
@@ -346,12 +367,27 @@ class NormLaunch(Launch):
         x = env[self.x]
         if not x.flags.c_contiguous:
             x = cp.ascontiguousarray(x)
-        g = env[self.scale]
-        b = env[self.bias] if self.bias >= 0 else None
-        g = g if g.flags.c_contiguous else cp.ascontiguousarray(g)
-        b = b if b is None or b.flags.c_contiguous else cp.ascontiguousarray(b)
-        env[self.outputs[0]] = row_norm(cp, x, g, b, eps=self.geometry["eps"], scratch=self.scratch,
-                                        **{k: v for k, v in self.geometry.items() if k != "eps"})
+        g = self.geometry
+        if self.use_cudnn:
+            from convpass import cudnn
+            from convpass.cudnn.rowwise import instance_norm_rows
+
+            y = cp.empty_like(x)
+            instance_norm_rows(x, y, g["rows"], g["length"], self.rows_params[0], self.rows_params[1], g["eps"], self.scratch,
+                               cudnn.get_handle().ptr)
+            env[self.outputs[0]] = y
+            return
+        scale = env[self.scale]
+        bias = env[self.bias] if self.bias >= 0 else None
+        scale = scale if scale.flags.c_contiguous else cp.ascontiguousarray(scale)
+        bias = bias if bias is None or bias.flags.c_contiguous else cp.ascontiguousarray(bias)
+        env[self.outputs[0]] = row_norm(cp, x, scale, bias, eps=g["eps"], scratch=self.scratch, **{k: v for k, v in g.items() if k != "eps"})
+
+
+def _cudnn_min_eps() -> float:
+    from convpass.cudnn.rowwise import MIN_EPSILON
+
+    return MIN_EPSILON
 
 
 def lower_norm(plan: Any, index: int, cupy: Any) -> NormLaunch | None:
