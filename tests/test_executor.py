@@ -678,6 +678,26 @@ def test_cli_run_saves_outputs(tmp_path, capsys):
     assert _run_cli(["run", str(path), "-i", str(tmp_path / "x.npy")]) == 0
 
 
+def test_cli_run_summary_says_whether_the_plan_is_one_cuda_graph(tmp_path, capsys):
+    model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3))
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    assert _run_cli(["run", str(path), "-i", str(tmp_path / "x.npy"), "--device", "cpu", "--summary"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # the CPU backend has no CUDA graphs: said so, before the conv table
+    assert "CUDA graph: n/a (cpu backend)" in lines
+    assert lines.index("CUDA graph: n/a (cpu backend)") < next(i for i, line in enumerate(lines) if line.startswith("node"))
+
+
+def test_graph_status_before_and_after_a_run():
+    ex = Executor(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)))
+    assert ex.graph_status().captured is None and "no plan has run yet" in ex.graph_status().reason
+    ex.run(None, {"x": random_input((1, 3, 8, 8))})
+    status = ex.graph_status()
+    assert status.captured is None and status.describe() == "CUDA graph: n/a (cpu backend)"
+
+
 def test_cli_run_errors(tmp_path):
     from convpass.errors import ConvpassError
 
