@@ -5,6 +5,8 @@ Rules:
 * A profile gives concrete shapes to the model's inputs. Each ``--shape`` option is one profile:
   ``NAME=DIMS[,NAME=DIMS...]`` with DIMS like ``1x3x224x224``; inputs it does not name keep the
   shape the model declares. With no ``--shape`` there is one profile, the model's own shapes.
+  The profile records only concrete input shapes (the executor matches feeds against them): an
+  input it leaves symbolic constrains nothing, and works as long as no conv depends on it.
 * A profile must fit the model: known input names, the declared rank, and fixed dims unchanged.
 * Shapes are propagated with ONNX shape inference with data propagation (so Shape / Gather /
   Concat chains feeding Reshape resolve), and everything it gives is kept. Large initializers are
@@ -228,7 +230,9 @@ class ResolveShapesPass(ir.passes.InPlacePass):
             shapes: dict[str, tuple] = {}
             for name, dims in declared.items():
                 if name not in spec:
-                    if dims is not None:
+                    # A profile records the concrete shapes it was tuned for (the executor matches
+                    # feeds against them); an input left symbolic or unknown constrains nothing.
+                    if dims is not None and all(isinstance(d, int) for d in dims):
                         shapes[name] = dims
                     continue
                 given = spec[name]
@@ -252,8 +256,10 @@ class ResolveShapesPass(ir.passes.InPlacePass):
     def _require(self, node: ir.Node, value: ir.Value, shapes: Mapping[str, tuple], profile: Profile, inputs: Mapping[str, ir.Value]) -> tuple[int, ...]:
         dims = shapes.get(value.name)
         label = node.name or (node.outputs[0].name if node.outputs else node.op_type)
-        symbolic_inputs = {name: dims_ for name, dims_ in profile.inputs.items() if any(not isinstance(d, int) for d in dims_)}
-        missing_inputs = [name for name, v in inputs.items() if name not in profile.inputs]
+        # inputs the profile leaves open: declared with symbolic / unknown dims, or with no shape at all
+        open_inputs = {name: _dims(v.shape) for name, v in inputs.items() if name not in profile.inputs}
+        symbolic_inputs = {name: dims_ for name, dims_ in open_inputs.items() if dims_ is not None}
+        missing_inputs = [name for name, dims_ in open_inputs.items() if dims_ is None]
         hint = ""
         if symbolic_inputs:
             examples = " ".join(

@@ -300,3 +300,22 @@ def test_shape_chains_are_not_value_dependent(shufflenet):
     assert set(causes) == {"nz", "index", "kept", "y"} and causes["y"] == "NonZero 'nz' upstream has a data-dependent output shape"
     causes = value_dependence(load_model(_reshape_by_input_model()))
     assert set(causes) == {"folded", "y"}
+
+
+def test_an_input_left_symbolic_is_not_recorded_in_the_profile():
+    """A second input no conv depends on may stay symbolic: the profile records only the concrete
+    shapes it was tuned for, so the tuned model reads back and runs with any shape of it."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="conv"), helper.make_node("Relu", ["z"], ["zr"], name="relu")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8]), helper.make_tensor_value_info("z", TensorProto.FLOAT, ["m", 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 6, 6]), helper.make_tensor_value_info("zr", TensorProto.FLOAT, ["m", 5])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    tuned = convpass.optimize(model, shapes=["x=2x3x8x8"], quiet=True)
+    info, _ = annotation.read_annotations(tuned)
+    assert [p.inputs for p in info.profiles] == [{"x": (2, 3, 8, 8)}]
+    feeds = {"x": random_input((2, 3, 8, 8)), "z": random_input((7, 5))}
+    _check_tuned(model, tuned, feeds)
