@@ -12,8 +12,9 @@ Rules:
   a graph input too, so new initializers that are not inputs make the model invalid, and ONNX shape
   inference (which at IR 3 only reads initializers that are inputs) then loses every shape behind
   the conv. Listing them as inputs instead would keep IR 3 but make the folded weights overridable
-  inputs, which ONNX Runtime does not treat as constants. IR 4 changed only this rule, and the
-  annotated model needs IR 8 anyway (model-local functions).
+  inputs, which ONNX Runtime does not treat as constants. IR 4 only relaxed this rule (and added
+  the bfloat16 type), ONNX Runtime reads IR 4 to 10, and the annotated model needs IR 8 anyway
+  (model-local functions).
 * A weight that is truly dynamic (a graph input without initializer, or computed from one, or
   through any other op) cannot be tuned ahead of time: the node is marked ``convpass.skip`` with
   the reason, stays a plain standard op, and a warning says so.
