@@ -8,6 +8,13 @@ Rules:
   Squeeze, Unsqueeze, ConstantOfShape or DequantizeLinear is evaluated (with ONNX's reference
   evaluator) and becomes a new initializer that the conv reads; the chain is removed once nothing
   else uses it.
+* Folding into an IR-3 model raises its IR version to 4. IR 3 requires every initializer to be
+  a graph input too, so new initializers that are not inputs make the model invalid, and ONNX shape
+  inference (which at IR 3 only reads initializers that are inputs) then loses every shape behind
+  the conv. Listing them as inputs instead would keep IR 3 but make the folded weights overridable
+  inputs, which ONNX Runtime does not treat as constants. IR 4 only relaxed this rule (and added
+  the bfloat16 type), ONNX Runtime reads IR 4 to 10, and the annotated model needs IR 8 anyway
+  (model-local functions).
 * A weight that is truly dynamic (a graph input without initializer, or computed from one, or
   through any other op) cannot be tuned ahead of time: the node is marked ``convpass.skip`` with
   the reason, stays a plain standard op, and a warning says so.
@@ -32,6 +39,10 @@ logger = logging.getLogger("convpass")
 FOLDABLE_OPS = frozenset(
     {"Constant", "Identity", "Cast", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "ConstantOfShape", "DequantizeLinear"}
 )
+
+
+# From IR version 4 on, initializers need not be graph inputs.
+_MIN_IR_WITHOUT_INPUT_INITIALIZERS = 4
 
 
 class DequantizeLinear(OpRun):
@@ -88,6 +99,8 @@ class FoldConvWeightsPass(ir.passes.InPlacePass):
                 node.replace_input_with(index, folded)
                 modified = True
         if modified:
+            # See the module rules: IR 3 would need every new initializer listed as a graph input.
+            model.ir_version = max(model.ir_version, _MIN_IR_WITHOUT_INPUT_INITIALIZERS)
             ir.passes.common.RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=modified)
 
