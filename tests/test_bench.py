@@ -554,6 +554,15 @@ def test_all_cached_tuning_line():
 # JSON schema
 
 
+def test_merged_parts_of_one_run_keep_every_case_and_each_note_once():
+    a = report.build_document(ENV, SETTINGS, None, [_case("resnet50", 1)], notes=["same note", "part a"])
+    b = report.build_document(ENV, SETTINGS, None, [_case("resnet50", 32)], notes=["same note"])
+    merged = report.merge_documents([a, b])
+    assert [(c["model"], c["batch"]) for c in merged["cases"]] == [("resnet50", 1), ("resnet50", 32)]
+    assert merged["notes"] == ["same note", "part a"]
+    assert merged["summary"]["cases"] == 2
+
+
 def test_document_is_valid_and_round_trips():
     doc = _doc()
     assert report.validate_document(doc) == []

@@ -449,7 +449,7 @@ def merge_documents(docs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise ValueError("nothing to merge")
     first = docs[0]
     cases = [dict(c) for d in docs for c in d.get("cases", [])]
-    notes = [n for d in docs for n in d.get("notes", [])]
+    notes = list(dict.fromkeys(n for d in docs for n in d.get("notes", [])))  # parts of one run share their notes
     devices = {(d.get("environment") or {}).get("device") for d in docs}
     if len(devices) > 1:
         notes.append(f"merged runs from different devices: {', '.join(sorted(map(str, devices)))}; ratios are per run")
