@@ -95,7 +95,3 @@ def unavailable_reason() -> str | None:
     if not _reason_cache:
         _reason_cache.append(_probe())
     return _reason_cache[0]
-
-
-def float_dtype(dtype: Any) -> bool:
-    return np.dtype(dtype) in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))

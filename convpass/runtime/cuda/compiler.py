@@ -18,7 +18,9 @@ import hashlib
 import threading
 from typing import Any
 
-__all__ = ["COMPILATIONS", "KernelSource", "function"]
+import numpy as np
+
+__all__ = ["COMPILATIONS", "DTYPES", "KernelSource", "function", "typed"]
 
 # Compiler options for every source: fast math is off (ONNX semantics: exact exp / division / sqrt).
 OPTIONS = ("-std=c++17",)
@@ -35,6 +37,23 @@ class KernelSource:
     @property
     def digest(self) -> str:
         return hashlib.sha1(self.code.encode()).hexdigest()[:16]
+
+
+# The kernel families are written once over TYPE (storage), LOAD (to float) and STORE (from float);
+# each dtype they run on is one instantiation of those tokens, with its header.
+_TYPE_TOKENS: dict[np.dtype, dict[str, str]] = {
+    np.dtype(np.float32): {"#HEADER": "", "TYPE": "float", "LOAD": "", "STORE": ""},
+    np.dtype(np.float16): {"#HEADER": "#include <cuda_fp16.h>", "TYPE": "__half", "LOAD": "__half2float", "STORE": "__float2half_rn"},
+}
+DTYPES = frozenset(_TYPE_TOKENS)  # the dtypes hand-written kernels run on (float32 math inside)
+
+
+def typed(family: str, code: str, entries: tuple[str, ...], dtype: Any) -> KernelSource:
+    """``code`` (written over TYPE / LOAD / STORE, with a ``#HEADER`` line) for ``dtype``."""
+    dtype = np.dtype(dtype)
+    for token, text in _TYPE_TOKENS[dtype].items():
+        code = code.replace(token, text)
+    return KernelSource(f"convpass_{family}_{dtype.name}", code, entries)
 
 
 COMPILATIONS: list[str] = []  # names of the sources compiled in this process, in order

@@ -197,9 +197,3 @@ def _conv_notes(rt: Any, plan: Any, launches: list[Launch | None]) -> None:
             f"the recorded cuDNN choices are not used; {len(mismatch)} convolution(s) run cuDNN's heuristic choice "
             f"(NCHW, recorded math mode): {listing(mismatch)}; re-tune on this GPU with `convpass optimize`",
         )
-
-
-def describe(state: CompiledPlan) -> str:
-    """One line per launch: what runs, for debugging and ``plan.backend_state`` readers."""
-    return "\n".join(f"{launch.step:4d} {launch.describe()}" for launch in state.launch_list())
-

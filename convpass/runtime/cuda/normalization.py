@@ -247,11 +247,7 @@ extern "C" __global__ void norm_apply(NORM_PARAMS, const float* partial, long lo
 
 """
 
-_VARIANTS = {
-    np.dtype(np.float32): {"#HEADER": "", "TYPE": "float", "LOAD": "", "STORE": ""},
-    np.dtype(np.float16): {"#HEADER": "#include <cuda_fp16.h>", "TYPE": "__half", "LOAD": "__half2float", "STORE": "__float2half_rn"},
-}
-NORM_DTYPES = frozenset(_VARIANTS)
+NORM_DTYPES = compiler.DTYPES
 _WARP_VALS = (1, 2, 4, 8, 16, 32)  # norm_warp_<n>: n values per lane, rows up to 32 * n
 _BLOCK_VALS = 16  # norm_block_16: rows up to 256 * 16 cached in registers
 _ENTRIES = tuple(f"norm_warp_{n}" for n in _WARP_VALS) + ("norm_block_16", "norm_block", "norm_partial", "norm_apply")
@@ -259,11 +255,7 @@ _ENTRIES = tuple(f"norm_warp_{n}" for n in _WARP_VALS) + ("norm_block_16", "norm
 
 def source(dtype: Any) -> compiler.KernelSource:
     """The kernels' source for ``dtype`` (float32 or float16)."""
-    dtype = np.dtype(dtype)
-    code = _SOURCE
-    for token, text in _VARIANTS[dtype].items():
-        code = code.replace(token, text)
-    return compiler.KernelSource(f"convpass_rows_{dtype.name}", code, _ENTRIES)
+    return compiler.typed("rows", _SOURCE, _ENTRIES, dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,20 +101,12 @@ extern "C" __global__ void pool_window(
 }
 """
 
-_VARIANTS = {
-    np.dtype(np.float32): {"#HEADER": "", "TYPE": "float", "LOAD": "", "STORE": ""},
-    np.dtype(np.float16): {"#HEADER": "#include <cuda_fp16.h>", "TYPE": "__half", "LOAD": "__half2float", "STORE": "__float2half_rn"},
-}
-POOL_DTYPES = frozenset(_VARIANTS)
+POOL_DTYPES = compiler.DTYPES
 _MODES = {"max": 0, "average": 1, "lp": 2}
 
 
 def source(dtype: Any) -> compiler.KernelSource:
-    dtype = np.dtype(dtype)
-    code = _SOURCE
-    for token, text in _VARIANTS[dtype].items():
-        code = code.replace(token, text)
-    return compiler.KernelSource(f"convpass_pool_{dtype.name}", code, ("pool_window",))
+    return compiler.typed("pool", _SOURCE, ("pool_window",), dtype)
 
 
 def _pad3(values: tuple[int, ...] | list[int], fill: int) -> tuple[int, ...]:

@@ -63,19 +63,11 @@ extern "C" __global__ void resize_2d(
 }
 """
 
-_VARIANTS = {
-    np.dtype(np.float32): {"#HEADER": "", "TYPE": "float", "LOAD": "", "STORE": ""},
-    np.dtype(np.float16): {"#HEADER": "#include <cuda_fp16.h>", "TYPE": "__half", "LOAD": "__half2float", "STORE": "__float2half_rn"},
-}
-RESIZE_DTYPES = frozenset(_VARIANTS)
+RESIZE_DTYPES = compiler.DTYPES
 
 
 def source(dtype: Any) -> compiler.KernelSource:
-    dtype = np.dtype(dtype)
-    code = _SOURCE
-    for token, text in _VARIANTS[dtype].items():
-        code = code.replace(token, text)
-    return compiler.KernelSource(f"convpass_resize_{dtype.name}", code, ("resize_2d",))
+    return compiler.typed("resize", _SOURCE, ("resize_2d",), dtype)
 
 
 def resize_taps(kind: str | None, table: Any, in_len: int, out_len: int) -> tuple[np.ndarray, np.ndarray]:
