@@ -75,8 +75,9 @@ def _optimize(args: argparse.Namespace) -> int:
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list every convolution of a model and its recorded decisions")
+    p = sub.add_parser("inspect", help="list every convolution of a model and its recorded decisions, per device")
     p.add_argument("model")
+    p.add_argument("--device", metavar="NAME", help="only the decisions for devices matching NAME (e.g. H100, or a full fingerprint)")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON list")
     p.set_defaults(func=_inspect)
 
@@ -92,18 +93,26 @@ def _fmt(value, unit: str = "") -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from convpass.pipeline import inspect
 
-    records = inspect(args.model)
+    records = inspect(args.model, device=args.device)
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
-    table = Table(title=f"{args.model}: {len({r['node'] for r in records})} convolutions")
-    for col in ("node", "op", "profile", "algo", "format", "math", "tf32", "workspace", "time", "source", "problem key"):
+    devices = list(dict.fromkeys(r["device"] for r in records if r["device"]))
+    title = f"{args.model}: {len({r['node'] for r in records})} convolutions"
+    if len(devices) == 1:
+        title += f", decisions for {devices[0]}"
+    elif devices:
+        title += f", decisions for {len(devices)} devices"
+    table = Table(title=title)
+    columns = ["node", "op"] + (["device"] if len(devices) > 1 else []) + [
+        "profile", "algo", "format", "math", "tf32", "workspace", "time", "source", "problem key"]
+    for col in columns:
         table.add_column(col, overflow="fold")
     for r in records:
-        table.add_row(
-            r["node"], r["op"], _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r["memory_format"]), _fmt(r["math_mode"]),
-            _fmt(r["tf32"]), _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-",
-        )
+        row = [r["node"], r["op"]] + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
+            _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
+            _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
+        table.add_row(*row)
     Console(width=200).print(table)
     return 0
 
