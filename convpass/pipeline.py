@@ -55,6 +55,7 @@ class OptimizeReport:
     conv_time_ms: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
     layout_plans: dict[str, Any] = dataclasses.field(default_factory=dict)  # profile -> LayoutPlan
     layout_mode: str | None = None  # what --layout auto became when it could not plan
+    by_device: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # device -> (decided, undecided)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -115,6 +116,8 @@ def decide_and_annotate(
         decided = sum(1 for c in choices.values() if c is not None)
         report.decided += decided
         report.undecided += len(problems) - decided
+        if backend.device is not None:
+            report.by_device[str(backend.device)] = (decided, len(problems) - decided)
         overrides = _plan_layouts(model, backend, options, uses, report)
         _tuning_summary(report, backend, uses, overrides)
         tables.append(DeviceChoices(choices, overrides))
@@ -279,7 +282,8 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         console.print(f"  wrote {output}")
 
 
-def _options(kwargs: dict[str, Any]) -> TuneOptions:
+def build_options(kwargs: dict[str, Any]) -> TuneOptions:
+    """TuneOptions from the Python API's / CLI's keyword values (sizes and lists as text allowed)."""
     kw = dict(kwargs)
     if "workspace_limit" in kw:
         kw["workspace_limit"] = parse_size(kw["workspace_limit"])
@@ -311,7 +315,7 @@ def optimize(
     (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad").
     ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
     """
-    tune_options = _options(options)
+    tune_options = build_options(options)
     console = Console(stderr=True, quiet=quiet, soft_wrap=True)
     if output is not None and not Path(output).resolve().parent.is_dir():
         raise ConvpassError(f"output directory {Path(output).parent} does not exist")
