@@ -37,7 +37,8 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                           help="one profile per batch size, the first dim of every input (as convpass bench); "
                           "NAME=N[,N] for the model whose file stem is NAME")
     p.add_argument("--cluster", default="local",
-                   help="local (default: one worker process per local GPU), ray (RAY_ADDRESS or a local Ray), "
+                   help="local (default: one worker process per local GPU), ray (RAY_ADDRESS, else the Ray cluster last started "
+                   "on this machine, else a new local Ray), "
                    "or ray://HOST:PORT; Ray needs pip install 'convpass[fleet]'")
     p.add_argument("--devices", default="", metavar="NAME[,NAME]",
                    help="device types to tune for, e.g. h100,h200 (default: every GPU type in the cluster); a name "

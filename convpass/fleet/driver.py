@@ -27,7 +27,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +254,8 @@ def _count(values) -> dict[str, int]:
 
 
 def make_executor(cluster: str) -> sched.Executor:
-    """``local`` | ``ray`` (``ray.init()``'s default: ``RAY_ADDRESS`` or a local Ray) | ``ray://HOST:PORT``."""
+    """``local`` | ``ray`` (``ray.init()``'s default: ``RAY_ADDRESS``, else the cluster last started on
+    this machine, else a new local Ray) | ``ray://HOST:PORT``."""
     if cluster == "local":
         from convpass.fleet.local import LocalExecutor
 
@@ -280,7 +281,7 @@ def tune(
     retries: int = 2,
     task_timeout: float | None = None,
     console: Console | None = None,
-    on_progress: Any = None,
+    on_progress: Callable[[sched.Progress], None] | None = None,
 ) -> FleetReport:
     """Tune every model for every target device on a cluster (the module docstring's steps).
 

@@ -18,7 +18,8 @@ nothing else in convpass does, so convpass without Ray works.
   SQLite file is shared between hosts. convpass must be installed on every node.
 
 A Ray runtime already initialized in the driver process is used as it is and left running;
-otherwise ``ray.init(address)`` connects (``address=None``: ``RAY_ADDRESS`` or a new local Ray)
+otherwise ``ray.init(address)`` connects (``address=None``: ``RAY_ADDRESS``, else the cluster last
+started on this machine, else a new local Ray)
 and :meth:`RayExecutor.shutdown` disconnects.
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from convpass.errors import ConvpassError
 from convpass.fleet.measurers import Measurer
 from convpass.fleet.scheduler import Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
 from convpass.fleet.worker import WorkerCore, describe
@@ -74,7 +76,11 @@ class RayExecutor:
     def start(self, measurer: Measurer) -> tuple[list[Slot], list[str]]:
         self._measurer = measurer
         if not ray.is_initialized():
-            ray.init(address=self.address)
+            try:
+                ray.init(address=self.address)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ConvpassError(f"--cluster {self.address or 'ray'}: cannot start or reach Ray: {first}") from None
             self._connected_here = True
         resource = "GPU" if measurer.needs_gpu else "CPU"
         placements = []

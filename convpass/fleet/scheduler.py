@@ -186,8 +186,12 @@ class Scheduler:
 
     def run(self, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str] = ()) -> ScheduleResult:
         """Run ``tasks`` on the executor's started ``slots`` until each finished or failed."""
-        run = _Run(self, tasks, slots, not_started)
         started = time.perf_counter()
+        try:
+            run = _Run(self, tasks, slots, not_started)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         try:
             run.loop()
         except KeyboardInterrupt:
