@@ -20,7 +20,7 @@ from rich.console import Console
 import convpass
 from convpass import device as device_mod
 from convpass.annotation import ModelInfo, Profile, SCHEMA_VERSION
-from convpass.decide import CacheBackend, Choice, DecisionBackend, choice_from, select
+from convpass.decide import CacheBackend, DecisionBackend, choice_from, select
 from convpass.errors import ConvpassError
 from convpass.model_io import load_model, save_model, to_proto
 from convpass.options import TuneOptions, parse_directions, parse_size

@@ -10,7 +10,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from conftest import REPO  # noqa: E402
-from convpass.fleet.measurers import RecordedMeasurer  # noqa: E402
 from convpass.fleet.ray_cluster import RayExecutor  # noqa: E402
 from fleet_faults import KilledMidTask  # noqa: E402
 from recorded import H200  # noqa: E402

@@ -389,7 +389,7 @@ def print_report(report: FleetReport, console: Console) -> None:
         + (f" ({report.seconds['tune']:.1f} s)" if "tune" in report.seconds else "")
     )
     for lost in doc["workers_lost"]:
-        console.print(f"  [yellow]worker lost[/] {lost['slot']}: {lost['reason']} (its problem ran again)")
+        console.print(f"  [yellow]worker lost[/] {lost['slot']}: {lost['reason']}")
     for sid, why in doc["slots_retired"].items():
         console.print(f"  [yellow]retired[/] {sid}: {why}")
     for f in doc["failed"]:
