@@ -3,7 +3,7 @@
 This module is the only place that knows the format; the annotate pass writes through it, and
 ``inspect``, the executor and everything else read through it.
 
-Format (schema version 1)
+Format (schema version 2)
 -------------------------
 * Every tuned ``Conv`` / ``ConvTranspose`` node is the same op in domain ``ai.convpass``, with all
   its original attributes unchanged, plus the decision attributes below.
@@ -12,8 +12,12 @@ Format (schema version 1)
   through by reference, so ``onnx.checker.check_model(full_check=True)`` accepts the model and ONNX
   Runtime runs it unchanged. The model imports ``ai.convpass`` version 1 and keeps an IR version that
   allows model-local functions (>= 8).
-* Decision attributes, one value per shape profile (a scalar with one profile, a list in the order
-  of the ``convpass.profiles`` metadata with several):
+* **Per-device tables.** A model holds one decision table per device fingerprint it was tuned for
+  (``convpass.devices``, in table order; one table with no device when nothing could be measured
+  or looked up, and then every decision is ``auto``). A table has one decision per shape profile
+  (``convpass.profiles``). Each decision attribute holds one value per (table, profile), device-major:
+  entry ``t * n_profiles + p`` is table ``t``'s decision for profile ``p``; a single entry is
+  written as a scalar.
 
   ``algo``            algorithm that runs the node: the forward algorithm of a Conv, the
                       backward-data algorithm of a ConvTranspose; ``"auto"`` = chosen at run time
@@ -29,9 +33,20 @@ Format (schema version 1)
                       ``forced``, ``cache`` or ``auto`` (not decided)
 
 * Model metadata (``metadata_props``): ``convpass.schema_version``, ``convpass.version``,
-  ``convpass.device`` (fingerprint, empty when none), ``convpass.cudnn_version``, ``convpass.mode``,
+  ``convpass.devices`` (JSON list of device fingerprints, one per table), ``convpass.mode``,
   ``convpass.profiles`` (JSON), ``convpass.matmul_allow_tf32`` (``0``/``1``: MindSpore's
   ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.options`` (JSON of the options used).
+
+Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
+version in ``convpass.cudnn_version``; one value per profile. It reads as one table.
+
+Reading for a device
+--------------------
+:func:`read_annotations` with ``device=`` returns that device's table. For a device the model has
+no table for it returns the first table and a :class:`ModelInfo` whose ``device`` names the device
+that table belongs to, so a caller that compares ``ModelInfo.device`` with its own GPU (the CUDA
+executor does) sees the mismatch and runs cuDNN's heuristic with one warning, as it does for any
+model tuned elsewhere. ``device=None`` reads the first table.
 """
 
 from __future__ import annotations
@@ -45,9 +60,12 @@ from typing import Any
 import onnx
 from onnx import helper
 
+from convpass.device import DeviceFingerprint
+
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 CONV_OPS = ("Conv", "ConvTranspose")
 
 # Lowest IR version with model-local functions; and the highest ONNX Runtime 1.31 reads.
@@ -140,7 +158,12 @@ class Profile:
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """Model-level convpass metadata."""
+    """Model-level convpass metadata.
+
+    ``devices`` lists the fingerprint of every decision table, in table order; ``device`` is the
+    one whose table was read (the first by default, "" when the model has no device) and
+    ``cudnn_version`` its cuDNN version. Given only ``device``, ``devices`` is ``(device,)``.
+    """
 
     schema_version: int
     convpass_version: str
@@ -150,15 +173,59 @@ class ModelInfo:
     profiles: tuple[Profile, ...]
     matmul_allow_tf32: bool
     options: Mapping[str, Any]
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.devices and self.device:
+            object.__setattr__(self, "devices", (self.device,))
+        if self.device not in self.devices and (self.device or self.devices):
+            raise ValueError(f"ModelInfo.device {self.device!r} is not one of its devices {list(self.devices)}")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"ModelInfo.devices lists a device twice: {list(self.devices)}")
+
+    @property
+    def tables(self) -> int:
+        """How many decision tables each annotated node holds."""
+        return max(1, len(self.devices))
+
+    def table_of(self, device: DeviceFingerprint | str) -> int | None:
+        """The index of ``device``'s table (fingerprints compared exactly), or None."""
+        wanted = _canonical_device(str(device))
+        for i, d in enumerate(self.devices):
+            if _canonical_device(d) == wanted:
+                return i
+        return None
+
+    def for_table(self, table: int) -> "ModelInfo":
+        """This metadata with ``device`` (and its cuDNN version) naming table ``table``'s device."""
+        device = self.devices[table] if self.devices else ""
+        return dataclasses.replace(self, device=device, cudnn_version=_cudnn_of(device))
 
 
 @dataclasses.dataclass(frozen=True)
 class NodeAnnotation:
-    """The decisions recorded on one conv node, one per profile."""
+    """The decisions recorded on one conv node: ``decisions`` is the read table (one per profile),
+    ``tables`` every table, in ``ModelInfo.devices`` order."""
 
     node_name: str
     op_type: str
     decisions: tuple[ConvDecision, ...]
+    tables: tuple[tuple[ConvDecision, ...], ...] = ()
+
+
+def _canonical_device(text: str) -> str:
+    try:
+        return str(DeviceFingerprint.parse(text))
+    except ValueError:
+        return text
+
+
+def _cudnn_of(device: str) -> str:
+    """The cuDNN version of a fingerprint as written in metadata (``91900``), "" without one."""
+    try:
+        return str(DeviceFingerprint.parse(device).cudnn_version)
+    except ValueError:
+        return ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,9 +233,10 @@ class NodeAnnotation:
 
 
 def decision_attributes(decisions: Sequence[ConvDecision]) -> dict[str, Any]:
-    """The decision attributes (name -> Python value) encoding one node's per-profile decisions."""
+    """The decision attributes (name -> Python value) encoding one node's decisions: one per
+    (table, profile), device-major (a single table: one per profile)."""
     if not decisions:
-        raise ValueError("a conv needs at least one decision (one per profile)")
+        raise ValueError("a conv needs at least one decision (one per table and profile)")
     for d in decisions:
         if d.source not in SOURCES:
             raise ValueError(f"unknown decision source {d.source!r}")
@@ -214,12 +282,11 @@ def conv_function(op_type: str, opset_version: int) -> onnx.FunctionProto:
 
 
 def metadata_entries(info: ModelInfo) -> dict[str, str]:
-    """Model metadata (key -> value) for a tuned model."""
+    """Model metadata (key -> value) for a tuned model, in the current schema."""
     return {
-        f"{META_PREFIX}schema_version": str(info.schema_version),
+        f"{META_PREFIX}schema_version": str(SCHEMA_VERSION),
         f"{META_PREFIX}version": info.convpass_version,
-        f"{META_PREFIX}device": info.device,
-        f"{META_PREFIX}cudnn_version": info.cudnn_version,
+        f"{META_PREFIX}devices": json.dumps(list(info.devices)),
         f"{META_PREFIX}mode": info.mode,
         f"{META_PREFIX}profiles": json.dumps([p.to_json() for p in info.profiles]),
         f"{META_PREFIX}matmul_allow_tf32": "1" if info.matmul_allow_tf32 else "0",
@@ -236,7 +303,8 @@ def is_annotated_conv(node: onnx.NodeProto) -> bool:
 
 
 def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
-    """The convpass metadata of a model, or None if it was never tuned by convpass.
+    """The convpass metadata of a model (``device`` = its first table's), or None if it was never
+    tuned by convpass.
 
     Raises AnnotationError for a schema this version cannot read.
     """
@@ -253,7 +321,7 @@ def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
             f"model was tuned by a newer convpass (annotation schema {version}; this convpass reads up to "
             f"{SCHEMA_VERSION}): upgrade convpass or re-run `convpass optimize` on the original model"
         )
-    if version < SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise AnnotationError(
             f"model was tuned with annotation schema {version}, which this convpass no longer reads: "
             "re-run `convpass optimize` on the original model"
@@ -261,41 +329,56 @@ def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
     try:
         profiles = tuple(Profile.from_json(p) for p in json.loads(meta.get(f"{META_PREFIX}profiles", "[]")))
         options = json.loads(meta.get(f"{META_PREFIX}options", "{}"))
+        if version == 1:
+            one = meta.get(f"{META_PREFIX}device", "")
+            devices: tuple[str, ...] = (one,) if one else ()
+        else:
+            listed = json.loads(meta.get(f"{META_PREFIX}devices", "[]"))
+            if not isinstance(listed, list) or not all(isinstance(d, str) and d for d in listed):
+                raise ValueError(f"convpass.devices must be a list of fingerprints, got {listed!r}")
+            devices = tuple(listed)
+        info = ModelInfo(
+            schema_version=version,
+            convpass_version=meta.get(f"{META_PREFIX}version", ""),
+            device=devices[0] if devices else "",
+            cudnn_version=_cudnn_of(devices[0] if devices else ""),
+            mode=meta.get(f"{META_PREFIX}mode", ""),
+            profiles=profiles,
+            matmul_allow_tf32=meta.get(f"{META_PREFIX}matmul_allow_tf32", "0") == "1",
+            options=options,
+            devices=devices,
+        )
     except (ValueError, KeyError, TypeError) as e:
         raise AnnotationError(f"convpass metadata is damaged: {e}") from None
-    return ModelInfo(
-        schema_version=version,
-        convpass_version=meta.get(f"{META_PREFIX}version", ""),
-        device=meta.get(f"{META_PREFIX}device", ""),
-        cudnn_version=meta.get(f"{META_PREFIX}cudnn_version", ""),
-        mode=meta.get(f"{META_PREFIX}mode", ""),
-        profiles=profiles,
-        matmul_allow_tf32=meta.get(f"{META_PREFIX}matmul_allow_tf32", "0") == "1",
-        options=options,
-    )
+    return info
 
 
-def read_node(node: onnx.NodeProto, n_profiles: int) -> NodeAnnotation:
-    """The per-profile decisions recorded on an annotated conv node."""
+def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: int = 0) -> NodeAnnotation:
+    """The decisions recorded on an annotated conv node: table ``table`` of ``n_tables``, one
+    decision per profile, in ``decisions``; every table in ``tables``."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in DECISION_ATTRIBUTES}
     name = node.name or node.output[0]
+    entries = n_tables * n_profiles
 
-    def per_profile(key: str, default: Any) -> list[Any]:
+    def per_entry(key: str, default: Any) -> list[Any]:
         if key not in attrs:
-            return [default] * n_profiles
+            return [default] * entries
         value = attrs[key]
         if isinstance(value, (list, tuple)):
-            if len(value) != n_profiles:
-                raise AnnotationError(f"node {name!r}: {key} has {len(value)} entries for {n_profiles} profiles")
+            if len(value) != entries:
+                shape = f"{n_profiles} profiles" if n_tables == 1 else f"{n_tables} device tables x {n_profiles} profiles"
+                raise AnnotationError(f"node {name!r}: {key} has {len(value)} entries for {shape}")
             values = list(value)
         else:
-            values = [value] * n_profiles
+            values = [value] * entries
         return [v.decode() if isinstance(v, bytes) else v for v in values]
 
     if "algo" not in attrs:
         raise AnnotationError(f"node {name!r} is in domain {DOMAIN} but has no 'algo' attribute")
+    if not 0 <= table < n_tables:
+        raise ValueError(f"table {table} of {n_tables}")
     cols = {
-        key: per_profile(key, default)
+        key: per_entry(key, default)
         for key, default in [
             ("algo", AUTO),
             ("memory_format", AUTO),
@@ -308,7 +391,7 @@ def read_node(node: onnx.NodeProto, n_profiles: int) -> NodeAnnotation:
             ("wgrad_algo", None),
         ]
     }
-    decisions = tuple(
+    decisions = [
         ConvDecision(
             algo=cols["algo"][i],
             memory_format=cols["memory_format"][i],
@@ -320,19 +403,27 @@ def read_node(node: onnx.NodeProto, n_profiles: int) -> NodeAnnotation:
             dgrad_algo=cols["dgrad_algo"][i],
             wgrad_algo=cols["wgrad_algo"][i],
         )
-        for i in range(n_profiles)
-    )
-    return NodeAnnotation(node_name=name, op_type=node.op_type, decisions=decisions)
+        for i in range(entries)
+    ]
+    tables = tuple(tuple(decisions[t * n_profiles:(t + 1) * n_profiles]) for t in range(n_tables))
+    return NodeAnnotation(node_name=name, op_type=node.op_type, decisions=tables[table], tables=tables)
 
 
-def read_annotations(model: onnx.ModelProto) -> tuple[ModelInfo | None, list[NodeAnnotation]]:
-    """Model metadata and every annotated conv node of the main graph, in graph order."""
+def read_annotations(
+    model: onnx.ModelProto, device: DeviceFingerprint | str | None = None
+) -> tuple[ModelInfo | None, list[NodeAnnotation]]:
+    """Model metadata and every annotated conv node of the main graph, in graph order, with the
+    decisions of ``device``'s table (see "Reading for a device" in the module docstring)."""
     info = read_model_info(model)
     annotated = [n for n in model.graph.node if is_annotated_conv(n)]
     if annotated and info is None:
         raise AnnotationError(f"model has {DOMAIN} convolutions but no convpass metadata")
-    n_profiles = max(1, len(info.profiles)) if info else 1
-    return info, [read_node(n, n_profiles) for n in annotated]
+    if info is None:
+        return None, []
+    table = (info.table_of(device) if device is not None else None) or 0
+    info = info.for_table(table)
+    n_profiles = max(1, len(info.profiles))
+    return info, [read_node(n, n_profiles, info.tables, table) for n in annotated]
 
 
 def standard_attributes(node: onnx.NodeProto) -> list[onnx.AttributeProto]:

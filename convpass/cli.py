@@ -1,4 +1,4 @@
-"""The ``convpass`` command line: optimize, inspect, run, cache, bench.
+"""The ``convpass`` command line: optimize, tune, inspect, run, cache, bench.
 
 Errors about the user's input are printed as one line (``convpass: error: ...``) with exit code 1;
 argparse's own usage errors exit with 2.
@@ -20,6 +20,38 @@ import convpass
 from convpass.errors import ConvpassError
 
 
+def add_decision_options(p: argparse.ArgumentParser, layout_default: str, layout_help: str) -> None:
+    """The options that say how decisions are taken: shared by ``optimize`` and ``tune``."""
+    p.add_argument("--mode", default="measure", choices=["heuristic", "exhaustive", "measure"],
+                   help="heuristic: cuDNN's first choice (MindSpore 'normal'); exhaustive: cuDNN's Find "
+                   "(MindSpore 'performance'); measure: convpass's own timing harness (default)")
+    p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or $XDG_CACHE_HOME/convpass/tuning.db)")
+    for flag, what in (("--fprop-algo", "forward"), ("--dgrad-algo", "backward-data"), ("--wgrad-algo", "backward-filter")):
+        p.add_argument(flag, metavar="NAME", help=f"{what} algorithm: normal, performance or a cuDNN algorithm name")
+    p.add_argument("--tf32", default="auto", help="TF32 for float32 convs: auto (measure both), on, off")
+    p.add_argument("--layout", default=layout_default, help=layout_help)
+    p.add_argument("--matmul-tf32", default="off", choices=["on", "off"], help="TF32 for Gemm / MatMul (MindSpore matmul_allow_tf32)")
+    p.add_argument("--workspace-limit", metavar="SIZE", help="largest workspace an algorithm may use, e.g. 256MiB")
+    p.add_argument("--deterministic", action="store_true", help="only deterministic algorithms")
+    p.add_argument("--directions", default="fwd", help="fwd, or fwd,dgrad,wgrad to also tune training passes of Conv")
+
+
+def decision_options(args: argparse.Namespace) -> dict:
+    """The values of :func:`add_decision_options` as keyword arguments of ``optimize``."""
+    return dict(
+        mode=args.mode,
+        fprop_algo=args.fprop_algo,
+        dgrad_algo=args.dgrad_algo,
+        wgrad_algo=args.wgrad_algo,
+        tf32=args.tf32,
+        layout=args.layout,
+        matmul_tf32=args.matmul_tf32,
+        workspace_limit=args.workspace_limit,
+        deterministic=args.deterministic,
+        directions=args.directions,
+    )
+
+
 def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "optimize",
@@ -31,21 +63,12 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, help="where to write the tuned model (written atomically)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS[,NAME=DIMS]",
                    help="a shape profile, e.g. input=1x3x224x224; repeat for several profiles (batch 1 and 32)")
-    p.add_argument("--mode", default="measure", choices=["heuristic", "exhaustive", "measure"],
-                   help="heuristic: cuDNN's first choice (MindSpore 'normal'); exhaustive: cuDNN's Find "
-                   "(MindSpore 'performance'); measure: convpass's own timing harness (default)")
-    p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or $XDG_CACHE_HOME/convpass/tuning.db)")
     p.add_argument("--device-name", help="take decisions from the cache for this GPU (e.g. H200) instead of measuring")
-    for flag, what in (("--fprop-algo", "forward"), ("--dgrad-algo", "backward-data"), ("--wgrad-algo", "backward-filter")):
-        p.add_argument(flag, metavar="NAME", help=f"{what} algorithm: normal, performance or a cuDNN algorithm name")
-    p.add_argument("--tf32", default="auto", help="TF32 for float32 convs: auto (measure both), on, off")
-    p.add_argument("--layout", default="auto",
-                   help="memory format: auto (whole-graph plan: conv times + transposes), per-conv (each conv its "
-                   "own best, transposes ignored), nchw, nhwc")
-    p.add_argument("--matmul-tf32", default="off", choices=["on", "off"], help="TF32 for Gemm / MatMul (MindSpore matmul_allow_tf32)")
-    p.add_argument("--workspace-limit", metavar="SIZE", help="largest workspace an algorithm may use, e.g. 256MiB")
-    p.add_argument("--deterministic", action="store_true", help="only deterministic algorithms")
-    p.add_argument("--directions", default="fwd", help="fwd, or fwd,dgrad,wgrad to also tune training passes of Conv")
+    add_decision_options(
+        p, "auto",
+        "memory format: auto (whole-graph plan: conv times + transposes), per-conv (each conv its own best, "
+        "transposes ignored), nchw, nhwc",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     p.set_defaults(func=_optimize)
 
@@ -60,23 +83,15 @@ def _optimize(args: argparse.Namespace) -> int:
         cache=args.cache,
         device_name=args.device_name,
         quiet=args.quiet,
-        mode=args.mode,
-        fprop_algo=args.fprop_algo,
-        dgrad_algo=args.dgrad_algo,
-        wgrad_algo=args.wgrad_algo,
-        tf32=args.tf32,
-        layout=args.layout,
-        matmul_tf32=args.matmul_tf32,
-        workspace_limit=args.workspace_limit,
-        deterministic=args.deterministic,
-        directions=args.directions,
+        **decision_options(args),
     )
     return 0
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list every convolution of a model and its recorded decisions")
+    p = sub.add_parser("inspect", help="list every convolution of a model and its recorded decisions, per device")
     p.add_argument("model")
+    p.add_argument("--device", metavar="NAME", help="only the decisions for devices matching NAME (e.g. H100, or a full fingerprint)")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON list")
     p.set_defaults(func=_inspect)
 
@@ -92,18 +107,26 @@ def _fmt(value, unit: str = "") -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from convpass.pipeline import inspect
 
-    records = inspect(args.model)
+    records = inspect(args.model, device=args.device)
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
-    table = Table(title=f"{args.model}: {len({r['node'] for r in records})} convolutions")
-    for col in ("node", "op", "profile", "algo", "format", "math", "tf32", "workspace", "time", "source", "problem key"):
+    devices = list(dict.fromkeys(r["device"] for r in records if r["device"]))
+    title = f"{args.model}: {len({r['node'] for r in records})} convolutions"
+    if len(devices) == 1:
+        title += f", decisions for {devices[0]}"
+    elif devices:
+        title += f", decisions for {len(devices)} devices"
+    table = Table(title=title)
+    columns = ["node", "op"] + (["device"] if len(devices) > 1 else []) + [
+        "profile", "algo", "format", "math", "tf32", "workspace", "time", "source", "problem key"]
+    for col in columns:
         table.add_column(col, overflow="fold")
     for r in records:
-        table.add_row(
-            r["node"], r["op"], _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r["memory_format"]), _fmt(r["math_mode"]),
-            _fmt(r["tf32"]), _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-",
-        )
+        row = [r["node"], r["op"]] + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
+            _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
+            _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
+        table.add_row(*row)
     Console(width=200).print(table)
     return 0
 
@@ -116,11 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"convpass {convpass.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_optimize(sub)
-    _add_inspect(sub)
     from convpass.bench.cli import add_bench_parser
     from convpass.cache import add_cache_parser
+    from convpass.fleet.cli import add_tune_parser
     from convpass.runtime.cli import add_run_parser
+
+    _add_optimize(sub)
+    add_tune_parser(sub)
+    _add_inspect(sub)
 
     add_run_parser(sub)
     add_cache_parser(sub)

@@ -97,6 +97,11 @@ def choice_from(m: "Measurement", source: str) -> Choice:
     return Choice(key=m.key, algo=m.algo, time_ms=m.time_ms, workspace_bytes=m.workspace_bytes, source=source)
 
 
+def cached_rows(cache: "TuningCache", device: DeviceFingerprint, problem: ConvProblem) -> list["Measurement"]:
+    """Every measurement the cache holds for a problem on a device (all its candidate geometries)."""
+    return [m for shape in problem.candidates for m in cache.get(device, shape)]
+
+
 class CacheBackend:
     """Decides from the tuning cache only: for machines without a GPU (see the module docstring)."""
 
@@ -109,7 +114,6 @@ class CacheBackend:
         for problem in problems:
             chosen = None
             if self.cache is not None and self.device is not None:
-                measurements = [m for shape in problem.candidates for m in self.cache.get(self.device, shape)]
-                chosen = select(measurements, problem, options)
+                chosen = select(cached_rows(self.cache, self.device, problem), problem, options)
             out[problem] = None if chosen is None else choice_from(chosen, "cache")
         return out

@@ -20,13 +20,13 @@ from rich.console import Console
 import convpass
 from convpass import device as device_mod
 from convpass.annotation import ModelInfo, Profile, SCHEMA_VERSION
-from convpass.decide import CacheBackend, Choice, DecisionBackend, choice_from, select
+from convpass.decide import CacheBackend, DecisionBackend, choice_from, select
 from convpass.errors import ConvpassError
 from convpass.model_io import load_model, save_model, to_proto
 from convpass.options import TuneOptions, parse_directions, parse_size
-from convpass.passes.annotate_convs import AnnotateConvsPass
+from convpass.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
 from convpass.passes.canonicalize_convs import CanonicalizeConvsPass
-from convpass.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem
+from convpass.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
 from convpass.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.passes.plan_layouts import plan_layouts
 from convpass.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
@@ -55,6 +55,7 @@ class OptimizeReport:
     conv_time_ms: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
     layout_plans: dict[str, Any] = dataclasses.field(default_factory=dict)  # profile -> LayoutPlan
     layout_mode: str | None = None  # what --layout auto became when it could not plan
+    by_device: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # device -> (decided, undecided)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -77,6 +78,74 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
     return CacheBackend(cache, target)
 
 
+def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], report: OptimizeReport) -> dict[ConvProblem, list[ProblemUse]]:
+    """The graph passes before any decision (in place): fold conv weights, resolve shapes per
+    profile, canonicalize, collect the distinct problems. Fills the report's counts; returns every
+    problem with its uses, in graph order."""
+    FoldConvWeightsPass()(model)
+    resolve = ResolveShapesPass(shapes)
+    resolve(model)
+    report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile
+    CanonicalizeConvsPass()(model)
+    collect = CollectConvProblemsPass(options.directions)
+    collect(model)
+    report.profiles = model.meta[PROFILES_KEY]
+    for node in model.graph:
+        if node.op_type in ("Conv", "ConvTranspose") and node.domain in ("", "ai.onnx"):
+            report.convs += 1
+            if SKIP_KEY in node.meta:
+                report.skipped.append((node.name or node.outputs[0].name, node.meta[SKIP_KEY]))
+    report.problems = len(collect.problems)
+    return collect.problems
+
+
+def decide_and_annotate(
+    model: ir.Model,
+    options: TuneOptions,
+    uses: dict[ConvProblem, list[ProblemUse]],
+    backends: Sequence[DecisionBackend],
+    report: OptimizeReport,
+) -> None:
+    """Decide every problem with each backend (one decision table per backend's device, in order)
+    and write the tables into the prepared model. No backends: one table of ``auto`` decisions."""
+    problems = list(uses)
+    devices = tuple(str(b.device) for b in backends if b.device is not None)
+    if len(backends) > 1 and len(devices) != len(backends):
+        raise ValueError("several decision tables need a device each")
+    tables: list[DeviceChoices] = []
+    for backend in backends:
+        choices = backend.decide(problems, options)
+        decided = sum(1 for c in choices.values() if c is not None)
+        report.decided += decided
+        report.undecided += len(problems) - decided
+        if backend.device is not None:
+            report.by_device[str(backend.device)] = (decided, len(problems) - decided)
+        overrides = _plan_layouts(model, backend, options, uses, report)
+        _tuning_summary(report, backend, uses, overrides)
+        tables.append(DeviceChoices(choices, overrides))
+        if len(problems) > decided:
+            where = f" for {backend.device}" if len(backends) > 1 else ""
+            report.notes.append(
+                f"{len(problems) - decided} of {len(problems)} problems could not be measured or found in the cache{where}: "
+                "recorded as algo=auto (cuDNN's heuristic decides at run time)"
+            )
+    if not backends:
+        tables.append(DeviceChoices({}))
+        report.undecided = len(problems)
+    info = ModelInfo(
+        schema_version=SCHEMA_VERSION,
+        convpass_version=convpass.__version__,
+        device=devices[0] if devices else "",
+        cudnn_version="",
+        mode=options.mode,
+        profiles=report.profiles,
+        matmul_allow_tf32=options.matmul_tf32,
+        options={**options.to_json(), **({"layout_applied": report.layout_mode} if report.layout_mode else {})},
+        devices=devices,
+    )
+    AnnotateConvsPass(tables, info, options.directions)(model)
+
+
 def optimize_model(
     model: ir.Model,
     options: TuneOptions,
@@ -89,52 +158,14 @@ def optimize_model(
     """Run the whole pipeline on an in-memory model (modified in place); returns the report."""
     console = console or Console(stderr=True, soft_wrap=True)
     report = OptimizeReport()
-    FoldConvWeightsPass()(model)
-    resolve = ResolveShapesPass(shapes)
-    resolve(model)
-    report.notes.extend(resolve.notes)
-    CanonicalizeConvsPass()(model)
-    collect = CollectConvProblemsPass(options.directions)
-    collect(model)
-    report.profiles = model.meta[PROFILES_KEY]
-    for node in model.graph:
-        if node.op_type in ("Conv", "ConvTranspose") and node.domain in ("", "ai.onnx"):
-            report.convs += 1
-            if SKIP_KEY in node.meta:
-                report.skipped.append((node.name or node.outputs[0].name, node.meta[SKIP_KEY]))
-    problems = list(collect.problems)
-    report.problems = len(problems)
-    choices: dict[ConvProblem, Choice | None] = {}
-    overrides: dict = {}
-    if problems:
+    uses = prepare_model(model, options, shapes, report)
+    if uses:
         if backend is None:
             backend = _make_backend(options, cache, device_name, report, console)
         else:
             report.backend = type(backend).__name__
             report.device = str(backend.device or "")
-        choices = backend.decide(problems, options)
-        report.decided = sum(1 for c in choices.values() if c is not None)
-        overrides = _plan_layouts(model, backend, options, collect.problems, report)
-        _tuning_summary(report, backend, collect.problems, overrides)
-    report.decided = sum(1 for c in choices.values() if c is not None)
-    report.undecided = len(problems) - report.decided
-    if report.undecided:
-        report.notes.append(
-            f"{report.undecided} of {len(problems)} problems could not be measured or found in the cache: "
-            "recorded as algo=auto (cuDNN's heuristic decides at run time)"
-        )
-    device = report.device
-    info = ModelInfo(
-        schema_version=SCHEMA_VERSION,
-        convpass_version=convpass.__version__,
-        device=device,
-        cudnn_version=device.rsplit("cudnn", 1)[-1] if device else "",
-        mode=options.mode,
-        profiles=report.profiles,
-        matmul_allow_tf32=options.matmul_tf32,
-        options={**options.to_json(), **({"layout_applied": report.layout_mode} if report.layout_mode else {})},
-    )
-    AnnotateConvsPass(choices, info, options.directions, overrides)(model)
+    decide_and_annotate(model, options, uses, [backend] if uses and backend is not None else [], report)
     return report
 
 
@@ -253,7 +284,8 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         console.print(f"  wrote {output}")
 
 
-def _options(kwargs: dict[str, Any]) -> TuneOptions:
+def build_options(kwargs: dict[str, Any]) -> TuneOptions:
+    """TuneOptions from the Python API's / CLI's keyword values (sizes and lists as text allowed)."""
     kw = dict(kwargs)
     if "workspace_limit" in kw:
         kw["workspace_limit"] = parse_size(kw["workspace_limit"])
@@ -285,7 +317,7 @@ def optimize(
     (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad").
     ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
     """
-    tune_options = _options(options)
+    tune_options = build_options(options)
     console = Console(stderr=True, quiet=quiet, soft_wrap=True)
     if output is not None and not Path(output).resolve().parent.is_dir():
         raise ConvpassError(f"output directory {Path(output).parent} does not exist")
@@ -297,10 +329,12 @@ def optimize(
     return to_proto(ir_model)
 
 
-def inspect(model: str | os.PathLike | onnx.ModelProto) -> list[dict[str, Any]]:
-    """One record per convolution and profile, in graph order: node, op, profile, decisions.
+def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = None) -> list[dict[str, Any]]:
+    """One record per convolution, device table and profile, in graph order: node, op, device,
+    profile, decisions. ``device`` (a fingerprint or part of a GPU name, as ``--device-name``) keeps
+    only the tables of the devices it names.
 
-    Convolutions that were not tuned (plain standard ops) are listed with ``source="untuned"``.
+    Convolutions that were not tuned (plain standard ops) are listed once with ``source="untuned"``.
     """
     from convpass import annotation
 
@@ -308,6 +342,14 @@ def inspect(model: str | os.PathLike | onnx.ModelProto) -> list[dict[str, Any]]:
     info, nodes = annotation.read_annotations(proto)
     by_name = {n.node_name: n for n in nodes}
     profiles = [p.name for p in info.profiles] if info else []
+    devices = list(info.devices) if info and info.devices else [""]
+    if device is not None:
+        wanted = [d for d in devices if d and device_mod.DeviceFingerprint.parse(d).matches_name(device)]
+        if not wanted:
+            raise ConvpassError(f"the model has no decisions for a device matching {device!r}; its devices: "
+                                f"{', '.join(d for d in devices if d) or 'none'}")
+    else:
+        wanted = devices
     records = []
     for node in proto.graph.node:
         if node.op_type not in annotation.CONV_OPS:
@@ -315,26 +357,30 @@ def inspect(model: str | os.PathLike | onnx.ModelProto) -> list[dict[str, Any]]:
         name = node.name or node.output[0]
         if not annotation.is_annotated_conv(node):
             if node.domain in ("", "ai.onnx"):
-                records.append({"node": name, "op": node.op_type, "profile": None, "problem_key": "", "algo": None,
-                                "dgrad_algo": None, "wgrad_algo": None, "memory_format": None, "math_mode": None,
-                                "tf32": None, "workspace_bytes": None, "time_ms": None, "source": "untuned"})
+                records.append({"node": name, "op": node.op_type, "device": None, "profile": None, "problem_key": "",
+                                "algo": None, "dgrad_algo": None, "wgrad_algo": None, "memory_format": None,
+                                "math_mode": None, "tf32": None, "workspace_bytes": None, "time_ms": None, "source": "untuned"})
             continue
-        for i, d in enumerate(by_name[name].decisions):
-            records.append(
-                {
-                    "node": name,
-                    "op": node.op_type,
-                    "profile": profiles[i] if i < len(profiles) else str(i),
-                    "problem_key": d.problem_key,
-                    "algo": d.algo,
-                    "dgrad_algo": d.dgrad_algo,
-                    "wgrad_algo": d.wgrad_algo,
-                    "memory_format": d.memory_format,
-                    "math_mode": d.math_mode,
-                    "tf32": d.tf32,
-                    "workspace_bytes": d.workspace_bytes,
-                    "time_ms": d.time_ms,
-                    "source": d.source,
-                }
-            )
+        for dev, table in zip(devices, by_name[name].tables):
+            if dev not in wanted:
+                continue
+            for i, d in enumerate(table):
+                records.append(
+                    {
+                        "node": name,
+                        "op": node.op_type,
+                        "device": dev or None,
+                        "profile": profiles[i] if i < len(profiles) else str(i),
+                        "problem_key": d.problem_key,
+                        "algo": d.algo,
+                        "dgrad_algo": d.dgrad_algo,
+                        "wgrad_algo": d.wgrad_algo,
+                        "memory_format": d.memory_format,
+                        "math_mode": d.math_mode,
+                        "tf32": d.tf32,
+                        "workspace_bytes": d.workspace_bytes,
+                        "time_ms": d.time_ms,
+                        "source": d.source,
+                    }
+                )
     return records

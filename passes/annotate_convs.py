@@ -3,8 +3,9 @@
 Rules:
 
 * Every canonicalized Conv / ConvTranspose moves to domain ``ai.convpass`` with its original
-  attributes unchanged plus the decision attributes, one value per shape profile; undecided
-  problems are recorded as ``auto`` (chosen at run time), never as made-up measurements.
+  attributes unchanged plus the decision attributes: one table of decisions per device (in the
+  order of ``ModelInfo.devices``), one decision per shape profile in each; undecided problems are
+  recorded as ``auto`` (chosen at run time), never as made-up measurements.
 * Convs marked ``convpass.skip`` (dynamic weights, untunable data types) stay standard ops.
 * Unnamed conv nodes get a name (``<op>_<n>``) so reports and warnings can point at them.
 * The model gets the ``ai.convpass`` opset import, one model-local function per annotated op type
@@ -14,7 +15,8 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import onnx_ir as ir
@@ -72,19 +74,23 @@ def decision_for(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceChoices:
+    """One device's decisions: the backend's choice per problem, and the layout plan's choice per
+    (node, profile) where the plan overrides it."""
+
+    choices: Mapping[ConvProblem, Choice | None]
+    overrides: Mapping[tuple[ir.Node, int], Choice] = dataclasses.field(default_factory=dict)
+
+
 class AnnotateConvsPass(ir.passes.InPlacePass):
     """Records the choices on the conv nodes and makes the model self-describing (module rules)."""
 
-    def __init__(
-        self,
-        choices: Mapping[ConvProblem, Choice | None],
-        info: ModelInfo,
-        directions=("fwd",),
-        overrides: Mapping[tuple[ir.Node, int], Choice] | None = None,
-    ) -> None:
+    def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",)) -> None:
         super().__init__()
-        self.choices = choices
-        self.overrides = overrides or {}
+        if len(tables) != info.tables:
+            raise ValueError(f"{len(tables)} decision tables for {info.tables} device table(s) {list(info.devices)}")
+        self.tables = tuple(tables)
         self.info = info
         self.directions = tuple(directions)
 
@@ -99,7 +105,9 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
             if not node.name:
                 node.name = f"{node.op_type}_{counters[node.op_type]}"
             decisions = [
-                decision_for(node, p, self.choices, self.directions, self.overrides) for p in range(len(node.meta[CANONICAL_KEY]))
+                decision_for(node, p, table.choices, self.directions, table.overrides)
+                for table in self.tables
+                for p in range(len(node.meta[CANONICAL_KEY]))
             ]
             for name, value in annotation.decision_attributes(decisions).items():
                 node.attributes[name] = _ir_attr(name, value)

@@ -8,6 +8,7 @@ import onnx
 import pytest
 from onnx import helper
 
+from conftest import REPO
 from convpass import annotation
 from convpass.annotation import AnnotationError, ConvDecision, ModelInfo, Profile
 from convpass.problem import ConvShape, ProblemKey
@@ -15,7 +16,7 @@ from convpass.problem import ConvShape, ProblemKey
 KEY = ConvShape("fwd", 1, 3, 8, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1)).key("nhwc", "fma")
 MEASURED = ConvDecision("implicit_gemm", "NHWC", "fma", 1024, 0.0123, str(KEY), "measure", dgrad_algo="algo_1", wgrad_algo="algo_0")
 AUTO = ConvDecision(problem_key="fwd|...", dgrad_algo=None)
-INFO = ModelInfo(1, "0.1.0", "NVIDIA H200|sm_9.0|132sm|cudnn91900", "91900", "measure",
+INFO = ModelInfo(annotation.SCHEMA_VERSION, "0.1.0", "NVIDIA H200|sm_9.0|132sm|cudnn91900", "91900", "measure",
                  (Profile("x=1x3x8x8", {"x": (1, 3, 8, 8)}), Profile("x=4x3x8x8", {"x": (4, 3, 8, 8)})), True, {"tf32": "auto"})
 
 
@@ -72,7 +73,7 @@ def test_model_info_round_trip():
 
 @pytest.mark.parametrize(
     "version,message",
-    [("2", "newer convpass"), ("0", "no longer reads"), ("abc", "damaged")],
+    [("3", "newer convpass"), ("0", "no longer reads"), ("abc", "damaged")],
 )
 def test_other_schema_versions_are_refused_clearly(version, message):
     meta = annotation.metadata_entries(INFO)
@@ -105,3 +106,97 @@ def test_conv_function_body_is_the_standard_op():
         assert body.op_type == op and body.domain == ""
         assert {a.ref_attr_name for a in body.attribute} == set(annotation.STANDARD_ATTRIBUTES[op])
         assert set(annotation.DECISION_ATTRIBUTES) <= set(function.attribute)
+
+
+# ------------------------------------------------------------------------------------------
+# per-device tables (schema 2) and schema-1 models
+
+H200 = "NVIDIA H200|sm_9.0|132sm|cudnn91900"
+H100 = "NVIDIA H100 80GB HBM3|sm_9.0|132sm|cudnn91000"
+ON_H100 = ConvDecision("implicit_precomp_gemm", "NCHW", "default", 0, 0.02, str(KEY), "cache")
+
+
+def _two_device_model():
+    info = ModelInfo(annotation.SCHEMA_VERSION, "0.1.0", H200, "", "measure", INFO.profiles, False, {}, devices=(H200, H100))
+    # device-major: H200's two profiles, then H100's
+    graph = helper.make_graph([_node([MEASURED, AUTO, ON_H100, ON_H100])], "g", [], [])
+    model = helper.make_model(graph, ir_version=8)
+    for k, v in annotation.metadata_entries(info).items():
+        model.metadata_props.add(key=k, value=v)
+    return model
+
+
+def test_each_device_reads_its_own_table():
+    model = _two_device_model()
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["convpass.devices"] == f'["{H200}", "{H100}"]' and "convpass.device" not in meta
+    info, (node,) = annotation.read_annotations(model, device=H100)
+    assert (info.device, info.cudnn_version, info.devices) == (H100, "91000", (H200, H100))
+    assert [d.algo for d in node.decisions] == ["implicit_precomp_gemm"] * 2
+    assert [[d.algo for d in t] for t in node.tables] == [["implicit_gemm", "auto"], ["implicit_precomp_gemm"] * 2]
+    from convpass.device import DeviceFingerprint
+
+    info, (node,) = annotation.read_annotations(model, device=DeviceFingerprint.parse(H200))
+    assert info.device == H200 and node.decisions[0].algo == MEASURED.algo and node.decisions[1].algo == "auto"
+    info, (node,) = annotation.read_annotations(model)  # no device: the first table
+    assert info.device == H200 and node.decisions[0].algo == MEASURED.algo
+
+
+def test_a_device_without_a_table_gets_the_first_table_named_as_such():
+    """The CUDA executor compares ModelInfo.device with its GPU: a mismatch runs the heuristic with
+    one warning, as for any model tuned elsewhere."""
+    info, (node,) = annotation.read_annotations(_two_device_model(), device="NVIDIA A100|sm_8.0|108sm|cudnn91900")
+    assert info.device == H200 and node.decisions[0].algo == MEASURED.algo
+    assert info.table_of("NVIDIA A100|sm_8.0|108sm|cudnn91900") is None and info.table_of(H100) == 1
+
+
+def test_device_tables_must_match_the_attribute_length():
+    model = _two_device_model()
+    model.graph.node[0].CopyFrom(_node([MEASURED, AUTO]))
+    with pytest.raises(AnnotationError, match="2 entries for 2 device tables x 2 profiles"):
+        annotation.read_annotations(model)
+    meta = {p.key: p for p in model.metadata_props}
+    meta["convpass.devices"].value = '"not a list"'
+    with pytest.raises(AnnotationError, match="damaged"):
+        annotation.read_annotations(model)
+
+
+def test_model_info_checks_its_devices():
+    with pytest.raises(ValueError, match="not one of its devices"):
+        ModelInfo(2, "", H100, "", "measure", (), False, {}, devices=(H200,))
+    with pytest.raises(ValueError, match="twice"):
+        ModelInfo(2, "", H200, "", "measure", (), False, {}, devices=(H200, H200))
+    assert ModelInfo(2, "", "", "", "measure", (), False, {}).tables == 1
+
+
+SCHEMA1 = REPO / "tests" / "data" / "schema1-resnet-stem.tuned.onnx"
+
+
+def test_schema1_model_still_reads():
+    """A model written by convpass before per-device tables (tests/data/README.md)."""
+    model = onnx.load(SCHEMA1)
+    info, nodes = annotation.read_annotations(model)
+    assert info.schema_version == 1 and info.devices == (H200,) and info.device == H200 and info.cudnn_version == "91900"
+    assert [p.name for p in info.profiles] == ["input=1x3x224x224", "input=32x3x224x224"]
+    got = [(n.node_name, d.algo, d.memory_format, d.source, d.time_ms) for n in nodes for d in n.decisions]
+    assert got == [
+        ("conv0", "implicit_precomp_gemm", "NHWC", "cache", pytest.approx(0.018278175964951515)),
+        ("conv0", "implicit_precomp_gemm", "NHWC", "cache", pytest.approx(0.2065407931804657)),
+        ("conv2", "implicit_precomp_gemm", "NCHW", "cache", pytest.approx(0.003966720309108496)),
+        ("conv2", "implicit_precomp_gemm", "NHWC", "cache", pytest.approx(0.017199698835611343)),
+    ]
+    same, nodes_h200 = annotation.read_annotations(model, device=H200)
+    assert same == info and nodes_h200 == nodes
+    other, nodes_other = annotation.read_annotations(model, device=H100)
+    assert other.device == H200 and nodes_other == nodes  # mismatch visible: heuristic at run time
+
+
+def test_schema1_model_runs_its_decisions_in_the_executor_and_inspect():
+    import convpass
+
+    records = convpass.inspect(SCHEMA1)
+    assert [(r["node"], r["device"], r["memory_format"]) for r in records] == [
+        ("conv0", H200, "NHWC"), ("conv0", H200, "NHWC"), ("conv2", H200, "NCHW"), ("conv2", H200, "NHWC")]
+    ex = convpass.Executor(str(SCHEMA1))
+    assert [(s.node, s.algo, s.memory_format, s.source) for s in ex.plan_summary()] == [
+        ("conv0", "implicit_precomp_gemm", "NHWC", "cache"), ("conv2", "implicit_precomp_gemm", "NCHW", "cache")]

@@ -15,6 +15,11 @@ type allowed by the options):
 * everything measured goes to the tuning cache (per device fingerprint); a problem whose
   measurements are all in the cache is decided from there without timing anything.
 
+Measuring and storing are apart: :func:`measure_problem` times one problem and returns its rows,
+:func:`problem_complete` says whether stored rows already cover it. :class:`CudnnTuner` stores the
+rows in its cache itself; fleet workers (:mod:`convpass.fleet`) send them to the driver, the only
+writer of the cache.
+
 The choice among measurements is :func:`convpass.decide.select`, the same rule the GPU-less cache
 backend uses.
 """
@@ -30,7 +35,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from convpass.cache import Measurement, TuningCache
-from convpass.decide import Choice, choice_from, select
+from convpass.decide import Choice, cached_rows, choice_from, select
 from convpass.device import DeviceFingerprint
 from convpass.options import TuneOptions
 from convpass.passes.collect_conv_problems import ConvProblem
@@ -103,15 +108,13 @@ class CudnnTuner:
         return out
 
     def _decide_one(self, problem: ConvProblem, options: TuneOptions) -> Choice | None:
-        strategy, forced = options.strategy(problem.direction)
-        keys = candidate_keys(problem, options)
-        rows = [m for shape in problem.candidates for m in self.cache.get(self.device, shape)]
-        from_cache = complete(rows, keys, strategy, forced)
+        strategy, _ = options.strategy(problem.direction)
+        rows = cached_rows(self.cache, self.device, problem)
+        from_cache = problem_complete(rows, problem, options)
         if from_cache:
             self.summary.cached += 1
         else:
-            harness.warm_clocks()
-            fresh = self._measure(problem, keys, strategy, forced)
+            fresh = measure_problem(problem, options)
             self.cache.put(self.device, fresh)
             self.summary.measured += 1
             fresh_ids = {(m.key, m.algo, m.method) for m in fresh}
@@ -157,52 +160,68 @@ class CudnnTuner:
         if timed is not None:
             self.baseline_ms[problem] = timed.time_ms
 
-    # ---------------------------------------------------------------------------------------
-    def _measure(self, problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None) -> list[Measurement]:
-        from convpass.cudnn import ConvDescriptors, find, heuristic
 
-        rows: list[Measurement] = []
-        best: float | None = None
-        for shape in problem.candidates:
-            bench = _ShapeBench(shape)
-            for key in (k for k in keys if k.shape == shape):
-                now = time.time()
-                with ConvDescriptors(key) as descs:
-                    ranked = heuristic(descs)
-                    ok_ranked = [p for p in ranked if p.ok]
-                    for rank, perf in enumerate(ok_ranked):
-                        rows.append(_row(key, perf.algo, "ok", None, perf.workspace_bytes, perf.deterministic, now, "heuristic", heuristic_rank=rank))
-                    to_time: list[str]
-                    if strategy == "measure":
-                        from convpass.cudnn import algo_names
+def measure_problem(problem: ConvProblem, options: TuneOptions) -> list[Measurement]:
+    """Measure one problem on the current GPU as ``options`` ask and return every row; writes
+    nothing (the caller stores the rows: the tuner in its cache, a fleet worker by sending them to
+    the driver). Runs with a non-default CuPy stream current; warms the clocks first."""
+    strategy, forced = options.strategy(problem.direction)
+    harness.warm_clocks()
+    return _measure(problem, candidate_keys(problem, options), strategy, forced)
 
-                        to_time = list(algo_names(shape.direction))
-                    elif strategy == "forced":
-                        to_time = [forced]
-                    elif strategy == "heuristic":
-                        to_time = [ok_ranked[0].algo] if ok_ranked else []
-                    else:
-                        buffers = bench.buffers(key.layout, 1)[0]
-                        found = [p for p in find(descs, None, buffers["x"], buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
-                        for rank, perf in enumerate(found):
-                            rows.append(_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
-                        to_time = [found[0].algo] if found else []
-                    # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
-                    if strategy != "measure" and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
-                        to_time.append(ok_ranked[0].algo)
-                    # cuDNN's own pick first: a good early "best" lets slow candidates stop early.
-                    preferred = [p.algo for p in ok_ranked]
-                    to_time.sort(key=lambda a: preferred.index(a) if a in preferred else len(preferred))
-                    for algo in to_time:
-                        t0 = time.perf_counter()
-                        row = bench.measure(descs, key, algo, best, forced=strategy == "forced")
-                        logger.debug("%s %s %s: %s %s (%.0f ms) %s", shape, key.layout, key.math, algo, row.status,
-                                     (time.perf_counter() - t0) * 1e3, row.note)
-                        rows.append(row)
-                        if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
-                            best = row.time_ms if best is None else min(best, row.time_ms)
-            bench.release()
-        return rows
+
+def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
+    """Whether ``rows`` (e.g. the cache's for this problem) hold everything :func:`measure_problem`
+    would measure under ``options``: then nothing needs timing."""
+    strategy, forced = options.strategy(problem.direction)
+    return complete(rows, candidate_keys(problem, options), strategy, forced)
+
+
+def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None) -> list[Measurement]:
+    from convpass.cudnn import ConvDescriptors, find, heuristic
+
+    rows: list[Measurement] = []
+    best: float | None = None
+    for shape in problem.candidates:
+        bench = _ShapeBench(shape)
+        for key in (k for k in keys if k.shape == shape):
+            now = time.time()
+            with ConvDescriptors(key) as descs:
+                ranked = heuristic(descs)
+                ok_ranked = [p for p in ranked if p.ok]
+                for rank, perf in enumerate(ok_ranked):
+                    rows.append(_row(key, perf.algo, "ok", None, perf.workspace_bytes, perf.deterministic, now, "heuristic", heuristic_rank=rank))
+                to_time: list[str]
+                if strategy == "measure":
+                    from convpass.cudnn import algo_names
+
+                    to_time = list(algo_names(shape.direction))
+                elif strategy == "forced":
+                    to_time = [forced]
+                elif strategy == "heuristic":
+                    to_time = [ok_ranked[0].algo] if ok_ranked else []
+                else:
+                    buffers = bench.buffers(key.layout, 1)[0]
+                    found = [p for p in find(descs, None, buffers["x"], buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
+                    for rank, perf in enumerate(found):
+                        rows.append(_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
+                    to_time = [found[0].algo] if found else []
+                # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
+                if strategy != "measure" and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
+                    to_time.append(ok_ranked[0].algo)
+                # cuDNN's own pick first: a good early "best" lets slow candidates stop early.
+                preferred = [p.algo for p in ok_ranked]
+                to_time.sort(key=lambda a: preferred.index(a) if a in preferred else len(preferred))
+                for algo in to_time:
+                    t0 = time.perf_counter()
+                    row = bench.measure(descs, key, algo, best, forced=strategy == "forced")
+                    logger.debug("%s %s %s: %s %s (%.0f ms) %s", shape, key.layout, key.math, algo, row.status,
+                                 (time.perf_counter() - t0) * 1e3, row.note)
+                    rows.append(row)
+                    if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
+                        best = row.time_ms if best is None else min(best, row.time_ms)
+        bench.release()
+    return rows
 
 
 def skip_reason(key: ProblemKey, algo: str, forced: bool) -> str | None:

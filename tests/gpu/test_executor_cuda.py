@@ -198,7 +198,7 @@ def _set_meta(model: onnx.ModelProto, key: str, value: str) -> onnx.ModelProto:
 
 def test_other_gpu_fingerprint_falls_back_to_the_heuristic_with_a_warning(tmp_path_factory):
     path = MODELS / "residual_cnn.onnx"
-    tuned = _set_meta(_tuned(path, tmp_path_factory), "convpass.device", "NVIDIA Imaginary 9000|sm_7.0|80sm|cudnn90100")
+    tuned = _set_meta(_tuned(path, tmp_path_factory), "convpass.devices", '["NVIDIA Imaginary 9000|sm_7.0|80sm|cudnn90100"]')
     model = onnx.load(path)
     feeds, _ = _feeds(model)
     refs = run_ort(model, feeds)

@@ -1,0 +1,283 @@
+"""Fleet tuning on several GPUs against one: wall time, decisions re-timed on one clock, a killed worker.
+
+Phases (each one ``convpass tune`` run on a fresh cache, so every phase fits the device machine's
+10-minute limit per command; results go to WORK, the report to OUT):
+
+    python benchmarks/fleet_scaling.py run    --name one    --gpus 0   --panel .panel --work W
+    python benchmarks/fleet_scaling.py run    --name two    --gpus 0,1 --panel .panel --work W [--cluster ray]
+    python benchmarks/fleet_scaling.py run    --name retime --gpus 0   --panel .panel --work W
+    python benchmarks/fleet_scaling.py kill   --name kill   --gpus 0,1 --panel .panel --work W
+    python benchmarks/fleet_scaling.py report --work W --out OUT
+
+* ``run``: ``convpass tune`` of every ``.panel/*.onnx`` (``--batch``, default 1,32) on the GPUs
+  named (``CUDA_VISIBLE_DEVICES``); records the command's wall time and its ``--json`` summary.
+* ``kill``: the same on two GPUs (``--cluster local``: the workers are the driver's children);
+  once ``--kill-after`` geometries are in the cache it kills one worker process (SIGKILL, in the
+  middle of a problem: workers are busy while problems remain) and checks that the run completes
+  with no problem missing and none written twice.
+* ``report``: wall time of ``two`` / ``one`` (target <= 0.55); every problem's decision of ``two``
+  and of ``one`` re-timed on one clock, the ``retime`` run's measurements of every candidate
+  (target: ``two``'s within 3% of ``one``'s); the tuner's own run-to-run noise on the same clock
+  (``one``'s and ``two``'s decisions against the fastest candidate of ``retime``); the kill run.
+  Prints a short table, writes ``fleet-check.json``.
+
+:func:`retimed` and :func:`compare` are pure and tested on CPU with recorded runs
+(tests/test_fleet_benchmark.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+Decision = tuple[str, str]  # (problem key string, algorithm)
+
+
+# ------------------------------------------------------------------------------------------------
+# pure: decisions against a clock
+
+
+def decisions_of(tuned_models: Sequence[Path | str]) -> dict[tuple[str, str], Decision]:
+    """(device, problem geometry) -> (problem key, algorithm) of every decided conv of the models."""
+    import convpass
+    from convpass.problem import ProblemKey
+
+    out: dict[tuple[str, str], Decision] = {}
+    for path in tuned_models:
+        for r in convpass.inspect(path):
+            if r["algo"] in (None, "auto") or not r["problem_key"]:
+                continue
+            shape = str(ProblemKey.parse(r["problem_key"]).shape)
+            out[(r["device"], shape)] = (r["problem_key"], r["algo"])
+    return out
+
+
+def retimed(decisions: Mapping[Any, Decision], clock: Mapping[str, Mapping[Decision, float]]) -> dict[Any, dict[str, float]]:
+    """Each decision's time on the clock run and the clock's fastest candidate, by decision key.
+
+    ``clock``: geometry -> {(problem key, algorithm): time} of the clock run's ok measurements.
+    Decisions whose geometry or configuration the clock did not time are left out.
+    """
+    out = {}
+    for k, (key, algo) in decisions.items():
+        shape = key.rsplit("|", 2)[0]
+        times = clock.get(shape, {})
+        if (key, algo) in times:
+            out[k] = {"time_ms": times[(key, algo)], "best_ms": min(times.values())}
+    return out
+
+
+def _spread(ratios: Sequence[float]) -> dict[str, Any]:
+    ordered = sorted(ratios)
+    if not ordered:
+        return {"problems": 0}
+    return {
+        "problems": len(ordered),
+        "within_3pct": sum(1 for r in ordered if r <= 1.03),
+        "median": round(statistics.median(ordered), 4),
+        "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 4),
+        "max": round(ordered[-1], 4),
+    }
+
+
+def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Mapping[str, Mapping[Decision, float]]) -> dict[str, Any]:
+    """Run ``b``'s decisions against run ``a``'s, both re-timed on ``clock``.
+
+    ``b_vs_a``: time(b's decision) / time(a's decision) per problem both decided (target <= 1.03);
+    ``a_vs_best`` / ``b_vs_best``: each run's decision against the clock's fastest candidate, i.e.
+    the tuner's run-to-run noise as the same clock sees it.
+    """
+    ta, tb = retimed(a, clock), retimed(b, clock)
+    both = sorted(set(ta) & set(tb), key=str)
+    ratios = {k: tb[k]["time_ms"] / ta[k]["time_ms"] for k in both}
+    worst = sorted(ratios.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "decided": {"a": len(a), "b": len(b), "retimed_both": len(both)},
+        "same_choice": sum(1 for k in both if a[k] == b[k]),
+        "b_vs_a": _spread(list(ratios.values())),
+        "a_vs_best": _spread([t["time_ms"] / t["best_ms"] for t in ta.values()]),
+        "b_vs_best": _spread([t["time_ms"] / t["best_ms"] for t in tb.values()]),
+        "worst_b_vs_a": [{"problem": str(k), "ratio": round(r, 4), "a": list(a[k]), "b": list(b[k])} for k, r in worst],
+    }
+
+
+def clock_of(cache_path: Path, device: str) -> dict[str, dict[Decision, float]]:
+    """geometry -> {(problem key, algorithm): time} of a tuning cache's ok ``measure`` rows."""
+    with sqlite3.connect(f"file:{cache_path}?mode=ro", uri=True) as c:
+        rows = c.execute(
+            "SELECT shape, key, algo, time_ms FROM measurements WHERE device = ? AND method = 'measure' "
+            "AND status = 'ok' AND time_ms IS NOT NULL", (device,)
+        ).fetchall()
+    out: dict[str, dict[Decision, float]] = {}
+    for shape, key, algo, t in rows:
+        out.setdefault(shape, {})[(key, algo)] = t
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# phases on the GPU machine
+
+
+def _tune_command(args: argparse.Namespace, name: str) -> tuple[list[str], Path, dict[str, str]]:
+    work = Path(args.work)
+    (work / name).mkdir(parents=True, exist_ok=True)
+    cache = work / f"{name}.db"
+    for p in work.glob(f"{name}.db*"):
+        p.unlink()  # a fresh cache: everything is measured
+    models = sorted(str(p) for p in Path(args.panel).glob("*.onnx") if not p.stem.endswith("_fp16"))
+    if not models:
+        sys.exit(f"fleet_scaling: no models in {args.panel} (run models/export_panel.py --out {args.panel})")
+    cmd = [sys.executable, "-m", "convpass.cli", "tune", *models, "-o", str(work / name), "--cache", str(cache),
+           "--cluster", args.cluster, "--json", *sum((["--batch", b] for b in args.batch), [])]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus, "PYTHONUNBUFFERED": "1"}
+    return cmd, cache, env
+
+
+def _finish(name: str, args: argparse.Namespace, proc: subprocess.Popen, started: float, extra: dict[str, Any]) -> dict[str, Any]:
+    out, err = proc.communicate()
+    wall = time.perf_counter() - started
+    work = Path(args.work)
+    (work / f"{name}.log").write_text(err)
+    if proc.returncode != 0:
+        print(err[-3000:], file=sys.stderr)
+        sys.exit(f"fleet_scaling {name}: convpass tune exited with {proc.returncode}")
+    doc = {"name": name, "gpus": args.gpus, "cluster": args.cluster, "wall_s": round(wall, 2), "summary": json.loads(out), **extra}
+    (work / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    s = doc["summary"]
+    print(f"{name}: {wall:.1f} s wall on GPUs {args.gpus} ({args.cluster}); {s['measured']} measured, {len(s['failed'])} failed, "
+          f"{len(s['workers_lost'])} workers lost, max cache writes per problem {s['cache_writes'].get('max_per_task')}")
+    return doc
+
+
+def run_phase(args: argparse.Namespace) -> int:
+    cmd, _, env = _tune_command(args, args.name)
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _finish(args.name, args, proc, started, {})
+    return 0
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The driver's worker processes: its children started by multiprocessing's spawn."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return sorted(found)
+
+
+def kill_phase(args: argparse.Namespace) -> int:
+    cmd, cache, env = _tune_command(args, args.name)
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    killed: dict[str, Any] = {}
+    while proc.poll() is None and not killed:
+        time.sleep(0.5)
+        try:
+            with sqlite3.connect(f"file:{cache}?mode=ro", uri=True, timeout=1) as c:
+                done = c.execute("SELECT COUNT(DISTINCT shape) FROM measurements").fetchone()[0]
+        except sqlite3.Error:
+            continue
+        workers = _workers_of(proc.pid)
+        if done >= args.kill_after and len(workers) >= 2:
+            victim = workers[-1]
+            os.kill(victim, signal.SIGKILL)
+            killed = {"pid": victim, "after_s": round(time.perf_counter() - started, 2), "geometries_in_cache": done}
+            print(f"kill: SIGKILL to worker pid {victim} after {killed['after_s']} s, {done} geometries measured", flush=True)
+    doc = _finish(args.name, args, proc, started, {"killed": killed})
+    s = doc["summary"]
+    checks = {
+        "a worker was killed": bool(killed),
+        "the driver saw it": len(s["workers_lost"]) >= 1,
+        "no problem missing": s["missing"] == [],
+        "no problem failed": s["failed"] == [],
+        "every problem written to the cache once": s["cache_writes"].get("max_per_task") == 1
+        and s["cache_writes"].get("tasks") == s["measured"],
+    }
+    doc["checks"] = checks
+    Path(args.work, f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+    for what, ok in checks.items():
+        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+    return 0 if all(checks.values()) else 1
+
+
+def report_phase(args: argparse.Namespace) -> int:
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {n: json.loads((work / f"{n}.json").read_text()) for n in ("one", "two", "retime", "kill", "two-ray") if (work / f"{n}.json").is_file()}
+    doc: dict[str, Any] = {"runs": runs}
+    lines = []
+    if "one" in runs and "two" in runs:
+        one, two = runs["one"], runs["two"]
+        ratio = two["wall_s"] / one["wall_s"]
+        measured = one["summary"]["measured"]
+        doc["wall"] = {"one_gpu_s": one["wall_s"], "two_gpus_s": two["wall_s"], "ratio": round(ratio, 3), "target": 0.55,
+                       "met": ratio <= 0.55, "problems": measured,
+                       "one_gpu_s_per_problem": round(one["summary"]["seconds"]["tune"] / max(1, measured), 3)}
+        lines.append(f"wall time, {measured} problems: 1 GPU {one['wall_s']:.1f} s, 2 GPUs {two['wall_s']:.1f} s -> "
+                     f"{ratio:.2f}x (target <= 0.55: {'met' if ratio <= 0.55 else 'NOT met'}); "
+                     f"{doc['wall']['one_gpu_s_per_problem']} s per problem on 1 GPU")
+        if "two-ray" in runs:
+            r = runs["two-ray"]["wall_s"] / one["wall_s"]
+            doc["wall"]["ray_two_gpus_s"], doc["wall"]["ray_ratio"] = runs["two-ray"]["wall_s"], round(r, 3)
+            lines.append(f"  the same on Ray: 2 GPUs {runs['two-ray']['wall_s']:.1f} s -> {r:.2f}x")
+        if "retime" in runs:
+            device = one["summary"]["devices"][0]
+            clock = clock_of(work / "retime.db", device)
+            a = decisions_of([m["output"] for m in one["summary"]["models"] if m["output"]])
+            b = decisions_of([m["output"] for m in two["summary"]["models"] if m["output"]])
+            cmp = compare(a, b, clock)
+            doc["decisions"] = cmp
+            ba, na, nb = cmp["b_vs_a"], cmp["a_vs_best"], cmp["b_vs_best"]
+            lines.append(f"decisions re-timed on one clock (the retime run), {ba['problems']} problems: 2-GPU within 3% of 1-GPU "
+                         f"on {ba['within_3pct']}/{ba['problems']} (max {ba['max']}x; target: all); same choice on {cmp['same_choice']}")
+            lines.append(f"  run-to-run noise on that clock: 1-GPU run within 3% of the best on {na['within_3pct']}/{na['problems']} "
+                         f"(max {na['max']}x), 2-GPU run on {nb['within_3pct']}/{nb['problems']} (max {nb['max']}x)")
+    if "kill" in runs:
+        k = runs["kill"]
+        ok = all(k.get("checks", {}).values()) and bool(k.get("checks"))
+        doc["kill"] = {"killed": k.get("killed"), "checks": k.get("checks"), "met": ok}
+        lines.append(f"kill a worker mid-run: {'met' if ok else 'NOT met'} " + json.dumps(k.get("checks")))
+    (out / "fleet-check.json").write_text(json.dumps(doc, indent=1))
+    print("\n".join(lines) if lines else "no runs found in " + str(work))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="phase", required=True)
+    for phase in ("run", "kill"):
+        q = sub.add_parser(phase)
+        q.add_argument("--name", required=True)
+        q.add_argument("--gpus", required=True, help="CUDA_VISIBLE_DEVICES for the run, e.g. 0 or 0,1")
+        q.add_argument("--panel", default=".panel")
+        q.add_argument("--work", default=".fleet-check")
+        q.add_argument("--cluster", default="local")
+        q.add_argument("--batch", action="append", default=None, help="as convpass tune --batch (default 1,32)")
+        if phase == "kill":
+            q.add_argument("--kill-after", type=int, default=40, help="kill once this many geometries are in the cache")
+    q = sub.add_parser("report")
+    q.add_argument("--work", default=".fleet-check")
+    q.add_argument("--out", default=os.environ.get("OUT", "fleet-check-out"))
+    args = p.parse_args(argv)
+    if getattr(args, "batch", "unset") is None:
+        args.batch = ["1,32"]
+    return {"run": run_phase, "kill": kill_phase, "report": report_phase}[args.phase](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""The fleet scheduler: problems for device types as tasks on worker slots, with retries; the
+driver that runs it is the only writer of the tuning cache.
+
+Rules:
+
+* A task is one problem for one device type (a fingerprint). It runs only on a slot of that type;
+  a slot is one worker holding one GPU (or one process, for measurers that need none), running one
+  task at a time. How slots exist is the executor's business (:mod:`convpass.fleet.local`,
+  :mod:`convpass.fleet.ray_cluster`); the bookkeeping here is the same for all of them.
+* A free slot takes the largest pending problem (by FLOPs) of its device type, so the run does not
+  end on one long problem; a task that failed on a slot goes to another slot of its type while one
+  is alive.
+* A finished task's rows are written to the cache at once, in one transaction: nothing finished is
+  lost whatever happens later, and a task is written once.
+* The measurer raised: the worker lives on and the task is tried again, up to ``1 + retries``
+  attempts. The worker died, was killed or passed ``task_timeout``: its task is tried again
+  elsewhere and the worker restarted; a slot that loses ``SLOT_LOSSES`` workers in a row without
+  finishing a task in between is retired (a broken GPU must not eat every task's attempts).
+* A task that failed every attempt is recorded as failed with every attempt's reason; a task whose
+  device type has no live slot (none in the cluster, or all retired) fails with that reason.
+* An exception in the driver (Ctrl-C is ``KeyboardInterrupt``) stops the workers at once; what was
+  written stays. ``KeyboardInterrupt`` returns a result marked ``interrupted``; others propagate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, Union
+
+from convpass.device import DeviceFingerprint
+from convpass.options import TuneOptions
+from convpass.passes.collect_conv_problems import ConvProblem
+
+if TYPE_CHECKING:
+    from convpass.cache import Measurement, TuningCache
+    from convpass.fleet.measurers import Measurer
+
+SLOT_LOSSES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One problem to measure for one device type."""
+
+    id: int
+    device: DeviceFingerprint
+    problem: ConvProblem
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One worker that runs one task at a time on one device."""
+
+    id: str
+    device: DeviceFingerprint
+    where: str  # for people: "GPU 1 of this host, pid 4242", "node 10.0.0.3, pid 77"
+
+
+# ---- what an executor reports (Executor.wait) --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    slot_id: str
+    task_id: int
+    rows: list["Measurement"]
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The measurer raised; the worker is alive and free."""
+
+    slot_id: str
+    task_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """The worker is gone (died, killed, node lost); its task, if it had one, did not finish."""
+
+    slot_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """A restarted worker is ready (its slot, with the device it reported)."""
+
+    slot: Slot
+
+
+@dataclasses.dataclass(frozen=True)
+class StartFailed:
+    slot_id: str
+    reason: str
+
+
+Event = Union[Finished, Failed, Lost, Ready, StartFailed]
+
+
+class Executor(Protocol):
+    """Runs workers: a local process per GPU, Ray actors, ... (see the module docstring)."""
+
+    name: str
+
+    def start(self, measurer: "Measurer") -> tuple[list[Slot], list[str]]:
+        """Start the workers; the slots that are ready, and why the others did not start."""
+        ...
+
+    def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:
+        """Give a free slot a task; its outcome comes back from :meth:`wait`."""
+        ...
+
+    def wait(self, timeout: float | None) -> list[Event]:
+        """What happened since the last call; blocks until something did or ``timeout`` passed."""
+        ...
+
+    def kill(self, slot_id: str) -> None:
+        """Stop a slot's worker now (its task timed out); no event follows for it."""
+        ...
+
+    def restart(self, slot_id: str) -> None:
+        """Start a new worker for a slot whose worker is gone; Ready or StartFailed follows."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every worker (at once, whatever they are doing)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A snapshot for progress displays and callers' hooks."""
+
+    total: int
+    finished: int
+    failed: int
+    retried: int
+    busy: int
+    slots: int
+    busy_by_device: dict[str, tuple[int, int]]  # device name -> (busy, live slots)
+
+
+@dataclasses.dataclass
+class ScheduleResult:
+    slots: list[Slot]
+    not_started: list[str]  # why workers did not start
+    finished: dict[int, str] = dataclasses.field(default_factory=dict)  # task id -> slot that measured it
+    failed: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # task id -> why each attempt failed
+    reasons: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # task id -> failed attempts, also retried ones
+    attempts: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> attempts started
+    writes: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> cache writes of its rows
+    lost: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (slot id, reason) per lost worker
+    retired: dict[str, str] = dataclasses.field(default_factory=dict)  # slot id -> why it was retired
+    retried: int = 0
+    interrupted: bool = False
+    seconds: float = 0.0
+
+
+class Scheduler:
+    """Runs tasks on an executor's slots and writes finished rows into ``cache`` (module rules)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        cache: "TuningCache",
+        options: TuneOptions,
+        retries: int = 2,
+        task_timeout: float | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        if task_timeout is not None and task_timeout <= 0:
+            raise ValueError("task_timeout must be > 0 seconds")
+        self.executor = executor
+        self.cache = cache
+        self.options = options
+        self.retries = retries
+        self.task_timeout = task_timeout
+        self.on_progress = on_progress
+
+    def run(self, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str] = ()) -> ScheduleResult:
+        """Run ``tasks`` on the executor's started ``slots`` until each finished or failed."""
+        started = time.perf_counter()
+        try:
+            run = _Run(self, tasks, slots, not_started)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        try:
+            run.loop()
+        except KeyboardInterrupt:
+            run.result.interrupted = True
+        finally:
+            self.executor.shutdown()
+            run.result.seconds = time.perf_counter() - started
+        return run.result
+
+
+class _Run:
+    """The state of one :meth:`Scheduler.run`."""
+
+    def __init__(self, s: Scheduler, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str]) -> None:
+        self.s = s
+        self.tasks = {t.id: t for t in tasks}
+        if len(self.tasks) != len(tasks):
+            raise ValueError("task ids must be unique")
+        self.result = ScheduleResult(slots=list(slots), not_started=list(not_started))
+        self.slots: dict[str, Slot] = {slot.id: slot for slot in slots}  # live: ready or restarting
+        self.restarting: set[str] = set()
+        self.running: dict[str, tuple[Task, float]] = {}  # slot id -> (task, started at)
+        self.losses: dict[str, int] = {}  # slot id -> workers lost in a row
+        self.failed_on: dict[int, set[str]] = {}
+        self.pending: dict[DeviceFingerprint, list[Task]] = {}
+        for task in tasks:
+            self.pending.setdefault(task.device, []).append(task)
+        for queue in self.pending.values():
+            queue.sort(key=_order)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        self.progress()
+        while True:
+            self.fail_orphans()
+            self.assign()
+            if not self.running and not self.restarting:
+                return  # nothing pending can run (fail_orphans failed those without slots)
+            for event in self.s.executor.wait(self.wait_timeout()):
+                self.handle(event)
+            self.check_timeouts()
+
+    def wait_timeout(self) -> float | None:
+        if self.s.task_timeout is None or not self.running:
+            return None
+        first = min(started for _, started in self.running.values())
+        return max(0.0, first + self.s.task_timeout - time.monotonic())
+
+    def progress(self) -> None:
+        if self.s.on_progress is None:
+            return
+        by_device: dict[str, tuple[int, int]] = {}
+        for slot in self.slots.values():
+            busy, live = by_device.get(slot.device.name, (0, 0))
+            by_device[slot.device.name] = (busy + (slot.id in self.running), live + 1)
+        self.s.on_progress(
+            Progress(
+                total=len(self.tasks),
+                finished=len(self.result.finished),
+                failed=len(self.result.failed),
+                retried=self.result.retried,
+                busy=len(self.running),
+                slots=len(self.slots),
+                busy_by_device=by_device,
+            )
+        )
+
+    # -- assignment -------------------------------------------------------------------------------
+
+    def live_slots(self, device: DeviceFingerprint) -> set[str]:
+        return {sid for sid, slot in self.slots.items() if slot.device == device}
+
+    def fail_orphans(self) -> None:
+        for device, queue in self.pending.items():
+            if queue and not self.live_slots(device):
+                why = f"no live worker for {device} in the cluster"
+                if self.result.retired:
+                    why += f" (retired: {'; '.join(f'{k}: {v}' for k, v in self.result.retired.items())})"
+                for task in queue:
+                    self.result.failed[task.id] = self.result.reasons.setdefault(task.id, []) + [why]
+                queue.clear()
+                self.progress()
+
+    def assign(self) -> None:
+        for sid, slot in self.slots.items():
+            if sid in self.running or sid in self.restarting:
+                continue
+            queue = self.pending.get(slot.device)
+            if not queue:
+                continue
+            live = self.live_slots(slot.device)
+            for i, task in enumerate(queue):
+                tried = self.failed_on.get(task.id, set())
+                if sid not in tried or live <= tried:  # elsewhere while another slot of the type lives
+                    del queue[i]
+                    self.result.attempts[task.id] = self.result.attempts.get(task.id, 0) + 1
+                    self.running[sid] = (task, time.monotonic())
+                    self.s.executor.submit(sid, task, self.s.options)
+                    break
+        self.progress()
+
+    # -- outcomes ---------------------------------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, Ready):
+            self.restarting.discard(event.slot.id)
+            self.slots[event.slot.id] = event.slot
+        elif isinstance(event, StartFailed):
+            self.restarting.discard(event.slot_id)
+            self.retire(event.slot_id, f"its worker did not start again: {event.reason}")
+        elif isinstance(event, Finished):
+            task = self.took_back(event.slot_id, event.task_id)
+            wrong = [m for m in event.rows if m.key.shape not in task.problem.candidates]
+            if wrong:
+                self.retry(task, event.slot_id, f"worker returned rows of another problem ({wrong[0].key})")
+            else:
+                self.s.cache.put(task.device, event.rows)
+                self.result.writes[task.id] = self.result.writes.get(task.id, 0) + 1
+                self.result.finished[task.id] = event.slot_id
+                self.losses[event.slot_id] = 0
+        elif isinstance(event, Failed):
+            self.retry(self.took_back(event.slot_id, event.task_id), event.slot_id, event.reason)
+        elif isinstance(event, Lost):
+            self.lose(event.slot_id, event.reason)
+        self.progress()
+
+    def took_back(self, sid: str, task_id: int) -> Task:
+        running = self.running.pop(sid, None)
+        if running is None or running[0].id != task_id:
+            held = "nothing" if running is None else f"task {running[0].id}"
+            raise RuntimeError(f"executor bug: slot {sid} reported task {task_id} while running {held}")
+        return running[0]
+
+    def lose(self, sid: str, reason: str) -> None:
+        slot = self.slots.get(sid)
+        where = f" ({slot.where})" if slot else ""
+        self.result.lost.append((sid, reason))
+        running = self.running.pop(sid, None)
+        if running is not None:
+            self.retry(running[0], sid, f"worker {sid}{where} lost: {reason}")
+        self.losses[sid] = self.losses.get(sid, 0) + 1
+        if self.losses[sid] >= SLOT_LOSSES:
+            self.retire(sid, f"lost {SLOT_LOSSES} workers in a row, the last: {reason}")
+        else:
+            self.restarting.add(sid)
+            self.s.executor.restart(sid)
+
+    def retire(self, sid: str, why: str) -> None:
+        self.slots.pop(sid, None)
+        self.result.retired[sid] = why
+
+    def retry(self, task: Task, sid: str, reason: str) -> None:
+        reasons = self.result.reasons.setdefault(task.id, [])
+        reasons.append(reason)
+        self.failed_on.setdefault(task.id, set()).add(sid)
+        if self.result.attempts.get(task.id, 0) > self.s.retries:
+            self.result.failed[task.id] = list(reasons)
+            return
+        self.result.retried += 1
+        queue = self.pending.setdefault(task.device, [])
+        queue.append(task)
+        queue.sort(key=_order)
+
+    def check_timeouts(self) -> None:
+        if self.s.task_timeout is None:
+            return
+        now = time.monotonic()
+        for sid, (task, started) in list(self.running.items()):
+            if now - started > self.s.task_timeout:
+                self.s.executor.kill(sid)
+                self.lose(sid, f"task {task.id} ({task.problem}) ran over --task-timeout {self.s.task_timeout:g} s")
+        self.progress()
+
+
+def _order(task: Task) -> tuple[int, int]:
+    return (-task.problem.primary.flops, task.id)
+
+
+def make_tasks(problems: Iterable[ConvProblem], devices: Sequence[DeviceFingerprint]) -> list[Task]:
+    """One task per (device, problem), numbered in that order."""
+    return [Task(i, device, problem) for i, (device, problem) in enumerate((d, p) for d in devices for p in problems)]

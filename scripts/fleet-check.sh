@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Fleet tuning on the 2-GPU device machine (nvidia-h200-x2): the issue-11 targets in one call, or
+# phase by phase when one call would pass the 10-minute limit (the machine keeps .panel and
+# .fleet-check between back-to-back calls).
+#   bash scripts/fleet-check.sh all                      setup one two kill retime report
+#   bash scripts/fleet-check.sh setup|one|two|ray|kill|retime|report
+# setup:  install convpass from this tree (no registry), export the panel to .panel, GPU tests of the fleet
+# one:    convpass tune of the whole panel (--batch 1,32, every model) on GPU 0, fresh cache
+# two:    the same on GPUs 0,1 (--cluster local)      ray: the same with --cluster ray (Ray importable)
+# kill:   the same on GPUs 0,1, one worker SIGKILLed mid-run; checks nothing is missing or written twice
+# retime: a third run on GPU 0: the clock the report re-times both runs' decisions on
+# report: the table (wall 2 GPUs / 1 GPU <= 0.55, decisions within 3%, run-to-run noise, kill) and
+#         $OUT/fleet-check.json
+# Ray, staged as shared/device/README.md says (stage-wheels.sh .raywhl ray==2.60.0 jsonschema
+# jsonschema-specifications referencing rpds-py), is found through PYTHONPATH=/tmp/site.
+# BATCH overrides the batch sizes (default 1,32). Logs and JSON go to $OUT (or ./fleet-check-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-fleet-check-out}; mkdir -p "$out"
+work=.fleet-check; mkdir -p "$work"
+batch=${BATCH:-1,32}
+export PYTHONUNBUFFERED=1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+bench() { python3 benchmarks/fleet_scaling.py "$@" --work "$work"; }
+keep() { cp "$work"/*.json "$work"/*.log "$out"/ 2>/dev/null; true; }
+
+phase() {
+  case "$1" in
+    setup)
+      python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; return 1; }
+      nvidia-smi -L | tee "$out/gpus.txt"
+      python3 -c "import ray; print('ray', ray.__version__)" 2>&1 | tail -1 | tee "$out/ray.txt"
+      [ -f .panel/panel.json ] || python3 models/export_panel.py --out .panel >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; return 1; }
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fleet_gpu.py 2>&1 | tee "$out/fleet-gpu-tests.log" | tail -5
+      return "${PIPESTATUS[0]}" ;;
+    one)    bench run --name one --gpus 0 --batch "$batch" ;;
+    two)    bench run --name two --gpus 0,1 --batch "$batch" ;;
+    ray)    bench run --name two-ray --gpus 0,1 --cluster ray --batch "$batch" ;;
+    kill)   bench kill --name kill --gpus 0,1 --batch "$batch" ;;
+    retime) bench run --name retime --gpus 0 --batch "$batch" ;;
+    report) python3 benchmarks/fleet_scaling.py report --work "$work" --out "$out" | tee "$out/report.txt" ;;
+    *) sed -n 2,15p "$0"; return 2 ;;
+  esac
+}
+
+rc=0
+if [ "${1:-}" = all ]; then
+  for p in setup one two kill retime report; do
+    echo "== $p"; phase "$p" || rc=1; keep
+  done
+else
+  phase "${1:-help}" || rc=$?; keep
+fi
+exit "$rc"

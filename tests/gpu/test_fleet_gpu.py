@@ -1,0 +1,70 @@
+"""Fleet tuning on real GPUs: the worker's measurer against the in-process tuner, one worker per
+visible GPU with its own CUDA_VISIBLE_DEVICES, a whole run and its cached re-run."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from rich.console import Console
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+from conftest import MODELS, conv_model  # noqa: E402
+from convpass import annotation, device  # noqa: E402
+from convpass.cache import TuningCache  # noqa: E402
+from convpass.fleet import driver  # noqa: E402
+from convpass.fleet.local import LocalExecutor, visible_gpus  # noqa: E402
+from convpass.fleet.measurers import CudnnMeasurer  # noqa: E402
+from convpass.model_io import load_model  # noqa: E402
+from convpass.options import TuneOptions  # noqa: E402
+from convpass.pipeline import OptimizeReport, prepare_model  # noqa: E402
+from convpass.tune.tuner import CudnnTuner  # noqa: E402
+
+OPTIONS = TuneOptions(layout="per-conv")
+
+
+@pytest.fixture(autouse=True)
+def _need_gpu():
+    if device.detect() is None:
+        pytest.skip("no usable GPU / cuDNN")
+
+
+def _problems(model, shapes=()):
+    return list(prepare_model(load_model(model), OPTIONS, shapes, OptimizeReport()))
+
+
+def test_the_worker_measures_what_the_tuner_measures(tmp_path):
+    problem = _problems(conv_model("Conv", (2, 8, 16, 16), (16, 8, 3, 3), pads=[1, 1, 1, 1]))[0]
+    measurer = CudnnMeasurer()
+    assert measurer.start() == device.detect()
+    rows = measurer.measure(problem, OPTIONS)
+    assert measurer.complete(device.detect(), rows, problem, OPTIONS)
+    with TuningCache(tmp_path / "c.db") as cache:
+        CudnnTuner(cache, device.detect(), console=Console(quiet=True)).decide([problem], OPTIONS)
+        stored = [m for s in problem.candidates for m in cache.get(device.detect(), s)]
+    assert {(m.key, m.algo, m.method, m.status) for m in rows} == {(m.key, m.algo, m.method, m.status) for m in stored}
+
+
+def test_a_fleet_run_uses_every_gpu_and_a_rerun_measures_nothing(tmp_path):
+    path = MODELS / "mobile_block.onnx"
+    specs = [driver.ModelSpec(path, ("input=1x3x32x32", "input=8x3x32x32"))]
+    out = tmp_path / "out"
+    out.mkdir()
+    report = driver.tune(specs, out, OPTIONS, cluster=LocalExecutor(), cache=tmp_path / "c.db", console=Console(quiet=True))
+    doc = report.to_json()
+    gpus = visible_gpus()
+    assert [s["id"] for s in doc["slots"]] == [f"gpu{g}" for g in gpus]
+    assert {s["device"] for s in doc["slots"]} == {str(device.detect())}
+    assert doc["failed"] == [] and doc["missing"] == [] and doc["measured"] == doc["problems"]
+    assert doc["cache_writes"]["max_per_task"] == 1
+    if len(gpus) > 1:
+        assert len(doc["measured_by_slot"]) > 1  # the problems were shared out
+    tuned = onnx.load(report.written[0])
+    onnx.checker.check_model(tuned, full_check=True)
+    info, nodes = annotation.read_annotations(tuned, device=device.detect())
+    assert info.devices == (str(device.detect()),)
+    assert all(d.source == "measure" and d.algo != "auto" for n in nodes for d in n.decisions)
+    again = driver.tune(specs, out, OPTIONS, cluster=LocalExecutor(), cache=tmp_path / "c.db", console=Console(quiet=True)).to_json()
+    assert again["measured"] == 0 and again["cached"] == doc["problems"]

@@ -1,0 +1,348 @@
+"""Fleet tuning on CPU: problem collection across models and profiles, the scheduler's bookkeeping
+through the local executor's worker processes (retries, lost workers, timeouts, interrupt and
+resume), several device types in one model, and the ``tune`` command.
+
+Workers replay recorded H200 measurements (tests/recorded.py) through ``RecordedMeasurer``, the
+cache-only decision path; nothing is timed and no timing is made up.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from rich.console import Console
+
+import convpass
+import recorded
+from conftest import REPO, conv_model
+from convpass import annotation
+from convpass.cache import TuningCache
+from convpass.cli import main
+from convpass.decide import select
+from convpass.fleet import driver
+from convpass.fleet.local import LocalExecutor
+from convpass.fleet.measurers import RecordedMeasurer
+from convpass.options import TuneOptions
+from convpass.problem import ProblemKey
+from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu
+from recorded import H200, H200_TUNING_RUN
+
+OPTIONS = TuneOptions(layout="per-conv")
+MODELS = ("resnet_stem", "resnet_block", "inverted_residual", "resnet_unrecorded")
+RECORDED_PROBLEMS = 16  # of the 18 distinct problems; resnet_unrecorded's 64->48 conv (b1, b32) was never measured
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """The recorded runs in one cache (the H200's oracle run; its tuning run as a second device) and the models."""
+    root = tmp_path_factory.mktemp("fleet")
+    with TuningCache(root / "recorded.db") as c:
+        c.put(H200, [m for rows in recorded.recorded_rows("oracle").values() for m in rows])
+        c.put(H200_TUNING_RUN, [m for rows in recorded.recorded_rows("tuning").values() for m in rows])
+    paths = [recorded.save(getattr(recorded, name)(), root, name) for name in MODELS]
+    specs, notes = driver.specs_from_batches(paths, ["1,32"])
+    assert notes == []
+    return {"root": root, "recorded": root / "recorded.db", "paths": paths, "specs": specs}
+
+
+def _tune(lab, tmp_path, measurer=None, workers=2, executor=None, **kw):
+    out = tmp_path / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    return driver.tune(
+        lab["specs"], out, OPTIONS,
+        cluster=executor or LocalExecutor(workers=workers),
+        cache=tmp_path / "driver.db",
+        measurer=measurer or RecordedMeasurer(lab["recorded"], H200),
+        console=Console(quiet=True),
+        **kw,
+    )
+
+
+def _decisions(paths, device=None):
+    """(node, profile) -> (algo, memory format, math, time, source) of every written model."""
+    out = {}
+    for path in paths:
+        info, nodes = annotation.read_annotations(onnx.load(path), device=device)
+        for n in nodes:
+            for i, d in enumerate(n.decisions):
+                out[(Path(path).name, n.node_name, i)] = (d.algo, d.memory_format, d.math_mode, d.time_ms, d.source, d.problem_key)
+    return out
+
+
+def _recorded_choice(problem_key: str, run: str):
+    """The configuration select() picks from one recorded run for the problem of a decision."""
+    shape = ProblemKey.parse(problem_key).shape
+    from convpass.passes.collect_conv_problems import ConvProblem
+
+    chosen = select(recorded.recorded_rows(run)[shape], ConvProblem((shape,)), OPTIONS)
+    return str(chosen.key), chosen.algo
+
+
+def _stored(cache_path, device=H200):
+    """The driver cache's rows for every recorded geometry (shape -> rows), where it has any."""
+    with TuningCache(cache_path) as c:
+        found = {shape: c.get(device, shape) for shape in recorded.recorded_rows("oracle")}
+    return {shape: rows for shape, rows in found.items() if rows}
+
+
+def _check_decisions(written, run="oracle", device=None):
+    """Every decision is the recorded run's best configuration; resnet_unrecorded's 64->48 conv is auto."""
+    decisions = _decisions(written, device)
+    auto = {k for k, d in decisions.items() if d[0] == "auto"}
+    assert auto == {("resnet_unrecorded.tuned.onnx", "conv2", 0), ("resnet_unrecorded.tuned.onnx", "conv2", 1)}
+    assert all(decisions[k][4] == "auto" for k in auto)
+    for key, (algo, _, _, time_ms, _, problem_key) in decisions.items():
+        if key not in auto:
+            assert (problem_key, algo) == _recorded_choice(problem_key, run) and time_ms > 0, key
+    return decisions
+
+
+def _check_nothing_lost(doc, cache_path):
+    """Every recorded problem measured and written exactly once; only the unrecorded ones failed."""
+    assert doc["missing"] == [] and doc["measured"] == RECORDED_PROBLEMS
+    assert doc["cache_writes"] == {"tasks": RECORDED_PROBLEMS, "max_per_task": 1}
+    assert sorted("|k=48|" in f["problem"] for f in doc["failed"]) == [True, True]
+    stored = _stored(cache_path)
+    oracle = recorded.recorded_rows("oracle")
+    assert len(stored) == RECORDED_PROBLEMS
+    assert all(sorted(rows, key=repr) == sorted(oracle[shape], key=repr) for shape, rows in stored.items())
+
+
+# ------------------------------------------------------------------------------------------------
+# collection
+
+
+def test_problems_are_collected_once_across_models_and_profiles(lab, tmp_path):
+    models, distinct = driver.collect(lab["specs"], OPTIONS, tmp_path)
+    assert [len(m.problems) for m in models] == [8, 8, 6, 4]
+    stem, block = set(models[0].problems), set(models[1].problems)
+    assert len(stem & block) == 6  # 1x1 64->64, 3x3 64->64, 1x1 64->256 at batch 1 and 32
+    assert len(distinct) == 18 and len(set(distinct)) == 18
+    assert distinct[:8] == models[0].problems  # first seen, first listed
+    assert [m.output.name for m in models] == [f"{n}.tuned.onnx" for n in MODELS]
+    same_twice = driver.ModelSpec(lab["paths"][0], ("input=1x3x224x224", "input=1x3x224x224"))
+    models, distinct = driver.collect([same_twice], OPTIONS, tmp_path)
+    assert len(models[0].report.profiles) == 2 and len(distinct) == 4
+
+
+def test_batches_follow_each_models_inputs(tmp_path):
+    dynamic = tmp_path / "dyn.onnx"
+    onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), dynamic)
+    fixed = tmp_path / "fixed.onnx"
+    onnx.save(conv_model("Conv", [1, 3, 8, 8], (4, 3, 3, 3)), fixed)
+    specs, notes = driver.specs_from_batches([dynamic, fixed], ["1,32", "dyn=2"])
+    assert [s.shapes for s in specs] == [("x=2x3x8x8",), ("x=1x3x8x8",)]
+    assert notes == ["fixed.onnx: batch 32 left out: input 'x' has a fixed batch of 1, not 32"]
+    with pytest.raises(convpass.errors.ConvpassError, match="none of the batch sizes"):
+        driver.specs_from_batches([fixed], ["8"])
+    with pytest.raises(convpass.errors.ConvpassError, match="not given: other"):
+        driver.specs_from_batches([fixed], ["other=1"])
+
+
+# ------------------------------------------------------------------------------------------------
+# bookkeeping through worker processes
+
+
+def test_each_problem_is_measured_once_and_every_model_written(lab, tmp_path):
+    report = _tune(lab, tmp_path)
+    doc = report.to_json()
+    assert doc["problems"] == 18 and doc["tasks"] == 18 and doc["cached"] == 0
+    assert [s["id"] for s in doc["slots"]] == ["proc0", "proc1"] and all(doc["measured_by_slot"].values())
+    _check_nothing_lost(doc, tmp_path / "driver.db")
+    (f1, f2) = doc["failed"]
+    assert f1["attempts"] == f2["attempts"] == 3  # 1 + --retries 2
+    assert all("no measurement of" in r and "recorded in" in r for r in f1["reasons"])
+    assert doc["workers_lost"] == [] and doc["retried"] == 4
+    written = [tmp_path / "out" / f"{n}.tuned.onnx" for n in MODELS]
+    assert [Path(m["output"]) for m in doc["models"]] == written
+    decisions = _check_decisions(written)
+    assert {d[4] for d in decisions.values()} == {"measure", "auto"}
+    for m in doc["models"]:
+        onnx.checker.check_model(onnx.load(m["output"]), full_check=True)
+
+
+def test_one_worker_and_two_workers_decide_the_same(lab, tmp_path):
+    one = _tune(lab, tmp_path / "one", workers=1)
+    two = _tune(lab, tmp_path / "two", workers=2)
+    assert one.to_json()["measured_by_slot"] == {"proc0": RECORDED_PROBLEMS}
+    assert _decisions(one.written) == _decisions(two.written)
+    assert _stored(tmp_path / "one" / "driver.db") == _stored(tmp_path / "two" / "driver.db")
+
+
+def test_a_worker_killed_mid_task_loses_nothing(lab, tmp_path):
+    report = _tune(lab, tmp_path, KilledMidTask(lab["recorded"], H200, tmp_path / "killed", nth=3))
+    doc = report.to_json()
+    (lost,) = doc["workers_lost"]
+    assert "killed by SIGKILL" in lost["reason"]
+    _check_nothing_lost(doc, tmp_path / "driver.db")
+    (retried,) = doc["retries"]  # the problem the dead worker held, measured by a later attempt
+    assert retried["attempts"] == 2 and "lost: worker process was killed by SIGKILL" in retried["reasons"][0]
+    assert len(doc["slots"]) == 2 and doc["slots_retired"] == {}
+    _check_decisions(report.written)
+
+
+def test_a_broken_gpu_is_retired_and_its_problems_run_on_the_others(lab, tmp_path):
+    measurer = ReplayPerGpu(lab["recorded"], {"0": H200, "1": H200}, broken=("1",))
+    doc = _tune(lab, tmp_path, measurer, executor=LocalExecutor(gpus=["0", "1"])).to_json()
+    assert [s["where"].split(",")[0] for s in doc["slots"]] == ["GPU 0 of this host", "GPU 1 of this host"]
+    assert [w["slot"] for w in doc["workers_lost"]] == ["gpu1"] * 3
+    assert "lost 3 workers in a row" in doc["slots_retired"]["gpu1"]
+    assert doc["measured_by_slot"] == {"gpu0": RECORDED_PROBLEMS}
+    _check_nothing_lost(doc, tmp_path / "driver.db")
+
+
+def test_a_hung_problem_times_out_and_runs_again(lab, tmp_path):
+    doc = _tune(lab, tmp_path, HangsOnce(lab["recorded"], H200, tmp_path / "hung", n=32), task_timeout=1.0).to_json()
+    (lost,) = doc["workers_lost"]
+    assert "ran over --task-timeout 1 s" in lost["reason"] and "n=32" in lost["reason"]
+    _check_nothing_lost(doc, tmp_path / "driver.db")
+
+
+def test_an_interrupted_driver_keeps_what_was_measured_and_a_rerun_measures_the_rest(lab, tmp_path):
+    def interrupt_after_five(progress):
+        if progress.finished >= 5:
+            raise KeyboardInterrupt
+
+    first = _tune(lab, tmp_path, on_progress=interrupt_after_five)
+    doc = first.to_json()
+    assert first.interrupted and doc["interrupted"] and first.written == []
+    assert not list((tmp_path / "out").iterdir())  # no model, not even half of one
+    kept = doc["measured"]
+    assert kept >= 5 and len(doc["missing"]) == 18 - kept - len(doc["failed"])
+    assert len(_stored(tmp_path / "driver.db")) == kept
+    again = _tune(lab, tmp_path).to_json()
+    assert again["cached"] == kept and again["measured"] == RECORDED_PROBLEMS - kept
+    assert again["missing"] == [] and len(again["failed"]) == 2
+    resumed = _check_decisions([tmp_path / "out" / f"{n}.tuned.onnx" for n in MODELS])
+    assert sum(v[4] == "cache" for v in resumed.values()) >= kept  # measured before the interrupt
+
+
+def test_workers_that_do_not_start_are_reported(lab, tmp_path):
+    with pytest.raises(convpass.errors.ConvpassError, match="no worker started.*CUDA_ERROR_NO_DEVICE"):
+        _tune(lab, tmp_path, NotStarting(lab["recorded"], H200))
+
+
+# ------------------------------------------------------------------------------------------------
+# several device types
+
+
+def test_a_mixed_cluster_gives_one_model_with_a_table_per_device(lab, tmp_path):
+    measurer = ReplayPerGpu(lab["recorded"], {"0": H200, "1": H200_TUNING_RUN})
+    report = _tune(lab, tmp_path, measurer, executor=LocalExecutor(gpus=["0", "1"]))
+    doc = report.to_json()
+    assert report.devices == [H200, H200_TUNING_RUN] and report.cache_only == []
+    assert doc["tasks"] == 36 and doc["measured"] == 32 and len(doc["failed"]) == 4
+    by_id = {t.id: t for t in report.tasks}
+    for task_id, slot in report.schedule.finished.items():
+        assert slot == ("gpu0" if by_id[task_id].device == H200 else "gpu1")  # problems go to their own GPU type
+    stem = tmp_path / "out" / "resnet_stem.tuned.onnx"
+    info = annotation.read_model_info(onnx.load(stem))
+    assert info.devices == (str(H200), str(H200_TUNING_RUN))
+    for device, run in ((H200, "oracle"), (H200_TUNING_RUN, "tuning")):
+        for key, d in _decisions([stem], device=device).items():
+            assert (d[5], d[0]) == _recorded_choice(d[5], run), key
+    differ = [k for k, d in _decisions([stem], H200).items() if d[:3] != _decisions([stem], H200_TUNING_RUN)[k][:3]]
+    assert differ  # the two runs chose differently somewhere: each device reads its own table
+    records = convpass.inspect(stem, device="tuning run")
+    assert {r["device"] for r in records} == {str(H200_TUNING_RUN)} and len(records) == 8
+
+
+def test_devices_picks_the_device_types_to_tune(lab, tmp_path):
+    measurer = ReplayPerGpu(lab["recorded"], {"0": H200, "1": H200_TUNING_RUN})
+    report = _tune(lab, tmp_path, measurer, executor=LocalExecutor(gpus=["0", "1"]), devices=["tuning run"])
+    assert report.devices == [H200_TUNING_RUN]
+    assert set(report.schedule.finished.values()) == {"gpu1"}
+    info = annotation.read_model_info(onnx.load(report.written[0]))
+    assert info.devices == (str(H200_TUNING_RUN),)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A build machine: the local cluster sees no GPU (even where the tests run on a GPU host)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def test_merged_caches_give_one_model_for_two_gpus_without_a_gpu(lab, tmp_path, capsys, no_gpu):
+    """Caches exported on two GPUs, merged with `convpass cache import`, applied on a GPU-less machine."""
+    for device, name in ((H200, "a"), (H200_TUNING_RUN, "b")):
+        with TuningCache(lab["recorded"]) as c:
+            c.export_json(tmp_path / f"{name}.json", device)
+        assert main(["cache", "import", str(tmp_path / f"{name}.json"), "--cache", str(tmp_path / "merged.db")]) == 0
+    (tmp_path / "out").mkdir()
+    capsys.readouterr()
+    code = main(["tune", *map(str, lab["paths"][:2]), "--batch", "1,32", "-o", str(tmp_path / "out"), "--json", "-q",
+                 "--devices", f"{H200},tuning run", "--cache", str(tmp_path / "merged.db")])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cache_only_devices"] == [str(H200), str(H200_TUNING_RUN)] and doc["slots"] == []
+    assert doc["tasks"] == 0 and doc["measured"] == 0 and doc["failed"] == []
+    assert [m["decided"] for m in doc["models"]] == [{str(H200): 8, str(H200_TUNING_RUN): 8}] * 2
+    stem = doc["models"][0]["output"]
+    for device, run in ((H200, "oracle"), (H200_TUNING_RUN, "tuning")):
+        for d in _decisions([stem], device=device).values():
+            assert (d[5], d[0]) == _recorded_choice(d[5], run) and d[4] == "cache"
+    assert main(["inspect", stem]) == 0
+    table = capsys.readouterr().out
+    assert "decisions for 2 devices" in table and "device" in table
+    assert main(["inspect", stem, "--json", "--device", "tuning run"]) == 0
+    assert {r["device"] for r in json.loads(capsys.readouterr().out)} == {str(H200_TUNING_RUN)}
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--layout", "auto"], "--layout auto plans the whole graph"),
+        ([], "no worker started (the cluster has no GPU)"),
+        (["--devices", "A100"], "--devices 'A100': no GPU of the cluster matches (cluster: no workers)"),
+        (["--cluster", "spark"], "--cluster 'spark': expected local, ray or ray://HOST:PORT"),
+        (["--retries", "-1"], "--retries must be >= 0"),
+        (["--task-timeout", "0"], "--task-timeout must be > 0"),
+    ],
+)
+def test_tune_errors_are_one_line(lab, tmp_path, capsys, no_gpu, extra, message):
+    (tmp_path / "out").mkdir()
+    code = main(["tune", str(lab["paths"][0]), "--batch", "1", "-o", str(tmp_path / "out"), "--cache", str(tmp_path / "c.db"), *extra])
+    err = capsys.readouterr().err
+    assert code == 1 and message in err and err.count("\n") == 1, err
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_tune_refuses_outputs_that_collide_and_missing_output_dirs(lab, tmp_path, capsys, no_gpu):
+    other = tmp_path / "again"
+    other.mkdir()
+    twin = recorded.save(recorded.resnet_stem(), other, "resnet_stem")
+    (tmp_path / "out").mkdir()
+    assert main(["tune", str(lab["paths"][0]), str(twin), "-o", str(tmp_path / "out"), "--batch", "1"]) == 1
+    assert "would both be written to" in capsys.readouterr().err
+    assert main(["tune", str(twin), "-o", str(tmp_path / "nowhere")]) == 1
+    assert "output directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", str(twin), "-o", str(tmp_path / "out"), "--batch", "1", "--shape", "input=1x3x224x224"])
+    assert exit_.value.code == 2  # --shape and --batch exclude each other
+
+
+def test_convpass_imports_and_runs_without_ray(tmp_path):
+    code = """
+import sys
+sys.modules["ray"] = None  # importing ray now fails, as where it is not installed
+import convpass, convpass.cli, convpass.fleet, convpass.fleet.driver, convpass.fleet.local
+convpass.cli.build_parser().parse_args(["tune", "m.onnx", "-o", "out"])
+from convpass.errors import OptionError
+try:
+    convpass.fleet.driver.make_executor("ray")
+except OptionError as e:
+    print(e)
+assert "ray" not in [m for m in sys.modules if sys.modules[m] is not None]
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Ray is not installed here" in out.stdout and "pip install 'convpass[fleet]'" in out.stdout

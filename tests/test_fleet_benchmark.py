@@ -1,0 +1,109 @@
+"""The comparison behind benchmarks/fleet_scaling.py's report, on the recorded H200 runs: decisions
+of one run re-timed on another run's clock (the tuner's run-to-run noise)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+import recorded
+from conftest import REPO
+from convpass.cache import TuningCache
+from recorded import H200
+
+_spec = importlib.util.spec_from_file_location("fleet_scaling", REPO / "benchmarks" / "fleet_scaling.py")
+fleet_scaling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fleet_scaling)
+
+
+def _decisions(run: str) -> dict:
+    """(device, geometry) -> (problem key, algorithm): each recorded run's fastest configuration."""
+    out = {}
+    for shape, rows in recorded.recorded_rows(run).items():
+        best = min(rows, key=lambda m: m.time_ms)
+        out[(str(H200), str(shape))] = (str(best.key), best.algo)
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_clock(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clock") / "oracle.db"
+    with TuningCache(path) as c:
+        c.put(H200, [m for rows in recorded.recorded_rows("oracle").values() for m in rows])
+    return fleet_scaling.clock_of(path, str(H200))
+
+
+def test_clock_holds_every_recorded_time(oracle_clock):
+    rows = recorded.recorded_rows("oracle")
+    assert len(oracle_clock) == len(rows) == 208
+    for shape, ms in rows.items():
+        assert oracle_clock[str(shape)] == {(str(m.key), m.algo): m.time_ms for m in ms}
+
+
+def test_run_to_run_noise_of_the_recorded_runs(oracle_clock):
+    """The tuning run's choices timed by the independent oracle run, as computed from the results
+    files directly: the noise a 2-GPU run's decisions are held to."""
+    tuning, oracle = _decisions("tuning"), _decisions("oracle")
+    result = fleet_scaling.compare(tuning, oracle, oracle_clock)
+    firsts = {}
+    for path in recorded.RESULTS:
+        for r in json.loads(path.read_text()):
+            for shape, d in r["detail"].items():
+                firsts.setdefault(shape, d["chosen_ms_oracle_run"] / d["oracle_ms"])
+    expected = sorted(firsts.values())
+    noise = result["a_vs_best"]
+    assert noise["problems"] == 208
+    assert noise["within_3pct"] == sum(r <= 1.03 for r in expected)
+    assert noise["max"] == pytest.approx(expected[-1], abs=1e-4)
+    assert result["b_vs_best"] == {"problems": 208, "within_3pct": 208, "median": 1.0, "p95": 1.0, "max": 1.0}
+    # the oracle's choices are never slower than the tuning run's on the oracle's own clock
+    assert result["b_vs_a"]["max"] <= 1.0 and result["b_vs_a"]["within_3pct"] == 208
+    assert result["same_choice"] == sum(tuning[k] == oracle[k] for k in tuning)
+    assert [w["ratio"] for w in result["worst_b_vs_a"]] == sorted((w["ratio"] for w in result["worst_b_vs_a"]), reverse=True)
+
+
+def test_identical_runs_compare_equal_and_unknown_decisions_are_left_out(oracle_clock):
+    tuning = _decisions("tuning")
+    extra = {**tuning, ("x", "fwd|n=7|c=1|k=1|in=7x7|ker=1x1|pad=0x0|str=1x1|dil=1x1|g=1|float32"):
+             ("fwd|n=7|c=1|k=1|in=7x7|ker=1x1|pad=0x0|str=1x1|dil=1x1|g=1|float32|nchw|default", "gemm")}
+    result = fleet_scaling.compare(tuning, extra, oracle_clock)
+    assert result["decided"] == {"a": 208, "b": 209, "retimed_both": 208}
+    assert result["b_vs_a"]["within_3pct"] == 208 and result["b_vs_a"]["max"] == 1.0
+
+
+def test_decisions_are_read_from_tuned_models():
+    got = fleet_scaling.decisions_of([REPO / "tests" / "data" / "schema1-resnet-stem.tuned.onnx"])
+    assert len(got) == 4 and {device for device, _ in got} == {str(H200)}
+    key, algo = got[(str(H200), "fwd|n=1|c=3|k=64|in=224x224|ker=7x7|pad=3x3|str=2x2|dil=1x1|g=1|float32")]
+    assert key.endswith("|nhwc|default") and algo == "implicit_precomp_gemm"
+
+
+def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
+    """The device script's report on runs made here with recorded measurements (replayed, so the
+    wall times are this machine's, not a GPU's): the plumbing, not the targets."""
+    from rich.console import Console
+
+    from convpass.fleet import driver
+    from convpass.fleet.local import LocalExecutor
+    from convpass.fleet.measurers import RecordedMeasurer
+    from convpass.options import TuneOptions
+
+    source = tmp_path / "recorded.db"
+    with TuningCache(source) as c:
+        c.put(H200, [m for rows in recorded.recorded_rows("oracle").values() for m in rows])
+    models = [recorded.save(recorded.resnet_stem(), tmp_path, "resnet_stem"), recorded.save(recorded.inverted_residual(), tmp_path, "ir")]
+    specs, _ = driver.specs_from_batches(models, ["1,32"])
+    work = tmp_path / "work"
+    for name, workers in (("one", 1), ("two", 2), ("retime", 1)):
+        (work / name).mkdir(parents=True)
+        report = driver.tune(specs, work / name, TuneOptions(layout="per-conv"), cluster=LocalExecutor(workers=workers),
+                             cache=work / f"{name}.db", measurer=RecordedMeasurer(source, H200), console=Console(quiet=True))
+        (work / f"{name}.json").write_text(json.dumps({"name": name, "gpus": "-", "cluster": "local",
+                                                       "wall_s": report.seconds["total"], "summary": report.to_json()}))
+    assert fleet_scaling.main(["report", "--work", str(work), "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "fleet-check.json").read_text())
+    assert doc["wall"]["problems"] == 14 and set(doc["runs"]) == {"one", "two", "retime"}
+    assert doc["decisions"]["b_vs_a"] == {"problems": 14, "within_3pct": 14, "median": 1.0, "p95": 1.0, "max": 1.0}
+    assert "2-GPU within 3% of 1-GPU on 14/14" in capsys.readouterr().out
