@@ -30,6 +30,8 @@ beyond ``xp = cupy``:
   A geometry with ``shapes == ()`` is one canonicalization refused: run
   :func:`convpass.runtime.conv.conv_reference` with ``xp = cupy`` (the kernels are xp-generic).
 * ``erf``: ``cupyx.scipy.special.erf`` (import lazily).
+* ``fingerprint()``: this GPU's :class:`convpass.device.DeviceFingerprint`; the executor reads the
+  decision table recorded for it (a model may carry several devices' tables);
 * ``bind_model(model_info)``: the model's metadata, once per executor (recorded device
   fingerprint to re-validate the decisions against, ``matmul_allow_tf32``);
   ``upload_input`` / ``adopt``: feeds (NumPy uploaded without a host mirror; CuPy and CUDA
@@ -76,6 +78,10 @@ class Backend:
     def adopt(self, value: Any) -> Any:
         """A foreign array already in this backend's memory (e.g. a CUDA DLPack tensor) as an ``xp``
         array without a copy, or None when ``value`` is not one."""
+        return None
+
+    def fingerprint(self) -> Any:
+        """The device fingerprint whose decision table this backend runs (None: no GPU, the first table)."""
         return None
 
     def bind_model(self, model_info: Any) -> None:

@@ -268,7 +268,8 @@ class Executor:
             except (onnx.checker.ValidationError, ValueError) as e:
                 raise ExecutorError(f"model fails onnx.checker: {e}") from None
         try:
-            self.model_info, annotations = annotation.read_annotations(proto)
+            # a model tuned for several GPU types carries one decision table per device: this one's
+            self.model_info, annotations = annotation.read_annotations(proto, device=self._backend.fingerprint())
         except annotation.AnnotationError as e:
             raise ExecutorError(str(e)) from None
         self._backend.bind_model(self.model_info)

@@ -168,14 +168,22 @@ class CudaBackend(Backend):
         graphs = "CUDA graphs" if self.cuda_graph else "eager"
         return f"cuda:{self.device_id} ({name}, {cudnn}, CuPy {cp.__version__}, {graphs})"
 
-    def bind_model(self, model_info: Any) -> None:
-        """The executor's model metadata: device fingerprint to re-validate, matmul TF32 switch."""
-        from convpass import device as device_mod
+    def fingerprint(self) -> Any:
+        """This GPU's device fingerprint (detected once, on this backend's device)."""
+        if self.current_device is None:
+            from convpass import device as device_mod
 
+            with self._device:
+                self.current_device = device_mod.detect()
+        return self.current_device
+
+    def bind_model(self, model_info: Any) -> None:
+        """The executor's model metadata: the device whose decisions it holds (to re-validate against
+        this GPU: a model without a table for this GPU runs cuDNN's heuristic, with one warning), the
+        matmul TF32 switch."""
         self._allow_tf32 = bool(model_info is not None and model_info.matmul_allow_tf32)
         self.recorded_device = (model_info.device if model_info is not None else "") or ""
-        with self._device:
-            self.current_device = device_mod.detect()
+        self.fingerprint()
 
     def upload(self, array: np.ndarray) -> Any:
         if self.capturing:
