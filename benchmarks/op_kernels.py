@@ -192,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batches", type=int, default=7)
     args = ap.parse_args(argv)
-    try:
-        import cupy as cp  # noqa: F401
-    except ImportError:
-        print("op_kernels: needs CuPy and a GPU", file=sys.stderr)
+    from convpass.runtime.cuda import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"op_kernels: needs the cuda backend: {reason}", file=sys.stderr)
         return 2
     rows = []
     t0 = time.perf_counter()

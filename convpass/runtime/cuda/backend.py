@@ -139,7 +139,6 @@ class CudaBackend(Backend):
         self._blas: Any = None  # blas.Blas, False when it cannot be loaded
         self.recorded_device = ""
         self.current_device: Any = None
-        self._warned_nodes: set[str] = set()
         self._warned: set[str] = set()
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
         # Set to a list to profile eager runs: (launch label, op type of its node, start event, end event)
@@ -395,11 +394,8 @@ class CudaBackend(Backend):
             logger.debug("%s", message)
 
     def warn_node(self, node: str, message: str) -> None:
-        if node in self._warned_nodes:
-            return
-        self._warned_nodes.add(node)
-        self.notes.append(message)
-        warnings.warn(message, ExecutorWarning, stacklevel=4)
+        """One warning per node, whatever else was said about it."""
+        self.note_once(f"node:{node}", message)
 
     def warn_capture(self, note: str) -> None:
         """A plan that does not run as one CUDA graph: warned once per reason (runner, lowering)."""

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 __all__ = [
     "CaptureBreak",
     "ELEMENTWISE",

@@ -161,7 +161,6 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
             fam.placed.append(s)
         copied = set(placed)  # (slot, offset) already in the buffer
         for step in sorted(fam.members):
-            st = plan.steps[step]
             base = fam.members[step]
             _, step_ins, step_lengths = _concat_info(plan, step)
             copies = []

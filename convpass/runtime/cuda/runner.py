@@ -91,7 +91,7 @@ class CompiledPlan:
         return [launch for launch in self.launches if launch is not None]
 
 
-def _run_launch(rt: Any, launch: Launch, env: list[Any]) -> None:
+def _run_launch(launch: Launch, env: list[Any]) -> None:
     try:
         launch.run(env)
     except (CaptureBreak, ExecutorError):
@@ -100,17 +100,16 @@ def _run_launch(rt: Any, launch: Launch, env: list[Any]) -> None:
         raise ExecutorError(f"node {launch.node.name!r} ({launch.node.op_type}, run as {launch.label}) failed: {e}") from None
 
 
-def _run_range(rt: Any, state: CompiledPlan, env: list[Any], start: int, stop: int) -> None:
-    """Run steps ``start..stop-1`` on ``env`` (eagerly, or into the capture in progress)."""
-    timing = None if rt.capturing else rt.step_events
+def _run_eager(rt: Any, state: CompiledPlan, env: list[Any]) -> None:
+    """Run every step on ``env`` eagerly, with per-launch CUDA events when ``rt.step_events`` is set."""
+    timing = rt.step_events
     cp = rt.cp
-    for i in range(start, stop):
-        launch = state.launches[i]
+    for i, launch in enumerate(state.launches):
         if launch is not None:
             if timing is not None:
                 begin = cp.cuda.Event()
                 begin.record()
-            _run_launch(rt, launch, env)
+            _run_launch(launch, env)
             if timing is not None:
                 end = cp.cuda.Event()
                 end.record()
@@ -129,7 +128,7 @@ def run_plan(rt: Any, plan: Any, feeds: dict[str, Any]) -> list[Any]:
     env = list(plan.template)
     for name, s in plan.feed_slots.items():
         env[s] = feeds[name]
-    _run_range(rt, state, env, 0, len(state.launches))
+    _run_eager(rt, state, env)
     return unshare_outputs([env[s] for s in plan.output_slots], plan, feeds)
 
 
@@ -143,7 +142,7 @@ def _replay(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> l
     for seg in state.segments:
         if isinstance(seg, _EagerPart):
             env = list(seg.env)
-            _run_launch(rt, state.launches[seg.index], env)
+            _run_launch(state.launches[seg.index], env)
             for slot, static in zip(state.launches[seg.index].outputs, seg.outputs):
                 if slot >= 0 and env[slot] is not static:
                     cp.copyto(static, env[slot])
@@ -162,7 +161,7 @@ def _warm_up(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any]) ->
     for i, launch in enumerate(state.launches):
         if launch is not None:
             before = (rt.host_syncs, rt.uploads)
-            _run_launch(rt, launch, env)
+            _run_launch(launch, env)
             after = (rt.host_syncs, rt.uploads)
             if after != before:
                 what = []
@@ -184,9 +183,8 @@ def _mark(state: CompiledPlan, index: int, reason: str) -> None:
         state.note = f"node {node.name!r} ({node.op_type}) {reason}"
 
 
-def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], stream: Any, pool: Any) -> tuple[list[Any], list[Any]] | int:
+def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], stream: Any) -> tuple[list[Any], list[Any]] | int:
     """Capture the plan as segments; returns (segments, outputs) or the step whose launch failed."""
-    cp = rt.cp
     env = list(plan.template)
     for name, s in plan.feed_slots.items():
         env[s] = static[name]
@@ -197,7 +195,7 @@ def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], st
         if i in state.uncapturable:
             launch = state.launches[i]
             snapshot = list(env)
-            _run_launch(rt, launch, env)
+            _run_launch(launch, env)
             segments.append(_EagerPart(i, snapshot, [env[s] if s >= 0 else None for s in launch.outputs]))
             for s in state.free[i]:
                 env[s] = None
@@ -215,7 +213,7 @@ def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], st
                     launch = state.launches[k]
                     if launch is not None:
                         try:
-                            _run_launch(rt, launch, env)
+                            _run_launch(launch, env)
                         except BaseException as e:  # noqa: BLE001  (end the capture whatever happened)
                             failed, error = k, e
                             break
@@ -249,7 +247,6 @@ def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], st
                 pass
         segments.append(graph)
         i = stop
-    del cp
     return segments, [env[s] for s in plan.output_slots]
 
 
@@ -272,7 +269,7 @@ def _warm_up_and_capture(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[st
         if len(state.uncapturable) >= sum(1 for launch in state.launches if launch is not None):
             break
         with cp.cuda.using_allocator(pool.malloc), stream:
-            attempt = _capture(rt, plan, state, static, stream, pool)
+            attempt = _capture(rt, plan, state, static, stream)
         if not isinstance(attempt, int):
             captured = attempt
             break
