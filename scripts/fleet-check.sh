@@ -13,7 +13,8 @@
 #         $OUT/fleet-check.json
 # Ray, staged as shared/device/README.md says (stage-wheels.sh .raywhl ray==2.60.0 jsonschema
 # jsonschema-specifications referencing rpds-py), is found through PYTHONPATH=/tmp/site.
-# BATCH overrides the batch sizes (default 1,32). Logs and JSON go to $OUT (or ./fleet-check-out).
+# BATCH overrides the batch sizes (default 1,32); MODELS (comma-separated) exports only those panel
+# models at setup (default: all of models/export_panel.py). Logs and JSON go to $OUT (or ./fleet-check-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-fleet-check-out}; mkdir -p "$out"
@@ -30,7 +31,7 @@ phase() {
       python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; return 1; }
       nvidia-smi -L | tee "$out/gpus.txt"
       python3 -c "import ray; print('ray', ray.__version__)" 2>&1 | tail -1 | tee "$out/ray.txt"
-      [ -f .panel/panel.json ] || python3 models/export_panel.py --out .panel >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; return 1; }
+      [ -f .panel/panel.json ] || python3 models/export_panel.py --out .panel ${MODELS:+--models "$MODELS"} >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; return 1; }
       python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fleet_gpu.py 2>&1 | tee "$out/fleet-gpu-tests.log" | tail -5
       return "${PIPESTATUS[0]}" ;;
     one)    bench run --name one --gpus 0 --batch "$batch" ;;

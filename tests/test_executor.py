@@ -731,3 +731,17 @@ def test_onnx_backend_api():
     (b,) = ConvpassBackend.run_node(node, [np.array([-1.0, 2.0], np.float32)])
     np.testing.assert_allclose(b, [-0.2, 2.0], rtol=1e-6)
     assert ConvpassBackend.is_compatible(model)
+
+
+def test_prepare_builds_the_plan_the_first_run_reuses():
+    model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3))
+    x = random_input((1, 3, 8, 8))
+    ex = Executor(model)
+    plan = ex.prepare({"x": x})
+    assert len(ex.plans) == 1
+    (y,) = ex.run(None, {"x": x})
+    assert ex.plans == [plan] and ex.last_plan is plan
+    np.testing.assert_allclose(y, run_ort(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    assert ex.prepare({"x": x}) is plan  # prepared already: nothing is rebuilt
+    with pytest.raises(ExecutorError):
+        ex.prepare({"x": x[:, :2]})

@@ -240,6 +240,7 @@ class Executor:
     ``Executor(model_or_path, device="cpu" | "cuda" | "auto", cuda_graph=True, output_kind=None)``
 
     * ``run(output_names, feeds)`` -> list of outputs (``output_names`` None = all).
+    * ``prepare(feeds)``: build (compile, capture) the plan for those input shapes ahead of the first run.
     * ``get_inputs()`` / ``get_outputs()`` -> :class:`NodeArg` (``.name``, ``.shape``, ``.type``).
     * ``plan_summary()`` -> :class:`ConvSummary` per conv: the recorded algo / memory format / math.
     """
@@ -427,17 +428,33 @@ class Executor:
         device_out = self.output_kind == "device" or (
             self.output_kind == "auto" and xp is not np and any(_on_device(v, xp) for v in feeds.values())
         )
-        signature = tuple((n, tuple(a.shape), str(a.dtype)) for n, a in sorted(arrays.items()))
-        key = (signature, names)
         with self._backend.errstate():
-            plan = self._plans.get(key)
-            if plan is None:
-                plan, results = self._build_plan(key, arrays, names)
-                self._plans[key] = plan
-            else:
-                results = self._execute(plan, arrays)
+            plan, results = self._plan_and_run(arrays, names)
         self._last_plan = plan
         return [self._finish(r, device_out) for r in results]
+
+    def prepare(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None) -> Plan:
+        """Build the plan for inputs of ``feeds``' shapes and dtypes now (on the GPU: lower, compile,
+        warm up and capture it), so that the first :meth:`run` with such inputs only replays it.
+        A deployment calls this at start-up for each profile it serves; ``run`` does it by itself
+        for a shape it has not seen. Returns the plan (already built: returned as it is)."""
+        names = self._check_output_names(output_names)
+        arrays = self._check_feeds(feeds)
+        with self._backend.errstate():
+            plan, _ = self._plan_and_run(arrays, names, run_cached=False)
+        return plan
+
+    def _plan_and_run(self, arrays: dict[str, Any], names: tuple[str, ...], run_cached: bool = True) -> tuple[Plan, list[Any]]:
+        """The plan for these inputs (built, and run once, on first use) and its results: the
+        results of running it when it was cached and ``run_cached`` (else none)."""
+        signature = tuple((n, tuple(a.shape), str(a.dtype)) for n, a in sorted(arrays.items()))
+        key = (signature, names)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan, results = self._build_plan(key, arrays, names)
+            self._plans[key] = plan
+            return plan, results
+        return plan, (self._execute(plan, arrays) if run_cached else [])
 
     def plan_summary(self) -> list[ConvSummary]:
         """Per conv: the decision it runs with (from the last plan; the recorded ones before any run)."""
