@@ -1,4 +1,4 @@
-"""The ``convpass`` command line: optimize, tune, inspect, run, cache, bench.
+"""The ``convpass`` command line: optimize, tune, compile, inspect, run, cache, bench.
 
 Errors about the user's input are printed as one line (``convpass: error: ...``) with exit code 1;
 argparse's own usage errors exit with 2.
@@ -69,6 +69,9 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
         "memory format: auto (whole-graph plan: conv times + transposes), per-conv (each conv its own best, "
         "transposes ignored), nchw, nhwc",
     )
+    p.add_argument("--no-kernels", dest="kernels", action="store_false",
+                   help="do not compile the GPU kernels of the tuned model ahead of time (<output>.kernels; "
+                   "default: compiled when this machine has a GPU)")
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     p.set_defaults(func=_optimize)
 
@@ -83,8 +86,34 @@ def _optimize(args: argparse.Namespace) -> int:
         cache=args.cache,
         device_name=args.device_name,
         quiet=args.quiet,
+        kernels=args.kernels,
         **decision_options(args),
     )
+    return 0
+
+
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compile",
+        help="compile the GPU kernels a tuned model needs ahead of time (writes <model>.kernels)",
+        description="Build and run the model's plans on this GPU, once per shape profile, in a fresh process, and store "
+        "every kernel they compile (element-wise groups, normalization, pooling, CuPy's own) in <model>.kernels, so "
+        "an executor starts without compiling anything. Needs a GPU; --arch adds binaries for other GPU architectures.",
+    )
+    p.add_argument("model", help="a tuned ONNX model (its side-car is written beside it)")
+    p.add_argument("--arch", default="", metavar="LIST",
+                   help="also compile for these GPU architectures, e.g. 80,90,100 (this GPU's is always included)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS[,NAME=DIMS]",
+                   help="build plans for these input shapes (default: the profiles the model was tuned for)")
+    p.set_defaults(func=_compile)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from convpass.aot import compile_kernels, parse_archs
+    from convpass.passes.resolve_shapes import parse_shape_spec
+
+    report = compile_kernels(args.model, archs=parse_archs(args.arch), shapes=[parse_shape_spec(s) for s in args.shape])
+    Console(stderr=True, soft_wrap=True).print(report.line())
     return 0
 
 
@@ -146,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_optimize(sub)
     add_tune_parser(sub)
+    _add_compile(sub)
     _add_inspect(sub)
 
     add_run_parser(sub)

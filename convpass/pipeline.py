@@ -307,6 +307,7 @@ def optimize(
     cache: str | os.PathLike | None = None,
     device_name: str | None = None,
     quiet: bool = False,
+    kernels: bool = True,
     **options: Any,
 ) -> onnx.ModelProto:
     """Tune every convolution of ``model`` and return the annotated model (see the README).
@@ -316,6 +317,8 @@ def optimize(
     (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
     (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad").
     ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
+    ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
+    model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.aot`).
     """
     tune_options = build_options(options)
     console = Console(stderr=True, quiet=quiet, soft_wrap=True)
@@ -326,7 +329,29 @@ def optimize(
     if output is not None:
         save_model(ir_model, output)
     print_report(report, console, str(output) if output is not None else None)
+    if output is not None:
+        _write_kernels(Path(output), kernels, console)
     return to_proto(ir_model)
+
+
+def _write_kernels(output: Path, kernels: bool, console: Console) -> None:
+    """The tuned model's kernel side-car (:mod:`convpass.aot`); the one of the model ``output``
+    replaced is deleted first, since it no longer matches."""
+    from convpass.aot import compile_kernels
+    from convpass.kernel_file import sidecar_path
+    from convpass.runtime.cuda import unavailable_reason
+
+    sidecar_path(output).unlink(missing_ok=True)
+    if not kernels:
+        return
+    reason = unavailable_reason()
+    if reason is not None:
+        console.print(f"kernels: not compiled ahead of time here ({reason}); `convpass compile {output}` on the target GPU writes them")
+        return
+    try:
+        console.print("kernels: " + compile_kernels(output).line())
+    except ConvpassError as e:
+        console.print(f"[yellow]warning[/]: the tuned model was written, its kernels were not: {e}")
 
 
 def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = None) -> list[dict[str, Any]]:

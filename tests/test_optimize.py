@@ -349,3 +349,26 @@ def test_large_model_paths(tmp_path, monkeypatch):
     tuned = onnx.load(tmp_path / "big.onnx")
     _check_tuned(model, tuned, {"x": random_input((2, 8, 8, 8))})
     assert "n=2" in convpass.inspect(tuned)[0]["problem_key"]
+
+
+def test_optimize_replaces_the_old_kernel_sidecar_and_says_where_kernels_come_from(tmp_path, capsys):
+    from convpass.kernel_file import sidecar_path
+
+    out = tmp_path / "t.onnx"
+    stale = sidecar_path(out)
+    stale.write_bytes(b"the kernels of the model that was here before")
+    convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), out)
+    assert out.exists() and not stale.exists()
+    assert "kernels: not compiled ahead of time here" in capsys.readouterr().err
+    convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), out, kernels=False)
+    assert "kernels:" not in capsys.readouterr().err
+
+
+def test_executor_reads_a_model_with_external_data_by_path(tmp_path):
+    from convpass.runtime import Executor
+
+    model = conv_model("Conv", (1, 16, 8, 8), (64, 16, 3, 3), pads=[1, 1, 1, 1])
+    onnx.save(onnx.ModelProto.FromString(model.SerializeToString()), tmp_path / "m.onnx", save_as_external_data=True,
+              all_tensors_to_one_file=True, location="m.weights", size_threshold=0)
+    x = random_input((1, 16, 8, 8))
+    np.testing.assert_allclose(Executor(tmp_path / "m.onnx").run(None, {"x": x})[0], run_ort(model, {"x": x})[0], rtol=1e-4, atol=1e-4)

@@ -88,6 +88,12 @@ class Backend:
         """Called once by the executor with the model's convpass metadata (None for untuned models)."""
         return None
 
+    def use_kernels(self, kernels: Any, why_none: str) -> None:
+        """Called once by the executor with the model's kernel side-car
+        (:class:`convpass.kernel_file.KernelFile`), or None and why there is none. Backends that
+        compile nothing at run time ignore it."""
+        return None
+
     def constant(self, array: np.ndarray) -> Any:
         """``upload`` for host-built tables ops reuse (resize weights, pool offsets): cached by identity,
         so a device backend uploads each once and never copies host->device while replaying a plan."""

@@ -1,7 +1,10 @@
 """The executor: runs an ONNX model (tuned by convpass or not) with a static plan per input shape.
 
 Load (once per model)
-    validate (``onnx.checker``), inline model-local functions (except the ``ai.convpass`` convs,
+    read the file once; find its kernel side-car (``<model>.kernels``, :mod:`convpass.kernel_file`:
+    the GPU kernels its plans need, compiled ahead of time) and hand it to the backend; validate
+    (``onnx.checker``) unless the side-car vouches for this exact file (``convpass optimize`` /
+    ``compile`` ran it before writing, and the SHA-256 of the bytes matches); inline model-local functions (except the ``ai.convpass`` convs,
     which run natively) and schema functions of ops with no kernel here, bind every node to its
     op implementation — listing *all* unsupported ops and element types in one
     :class:`ExecutorError` — decode attributes, fold inference BatchNormalization into the
@@ -27,16 +30,19 @@ Run
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 import onnx.inliner
 from onnx import numpy_helper
 
-from convpass import annotation
+from convpass import annotation, kernel_file
 from convpass.runtime.backends import Backend, host_backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.devices import get_backend
@@ -241,6 +247,9 @@ class Executor:
 
     * ``run(output_names, feeds)`` -> list of outputs (``output_names`` None = all).
     * ``prepare(feeds)``: build (compile, capture) the plan for those input shapes ahead of the first run.
+
+    ``kernels``: the kernel side-car to load (default: ``<model path>.kernels`` when the model is
+    a file and it exists; ``False``: none). A side-car of another model is refused with a warning.
     * ``get_inputs()`` / ``get_outputs()`` -> :class:`NodeArg` (``.name``, ``.shape``, ``.type``).
     * ``plan_summary()`` -> :class:`ConvSummary` per conv: the recorded algo / memory format / math.
     """
@@ -254,6 +263,7 @@ class Executor:
         *,
         fold_batchnorm: bool = True,
         check_model: bool = True,
+        kernels: str | os.PathLike[str] | bool | None = None,
     ) -> None:
         if output_kind not in (None, "numpy", "device"):
             raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
@@ -261,8 +271,11 @@ class Executor:
         self.cuda_graph = bool(cuda_graph)
         self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
         self.device = self._backend.name
-        proto = _load(model)
-        if check_model:
+        proto, digest = _load(model)
+        self.kernel_file, why = _kernel_file(model, digest, kernels)
+        self.trusted = self.kernel_file is not None and self.kernel_file.verified and digest is not None
+        self._backend.use_kernels(self.kernel_file, why)
+        if check_model and not self.trusted:
             try:
                 # a path lets the checker handle models over 2 GB
                 onnx.checker.check_model(os.fspath(model) if isinstance(model, (str, os.PathLike)) else proto)
@@ -881,12 +894,13 @@ def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
     return NodeArg(vi.name, shape, ort_type_string(tt.elem_type), tt.elem_type)
 
 
-def _load(model: Any) -> onnx.ModelProto:
+def _load(model: Any) -> tuple[onnx.ModelProto, str | None]:
+    """The model and the SHA-256 of its file's bytes (None when it was given as a ModelProto)."""
     if isinstance(model, onnx.ModelProto):
-        return model
+        return model, None
     if isinstance(model, (bytes, bytearray)):
         try:
-            return onnx.load_from_string(bytes(model))
+            return onnx.load_from_string(bytes(model)), hashlib.sha256(model).hexdigest()
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot parse the model bytes: {e}") from None
     if isinstance(model, (str, os.PathLike)):
@@ -894,10 +908,32 @@ def _load(model: Any) -> onnx.ModelProto:
         if not os.path.exists(path):
             raise ExecutorError(f"model file not found: {path}")
         try:
-            return onnx.load(path)
+            with open(path, "rb") as f:  # read once: parsed and hashed from the same bytes
+                data = f.read()
+            proto = onnx.load_from_string(data)
+            onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+            return proto, hashlib.sha256(data).hexdigest()
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot load {path}: {e}") from None
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
+
+
+def _kernel_file(model: Any, digest: str | None, kernels: Any) -> tuple[kernel_file.KernelFile | None, str]:
+    """The side-car to use, or None and why there is none (said if kernels compile at start-up)."""
+    if kernels is False:
+        return None, "the executor was made with kernels=False"
+    if isinstance(kernels, (str, os.PathLike)):
+        path = Path(kernels)
+    elif isinstance(model, (str, os.PathLike)):
+        path = kernel_file.sidecar_path(model)
+        if not path.exists():
+            return None, f"there is no kernel side-car {path.name} beside the model (`convpass compile {os.fspath(model)}` writes one)"
+    else:
+        return None, "the model was not given as a file, so no kernel side-car was looked for (Executor(..., kernels=PATH))"
+    try:
+        return kernel_file.read(path, model_sha256=digest), ""
+    except kernel_file.KernelFileError as e:
+        return None, f"the side-car was refused: {e}"
 
 
 def _toposort(nodes: list[NodeInfo], available: set[str]) -> list[NodeInfo]:

@@ -40,7 +40,7 @@ import numpy as np
 
 from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall
-from convpass.runtime.cuda import lowering, runner
+from convpass.runtime.cuda import lowering, prebuilt, runner
 from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, unavailable_reason
 from convpass.runtime.cuda.convolution import Convolutions
 from convpass.runtime.errors import ExecutorError
@@ -141,6 +141,8 @@ class CudaBackend(Backend):
         self.current_device: Any = None
         self._warned: set[str] = set()
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
+        self.kernel_file: Any = None  # the model's kernel side-car in use (convpass.kernel_file.KernelFile)
+        self._kernels_why = "no model was bound"
         # Set to a list to profile eager runs: (launch label, op type of its node, start event, end event)
         # per launch run; the label says which kernel ran ("fused Sigmoid+Mul", "MaxPool (kernel)", ...).
         self.step_events: list[tuple[str, str, Any, Any]] | None = None
@@ -183,6 +185,34 @@ class CudaBackend(Backend):
         self._allow_tf32 = bool(model_info is not None and model_info.matmul_allow_tf32)
         self.recorded_device = (model_info.device if model_info is not None else "") or ""
         self.fingerprint()
+
+    def use_kernels(self, kernels: Any, why_none: str) -> None:
+        """The model's kernel side-car: its binaries replace start-up compilation (:mod:`.prebuilt`).
+        A refused side-car is warned about now; kernels built anyway are warned about at the first run."""
+        reason = prebuilt.install()
+        if reason is not None:
+            why_none = f"kernels cannot be loaded prebuilt here: {reason}"
+        elif kernels is not None:
+            prebuilt.use(kernels)
+        self.kernel_file = kernels if reason is None else None
+        self._kernels_why = why_none
+        if kernels is None and why_none.startswith("the side-car was refused"):
+            self.note_once("kernels", f"kernel side-car: {why_none.removeprefix('the side-car was refused: ')}; kernels compile at start-up")
+
+    def _note_startup_compilations(self, built: list[str]) -> None:
+        names = sorted(set(built))
+        listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        kf = self.kernel_file
+        if kf is None:
+            why = self._kernels_why
+        else:
+            arch = prebuilt.device_arch()
+            if arch not in kf.archs:
+                why = f"{kf.path.name} holds binaries for sm_{', sm_'.join(kf.archs) or '-'} and this GPU is sm_{arch} (`convpass compile --arch {arch}` adds it)"
+            else:
+                why = (f"{kf.path.name} lacks them (written by convpass {kf.convpass_version}, CuPy {kf.cupy_version}; "
+                       f"this is CuPy {self.cp.__version__}): run `convpass compile` on the model again")
+        self.note_once("startup-compile", f"{len(built)} kernel(s) compiled at start-up ({listed}): {why}")
 
     def upload(self, array: np.ndarray) -> Any:
         if self.capturing:
@@ -285,12 +315,21 @@ class CudaBackend(Backend):
         """Lower, plan memory and prepare every launch (:mod:`.lowering`); take over execution."""
         if not plan.steps:
             return
+        mark = len(prebuilt.COMPILATIONS)
         with self._device:
             plan.backend_state = lowering.compile_plan(self, plan)
+        plan.backend_state.compilations_from = mark
 
     def run_plan(self, plan: Plan, feeds: dict[str, Any]) -> list[Any]:
         with self._device, self._matmul_math(plan.matmul_allow_tf32):
-            return runner.run_plan(self, plan, feeds)
+            outs = runner.run_plan(self, plan, feeds)
+        state = plan.backend_state
+        if state.compilations_from is not None:  # the first run: lowering, warm-up and capture are done
+            built = prebuilt.COMPILATIONS[state.compilations_from:]
+            state.compilations_from = None
+            if built:
+                self._note_startup_compilations(built)
+        return outs
 
     def graph_status(self, plan: Plan) -> GraphStatus:
         state = plan.backend_state

@@ -2,13 +2,10 @@
 
 Every hand-written kernel family (:mod:`.normalization`, :mod:`.pooling`, :mod:`.tensor_ops`)
 declares its code as a :class:`KernelSource` — a name, the source text, and the ``extern "C"``
-entry points — and asks :func:`function` for an entry point. Sources are compiled once per process
-(NVRTC through ``cupy.RawModule``; CuPy keeps its own on-disk cache) and every compilation is
-counted (:data:`COMPILATIONS`), so a test or a benchmark can tell start-up compilation apart from
-loading. Kernels are built when a plan is compiled, never while a CUDA graph is captured.
-
-Keeping every kernel behind this seam is what lets kernels be compiled ahead of time for a target
-GPU and loaded as binaries instead (see issue "cold start": nothing compiled at start-up).
+entry points — and asks :func:`function` for an entry point. Sources are built once per process
+through ``cupy.RawModule``, which goes through :mod:`.prebuilt`: a binary from the model's kernel
+side-car when there is one, else NVRTC, counted in :data:`COMPILATIONS`. Kernels are built when a
+plan is compiled, never while a CUDA graph is captured.
 """
 
 from __future__ import annotations
@@ -19,6 +16,8 @@ import threading
 from typing import Any
 
 import numpy as np
+
+from convpass.runtime.cuda.prebuilt import COMPILATIONS, install
 
 __all__ = ["COMPILATIONS", "DTYPES", "KernelSource", "function", "typed"]
 
@@ -56,7 +55,6 @@ def typed(family: str, code: str, entries: tuple[str, ...], dtype: Any) -> Kerne
     return KernelSource(f"convpass_{family}_{dtype.name}", code, entries)
 
 
-COMPILATIONS: list[str] = []  # names of the sources compiled in this process, in order
 _MODULES: dict[tuple[str, str, int], Any] = {}
 _LOCK = threading.Lock()
 
@@ -70,9 +68,9 @@ def module(cupy: Any, source: KernelSource) -> Any:
         with _LOCK:
             mod = _MODULES.get(key)
             if mod is None:
+                install()
                 mod = cupy.RawModule(code=source.code, options=OPTIONS, name_expressions=None)
                 mod.compile()
-                COMPILATIONS.append(source.name)
                 _MODULES[key] = mod
     return mod
 

@@ -1,0 +1,152 @@
+"""Kernels compiled ahead of time, on a real GPU: a model written by ``optimize`` carries its
+kernel side-car, and a fresh Python process — CuPy's kernel cache pointed at an empty folder —
+runs it with zero run-time compilations (counted by the seam, and checked independently: CuPy
+writes every kernel it compiles into that folder, which stays empty). Without the side-car the
+same process compiles and says so once; a side-car for another architecture or of a changed model
+falls back to compiling, with one warning, and stays correct. The panel in ``.panel/`` (batch
+``CONVPASS_PANEL_BATCH``, models ``CONVPASS_COLD_MODELS`` or all exported) too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+import convpass  # noqa: E402
+from conftest import MODELS, REPO, run_ort  # noqa: E402
+from convpass import kernel_file  # noqa: E402
+from test_executor_cuda import PANEL_BATCH, _feeds, _rel, _tolerance  # noqa: E402
+
+SAMPLES = sorted(MODELS.glob("*.onnx"))
+PANEL = REPO / ".panel"
+COLD_MODELS = [m for m in os.environ.get("CONVPASS_COLD_MODELS", "").split(",") if m]
+
+# The deployment's process: load the model (and its side-car), run twice, report what was compiled.
+_CHILD = r"""
+import json, os, sys, warnings
+import numpy as np
+warnings.simplefilter("always")
+from convpass.runtime import Executor
+from convpass.runtime.cuda import prebuilt
+model, kernels, feeds_in, out = sys.argv[1:5]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ex = Executor(model, device="cuda", kernels=None if kernels == "auto" else False)
+    feeds = dict(np.load(feeds_in))
+    outs = ex.run(None, feeds)
+    again = ex.run(None, feeds)
+np.savez(out, *outs)
+cache = os.environ["CUPY_CACHE_DIR"]
+print(json.dumps({
+    "compilations": list(prebuilt.COMPILATIONS),
+    "cache_files": sorted(os.listdir(cache)) if os.path.isdir(cache) else [],
+    "warnings": [str(w.message) for w in caught],
+    "trusted": ex.trusted,
+    "graph": bool(ex.graph_status().captured),
+    "replay_equal": all(np.array_equal(a, b) for a, b in zip(outs, again)),
+}))
+"""
+
+
+def _fresh(model: Path, feeds: dict, tmp: Path, kernels: str = "auto") -> tuple[dict, list[np.ndarray]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp / "feeds.npz", **feeds)
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp / "cupy-cache"), CUDA_CACHE_PATH=str(tmp / "cuda-cache"))
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(model), kernels, str(tmp / "feeds.npz"), str(tmp / "out.npz")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(tmp / "out.npz") as z:
+        outs = [z[f"arr_{i}"] for i in range(len(z.files))]
+    return json.loads(done.stdout.strip().splitlines()[-1]), outs
+
+
+def _check(outs, refs, tol, what):
+    assert len(outs) == len(refs)
+    for got, want in zip(outs, refs):
+        err = _rel(got, want)
+        assert err <= tol, f"{what}: normwise relative error {err:.3g} > {tol:g}"
+
+
+def _optimized(path: Path, tmp: Path, batch: int = 2) -> tuple[Path, dict]:
+    model = onnx.load(path)
+    feeds, shapes = _feeds(model, batch=batch)
+    out = tmp / f"{path.stem}.tuned.onnx"
+    cache = os.environ.get("CONVPASS_TUNE_CACHE") or tmp / "tune.db"
+    convpass.optimize(path, out, cache=cache, shapes=shapes, quiet=True)
+    assert kernel_file.sidecar_path(out).exists(), "optimize on a GPU writes the kernel side-car"
+    return out, feeds
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_a_fresh_process_compiles_nothing(path, tmp_path):
+    out, feeds = _optimized(path, tmp_path)
+    refs = run_ort(onnx.load(path), feeds)
+    info, outs = _fresh(out, feeds, tmp_path / "fresh")
+    assert info["compilations"] == [], info["compilations"]
+    assert info["cache_files"] == [], "CuPy compiled kernels the seam did not see"
+    assert info["trusted"] and info["replay_equal"]
+    assert not [w for w in info["warnings"] if "compiled at start-up" in w or "side-car" in w], info["warnings"]
+    _check(outs, refs, _tolerance(onnx.load(out)), f"{path.stem} from its side-car")
+
+
+def test_without_the_sidecar_kernels_compile_and_that_is_said_once(tmp_path):
+    path = MODELS / "residual_cnn.onnx" if (MODELS / "residual_cnn.onnx").exists() else SAMPLES[0]
+    out, feeds = _optimized(path, tmp_path)
+    info, _ = _fresh(out, feeds, tmp_path / "fresh", kernels="none")
+    assert info["compilations"] and info["cache_files"], info  # the counter and CuPy's cache agree something compiled
+    said = [w for w in info["warnings"] if "compiled at start-up" in w]
+    assert len(said) == 1 and "kernels=False" in said[0], info["warnings"]
+
+
+def test_a_sidecar_for_another_architecture_or_model_falls_back_with_one_warning(tmp_path):
+    path = MODELS / "residual_cnn.onnx" if (MODELS / "residual_cnn.onnx").exists() else SAMPLES[0]
+    out, feeds = _optimized(path, tmp_path)
+    refs = run_ort(onnx.load(path), feeds)
+    tol = _tolerance(onnx.load(out))
+    assert subprocess.run([sys.executable, "-m", "convpass.cli", "compile", str(out), "--arch", "80"], capture_output=True).returncode == 0
+    side = kernel_file.sidecar_path(out)
+    kf = kernel_file.read(side)
+    local = [a for a in kf.archs if a != "80"]
+    assert "80" in kf.archs and len(local) == 1, kf.archs
+    # keep only the sm_80 binaries: this GPU (another architecture) must compile, warn once, stay correct
+    kernel_file.write(side, [e for (k, a), e in kf.entries.items() if a == "80"], model_sha256=kf.model_sha256, verified=True, cupy_version=kf.cupy_version)
+    info, outs = _fresh(out, feeds, tmp_path / "other-arch")
+    said = [w for w in info["warnings"] if "compiled at start-up" in w]
+    assert info["compilations"] and len(said) == 1 and "holds binaries for sm_80" in said[0] and f"sm_{local[0]}" in said[0], info["warnings"]
+    _check(outs, refs, tol, "other architecture")
+    # the model changed after its kernels were compiled: the side-car is refused, the model checked
+    changed = onnx.load(out)
+    changed.doc_string += " (edited)"
+    onnx.save(changed, out)
+    info, outs = _fresh(out, feeds, tmp_path / "changed")
+    assert not info["trusted"]
+    assert any("written for another model" in w for w in info["warnings"]), info["warnings"]
+    _check(outs, refs, tol, "changed model")
+
+
+def _panel_names() -> list[str]:
+    names = COLD_MODELS or sorted(p.stem for p in PANEL.glob("*.onnx") if not p.stem.endswith("_fp16"))
+    return names or ["resnet50"]
+
+
+@pytest.mark.parametrize("name", _panel_names())
+def test_panel_model_fresh_process_compiles_nothing(name, tmp_path):
+    path = PANEL / f"{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models {name})")
+    out, feeds = _optimized(path, tmp_path, batch=PANEL_BATCH)
+    info, outs = _fresh(out, feeds, tmp_path / "fresh")
+    assert info["compilations"] == [] and info["cache_files"] == [], info
+    assert info["graph"] and info["replay_equal"]
+    _check(outs, run_ort(onnx.load(path), feeds), _tolerance(onnx.load(out)), name)
