@@ -137,11 +137,14 @@ def _record(request: Mapping[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     path = Path(request["model"])
     digest = kernel_file.file_sha256(path)
-    executor = Executor(path, device="cuda", kernels=False)
-    profiles = _profiles(executor, request["shapes"])
+    # recording from before the executor exists: loading it may build kernels too (weight layouts)
     with prebuilt.recording() as recorder:
+        executor = Executor(path, device="cuda", kernels=False)
+        profiles = _profiles(executor, request["shapes"])
         for shapes in profiles:
-            for out in executor.run(None, _feeds(executor, shapes)):
+            feeds = _feeds(executor, shapes)
+            executor.prepare(feeds)  # the plan: built (its eager run), compiled, warmed up, captured
+            for out in executor.run(None, feeds):  # and replayed, as a deployment's first run
                 if out.dtype.kind == "f" and not np.isfinite(out).all():
                     raise ConvpassError(f"the model gives non-finite outputs for {shapes} on random inputs: not written")
         local = prebuilt.device_arch()

@@ -88,6 +88,11 @@ class Backend:
         """Called once by the executor with the model's convpass metadata (None for untuned models)."""
         return None
 
+    def warm_up(self, plan: Plan, feeds: dict[str, Any]) -> None:
+        """Do a compiled plan's first-run work now (e.g. warm-up and CUDA-graph capture), for
+        :meth:`Executor.prepare`; nothing when the plan has none left."""
+        return None
+
     def use_kernels(self, kernels: Any, why_none: str) -> None:
         """Called once by the executor with the model's kernel side-car
         (:class:`convpass.kernel_file.KernelFile`), or None and why there is none. Backends that

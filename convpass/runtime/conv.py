@@ -31,10 +31,7 @@ from convpass.errors import ConvAttributeError
 from convpass.problem import ConvShape
 from convpass.runtime.errors import ExecutorError
 
-try:  # the lead's canonicalization pass (installed as convpass.passes)
-    from convpass.passes.canonicalize_convs import canonicalize_conv as _canonicalize_conv
-except ImportError:  # not there yet: ONNX semantics below
-    _canonicalize_conv = None
+from convpass.conv_geometry import canonicalize_conv as _canonicalize_conv
 
 _CHUNK_BYTES = 64 << 20
 
@@ -232,19 +229,18 @@ def conv_geometry(
 ) -> ConvGeometry:
     """The canonical geometry of a conv node for concrete input shapes.
 
-    From ``canonicalize_conv`` when installed. Where it refuses a conv that ONNX defines (e.g. a
-    ConvTranspose ``output_shape`` larger than the natural output, empty tensors, 4-D convs) the
-    geometry comes from :func:`onnx_geometry` with no cuDNN problem (``shapes == ()``): the
-    reference kernels still run it, a cuDNN backend must run the reference path for it.
+    From :func:`convpass.conv_geometry.canonicalize_conv`. Where it refuses a conv that ONNX
+    defines (e.g. a ConvTranspose ``output_shape`` larger than the natural output, empty tensors,
+    4-D convs) the geometry comes from :func:`onnx_geometry` with no cuDNN problem
+    (``shapes == ()``): the reference kernels still run it, a cuDNN backend must run the reference
+    path for it.
     """
-    if _canonicalize_conv is not None:
-        try:
-            canonical = _canonicalize_conv(op_type, attrs, tuple(x_shape), tuple(w_shape), _dtype_name(dtype), node_name)
-        except ConvAttributeError as refused:
-            g = onnx_geometry(op_type, attrs, x_shape, w_shape, dtype)
-            return dataclasses.replace(g, shapes=(), source=f"onnx (canonicalize_convs refused: {refused})")
-        return _from_canonical(canonical)
-    return onnx_geometry(op_type, attrs, x_shape, w_shape, dtype)
+    try:
+        canonical = _canonicalize_conv(op_type, attrs, tuple(x_shape), tuple(w_shape), _dtype_name(dtype), node_name)
+    except ConvAttributeError as refused:
+        g = onnx_geometry(op_type, attrs, x_shape, w_shape, dtype)
+        return dataclasses.replace(g, shapes=(), source=f"onnx (canonicalize_convs refused: {refused})")
+    return _from_canonical(canonical)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -455,6 +455,7 @@ class Executor:
         arrays = self._check_feeds(feeds)
         with self._backend.errstate():
             plan, _ = self._plan_and_run(arrays, names, run_cached=False)
+            self._backend.warm_up(plan, arrays)
         return plan
 
     def _plan_and_run(self, arrays: dict[str, Any], names: tuple[str, ...], run_cached: bool = True) -> tuple[Plan, list[Any]]:

@@ -331,6 +331,11 @@ class CudaBackend(Backend):
                 self._note_startup_compilations(built)
         return outs
 
+    def warm_up(self, plan: Plan, feeds: dict[str, Any]) -> None:
+        state = plan.backend_state
+        if state is not None and state.compilations_from is not None:  # its first run has not happened
+            self.run_plan(plan, feeds)
+
     def graph_status(self, plan: Plan) -> GraphStatus:
         state = plan.backend_state
         if state is None:
