@@ -16,7 +16,7 @@ One module per concern, dependencies one way (:mod:`.backend` is the only one th
 * :mod:`.compiler` — the one place CUDA source becomes kernels; :mod:`.common` — shared helpers.
 """
 
-from convpass.runtime.cuda.common import ExecutorWarning, unavailable_reason
+from convpass.runtime.cuda.common import ExecutorWarning, StartupCompileWarning, unavailable_reason
 
 
 def __getattr__(name: str):  # CudaBackend without importing CuPy-facing modules at package import
@@ -27,4 +27,4 @@ def __getattr__(name: str):  # CudaBackend without importing CuPy-facing modules
     raise AttributeError(name)
 
 
-__all__ = ["CudaBackend", "ExecutorWarning", "unavailable_reason"]
+__all__ = ["CudaBackend", "ExecutorWarning", "StartupCompileWarning", "unavailable_reason"]

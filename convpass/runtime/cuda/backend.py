@@ -41,7 +41,7 @@ import numpy as np
 from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.cuda import lowering, prebuilt, runner
-from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, unavailable_reason
+from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, unavailable_reason
 from convpass.runtime.cuda.convolution import Convolutions
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import GraphStatus, Plan
@@ -212,7 +212,7 @@ class CudaBackend(Backend):
             else:
                 why = (f"{kf.path.name} lacks them (written by convpass {kf.convpass_version}, CuPy {kf.cupy_version}; "
                        f"this is CuPy {self.cp.__version__}): run `convpass compile` on the model again")
-        self.note_once("startup-compile", f"{len(built)} kernel(s) compiled at start-up ({listed}): {why}")
+        self.note_once("startup-compile", f"{len(built)} kernel(s) compiled at start-up ({listed}): {why}", category=StartupCompileWarning)
 
     def upload(self, array: np.ndarray) -> Any:
         if self.capturing:
@@ -427,13 +427,13 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ notes
 
-    def note_once(self, tag: str, message: str, warn: bool = True) -> None:
+    def note_once(self, tag: str, message: str, warn: bool = True, category: type[Warning] = ExecutorWarning) -> None:
         if tag in self._warned:
             return
         self._warned.add(tag)
         self.notes.append(message)
         if warn:
-            warnings.warn(message, ExecutorWarning, stacklevel=4)
+            warnings.warn(message, category, stacklevel=4)
         else:
             logger.debug("%s", message)
 

@@ -22,6 +22,11 @@ class ExecutorWarning(UserWarning):
     """The cuda executor runs something otherwise than the model records, or cannot capture a plan."""
 
 
+class StartupCompileWarning(UserWarning):
+    """Kernels were compiled at start-up: the model has no usable kernel side-car for this GPU.
+    What runs is unchanged (a category of its own, so a deployment can make it an error)."""
+
+
 class CaptureBreak(RuntimeError):
     """An op needs the host (an upload, a device -> host copy, an allocation) while a CUDA graph is
     being captured. Raised by the backend's transfer hooks; the runner reports the node."""
