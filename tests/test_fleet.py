@@ -9,8 +9,10 @@ cache-only decision path; nothing is timed and no timing is made up.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import onnx
@@ -29,7 +31,7 @@ from convpass.fleet.local import LocalExecutor
 from convpass.fleet.measurers import RecordedMeasurer
 from convpass.options import TuneOptions
 from convpass.problem import ProblemKey
-from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu
+from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu, SlowStart
 from recorded import H200, H200_TUNING_RUN
 
 OPTIONS = TuneOptions(layout="per-conv")
@@ -220,6 +222,20 @@ def test_an_interrupted_driver_keeps_what_was_measured_and_a_rerun_measures_the_
     assert again["missing"] == [] and len(again["failed"]) == 2
     resumed = _check_decisions([tmp_path / "out" / f"{n}.tuned.onnx" for n in MODELS])
     assert sum(v[4] == "cache" for v in resumed.values()) >= kept  # measured before the interrupt
+
+
+def test_a_model_that_cannot_be_prepared_stops_the_workers_while_they_start(lab, tmp_path):
+    bad = tmp_path / "dynamic.onnx"
+    onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), bad)
+    (tmp_path / "out").mkdir()
+    executor = LocalExecutor(workers=2)
+    started = time.monotonic()
+    with pytest.raises(convpass.errors.ShapeError, match=f"^{bad}: Conv 'conv': dim 0 of its input 'x' is 'N'"):
+        driver.tune([*lab["specs"], driver.ModelSpec(bad)], tmp_path / "out", OPTIONS, cluster=executor,
+                    cache=tmp_path / "driver.db", measurer=SlowStart(lab["recorded"], H200), console=Console(quiet=True))
+    assert time.monotonic() - started < 30  # the workers were stopped while starting (their start takes 60 s)
+    assert len(executor._procs) == 2 and multiprocessing.active_children() == []
+    assert not list((tmp_path / "out").iterdir()) and not (tmp_path / "driver.db").exists()
 
 
 def test_workers_that_do_not_start_are_reported(lab, tmp_path):

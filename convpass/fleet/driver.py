@@ -1,18 +1,19 @@
 """The fleet driver: many models, many GPUs, one tuning cache, one tuned model per input.
 
-1. **Collect.** Each model runs the optimize pipeline's graph passes
-   (:func:`convpass.pipeline.prepare_model`) for its shape profiles; the distinct problems of all
-   models and profiles are listed once (a problem two models share is measured once).
-2. **Start the workers** (:mod:`convpass.fleet.local` or :mod:`convpass.fleet.ray_cluster`); each
-   reports the fingerprint of the device it measures on.
-3. **Target devices:** every device type in the cluster, or those ``devices`` names. A name that
+1. **Collect and start the workers, at once.** Each model runs the optimize pipeline's graph passes
+   (:func:`convpass.pipeline.prepare_model`) for its shape profiles, in a thread of the driver,
+   while the workers start (:mod:`convpass.fleet.local` or :mod:`convpass.fleet.ray_cluster`:
+   spawn, load cuDNN, warm the GPU; each reports the fingerprint of the device it measures on).
+   The distinct problems of all models and profiles are listed once (a problem two models share is
+   measured once). A model that cannot be prepared stops the workers and raises its error.
+2. **Target devices:** every device type in the cluster, or those ``devices`` names. A name that
    matches no worker's device is looked up in the tuning cache (e.g. measurements exported on
    another GPU and merged with ``convpass cache import``): that device is *cache-only*, its
    decisions come from the cache as with ``optimize --device-name`` and nothing is measured for it.
-4. **Schedule** one task per (cluster device, problem) that the cache does not already cover
+3. **Schedule** one task per (cluster device, problem) that the cache does not already cover
    (:mod:`convpass.fleet.scheduler`); the driver writes every finished task's rows into its cache
    as they arrive, so an interrupted run keeps them and a re-run measures only the rest.
-5. **Write** every model (atomically) with one decision table per target device, decided from the
+4. **Write** every model (atomically) with one decision table per target device, decided from the
    cache by the same rule as ``optimize --device-name``; a problem that failed is ``auto`` for
    that device. Nothing is written when the run was interrupted.
 
@@ -26,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import onnx
 from rich.console import Console
@@ -47,6 +49,8 @@ from convpass.passes.collect_conv_problems import ConvProblem
 from convpass.pipeline import OptimizeReport, decide_and_annotate, prepare_model
 
 OUTPUT_SUFFIX = ".tuned.onnx"
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +197,7 @@ class FleetReport:
     schedule: sched.ScheduleResult | None = None
     written: list[Path] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # collect; start: waiting for the workers after it; tune; write; total
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
@@ -303,13 +308,22 @@ def tune(
         raise ConvpassError("no models given")
     measurer = measurer or CudnnMeasurer()
     executor = make_executor(cluster) if isinstance(cluster, str) else cluster
-    models, distinct = collect(specs, options, out_dir)
-    report = FleetReport(cluster=cluster if isinstance(cluster, str) else executor.name, cache="", models=models, problems=len(distinct))
-    report.seconds["collect"] = time.perf_counter() - started
-    with TuningCache(cache) as db:
+    collected = _in_thread(collect, specs, options, out_dir)
+    try:
+        executor.launch(measurer)  # on this thread: ray.init installs signal handlers
+        models, distinct = collected()
+        report = FleetReport(cluster=cluster if isinstance(cluster, str) else executor.name, cache="", models=models, problems=len(distinct))
+        report.seconds["collect"] = time.perf_counter() - started
+        db = TuningCache(cache)
+    except BaseException:
+        executor.shutdown()
+        raise
+    with db:
         report.cache = str(db.path)
-        slots, not_started = executor.start(measurer)
         try:
+            t0 = time.perf_counter()
+            slots, not_started = executor.wait_started()
+            report.seconds["start"] = time.perf_counter() - t0
             report.devices, report.cache_only = resolve_devices(devices, slots, not_started, db)
             measured_here = [d for d in report.devices if d not in report.cache_only]
             tasks = []
@@ -333,6 +347,29 @@ def tune(
         report.seconds["write"] = time.perf_counter() - t0
     report.seconds["total"] = time.perf_counter() - started
     return report
+
+
+def _in_thread(fn: Callable[..., _T], *args: Any) -> Callable[[], _T]:
+    """Start ``fn(*args)`` in a daemon thread (never keeps the process alive); the function returned
+    waits for its result or raises its exception."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name=f"convpass-{fn.__name__}", daemon=True)
+    thread.start()
+
+    def result() -> _T:
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return result
 
 
 def _schedule(executor, db, options, retries, task_timeout, tasks, slots, not_started, measurer, console, on_progress) -> sched.ScheduleResult:
@@ -386,8 +423,8 @@ def print_report(report: FleetReport, console: Console) -> None:
     console.print(
         f"  {doc['tasks']} (problem, device) pairs: {doc['cached']} already in the tuning cache, {doc['measured']} measured, "
         f"{len(doc['failed'])} failed" + (f", {doc['retried']} retries" if doc["retried"] else "")
-        + (f" ({report.seconds['tune']:.1f} s)" if "tune" in report.seconds else "")
     )
+    console.print("  seconds: " + ", ".join(f"{phase} {s:.1f}" for phase, s in report.seconds.items()))
     for lost in doc["workers_lost"]:
         console.print(f"  [yellow]worker lost[/] {lost['slot']}: {lost['reason']}")
     for sid, why in doc["slots_retired"].items():

@@ -107,8 +107,13 @@ class Executor(Protocol):
 
     name: str
 
-    def start(self, measurer: "Measurer") -> tuple[list[Slot], list[str]]:
-        """Start the workers; the slots that are ready, and why the others did not start."""
+    def launch(self, measurer: "Measurer") -> None:
+        """Start the workers without waiting for them (the driver collects problems meanwhile)."""
+        ...
+
+    def wait_started(self) -> tuple[list[Slot], list[str]]:
+        """Wait until every launched worker is ready or failed to start; the slots that are ready,
+        and why the others did not start."""
         ...
 
     def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:
