@@ -98,3 +98,11 @@ class NotStarting(RecordedMeasurer):
 
     def start(self) -> DeviceFingerprint:
         raise RuntimeError("CUDA_ERROR_NO_DEVICE (recorded replay standing in for a GPU that is gone)")
+
+
+class SlowStart(RecordedMeasurer):
+    """A worker whose start takes a minute (a GPU slow to come up)."""
+
+    def start(self) -> DeviceFingerprint:
+        time.sleep(60)
+        return super().start()

@@ -1,6 +1,7 @@
 """Fleet tuning on CPU: problem collection across models and profiles, the scheduler's bookkeeping
 through the local executor's worker processes (retries, lost workers, timeouts, interrupt and
-resume), several device types in one model, and the ``tune`` command.
+resume), models written while the workers measure, several device types in one model, and the
+``tune`` command.
 
 Workers replay recorded H200 measurements (tests/recorded.py) through ``RecordedMeasurer``, the
 cache-only decision path; nothing is timed and no timing is made up.
@@ -9,8 +10,11 @@ cache-only decision path; nothing is timed and no timing is made up.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import onnx
@@ -29,7 +33,7 @@ from convpass.fleet.local import LocalExecutor
 from convpass.fleet.measurers import RecordedMeasurer
 from convpass.options import TuneOptions
 from convpass.problem import ProblemKey
-from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu
+from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu, SlowStart
 from recorded import H200, H200_TUNING_RUN
 
 OPTIONS = TuneOptions(layout="per-conv")
@@ -130,6 +134,23 @@ def test_problems_are_collected_once_across_models_and_profiles(lab, tmp_path):
     assert len(models[0].report.profiles) == 2 and len(distinct) == 4
 
 
+def test_problems_are_tuned_model_by_model_largest_first(lab, tmp_path):
+    models, distinct = driver.collect(lab["specs"], OPTIONS, tmp_path)
+    order = driver.tuning_order(models)
+    assert sorted(order, key=distinct.index) == distinct
+    flops = [p.primary.flops for p in order]
+    start = 0
+    for m in models:  # each model's new problems, after those of the models before it
+        new = [p for p in m.problems if p not in order[:start]]
+        assert set(order[start:start + len(new)]) == set(new)
+        assert flops[start:start + len(new)] == sorted(flops[start:start + len(new)], reverse=True)
+        start += len(new)
+    assert start == len(order) == 18
+    # the model that completes last (the last to bring new problems) stays prepared for its write
+    assert [m.prepared is not None for m in models] == [False, False, False, True]
+    assert set(models[3].prepared[1]) == set(models[3].problems)
+
+
 def test_batches_follow_each_models_inputs(tmp_path):
     dynamic = tmp_path / "dyn.onnx"
     onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), dynamic)
@@ -220,6 +241,88 @@ def test_an_interrupted_driver_keeps_what_was_measured_and_a_rerun_measures_the_
     assert again["missing"] == [] and len(again["failed"]) == 2
     resumed = _check_decisions([tmp_path / "out" / f"{n}.tuned.onnx" for n in MODELS])
     assert sum(v[4] == "cache" for v in resumed.values()) >= kept  # measured before the interrupt
+
+
+def _wait_for(path: Path, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return path.exists()
+
+
+def test_a_model_is_written_as_soon_as_its_problems_are_settled(lab, tmp_path):
+    stem = tmp_path / "out" / "resnet_stem.tuned.onnx"
+    seen = []
+
+    def wait_for_the_stem(progress):
+        # one worker settles tasks in order: the stem's 8 problems first. The driver's thread waits
+        # here, so no further task settles while the writer writes the stem.
+        if progress.finished == 8 and not seen:
+            seen.append((_wait_for(stem), progress.finished + progress.failed < progress.total))
+
+    report = _tune(lab, tmp_path, workers=1, on_progress=wait_for_the_stem)
+    doc = report.to_json()
+    assert seen == [(True, True)]  # written while 10 tasks were still to run
+    assert report.written[0] == stem and doc["written_during_tune"] >= 1
+    assert sorted(report.written) == sorted(tmp_path / "out" / f"{n}.tuned.onnx" for n in MODELS)
+    assert all(m.prepared is None for m in report.models)
+    _check_nothing_lost(doc, tmp_path / "driver.db")
+    _check_decisions(report.written)  # the failed problems of resnet_unrecorded are auto
+    assert set(doc["seconds"]) == {"collect", "start", "tune", "write", "total"}
+    console = Console(record=True, width=400)
+    driver.print_report(report, console)
+    assert f"; {doc['written_during_tune']} of 4 model(s) written while tuning" in console.export_text()
+
+
+def test_an_interrupt_after_a_model_was_written_says_which_were_written(lab, tmp_path):
+    out = tmp_path / "out"
+    stem = out / "resnet_stem.tuned.onnx"
+
+    def interrupt_once_the_stem_is_written(progress):
+        if progress.finished == 8 and _wait_for(stem):
+            raise KeyboardInterrupt
+
+    first = _tune(lab, tmp_path, workers=1, on_progress=interrupt_once_the_stem_is_written)
+    doc = first.to_json()
+    assert first.interrupted and first.written == [stem] and doc["written_during_tune"] == 1
+    assert [m["output"] for m in doc["models"]] == [str(stem), None, None, None]
+    assert [p.name for p in out.iterdir()] == [stem.name]  # nothing else, not even half a model
+    assert doc["measured"] == 8 and len(doc["missing"]) == 10
+    for key, d in _decisions([stem]).items():  # written from its complete measurements only
+        assert (d[5], d[0]) == _recorded_choice(d[5], "oracle") and d[4] == "measure", key
+    console = Console(record=True, width=400)
+    driver.print_report(first, console)
+    text = console.export_text()
+    assert f"wrote {stem}" in text
+    assert "1 model(s) complete before the interrupt were written (above); not written: " + ", ".join(map(str, lab["paths"][1:])) in text
+    again = _tune(lab, tmp_path).to_json()
+    assert again["cached"] == 8 and again["measured"] == RECORDED_PROBLEMS - 8 and not again["interrupted"]
+    _check_decisions([out / f"{n}.tuned.onnx" for n in MODELS])
+
+
+def test_a_model_that_cannot_be_written_stops_the_run(lab, tmp_path):
+    def remove_the_output_dir(progress):
+        if progress.finished == 1:
+            shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+    with pytest.raises(convpass.errors.ConvpassError, match="output directory .* does not exist"):
+        _tune(lab, tmp_path, workers=1, on_progress=remove_the_output_dir)
+    assert multiprocessing.active_children() == []
+    assert len(_stored(tmp_path / "driver.db")) >= 8  # what was measured stays
+
+
+def test_a_model_that_cannot_be_prepared_stops_the_workers_while_they_start(lab, tmp_path):
+    bad = tmp_path / "dynamic.onnx"
+    onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), bad)
+    (tmp_path / "out").mkdir()
+    executor = LocalExecutor(workers=2)
+    started = time.monotonic()
+    with pytest.raises(convpass.errors.ShapeError, match=f"^{bad}: Conv 'conv': dim 0 of its input 'x' is 'N'"):
+        driver.tune([*lab["specs"], driver.ModelSpec(bad)], tmp_path / "out", OPTIONS, cluster=executor,
+                    cache=tmp_path / "driver.db", measurer=SlowStart(lab["recorded"], H200), console=Console(quiet=True))
+    assert time.monotonic() - started < 30  # the workers were stopped while starting (their start takes 60 s)
+    assert len(executor._procs) == 2 and multiprocessing.active_children() == []
+    assert not list((tmp_path / "out").iterdir()) and not (tmp_path / "driver.db").exists()
 
 
 def test_workers_that_do_not_start_are_reported(lab, tmp_path):
@@ -314,6 +417,17 @@ def test_tune_errors_are_one_line(lab, tmp_path, capsys, no_gpu, extra, message)
     err = capsys.readouterr().err
     assert code == 1 and message in err and err.count("\n") == 1, err
     assert not list((tmp_path / "out").iterdir())
+
+
+def test_tune_interrupted_with_no_report_does_not_say_nothing_was_written(lab, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # a second Ctrl-C while the writer finishes a model
+
+    monkeypatch.setattr(driver, "tune", interrupted)
+    (tmp_path / "out").mkdir()
+    assert main(["tune", str(lab["paths"][0]), "--batch", "1", "-o", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err
+    assert "nothing was written" not in err and "written by this run is complete" in err
 
 
 def test_tune_refuses_outputs_that_collide_and_missing_output_dirs(lab, tmp_path, capsys, no_gpu):

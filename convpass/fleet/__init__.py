@@ -1,7 +1,8 @@
 """Fleet tuning: many models, many GPUs, one tuning cache (``convpass tune``).
 
-* :mod:`convpass.fleet.driver` - collect the distinct problems of all models, pick the target
-  devices, schedule, write the tuned models (one decision table per device type);
+* :mod:`convpass.fleet.driver` - collect the distinct problems of all models while the workers
+  start, pick the target devices, schedule, write each tuned model (one decision table per device
+  type) as soon as its problems are settled, while the workers measure the rest;
 * :mod:`convpass.fleet.scheduler` - tasks on worker slots: retries, lost workers, timeouts,
   interrupts; the driver is the only writer of the cache;
 * :mod:`convpass.fleet.local` - the embedded executor: one worker process per local GPU;

@@ -3,12 +3,14 @@
 options of ``optimize``. See :mod:`convpass.fleet.driver` for what it does.
 
 Exit status: 0 when every model was written (problems that failed are ``auto`` in them and listed);
-130 when interrupted (what was measured is in the cache, no model written); 1 for bad input.
+130 when interrupted (what was measured is in the cache; the models complete before the interrupt
+may be written, the report lists which); 1 for bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -69,17 +71,22 @@ def tune_command(args: argparse.Namespace) -> int:
     else:
         specs = [driver.ModelSpec(Path(m), tuple(args.shape)) for m in args.models]
     console = Console(stderr=True, quiet=args.quiet, soft_wrap=True)
-    report = driver.tune(
-        specs,
-        args.output_dir,
-        options,
-        cluster=args.cluster,
-        devices=[d.strip() for d in args.devices.split(",") if d.strip()],
-        cache=args.cache,
-        retries=args.retries,
-        task_timeout=args.task_timeout,
-        console=console,
-    )
+    try:
+        report = driver.tune(
+            specs,
+            args.output_dir,
+            options,
+            cluster=args.cluster,
+            devices=[d.strip() for d in args.devices.split(",") if d.strip()],
+            cache=args.cache,
+            retries=args.retries,
+            task_timeout=args.task_timeout,
+            console=console,
+        )
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before tuning: no report to say what was written
+        print(f"convpass: interrupted; what was measured is in the tuning cache; a model in {args.output_dir} "
+              "written by this run is complete (written atomically)", file=sys.stderr)
+        return 130
     report.notes[:0] = notes
     driver.print_report(report, console)
     if args.json:

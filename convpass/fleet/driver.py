@@ -1,20 +1,26 @@
 """The fleet driver: many models, many GPUs, one tuning cache, one tuned model per input.
 
-1. **Collect.** Each model runs the optimize pipeline's graph passes
-   (:func:`convpass.pipeline.prepare_model`) for its shape profiles; the distinct problems of all
-   models and profiles are listed once (a problem two models share is measured once).
-2. **Start the workers** (:mod:`convpass.fleet.local` or :mod:`convpass.fleet.ray_cluster`); each
-   reports the fingerprint of the device it measures on.
-3. **Target devices:** every device type in the cluster, or those ``devices`` names. A name that
+1. **Collect and start the workers, at once.** Each model runs the optimize pipeline's graph passes
+   (:func:`convpass.pipeline.prepare_model`) for its shape profiles, in a thread of the driver,
+   while the workers start (:mod:`convpass.fleet.local` or :mod:`convpass.fleet.ray_cluster`:
+   spawn, load cuDNN, warm the GPU; each reports the fingerprint of the device it measures on).
+   The distinct problems of all models and profiles are listed once (a problem two models share is
+   measured once). A model that cannot be prepared stops the workers and raises its error.
+2. **Target devices:** every device type in the cluster, or those ``devices`` names. A name that
    matches no worker's device is looked up in the tuning cache (e.g. measurements exported on
    another GPU and merged with ``convpass cache import``): that device is *cache-only*, its
    decisions come from the cache as with ``optimize --device-name`` and nothing is measured for it.
-4. **Schedule** one task per (cluster device, problem) that the cache does not already cover
-   (:mod:`convpass.fleet.scheduler`); the driver writes every finished task's rows into its cache
-   as they arrive, so an interrupted run keeps them and a re-run measures only the rest.
-5. **Write** every model (atomically) with one decision table per target device, decided from the
-   cache by the same rule as ``optimize --device-name``; a problem that failed is ``auto`` for
-   that device. Nothing is written when the run was interrupted.
+3. **Schedule** one task per (cluster device, problem) that the cache does not already cover
+   (:mod:`convpass.fleet.scheduler`), in :func:`tuning_order`; the driver writes every finished
+   task's rows into its cache as they arrive, so an interrupted run keeps them and a re-run
+   measures only the rest.
+4. **Write each model as soon as all of its tasks are settled** (finished or failed), from a
+   thread of the driver while the workers measure the other models' problems: atomically, with one
+   decision table per target device, decided from the cache by the same rule as
+   ``optimize --device-name``; a problem that failed is ``auto`` for that device. Models complete
+   one after another in :func:`tuning_order`, so after the last task only the models it completed
+   are left to write. An interrupted run writes nothing more: the models written before it are
+   complete, the report lists which were written and which not.
 
 Layout: decisions are per conv (``--layout per-conv``, the default here) or one forced format.
 ``--layout auto`` plans the whole graph with transpose timings that only a GPU in the same process
@@ -26,12 +32,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import onnx
+import onnx_ir as ir
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -43,10 +52,12 @@ from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer, Measurer
 from convpass.model_io import load_model, save_model
 from convpass.options import TuneOptions
-from convpass.passes.collect_conv_problems import ConvProblem
+from convpass.passes.collect_conv_problems import ConvProblem, ProblemUse
 from convpass.pipeline import OptimizeReport, decide_and_annotate, prepare_model
 
 OUTPUT_SUFFIX = ".tuned.onnx"
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,33 +104,68 @@ def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
     return specs, notes
 
 
+Prepared = tuple[ir.Model, dict[ConvProblem, list[ProblemUse]]]
+
+
 @dataclasses.dataclass
 class ModelProblems:
     spec: ModelSpec
     output: Path
     problems: list[ConvProblem]
     report: OptimizeReport
+    # The model as collect prepared it, kept for one model only (see collect) until it is written.
+    prepared: Prepared | None = dataclasses.field(default=None, repr=False)
 
 
 def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) -> tuple[list[ModelProblems], list[ConvProblem]]:
     """Every model's problems (graph passes only, nothing decided) and the distinct problems of
-    all of them, in first-seen order."""
+    all of them, in first-seen order.
+
+    The last model that brings new problems keeps its prepared form: in :func:`tuning_order` it
+    completes last, when nothing else is left to overlap its write with, so its write must not
+    prepare it again. The others are prepared again when written (during tuning): a registry may
+    hold hundreds of models, too many to keep in memory."""
     outputs: dict[Path, Path] = {}
     for spec in specs:
         out = output_dir / (spec.path.stem + OUTPUT_SUFFIX)
         if out in outputs:
             raise ConvpassError(f"{spec.path} and {outputs[out]} would both be written to {out}: rename one")
         outputs[out] = spec.path
-    models = []
+    models: list[ModelProblems] = []
+    seen: set[ConvProblem] = set()
+    last_new: ModelProblems | None = None
     for spec, out in zip(specs, outputs):
         report = OptimizeReport()
-        uses = _prepared(spec, options, report)[1]
+        model, uses = _prepared(spec, options, report)
         models.append(ModelProblems(spec, out, list(uses), report))
-    distinct = list(dict.fromkeys(p for m in models for p in m.problems))
-    return models, distinct
+        if not seen.issuperset(uses):
+            seen.update(uses)
+            if last_new is not None:
+                last_new.prepared = None
+            last_new = models[-1]
+            last_new.prepared = (model, uses)
+    return models, list(dict.fromkeys(p for m in models for p in m.problems))
 
 
-def _prepared(spec: ModelSpec, options: TuneOptions, report: OptimizeReport):
+def tuning_order(models: Sequence[ModelProblems]) -> list[ConvProblem]:
+    """The distinct problems in the order workers take them: grouped by the first model that needs
+    them (in model order), the largest (FLOPs) first within a group.
+
+    Why: a model is written as soon as all of its problems are settled. In this order the models
+    complete one after another while the GPUs go on measuring, and are written meanwhile; with every
+    problem largest first across all models (load balancing alone), every model would complete only
+    at the very end and all the writing would be serial work after tuning. What it costs is at the
+    run's tail: the run ends on the smallest problems of the last group, not on the smallest of all,
+    so the GPUs still finish within about one small problem of each other (only a last group with
+    fewer problems than GPUs could end on a large one)."""
+    first: dict[ConvProblem, int] = {}
+    for i, m in enumerate(models):
+        for p in m.problems:
+            first.setdefault(p, i)
+    return sorted(first, key=lambda p: (first[p], -p.primary.flops))
+
+
+def _prepared(spec: ModelSpec, options: TuneOptions, report: OptimizeReport) -> Prepared:
     model = load_model(spec.path)
     try:
         return model, prepare_model(model, options, spec.shapes, report)
@@ -191,13 +237,12 @@ class FleetReport:
     tasks: list[sched.Task] = dataclasses.field(default_factory=list)
     cached: int = 0
     schedule: sched.ScheduleResult | None = None
-    written: list[Path] = dataclasses.field(default_factory=list)
+    written: list[Path] = dataclasses.field(default_factory=list)  # in the order they were written
+    written_during_tune: int = 0  # of them, while tasks were still running
+    interrupted: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
+    # collect; start: waiting for the workers after it; tune; write: after the last task; total
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def interrupted(self) -> bool:
-        return self.schedule is not None and self.schedule.interrupted
 
     def to_json(self) -> dict[str, Any]:
         s = self.schedule
@@ -240,6 +285,7 @@ class FleetReport:
             "slots_retired": s.retired if s else {},
             "measured_by_slot": _count(finished.values()),
             "cache_writes": {"tasks": len(s.writes), "max_per_task": max(s.writes.values(), default=0)} if s else {},
+            "written_during_tune": self.written_during_tune,
             "interrupted": self.interrupted,
             "notes": self.notes,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
@@ -303,39 +349,167 @@ def tune(
         raise ConvpassError("no models given")
     measurer = measurer or CudnnMeasurer()
     executor = make_executor(cluster) if isinstance(cluster, str) else cluster
-    models, distinct = collect(specs, options, out_dir)
-    report = FleetReport(cluster=cluster if isinstance(cluster, str) else executor.name, cache="", models=models, problems=len(distinct))
-    report.seconds["collect"] = time.perf_counter() - started
-    with TuningCache(cache) as db:
+    collected = _in_thread(collect, specs, options, out_dir)
+    try:
+        executor.launch(measurer)  # on this thread: ray.init installs signal handlers
+        models, distinct = collected()
+        report = FleetReport(cluster=cluster if isinstance(cluster, str) else executor.name, cache="", models=models, problems=len(distinct))
+        report.seconds["collect"] = time.perf_counter() - started
+        db = TuningCache(cache)
+    except BaseException:
+        executor.shutdown()
+        raise
+    writer: _ModelWriter | None = None
+    with db:
         report.cache = str(db.path)
-        slots, not_started = executor.start(measurer)
         try:
+            t0 = time.perf_counter()
+            slots, not_started = executor.wait_started()
+            report.seconds["start"] = time.perf_counter() - t0
             report.devices, report.cache_only = resolve_devices(devices, slots, not_started, db)
             measured_here = [d for d in report.devices if d not in report.cache_only]
-            tasks = []
-            for task in sched.make_tasks(distinct, measured_here):
+            for task in sched.make_tasks(tuning_order(models), measured_here):
                 if measurer.complete(task.device, cached_rows(db, task.device, task.problem), task.problem, options):
                     report.cached += 1
                 else:
-                    tasks.append(task)
-            report.tasks = tasks
-        except BaseException:
-            executor.shutdown()
-            raise
-        t0 = time.perf_counter()
-        report.schedule = _schedule(executor, db, options, retries, task_timeout, tasks, slots, not_started, measurer, console, on_progress)
-        report.seconds["tune"] = time.perf_counter() - t0
-        if report.interrupted:
-            report.seconds["total"] = time.perf_counter() - started
-            return report
-        t0 = time.perf_counter()
-        _write_models(report, db, options)
-        report.seconds["write"] = time.perf_counter() - t0
+                    report.tasks.append(task)
+            writer = _ModelWriter(report, db, options)
+            t0 = time.perf_counter()
+            report.schedule = _schedule(executor, db, options, retries, task_timeout, report.tasks, slots, not_started,
+                                        measurer, console, on_progress, writer.settled)
+            report.seconds["tune"] = time.perf_counter() - t0
+            report.written_during_tune = len(report.written)
+            report.interrupted = report.schedule.interrupted
+            if not report.interrupted:
+                t0 = time.perf_counter()
+                try:
+                    writer.close(write_rest=True)
+                except KeyboardInterrupt:
+                    report.interrupted = True
+                report.seconds["write"] = time.perf_counter() - t0
+        finally:
+            executor.shutdown()  # done already when the scheduler ran
+            if writer is not None:
+                writer.close(write_rest=False)
     report.seconds["total"] = time.perf_counter() - started
     return report
 
 
-def _schedule(executor, db, options, retries, task_timeout, tasks, slots, not_started, measurer, console, on_progress) -> sched.ScheduleResult:
+def _in_thread(fn: Callable[..., _T], *args: Any) -> Callable[[], _T]:
+    """Start ``fn(*args)`` in a daemon thread (never keeps the process alive); the function returned
+    waits for its result or raises its exception."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name=f"convpass-{fn.__name__}", daemon=True)
+    thread.start()
+
+    def result() -> _T:
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return result
+
+
+class _ModelWriter:
+    """Writes each model, in a thread of its own, as soon as all of its tasks are settled (finished
+    or failed for good), while the scheduler goes on giving the workers tasks. One model at a time,
+    in the order they complete; each is prepared again unless collect kept it prepared.
+
+    The driver's thread calls :meth:`settled` (the scheduler's hook) and :meth:`close`; the writer
+    thread decides from the cache, which serializes its calls, and never sees a model before all
+    of its rows are in. A model's failed problems are ``auto`` in it."""
+
+    def __init__(self, report: FleetReport, db: TuningCache, options: TuneOptions) -> None:
+        self.report, self.db, self.options = report, db, options
+        self.needed_by: dict[ConvProblem, list[int]] = {}  # problem -> the models (indices) that need it
+        for i, m in enumerate(report.models):
+            for p in m.problems:
+                self.needed_by.setdefault(p, []).append(i)
+        self.unsettled = [0] * len(report.models)  # per model: its tasks not settled yet
+        for task in report.tasks:
+            for i in self.needed_by[task.problem]:
+                self.unsettled[i] += 1
+        self.measured: dict[DeviceFingerprint, set[ConvProblem]] = {d: set() for d in report.devices}
+        self.failed: dict[DeviceFingerprint, set[ConvProblem]] = {d: set() for d in report.devices}
+        self.jobs: queue.SimpleQueue[tuple[int, list[FleetBackend]] | None] = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="convpass-model-writer", daemon=True)
+        self.thread.start()
+        for i, n in enumerate(self.unsettled):
+            if n == 0:  # every problem in the cache already (or none)
+                self._complete(i)
+
+    # -- the driver's thread ----------------------------------------------------------------------
+
+    def settled(self, task: sched.Task, finished: bool) -> None:
+        """A task finished (its rows are in the cache) or failed for good; raises the writer's error."""
+        self._raise()
+        (self.measured if finished else self.failed)[task.device].add(task.problem)
+        for i in self.needed_by[task.problem]:
+            self.unsettled[i] -= 1
+            if self.unsettled[i] == 0:
+                self._complete(i)
+
+    def close(self, write_rest: bool) -> None:
+        """Wait for the thread to end: after writing every model handed to it (``write_rest``), else
+        after the one it is writing now. Raises the writer's error, once."""
+        if not write_rest:
+            self.stopping.set()
+        self.jobs.put(None)
+        self.thread.join()
+        for m in self.report.models:
+            m.prepared = None  # the report outlives the run
+        self._raise()
+
+    def _complete(self, index: int) -> None:
+        """Hand a model whose tasks are all settled to the thread, with what this run did to its problems."""
+        problems = self.report.models[index].problems
+        backends = [
+            FleetBackend(self.db, d, {p for p in problems if p in self.measured[d]}, {p for p in problems if p in self.failed[d]})
+            for d in (self.report.devices if problems else ())  # no problems: one table of auto decisions
+        ]
+        self.jobs.put((index, backends))
+
+    def _raise(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    # -- the writer thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            job = self.jobs.get()
+            if job is None or self.stopping.is_set():
+                return
+            try:
+                self._write(*job)
+            except BaseException as e:  # noqa: BLE001  (raised in the driver's thread)
+                self.error = e
+                return
+
+    def _write(self, index: int, backends: list[FleetBackend]) -> None:
+        m = self.report.models[index]
+        prepared, m.prepared = m.prepared, None
+        if prepared is None:
+            m.report = OptimizeReport()  # counted again from the prepared model that is written
+            prepared = _prepared(m.spec, self.options, m.report)
+        model, uses = prepared
+        decide_and_annotate(model, self.options, uses, backends, m.report)
+        save_model(model, m.output)
+        self.report.written.append(m.output)
+
+
+def _schedule(executor, db, options, retries, task_timeout, tasks, slots, not_started, measurer, console, on_progress, on_settled) -> sched.ScheduleResult:
     unit = "GPUs" if measurer.needs_gpu else "workers"
     columns = (TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
                TextColumn("{task.fields[busy]}"), TimeElapsedColumn(), TimeRemainingColumn())
@@ -349,27 +523,8 @@ def _schedule(executor, db, options, retries, task_timeout, tasks, slots, not_st
             if on_progress is not None:
                 on_progress(p)
 
-        runner = sched.Scheduler(executor, db, options, retries=retries, task_timeout=task_timeout, on_progress=show)
+        runner = sched.Scheduler(executor, db, options, retries=retries, task_timeout=task_timeout, on_progress=show, on_settled=on_settled)
         return runner.run(tasks, slots, not_started)
-
-
-def _write_models(report: FleetReport, db: TuningCache, options: TuneOptions) -> None:
-    s = report.schedule
-    assert s is not None
-    by_id = {t.id: t for t in report.tasks}
-    measured: dict[DeviceFingerprint, set[ConvProblem]] = {d: set() for d in report.devices}
-    failed: dict[DeviceFingerprint, set[ConvProblem]] = {d: set() for d in report.devices}
-    for task_id in s.finished:
-        measured[by_id[task_id].device].add(by_id[task_id].problem)
-    for task_id in s.failed:
-        failed[by_id[task_id].device].add(by_id[task_id].problem)
-    for m in report.models:
-        m.report = OptimizeReport()  # counted again from the prepared model that is written
-        model, uses = _prepared(m.spec, options, m.report)
-        backends = [FleetBackend(db, d, measured[d], failed[d]) for d in report.devices] if uses else []
-        decide_and_annotate(model, options, uses, backends, m.report)
-        save_model(model, m.output)
-        report.written.append(m.output)
 
 
 def print_report(report: FleetReport, console: Console) -> None:
@@ -386,7 +541,10 @@ def print_report(report: FleetReport, console: Console) -> None:
     console.print(
         f"  {doc['tasks']} (problem, device) pairs: {doc['cached']} already in the tuning cache, {doc['measured']} measured, "
         f"{len(doc['failed'])} failed" + (f", {doc['retried']} retries" if doc["retried"] else "")
-        + (f" ({report.seconds['tune']:.1f} s)" if "tune" in report.seconds else "")
+    )
+    console.print(
+        "  seconds: " + ", ".join(f"{phase} {s:.1f}" for phase, s in report.seconds.items())
+        + f"; {report.written_during_tune} of {len(report.models)} model(s) written while tuning"
     )
     for lost in doc["workers_lost"]:
         console.print(f"  [yellow]worker lost[/] {lost['slot']}: {lost['reason']}")
@@ -396,15 +554,21 @@ def print_report(report: FleetReport, console: Console) -> None:
         console.print(f"  [red]failed[/] {f['problem']} on {f['device']} after {f['attempts']} attempt(s): {f['reasons'][-1]} -> algo=auto")
     for note in report.notes:
         console.print(f"  [yellow]note[/]: {note}")
-    if report.interrupted:
-        console.print(
-            f"  [yellow]interrupted[/]: {doc['measured']} measured problems are in {report.cache}; "
-            "no model was written; run the same command again to measure only the rest"
-        )
-        return
     for m in doc["models"]:
-        decided = ", ".join(f"{DeviceFingerprint.parse(d).name} {n}/{m['problems']}" for d, n in m["decided"].items())
-        console.print(f"  wrote {m['output']}: {m['convs']} convs, {m['problems']} problems; decided {decided or '-'}")
+        if m["output"] is not None:
+            decided = ", ".join(f"{DeviceFingerprint.parse(d).name} {n}/{m['problems']}" for d, n in m["decided"].items())
+            console.print(f"  wrote {m['output']}: {m['convs']} convs, {m['problems']} problems; decided {decided or '-'}")
+    if report.interrupted:
+        not_written = [m["model"] for m in doc["models"] if m["output"] is None]
+        written = (
+            f"{len(report.written)} model(s) complete before the interrupt were written (above)"
+            + (f"; not written: {', '.join(not_written)}" if not_written else "")
+            if report.written else "no model was written"
+        )
+        console.print(
+            f"  [yellow]interrupted[/]: {doc['measured']} measured problems are in {report.cache}; {written}; "
+            "run the same command again to measure only the rest"
+        )
 
 
 def summary_json(report: FleetReport) -> str:

@@ -68,7 +68,7 @@ class LocalExecutor:
 
     # -- Executor -----------------------------------------------------------------------------------
 
-    def start(self, measurer: Measurer) -> tuple[list[Slot], list[str]]:
+    def launch(self, measurer: Measurer) -> None:
         self._measurer = measurer
         if measurer.needs_gpu:
             gpus: list[str | None] = list(self.gpus if self.gpus is not None else visible_gpus())
@@ -80,12 +80,14 @@ class LocalExecutor:
             ids = [f"proc{i}" for i in range(len(gpus))]
         for sid, gpu in zip(ids, gpus):
             self._spawn(sid, gpu)
+
+    def wait_started(self) -> tuple[list[Slot], list[str]]:
         problems: list[str] = []
         while any(w.state == "starting" for w in self._procs.values()):
             for event in self.wait(None):
                 if isinstance(event, StartFailed):
                     problems.append(f"worker {event.slot_id} did not start: {event.reason}")
-        return [self._slots[sid] for sid in ids if sid in self._slots and self._procs[sid].state == "ready"], problems
+        return [self._slots[sid] for sid, w in self._procs.items() if w.state == "ready"], problems
 
     def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:
         w = self._procs[slot_id]
@@ -128,7 +130,9 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         for w in self._procs.values():
-            if w.state != "dead":
+            if w.state == "starting":
+                self._stop(w, kill=True)  # it would read the request to stop only once started
+            elif w.state != "dead":
                 try:
                     w.conn.send(None)
                 except (BrokenPipeError, EOFError, OSError):

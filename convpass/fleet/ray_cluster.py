@@ -68,12 +68,13 @@ class RayExecutor:
         self._connected_here = False
         self._measurer: Measurer | None = None
         self._actors: dict[str, Any] = {}
-        self._placement: dict[str, str] = {}  # slot id -> node id
+        self._placement: dict[str, str] = {}  # slot id -> node id, in launch order
+        self._not_started: list[str] = []
         self._refs: dict[Any, tuple[str, str, float]] = {}  # ref -> (slot id, "start" | "measure", deadline)
 
     # -- Executor -----------------------------------------------------------------------------------
 
-    def start(self, measurer: Measurer) -> tuple[list[Slot], list[str]]:
+    def launch(self, measurer: Measurer) -> None:
         self._measurer = measurer
         if not ray.is_initialized():
             try:
@@ -89,20 +90,22 @@ class RayExecutor:
                 placements.append((f"{node['NodeID'][:8]}/{resource.lower()}{i}", node["NodeID"]))
         if self.workers is not None:
             placements = placements[: self.workers]
+        if not placements:
+            self._not_started.append(f"the Ray cluster offers no {resource}")
         for sid, node_id in placements:
             self._placement[sid] = node_id
             self._spawn(sid)
+
+    def wait_started(self) -> tuple[list[Slot], list[str]]:
         slots: list[Slot] = []
-        problems: list[str] = []
+        problems = self._not_started
         while any(kind == "start" for _, kind, _ in self._refs.values()):
             for event in self.wait(None):
                 if isinstance(event, Ready):
                     slots.append(event.slot)
                 elif isinstance(event, StartFailed):
                     problems.append(f"worker {event.slot_id} did not start: {event.reason}")
-        if not placements:
-            problems.append(f"the Ray cluster offers no {resource}")
-        order = [sid for sid, _ in placements]
+        order = list(self._placement)
         return sorted(slots, key=lambda s: order.index(s.id)), problems
 
     def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:

@@ -7,9 +7,9 @@ Rules:
   a slot is one worker holding one GPU (or one process, for measurers that need none), running one
   task at a time. How slots exist is the executor's business (:mod:`convpass.fleet.local`,
   :mod:`convpass.fleet.ray_cluster`); the bookkeeping here is the same for all of them.
-* A free slot takes the largest pending problem (by FLOPs) of its device type, so the run does not
-  end on one long problem; a task that failed on a slot goes to another slot of its type while one
-  is alive.
+* A free slot takes the first pending task of its device type in the order the tasks were given
+  (the driver orders them: :func:`convpass.fleet.driver.tuning_order`); a task tried again goes
+  back to its place in that order, to another slot of its type while one is alive.
 * A finished task's rows are written to the cache at once, in one transaction: nothing finished is
   lost whatever happens later, and a task is written once.
 * The measurer raised: the worker lives on and the task is tried again, up to ``1 + retries``
@@ -18,6 +18,8 @@ Rules:
   finishing a task in between is retired (a broken GPU must not eat every task's attempts).
 * A task that failed every attempt is recorded as failed with every attempt's reason; a task whose
   device type has no live slot (none in the cluster, or all retired) fails with that reason.
+* ``on_settled`` hears of every task once, as soon as it is settled: finished (its rows are in the
+  cache) or failed for good. The driver writes a model as soon as all of its tasks are.
 * An exception in the driver (Ctrl-C is ``KeyboardInterrupt``) stops the workers at once; what was
   written stays. ``KeyboardInterrupt`` returns a result marked ``interrupted``; others propagate.
 """
@@ -107,8 +109,13 @@ class Executor(Protocol):
 
     name: str
 
-    def start(self, measurer: "Measurer") -> tuple[list[Slot], list[str]]:
-        """Start the workers; the slots that are ready, and why the others did not start."""
+    def launch(self, measurer: "Measurer") -> None:
+        """Start the workers without waiting for them (the driver collects problems meanwhile)."""
+        ...
+
+    def wait_started(self) -> tuple[list[Slot], list[str]]:
+        """Wait until every launched worker is ready or failed to start; the slots that are ready,
+        and why the others did not start."""
         ...
 
     def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:
@@ -172,6 +179,7 @@ class Scheduler:
         retries: int = 2,
         task_timeout: float | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        on_settled: Callable[[Task, bool], None] | None = None,
     ) -> None:
         if retries < 0:
             raise ValueError("retries must be >= 0")
@@ -183,9 +191,11 @@ class Scheduler:
         self.retries = retries
         self.task_timeout = task_timeout
         self.on_progress = on_progress
+        self.on_settled = on_settled  # (task, finished): True when its rows are in the cache, False when it failed
 
     def run(self, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str] = ()) -> ScheduleResult:
-        """Run ``tasks`` on the executor's started ``slots`` until each finished or failed."""
+        """Run ``tasks`` (in this order of preference) on the executor's started ``slots`` until each
+        finished or failed."""
         started = time.perf_counter()
         try:
             run = _Run(self, tasks, slots, not_started)
@@ -216,11 +226,10 @@ class _Run:
         self.running: dict[str, tuple[Task, float]] = {}  # slot id -> (task, started at)
         self.losses: dict[str, int] = {}  # slot id -> workers lost in a row
         self.failed_on: dict[int, set[str]] = {}
+        self.rank = {task.id: i for i, task in enumerate(tasks)}  # the order tasks are taken in
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
         for task in tasks:
             self.pending.setdefault(task.device, []).append(task)
-        for queue in self.pending.values():
-            queue.sort(key=_order)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -273,6 +282,7 @@ class _Run:
                     why += f" (retired: {'; '.join(f'{k}: {v}' for k, v in self.result.retired.items())})"
                 for task in queue:
                     self.result.failed[task.id] = self.result.reasons.setdefault(task.id, []) + [why]
+                    self.settled(task, False)
                 queue.clear()
                 self.progress()
 
@@ -313,11 +323,16 @@ class _Run:
                 self.result.writes[task.id] = self.result.writes.get(task.id, 0) + 1
                 self.result.finished[task.id] = event.slot_id
                 self.losses[event.slot_id] = 0
+                self.settled(task, True)
         elif isinstance(event, Failed):
             self.retry(self.took_back(event.slot_id, event.task_id), event.slot_id, event.reason)
         elif isinstance(event, Lost):
             self.lose(event.slot_id, event.reason)
         self.progress()
+
+    def settled(self, task: Task, finished: bool) -> None:
+        if self.s.on_settled is not None:
+            self.s.on_settled(task, finished)
 
     def took_back(self, sid: str, task_id: int) -> Task:
         running = self.running.pop(sid, None)
@@ -350,11 +365,12 @@ class _Run:
         self.failed_on.setdefault(task.id, set()).add(sid)
         if self.result.attempts.get(task.id, 0) > self.s.retries:
             self.result.failed[task.id] = list(reasons)
+            self.settled(task, False)
             return
         self.result.retried += 1
         queue = self.pending.setdefault(task.device, [])
         queue.append(task)
-        queue.sort(key=_order)
+        queue.sort(key=lambda t: self.rank[t.id])
 
     def check_timeouts(self) -> None:
         if self.s.task_timeout is None:
@@ -365,10 +381,6 @@ class _Run:
                 self.s.executor.kill(sid)
                 self.lose(sid, f"task {task.id} ({task.problem}) ran over --task-timeout {self.s.task_timeout:g} s")
         self.progress()
-
-
-def _order(task: Task) -> tuple[int, int]:
-    return (-task.problem.primary.flops, task.id)
 
 
 def make_tasks(problems: Iterable[ConvProblem], devices: Sequence[DeviceFingerprint]) -> list[Task]:
