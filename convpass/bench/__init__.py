@@ -11,6 +11,8 @@
 * :mod:`convpass.bench.contenders` — what runs on the GPU: convpass (optimize + executor), ONNX
   Runtime CUDA EP (four configurations, IOBinding), PyTorch eager, the ONNX Runtime CPU reference,
   and the environment record (device, driver, CUDA, cuDNN, package versions).
+* :mod:`convpass.bench.peers` — how each peer is configured (ONNX Runtime's provider options,
+  PyTorch's flags and memory format, the panel's PyTorch builder); standard library only.
 * :mod:`convpass.bench.cli` — ``add_bench_parser(subparsers)`` and the command.
 
 Importing any of these imports neither CuPy, nor PyTorch, nor ONNX Runtime: those are imported when

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
-import json
 import math
 import os
 import platform
@@ -53,27 +51,29 @@ import numpy as np
 import onnx
 
 from convpass.bench import opprofile, report
+from convpass.bench.peers import (  # noqa: F401  (ORT_CONFIGS, ort_name, export_panel_candidates: this module's API too)
+    CUDA_EP_DID_NOT_LOAD,
+    ORT_CONFIGS,
+    export_panel_candidates,
+    first_tensor,
+    load_export_panel,
+    ort_configs,
+    ort_name,
+    ort_provider_options,
+    panel_entry,
+    torch_configs,
+    torch_flags,
+    torch_memory_format,
+    torch_name,
+)
+from convpass.bench.peers import first_line as _first_line
 from convpass.bench.roofline import conv_roofline
 
-ORT_CONFIGS: tuple[tuple[str, int], ...] = (("EXHAUSTIVE", 0), ("EXHAUSTIVE", 1), ("HEURISTIC", 0), ("HEURISTIC", 1))
 TIMING = "host perf_counter around each run + cudaDeviceSynchronize; device-resident input and output"
 
 
 class CaseSkipped(Exception):
     """This model cannot run at this batch (e.g. a fixed batch dimension)."""
-
-
-def ort_name(search: str, nhwc: int) -> str:
-    return f"ort {search} {'nhwc' if nhwc else 'nchw'}"
-
-
-def torch_name(channels_last: bool) -> str:
-    return "torch channels_last" if channels_last else "torch nchw"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,60 +225,6 @@ def torch_unavailable_reason() -> str | None:
     except Exception as e:  # noqa: BLE001
         return f"torch CUDA check failed: {_first_line(e)}"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# the PyTorch builder of a model
-
-
-def panel_entry(model_path: str | os.PathLike, panel_json: str | os.PathLike | None = None) -> tuple[dict | None, str | None]:
-    """The ``panel.json`` entry of ``model_path`` (written by ``models/export_panel.py``) or (None, why not).
-
-    ``panel_json`` defaults to ``panel.json`` in the model's folder. The entry is the one whose
-    ``file`` is the model's file name (or whose ``name`` is its stem).
-    """
-    model_path = Path(model_path)
-    pj = Path(panel_json) if panel_json else model_path.parent / "panel.json"
-    if not pj.is_file():
-        return None, f"no {pj} (export the model with models/export_panel.py, or give --panel-json)"
-    try:
-        doc = json.loads(pj.read_text())
-        entries = list(doc.get("models", []))
-    except (OSError, ValueError, AttributeError) as e:
-        return None, f"cannot read {pj}: {_first_line(e)}"
-    for e in entries:
-        if isinstance(e, dict) and e.get("file") == model_path.name:
-            return e, None
-    for e in entries:
-        if isinstance(e, dict) and e.get("name") == model_path.stem:
-            return e, None
-    return None, f"{model_path.name} is not listed in {pj}: no known PyTorch builder"
-
-
-def export_panel_candidates() -> list[Path]:
-    import convpass
-
-    here = Path(convpass.__file__).resolve().parent.parent
-    return [here / "models" / "export_panel.py", Path.cwd() / "models" / "export_panel.py"]
-
-
-def load_export_panel() -> Any:
-    """Import ``models/export_panel.py`` (it defines ``build_torch_model``); ImportError when not found."""
-    mod = sys.modules.get("export_panel")
-    if mod is not None and hasattr(mod, "build_torch_model"):
-        return mod
-    for path in export_panel_candidates():
-        if path.is_file():
-            spec = importlib.util.spec_from_file_location("export_panel", path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules["export_panel"] = mod
-            try:
-                spec.loader.exec_module(mod)  # type: ignore[union-attr]
-            except BaseException:
-                sys.modules.pop("export_panel", None)
-                raise
-            return mod
-    raise ImportError(f"models/export_panel.py not found (looked in {', '.join(map(str, export_panel_candidates()))})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,10 +406,7 @@ def run_op_profile(tuned_path: Path, dev_feeds: Mapping[str, Any], runs: int) ->
 def run_ort(path: Path, feeds_host: Mapping[str, np.ndarray], dev_feeds: Mapping[str, Any], ref: Sequence[np.ndarray] | None,
             use_tf32: bool, dtype: str, runs: int, warmup: int) -> list[dict[str, Any]]:
     """The four ORT CUDA EP configurations (or four ``unavailable`` records saying why)."""
-    configs = [
-        {"cudnn_conv_algo_search": s, "prefer_nhwc": n, "use_tf32": int(use_tf32), "io_binding": True, "enable_cuda_graph": 0}
-        for s, n in ORT_CONFIGS
-    ]
+    configs = ort_configs(use_tf32)
     reason = ort_unavailable_reason()
     if reason is not None:
         return [report.unavailable(ort_name(c["cudnn_conv_algo_search"], c["prefer_nhwc"]), "ort", reason, c) for c in configs]
@@ -483,17 +426,12 @@ def _run_ort_one(path: Path, feeds_host: Mapping[str, np.ndarray], dev_feeds: Ma
         so = ort.SessionOptions()
         so.log_severity_level = 3
         dev = cp.cuda.Device().id
-        provider_options = {
-            "device_id": str(dev),
-            "cudnn_conv_algo_search": cfg["cudnn_conv_algo_search"],
-            "prefer_nhwc": str(cfg["prefer_nhwc"]),
-            "use_tf32": str(cfg["use_tf32"]),
-        }
+        provider_options = ort_provider_options(cfg, dev)
         t0 = time.perf_counter()
         sess = ort.InferenceSession(os.fspath(path), so, providers=[("CUDAExecutionProvider", provider_options), "CPUExecutionProvider"])
         session_s = time.perf_counter() - t0
         if "CUDAExecutionProvider" not in sess.get_providers():
-            return report.unavailable(name, "ort", "the CUDA EP did not load (the session fell back to CPU; check CUDA / cuDNN libraries)", cfg)
+            return report.unavailable(name, "ort", CUDA_EP_DID_NOT_LOAD, cfg)
         binding = sess.io_binding()
         for n, x in dev_feeds.items():
             binding.bind_input(n, "cuda", dev, feeds_host[n].dtype.type, list(x.shape), x.data.ptr)
@@ -538,7 +476,7 @@ def _run_ort_one(path: Path, feeds_host: Mapping[str, np.ndarray], dev_feeds: Ma
 def run_torch(model_path: Path, panel_json: str | None, dev_feeds: Mapping[str, Any], ref: Sequence[np.ndarray] | None,
               tf32: bool, dtype: str, runs: int, warmup: int, module_cache: dict[str, Any]) -> list[dict[str, Any]]:
     """PyTorch eager, channels_last off and on (or records saying why not)."""
-    cfgs = [{"cudnn_benchmark": True, "channels_last": cl, "inference_mode": True, "allow_tf32": bool(tf32)} for cl in (False, True)]
+    cfgs = torch_configs(tf32)
     names = [torch_name(c["channels_last"]) for c in cfgs]
     reason = torch_unavailable_reason()
     if reason is not None:
@@ -575,58 +513,46 @@ def _run_torch_one(name: str, cfg: dict[str, Any], module_cpu: Any, entry: Mappi
     (x_cp,) = dev_feeds.values()
     fmt = None
     if cfg["channels_last"]:
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x_cp.ndim)
+        fmt = torch_memory_format(torch, x_cp.ndim)
         if fmt is None:
             return report.unavailable(name, "torch", f"channels_last does not apply to rank-{x_cp.ndim} inputs", cfg, status="skipped")
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    torch.backends.cudnn.benchmark = True
-    torch.backends.cudnn.allow_tf32 = bool(tf32)
-    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
     free_gpu_memory()
     m = None
     try:
-        x = torch.from_dlpack(x_cp)  # the same device input, no copy
-        if fmt is not None:
-            x = x.contiguous(memory_format=fmt)
-        m = copy.deepcopy(module_cpu)
-        if entry.get("dtype") == "float16":
-            m = m.half()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        m = m.to("cuda")
-        if fmt is not None:
-            m = m.to(memory_format=fmt)
-        with torch.inference_mode():
-            y = _first_tensor(m(x))
+        with torch_flags(torch, cfg):
+            x = torch.from_dlpack(x_cp)  # the same device input, no copy
+            if fmt is not None:
+                x = x.contiguous(memory_format=fmt)
+            m = copy.deepcopy(module_cpu)
+            if entry.get("dtype") == "float16":
+                m = m.half()
             torch.cuda.synchronize()
-            cold = time.perf_counter() - t0
-            first_host = [y.detach().float().contiguous().cpu().numpy()]
-            last: list[Any] = [None]
+            t0 = time.perf_counter()
+            m = m.to("cuda")
+            if fmt is not None:
+                m = m.to(memory_format=fmt)
+            with torch.inference_mode():
+                y = first_tensor(m(x))
+                torch.cuda.synchronize()
+                cold = time.perf_counter() - t0
+                first_host = [y.detach().float().contiguous().cpu().numpy()]
+                last: list[Any] = [None]
 
-            def run() -> None:
-                last[0] = m(x)
+                def run() -> None:
+                    last[0] = m(x)
 
-            warm_gpu()
-            times = time_steady(run, torch.cuda.synchronize, runs, warmup)
-            last_host = [_first_tensor(last[0]).detach().float().contiguous().cpu().numpy()]
+                warm_gpu()
+                times = time_steady(run, torch.cuda.synchronize, runs, warmup)
+                last_host = [first_tensor(last[0]).detach().float().contiguous().cpu().numpy()]
     except Exception as e:  # noqa: BLE001
         return report.contender(name, "torch", cfg, status="failed", reason=_first_line(e), tf32=bool(tf32))
     finally:
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
         del m
     c = report.contender(name, "torch", cfg, cold_start_s=cold, times_ms=times, tf32=bool(tf32))
     check(c, [first_host, last_host], ref, tf32, dtype)
     if c["status"] == "wrong":
         c["reason"] += " (weights differ from the ONNX file, or a different computation)"
     return c
-
-
-def _first_tensor(y: Any) -> Any:
-    if isinstance(y, Mapping):
-        y = y.get("out", next(iter(y.values())))
-    if isinstance(y, (tuple, list)):
-        y = y[0]
-    return y
 
 
 # ---------------------------------------------------------------------------------------------
