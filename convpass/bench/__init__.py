@@ -13,6 +13,9 @@
   and the environment record (device, driver, CUDA, cuDNN, package versions).
 * :mod:`convpass.bench.peers` — how each peer is configured (ONNX Runtime's provider options,
   PyTorch's flags and memory format, the panel's PyTorch builder); standard library only.
+* :mod:`convpass.bench.fresh` — cold start in a fresh process (``--fresh-process``): the child
+  (``python -m convpass.bench.fresh``: one runtime, one model and batch, process start -> first
+  result in host memory, in parts) and the harness that spawns it with empty kernel caches.
 * :mod:`convpass.bench.cli` — ``add_bench_parser(subparsers)`` and the command.
 
 Importing any of these imports neither CuPy, nor PyTorch, nor ONNX Runtime: those are imported when
