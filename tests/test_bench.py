@@ -220,7 +220,9 @@ def test_summary_and_verdicts():
     assert cold["worst_case"] == "resnet50 b32" and cold["worst"] == pytest.approx(0.294 / 0.095)
     # mobilenet_v3_large b1: min(0.041 + 1.008, 0.043 + 3.658) / 0.120 = 8.7x
     assert cold["verdict"] == "not met" and cold["failing"] == ["resnet50 b1", "resnet50 b32"]
-    assert cold["issue"] == 5 and {v["issue"] for k, v in s.items() if isinstance(v, dict) and k != "cold_start_vs_ort_exhaustive"} == {9}
+    assert cold["issue"] == 5 and {v["issue"] for k, v in s.items() if isinstance(v, dict) and k != "cold_start_vs_ort_exhaustive"} == {9, 10}
+    fresh_keys = ("fresh_vs_ort_heuristic", "fresh_vs_ort_exhaustive", "second_case_cold_start", "fresh_compilations")
+    assert {k for k, v in s.items() if isinstance(v, dict) and v["issue"] == 10} == set(fresh_keys)
 
 
 def test_verdict_met_and_not_measured():
@@ -571,7 +573,7 @@ def test_document_is_valid_and_round_trips():
     key = "steady_vs_best_ort_batch1"
     assert again["summary"][key]["geomean"] == pytest.approx(doc["summary"][key]["geomean"])
     assert again["environment"]["packages"]["onnxruntime-gpu"] == "1.31.1"
-    assert again["schema"] == "convpass.bench/2" and again["cases"][0]["contenders"][0]["cuda_graph"]["captured"] is True
+    assert again["schema"] == report.SCHEMA_ID == "convpass.bench/3" and again["cases"][0]["contenders"][0]["cuda_graph"]["captured"] is True
     assert len(again["cases"][0]["contenders"][0]["times_ms"]) == 5
 
 
@@ -873,7 +875,7 @@ def test_from_json_rerenders_a_recorded_v1_document(tmp_path, capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     doc = json.loads(out_json.read_text())
-    assert doc["schema"] == "convpass.bench/2" and report.validate_document(doc) == []
+    assert doc["schema"] == "convpass.bench/3" and report.validate_document(doc) == []
     assert doc["settings"]["targets"] == report.TARGETS and doc["settings"]["argv"] == recorded["settings"]["argv"]
     # expected from the ratios the run itself recorded (its issue-5 summary), split by batch here
     old = recorded["summary"]["steady_vs_best_ort"]["per_case"]

@@ -1,12 +1,16 @@
 """CPU tests of the fresh-process cold start (``convpass bench --fresh-process``,
 :mod:`convpass.bench.fresh`): the parts from the stamps, the child on the CPU executor and on ONNX
 Runtime's CPU EP (real processes), the parent's harness (fresh kernel-cache folders, the rest of the
-environment kept, a child that fails, exits non-zero, prints nothing or hangs), and that the child
-imports nothing but the standard library before its runtime.
+environment kept, a child that fails, exits non-zero, prints nothing or hangs), that the child
+imports nothing but the standard library before its runtime; the bench's fresh records, issue 10's
+ratios, targets and verdicts, the tables, the schema and merging older documents; and the bench
+command with ``--fresh-process``, its children real, on the CPU.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import subprocess
 import sys
 
@@ -14,9 +18,11 @@ import numpy as np
 import onnx
 import pytest
 
-from convpass.bench import fresh
+from convpass.bench import cli as bench_cli
+from convpass.bench import contenders, fresh, peers, report
+from convpass.errors import ConvpassError
 
-from conftest import MODELS, run_ort
+from conftest import MODELS, REPO, run_ort
 
 MODEL = MODELS / "residual_cnn.onnx"  # fixed batch 1: input 1x3x64x64
 
@@ -187,3 +193,270 @@ def test_child_command_line():
     assert (args.weights, args.panel_json, args.out, args.spawn_time) == ("w.pt", "p.json", "o.npz", None)
     assert fresh.CONFIGS["ort"] == ("EXHAUSTIVE-nchw", "EXHAUSTIVE-nhwc", "HEURISTIC-nchw", "HEURISTIC-nhwc")
     assert fresh.CONFIGS["torch"] == ("nchw", "channels_last")
+
+
+# ---------------------------------------------------------------------------------------------
+# the bench's records, ratios, targets and text (made-up figures: the arithmetic, not a measurement)
+
+
+def _parts(total: float, **given: float) -> dict:
+    out = dict.fromkeys(fresh.PART_KEYS)
+    out.update(given, total_s=total)
+    return out
+
+
+def _with_fresh(c: dict, total: float | None, status: str = "ok", **values) -> dict:
+    c["fresh"] = fresh.record(status, None if status == "ok" else "made up",
+                              parts=None if total is None else _parts(total, import_s=0.5), **values)
+    return c
+
+
+def _fresh_case(model: str, batch: int, order: int, ours: float | None, cold: float = 0.1, heuristic=(3.0, 2.5),
+                exhaustive=(6.0, 8.0), ours_status: str = "ok", compilations: int = 0, cache_files: int = 0) -> dict:
+    times = [1.0, 1.1, 1.2]
+    cs = [_with_fresh(report.contender("convpass", "convpass", {"device": "cuda"}, cold_start_s=cold, times_ms=times, tf32=True),
+                      ours, ours_status, compilations=compilations, cache_files=cache_files)]
+    for search, totals in (("EXHAUSTIVE", exhaustive), ("HEURISTIC", heuristic)):
+        for nhwc, total in enumerate(totals):
+            cfg = {"cudnn_conv_algo_search": search, "prefer_nhwc": nhwc, "use_tf32": 1}
+            c = report.contender(peers.ort_name(search, nhwc), "ort", cfg, cold_start_s=0.3, session_s=0.1, first_run_s=0.2,
+                                 times_ms=times, tf32=True)
+            cs.append(_with_fresh(c, total))
+    cs.append(_with_fresh(report.contender("torch nchw", "torch", {"channels_last": False}, cold_start_s=0.05, times_ms=times),
+                          4.0))
+    cs.append(report.unavailable("torch channels_last", "torch", "channels_last does not apply", status="skipped"))
+    cs[-1]["fresh"] = fresh.record("skipped", "channels_last does not apply")
+    return {"model": model, "file": f"{model}.onnx", "batch": batch, "inputs": {"input": [batch, 3, 224, 224]},
+            "dtype": "float32", "reference": "onnxruntime CPU", "contenders": cs, "best_peer": None, "best_ort": None,
+            "best_torch": None, "ratios": {}, "roofline": None, "op_profile": None, "model_order": order, "notes": []}
+
+
+ENV = {"device": "NVIDIA H200", "driver": None, "cuda_runtime": None, "cuda_driver_api": None, "cudnn": None, "packages": {}}
+SETTINGS = {"runs": 3, "warmup": 1, "batches": {"a": [1, 32], "b": [1, 32]}, "vs": ["ort", "torch"], "tf32": "on",
+            "timing": "made up", "fresh_process": {"timeout_s": 600.0}}
+
+
+def _fresh_doc(cases: list[dict]) -> dict:
+    return report.build_document(ENV, SETTINGS, None, cases, "2026-11-24T00:00:00+00:00", [report.fresh_note()])
+
+
+def test_fresh_ratios_pick_the_fastest_layout_of_each_ort_search():
+    case = report.annotate_case(_fresh_case("a", 1, 1, ours=2.0))
+    r = case["ratios"]
+    assert r["ort_heuristic_fresh"] == "ort HEURISTIC nhwc" and r["fresh_vs_ort_heuristic"] == pytest.approx(2.0 / 2.5)
+    assert r["ort_exhaustive_fresh"] == "ort EXHAUSTIVE nchw" and r["fresh_vs_ort_exhaustive"] == pytest.approx(2.0 / 6.0)
+    assert r["second_case_cold_start_s"] is None  # the model's first case
+    assert report.annotate_case(_fresh_case("a", 32, 2, ours=2.0, cold=0.12))["ratios"]["second_case_cold_start_s"] == 0.12
+    # a peer whose fresh process failed or gave a wrong result is not a baseline
+    case = _fresh_case("a", 1, 1, ours=2.0)
+    report.find(case, "ort HEURISTIC nhwc")["fresh"]["status"] = "wrong"
+    report.find(case, "ort HEURISTIC nchw")["fresh"] = fresh.record("failed", "timed out after 600 s")
+    r = report.annotate_case(case)["ratios"]
+    assert r["fresh_vs_ort_heuristic"] is None and r["ort_heuristic_fresh"] is None
+
+
+def test_issue_10_targets_and_verdicts():
+    cases = [
+        _fresh_case("a", 1, 1, ours=2.0),  # 0.80x HEURISTIC, 0.33x EXHAUSTIVE
+        _fresh_case("a", 32, 2, ours=2.0, cold=0.12),
+        _fresh_case("b", 1, 1, ours=3.0, cache_files=2),  # 1.20x HEURISTIC: not met; CuPy compiled something
+        _fresh_case("b", 32, 2, ours=2.0, cold=0.20),  # above 0.15 s
+    ]
+    s = _fresh_doc(cases)["summary"]
+    h = s["fresh_vs_ort_heuristic"]
+    assert h["issue"] == 10 and h["target"] == 1.0 and h["verdict"] == "not met"
+    assert h["worst_case"] == "b b1" and h["worst"] == pytest.approx(1.2) and h["failing"] == ["b b1"]
+    e = s["fresh_vs_ort_exhaustive"]
+    assert e["target"] == 0.5 and e["n"] == 4 and e["verdict"] == "met"
+    assert e["geomean"] == pytest.approx(report.geomean([2 / 6, 2 / 6, 3 / 6, 2 / 6]))
+    second = s["second_case_cold_start"]
+    assert second["n"] == 2 and second["per_case"] == {"a b32": 0.12, "b b32": 0.20}
+    assert second["failing"] == ["b b32"] and second["verdict"] == "not met"
+    comp = s["fresh_compilations"]
+    assert comp["n"] == 4 and comp["failing"] == ["b b1"] and comp["verdict"] == "not met"
+    assert comp["per_case"]["b b1"] == {"compilations": 0, "cache_files": 2}
+    # everything within the targets
+    good = [_fresh_case("a", 1, 1, ours=2.0), _fresh_case("a", 32, 2, ours=2.0, cold=0.12)]
+    s = _fresh_doc(good)["summary"]
+    assert {s[k]["verdict"] for k in ("fresh_vs_ort_heuristic", "fresh_vs_ort_exhaustive", "second_case_cold_start",
+                                      "fresh_compilations")} == {"met"}
+    text = report.format_summary(s)
+    assert "Issue 10 targets (cold start as a deployment meets it):" in text
+    assert "convpass / fastest ORT HEURISTIC, every case: worst 0.80x (a b1);" in text
+    assert "target <= 1.00x in every case: MET" in text
+    assert "fresh process, convpass / fastest ORT EXHAUSTIVE: geometric mean 0.33x over 2 case(s); target <= 0.50x: MET" in text
+    assert "convpass in-process cold start: worst 0.120 s (a b32); 1 case(s); target <= 0.15 s in every such case: MET" in text
+    assert "none in 2 of 2 case(s); target: none in every case: MET" in text
+
+
+def test_a_failed_convpass_fresh_process_fails_the_fresh_targets():
+    cases = [_fresh_case("a", 1, 1, ours=2.0), _fresh_case("a", 32, 2, ours=None, ours_status="failed")]
+    s = _fresh_doc(cases)["summary"]
+    for key in ("fresh_vs_ort_heuristic", "fresh_vs_ort_exhaustive", "fresh_compilations"):
+        assert s[key]["verdict"] == "not met" and s[key]["convpass_invalid"] == ["a b32"], key
+        assert s[key]["not_measured"] == ["a b32"]
+    assert s["second_case_cold_start"]["verdict"] == "met"  # the in-process run was fine
+    text = report.format_summary(s)
+    assert "(not measured for a b32; convpass output wrong or failed for a b32)" in text and "--fresh-process" not in text
+
+
+def test_without_fresh_processes_the_fresh_targets_are_not_measured():
+    case = _fresh_case("a", 1, 1, ours=2.0)
+    for c in case["contenders"]:
+        c["fresh"] = None
+    doc = _fresh_doc([case])
+    s = doc["summary"]
+    for key in ("fresh_vs_ort_heuristic", "fresh_vs_ort_exhaustive", "fresh_compilations"):
+        assert s[key]["verdict"] == "not measured" and s[key]["not_measured"] == ["a b1"]
+    text = report.format_report(doc)
+    assert text.count("not measured for any case; run with --fresh-process") == 3
+    assert "no model ran a second batch size; target <= 0.15 s: NOT MEASURED" in text
+    assert "fresh process, spawn" not in text and "convpass fresh s" not in text
+
+
+def test_fresh_table_markdown_and_schema():
+    cases = [_fresh_case("a", 1, 1, ours=2.0), _fresh_case("a", 32, 2, ours=None, ours_status="failed")]
+    report.find(cases[0], "convpass")["fresh"]["parts"] = {
+        "interpreter_s": 0.05, "import_s": 0.9, "inputs_s": 0.01, "context_s": 0.3, "model_read_s": 0.2, "plan_s": 0.5,
+        "first_run_s": 0.04, "total_s": 2.0}
+    doc = _fresh_doc(cases)
+    assert report.validate_document(doc) == [], report.validate_document(doc)
+    again = json.loads(report.to_json(doc))
+    assert again["schema"] == "convpass.bench/3" and again["settings"]["fresh_process"] == {"timeout_s": 600.0}
+    assert report.validate_document(again) == []
+    text = report.format_case(doc["cases"][0])
+    assert "fresh process, spawn -> first result in host memory, s ('-': a part the runtime cannot separate" in text
+    lines = text.splitlines()
+    head = next(ln for ln in lines if "in-process cold s" in ln)
+    assert head.split() == ["contender", "in-process", "cold", "s", "interpreter", "import", "inputs", "context", "model",
+                            "read", "plan", "first", "run", "total", "s", "compiled", "check"]
+    ours = next(ln for ln in lines if ln.strip().startswith("convpass ") and "files" in ln)
+    assert ours.split() == ["convpass", "0.100", "0.050", "0.900", "0.010", "0.300", "0.200", "0.500", "0.040", "2.000",
+                            "0", "/", "0", "files", "ok"]
+    ort = next(ln for ln in lines if ln.strip().startswith("ort HEURISTIC nhwc") and "2.500" in ln)
+    assert ort.split()[3:] == ["0.300", "-", "0.500", "-", "-", "-", "-", "-", "2.500", "ok"]
+    skipped = next(ln for ln in lines if ln.strip().startswith("torch channels_last") and "in-process" not in ln)
+    assert skipped.split()[-5:] == ["skipped:", "channels_last", "does", "not", "apply"]
+    assert "fresh process: convpass vs fastest ORT HEURISTIC 0.80x (ort HEURISTIC nhwc), vs fastest ORT EXHAUSTIVE 0.33x" in text
+    failed = report.format_case(doc["cases"][1])
+    assert "failed: made up" in failed
+    md = report.format_fresh_markdown(doc["cases"])
+    assert ("| a, 1 | 2.000 (0.900 / 0.300 / 0.200 / 0.500 / 0.040) | 2.500 (HEURISTIC nhwc) | 6.000 (EXHAUSTIVE nchw) | "
+            "4.000 (nchw) | 0.80x | 0.33x | 0 / 0 files | 0.100 |") in md
+    assert "| a, 32 | failed | 2.500 (HEURISTIC nhwc) |" in md
+    report_text = report.format_report(doc)
+    assert md in report_text and "note: fresh process (--fresh-process): interpreter = spawn -> the child's main" in report_text
+    for runtime in ("convpass", "ort", "torch"):
+        assert f"; {runtime}: {fresh.LEGEND[runtime]}" in report.fresh_note()
+    bad = copy.deepcopy(doc)
+    bad["cases"][0]["contenders"][0]["fresh"]["compilations"] = "none"
+    assert any("fresh.compilations" in e for e in report.validate_document(bad))
+
+
+def test_merge_gives_older_documents_their_model_order():
+    a = _fresh_doc([_fresh_case("a", 1, 1, ours=2.0), _fresh_case("a", 32, 2, ours=2.0)])
+    b = _fresh_doc([_fresh_case("a", 8, 1, ours=2.0)])
+    for d in (a, b):  # as convpass.bench/2 wrote them
+        d["schema"] = "convpass.bench/2"
+        for c in d["cases"]:
+            del c["model_order"]
+        assert report.validate_document(d, recorded=True) == []
+    merged = report.merge_documents([a, b])
+    assert [c["model_order"] for c in merged["cases"]] == [1, 2, 1]  # each run's process started afresh
+    assert merged["summary"]["second_case_cold_start"]["per_case"] == {"a b32": 0.1}
+    # what a convpass.bench/3 run recorded is kept
+    c = _fresh_doc([_fresh_case("a", 32, 2, ours=2.0)])
+    assert [x["model_order"] for x in report.merge_documents([c])["cases"]] == [2]
+
+
+def test_second_batch_target_from_the_recorded_v1_run():
+    """The 2026-11-22 run (convpass.bench/1): the convpass cold start of each model's second batch
+    size, in the process that had just run its first."""
+    recorded = json.loads((REPO / "tests" / "data" / "bench-h200-2026-11-22-panel.trimmed.json").read_text())
+    s = report.merge_documents([recorded])["summary"]["second_case_cold_start"]
+    assert s["n"] == 8 and s["verdict"] == "not met"
+    assert s["worst_case"] == "r3d_18 b8" and s["worst"] == pytest.approx(0.4827, abs=1e-4)
+    assert sorted(set(s["per_case"]) - set(s["failing"])) == ["dcgan_generator b32", "efficientnet_b0 b32"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the bench, with real children on the CPU
+
+
+@pytest.fixture
+def cpu_children(monkeypatch):
+    """Children on the CPU: the CPU executor and ONNX Runtime's CPU EP stand in for the GPU runtimes."""
+    real = fresh.child_command
+    monkeypatch.setattr(fresh, "child_command", lambda *a, **kw: real(*a, **dict(kw, device="cpu")))
+
+
+def test_run_fresh_gives_every_contender_its_fresh_record(tmp_path, cpu_children):
+    pytest.importorskip("onnxruntime")
+    _, feeds = _inputs(tmp_path)
+    (ref,) = run_ort(onnx.load(MODEL), feeds)
+    times = [1.0, 1.1]
+    case = {"model": "residual_cnn", "batch": 1, "dtype": "float32", "contenders": [
+        report.contender("convpass", "convpass", {"device": "cuda"}, cold_start_s=0.2, times_ms=times, tf32=True),
+        report.contender("ort HEURISTIC nchw", "ort", peers.ort_configs(True)[2], status="failed", reason="out of memory"),
+        report.unavailable("torch nchw", "torch", "torch is not installed"),
+        report.contender("torch channels_last", "torch", peers.torch_configs(True)[1], cold_start_s=0.1, times_ms=times),
+    ]}
+    logged = []
+    contenders.run_fresh(case, MODEL, MODEL, feeds, [ref], panel_json=None, module_cache={}, timeout=120, workdir=tmp_path,
+                         log=logged.append)
+    ours, ort, torch_missing, torch_cl = (c["fresh"] for c in case["contenders"])
+    assert ours["status"] == "ok" and ours["rel_err"] < 1e-5 and ours["tolerance"] == report.TOL_TF32, ours
+    assert ours["parts"]["total_s"] > 0 and ours["cache_files"] == 0
+    assert ort["status"] == "ok" and ort["parts"]["context_s"] is None  # failed in-process: a fresh process still runs it
+    assert torch_missing == fresh.record("unavailable", "torch is not installed")  # not started again
+    assert torch_cl == fresh.record("skipped", "no PyTorch module was built in this process")
+    assert logged == ["residual_cnn b1: convpass in a fresh process", "residual_cnn b1: ort HEURISTIC nchw in a fresh process"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs.npz"], "the case's files are removed"
+    # no tuned model: convpass is not started; a wrong output is caught
+    case["contenders"] = case["contenders"][:1]
+    contenders.run_fresh(case, MODEL, tmp_path / "missing.onnx", feeds, [ref], panel_json=None, module_cache={}, timeout=120,
+                         workdir=tmp_path)
+    assert case["contenders"][0]["fresh"] == fresh.record("skipped", "no tuned model (convpass optimize failed)")
+    contenders.run_fresh(case, MODEL, MODEL, feeds, [ref + 1.0], panel_json=None, module_cache={}, timeout=120, workdir=tmp_path)
+    assert case["contenders"][0]["fresh"]["status"] == "wrong"
+
+
+def test_bench_fresh_process_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys, cpu_children):
+    """``convpass bench --fresh-process`` on this CPU machine: CuPy and the cuda executor stood in for
+    in the bench's process (as in test_bench.py), the children real, on the CPU."""
+    import convpass.runtime.executor as executor_mod
+    from test_bench import _fake_cupy, _parser
+
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
+    real = executor_mod.Executor
+
+    class CpuExecutor(real):
+        def __init__(self, model, device="cpu", **kw):
+            super().__init__(model, device="cpu", **kw)
+
+    monkeypatch.setattr(executor_mod, "Executor", CpuExecutor)
+    out_json = tmp_path / "bench.json"
+    args = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--batch", "1,2", "--vs", "none", "--no-roofline",
+                                 "--runs", "2", "--warmup", "0", "--cache", str(tmp_path / "t.db"), "--json", str(out_json),
+                                 "--fresh-process", "--fresh-timeout", "120"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out_json.read_text())
+    assert report.validate_document(doc) == [], report.validate_document(doc)
+    assert doc["settings"]["fresh_process"] == {"timeout_s": 120.0}
+    assert [c["model_order"] for c in doc["cases"]] == [1, 2]
+    for case in doc["cases"]:
+        rec = report.find(case, "convpass")["fresh"]
+        assert rec["status"] == "ok" and rec["cache_files"] == 0 and rec["parts"]["total_s"] > 0, rec
+    s = doc["summary"]
+    assert s["second_case_cold_start"]["n"] == 1 and s["fresh_vs_ort_heuristic"]["verdict"] == "not measured"
+    assert s["fresh_compilations"]["verdict"] == "not measured"  # the CPU executor compiles nothing and counts nothing
+    assert "[bench] mobile_block b2: convpass in a fresh process" in err
+    assert out.count("fresh process, spawn -> first result in host memory") == 2
+    assert "| mobile_block, 2 | " in out and "note: fresh process (--fresh-process):" in out
+    args = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--fresh-process", "--fresh-timeout", "0"])
+    with pytest.raises(ConvpassError, match="--fresh-timeout must be > 0"):
+        args.func(args)

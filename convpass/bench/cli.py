@@ -1,11 +1,12 @@
-"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs ort,torch] [--runs N] [--profile-ops] [--json FILE] [--plot FILE.png]``.
+"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs ort,torch] [--runs N] [--profile-ops] [--fresh-process] [--json FILE] [--plot FILE.png]``.
 
 One process, one run per model and batch: convpass (optimize, then the executor) against ONNX
 Runtime's CUDA EP in four configurations and PyTorch eager in two, every output checked against
 ONNX Runtime CPU; prints a table per case (with whether convpass ran as one captured CUDA graph),
 the roofline, the summary against the targets and a Markdown table; ``--profile-ops`` adds, per
 case, the tuned model's GPU time by op family in eager runs (:mod:`convpass.bench.opprofile`);
-``--json`` writes everything (device, driver, CUDA, cuDNN, versions, every timing), ``--plot`` a
+``--fresh-process`` runs every contender of every case once more in a fresh Python process of its
+own and splits its time to the first result into parts (:mod:`convpass.bench.fresh`); ``--json`` writes everything (device, driver, CUDA, cuDNN, versions, every timing), ``--plot`` a
 bar chart. ``--from-json A.json B.json`` re-renders (and merges) recorded runs without a GPU,
 ``convpass.bench/1`` documents included.
 
@@ -28,6 +29,7 @@ from convpass.bench import opprofile, report
 from convpass.errors import ConvpassError
 
 DEFAULT_BATCHES = (1, 32)
+DEFAULT_FRESH_TIMEOUT = 600.0
 VS_CHOICES = ("ort", "torch")
 
 
@@ -56,6 +58,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--profile-ops", action="store_true",
                    help=f"after each case's timed runs, run the tuned model eagerly {opprofile.PROFILE_RUNS} times with CUDA "
                    "events around every launch: GPU time outside convolutions and per op family")
+    p.add_argument("--fresh-process", action="store_true",
+                   help="after each case's in-process runs, run every contender again in a fresh Python process (empty "
+                   "kernel caches): process start -> first result in host memory, in parts (seconds per contender and case)")
+    p.add_argument("--fresh-timeout", type=float, default=DEFAULT_FRESH_TIMEOUT, metavar="SECONDS",
+                   help=f"give each fresh process this long before it is killed and reported as failed (default {DEFAULT_FRESH_TIMEOUT:g})")
     p.add_argument("--from-json", nargs="+", metavar="FILE.json",
                    help="no benchmark: print (and with --json / --plot, write) the report of recorded runs, merged")
     p.set_defaults(func=bench_command)
@@ -189,6 +196,8 @@ def bench_command(args: argparse.Namespace) -> int:
         raise ConvpassError("give one or more MODEL.onnx files (or --from-json FILE.json)")
     if args.runs < 1 or args.warmup < 0:
         raise ConvpassError("--runs must be >= 1 and --warmup >= 0")
+    if args.fresh_timeout <= 0:
+        raise ConvpassError("--fresh-timeout must be > 0")
     _, per_model = parse_batches(list(args.batch))
     vs = parse_vs(args.vs)
     reason = gpu_unavailable_reason()
@@ -219,6 +228,8 @@ def bench_command(args: argparse.Namespace) -> int:
         "session creation + first run (incl. its algorithm search); PyTorch = module.to(cuda) + first forward. "
         "All in one process whose CUDA context already exists; convpass's tuning is ahead of time and reported apart.",
     ]
+    if args.fresh_process:
+        notes.append(report.fresh_note())
     if args.profile_ops:
         notes.append("--profile-ops: GPU time per launch of the tuned model in eager runs (cuda_graph=False, the launches "
                      "a graph replays), each run queued whole behind a hold kernel so that host launch overhead is not "
@@ -241,6 +252,7 @@ def bench_command(args: argparse.Namespace) -> int:
         "tolerances": {"tf32": report.TOL_TF32, "fp32": report.TOL_FP32, "half": report.TOL_HALF},
         "targets": dict(report.TARGETS),
         "profile_ops": opprofile.PROFILE_RUNS if args.profile_ops else 0,
+        "fresh_process": {"timeout_s": args.fresh_timeout} if args.fresh_process else None,
         "argv": sys.argv[1:],
     }
     print(report.format_environment(env, settings, peaks), flush=True)
@@ -253,7 +265,7 @@ def bench_command(args: argparse.Namespace) -> int:
                     case = contenders.bench_case(
                         path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache,
                         panel_json=args.panel_json, peaks=peaks, workdir=Path(tmp), module_cache=module_cache, log=log,
-                        profile_runs=settings["profile_ops"],
+                        profile_runs=settings["profile_ops"], fresh_timeout=args.fresh_timeout if args.fresh_process else None,
                     )
                 except contenders.CaseSkipped as e:
                     notes.append(f"{path.stem} b{batch} skipped: {e}")
@@ -261,6 +273,9 @@ def bench_command(args: argparse.Namespace) -> int:
                     continue
                 except ValueError as e:
                     raise ConvpassError(f"{path}: {e}") from None
+                # the bench runs a model's batches one after the other in this process: issue 10's
+                # "second batch size" target reads the convpass cold start of the cases after the first
+                case["model_order"] = 1 + sum(c["model"] == case["model"] for c in cases)
                 report.annotate_case(case)
                 cases.append(case)
                 print("\n" + report.format_case(case), flush=True)
@@ -271,6 +286,8 @@ def bench_command(args: argparse.Namespace) -> int:
     print("\n" + report.format_summary(doc["summary"]))
     if cases:
         print("\n" + report.format_markdown(cases))
+    if report.has_fresh(cases):
+        print("\n" + report.format_fresh_markdown(cases))
     for n in notes:
         print(f"note: {n}")
     _out(doc, args)

@@ -27,6 +27,11 @@ before each contender's steady-state runs.
 * ``--profile-ops`` (``profile_runs`` > 0): after every contender's timed runs, the tuned model runs
   eagerly with CUDA events around each launch (:func:`convpass.bench.opprofile.profile_executor`):
   GPU time per launch, by op family, recorded as the case's ``op_profile``.
+* ``--fresh-process`` (``fresh_timeout``): then every contender once more in a fresh Python process
+  of its own (:func:`run_fresh`, :mod:`convpass.bench.fresh`), one at a time, with empty kernel
+  caches: the same inputs (host arrays in, the first result back in host memory), convpass on the
+  tuned model, ONNX Runtime on the original, PyTorch building the module and loading the weights
+  this process saved; its output checked too. Recorded as the contender's ``fresh``.
 
 A contender whose runtime is missing comes back as ``unavailable: <reason>``, one that raises as
 ``failed: <error>``; nothing here stops the other contenders.
@@ -50,7 +55,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from convpass.bench import opprofile, report
+from convpass.bench import fresh, opprofile, report
 from convpass.bench.peers import (  # noqa: F401  (ORT_CONFIGS, ort_name, export_panel_candidates: this module's API too)
     CUDA_EP_DID_NOT_LOAD,
     ORT_CONFIGS,
@@ -58,11 +63,13 @@ from convpass.bench.peers import (  # noqa: F401  (ORT_CONFIGS, ort_name, export
     first_tensor,
     load_export_panel,
     ort_configs,
+    ort_label,
     ort_name,
     ort_provider_options,
     panel_entry,
     torch_configs,
     torch_flags,
+    torch_label,
     torch_memory_format,
     torch_name,
 )
@@ -562,11 +569,13 @@ def _run_torch_one(name: str, cfg: dict[str, Any], module_cpu: Any, entry: Mappi
 def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: int, tf32: str, cache: str | None,
                panel_json: str | None, peaks: Mapping[str, Any] | None, workdir: Path,
                module_cache: dict[str, Any], log: Callable[[str], None] = lambda s: None,
-               profile_runs: int = 0) -> dict[str, Any]:
+               profile_runs: int = 0, fresh_timeout: float | None = None) -> dict[str, Any]:
     """Benchmark one model at one batch; returns the (not yet annotated) case record.
 
     ``profile_runs`` > 0: after every contender's timed runs, that many eager runs of the tuned
-    model with a CUDA event pair around each launch (``op_profile``)."""
+    model with a CUDA event pair around each launch (``op_profile``). ``fresh_timeout``: then every
+    contender once more in a fresh process of its own (:func:`run_fresh`), each given that many
+    seconds."""
     model = onnx.load(os.fspath(path), load_external_data=False)
     shapes = input_shapes(model, batch)
     dtypes = {n: str(dt) for n, _, dt in model_inputs(model)}
@@ -576,7 +585,7 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
     case: dict[str, Any] = {
         "model": path.stem, "file": str(path), "batch": batch, "inputs": {n: list(s) for n, s in shapes.items()},
         "dtype": dtype, "reference": None, "contenders": [], "best_peer": None, "best_ort": None, "best_torch": None,
-        "ratios": {}, "roofline": None, "op_profile": None, "notes": [],
+        "ratios": {}, "roofline": None, "op_profile": None, "model_order": None, "notes": [],
     }
     log(f"{path.stem} b{batch}: reference")
     ref, label, note = reference_outputs(path, feeds)
@@ -614,13 +623,79 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
         case["op_profile"] = (run_op_profile(tuned_path, dev_feeds, profile_runs) if tuned_path.is_file()
                               else opprofile.failed("no tuned model: convpass optimize failed"))
     del dev_feeds
+    free_gpu_memory()  # the fresh processes need the GPU's memory
+    if fresh_timeout:
+        run_fresh(case, path, tuned_path, feeds, ref, panel_json=panel_json, module_cache=module_cache,
+                  timeout=fresh_timeout, workdir=workdir, log=log)
     for f in workdir.glob(f"{path.stem}.b{batch}.tuned.onnx*"):
         try:
             f.unlink()
         except OSError:
             pass
-    free_gpu_memory()
     return case
+
+
+# ---------------------------------------------------------------------------------------------
+# fresh processes
+
+
+def run_fresh(case: dict[str, Any], path: Path, tuned_path: Path, feeds: Mapping[str, np.ndarray], ref: Sequence[np.ndarray] | None,
+              *, panel_json: str | None, module_cache: Mapping[str, Any], timeout: float, workdir: Path,
+              log: Callable[[str], None] = lambda s: None) -> None:
+    """Every contender of ``case`` once more in a fresh process (:mod:`convpass.bench.fresh`), one
+    after the other, on the same model (convpass: the tuned one and its kernel side-car) and inputs,
+    its first output checked against the reference: the contender's ``fresh`` record. A contender
+    that could not run in this process (unavailable, skipped) is not started again."""
+    stem = f"{path.stem}.b{case['batch']}"
+    inputs, out, weights = (workdir / f"{stem}.fresh-{what}" for what in ("inputs.npz", "out.npz", "weights.pt"))
+
+    def one(c: Mapping[str, Any]) -> dict[str, Any]:
+        cmd, why = _fresh_command(c, path, tuned_path, inputs, out, weights, panel_json, module_cache)
+        if cmd is None:
+            return fresh.record(c["status"] if c["status"] in ("unavailable", "skipped") else "skipped", why)
+        log(f"{path.stem} b{case['batch']}: {c['name']} in a fresh process")
+        out.unlink(missing_ok=True)
+        rec = fresh.spawn(cmd, timeout, workdir)
+        if rec["status"] == "ok":
+            with np.load(out) as z:
+                outs = [z[f"arr_{i}"] for i in range(len(z.files))]
+            tol = report.tolerance_for(c.get("tf32"), case.get("dtype", "float32"))
+            report.judge(rec, None if ref is None else report.relative_error(outs, ref), tol)
+        return rec
+
+    np.savez(inputs, **feeds)
+    try:
+        for c in case["contenders"]:
+            try:
+                c["fresh"] = one(c)
+            except Exception as e:  # noqa: BLE001  (reported; the other contenders still run)
+                c["fresh"] = fresh.record("failed", _first_line(e))
+    finally:
+        for f in (inputs, out, weights):
+            f.unlink(missing_ok=True)
+
+
+def _fresh_command(c: Mapping[str, Any], path: Path, tuned_path: Path, inputs: Path, out: Path, weights: Path,
+                   panel_json: str | None, module_cache: Mapping[str, Any]) -> tuple[list[str] | None, str | None]:
+    """The child's command line for contender ``c``, or (None, why it is not started)."""
+    if c["status"] in ("unavailable", "skipped"):
+        return None, c.get("reason")
+    cfg = c.get("config") or {}
+    if c["family"] == "convpass":
+        if not tuned_path.is_file():
+            return None, "no tuned model (convpass optimize failed)"
+        return fresh.child_command("convpass", tuned_path, inputs, out=out), None
+    if c["family"] == "ort":
+        return fresh.child_command("ort", path, inputs, config=ort_label(cfg), tf32=bool(cfg["use_tf32"]), out=out), None
+    built = module_cache.get(cfg.get("panel_name"))
+    if built is None:
+        return None, "no PyTorch module was built in this process"
+    if not weights.is_file():
+        import torch
+
+        torch.save(built[0].state_dict(), weights)  # the weights the child loads, as a deployment loads its checkpoint
+    return fresh.child_command("torch", path, inputs, config=torch_label(cfg), tf32=bool(cfg["allow_tf32"]), weights=weights,
+                               panel_json=panel_json, out=out), None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,15 +23,24 @@ reference, ``tolerance``) and ``ratio_to_best_peer``. Statuses:
 A *case* is one model at one batch: its contenders, the best peer (fastest rankable ORT or PyTorch
 configuration), ``ratios``, the ``roofline`` and, with ``--profile-ops``, the ``op_profile`` (GPU
 time per launch of the tuned model in eager runs, by op family: :mod:`convpass.bench.opprofile`).
+With ``--fresh-process``, every contender also has a ``fresh`` record: the same model, batch and
+inputs once more in a fresh Python process of its own (:mod:`convpass.bench.fresh`): ``status``
+(as above; its first output checked against the reference), ``reason``, ``parts`` (seconds:
+interpreter, import, inputs, context, model read, plan, first run, total; ``None`` for a part the
+runtime cannot separate from the next), and for convpass the run-time ``compilations`` (with the
+kernel names in ``compiled``) and the ``cache_files`` CuPy wrote. A case records ``model_order``:
+1 for the first case of its model in the bench process, 2 for the next batch size, and so on.
 The convpass contender also records ``cuda_graph``: the executor's
 :class:`~convpass.runtime.plan.GraphStatus` after its steady-state runs (``captured`` true / false /
 null, ``reason``, ``node``, and its ``text``, "CUDA graph: yes (...)" / "CUDA graph: no (...)").
 The *document* adds the environment, the settings, the measured peaks and the ``summary`` against
 the targets.
 
-Documents are ``convpass.bench/2``; ``convpass.bench/1`` documents (before issue 9: no
-``cuda_graph``, no ``op_profile``, the issue-5 summary) are read too: ``--from-json`` recomputes the
-summary, and what they did not record shows as ``?`` / not measured.
+Documents are ``convpass.bench/3``; ``convpass.bench/2`` (before issue 10: no ``fresh``, no
+``model_order``) and ``convpass.bench/1`` documents (before issue 9: no ``cuda_graph``, no
+``op_profile``, the issue-5 summary) are read too: ``--from-json`` recomputes the summary, and what
+they did not record shows as ``?`` / not measured (their ``model_order`` is their cases' order: the
+bench has always run a model's batch sizes one after the other in one process).
 
 Targets, reported met / not met / not measured, never tuned to pass
 -------------------------------------------------------------------
@@ -44,6 +53,17 @@ Issue 9 (the wide panel, batch 1 and a large batch: 32, or 16 / 8 for video and 
 * steady state: convpass / best PyTorch eager at most 1.00 in every case;
 * every case runs in one captured CUDA graph (the failing cases are listed with node and reason);
 * ``--profile-ops`` reports every case's GPU time outside convolutions and its top op family.
+
+Issue 10 (cold start as a deployment meets it; the fresh-process targets need ``--fresh-process``):
+
+* convpass's fresh-process time to the first result (spawn -> first result in host memory) at
+  most ONNX Runtime HEURISTIC's (the faster of its two layouts: its fastest start, no search) in
+  every case;
+* at most 0.5x ONNX Runtime EXHAUSTIVE's (the faster of its two layouts), geometric mean over the cases;
+* a model's second batch size in the same process starts in at most 0.15 s: convpass's in-process
+  cold start (construct -> first result) of every case with ``model_order`` >= 2;
+* zero run-time compilations in convpass's fresh process: its compilation count and the files in
+  its (new, empty) CuPy kernel cache both 0, in every case.
 
 Issue 5's cold-start target is still computed and printed, labelled as issue 5's and not one of
 issue 9's: ORT EXHAUSTIVE (session creation + first run, the faster of its two layouts) at least
@@ -61,10 +81,10 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from convpass.bench import opprofile
+from convpass.bench import fresh, opprofile
 
-SCHEMA_ID = "convpass.bench/2"
-READABLE_SCHEMAS = ("convpass.bench/1", SCHEMA_ID)  # --from-json reads these
+SCHEMA_ID = "convpass.bench/3"
+READABLE_SCHEMAS = ("convpass.bench/1", "convpass.bench/2", SCHEMA_ID)  # --from-json reads these
 
 FAMILIES = ("convpass", "ort", "torch")
 STATUSES = ("ok", "unchecked", "wrong", "unavailable", "skipped", "failed")
@@ -81,12 +101,17 @@ TARGETS: dict[str, float] = {
     "steady_vs_best_ort_worst": 1.10,  # issue 9: convpass / best ORT in every case, at most
     "steady_vs_best_torch": 1.00,  # issue 9 (and 5): convpass / best torch in every case, at most
     "cold_start_speedup_vs_ort_exhaustive": 5.0,  # issue 5: ORT EXHAUSTIVE cold / convpass cold in every case, at least
+    "fresh_vs_ort_heuristic": 1.00,  # issue 10: convpass fresh process / fastest ORT HEURISTIC's in every case, at most
+    "fresh_vs_ort_exhaustive_geomean": 0.50,  # issue 10: geomean of convpass fresh process / fastest ORT EXHAUSTIVE's, at most
+    "second_case_cold_start_s": 0.15,  # issue 10: convpass in-process cold start of a model's later batch sizes, at most
+    "fresh_compilations": 0,  # issue 10: run-time compilations (and CuPy cache files) in convpass's fresh process
 }
 BATCH_GROUPS = ("batch 1", "batch > 1")
 
 CONTENDER_KEYS = (
     "name", "family", "config", "status", "reason", "cold_start_s", "session_s", "first_run_s", "median_ms",
     "p10_ms", "p90_ms", "min_ms", "runs", "times_ms", "rel_err", "tolerance", "tf32", "ratio_to_best_peer", "tuning", "cuda_graph",
+    "fresh",
 )
 
 
@@ -230,6 +255,25 @@ def ort_exhaustive_cold(case: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return min(pool, key=lambda c: c["cold_start_s"]) if pool else None
 
 
+def fresh_total(c: Mapping[str, Any] | None) -> float | None:
+    """A contender's fresh-process time to the first result (spawn -> first result in host memory),
+    when its fresh process gave a valid result; else None."""
+    rec = (c or {}).get("fresh") or {}
+    total = (rec.get("parts") or {}).get("total_s")
+    return float(total) if rec.get("status") in RANKABLE and isinstance(total, (int, float)) and total > 0 else None
+
+
+def fastest_fresh(case: Mapping[str, Any], family: str, search: str | None = None) -> Mapping[str, Any] | None:
+    """The ``family`` contender (ORT: of ``cudnn_conv_algo_search`` ``search``) with the shortest
+    fresh-process time (the layout kindest to the peer), or None."""
+    pool = [
+        c for c in case.get("contenders", [])
+        if c.get("family") == family and fresh_total(c) is not None
+        and (search is None or (c.get("config") or {}).get("cudnn_conv_algo_search") == search)
+    ]
+    return min(pool, key=fresh_total) if pool else None
+
+
 def annotate_case(case: dict[str, Any]) -> dict[str, Any]:
     """Fill ``best_peer`` / ``best_ort`` / ``best_torch``, each contender's ``ratio_to_best_peer`` and ``ratios``."""
     cs = case.get("contenders", [])
@@ -245,6 +289,9 @@ def annotate_case(case: dict[str, Any]) -> dict[str, Any]:
     ok = ours is not None and rankable(ours)
     cold = ort_exhaustive_cold(case)
     ours_cold = ours.get("cold_start_s") if ok else None
+    ours_fresh = fresh_total(ours)
+    heuristic, exhaustive = fastest_fresh(case, "ort", "HEURISTIC"), fastest_fresh(case, "ort", "EXHAUSTIVE")
+    later = (case.get("model_order") or 0) >= 2
     case["ratios"] = {
         "vs_best_ort": ours["median_ms"] / best_ort["median_ms"] if ok and best_ort else None,
         "vs_best_torch": ours["median_ms"] / best_torch["median_ms"] if ok and best_torch else None,
@@ -252,6 +299,12 @@ def annotate_case(case: dict[str, Any]) -> dict[str, Any]:
             cold["cold_start_s"] / ours_cold if cold and isinstance(ours_cold, (int, float)) and ours_cold > 0 else None
         ),
         "ort_exhaustive_cold": cold["name"] if cold else None,
+        "fresh_vs_ort_heuristic": ours_fresh / fresh_total(heuristic) if ours_fresh and heuristic else None,
+        "fresh_vs_ort_exhaustive": ours_fresh / fresh_total(exhaustive) if ours_fresh and exhaustive else None,
+        "ort_heuristic_fresh": heuristic["name"] if heuristic else None,
+        "ort_exhaustive_fresh": exhaustive["name"] if exhaustive else None,
+        # seconds, not a ratio: the in-process cold start of a model's second (or later) batch size
+        "second_case_cold_start_s": ours_cold if later else None,
     }
     return case
 
@@ -323,10 +376,17 @@ def _convpass_invalid(cases: Sequence[Mapping[str, Any]]) -> list[str]:
     return [case_label(c) for c in cases if (find(c, "convpass") or {}).get("status") in ("wrong", "failed")]
 
 
-def geomean_target(cases: Sequence[Mapping[str, Any]], key: str, target: float, rule: str, issue: int) -> dict[str, Any]:
-    """Geometric mean of a ratio over ``cases`` at most ``target``."""
+def _fresh_invalid(cases: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Cases where convpass's fresh process gave no valid result (wrong output, or it failed)."""
+    return [case_label(c) for c in cases if ((find(c, "convpass") or {}).get("fresh") or {}).get("status") in ("wrong", "failed")]
+
+
+def geomean_target(cases: Sequence[Mapping[str, Any]], key: str, target: float, rule: str, issue: int,
+                   invalid: list[str] | None = None) -> dict[str, Any]:
+    """Geometric mean of a ratio over ``cases`` at most ``target``. ``invalid``: the cases where
+    convpass gave no valid result (default: its in-process run's)."""
     got, missing = _ratios(cases, key)
-    bad = _convpass_invalid(cases)
+    bad = _convpass_invalid(cases) if invalid is None else invalid
     gm = geomean(got.values())
     ok = False if bad else (None if gm is None else gm <= target)
     return {"issue": issue, "rule": rule, "target": target, "verdict": _verdict(ok), "n": len(got), "geomean": gm,
@@ -334,10 +394,11 @@ def geomean_target(cases: Sequence[Mapping[str, Any]], key: str, target: float, 
 
 
 def every_case_target(cases: Sequence[Mapping[str, Any]], key: str, target: float, rule: str, issue: int,
-                      at_least: bool = False) -> dict[str, Any]:
-    """A ratio at most (``at_least``: at least) ``target`` in every case: the worst case named, the failing listed."""
+                      at_least: bool = False, invalid: list[str] | None = None) -> dict[str, Any]:
+    """A ratio at most (``at_least``: at least) ``target`` in every case: the worst case named, the
+    failing listed. ``invalid`` as for :func:`geomean_target`."""
     got, missing = _ratios(cases, key)
-    bad = _convpass_invalid(cases)
+    bad = _convpass_invalid(cases) if invalid is None else invalid
     pick = min if at_least else max
     worst = pick(got.items(), key=lambda kv: kv[1]) if got else None
     failing = [k for k, v in got.items() if (v < target if at_least else v > target)]
@@ -387,8 +448,29 @@ def profile_target(cases: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "failing": failing, "not_measured": missing}
 
 
+def compilations_target(cases: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Zero run-time compilations in convpass's fresh process of every case: its compilation count
+    and the files CuPy wrote into its empty kernel cache, both 0 (either unknown: not measured)."""
+    per_case: dict[str, dict[str, int]] = {}
+    failing, missing = [], []
+    for case in cases:
+        rec = (find(case, "convpass") or {}).get("fresh") or {}
+        n, files = rec.get("compilations"), rec.get("cache_files")
+        if rec.get("status") in ("ok", "unchecked", "wrong") and isinstance(n, int) and isinstance(files, int):
+            per_case[case_label(case)] = {"compilations": n, "cache_files": files}
+            if n or files:
+                failing.append(case_label(case))
+        else:
+            missing.append(case_label(case))
+    bad = _fresh_invalid(cases)
+    ok = False if bad else (None if not per_case else not failing)
+    return {"issue": 10, "rule": "zero run-time compilations (and no file in CuPy's empty kernel cache) in convpass's fresh process, "
+            "in every case", "target": TARGETS["fresh_compilations"], "verdict": _verdict(ok), "n": len(per_case),
+            "per_case": per_case, "failing": failing, "not_measured": missing, "convpass_invalid": bad}
+
+
 def summarize(cases: Sequence[Mapping[str, Any]], targets: Mapping[str, float] = TARGETS) -> dict[str, Any]:
-    """Every target's measured value and verdict (module docstring), issue 9's first, then issue 5's.
+    """Every target's measured value and verdict (module docstring): issue 9's, issue 10's, issue 5's.
 
     A case where convpass itself is wrong or failed makes the targets it belongs to ``not met``
     (convpass gave no valid result there), whatever the other cases measured; cases where a peer or
@@ -410,6 +492,20 @@ def summarize(cases: Sequence[Mapping[str, Any]], targets: Mapping[str, float] =
         cases, "vs_best_torch", torch_t, f"convpass / best PyTorch eager <= {torch_t:g} in every case", 9)
     summary["cuda_graph"] = capture_target(cases)
     summary["op_profile"] = profile_target(cases)
+    bad = _fresh_invalid(cases)
+    heuristic = targets["fresh_vs_ort_heuristic"]
+    summary["fresh_vs_ort_heuristic"] = every_case_target(
+        cases, "fresh_vs_ort_heuristic", heuristic,
+        f"convpass fresh process (spawn -> first result) <= {heuristic:g}x the fastest ORT HEURISTIC one, in every case", 10, invalid=bad)
+    exhaustive = targets["fresh_vs_ort_exhaustive_geomean"]
+    summary["fresh_vs_ort_exhaustive"] = geomean_target(
+        cases, "fresh_vs_ort_exhaustive", exhaustive,
+        f"geometric mean of convpass fresh process / the fastest ORT EXHAUSTIVE one <= {exhaustive:g}", 10, invalid=bad)
+    second = targets["second_case_cold_start_s"]
+    summary["second_case_cold_start"] = every_case_target(
+        [c for c in cases if (c.get("model_order") or 0) >= 2], "second_case_cold_start_s", second,
+        f"convpass in-process cold start (construct -> first result) of a model's second and later batch sizes <= {second:g} s", 10)
+    summary["fresh_compilations"] = compilations_target(cases)
     cold = targets["cold_start_speedup_vs_ort_exhaustive"]
     summary["cold_start_vs_ort_exhaustive"] = every_case_target(
         cases, "cold_start_speedup_vs_ort_exhaustive", cold,
@@ -448,7 +544,13 @@ def merge_documents(docs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if not docs:
         raise ValueError("nothing to merge")
     first = docs[0]
-    cases = [dict(c) for d in docs for c in d.get("cases", [])]
+    cases = []
+    for d in docs:
+        order: dict[Any, int] = {}
+        for c in d.get("cases", []):
+            order[c.get("model")] = order.get(c.get("model"), 0) + 1
+            # before convpass.bench/3: a run's cases in the order its process ran them
+            cases.append(dict(c) if c.get("model_order") is not None else dict(c, model_order=order[c.get("model")]))
     notes = list(dict.fromkeys(n for d in docs for n in d.get("notes", [])))  # parts of one run share their notes
     devices = {(d.get("environment") or {}).get("device") for d in docs}
     if len(devices) > 1:
@@ -505,6 +607,16 @@ CONTENDER_SCHEMA = {
     "ratio_to_best_peer": Opt(NUM),
     "tuning": Opt(MapOf(ANY)),
     "cuda_graph": Opt({"captured": Opt(bool), "reason": str, "node": str, "text": str}),
+    "fresh": Opt({
+        "status": Enum(*STATUSES),
+        "reason": Opt(str),
+        "parts": Opt(MapOf(Opt(NUM))),
+        "compilations": Opt(int),
+        "compiled": Opt([str]),
+        "cache_files": Opt(int),
+        "rel_err": Opt(NUM),
+        "tolerance": Opt(NUM),
+    }),
 }
 
 OP_PROFILE_SCHEMA = {
@@ -554,7 +666,13 @@ CASE_SCHEMA = {
         "vs_best_torch": Opt(NUM),
         "cold_start_speedup_vs_ort_exhaustive": Opt(NUM),
         "ort_exhaustive_cold": Opt(str),
+        "fresh_vs_ort_heuristic": Opt(NUM),
+        "fresh_vs_ort_exhaustive": Opt(NUM),
+        "ort_heuristic_fresh": Opt(str),
+        "ort_exhaustive_fresh": Opt(str),
+        "second_case_cold_start_s": Opt(NUM),
     },
+    "model_order": Opt(int),
     "roofline": Opt(ROOFLINE_SCHEMA),
     "op_profile": Opt(OP_PROFILE_SCHEMA),
     "notes": [str],
@@ -591,6 +709,7 @@ DOCUMENT_SCHEMA = {
         "tf32": str,
         "timing": str,
         "profile_ops": Opt(int),
+        "fresh_process": Opt({"timeout_s": NUM}),
     },
     "peaks": Opt(MapOf(Opt(NUM))),
     "cases": [CASE_SCHEMA],
@@ -603,6 +722,11 @@ DOCUMENT_SCHEMA = {
         "cuda_graph": dict(_TARGET_SCHEMA, captured=[str], failing=MapOf(str), convpass_invalid=[str]),
         "op_profile": dict(_TARGET_SCHEMA, per_case=MapOf(str), failing=MapOf(str)),
         "cold_start_vs_ort_exhaustive": _EVERY_CASE_TARGET_SCHEMA,
+        "fresh_vs_ort_heuristic": _EVERY_CASE_TARGET_SCHEMA,
+        "fresh_vs_ort_exhaustive": _RATIO_TARGET_SCHEMA,
+        "second_case_cold_start": _EVERY_CASE_TARGET_SCHEMA,
+        "fresh_compilations": dict(_TARGET_SCHEMA, per_case=MapOf({"compilations": int, "cache_files": int}), failing=[str],
+                                   convpass_invalid=[str]),
     },
     "notes": [str],
 }
@@ -827,9 +951,50 @@ def format_case(case: Mapping[str, Any]) -> str:
     for line in (opprofile.summary_line(profile), opprofile.family_line(profile)):
         if line:
             lines.append("  " + line)
+    lines += ["  " + line for line in fresh_lines(case)]
     for n in case.get("notes") or []:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _compiled_text(rec: Mapping[str, Any]) -> str:
+    """``N / M files``: run-time compilations / files in CuPy's kernel cache ("?": not known)."""
+    n, files = rec.get("compilations"), rec.get("cache_files")
+    if n is None and files is None:
+        return "?"
+    return f"{'?' if n is None else n} / {'?' if files is None else files} files"
+
+
+def fresh_lines(case: Mapping[str, Any]) -> list[str]:
+    """The per-case fresh-process table (its parts beside the in-process cold start) and the ratios
+    to ONNX Runtime's; no lines when the case has no fresh records."""
+    cs = [c for c in case.get("contenders", []) if c.get("fresh")]
+    if not cs:
+        return []
+    rows = [["contender", "in-process cold s", "interpreter", "import", "inputs", "context", "model read", "plan",
+             "first run", "total s", "compiled", "check"]]
+    for c in cs:
+        rec = c["fresh"]
+        p = rec.get("parts") or {}
+        compiled = _compiled_text(rec) if c.get("family") == "convpass" and rec.get("parts") else ""
+        rows.append([c["name"], _s(c.get("cold_start_s")), *(_s(p.get(k)) for k in fresh.PART_KEYS), compiled, _check_text(rec)])
+    r = case.get("ratios") or {}
+    return [
+        "fresh process, spawn -> first result in host memory, s ('-': a part the runtime cannot separate, in the next one):",
+        *("  " + line for line in _table(rows, right=tuple(range(1, 10)))),
+        f"fresh process: convpass vs fastest ORT HEURISTIC {_x(r.get('fresh_vs_ort_heuristic'))} "
+        f"({r.get('ort_heuristic_fresh') or '-'}), vs fastest ORT EXHAUSTIVE {_x(r.get('fresh_vs_ort_exhaustive'))} "
+        f"({r.get('ort_exhaustive_fresh') or '-'})",
+    ]
+
+
+def has_fresh(cases: Sequence[Mapping[str, Any]]) -> bool:
+    return any(c.get("fresh") for case in cases for c in case.get("contenders", []))
+
+
+def fresh_note() -> str:
+    """What each part of a fresh process is, per runtime (a note of the document that has them)."""
+    return "fresh process (--fresh-process): " + "; ".join(f"{k}: {v}" if k != "all" else v for k, v in fresh.LEGEND.items())
 
 
 def _tail(s: Mapping[str, Any], hint: str = "") -> str:
@@ -851,13 +1016,43 @@ def _group_line(s: Mapping[str, Any]) -> str:
             f"{_x(s.get('geomean'))}; target <= {s['target']:.2f}x: {s['verdict'].upper()}{_tail(s)}")
 
 
-def _every_case_line(title: str, s: Mapping[str, Any], pooled: str = "geometric mean") -> str:
+def _every_case_line(title: str, s: Mapping[str, Any], pooled: str = "geometric mean", hint: str = "") -> str:
     worst = f"worst {_x(s['worst'])} ({s['worst_case']}); " if s.get("worst") is not None else ""
     above = ""
     if s.get("failing"):
         above = f"above {s['target']:.2f}x: " + ", ".join(f"{k} {_x(s['per_case'][k])}" for k in s["failing"]) + "; "
     return (f"{title}: {worst}{above}{pooled} {_x(s.get('geomean'))} over {s['n']} case(s); "
-            f"target <= {s['target']:.2f}x in every case: {s['verdict'].upper()}{_tail(s)}")
+            f"target <= {s['target']:.2f}x in every case: {s['verdict'].upper()}{_tail(s, hint)}")
+
+
+def _fresh_hint(s: Mapping[str, Any]) -> str:
+    """How to measure a fresh-process target that nothing measured (not said when a run failed)."""
+    return "" if s["n"] or s.get("convpass_invalid") else "run with --fresh-process"
+
+
+def _fresh_geomean_line(s: Mapping[str, Any]) -> str:
+    return (f"fresh process, convpass / fastest ORT EXHAUSTIVE: geometric mean {_x(s.get('geomean'))} over {s['n']} case(s); "
+            f"target <= {s['target']:.2f}x: {s['verdict'].upper()}{_tail(s, _fresh_hint(s))}")
+
+
+def _second_case_line(s: Mapping[str, Any]) -> str:
+    title = "a model's second and later batch sizes in the same process, convpass in-process cold start"
+    if not s["n"] and not s["not_measured"]:
+        return f"{title}: no model ran a second batch size; target <= {s['target']:g} s: {s['verdict'].upper()}"
+    worst = f"worst {_s(s['worst'])} s ({s['worst_case']}); " if s.get("worst") is not None else ""
+    above = ""
+    if s.get("failing"):
+        above = f"above {s['target']:g} s: " + ", ".join(f"{k} {_s(s['per_case'][k])} s" for k in s["failing"]) + "; "
+    return (f"{title}: {worst}{above}{s['n']} case(s); target <= {s['target']:g} s in every such case: "
+            f"{s['verdict'].upper()}{_tail(s)}")
+
+
+def _compilations_line(s: Mapping[str, Any]) -> str:
+    failing = "".join(f"; {k}: {s['per_case'][k]['compilations']} compilation(s), {s['per_case'][k]['cache_files']} cache file(s)"
+                      for k in s["failing"])
+    return (f"run-time compilations in convpass's fresh process (count / files in CuPy's empty kernel cache): none in "
+            f"{s['n'] - len(s['failing'])} of {s['n']} case(s){failing}; target: none in every case: "
+            f"{s['verdict'].upper()}{_tail(s, _fresh_hint(s))}")
 
 
 def _capture_line(s: Mapping[str, Any]) -> str:
@@ -881,7 +1076,7 @@ def _cold_line(s: Mapping[str, Any]) -> str:
 
 def format_summary(summary: Mapping[str, Any]) -> str:
     """Every target with its measured value and an honest met / not met / not measured: issue 9's,
-    then issue 5's cold start (still reported, not an issue-9 target)."""
+    issue 10's, then issue 5's cold start (still reported, not an issue-9 target)."""
     s = summary
     return "\n".join([
         f"Summary over {s.get('cases', 0)} model/batch case(s)",
@@ -893,6 +1088,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         "    " + _every_case_line("steady state vs best PyTorch eager, every case", s["steady_vs_best_torch"]),
         "    " + _capture_line(s["cuda_graph"]),
         "    " + _profile_line(s["op_profile"]),
+        "  Issue 10 targets (cold start as a deployment meets it):",
+        "    " + _every_case_line("fresh process (spawn -> first result), convpass / fastest ORT HEURISTIC, every case",
+                                  s["fresh_vs_ort_heuristic"], hint=_fresh_hint(s["fresh_vs_ort_heuristic"])),
+        "    " + _fresh_geomean_line(s["fresh_vs_ort_exhaustive"]),
+        "    " + _second_case_line(s["second_case_cold_start"]),
+        "    " + _compilations_line(s["fresh_compilations"]),
         "  Also reported (issue 5's target, not one of issue 9's):",
         "    " + _cold_line(s["cold_start_vs_ort_exhaustive"]),
     ])
@@ -934,6 +1135,37 @@ def format_markdown(cases: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def format_fresh_markdown(cases: Sequence[Mapping[str, Any]]) -> str:
+    """One Markdown row per case: the fresh-process times to the first result (convpass's in parts),
+    ONNX Runtime's fastest HEURISTIC and EXHAUSTIVE and PyTorch's fastest, the ratios, convpass's
+    run-time compilations and its in-process cold start beside them."""
+    head = ("| model, batch | convpass fresh s (import / context / model read / plan / first run) | ORT HEURISTIC fresh s "
+            "| ORT EXHAUSTIVE fresh s | PyTorch fresh s | vs HEURISTIC | vs EXHAUSTIVE | compilations / cache files "
+            "| convpass in-process cold s |")
+    rows = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+
+    def peer(c: Mapping[str, Any] | None, prefix: str) -> str:
+        return f"{_s(fresh_total(c))} ({c['name'].replace(prefix, '')})" if c else "-"
+
+    for case in cases:
+        ours = find(case, "convpass") or {}
+        rec = ours.get("fresh") or {}
+        p = rec.get("parts") or {}
+        if fresh_total(ours) is not None:
+            split = " / ".join(_s(p.get(k)) for k in ("import_s", "context_s", "model_read_s", "plan_s", "first_run_s"))
+            mine = f"{_s(p.get('total_s'))} ({split})"
+        else:
+            mine = rec.get("status") or "-"
+        r = case.get("ratios") or {}
+        rows.append(
+            f"| {case.get('model')}, {case.get('batch')} | {mine} | {peer(fastest_fresh(case, 'ort', 'HEURISTIC'), 'ort ')} | "
+            f"{peer(fastest_fresh(case, 'ort', 'EXHAUSTIVE'), 'ort ')} | {peer(fastest_fresh(case, 'torch'), 'torch ')} | "
+            f"{_x(r.get('fresh_vs_ort_heuristic'))} | {_x(r.get('fresh_vs_ort_exhaustive'))} | "
+            f"{_compiled_text(rec) if rec.get('parts') else '-'} | {_s(ours.get('cold_start_s'))} |"
+        )
+    return "\n".join(rows)
+
+
 def format_environment(env: Mapping[str, Any], settings: Mapping[str, Any], peaks: Mapping[str, Any] | None) -> str:
     pk = ", ".join(f"{k}={v}" for k, v in sorted((env.get("packages") or {}).items()) if v)
     lines = [
@@ -962,6 +1194,8 @@ def format_report(doc: Mapping[str, Any]) -> str:
     parts.append(format_summary(doc["summary"]))
     if doc.get("cases"):
         parts.append(format_markdown(doc["cases"]))
+    if has_fresh(doc.get("cases", [])):
+        parts.append(format_fresh_markdown(doc["cases"]))
     for n in doc.get("notes") or []:
         parts.append(f"note: {n}")
     return "\n\n".join(parts)
