@@ -980,6 +980,22 @@ def _fake_cupy():
     return m
 
 
+def _stand_in_kernels(tuned_path):
+    """What write_kernels records, without the GPU it needs."""
+    return {"kernels": f"{tuned_path}.kernels: 3 kernel(s) compiled ahead of time (sm_90: 3) (stand-in)", "kernels_s": 0.25}
+
+
+def test_the_tuned_model_gets_its_kernel_sidecar_or_says_why_not(tmp_path):
+    import shutil
+
+    shutil.copy(MODELS / "residual_cnn.onnx", tmp_path / "m.tuned.onnx")
+    got = contenders.write_kernels(tmp_path / "m.tuned.onnx")  # no GPU here
+    assert got["kernels"].startswith("not written: compiling kernels ahead of time needs a GPU") and got["kernels_s"] >= 0
+    line = report.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, **_stand_in_kernels("m.tuned.onnx")})
+    assert line.endswith("; kernels ahead of time (0.250 s): m.tuned.onnx.kernels: 3 kernel(s) compiled ahead of time "
+                         "(sm_90: 3) (stand-in)")
+
+
 def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
     import convpass.runtime.executor as executor_mod
 
@@ -988,6 +1004,7 @@ def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # torch missing: said so, the rest runs
     monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
+    monkeypatch.setattr(contenders, "write_kernels", _stand_in_kernels)
     monkeypatch.setattr(roofline, "measure_peaks", lambda: dict(PEAKS))
     real = executor_mod.Executor
 
@@ -1042,6 +1059,7 @@ def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
     assert "[bench] mobile_block b1: convpass GPU time per op family" in err
     assert "Summary over 3 model/batch case(s)" in out and "unavailable: onnxruntime" in out
     assert "[bench] mobile_block b1: convpass optimize" in err
+    assert "kernels ahead of time (0.250 s): " in out and report.find(doc["cases"][0], "convpass")["tuning"]["kernels_s"] == 0.25
 
 
 def test_bench_json_keeps_finished_cases_when_a_later_one_is_interrupted(monkeypatch, tmp_path):
@@ -1051,6 +1069,7 @@ def test_bench_json_keeps_finished_cases_when_a_later_one_is_interrupted(monkeyp
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
+    monkeypatch.setattr(contenders, "write_kernels", _stand_in_kernels)
     real = executor_mod.Executor
 
     class CpuExecutor(real):

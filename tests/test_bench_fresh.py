@@ -425,12 +425,13 @@ def test_bench_fresh_process_end_to_end_with_stand_ins(monkeypatch, tmp_path, ca
     """``convpass bench --fresh-process`` on this CPU machine: CuPy and the cuda executor stood in for
     in the bench's process (as in test_bench.py), the children real, on the CPU."""
     import convpass.runtime.executor as executor_mod
-    from test_bench import _fake_cupy, _parser
+    from test_bench import _fake_cupy, _parser, _stand_in_kernels
 
     pytest.importorskip("onnxruntime")
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
+    monkeypatch.setattr(contenders, "write_kernels", _stand_in_kernels)
     real = executor_mod.Executor
 
     class CpuExecutor(real):

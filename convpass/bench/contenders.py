@@ -10,8 +10,10 @@ before each contender's steady-state runs.
 
 * convpass: ``optimize`` of the model for this batch (timed: wall seconds, the tuner's seconds,
   problems measured vs from the tuning cache; Gemm / MatMul TF32 on unless ``--tf32 off``, as for
-  the peers), saved to a temporary file; then the executor's cold
-  start (``Executor(path, device="cuda")`` -> first result, synchronized) and its steady state.
+  the peers), saved to a temporary file with its kernel side-car (:func:`write_kernels`: the
+  kernels compiled ahead of time, as ``convpass optimize`` writes them on a GPU; timed apart); then
+  the executor's cold start (``Executor(path, device="cuda")`` -> first result, synchronized) and
+  its steady state.
 * ONNX Runtime CUDA EP: ``cudnn_conv_algo_search`` EXHAUSTIVE / HEURISTIC x ``prefer_nhwc`` 0 / 1,
   ``use_tf32`` = 1 unless convpass was asked for ``--tf32 off``: session creation, first run (it
   includes ORT's algorithm search), steady state.
@@ -338,8 +340,24 @@ def run_optimize(path: Path, spec: str, tf32: str, cache: str | None, out_path: 
         "decisions": decision_summary(records),
         "tf32_option": tf32,
         "matmul_tf32": options.matmul_tf32,
+        **write_kernels(out_path),
     }
     return tuning, records
+
+
+def write_kernels(tuned_path: Path) -> dict[str, Any]:
+    """The tuned model's kernel side-car, as ``convpass optimize`` writes it on a GPU
+    (:mod:`convpass.aot`), so that the executor starts as a deployment's does: ``kernels`` (what
+    was written, or why not) and ``kernels_s``."""
+    from convpass.aot import compile_kernels
+    from convpass.errors import ConvpassError
+
+    t0 = time.perf_counter()
+    try:
+        written = compile_kernels(tuned_path).line()
+    except ConvpassError as e:
+        written = f"not written: {str(e).strip().splitlines()[0]}"
+    return {"kernels": written, "kernels_s": time.perf_counter() - t0}
 
 
 def run_convpass(tuned_path: Path, tuning: dict[str, Any], records: Sequence[Mapping[str, Any]], dev_feeds: Mapping[str, Any],

@@ -880,7 +880,10 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
         extra = f"; {t['undecided']} left to run time (auto)"
     tuning = t.get("tuning_s")
     tail = f", tuner {tuning:.1f} s" if isinstance(tuning, (int, float)) else ""
-    return f"convpass optimize: {_s(wall)} s{tail} ({where}{extra})"
+    line = f"convpass optimize: {_s(wall)} s{tail} ({where}{extra})"
+    if t.get("kernels"):
+        line += f"; kernels ahead of time ({_s(t.get('kernels_s'))} s): {t['kernels']}"
+    return line
 
 
 def roofline_line(r: Mapping[str, Any] | None) -> str | None:
