@@ -151,3 +151,65 @@ def test_panel_model_fresh_process_compiles_nothing(name, tmp_path):
     assert info["compilations"] == [] and info["cache_files"] == [], info
     assert info["graph"] and info["replay_equal"]
     _check(outs, run_ort(onnx.load(path), feeds), _tolerance(onnx.load(out)), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# convpass bench --fresh-process: its children on the GPU (convpass.bench.fresh)
+
+
+def _bench_child(runtime: str, model: Path, feeds: dict, tmp: Path, **kw) -> tuple[dict, list[np.ndarray]]:
+    from convpass.bench import fresh
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp / "inputs.npz", **feeds)
+    rec = fresh.spawn(fresh.child_command(runtime, model, tmp / "inputs.npz", out=tmp / "out.npz", **kw), 600, tmp)
+    assert rec["status"] == "ok", rec
+    assert isinstance(rec["parts"]["total_s"], float) and rec["parts"]["total_s"] > 0, rec["parts"]
+    with np.load(tmp / "out.npz") as z:
+        return rec, [z[f"arr_{i}"] for i in range(len(z.files))]
+
+
+def test_the_bench_child_of_convpass_compiles_nothing_and_times_every_part(tmp_path):
+    from convpass.bench import fresh
+
+    path = MODELS / "residual_cnn.onnx" if (MODELS / "residual_cnn.onnx").exists() else SAMPLES[0]
+    out, feeds = _optimized(path, tmp_path)
+    rec, outs = _bench_child("convpass", out, feeds, tmp_path / "fresh")
+    assert all(isinstance(rec["parts"][k], float) and rec["parts"][k] >= 0 for k in fresh.PART_KEYS), rec["parts"]
+    assert rec["parts"]["context_s"] > 0  # the CUDA context and cuDNN, apart from the model read
+    assert rec["compilations"] == 0 and rec["compiled"] == [] and rec["cache_files"] == 0, rec
+    _check(outs, run_ort(onnx.load(path), feeds), _tolerance(onnx.load(out)), f"{path.stem} in the bench's fresh child")
+
+
+@pytest.mark.parametrize("config", ["EXHAUSTIVE-nhwc", "HEURISTIC-nchw"])
+def test_the_bench_child_of_onnxruntime_runs_on_the_cuda_ep(tmp_path, config):
+    from convpass.bench import contenders
+
+    reason = contenders.ort_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    path = MODELS / "residual_cnn.onnx" if (MODELS / "residual_cnn.onnx").exists() else SAMPLES[0]
+    feeds, _ = _feeds(onnx.load(path), batch=1)
+    rec, outs = _bench_child("ort", path, feeds, tmp_path, config=config)
+    assert rec["parts"]["context_s"] is None and rec["parts"]["model_read_s"] is None and rec["parts"]["plan_s"] > 0
+    _check(outs, run_ort(onnx.load(path), feeds), 5e-3, f"onnxruntime {config}")
+
+
+@pytest.mark.parametrize("config", ["nchw", "channels_last"])
+def test_the_bench_child_of_pytorch_loads_the_saved_weights(tmp_path, config):
+    from convpass.bench import contenders, peers
+
+    reason = contenders.torch_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    path = PANEL / "dcgan_generator.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models dcgan_generator)")
+    import torch
+
+    module, _ = peers.load_export_panel().build_torch_model("dcgan_generator")
+    torch.save(module.state_dict(), tmp_path / "weights.pt")
+    feeds, _ = _feeds(onnx.load(path), batch=2)
+    rec, outs = _bench_child("torch", path, feeds, tmp_path / "fresh", config=config, weights=tmp_path / "weights.pt")
+    assert all(isinstance(rec["parts"][k], float) for k in ("import_s", "context_s", "model_read_s", "plan_s", "first_run_s"))
+    _check(outs, run_ort(onnx.load(path), feeds), 5e-3, f"torch {config}")
