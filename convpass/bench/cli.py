@@ -6,9 +6,10 @@ ONNX Runtime CPU; prints a table per case (with whether convpass ran as one capt
 the roofline, the summary against the targets and a Markdown table; ``--profile-ops`` adds, per
 case, the tuned model's GPU time by op family in eager runs (:mod:`convpass.bench.opprofile`);
 ``--fresh-process`` runs every contender of every case once more in a fresh Python process of its
-own and splits its time to the first result into parts (:mod:`convpass.bench.fresh`); ``--json`` writes everything (device, driver, CUDA, cuDNN, versions, every timing), ``--plot`` a
-bar chart. ``--from-json A.json B.json`` re-renders (and merges) recorded runs without a GPU,
-``convpass.bench/1`` documents included.
+own and splits its time to the first result into parts (:mod:`convpass.bench.fresh`); ``--json``
+writes everything (device, driver, CUDA, cuDNN, versions, every timing), ``--plot`` a bar chart.
+``--from-json A.json B.json`` re-renders (and merges) recorded runs without a GPU,
+``convpass.bench/2`` and ``/1`` documents included.
 
 Exit status: 0 when the benchmark ran (whatever the verdicts); 2 with one line when there is no
 usable GPU; 1 for bad input (``convpass: error: ...``); argparse usage errors exit with 2.
