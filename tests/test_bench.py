@@ -985,6 +985,25 @@ def _stand_in_kernels(tuned_path):
     return {"kernels": f"{tuned_path}.kernels: 3 kernel(s) compiled ahead of time (sm_90: 3) (stand-in)", "kernels_s": 0.25}
 
 
+def _bench_on_cpu(monkeypatch) -> None:
+    """The bench's GPU pieces stood in for: CuPy faked, the GPU check passed, no clock warming, stand-in
+    kernels, and the NumPy executor in place of the cuda one."""
+    import convpass.runtime.executor as executor_mod
+
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
+    monkeypatch.setattr(contenders, "write_kernels", _stand_in_kernels)
+    real = executor_mod.Executor
+
+    class CpuExecutor(real):
+        def __init__(self, model, device="cpu", **kw):
+            super().__init__(model, device="cpu", **kw)
+
+    monkeypatch.setattr(executor_mod, "Executor", CpuExecutor)
+
+
 def test_the_tuned_model_gets_its_kernel_sidecar_or_says_why_not(tmp_path):
     import shutil
 
@@ -1063,20 +1082,7 @@ def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
 
 
 def test_bench_json_keeps_finished_cases_when_a_later_one_is_interrupted(monkeypatch, tmp_path):
-    import convpass.runtime.executor as executor_mod
-
-    pytest.importorskip("onnxruntime")
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
-    monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
-    monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
-    monkeypatch.setattr(contenders, "write_kernels", _stand_in_kernels)
-    real = executor_mod.Executor
-
-    class CpuExecutor(real):
-        def __init__(self, model, device="cpu", **kw):
-            super().__init__(model, device="cpu", **kw)
-
-    monkeypatch.setattr(executor_mod, "Executor", CpuExecutor)
+    _bench_on_cpu(monkeypatch)
     real_case = contenders.bench_case
     calls = []
 

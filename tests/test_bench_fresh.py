@@ -18,7 +18,6 @@ import numpy as np
 import onnx
 import pytest
 
-from convpass.bench import cli as bench_cli
 from convpass.bench import contenders, fresh, peers, report
 from convpass.errors import ConvpassError
 
@@ -424,21 +423,9 @@ def test_run_fresh_gives_every_contender_its_fresh_record(tmp_path, cpu_children
 def test_bench_fresh_process_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys, cpu_children):
     """``convpass bench --fresh-process`` on this CPU machine: CuPy and the cuda executor stood in for
     in the bench's process (as in test_bench.py), the children real, on the CPU."""
-    import convpass.runtime.executor as executor_mod
-    from test_bench import _fake_cupy, _parser, _stand_in_kernels
+    from test_bench import _bench_on_cpu, _parser
 
-    pytest.importorskip("onnxruntime")
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
-    monkeypatch.setattr(bench_cli, "gpu_unavailable_reason", lambda: None)
-    monkeypatch.setattr(contenders, "warm_gpu", lambda seconds=0.05: None)
-    monkeypatch.setattr(contenders, "write_kernels", _stand_in_kernels)
-    real = executor_mod.Executor
-
-    class CpuExecutor(real):
-        def __init__(self, model, device="cpu", **kw):
-            super().__init__(model, device="cpu", **kw)
-
-    monkeypatch.setattr(executor_mod, "Executor", CpuExecutor)
+    _bench_on_cpu(monkeypatch)
     out_json = tmp_path / "bench.json"
     args = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--batch", "1,2", "--vs", "none", "--no-roofline",
                                  "--runs", "2", "--warmup", "0", "--cache", str(tmp_path / "t.db"), "--json", str(out_json),

@@ -1021,12 +1021,16 @@ def _group_line(s: Mapping[str, Any]) -> str:
 
 
 def _every_case_line(title: str, s: Mapping[str, Any], pooled: str = "geometric mean", hint: str = "") -> str:
-    worst = f"worst {_x(s['worst'])} ({s['worst_case']}); " if s.get("worst") is not None else ""
-    above = ""
-    if s.get("failing"):
-        above = f"above {s['target']:.2f}x: " + ", ".join(f"{k} {_x(s['per_case'][k])}" for k in s["failing"]) + "; "
+    worst, above = _worst_and_above(s, _x, f"{s['target']:.2f}x")
     return (f"{title}: {worst}{above}{pooled} {_x(s.get('geomean'))} over {s['n']} case(s); "
             f"target <= {s['target']:.2f}x in every case: {s['verdict'].upper()}{_tail(s, hint)}")
+
+
+def _worst_and_above(s: Mapping[str, Any], fmt: Any, target: str) -> tuple[str, str]:
+    """"worst V (case); " and "above TARGET: case V, ...; " of an every-case summary (or "")."""
+    worst = f"worst {fmt(s['worst'])} ({s['worst_case']}); " if s.get("worst") is not None else ""
+    above = f"above {target}: " + ", ".join(f"{k} {fmt(s['per_case'][k])}" for k in s["failing"]) + "; " if s.get("failing") else ""
+    return worst, above
 
 
 def _fresh_hint(s: Mapping[str, Any]) -> str:
@@ -1043,10 +1047,7 @@ def _second_case_line(s: Mapping[str, Any]) -> str:
     title = "a model's second and later batch sizes in the same process, convpass in-process cold start"
     if not s["n"] and not s["not_measured"]:
         return f"{title}: no model ran a second batch size; target <= {s['target']:g} s: {s['verdict'].upper()}"
-    worst = f"worst {_s(s['worst'])} s ({s['worst_case']}); " if s.get("worst") is not None else ""
-    above = ""
-    if s.get("failing"):
-        above = f"above {s['target']:g} s: " + ", ".join(f"{k} {_s(s['per_case'][k])} s" for k in s["failing"]) + "; "
+    worst, above = _worst_and_above(s, lambda v: f"{_s(v)} s", f"{s['target']:g} s")
     return (f"{title}: {worst}{above}{s['n']} case(s); target <= {s['target']:g} s in every such case: "
             f"{s['verdict'].upper()}{_tail(s)}")
 
