@@ -13,7 +13,9 @@ One module per concern, dependencies one way (:mod:`.backend` is the only one th
   :mod:`.elementwise` (generated element-wise groups), :mod:`.normalization` (row-wise norms and
   softmax), :mod:`.pooling` (window and global pooling), :mod:`.tensor_ops` (Resize, Concat),
   :mod:`.blas` (capturable cuBLAS);
-* :mod:`.compiler` — the one place CUDA source becomes kernels; :mod:`.common` — shared helpers.
+* :mod:`.compiler` — the one place CUDA source becomes kernels; :mod:`.prebuilt` — the seam under
+  CuPy's compiler that loads kernels compiled ahead of time (the model's ``.kernels`` side-car) and
+  counts what still compiles; :mod:`.common` — shared helpers.
 """
 
 from convpass.runtime.cuda.common import ExecutorWarning, StartupCompileWarning, unavailable_reason
