@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -156,7 +157,12 @@ def _inspect(args: argparse.Namespace) -> int:
             _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
             _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
         table.add_row(*row)
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    if isinstance(args.model, str) and os.path.isfile(args.model):
+        from convpass.kernel_file import describe
+
+        console.print(describe(args.model), markup=False)
     return 0
 
 

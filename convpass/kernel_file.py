@@ -35,7 +35,7 @@ from typing import Any
 
 from convpass.errors import ConvpassError
 
-__all__ = ["FORMAT", "SUFFIX", "KernelEntry", "KernelFile", "KernelFileError", "file_sha256", "read", "sidecar_path", "write"]
+__all__ = ["FORMAT", "SUFFIX", "KernelEntry", "KernelFile", "KernelFileError", "describe", "file_sha256", "read", "sidecar_path", "write"]
 
 FORMAT = "convpass.kernels/1"
 SUFFIX = ".kernels"
@@ -157,6 +157,20 @@ def read(path: str | os.PathLike[str], *, model_sha256: str | None = None) -> Ke
         cupy_version=str(manifest.get("cupy", "")),
         entries=entries,
     )
+
+
+def describe(model_path: str | os.PathLike[str]) -> str:
+    """One line on the side-car of the model at ``model_path``, as the executor would take it."""
+    path = sidecar_path(model_path)
+    if not path.exists():
+        return f"kernels: no {path.name} beside the model (`convpass compile {os.fspath(model_path)}` writes one on a GPU)"
+    try:
+        kf = read(path, model_sha256=file_sha256(model_path))
+    except KernelFileError as e:
+        return f"kernels: refused, {e}"
+    per_arch = ", ".join(f"sm_{a}: {sum(1 for _, arch in kf.entries if arch == a)}" for a in kf.archs) or "none"
+    trust = "verified on the GPU before writing" if kf.verified else "not verified"
+    return f"kernels: {path.name}, {len({k for k, _ in kf.entries})} kernel(s) ({per_arch}), {trust}; convpass {kf.convpass_version}, CuPy {kf.cupy_version}"
 
 
 def _manifest(z: zipfile.ZipFile, p: Path) -> dict[str, Any]:

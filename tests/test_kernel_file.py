@@ -11,6 +11,8 @@ import zipfile
 import onnx
 import pytest
 
+import convpass
+
 from conftest import conv_model, random_input
 from convpass import kernel_file
 from convpass.aot import parse_archs
@@ -247,3 +249,17 @@ def test_compile_without_a_gpu_says_why(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "needs a GPU" in err and "convpass compile" in err
     assert not kernel_file.sidecar_path(path).exists()
+
+
+def test_describe_says_what_the_executor_would_take(tmp_path, capsys):
+    from convpass.cli import main
+
+    path = _model_file(tmp_path)
+    assert "no m.onnx.kernels beside the model" in kernel_file.describe(path)
+    _write(kernel_file.sidecar_path(path), model_sha256=kernel_file.file_sha256(path))
+    assert kernel_file.describe(path) == ("kernels: m.onnx.kernels, 2 kernel(s) (sm_80: 1, sm_90: 1), verified on the GPU before "
+                                          f"writing; convpass {convpass.__version__}, CuPy 14.2.0")
+    assert main(["inspect", str(path)]) == 0
+    assert "kernels: m.onnx.kernels, 2 kernel(s)" in capsys.readouterr().out
+    _write(kernel_file.sidecar_path(path), model_sha256="e" * 64)
+    assert kernel_file.describe(path).startswith("kernels: refused, ") and "written for another model" in kernel_file.describe(path)
