@@ -351,7 +351,11 @@ def _write_kernels(output: Path, kernels: bool, console: Console) -> None:
     try:
         console.print("kernels: " + compile_kernels(output).line())
     except ConvpassError as e:
-        console.print(f"[yellow]warning[/]: the tuned model was written, its kernels were not: {e}")
+        message = f"the tuned model was written, its kernels were not: {e}"
+        if console.quiet:  # a warning, not a note: said even when only errors are printed
+            logger.warning("%s", message)
+        else:
+            console.print(f"[yellow]warning[/]: {message}", markup=True)
 
 
 def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = None) -> list[dict[str, Any]]:

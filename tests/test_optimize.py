@@ -372,3 +372,19 @@ def test_executor_reads_a_model_with_external_data_by_path(tmp_path):
               all_tensors_to_one_file=True, location="m.weights", size_threshold=0)
     x = random_input((1, 16, 8, 8))
     np.testing.assert_allclose(Executor(tmp_path / "m.onnx").run(None, {"x": x})[0], run_ort(model, {"x": x})[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_kernels_that_do_not_build_are_said_even_when_quiet(tmp_path, monkeypatch, capsys, caplog, quiet):
+    import convpass.aot
+    import convpass.runtime.cuda
+
+    def fail(path, **kw):
+        raise ConvpassError(f"compiling the kernels of {path} failed (nothing was written):\nboom")
+
+    monkeypatch.setattr(convpass.runtime.cuda, "unavailable_reason", lambda: None)  # "a GPU is here"
+    monkeypatch.setattr(convpass.aot, "compile_kernels", fail)
+    out = tmp_path / "t.onnx"
+    convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), out, quiet=quiet)
+    said = capsys.readouterr().err + caplog.text
+    assert out.exists() and "the tuned model was written, its kernels were not" in said and "boom" in said
