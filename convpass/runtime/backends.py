@@ -29,7 +29,7 @@ beyond ``xp = cupy``:
   ``None`` for untuned convs and ``algo == "auto"`` where no profile matched: pick at run time).
   A geometry with ``shapes == ()`` is one canonicalization refused: run
   :func:`convpass.runtime.conv.conv_reference` with ``xp = cupy`` (the kernels are xp-generic).
-* ``erf``: ``cupyx.scipy.special.erf`` (import lazily).
+* ``erf``: a CuPy element-wise kernel of CUDA's ``erf`` (cupyx would import SciPy).
 * ``fingerprint()``: this GPU's :class:`convpass.device.DeviceFingerprint`; the executor reads the
   decision table recorded for it (a model may carry several devices' tables);
 * ``bind_model(model_info)``: the model's metadata, once per executor (recorded device

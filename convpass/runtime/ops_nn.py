@@ -316,8 +316,9 @@ def _lp_norm(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
         norm = xp.sum(xp.abs(xf), axis=axis, keepdims=True)
     else:
         norm = xp.sqrt(xp.sum(xf * xf, axis=axis, keepdims=True))
-    safe = xp.where(norm == 0, xp.ones_like(norm), norm)
-    return xp.where(norm == 0, xp.zeros_like(xf), xf / safe).astype(x.dtype, copy=False)
+    zero = xp.equal(norm, 0)
+    safe = xp.where(zero, xp.ones_like(norm), norm)
+    return xp.where(zero, xp.zeros_like(xf), xf / safe).astype(x.dtype, copy=False)
 
 
 @register("MeanVarianceNormalization", 9)

@@ -56,6 +56,8 @@ print(json.dumps({
     "trusted": ex.trusted,
     "graph": bool(ex.graph_status().captured),
     "replay_equal": all(np.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(outs, again)),
+    # cupyx (and with it SciPy, 0.3 s) is imported by a CuPy operator comparison or cupyx.scipy.special
+    "slow_imports": sorted(m for m in ("cupyx.scipy", "scipy") if m in sys.modules),
 }))
 """
 
@@ -97,6 +99,7 @@ def test_a_fresh_process_compiles_nothing(path, tmp_path):
     assert info["compilations"] == [], info["compilations"]
     assert info["cache_files"] == [], "CuPy compiled kernels the seam did not see"
     assert info["trusted"] and info["replay_equal"]
+    assert info["slow_imports"] == [], "start-up imported cupyx / SciPy (see convpass/runtime/ops.py on comparisons)"
     assert not [w for w in info["warnings"] if "compiled at start-up" in w or "side-car" in w], info["warnings"]
     _check(outs, refs, _tolerance(onnx.load(out)), f"{path.stem} from its side-car")
 
@@ -150,6 +153,7 @@ def test_panel_model_fresh_process_compiles_nothing(name, tmp_path):
     info, outs = _fresh(out, feeds, tmp_path / "fresh")
     assert info["compilations"] == [] and info["cache_files"] == [], info
     assert info["graph"] and info["replay_equal"]
+    assert info["slow_imports"] == [], "start-up imported cupyx / SciPy (see convpass/runtime/ops.py on comparisons)"
     _check(outs, run_ort(onnx.load(path), feeds), _tolerance(onnx.load(out)), name)
 
 
