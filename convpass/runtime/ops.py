@@ -5,9 +5,10 @@ interface changed (attributes that became inputs, new attributes). Only function
 both have are used. See :mod:`convpass.runtime.registry` for the calling convention; neural-net
 ops (conv, pooling, normalization, resize) are in :mod:`convpass.runtime.ops_nn`.
 
-Comparisons of arrays use the ufuncs (``xp.greater(x, 0)``), never the operators (``x > 0``): on a
-CuPy array an operator comparison imports cupyx and, through it, SciPy, which costs a fresh
-process 0.3 s of start-up (measured on the H200 machine). tests/test_ops_rules.py holds to it.
+An array and a scalar meet in a ufunc (``xp.multiply(x, s)``, ``xp.greater(x, 0)``), never in an
+operator (``x * s``, ``x > 0``; between two arrays operators are fine): CuPy's operator path with a
+scalar imports cupyx and, through it, SciPy, which costs a fresh process 0.3-0.45 s of start-up
+(measured on the H200 machine). tests/test_ops_rules.py holds the ops to it.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ _unary("Tanh", lambda xp, x: xp.tanh(x))
 _unary("Relu", lambda xp, x: xp.maximum(x, _like(xp, 0, x.dtype)))
 _unary("Not", lambda xp, x: xp.logical_not(x))
 _unary("IsNaN", lambda xp, x: xp.isnan(x))
-_unary("Softsign", lambda xp, x: x / (1 + xp.abs(x)))
+_unary("Softsign", lambda xp, x: xp.divide(x, xp.add(xp.abs(x), 1)))
 _unary("BitwiseNot", lambda xp, x: xp.invert(x))
 
 
@@ -100,8 +101,9 @@ _unary("BitwiseNot", lambda xp, x: xp.invert(x))
 def _sigmoid(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xp = ctx.xp
     # exp of a non-positive number only: no overflow for either sign
-    e = xp.exp(-xp.abs(x))
-    return xp.where(xp.greater_equal(x, 0), 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+    e = xp.exp(xp.negative(xp.abs(x)))
+    d = xp.add(e, 1)
+    return xp.where(xp.greater_equal(x, 0), xp.reciprocal(d), xp.divide(e, d)).astype(x.dtype, copy=False)
 
 
 @register("Softplus")
@@ -140,21 +142,21 @@ def _isinf(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
 @register("LeakyRelu")
 def _leaky_relu(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     alpha = node.attr("alpha", 0.01)
-    return ctx.xp.where(ctx.xp.greater_equal(x, 0), x, x * _like(ctx.xp, alpha, x.dtype))
+    return ctx.xp.where(ctx.xp.greater_equal(x, 0), x, ctx.xp.multiply(x, _like(ctx.xp, alpha, x.dtype)))
 
 
 @register("Elu")
 def _elu(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xp = ctx.xp
     alpha = _like(xp, node.attr("alpha", 1.0), x.dtype)
-    return xp.where(xp.greater(x, 0), x, alpha * xp.expm1(xp.minimum(x, _like(xp, 0, x.dtype))))
+    return xp.where(xp.greater(x, 0), x, xp.multiply(xp.expm1(xp.minimum(x, _like(xp, 0, x.dtype))), alpha))
 
 
 @register("Celu", 12)
 def _celu(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xp = ctx.xp
     alpha = node.attr("alpha", 1.0)
-    neg = alpha * xp.expm1(xp.minimum(x, _like(xp, 0, x.dtype)) / alpha)
+    neg = xp.multiply(xp.expm1(xp.divide(xp.minimum(x, _like(xp, 0, x.dtype)), alpha)), alpha)
     return xp.where(xp.greater(x, 0), x, neg).astype(x.dtype, copy=False)
 
 
@@ -163,7 +165,7 @@ def _selu(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xp = ctx.xp
     alpha = _like(xp, node.attr("alpha", 1.67326319217681884765625), x.dtype)
     gamma = _like(xp, node.attr("gamma", 1.05070102214813232421875), x.dtype)
-    return gamma * xp.where(xp.greater(x, 0), x, alpha * xp.expm1(xp.minimum(x, _like(xp, 0, x.dtype))))
+    return xp.multiply(xp.where(xp.greater(x, 0), x, xp.multiply(xp.expm1(xp.minimum(x, _like(xp, 0, x.dtype))), alpha)), gamma)
 
 
 @register("ThresholdedRelu", 10)
@@ -177,21 +179,21 @@ def _hard_sigmoid(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xp = ctx.xp
     alpha = _like(xp, node.attr("alpha", 0.2), x.dtype)
     beta = _like(xp, node.attr("beta", 0.5), x.dtype)
-    return xp.clip(alpha * x + beta, _like(xp, 0, x.dtype), _like(xp, 1, x.dtype))
+    return xp.clip(xp.add(xp.multiply(x, alpha), beta), _like(xp, 0, x.dtype), _like(xp, 1, x.dtype))
 
 
 @register("HardSwish", 14)
 def _hard_swish(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xp = ctx.xp
-    hs = xp.clip(x * _like(xp, 1 / 6, x.dtype) + _like(xp, 0.5, x.dtype), _like(xp, 0, x.dtype), _like(xp, 1, x.dtype))
-    return x * hs
+    hs = xp.add(xp.multiply(x, _like(xp, 1 / 6, x.dtype)), _like(xp, 0.5, x.dtype))
+    return xp.multiply(x, xp.clip(hs, _like(xp, 0, x.dtype), _like(xp, 1, x.dtype)))
 
 
 @register("Swish", 24)
 def _swish(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     alpha = node.attr("alpha", 1.0)
-    s = _sigmoid(ctx, node, x * _like(ctx.xp, alpha, x.dtype))
-    return x * s
+    s = _sigmoid(ctx, node, ctx.xp.multiply(x, _like(ctx.xp, alpha, x.dtype)))
+    return ctx.xp.multiply(x, s)
 
 
 @register("Shrink", 9)
@@ -199,7 +201,8 @@ def _shrink(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xp = ctx.xp
     lambd, bias = node.attr("lambd", 0.5), node.attr("bias", 0.0)
     zero = xp.zeros_like(x)
-    return xp.where(xp.less(x, -lambd), x + _like(xp, bias, x.dtype), xp.where(xp.greater(x, lambd), x - _like(xp, bias, x.dtype), zero))
+    b = _like(xp, bias, x.dtype)
+    return xp.where(xp.less(x, -lambd), xp.add(x, b), xp.where(xp.greater(x, lambd), xp.subtract(x, b), zero))
 
 
 @register("Gelu", 20)
@@ -208,10 +211,12 @@ def _gelu(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     dt = x.dtype
     xf = acc(x)
     if node.attr("approximate", "none") == "tanh":
-        inner = math.sqrt(2 / math.pi) * (xf + 0.044715 * xf * xf * xf)
-        y = 0.5 * xf * (1 + xp.tanh(inner))
+        cube = xp.multiply(xp.multiply(xf, xf), xf)
+        inner = xp.multiply(xp.add(xf, xp.multiply(cube, _like(xp, 0.044715, xf.dtype))), _like(xp, math.sqrt(2 / math.pi), xf.dtype))
+        y = xp.multiply(xp.multiply(xf, _like(xp, 0.5, xf.dtype)), xp.add(xp.tanh(inner), 1))
     else:
-        y = 0.5 * xf * (1 + ctx.backend.erf(xf * _like(xp, 1 / math.sqrt(2), xf.dtype)))
+        e = ctx.backend.erf(xp.multiply(xf, _like(xp, 1 / math.sqrt(2), xf.dtype)))
+        y = xp.multiply(xp.multiply(xf, _like(xp, 0.5, xf.dtype)), xp.add(e, 1))
     return y.astype(dt, copy=False)
 
 
@@ -349,7 +354,7 @@ def _variadic(name: str, fn: Any, mean: bool = False) -> None:
         for x in xs[1:]:
             y = fn(ctx.xp, y, x)
         if mean:
-            y = (y / len(xs)).astype(xs[0].dtype, copy=False)
+            y = ctx.xp.divide(y, len(xs)).astype(xs[0].dtype, copy=False)
         return y
 
     _op.__name__ = name
@@ -609,7 +614,7 @@ def _slice(ctx: OpContext, node: NodeInfo, x: Any, starts: Any, ends: Any, axes:
 
 def _normalize_indices(xp: Any, idx: Any, dim: int) -> Any:
     idx = idx.astype(np.int64, copy=False)
-    return xp.where(xp.less(idx, 0), idx + dim, idx)
+    return xp.where(xp.less(idx, 0), xp.add(idx, dim), idx)
 
 
 @register("Gather")
@@ -638,7 +643,7 @@ def _gather_nd(ctx: OpContext, node: NodeInfo, x: Any, idx: Any) -> Any:
     keys = [xp.arange(nb).reshape((nb,) + (1,) * len(lead))]
     for j in range(m):
         k = ind[..., j]
-        keys.append(xp.where(xp.less(k, 0), k + x.shape[b + j], k))
+        keys.append(xp.where(xp.less(k, 0), xp.add(k, x.shape[b + j]), k))
     out = data[tuple(keys)]
     return out.reshape(batch_shape + lead + x.shape[b + m :])
 
@@ -686,7 +691,7 @@ def _one_hot(ctx: OpContext, node: NodeInfo, indices: Any, depth: Any, values: A
     xp = ctx.xp
     d = int(ctx.scalar(depth))
     idx = indices.astype(np.int64)
-    idx = xp.where(xp.less(idx, 0), idx + d, idx)
+    idx = xp.where(xp.less(idx, 0), xp.add(idx, d), idx)
     rank = indices.ndim + 1
     axis = _axis(node.attr("axis", -1), rank)
     hot = xp.equal(xp.expand_dims(idx, -1), xp.arange(d).reshape((1,) * indices.ndim + (d,)))
@@ -770,10 +775,10 @@ def _gemm(ctx: OpContext, node: NodeInfo, a: Any, b: Any, c: Any = None) -> Any:
     y = xp.matmul(aa, bb)
     alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 1.0)
     if alpha != 1.0:
-        y = y * _like(xp, alpha, y.dtype)
+        y = xp.multiply(y, _like(xp, alpha, y.dtype))
     if c is not None and beta != 0.0:
         cc = acc(c)
-        y = y + (cc if beta == 1.0 else cc * _like(xp, beta, cc.dtype))
+        y = y + (cc if beta == 1.0 else xp.multiply(cc, _like(xp, beta, cc.dtype)))
     return y.astype(dtype, copy=False)
 
 
@@ -892,7 +897,7 @@ def _arg(ctx: OpContext, node: NodeInfo, x: Any, largest: bool) -> Any:
     keep = node.attr("keepdims", 1)
     fn = xp.argmax if largest else xp.argmin
     if node.attr("select_last_index", 0):
-        idx = x.shape[axis] - 1 - fn(xp.flip(x, axis), axis=axis)
+        idx = xp.subtract(x.shape[axis] - 1, fn(xp.flip(x, axis), axis=axis))
     else:
         idx = fn(x, axis=axis)
     idx = idx.astype(np.int64)

@@ -182,8 +182,8 @@ def _lp_pool(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     p = node.attr("p", 2)
     begin, end, strides, dilations, out = _pool_geometry(node, tuple(x.shape[2:]), kernel)
     xf = acc(x)
-    view = _windows(xp, xp.abs(xf) ** p, begin, end, strides, dilations, out, kernel, 0)
-    return (xp.sum(view, axis=tuple(range(2 + r, 2 + 2 * r))) ** (1.0 / p)).astype(x.dtype, copy=False)
+    view = _windows(xp, xp.power(xp.abs(xf), p), begin, end, strides, dilations, out, kernel, 0)
+    return xp.power(xp.sum(view, axis=tuple(range(2 + r, 2 + 2 * r))), 1.0 / p).astype(x.dtype, copy=False)
 
 
 @register("GlobalAveragePool")
@@ -201,8 +201,8 @@ def _global_max_pool(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
 def _global_lp_pool(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     p = node.attr("p", 2)
     xf = acc(x)
-    s = ctx.xp.sum(ctx.xp.abs(xf) ** p, axis=tuple(range(2, x.ndim)), keepdims=True)
-    return (s ** (1.0 / p)).astype(x.dtype, copy=False)
+    s = ctx.xp.sum(ctx.xp.power(ctx.xp.abs(xf), p), axis=tuple(range(2, x.ndim)), keepdims=True)
+    return ctx.xp.power(s, 1.0 / p).astype(x.dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,13 +230,13 @@ def _batch_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any, m
     else:
         m, v = acc(mean), acc(var)
     cs = _channel_shape(scale, x)
-    inv = acc(scale).reshape(cs) / xp.sqrt(v.reshape(_channel_shape(v, x)) + _like(xp, eps, xf.dtype))
+    inv = acc(scale).reshape(cs) / xp.sqrt(xp.add(v.reshape(_channel_shape(v, x)), _like(xp, eps, xf.dtype)))
     y = ((xf - m.reshape(_channel_shape(m, x))) * inv + acc(bias).reshape(_channel_shape(bias, x))).astype(dtype, copy=False)
     if not training:
         return y
     momentum = node.attr("momentum", 0.9)
-    run_mean = (acc(mean) * momentum + cur_mean * (1 - momentum)).astype(mean.dtype, copy=False)
-    run_var = (acc(var) * momentum + cur_var * (1 - momentum)).astype(var.dtype, copy=False)
+    run_mean = xp.add(xp.multiply(acc(mean), momentum), xp.multiply(cur_mean, 1 - momentum)).astype(mean.dtype, copy=False)
+    run_var = xp.add(xp.multiply(acc(var), momentum), xp.multiply(cur_var, 1 - momentum)).astype(var.dtype, copy=False)
     return y, run_mean, run_var
 
 
@@ -247,9 +247,10 @@ def _instance_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any
     xf = acc(x)
     axes = tuple(range(2, x.ndim))
     m = xp.mean(xf, axis=axes, keepdims=True)
-    v = xp.mean((xf - m) ** 2, axis=axes, keepdims=True)
+    d = xf - m
+    v = xp.mean(d * d, axis=axes, keepdims=True)
     cs = (1, -1) + (1,) * (x.ndim - 2)
-    y = (xf - m) / xp.sqrt(v + eps) * acc(scale).reshape(cs) + acc(bias).reshape(cs)
+    y = d / xp.sqrt(xp.add(v, _like(xp, eps, xf.dtype))) * acc(scale).reshape(cs) + acc(bias).reshape(cs)
     return y.astype(x.dtype, copy=False)
 
 
@@ -267,7 +268,7 @@ def _layer_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any = 
     m = xp.mean(xf, axis=axes, keepdims=True)
     d = xf - m
     v = xp.mean(d * d, axis=axes, keepdims=True)
-    inv = 1 / xp.sqrt(v + _like(xp, eps, ct))
+    inv = xp.reciprocal(xp.sqrt(xp.add(v, _like(xp, eps, ct))))
     y = d * inv * scale.astype(ct, copy=False)
     if bias is not None:
         y = y + bias.astype(ct, copy=False)
@@ -278,7 +279,7 @@ def _layer_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any = 
 def _rms_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any) -> Any:
     xp = ctx.xp
     eps, axes, ct, xf = _normalized_axes(node, x)
-    inv = 1 / xp.sqrt(xp.mean(xf * xf, axis=axes, keepdims=True) + _like(xp, eps, ct))
+    inv = xp.reciprocal(xp.sqrt(xp.add(xp.mean(xf * xf, axis=axes, keepdims=True), _like(xp, eps, ct))))
     return (xf * inv * scale.astype(ct, copy=False)).astype(x.dtype, copy=False)
 
 
@@ -293,8 +294,9 @@ def _group_norm(ctx: OpContext, node: NodeInfo, x: Any, scale: Any, bias: Any) -
         ct = x.dtype
     xf = x.astype(ct, copy=False).reshape(n, g, -1)
     m = xp.mean(xf, axis=-1, keepdims=True)
-    v = xp.mean((xf - m) ** 2, axis=-1, keepdims=True)
-    y = ((xf - m) / xp.sqrt(v + _like(xp, eps, ct))).reshape(x.shape)
+    d = xf - m
+    v = xp.mean(d * d, axis=-1, keepdims=True)
+    y = (d / xp.sqrt(xp.add(v, _like(xp, eps, ct)))).reshape(x.shape)
     if scale.shape[0] == c:  # opset 21: per channel
         cs = (1, c) + (1,) * (x.ndim - 2)
         s, b = scale.reshape(cs), bias.reshape(cs)
@@ -328,7 +330,7 @@ def _mvn(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     xf = acc(x)
     m = xp.mean(xf, axis=axes, keepdims=True)
     v = xp.mean(xf * xf, axis=axes, keepdims=True) - m * m
-    return ((xf - m) / (xp.sqrt(v) + 1e-9)).astype(x.dtype, copy=False)
+    return ((xf - m) / xp.add(xp.sqrt(v), 1e-9)).astype(x.dtype, copy=False)
 
 
 @register("LRN")
@@ -344,7 +346,7 @@ def _lrn(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
     s = xp.zeros_like(sq)
     for i in range(size):
         s = s + padded[:, i : i + c]
-    return (xf / (bias + alpha / size * s) ** beta).astype(x.dtype, copy=False)
+    return (xf / xp.power(xp.add(xp.multiply(s, alpha / size), bias), beta)).astype(x.dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
