@@ -130,11 +130,14 @@ class Handle:
 
 
 _tls = threading.local()
+# Handles made ahead by another thread, keyed by (thread they are for, device): see make_handle_for.
+_made_ahead: dict[tuple[int, int], Handle] = {}
 
 
 def get_handle(stream=None) -> Handle:
     """The calling thread's handle for the current device, pointed at ``stream`` (a CuPy stream or
-    raw ``cudaStream_t``; ``None``: CuPy's current stream). Created on first use."""
+    raw ``cudaStream_t``; ``None``: CuPy's current stream). Created on first use, or taken over from
+    :func:`make_handle_for`."""
     cupy = _cupy()
     device = int(cupy.cuda.runtime.getDevice())
     handles = getattr(_tls, "handles", None)
@@ -142,8 +145,19 @@ def get_handle(stream=None) -> Handle:
         handles = _tls.handles = {}
     h = handles.get(device)
     if h is None or h.ptr is None:
-        h = handles[device] = Handle(device)
+        h = _made_ahead.pop((threading.get_ident(), device), None) or Handle(device)
+        h.thread = threading.get_ident()
+        handles[device] = h
     return h.set_stream(stream)
+
+
+def make_handle_for(thread: int, device: int | None = None) -> None:
+    """Create, from this thread, the handle that ``thread`` will get from :func:`get_handle` on
+    ``device`` (default: the current one). Creating a handle loads cuDNN's libraries; a thread that
+    has other start-up work (reading a model) lets a helper thread do it meanwhile. The handle is
+    only ever used by ``thread``, after this returns."""
+    h = Handle(device)
+    _made_ahead.setdefault((thread, h.device), h)
 
 
 def _handle_ptr(handle) -> int:

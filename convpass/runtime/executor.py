@@ -271,7 +271,11 @@ class Executor:
         self.cuda_graph = bool(cuda_graph)
         self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
         self.device = self._backend.name
-        proto, digest = _load(model)
+        self._backend.begin_open()  # the GPU's context and libraries load while the model is read
+        try:
+            proto, digest = _load(model)
+        finally:
+            self._backend.finish_open()
         self.kernel_file, why = _kernel_file(model, digest, kernels)
         self.trusted = self.kernel_file is not None and self.kernel_file.verified and digest is not None
         self._backend.use_kernels(self.kernel_file, why)

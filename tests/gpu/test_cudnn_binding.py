@@ -534,3 +534,31 @@ def test_handles_per_thread_and_stream():
     for _, _, outs, ref in results.values():
         for out in outs:
             assert rel_err(out, ref) <= tolerance(key)
+
+
+def test_a_handle_made_ahead_by_another_thread_is_taken_over_by_its_thread():
+    key = key_of("plain3x3_tf32")
+    errors: list[BaseException] = []
+
+    def work():
+        me = threading.get_ident()
+        helper = threading.Thread(target=api.make_handle_for, args=(me, 0))
+        helper.start()
+        helper.join()
+        try:
+            made = api._made_ahead[(me, 0)]
+            with cupy.cuda.Device(0):
+                h = api.get_handle()
+            assert h is made and h.thread == me and (me, 0) not in api._made_ahead
+            p = Problem(key, seed=1)
+            cupy.cuda.Device().synchronize()
+            api.run(p.descs, "fwd", "implicit_precomp_gemm", p.x, p.w, p.y)
+            cupy.cuda.Device().synchronize()
+            assert rel_err(fetch(p.y, p.dtype), p.reference("fwd")) <= tolerance(key)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=work)  # a fresh thread: it has no handle of its own yet
+    t.start()
+    t.join()
+    assert not errors, errors
