@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +283,9 @@ def bench_command(args: argparse.Namespace) -> int:
                 print("\n" + report.format_case(case), flush=True)
                 if args.json_path:  # every finished case is kept, should a later one be interrupted
                     _write_json(args.json_path, report.build_document(env, settings, peaks, cases, created, notes))
+            _same_executor(path, [c for c in cases if c["model"] == path.stem], args, Path(tmp), log)
+            if args.json_path:
+                _write_json(args.json_path, report.build_document(env, settings, peaks, cases, created, notes))
     module_cache.clear()
     doc = report.build_document(env, settings, peaks, cases, created, notes)
     print("\n" + report.format_summary(doc["summary"]))
@@ -293,6 +297,24 @@ def bench_command(args: argparse.Namespace) -> int:
         print(f"note: {n}")
     _out(doc, args)
     return 0
+
+
+def _same_executor(path: Path, model_cases: list[dict[str, Any]], args: argparse.Namespace, workdir: Path,
+                   log: Callable[[str], None]) -> None:
+    """Issue 10's second-batch-size figure for a model whose cases ran: one executor, its batch sizes
+    in the order the cases ran; recorded in the later cases (which are annotated again)."""
+    from convpass.bench import contenders
+
+    ran = [c["batch"] for c in model_cases if (report.find(c, "convpass") or {}).get("status") in ("ok", "unchecked")]
+    if len(ran) < 2:
+        return
+    log(f"{path.stem}: batch sizes {', '.join(map(str, ran))} in one executor")
+    records = contenders.run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir)
+    for case in model_cases:
+        if case["batch"] in records:
+            case["same_executor"] = records[case["batch"]]
+            report.annotate_case(case)
+            print("  " + (report.same_executor_line(case) or ""), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

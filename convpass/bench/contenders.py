@@ -309,8 +309,8 @@ def uses_tf32(records: Sequence[Mapping[str, Any]], matmul_tf32: bool = False) -
     return any(r.get("math_mode") != "fma" for r in records) or bool(matmul_tf32)
 
 
-def run_optimize(path: Path, spec: str, tf32: str, cache: str | None, out_path: Path) -> tuple[dict[str, Any], list[dict]]:
-    """Tune ``path`` for one shape profile; save to ``out_path``; (tuning record, inspect records)."""
+def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | None, out_path: Path) -> tuple[dict[str, Any], list[dict]]:
+    """Tune ``path`` for one shape profile (or several); save to ``out_path``; (tuning record, inspect records)."""
     from rich.console import Console
 
     import convpass
@@ -323,7 +323,7 @@ def run_optimize(path: Path, spec: str, tf32: str, cache: str | None, out_path: 
     options = TuneOptions(tf32=tf32, matmul_tf32=tf32 != "off")
     t0 = time.perf_counter()
     model = load_model(path)
-    rep = optimize_model(model, options, [spec], cache, None, Console(stderr=True, quiet=True))
+    rep = optimize_model(model, options, [spec] if isinstance(spec, str) else list(spec), cache, None, Console(stderr=True, quiet=True))
     save_model(model, out_path)
     wall = time.perf_counter() - t0
     records = convpass.inspect(out_path)
@@ -651,6 +651,55 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
         except OSError:
             pass
     return case
+
+
+def run_batch_sizes_in_one_executor(path: Path, batches: Sequence[int], tf32: str, cache: str | None,
+                                    workdir: Path) -> dict[int, dict[str, Any]]:
+    """Issue 10's "a model's second batch size in the same process": one model tuned for every batch
+    size (from the tuning cache the cases filled), one executor; it runs the first batch size, then
+    each later one is timed from the call to the first result in device memory (plan build, kernels,
+    warm-up, capture, first run). Returns a record per later batch size: ``status`` ("ok" or
+    "failed"), ``seconds``, ``after`` (the batch size that ran first), ``reason``."""
+    if len(batches) < 2:
+        return {}
+    model = onnx.load(os.fspath(path), load_external_data=False)
+    shapes = {b: input_shapes(model, b) for b in batches}
+    feeds = {b: make_feeds(model, shapes[b]) for b in batches}
+    del model
+    out = workdir / f"{path.stem}.all-batches.tuned.onnx"
+    first, later = batches[0], list(batches[1:])
+    try:
+        from convpass.runtime.executor import Executor
+
+        run_optimize(path, [shape_spec(shapes[b]) for b in batches], tf32, cache, out)
+        free_gpu_memory()
+        cp = _cupy()
+        ex = Executor(os.fspath(out), device="cuda", output_kind="device")
+        outs = ex.run(None, {n: cp.asarray(a) for n, a in feeds[first].items()})
+        device_sync()
+        del outs
+        records: dict[int, dict[str, Any]] = {}
+        for b in later:
+            dev = {n: cp.asarray(a) for n, a in feeds[b].items()}
+            device_sync()
+            t0 = time.perf_counter()
+            outs = ex.run(None, dev)
+            device_sync()
+            seconds = time.perf_counter() - t0
+            finite = all(bool(np.isfinite(_host(o)).all()) for o in outs if np.dtype(o.dtype).kind == "f")
+            records[b] = {"status": "ok" if finite else "failed", "seconds": seconds, "after": first,
+                          "reason": None if finite else "non-finite output"}
+            del outs, dev
+        return records
+    except Exception as e:  # noqa: BLE001  (reported in the case; the bench goes on)
+        return {b: {"status": "failed", "seconds": None, "after": first, "reason": _first_line(e)} for b in later}
+    finally:
+        free_gpu_memory()
+        for f in workdir.glob(f"{out.name}*"):
+            try:
+                f.unlink()
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------------------------------------

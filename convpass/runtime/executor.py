@@ -29,6 +29,7 @@ Run
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import os
@@ -915,9 +916,12 @@ def _load(model: Any) -> tuple[onnx.ModelProto, str | None]:
         try:
             with open(path, "rb") as f:  # read once: parsed and hashed from the same bytes
                 data = f.read()
-            proto = onnx.load_from_string(data)
-            onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
-            return proto, hashlib.sha256(data).hexdigest()
+            # hashlib lets go of the GIL on large buffers: the hash runs beside the parse
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256") as pool:
+                digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+                proto = onnx.load_from_string(data)
+                onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+                return proto, digest.result()
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot load {path}: {e}") from None
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")

@@ -217,3 +217,14 @@ def test_the_bench_child_of_pytorch_loads_the_saved_weights(tmp_path, config):
     rec, outs = _bench_child("torch", path, feeds, tmp_path / "fresh", config=config, weights=tmp_path / "weights.pt")
     assert all(isinstance(rec["parts"][k], float) for k in ("import_s", "context_s", "model_read_s", "plan_s", "first_run_s"))
     _check(outs, run_ort(onnx.load(path), feeds), 5e-3, f"torch {config}")
+
+
+def test_the_bench_times_a_later_batch_size_in_the_executor_that_ran_the_first(tmp_path):
+    from convpass.bench import contenders
+
+    path = MODELS / "residual_cnn.onnx" if (MODELS / "residual_cnn.onnx").exists() else SAMPLES[0]
+    records = contenders.run_batch_sizes_in_one_executor(path, [1, 4], "on", str(tmp_path / "tune.db"), tmp_path)
+    assert list(records) == [4]
+    rec = records[4]
+    assert rec["status"] == "ok" and rec["after"] == 1 and 0 < rec["seconds"] < 60, rec
+    assert not list(tmp_path.glob("*.tuned.onnx*"))  # its model and side-car are removed
