@@ -6,7 +6,10 @@ the driver does). The driver also asks it whether rows already stored cover a pr
 measures only what is missing.
 
 * :class:`CudnnMeasurer` times problems on the worker's GPU with the tuner
-  (:func:`convpass.tune.tuner.measure_problem`), after warming the GPU.
+  (:func:`convpass.tune.tuner.measure_problem`). Everything a first problem would otherwise pay
+  for is done when the worker starts, while the driver still collects problems: the CUDA context,
+  cuDNN's handle, the tuner's imports, one small convolution through the tuner's own path (cuDNN
+  loads its sub-libraries and CuPy its kernels on first use), and the GPU's clocks warmed.
 * :class:`RecordedMeasurer` replays measurements recorded in a tuning cache for one device, through
   the cache-only decision path's own read (:func:`convpass.decide.cached_rows`): no GPU, nothing
   timed. It rehearses a fleet run (scheduling, faults, models written) on machines without GPUs,
@@ -23,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from convpass.device import DeviceFingerprint
 from convpass.options import TuneOptions
-from convpass.passes.collect_conv_problems import ConvProblem
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # not at run time: the driver imports this module before launching its workers
     from convpass.cache import Measurement, TuningCache
+    from convpass.passes.collect_conv_problems import ConvProblem
 
 
 class MeasureError(Exception):
@@ -42,11 +45,11 @@ class Measurer(Protocol):
         """In the worker, once before its first problem: set up, warm up; the device it measures."""
         ...
 
-    def measure(self, problem: ConvProblem, options: TuneOptions) -> list["Measurement"]:
+    def measure(self, problem: "ConvProblem", options: TuneOptions) -> list["Measurement"]:
         """Every row measured for ``problem`` (raises :class:`MeasureError` when it cannot)."""
         ...
 
-    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: ConvProblem, options: TuneOptions) -> bool:
+    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
         """In the driver: whether ``rows`` stored for ``device`` hold what :meth:`measure` would return."""
         ...
 
@@ -75,15 +78,32 @@ class CudnnMeasurer:
         import cupy as cp
 
         from convpass.cudnn import get_handle
-        from convpass.tune import harness
+        from convpass.tune import harness, tuner
 
         self._stream = cp.cuda.Stream(non_blocking=True)
         with self._stream:
             get_handle()  # load cuDNN and create the handle before the first timing
+            self._first_use(tuner)
             harness.warm_clocks()  # idle GPUs sit at low clocks: every worker warms its own
         return fingerprint
 
-    def measure(self, problem: ConvProblem, options: TuneOptions) -> list["Measurement"]:
+    @staticmethod
+    def _first_use(tuner: Any) -> None:
+        """One small convolution through the tuner (heuristic, reference, check, timing), rows
+        dropped: what cuDNN and CuPy load or compile on first use is loaded now, not in the first
+        problem. Best effort: a problem it shows would show in the first task as well."""
+        from convpass.passes.collect_conv_problems import ConvProblem
+        from convpass.problem import ConvShape
+
+        shape = ConvShape("fwd", 1, 8, 8, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1))
+        try:
+            tuner.measure_problem(ConvProblem((shape,)), TuneOptions(mode="heuristic", layout="nchw", tf32="on"))
+        except Exception as e:  # noqa: BLE001
+            import logging
+
+            logging.getLogger("convpass").debug("fleet worker warm-up: %s", e)
+
+    def measure(self, problem: "ConvProblem", options: TuneOptions) -> list["Measurement"]:
         from convpass.tune.tuner import measure_problem
 
         if self._stream is None:
@@ -91,7 +111,7 @@ class CudnnMeasurer:
         with self._stream:
             return measure_problem(problem, options)
 
-    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: ConvProblem, options: TuneOptions) -> bool:
+    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
         from convpass.tune.tuner import problem_complete
 
         return problem_complete(list(rows), problem, options)
@@ -113,7 +133,7 @@ class RecordedMeasurer:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.cache_path, self.device, self._cache = state["cache_path"], state["device"], None
 
-    def _recorded(self, device: DeviceFingerprint, problem: ConvProblem) -> list["Measurement"]:
+    def _recorded(self, device: DeviceFingerprint, problem: "ConvProblem") -> list["Measurement"]:
         from convpass.cache import TuningCache
         from convpass.decide import cached_rows
 
@@ -128,12 +148,12 @@ class RecordedMeasurer:
             raise MeasureError(f"recorded tuning cache {self.cache_path} does not exist")
         return self.device
 
-    def measure(self, problem: ConvProblem, options: TuneOptions) -> list["Measurement"]:
+    def measure(self, problem: "ConvProblem", options: TuneOptions) -> list["Measurement"]:
         rows = self._recorded(self.device, problem)
         if not rows:
             raise MeasureError(f"no measurement of {problem} for {self.device} recorded in {self.cache_path}")
         return rows
 
-    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: ConvProblem, options: TuneOptions) -> bool:
+    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
         recorded = {(m.key, m.algo, m.method) for m in self._recorded(device, problem)}
         return bool(recorded) and recorded <= {(m.key, m.algo, m.method) for m in rows}

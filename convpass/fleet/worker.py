@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import traceback
 from typing import Any
@@ -34,6 +35,9 @@ class WorkerCore:
         self.device: DeviceFingerprint | None = None
 
     def start(self) -> DeviceFingerprint:
+        # What every task's request unpickles (problems: onnx-ir), loaded now rather than in the first task.
+        import convpass.passes.collect_conv_problems  # noqa: F401
+
         self.device = self.measurer.start()
         return self.device
 
@@ -55,7 +59,9 @@ def local_main(conn: Any, measurer: Measurer, gpu: str | None) -> None:
 
     Messages sent: ("ready", fingerprint, pid) | ("start_failed", reason) once, then per request
     ("finished", task_id, rows, seconds) | ("failed", task_id, reason). A request is
-    (task_id, problem, options); None or a closed pipe ends the worker.
+    (task_id, problem, options); None or a closed pipe ends the worker at once, without the
+    interpreter's clean-up (freeing CuPy's pools, destroying the CUDA context: the operating system
+    releases all of it with the process), so that the driver does not wait on it.
     """
     # Ctrl-C reaches the whole foreground process group: the driver alone decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -72,10 +78,19 @@ def local_main(conn: Any, measurer: Measurer, gpu: str | None) -> None:
         try:
             request = conn.recv()
         except (EOFError, OSError):
-            return  # the driver is gone
+            request = None  # the driver is gone
         if request is None:
-            return
+            _exit_now(0)
         kind, payload, fatal = core.measure(*request)
         conn.send((kind, *payload))
         if fatal:
-            os._exit(3)
+            _exit_now(3)
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001  (closed or gone: nothing to keep)
+            pass
+    os._exit(code)
