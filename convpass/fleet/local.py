@@ -16,13 +16,13 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 from convpass.fleet import worker
 from convpass.fleet.measurers import Measurer
-from convpass.fleet.scheduler import Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
+from convpass.fleet.scheduler import FEED_POLL_S, Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
 from convpass.options import TuneOptions
 
 START_TIMEOUT_S = 300.0  # CUDA context, cuDNN load and clock warm-up; generous for a busy host
@@ -47,7 +47,7 @@ class _Worker:
         self.process = process
         self.conn = conn
         self.gpu = gpu
-        self.state = "starting"  # starting | ready | dead
+        self.state = "starting"  # starting | ready | stopping (asked to) | dead
         self.deadline = time.monotonic() + START_TIMEOUT_S
 
 
@@ -81,10 +81,12 @@ class LocalExecutor:
         for sid, gpu in zip(ids, gpus):
             self._spawn(sid, gpu)
 
-    def wait_started(self) -> tuple[list[Slot], list[str]]:
+    def wait_started(self, poll: Callable[[], None] | None = None) -> tuple[list[Slot], list[str]]:
         problems: list[str] = []
         while any(w.state == "starting" for w in self._procs.values()):
-            for event in self.wait(None):
+            if poll is not None:
+                poll()
+            for event in self.wait(None if poll is None else FEED_POLL_S):
                 if isinstance(event, StartFailed):
                     problems.append(f"worker {event.slot_id} did not start: {event.reason}")
         return [self._slots[sid] for sid, w in self._procs.items() if w.state == "ready"], problems
@@ -128,15 +130,20 @@ class LocalExecutor:
             self._stop(old, kill=True)
         self._spawn(slot_id, old.gpu)
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         for w in self._procs.values():
             if w.state == "starting":
-                self._stop(w, kill=True)  # it would read the request to stop only once started
-            elif w.state != "dead":
+                w.process.kill()  # it would read the request to stop only once started
+                w.state = "stopping"
+            elif w.state == "ready":
                 try:
-                    w.conn.send(None)
+                    w.conn.send(None)  # an idle worker exits at once; a busy one after its task
                 except (BrokenPipeError, EOFError, OSError):
                     pass
+                w.state = "stopping"
+
+    def shutdown(self) -> None:
+        self.stop()
         deadline = time.monotonic() + STOP_GRACE_S
         for w in self._procs.values():
             if w.state != "dead":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -34,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from convpass.errors import ConvpassError
 from convpass.fleet.measurers import Measurer
-from convpass.fleet.scheduler import Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
+from convpass.fleet.scheduler import FEED_POLL_S, Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
 from convpass.fleet.worker import WorkerCore, describe
 from convpass.options import TuneOptions
 
@@ -96,11 +97,13 @@ class RayExecutor:
             self._placement[sid] = node_id
             self._spawn(sid)
 
-    def wait_started(self) -> tuple[list[Slot], list[str]]:
+    def wait_started(self, poll: Callable[[], None] | None = None) -> tuple[list[Slot], list[str]]:
         slots: list[Slot] = []
         problems = self._not_started
         while any(kind == "start" for _, kind, _ in self._refs.values()):
-            for event in self.wait(None):
+            if poll is not None:
+                poll()
+            for event in self.wait(None if poll is None else FEED_POLL_S):
                 if isinstance(event, Ready):
                     slots.append(event.slot)
                 elif isinstance(event, StartFailed):
@@ -146,9 +149,12 @@ class RayExecutor:
         self.kill(slot_id)
         self._spawn(slot_id)
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         for sid in list(self._actors):
-            self.kill(sid)
+            self.kill(sid)  # ray.kill does not wait
+
+    def shutdown(self) -> None:
+        self.stop()
         if self._connected_here:
             ray.shutdown()
             self._connected_here = False

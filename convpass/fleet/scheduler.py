@@ -20,8 +20,16 @@ Rules:
   device type has no live slot (none in the cluster, or all retired) fails with that reason.
 * ``on_settled`` hears of every task once, as soon as it is settled: finished (its rows are in the
   cache) or failed for good. The driver writes a model as soon as all of its tasks are.
+* Tasks may keep coming while the run goes on: a :class:`Feed` (the driver's, which collects models
+  while the workers measure) is asked for new tasks at every turn of the loop; they queue after
+  the tasks already given, in the order the feed gives them, and the run ends when every task is
+  settled and the feed has nothing more to give.
 * An exception in the driver (Ctrl-C is ``KeyboardInterrupt``) stops the workers at once; what was
   written stays. ``KeyboardInterrupt`` returns a result marked ``interrupted``; others propagate.
+  An exception raised by the feed (a model that cannot be prepared or written) stops the run more
+  gently: no task is started any more, the tasks running finish (their rows are written), then
+  the workers stop and the result says what stopped it (``stopped_by``); what was not settled is
+  neither finished nor failed.
 """
 
 from __future__ import annotations
@@ -33,13 +41,14 @@ from typing import TYPE_CHECKING, Protocol, Union
 
 from convpass.device import DeviceFingerprint
 from convpass.options import TuneOptions
-from convpass.passes.collect_conv_problems import ConvProblem
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # not at run time: this module is imported before the driver launches its workers
     from convpass.cache import Measurement, TuningCache
     from convpass.fleet.measurers import Measurer
+    from convpass.passes.collect_conv_problems import ConvProblem
 
 SLOT_LOSSES = 3
+FEED_POLL_S = 0.02  # how long the loop may wait on the workers before asking an open or busy feed again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +57,7 @@ class Task:
 
     id: int
     device: DeviceFingerprint
-    problem: ConvProblem
+    problem: "ConvProblem"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +122,10 @@ class Executor(Protocol):
         """Start the workers without waiting for them (the driver collects problems meanwhile)."""
         ...
 
-    def wait_started(self) -> tuple[list[Slot], list[str]]:
+    def wait_started(self, poll: Callable[[], None] | None = None) -> tuple[list[Slot], list[str]]:
         """Wait until every launched worker is ready or failed to start; the slots that are ready,
-        and why the others did not start."""
+        and why the others did not start. ``poll`` is called at least every :data:`FEED_POLL_S`
+        seconds meanwhile; what it raises ends the wait (the caller then shuts the workers down)."""
         ...
 
     def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:
@@ -134,8 +144,29 @@ class Executor(Protocol):
         """Start a new worker for a slot whose worker is gone; Ready or StartFailed follows."""
         ...
 
+    def stop(self) -> None:
+        """Ask every worker to stop (at once, whatever they are doing) without waiting for them to
+        be gone; :meth:`shutdown` waits."""
+        ...
+
     def shutdown(self) -> None:
-        """Stop every worker (at once, whatever they are doing)."""
+        """Stop every worker (at once, whatever they are doing) and wait until they are gone."""
+        ...
+
+
+class Feed(Protocol):
+    """Tasks that come while a run goes on (see the module docstring)."""
+
+    def poll(self) -> list[Task]:
+        """New tasks, numbered after every task given before; may raise to stop the run."""
+        ...
+
+    def open(self) -> bool:
+        """Whether more tasks may still come."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether the feed has work under way that :meth:`poll` must see soon, though no task may come."""
         ...
 
 
@@ -166,6 +197,9 @@ class ScheduleResult:
     retried: int = 0
     interrupted: bool = False
     seconds: float = 0.0
+    stopped_by: Exception | None = None  # what the feed raised (the run stopped early)
+    first_task_at: float | None = None  # time.perf_counter() when the first task was given to a worker
+    last_settled_at: float | None = None  # ... when the last task was settled
 
 
 class Scheduler:
@@ -193,21 +227,22 @@ class Scheduler:
         self.on_progress = on_progress
         self.on_settled = on_settled  # (task, finished): True when its rows are in the cache, False when it failed
 
-    def run(self, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str] = ()) -> ScheduleResult:
-        """Run ``tasks`` (in this order of preference) on the executor's started ``slots`` until each
-        finished or failed."""
+    def run(self, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str] = (), feed: Feed | None = None) -> ScheduleResult:
+        """Run ``tasks`` (in this order of preference), and those ``feed`` gives meanwhile, on the
+        executor's started ``slots`` until each finished or failed. Returns with the workers asked to
+        stop (:meth:`Executor.stop`); the caller waits for them with :meth:`Executor.shutdown`."""
         started = time.perf_counter()
         try:
-            run = _Run(self, tasks, slots, not_started)
+            run = _Run(self, tasks, slots, not_started, feed)
         except BaseException:
-            self.executor.shutdown()
+            self.executor.stop()
             raise
         try:
             run.loop()
         except KeyboardInterrupt:
             run.result.interrupted = True
         finally:
-            self.executor.shutdown()
+            self.executor.stop()
             run.result.seconds = time.perf_counter() - started
         return run.result
 
@@ -215,20 +250,27 @@ class Scheduler:
 class _Run:
     """The state of one :meth:`Scheduler.run`."""
 
-    def __init__(self, s: Scheduler, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str]) -> None:
+    def __init__(self, s: Scheduler, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str], feed: Feed | None) -> None:
         self.s = s
-        self.tasks = {t.id: t for t in tasks}
-        if len(self.tasks) != len(tasks):
-            raise ValueError("task ids must be unique")
+        self.feed = feed
+        self.stopping: Exception | None = None  # the feed raised: finish the running tasks, then stop
+        self.tasks: dict[int, Task] = {}
         self.result = ScheduleResult(slots=list(slots), not_started=list(not_started))
         self.slots: dict[str, Slot] = {slot.id: slot for slot in slots}  # live: ready or restarting
         self.restarting: set[str] = set()
         self.running: dict[str, tuple[Task, float]] = {}  # slot id -> (task, started at)
         self.losses: dict[str, int] = {}  # slot id -> workers lost in a row
         self.failed_on: dict[int, set[str]] = {}
-        self.rank = {task.id: i for i, task in enumerate(tasks)}  # the order tasks are taken in
+        self.rank: dict[int, int] = {}  # the order tasks are taken in
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
+        self.add(tasks)
+
+    def add(self, tasks: Sequence[Task]) -> None:
         for task in tasks:
+            if task.id in self.tasks:
+                raise ValueError("task ids must be unique")
+            self.tasks[task.id] = task
+            self.rank[task.id] = len(self.rank)
             self.pending.setdefault(task.device, []).append(task)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -236,13 +278,49 @@ class _Run:
     def loop(self) -> None:
         self.progress()
         while True:
+            more = self.poll_feed()
             self.fail_orphans()
             self.assign()
+            if self.stopping is not None and not self.running:
+                self.result.stopped_by = self.stopping
+                return
             if not self.running and not self.restarting:
-                return  # nothing pending can run (fail_orphans failed those without slots)
-            for event in self.s.executor.wait(self.wait_timeout()):
+                if not more:
+                    return  # nothing pending can run (fail_orphans failed those without slots)
+                self.idle()  # nothing to run until the feed gives more
+                continue
+            timeout = self.wait_timeout()
+            if more or (self.feed is not None and self.stopping is None and self.feed.busy()):
+                timeout = FEED_POLL_S if timeout is None else min(timeout, FEED_POLL_S)
+            for event in self.s.executor.wait(timeout):
                 self.handle(event)
             self.check_timeouts()
+
+    def poll_feed(self) -> bool:
+        """New tasks from the feed; whether more may come. What the feed raises stops the run gently."""
+        if self.feed is None or self.stopping is not None:
+            return False
+        try:
+            new = self.feed.poll()
+        except Exception as e:  # noqa: BLE001  (the result's stopped_by, once the running tasks are settled)
+            self.stopping = e
+            for queue in self.pending.values():
+                queue.clear()  # started no more; the running tasks finish
+            return False
+        if new:
+            self.add(new)
+            self.progress()
+        return self.feed.open()
+
+    def idle(self) -> None:
+        """Wait up to FEED_POLL_S for the workers (a lost one, say); an executor with no live worker
+        or nothing under way may return at once."""
+        until = time.monotonic() + FEED_POLL_S
+        events = self.s.executor.wait(FEED_POLL_S)
+        for event in events:
+            self.handle(event)
+        if not events and time.monotonic() < until:
+            time.sleep(until - time.monotonic())
 
     def wait_timeout(self) -> float | None:
         if self.s.task_timeout is None or not self.running:
@@ -301,6 +379,8 @@ class _Run:
                     self.result.attempts[task.id] = self.result.attempts.get(task.id, 0) + 1
                     self.running[sid] = (task, time.monotonic())
                     self.s.executor.submit(sid, task, self.s.options)
+                    if self.result.first_task_at is None:
+                        self.result.first_task_at = time.perf_counter()
                     break
         self.progress()
 
@@ -331,6 +411,7 @@ class _Run:
         self.progress()
 
     def settled(self, task: Task, finished: bool) -> None:
+        self.result.last_settled_at = time.perf_counter()
         if self.s.on_settled is not None:
             self.s.on_settled(task, finished)
 
@@ -351,7 +432,7 @@ class _Run:
         self.losses[sid] = self.losses.get(sid, 0) + 1
         if self.losses[sid] >= SLOT_LOSSES:
             self.retire(sid, f"lost {SLOT_LOSSES} workers in a row, the last: {reason}")
-        else:
+        elif self.stopping is None:
             self.restarting.add(sid)
             self.s.executor.restart(sid)
 
@@ -366,6 +447,8 @@ class _Run:
         if self.result.attempts.get(task.id, 0) > self.s.retries:
             self.result.failed[task.id] = list(reasons)
             self.settled(task, False)
+            return
+        if self.stopping is not None:  # started no more: it stays unsettled (missing)
             return
         self.result.retried += 1
         queue = self.pending.setdefault(task.device, [])
@@ -383,6 +466,6 @@ class _Run:
         self.progress()
 
 
-def make_tasks(problems: Iterable[ConvProblem], devices: Sequence[DeviceFingerprint]) -> list[Task]:
-    """One task per (device, problem), numbered in that order."""
-    return [Task(i, device, problem) for i, (device, problem) in enumerate((d, p) for d in devices for p in problems)]
+def make_tasks(problems: Iterable["ConvProblem"], devices: Sequence[DeviceFingerprint], first_id: int = 0) -> list[Task]:
+    """One task per (device, problem), numbered in that order from ``first_id``."""
+    return [Task(first_id + i, device, problem) for i, (device, problem) in enumerate((d, p) for d in devices for p in problems)]
