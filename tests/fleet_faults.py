@@ -93,6 +93,25 @@ class ReplayPerGpu(RecordedMeasurer):
         return super().measure(problem, options)
 
 
+class SlowReplay(RecordedMeasurer):
+    """A replay that takes ``delay`` seconds per problem (a GPU takes about 0.26 s per problem)."""
+
+    def __init__(self, cache_path, device, delay: float) -> None:
+        super().__init__(cache_path, device)
+        self.delay = delay
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "delay": self.delay}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.delay = state["delay"]
+
+    def measure(self, problem, options):
+        time.sleep(self.delay)
+        return super().measure(problem, options)
+
+
 class NotStarting(RecordedMeasurer):
     """A worker whose GPU cannot be used: start() fails."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import shutil
 import subprocess
 import sys
@@ -31,9 +32,10 @@ from convpass.decide import select
 from convpass.fleet import driver
 from convpass.fleet.local import LocalExecutor
 from convpass.fleet.measurers import RecordedMeasurer
+from convpass.fleet.model_procs import ModelProcesses, ModelProcessError, prepare
 from convpass.options import TuneOptions
 from convpass.problem import ProblemKey
-from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu, SlowStart
+from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu, SlowReplay, SlowStart
 from recorded import H200, H200_TUNING_RUN
 
 OPTIONS = TuneOptions(layout="per-conv")
@@ -49,16 +51,16 @@ def lab(tmp_path_factory):
         c.put(H200, [m for rows in recorded.recorded_rows("oracle").values() for m in rows])
         c.put(H200_TUNING_RUN, [m for rows in recorded.recorded_rows("tuning").values() for m in rows])
     paths = [recorded.save(getattr(recorded, name)(), root, name) for name in MODELS]
-    specs, notes = driver.specs_from_batches(paths, ["1,32"])
-    assert notes == []
+    specs = driver.specs_with_batches(paths, ["1,32"])  # as the command line: resolved when collected
+    assert [s.batches for s in specs] == [(1, 32)] * 4
     return {"root": root, "recorded": root / "recorded.db", "paths": paths, "specs": specs}
 
 
-def _tune(lab, tmp_path, measurer=None, workers=2, executor=None, **kw):
+def _tune(lab, tmp_path, measurer=None, workers=2, executor=None, specs=None, **kw):
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     return driver.tune(
-        lab["specs"], out, OPTIONS,
+        specs or lab["specs"], out, OPTIONS,
         cluster=executor or LocalExecutor(workers=workers),
         cache=tmp_path / "driver.db",
         measurer=measurer or RecordedMeasurer(lab["recorded"], H200),
@@ -163,6 +165,14 @@ def test_batches_follow_each_models_inputs(tmp_path):
         driver.specs_from_batches([fixed], ["8"])
     with pytest.raises(convpass.errors.ConvpassError, match="not given: other"):
         driver.specs_from_batches([fixed], ["other=1"])
+    # tune resolves them when it collects each model (in a model process), with the same result
+    lazy = driver.specs_with_batches([dynamic, fixed], ["1,32", "dyn=2"])
+    assert [(s.shapes, s.batches) for s in lazy] == [((), (2,)), ((), (1, 32))]
+    assert [prepare(s, OPTIONS)[3:] for s in lazy] == [(("x=2x3x8x8",), []), (("x=1x3x8x8",), notes)]
+    with pytest.raises(convpass.errors.ConvpassError, match="none of the batch sizes"):
+        prepare(driver.specs_with_batches([fixed], ["8"])[0], OPTIONS)
+    with pytest.raises(convpass.errors.ConvpassError, match="nowhere.onnx: no such file"):
+        driver.specs_with_batches([tmp_path / "nowhere.onnx"], ["1"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,12 +265,13 @@ def test_a_model_is_written_as_soon_as_its_problems_are_settled(lab, tmp_path):
     seen = []
 
     def wait_for_the_stem(progress):
-        # one worker settles tasks in order: the stem's 8 problems first. The driver's thread waits
-        # here, so no further task settles while the writer writes the stem.
-        if progress.finished == 8 and not seen:
+        # one worker settles tasks in order: the stem's 8 problems first, 0.1 s each. Once every model
+        # is collected (the total is known), no model process is busy: the driver's thread waits
+        # here, so no further task settles while the stem is written.
+        if progress.finished >= 8 and progress.total == 18 and not seen:
             seen.append((_wait_for(stem), progress.finished + progress.failed < progress.total))
 
-    report = _tune(lab, tmp_path, workers=1, on_progress=wait_for_the_stem)
+    report = _tune(lab, tmp_path, SlowReplay(lab["recorded"], H200, 0.1), workers=1, on_progress=wait_for_the_stem)
     doc = report.to_json()
     assert seen == [(True, True)]  # written while 10 tasks were still to run
     assert report.written[0] == stem and doc["written_during_tune"] >= 1
@@ -268,7 +279,9 @@ def test_a_model_is_written_as_soon_as_its_problems_are_settled(lab, tmp_path):
     assert all(m.prepared is None for m in report.models)
     _check_nothing_lost(doc, tmp_path / "driver.db")
     _check_decisions(report.written)  # the failed problems of resnet_unrecorded are auto
-    assert set(doc["seconds"]) == {"collect", "start", "tune", "write", "total"}
+    assert set(doc["seconds"]) == {"workers", "first_model", "collect", "first_task", "tune", "write", "total"}
+    sec = doc["seconds"]
+    assert sec["first_model"] <= sec["collect"] <= sec["total"] and sec["first_task"] + sec["tune"] + sec["write"] <= sec["total"]
     console = Console(record=True, width=400)
     driver.print_report(report, console)
     assert f"; {doc['written_during_tune']} of 4 model(s) written while tuning" in console.export_text()
@@ -279,10 +292,11 @@ def test_an_interrupt_after_a_model_was_written_says_which_were_written(lab, tmp
     stem = out / "resnet_stem.tuned.onnx"
 
     def interrupt_once_the_stem_is_written(progress):
-        if progress.finished == 8 and _wait_for(stem):
+        # as above: the stem's 8 problems first, 0.1 s each, and every model collected by then
+        if progress.finished == 8 and progress.total == 18 and _wait_for(stem):
             raise KeyboardInterrupt
 
-    first = _tune(lab, tmp_path, workers=1, on_progress=interrupt_once_the_stem_is_written)
+    first = _tune(lab, tmp_path, SlowReplay(lab["recorded"], H200, 0.1), workers=1, on_progress=interrupt_once_the_stem_is_written)
     doc = first.to_json()
     assert first.interrupted and first.written == [stem] and doc["written_during_tune"] == 1
     assert [m["output"] for m in doc["models"]] == [str(stem), None, None, None]
@@ -328,6 +342,99 @@ def test_a_model_that_cannot_be_prepared_stops_the_workers_while_they_start(lab,
 def test_workers_that_do_not_start_are_reported(lab, tmp_path):
     with pytest.raises(convpass.errors.ConvpassError, match="no worker started.*CUDA_ERROR_NO_DEVICE"):
         _tune(lab, tmp_path, NotStarting(lab["recorded"], H200))
+
+
+# ------------------------------------------------------------------------------------------------
+# tuning while later models are still being collected
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """``inverted_residual`` with 40,000 Relu nodes after it: its 6 recorded problems, and about 2.5 s
+    to prepare (graph passes over every node), during which the models before it are tuned."""
+    from onnx import TensorProto, helper
+
+    model = recorded.inverted_residual()
+    graph = model.graph
+    x = graph.output[0].name
+    graph.node.extend(helper.make_node("Relu", [x if i == 0 else f"t{i - 1}"], [f"t{i}"], name=f"tail{i}") for i in range(40_000))
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("t39999", TensorProto.FLOAT, ["batch", 80, 14, 14]))
+    return recorded.save(model, tmp_path_factory.mktemp("slow"), "slow_tail")
+
+
+def test_models_are_tuned_while_later_ones_are_collected(lab, tmp_path, slow_model):
+    """The stem's problems go to the workers while the slow model is still being collected; the
+    models after it, collected meanwhile by the other model process, wait for it (tasks keep the
+    model order); a copy of the stem adds no task and is written from the stem's measurements."""
+    copy = recorded.save(recorded.resnet_stem(), tmp_path, "stem_copy")
+    specs = [lab["specs"][0], driver.ModelSpec(slow_model, batches=(1, 32)), driver.ModelSpec(copy, batches=(1, 32)), lab["specs"][1]]
+    seen = []
+    report = _tune(lab, tmp_path, specs=specs, model_processes=2, on_progress=lambda p: seen.append((p.finished + p.failed, p.total)))
+    doc = report.to_json()
+    assert (8, 8) in seen  # every task of the stem settled before anything else was known
+    assert sorted({total for _, total in seen} - {0}) == [8, 16]  # then the rest at once: never the block's 2 before the slow model's 6
+    assert doc["seconds"]["first_task"] < doc["seconds"]["collect"]
+    assert [t.problem for t in report.tasks] == driver.tuning_order(report.models)  # as if every model had been collected first
+    assert doc["tasks"] == doc["measured"] == doc["problems"] == 16 and doc["cache_writes"]["max_per_task"] == 1
+    assert [m["problems"] for m in doc["models"]] == [8, 6, 8, 8] and all(m["collected"] for m in doc["models"])
+    assert len(report.written) == 4
+    stem, twin = (_decisions([tmp_path / "out" / f"{n}.tuned.onnx"]) for n in ("resnet_stem", "stem_copy"))
+    assert {k[1:]: v for k, v in stem.items()} == {k[1:]: v for k, v in twin.items()} and len(stem) == 8
+
+
+def test_a_model_that_cannot_be_prepared_while_others_are_tuned_loses_nothing(lab, tmp_path, slow_model):
+    bad = tmp_path / "dynamic.onnx"
+    onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), bad)
+    specs = [lab["specs"][0], driver.ModelSpec(slow_model, batches=(1, 32)), driver.ModelSpec(bad)]
+    with pytest.raises(convpass.errors.ShapeError) as raised:
+        _tune(lab, tmp_path, specs=specs, model_processes=1)
+    message = str(raised.value)
+    assert message.startswith(f"{bad}: Conv 'conv': dim 0 of its input 'x' is 'N'"), message
+    kept = re.search(r"\(the run stopped: the (\d+) problem\(s\) it measured are in the tuning cache (.+); (written: (.+)|no model was written); "
+                     r"once fixed, the same command measures only what is missing\)$", message)
+    assert kept, message
+    assert str(tmp_path / "driver.db") == kept[2]
+    assert 8 <= int(kept[1]) <= 14 and len(_stored(tmp_path / "driver.db")) == int(kept[1])  # the tasks running finished
+    written = [w for w in (kept[4] or "").split(", ") if w]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(written)
+    for name in written:  # complete models only
+        onnx.checker.check_model(onnx.load(tmp_path / "out" / name), full_check=True)
+    assert multiprocessing.active_children() == []
+
+
+def test_a_model_process_that_dies_stops_the_run_and_says_so(lab, tmp_path):
+    def kill_the_model_process(progress):
+        if progress.finished == 1:
+            for child in multiprocessing.active_children():
+                if child.name == "convpass-model-process":
+                    child.kill()
+
+    with pytest.raises(ModelProcessError, match=r"^a model process \(pid \d+\) was killed by SIGKILL.*\(the run stopped: the \d+ problem"):
+        _tune(lab, tmp_path, model_processes=1, on_progress=kill_the_model_process)
+    assert multiprocessing.active_children() == [] and len(_stored(tmp_path / "driver.db")) >= 1
+
+
+def test_model_processes_answer_in_order_and_stop(lab, tmp_path):
+    procs = ModelProcesses(1, ["a", "b"])
+    procs.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not procs.idle() and time.monotonic() < deadline:
+            procs.receive(0.05)
+        from convpass.fleet.model_procs import CollectJob
+
+        for i in (0, 1):
+            procs.submit(0, "collect", i, CollectJob(lab["specs"][i], OPTIONS, str(tmp_path)))
+        answers = []
+        while len(answers) < 2 and time.monotonic() < deadline:
+            answers += procs.receive(0.5)
+        assert [(kind, index) for kind, index, _, _ in answers] == [("collected", 0), ("collected", 1)]
+        assert [len(a[2].problems) for a in answers] == [8, 8] and answers[0][2].shapes == ("input=1x3x224x224", "input=32x3x224x224")
+        assert procs.holder(1) == 0 and procs.holder(0) is None  # it keeps the last model it collected
+    finally:
+        assert procs.stop() == []
+    assert multiprocessing.active_children() == []
 
 
 # ------------------------------------------------------------------------------------------------

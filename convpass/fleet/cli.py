@@ -56,18 +56,18 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def tune_command(args: argparse.Namespace) -> int:
+    # Nothing heavy before driver.tune launches the workers: the models are read (and --batch
+    # resolved) in the model processes, the options are built (which imports the pipeline) while
+    # the workers start.
     from convpass.cli import decision_options
     from convpass.fleet import driver
-    from convpass.pipeline import build_options
 
     if args.retries < 0:
         raise OptionError(f"--retries must be >= 0, got {args.retries}")
     if args.task_timeout is not None and args.task_timeout <= 0:
         raise OptionError(f"--task-timeout must be > 0 seconds, got {args.task_timeout:g}")
-    options = build_options(decision_options(args))
-    notes: list[str] = []
     if args.batch:
-        specs, notes = driver.specs_from_batches(args.models, args.batch)
+        specs = driver.specs_with_batches(args.models, args.batch)
     else:
         specs = [driver.ModelSpec(Path(m), tuple(args.shape)) for m in args.models]
     console = Console(stderr=True, quiet=args.quiet, soft_wrap=True)
@@ -75,7 +75,7 @@ def tune_command(args: argparse.Namespace) -> int:
         report = driver.tune(
             specs,
             args.output_dir,
-            options,
+            decision_options(args),
             cluster=args.cluster,
             devices=[d.strip() for d in args.devices.split(",") if d.strip()],
             cache=args.cache,
@@ -87,7 +87,6 @@ def tune_command(args: argparse.Namespace) -> int:
         print(f"convpass: interrupted; what was measured is in the tuning cache; a model in {args.output_dir} "
               "written by this run is complete (written atomically)", file=sys.stderr)
         return 130
-    report.notes[:0] = notes
     driver.print_report(report, console)
     if args.json:
         print(driver.summary_json(report))

@@ -1,97 +1,124 @@
 """The fleet driver: many models, many GPUs, one tuning cache, one tuned model per input.
 
-1. **Collect and start the workers, at once.** Each model runs the optimize pipeline's graph passes
-   (:func:`convpass.pipeline.prepare_model`) for its shape profiles, in a thread of the driver,
-   while the workers start (:mod:`convpass.fleet.local` or :mod:`convpass.fleet.ray_cluster`:
-   spawn, load cuDNN, warm the GPU; each reports the fingerprint of the device it measures on).
-   The distinct problems of all models and profiles are listed once (a problem two models share is
-   measured once). A model that cannot be prepared stops the workers and raises its error.
-2. **Target devices:** every device type in the cluster, or those ``devices`` names. A name that
-   matches no worker's device is looked up in the tuning cache (e.g. measurements exported on
-   another GPU and merged with ``convpass cache import``): that device is *cache-only*, its
-   decisions come from the cache as with ``optimize --device-name`` and nothing is measured for it.
-3. **Schedule** one task per (cluster device, problem) that the cache does not already cover
-   (:mod:`convpass.fleet.scheduler`), in :func:`tuning_order`; the driver writes every finished
-   task's rows into its cache as they arrive, so an interrupted run keeps them and a re-run
-   measures only the rest.
-4. **Write each model as soon as all of its tasks are settled** (finished or failed), from a
-   thread of the driver while the workers measure the other models' problems: atomically, with one
-   decision table per target device, decided from the cache by the same rule as
+1. **Start, and collect meanwhile.** The workers start (:mod:`convpass.fleet.local` or
+   :mod:`convpass.fleet.ray_cluster`: spawn, load cuDNN, warm the GPU; each reports the fingerprint
+   of the device it measures on) and, beside them, model processes
+   (:mod:`convpass.fleet.model_procs`) run the optimize pipeline's graph passes
+   (:func:`convpass.pipeline.prepare_model`) on the models in the order given, several at once
+   with several processes. The driver launches both before it imports anything heavy, and it
+   never runs graph passes itself: they would hold its interpreter while it hands out tasks.
+2. **Target devices,** once every worker started or failed to: every device type in the cluster, or
+   those ``devices`` names. A name that matches no worker's device is looked up in the tuning cache
+   (e.g. measurements exported on another GPU and merged with ``convpass cache import``): that
+   device is *cache-only*, its decisions come from the cache as with ``optimize --device-name`` and
+   nothing is measured for it.
+3. **Tune while collecting.** Each model, as soon as it is collected (in the order given), adds the
+   problems no model before it had, the largest first, as tasks for each measured device whose
+   rows the cache does not already cover; the scheduler (:mod:`convpass.fleet.scheduler`) hands
+   them out while later models are still being collected, so the progress bar's total grows as
+   they come. A problem two models share is measured once. This is :func:`tuning_order`, taken
+   model by model. The driver writes every finished task's rows into its cache as they arrive, so
+   an interrupted run keeps them and a re-run measures only the rest.
+4. **Write each model as soon as it is collected and all of its tasks are settled** (finished or
+   failed), in a model process while the workers measure the other models' problems: atomically,
+   with one decision table per target device, decided from the cache by the same rule as
    ``optimize --device-name``; a problem that failed is ``auto`` for that device. Models complete
    one after another in :func:`tuning_order`, so after the last task only the models it completed
-   are left to write. An interrupted run writes nothing more: the models written before it are
-   complete, the report lists which were written and which not.
+   are left to write, and the process that collected the last model still holds it prepared.
+   An interrupted run writes nothing more: the models written before it are complete, the report
+   lists which were written and which not.
+
+A model that cannot be prepared (or written) stops the run. Before any task ran, at once: the
+workers are stopped while they start, nothing is written. Later, gently: no task starts any more,
+those running finish and their rows go to the cache, then the error is raised, saying what the run
+kept (problems measured, models written); the same command again measures only what is missing.
 
 Layout: decisions are per conv (``--layout per-conv``, the default here) or one forced format.
 ``--layout auto`` plans the whole graph with transpose timings that only a GPU in the same process
 measures, and the tuning cache does not hold them: it is refused here rather than silently changed.
+
+Importing this module is cheap (no ONNX, onnx-ir or graph passes): the command line launches the
+workers first and imports those while they start.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import onnx
-import onnx_ir as ir
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from convpass.cache import CacheError, TuningCache
-from convpass.decide import CacheBackend, Choice, cached_rows
 from convpass.device import DeviceFingerprint
 from convpass.errors import ConvpassError, OptionError
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer, Measurer
-from convpass.model_io import load_model, save_model
+from convpass.fleet.model_procs import (  # noqa: F401  (FleetBackend: part of this module's interface)
+    CollectJob,
+    Collected,
+    FleetBackend,
+    ModelProcesses,
+    ModelSpec,
+    RemoteTraceback,
+    WriteJob,
+    default_count,
+    prepare,
+)
 from convpass.options import TuneOptions
-from convpass.passes.collect_conv_problems import ConvProblem, ProblemUse
-from convpass.pipeline import OptimizeReport, decide_and_annotate, prepare_model
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from convpass.cache import TuningCache
+    from convpass.passes.collect_conv_problems import ConvProblem, ProblemUse
+    from convpass.pipeline import OptimizeReport
 
 OUTPUT_SUFFIX = ".tuned.onnx"
 
-_T = TypeVar("_T")
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """One model to tune, with its shape profiles (``--shape`` strings; none: its own shapes)."""
-
-    path: Path
-    shapes: tuple[str, ...] = ()
-
-
-def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Sequence[str]) -> tuple[list[ModelSpec], list[str]]:
+def specs_with_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Sequence[str]) -> list[ModelSpec]:
     """Models with one profile per batch size (``--batch 1,32 --batch r3d_18=1,8``, as ``convpass
-    bench``): the batch axis is the first dim of every input; other dims must be fixed. A batch a
-    model's fixed batch dim rules out is left out for that model, with a note."""
+    bench``), resolved when each model is collected (see :class:`ModelSpec`): nothing is read here
+    but the file names."""
     from convpass.bench.cli import parse_batches
-    from convpass.bench.contenders import CaseSkipped, input_shapes, shape_spec
 
     default, per_model = parse_batches(list(batch_specs))
     stems = {Path(p).stem for p in paths}
     unknown = sorted(set(per_model) - stems)
     if unknown:
         raise OptionError(f"--batch names model(s) not given: {', '.join(unknown)}")
-    specs, notes = [], []
+    specs = []
     for p in paths:
         path = Path(p)
         if not path.is_file():
             raise ConvpassError(f"{path}: no such file")
+        specs.append(ModelSpec(path, batches=tuple(per_model.get(path.stem, default))))
+    return specs
+
+
+def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Sequence[str]) -> tuple[list[ModelSpec], list[str]]:
+    """As :func:`specs_with_batches`, with the profiles resolved now (every model is read): the models with
+    their ``--shape`` profiles, and notes on the batches left out."""
+    import onnx
+
+    from convpass.bench.contenders import CaseSkipped, input_shapes, shape_spec
+    from convpass.model_io import load_model
+
+    specs, notes = [], []
+    for lazy in specs_with_batches(paths, batch_specs):
+        path = lazy.path
         try:
             proto = onnx.load(path, load_external_data=False)
         except Exception:  # noqa: BLE001  (not ONNX, truncated...: load_model says precisely what)
             load_model(path)
             raise
         shapes = []
-        for batch in per_model.get(path.stem, default):
+        for batch in lazy.batches:
             try:
                 shapes.append(shape_spec(input_shapes(proto, batch)))
             except CaseSkipped as e:
@@ -99,44 +126,52 @@ def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
             except ValueError as e:
                 raise ConvpassError(f"{path}: --batch: {e}") from None
         if not shapes:
-            raise ConvpassError(f"{path}: none of the batch sizes {list(per_model.get(path.stem, default))} fits the model")
+            raise ConvpassError(f"{path}: none of the batch sizes {list(lazy.batches)} fits the model")
         specs.append(ModelSpec(path, tuple(shapes)))
     return specs, notes
 
 
-Prepared = tuple[ir.Model, dict[ConvProblem, list[ProblemUse]]]
+Prepared = tuple["ir.Model", "dict[ConvProblem, list[ProblemUse]]"]
 
 
 @dataclasses.dataclass
 class ModelProblems:
     spec: ModelSpec
     output: Path
-    problems: list[ConvProblem]
-    report: OptimizeReport
+    problems: list["ConvProblem"] = dataclasses.field(default_factory=list)
+    report: "OptimizeReport | None" = None  # None: not collected
     # The model as collect prepared it, kept for one model only (see collect) until it is written.
     prepared: Prepared | None = dataclasses.field(default=None, repr=False)
 
+    @property
+    def collected(self) -> bool:
+        return self.report is not None
 
-def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) -> tuple[list[ModelProblems], list[ConvProblem]]:
-    """Every model's problems (graph passes only, nothing decided) and the distinct problems of
-    all of them, in first-seen order.
 
-    The last model that brings new problems keeps its prepared form: in :func:`tuning_order` it
-    completes last, when nothing else is left to overlap its write with, so its write must not
-    prepare it again. The others are prepared again when written (during tuning): a registry may
-    hold hundreds of models, too many to keep in memory."""
+def outputs_of(specs: Sequence[ModelSpec], output_dir: Path) -> list[Path]:
+    """``DIR/<model stem>.tuned.onnx`` per model; two models that would share one are refused."""
     outputs: dict[Path, Path] = {}
     for spec in specs:
         out = output_dir / (spec.path.stem + OUTPUT_SUFFIX)
         if out in outputs:
             raise ConvpassError(f"{spec.path} and {outputs[out]} would both be written to {out}: rename one")
         outputs[out] = spec.path
+    return list(outputs)
+
+
+def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) -> tuple[list[ModelProblems], list["ConvProblem"]]:
+    """Every model's problems (graph passes only, nothing decided), in this process, and the
+    distinct problems of all of them, in first-seen order. (:func:`tune` collects in model
+    processes, model by model, with the same result.)
+
+    The last model that brings new problems keeps its prepared form: in :func:`tuning_order` it
+    completes last. The others are not kept: a registry may hold hundreds of models, too many to
+    keep in memory."""
     models: list[ModelProblems] = []
     seen: set[ConvProblem] = set()
     last_new: ModelProblems | None = None
-    for spec, out in zip(specs, outputs):
-        report = OptimizeReport()
-        model, uses = _prepared(spec, options, report)
+    for spec, out in zip(specs, outputs_of(specs, output_dir)):
+        model, uses, report, _, _ = prepare(spec, options)
         models.append(ModelProblems(spec, out, list(uses), report))
         if not seen.issuperset(uses):
             seen.update(uses)
@@ -147,14 +182,15 @@ def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) 
     return models, list(dict.fromkeys(p for m in models for p in m.problems))
 
 
-def tuning_order(models: Sequence[ModelProblems]) -> list[ConvProblem]:
+def tuning_order(models: Sequence[ModelProblems]) -> list["ConvProblem"]:
     """The distinct problems in the order workers take them: grouped by the first model that needs
     them (in model order), the largest (FLOPs) first within a group.
 
     Why: a model is written as soon as all of its problems are settled. In this order the models
     complete one after another while the GPUs go on measuring, and are written meanwhile; with every
     problem largest first across all models (load balancing alone), every model would complete only
-    at the very end and all the writing would be serial work after tuning. What it costs is at the
+    at the very end and all the writing would be serial work after tuning. It is also the order in
+    which models can be tuned while later ones are still being collected. What it costs is at the
     run's tail: the run ends on the smallest problems of the last group, not on the smallest of all,
     so the GPUs still finish within about one small problem of each other (only a last group with
     fewer problems than GPUs could end on a large one)."""
@@ -165,19 +201,18 @@ def tuning_order(models: Sequence[ModelProblems]) -> list[ConvProblem]:
     return sorted(first, key=lambda p: (first[p], -p.primary.flops))
 
 
-def _prepared(spec: ModelSpec, options: TuneOptions, report: OptimizeReport) -> Prepared:
-    model = load_model(spec.path)
-    try:
-        return model, prepare_model(model, options, spec.shapes, report)
-    except ConvpassError as e:
-        raise type(e)(f"{spec.path}: {e}") from None
+def group_order(problems: Sequence["ConvProblem"], seen: set["ConvProblem"]) -> list["ConvProblem"]:
+    """One model's group of :func:`tuning_order`: its problems not in ``seen``, largest first."""
+    return sorted((p for p in dict.fromkeys(problems) if p not in seen), key=lambda p: -p.primary.flops)
 
 
 def resolve_devices(
-    names: Sequence[str], slots: Sequence[sched.Slot], not_started: Sequence[str], cache: TuningCache
+    names: Sequence[str], slots: Sequence[sched.Slot], not_started: Sequence[str], cache: "TuningCache"
 ) -> tuple[list[DeviceFingerprint], list[DeviceFingerprint]]:
     """The target devices (module docstring, step 3), in the order named, and which of them are
     cache-only (no worker measures them)."""
+    from convpass.cache import CacheError
+
     cluster = list(dict.fromkeys(s.device for s in slots))
     if not names:
         if not cluster:
@@ -202,28 +237,6 @@ def resolve_devices(
     return targets, cache_only
 
 
-class FleetBackend:
-    """One target device's decisions from the driver's cache, by ``CacheBackend``'s rule; problems
-    measured in this run carry the strategy that measured them as their source, problems that
-    failed in this run stay undecided (``auto``)."""
-
-    def __init__(self, cache: TuningCache, device: DeviceFingerprint, measured: set[ConvProblem], failed: set[ConvProblem]) -> None:
-        self.device = device
-        self._from_cache = CacheBackend(cache, device)
-        self.measured = measured
-        self.failed = failed
-
-    def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
-        out = self._from_cache.decide([p for p in problems if p not in self.failed], options)
-        for p in problems:
-            choice = out.get(p)
-            if p in self.failed:
-                out[p] = None
-            elif p in self.measured and choice is not None:
-                out[p] = dataclasses.replace(choice, source=options.strategy(p.direction)[0])
-        return out
-
-
 @dataclasses.dataclass
 class FleetReport:
     """What a fleet run did; :meth:`to_json` is the ``--json`` summary."""
@@ -231,7 +244,7 @@ class FleetReport:
     cluster: str
     cache: str
     models: list[ModelProblems]
-    problems: int = 0
+    problems: int = 0  # distinct problems of the models collected
     devices: list[DeviceFingerprint] = dataclasses.field(default_factory=list)
     cache_only: list[DeviceFingerprint] = dataclasses.field(default_factory=list)
     tasks: list[sched.Task] = dataclasses.field(default_factory=list)
@@ -241,7 +254,10 @@ class FleetReport:
     written_during_tune: int = 0  # of them, while tasks were still running
     interrupted: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
-    # collect; start: waiting for the workers after it; tune; write: after the last task; total
+    # Seconds from the start of the run (they overlap): workers (all started), first_model (the
+    # first model collected), collect (every model collected), first_task (given to a worker);
+    # and spans: tune (first task to the last task settled), write (the models left to write after
+    # tuning), total. See print_report / seconds_line.
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -264,12 +280,13 @@ class FleetReport:
                 {
                     "model": str(m.spec.path),
                     "output": str(m.output) if m.output in self.written else None,
-                    "profiles": [p.name for p in m.report.profiles],
-                    "convs": m.report.convs,
-                    "untuned_convs": [{"node": n, "why": w} for n, w in m.report.skipped],
+                    "collected": m.collected,
+                    "profiles": [p.name for p in m.report.profiles] if m.report else [],
+                    "convs": m.report.convs if m.report else 0,
+                    "untuned_convs": [{"node": n, "why": w} for n, w in m.report.skipped] if m.report else [],
                     "problems": len(m.problems),
-                    "decided": {d: v[0] for d, v in m.report.by_device.items()},
-                    "undecided": {d: v[1] for d, v in m.report.by_device.items()},
+                    "decided": {d: v[0] for d, v in m.report.by_device.items()} if m.report else {},
+                    "undecided": {d: v[1] for d, v in m.report.by_device.items()} if m.report else {},
                 }
                 for m in self.models
             ],
@@ -318,7 +335,7 @@ def make_executor(cluster: str) -> sched.Executor:
 def tune(
     specs: Sequence[ModelSpec],
     output_dir: str | os.PathLike[str],
-    options: TuneOptions,
+    options: TuneOptions | Mapping[str, Any],
     *,
     cluster: str | sched.Executor = "local",
     devices: Sequence[str] = (),
@@ -328,203 +345,297 @@ def tune(
     task_timeout: float | None = None,
     console: Console | None = None,
     on_progress: Callable[[sched.Progress], None] | None = None,
+    model_processes: int | None = None,
 ) -> FleetReport:
     """Tune every model for every target device on a cluster (the module docstring's steps).
 
-    ``cluster``: ``"local"``, ``"ray"``, ``"ray://HOST:PORT"`` or an executor object;
-    ``measurer``: what workers measure with (default: :class:`CudnnMeasurer`, the GPU tuner);
-    ``on_progress``: called with every :class:`~convpass.fleet.scheduler.Progress` snapshot.
+    ``options``: :class:`TuneOptions`, or ``optimize``'s keyword values (built once the workers are
+    launched: building them imports the pipeline); ``cluster``: ``"local"``, ``"ray"``,
+    ``"ray://HOST:PORT"`` or an executor object; ``measurer``: what workers measure with (default:
+    :class:`CudnnMeasurer`, the GPU tuner); ``on_progress``: called with every
+    :class:`~convpass.fleet.scheduler.Progress` snapshot; ``model_processes``: how many processes
+    collect and write models (default: :func:`~convpass.fleet.model_procs.default_count`).
     """
     started = time.perf_counter()
     console = console or Console(stderr=True, soft_wrap=True)
     out_dir = Path(output_dir)
     if not out_dir.is_dir():
         raise ConvpassError(f"output directory {out_dir} does not exist")
-    if options.layout == "auto":
+    layout = options.get("layout") if isinstance(options, Mapping) else options.layout
+    if layout == "auto":
         raise OptionError(
             "--layout auto plans the whole graph with transpose timings measured in the same process as the "
             "convs, which fleet workers do not send back: use --layout per-conv (default for tune), nchw or nhwc"
         )
     if not specs:
         raise ConvpassError("no models given")
+    outputs = outputs_of(specs, out_dir)
     measurer = measurer or CudnnMeasurer()
     executor = make_executor(cluster) if isinstance(cluster, str) else cluster
-    collected = _in_thread(collect, specs, options, out_dir)
+    report = FleetReport(cluster=cluster if isinstance(cluster, str) else executor.name, cache="",
+                         models=[ModelProblems(spec, out) for spec, out in zip(specs, outputs)])
+    procs = ModelProcesses(model_processes or default_count(len(specs)), [str(spec.path) for spec in specs])
+    stream: _Stream | None = None
     try:
+        procs.start()  # first: they read the first model while the workers start
         executor.launch(measurer)  # on this thread: ray.init installs signal handlers
-        models, distinct = collected()
-        report = FleetReport(cluster=cluster if isinstance(cluster, str) else executor.name, cache="", models=models, problems=len(distinct))
-        report.seconds["collect"] = time.perf_counter() - started
+        if not isinstance(options, TuneOptions):
+            from convpass.pipeline import build_options
+
+            options = build_options(dict(options))
+        _import_for_results()
+        stream = _Stream(report, options, procs, started)
+        slots, not_started = executor.wait_started(stream.poll)  # a model that cannot be prepared ends the wait
+        report.seconds["workers"] = time.perf_counter() - started
+        from convpass.cache import TuningCache
+
         db = TuningCache(cache)
     except BaseException:
+        procs.stop()
         executor.shutdown()
         raise
-    writer: _ModelWriter | None = None
+    stopped_by: Exception | None = None
     with db:
         report.cache = str(db.path)
         try:
-            t0 = time.perf_counter()
-            slots, not_started = executor.wait_started()
-            report.seconds["start"] = time.perf_counter() - t0
             report.devices, report.cache_only = resolve_devices(devices, slots, not_started, db)
-            measured_here = [d for d in report.devices if d not in report.cache_only]
-            for task in sched.make_tasks(tuning_order(models), measured_here):
-                if measurer.complete(task.device, cached_rows(db, task.device, task.problem), task.problem, options):
-                    report.cached += 1
-                else:
-                    report.tasks.append(task)
-            writer = _ModelWriter(report, db, options)
-            t0 = time.perf_counter()
-            report.schedule = _schedule(executor, db, options, retries, task_timeout, report.tasks, slots, not_started,
-                                        measurer, console, on_progress, writer.settled)
-            report.seconds["tune"] = time.perf_counter() - t0
-            report.written_during_tune = len(report.written)
-            report.interrupted = report.schedule.interrupted
-            if not report.interrupted:
-                t0 = time.perf_counter()
+            stream.begin(db, [d for d in report.devices if d not in report.cache_only], measurer)
+            report.schedule = result = _schedule(executor, db, options, retries, task_timeout, slots, not_started,
+                                                 measurer, console, on_progress, stream)
+            ended, tuning_ended = time.perf_counter(), time.time()
+            if result.first_task_at is not None:
+                report.seconds["first_task"] = result.first_task_at - started
+            report.seconds["tune"] = (result.last_settled_at or ended) - (result.first_task_at or ended)
+            report.interrupted = result.interrupted
+            stopped_by = result.stopped_by
+            if not report.interrupted and stopped_by is None:
                 try:
-                    writer.close(write_rest=True)
+                    stream.finish()
                 except KeyboardInterrupt:
                     report.interrupted = True
-                report.seconds["write"] = time.perf_counter() - t0
+                report.seconds["write"] = time.perf_counter() - ended
         finally:
-            executor.shutdown()  # done already when the scheduler ran
-            if writer is not None:
-                writer.close(write_rest=False)
+            stream.stop()  # a model being written is finished; nothing else is
+            executor.shutdown()  # asked to stop when the scheduler returned: gone by now
+            if report.schedule is not None:
+                report.written_during_tune = sum(1 for t in stream.written_at.values() if t <= tuning_ended)
     report.seconds["total"] = time.perf_counter() - started
+    if stopped_by is not None:
+        raise _what_was_kept(stopped_by, report)
     return report
 
 
-def _in_thread(fn: Callable[..., _T], *args: Any) -> Callable[[], _T]:
-    """Start ``fn(*args)`` in a daemon thread (never keeps the process alive); the function returned
-    waits for its result or raises its exception."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread)
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, name=f"convpass-{fn.__name__}", daemon=True)
-    thread.start()
-
-    def result() -> _T:
-        thread.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
-
-    return result
+def _import_for_results() -> None:
+    """What unpickling the model processes' answers imports, imported now, while the workers start,
+    rather than in the middle of handing out tasks."""
+    import convpass.cache  # noqa: F401
+    import convpass.decide  # noqa: F401
+    import convpass.passes.collect_conv_problems  # noqa: F401
+    import convpass.pipeline  # noqa: F401
 
 
-class _ModelWriter:
-    """Writes each model, in a thread of its own, as soon as all of its tasks are settled (finished
-    or failed for good), while the scheduler goes on giving the workers tasks. One model at a time,
-    in the order they complete; each is prepared again unless collect kept it prepared.
+def _what_was_kept(error: Exception, report: FleetReport) -> Exception:
+    """The error that stopped a run, saying what the run kept (when it kept anything)."""
+    measured = len(report.schedule.finished) if report.schedule else 0
+    if not isinstance(error, ConvpassError) or not (measured or report.written):
+        return error
+    written = ", ".join(p.name for p in report.written)
+    note = (f"the run stopped: the {measured} problem(s) it measured are in the tuning cache {report.cache}; "
+            + (f"written: {written}" if written else "no model was written")
+            + "; once fixed, the same command measures only what is missing")
+    try:
+        return type(error)(f"{error} ({note})")
+    except Exception:  # noqa: BLE001  (an error type that takes other arguments)
+        return ConvpassError(f"{error} ({note})")
 
-    The driver's thread calls :meth:`settled` (the scheduler's hook) and :meth:`close`; the writer
-    thread decides from the cache, which serializes its calls, and never sees a model before all
-    of its rows are in. A model's failed problems are ``auto`` in it."""
 
-    def __init__(self, report: FleetReport, db: TuningCache, options: TuneOptions) -> None:
-        self.report, self.db, self.options = report, db, options
-        self.needed_by: dict[ConvProblem, list[int]] = {}  # problem -> the models (indices) that need it
-        for i, m in enumerate(report.models):
-            for p in m.problems:
-                self.needed_by.setdefault(p, []).append(i)
-        self.unsettled = [0] * len(report.models)  # per model: its tasks not settled yet
-        for task in report.tasks:
-            for i in self.needed_by[task.problem]:
-                self.unsettled[i] += 1
-        self.measured: dict[DeviceFingerprint, set[ConvProblem]] = {d: set() for d in report.devices}
-        self.failed: dict[DeviceFingerprint, set[ConvProblem]] = {d: set() for d in report.devices}
-        self.jobs: queue.SimpleQueue[tuple[int, list[FleetBackend]] | None] = queue.SimpleQueue()
-        self.stopping = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="convpass-model-writer", daemon=True)
-        self.thread.start()
-        for i, n in enumerate(self.unsettled):
-            if n == 0:  # every problem in the cache already (or none)
-                self._complete(i)
+class _Stream:
+    """The scheduler's feed (:class:`~convpass.fleet.scheduler.Feed`): models collected by the
+    model processes become tasks as they come, in model order, and complete models go back to a
+    model process to be written (module docstring, steps 3 and 4)."""
 
-    # -- the driver's thread ----------------------------------------------------------------------
+    def __init__(self, report: FleetReport, options: TuneOptions, procs: ModelProcesses, started: float) -> None:
+        self.report, self.options, self.procs, self.started = report, options, procs, started
+        self.cwd = os.getcwd()
+        self.to_collect = collections.deque(range(len(report.models)))
+        self.arrived: dict[int, Collected] = {}  # collected, not released yet (they are released in order)
+        self.released = 0
+        self.resolved: dict[int, ModelSpec] = {}  # with the profiles collect resolved
+        # set by begin(), once the devices are known
+        self.db: TuningCache | None = None
+        self.devices: list[DeviceFingerprint] = []  # measured here
+        self.measurer: Measurer | None = None
+        self.seen: set[ConvProblem] = set()
+        self.next_id = 0
+        self.pending: set[tuple[DeviceFingerprint, ConvProblem]] = set()  # tasks not settled
+        self.waiting: dict[tuple[DeviceFingerprint, ConvProblem], list[int]] = {}  # -> models waiting for it
+        self.unsettled: dict[int, int] = {}
+        self.measured: dict[DeviceFingerprint, set[ConvProblem]] = {}
+        self.failed: dict[DeviceFingerprint, set[ConvProblem]] = {}
+        self.to_write: dict[int, WriteJob] = {}  # complete models not handed to a process yet, in order
+        self.written_at: dict[int, float] = {}  # model index -> time.time() when it was written
+        self.stopped = False
+
+    def begin(self, db: "TuningCache", measured_here: list[DeviceFingerprint], measurer: Measurer) -> None:
+        self.db, self.devices, self.measurer = db, measured_here, measurer
+        self.measured = {d: set() for d in self.report.devices}
+        self.failed = {d: set() for d in self.report.devices}
+
+    # -- the scheduler's feed ---------------------------------------------------------------------
+
+    def poll(self) -> list[sched.Task]:
+        """New tasks; raises what a model process raised (the run stops)."""
+        for answer in self.procs.receive():
+            self._answer(*answer)
+        tasks = self._release() if self.db is not None else []
+        self._dispatch()
+        return tasks
+
+    def open(self) -> bool:
+        return self.released < len(self.report.models)
+
+    def busy(self) -> bool:
+        return bool(self.to_write or self.procs.in_flight())
 
     def settled(self, task: sched.Task, finished: bool) -> None:
-        """A task finished (its rows are in the cache) or failed for good; raises the writer's error."""
-        self._raise()
+        key = (task.device, task.problem)
+        self.pending.discard(key)
         (self.measured if finished else self.failed)[task.device].add(task.problem)
-        for i in self.needed_by[task.problem]:
+        for i in self.waiting.pop(key, ()):
             self.unsettled[i] -= 1
             if self.unsettled[i] == 0:
                 self._complete(i)
 
-    def close(self, write_rest: bool) -> None:
-        """Wait for the thread to end: after writing every model handed to it (``write_rest``), else
-        after the one it is writing now. Raises the writer's error, once."""
-        if not write_rest:
-            self.stopping.set()
-        self.jobs.put(None)
-        self.thread.join()
-        for m in self.report.models:
-            m.prepared = None  # the report outlives the run
-        self._raise()
+    # -- the end ----------------------------------------------------------------------------------
 
-    def _complete(self, index: int) -> None:
-        """Hand a model whose tasks are all settled to the thread, with what this run did to its problems."""
-        problems = self.report.models[index].problems
-        backends = [
-            FleetBackend(self.db, d, {p for p in problems if p in self.measured[d]}, {p for p in problems if p in self.failed[d]})
-            for d in (self.report.devices if problems else ())  # no problems: one table of auto decisions
-        ]
-        self.jobs.put((index, backends))
+    def finish(self) -> None:
+        """Wait until every complete model is written (after the last task)."""
+        while self.to_write or self.procs.in_flight():
+            self._dispatch()
+            for answer in self.procs.receive(timeout=1.0):
+                self._answer(*answer)
 
-    def _raise(self) -> None:
-        error, self.error = self.error, None
-        if error is not None:
-            raise error
+    def stop(self) -> None:
+        """Stop the model processes: a model being written is finished (and counted), no other."""
+        self.stopped = True
+        for kind, index, payload, _ in self.procs.stop():
+            if kind == "written":
+                self._written(index, payload)
 
-    # -- the writer thread ------------------------------------------------------------------------
+    # -- internals --------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self.stopping.is_set():
-            job = self.jobs.get()
-            if job is None or self.stopping.is_set():
-                return
-            try:
-                self._write(*job)
-            except BaseException as e:  # noqa: BLE001  (raised in the driver's thread)
-                self.error = e
-                return
+    def _answer(self, kind: str, index: int, payload: Any, where: str) -> None:
+        if kind == "collected":
+            self.arrived[index] = payload
+            if index == 0:
+                self.report.seconds["first_model"] = time.perf_counter() - self.started
+            if self.released + len(self.arrived) == len(self.report.models):
+                self.report.seconds["collect"] = time.perf_counter() - self.started
+        elif kind == "written":
+            self._written(index, payload)
+        else:
+            if where and not isinstance(payload, ConvpassError):
+                payload.__cause__ = RemoteTraceback(where)
+            raise payload
 
-    def _write(self, index: int, backends: list[FleetBackend]) -> None:
+    def _written(self, index: int, answer: tuple["OptimizeReport", float]) -> None:
         m = self.report.models[index]
-        prepared, m.prepared = m.prepared, None
-        if prepared is None:
-            m.report = OptimizeReport()  # counted again from the prepared model that is written
-            prepared = _prepared(m.spec, self.options, m.report)
-        model, uses = prepared
-        decide_and_annotate(model, self.options, uses, backends, m.report)
-        save_model(model, m.output)
+        m.report, self.written_at[index] = answer  # the report counted again from the model written
         self.report.written.append(m.output)
 
+    def _release(self) -> list[sched.Task]:
+        """The tasks of the models collected next in order (module docstring, step 3)."""
+        from convpass.decide import cached_rows
 
-def _schedule(executor, db, options, retries, task_timeout, tasks, slots, not_started, measurer, console, on_progress, on_settled) -> sched.ScheduleResult:
+        assert self.db is not None and self.measurer is not None
+        tasks: list[sched.Task] = []
+        while self.released in self.arrived:
+            i = self.released
+            got = self.arrived.pop(i)
+            self.released += 1
+            m = self.report.models[i]
+            m.problems, m.report = got.problems, got.report
+            self.resolved[i] = ModelSpec(m.spec.path, got.shapes)
+            self.report.notes.extend(got.notes)
+            new = group_order(got.problems, self.seen)
+            self.seen.update(new)
+            self.report.problems = len(self.seen)
+            for task in sched.make_tasks(new, self.devices, self.next_id):
+                if self.measurer.complete(task.device, cached_rows(self.db, task.device, task.problem), task.problem, self.options):
+                    self.report.cached += 1
+                else:
+                    self.report.tasks.append(task)
+                    self.pending.add((task.device, task.problem))
+                    tasks.append(task)
+            self.next_id += len(new) * len(self.devices)
+            self.unsettled[i] = 0
+            for key in ((d, p) for p in dict.fromkeys(got.problems) for d in self.devices):
+                if key in self.pending:
+                    self.waiting.setdefault(key, []).append(i)
+                    self.unsettled[i] += 1
+            if self.unsettled[i] == 0:  # every problem in the cache already (or none)
+                self._complete(i)
+        return tasks
+
+    def _complete(self, index: int) -> None:
+        """A model collected with all of its tasks settled: to be written, with what this run did to its problems."""
+        m = self.report.models[index]
+        tables = [
+            (d, [p for p in m.problems if p in self.measured[d]], [p for p in m.problems if p in self.failed[d]])
+            for d in (self.report.devices if m.problems else ())  # no problems: one table of auto decisions
+        ]
+        self.to_write[index] = WriteJob(self.resolved[index], m.output, self.options, self.cwd, str(self.report.cache), tables)
+        self._dispatch()  # at once, where a process is idle
+
+    def _dispatch(self) -> None:
+        """A job to each idle model process: a complete model it holds prepared; else the next model
+        to collect (collecting comes first: the workers wait for problems, not for tuned models);
+        else the oldest complete model that no other process holds."""
+        if self.stopped:
+            return
+        for number in self.procs.idle():
+            index = next((i for i in self.to_write if self.procs.holder(i) == number), None)
+            if index is None and self.to_collect:
+                index = self.to_collect.popleft()
+                self.procs.submit(number, "collect", index, CollectJob(self.report.models[index].spec, self.options, self.cwd))
+                continue
+            if index is None:
+                index = next((i for i in self.to_write if self.procs.holder(i) is None), None)
+            if index is not None:
+                self.procs.submit(number, "write", index, self.to_write.pop(index))
+
+
+def _schedule(executor, db, options, retries, task_timeout, slots, not_started, measurer, console, on_progress, stream) -> sched.ScheduleResult:
     unit = "GPUs" if measurer.needs_gpu else "workers"
+    models = len(stream.report.models)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
     columns = (TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
                TextColumn("{task.fields[busy]}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:
-        handle = bar.add_task("tuning", total=len(tasks), busy="")
+        handle = bar.add_task("tuning", total=0, busy="")
 
         def show(p: sched.Progress) -> None:
             busy = ", ".join(f"{name} {b}/{n}" for name, (b, n) in p.busy_by_device.items()) or "none"
             extra = (f", {p.retried} retried" if p.retried else "") + (f", {p.failed} failed" if p.failed else "")
-            bar.update(handle, completed=p.finished + p.failed, busy=f"{unit} in use: {busy}{extra}")
+            collecting = f"; models collected {stream.released}/{models}" if stream.open() else ""
+            bar.update(handle, total=p.total, completed=p.finished + p.failed, busy=f"{unit} in use: {busy}{extra}{collecting}")
             if on_progress is not None:
                 on_progress(p)
 
-        runner = sched.Scheduler(executor, db, options, retries=retries, task_timeout=task_timeout, on_progress=show, on_settled=on_settled)
-        return runner.run(tasks, slots, not_started)
+        runner = sched.Scheduler(executor, db, options, retries=retries, task_timeout=task_timeout, on_progress=show, on_settled=stream.settled)
+        return runner.run([], slots, not_started, feed=stream)
+
+
+def seconds_line(seconds: Mapping[str, float]) -> str:
+    """The report's line of :attr:`FleetReport.seconds`: the run's total as the time to the first
+    task, the tuning and the writing after it; then when the overlapping steps ended."""
+    tuned = "first_task" in seconds
+    parts = [f"first task at {seconds['first_task']:.1f}" if tuned else "no task",
+             *(f"{what} {seconds[k]:.1f}" for k, what in (("tune", "tuning"), ("write", "writing after it")) if k in seconds and (tuned or k != "tune"))]
+    points = [f"{what} {seconds[k]:.1f}" for k, what in (("workers", "workers started"), ("first_model", "first model collected"),
+                                                       ("collect", "all collected")) if k in seconds]
+    return f"total {seconds.get('total', 0.0):.1f} = " + " + ".join(parts) + (f"; since the start: {', '.join(points)}" if points else "")
 
 
 def print_report(report: FleetReport, console: Console) -> None:
@@ -542,10 +653,7 @@ def print_report(report: FleetReport, console: Console) -> None:
         f"  {doc['tasks']} (problem, device) pairs: {doc['cached']} already in the tuning cache, {doc['measured']} measured, "
         f"{len(doc['failed'])} failed" + (f", {doc['retried']} retries" if doc["retried"] else "")
     )
-    console.print(
-        "  seconds: " + ", ".join(f"{phase} {s:.1f}" for phase, s in report.seconds.items())
-        + f"; {report.written_during_tune} of {len(report.models)} model(s) written while tuning"
-    )
+    console.print(f"  seconds: {seconds_line(report.seconds)}; {report.written_during_tune} of {len(report.models)} model(s) written while tuning")
     for lost in doc["workers_lost"]:
         console.print(f"  [yellow]worker lost[/] {lost['slot']}: {lost['reason']}")
     for sid, why in doc["slots_retired"].items():
@@ -569,6 +677,7 @@ def print_report(report: FleetReport, console: Console) -> None:
             f"  [yellow]interrupted[/]: {doc['measured']} measured problems are in {report.cache}; {written}; "
             "run the same command again to measure only the rest"
         )
+
 
 
 def summary_json(report: FleetReport) -> str:
