@@ -166,7 +166,38 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    from convpass.fleet.cli import add_tune_parser
+
+    add_tune_parser(sub)
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    from convpass.runtime.cli import add_run_parser
+
+    add_run_parser(sub)
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    from convpass.cache import add_cache_parser
+
+    add_cache_parser(sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from convpass.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+
+
+# In the order --help lists them. Each imports its own module only when its parser is built.
+_SUBCOMMANDS = {"optimize": _add_optimize, "tune": _add_tune, "compile": _add_compile, "inspect": _add_inspect,
+                "run": _add_run, "cache": _add_cache, "bench": _add_bench}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``command``: build only that subcommand's (a faster start: e.g.
+    ``tune`` launches its workers without first importing the executor's and the benchmark's modules)."""
     parser = argparse.ArgumentParser(
         prog="convpass",
         description="Measured, ahead-of-time cuDNN convolution tuning for ONNX models.",
@@ -174,24 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"convpass {convpass.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    from convpass.bench.cli import add_bench_parser
-    from convpass.cache import add_cache_parser
-    from convpass.fleet.cli import add_tune_parser
-    from convpass.runtime.cli import add_run_parser
-
-    _add_optimize(sub)
-    add_tune_parser(sub)
-    _add_compile(sub)
-    _add_inspect(sub)
-
-    add_run_parser(sub)
-    add_cache_parser(sub)
-    add_bench_parser(sub)
+    for name, add in _SUBCOMMANDS.items():
+        if command is None or name == command:
+            add(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and argv[0] in _SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
