@@ -10,8 +10,9 @@ Rules:
 * A free slot takes the first pending task of its device type in the order the tasks were given
   (the driver orders them: :func:`convpass.fleet.driver.tuning_order`); a task tried again goes
   back to its place in that order, to another slot of its type while one is alive.
-* A finished task's rows are written to the cache at once, in one transaction: nothing finished is
-  lost whatever happens later, and a task is written once.
+* A finished task's rows are written to the cache at once, in one transaction (just after its
+  worker was given its next task): nothing finished is lost whatever happens later, and a task is
+  written once.
 * The measurer raised: the worker lives on and the task is tried again, up to ``1 + retries``
   attempts. The worker died, was killed or passed ``task_timeout``: its task is tried again
   elsewhere and the worker restarted; a slot that loses ``SLOT_LOSSES`` workers in a row without
@@ -243,6 +244,7 @@ class Scheduler:
             run.result.interrupted = True
         finally:
             self.executor.stop()
+            run.flush(hooks=False)  # rows received before an interrupt are kept too
             run.result.seconds = time.perf_counter() - started
         return run.result
 
@@ -263,6 +265,7 @@ class _Run:
         self.failed_on: dict[int, set[str]] = {}
         self.rank: dict[int, int] = {}  # the order tasks are taken in
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
+        self.received: list[tuple[Task, str, list["Measurement"]]] = []  # finished, rows not written yet
         self.add(tasks)
 
     def add(self, tasks: Sequence[Task]) -> None:
@@ -281,6 +284,7 @@ class _Run:
             more = self.poll_feed()
             self.fail_orphans()
             self.assign()
+            self.flush()  # after assign: a worker that finished gets its next task before the rows are written
             if self.stopping is not None and not self.running:
                 self.result.stopped_by = self.stopping
                 return
@@ -399,16 +403,28 @@ class _Run:
             if wrong:
                 self.retry(task, event.slot_id, f"worker returned rows of another problem ({wrong[0].key})")
             else:
-                self.s.cache.put(task.device, event.rows)
-                self.result.writes[task.id] = self.result.writes.get(task.id, 0) + 1
-                self.result.finished[task.id] = event.slot_id
+                self.received.append((task, event.slot_id, event.rows))  # written by flush()
                 self.losses[event.slot_id] = 0
-                self.settled(task, True)
         elif isinstance(event, Failed):
             self.retry(self.took_back(event.slot_id, event.task_id), event.slot_id, event.reason)
         elif isinstance(event, Lost):
             self.lose(event.slot_id, event.reason)
         self.progress()
+
+    def flush(self, hooks: bool = True) -> None:
+        """Write the rows received (each task's in one transaction), and settle their tasks; with
+        ``hooks=False`` (the run is over) nobody else hears of it."""
+        while self.received:
+            task, sid, rows = self.received[0]
+            self.s.cache.put(task.device, rows)
+            self.received.pop(0)
+            self.result.writes[task.id] = self.result.writes.get(task.id, 0) + 1
+            self.result.finished[task.id] = sid
+            if hooks:
+                self.settled(task, True)
+                self.progress()
+            else:
+                self.result.last_settled_at = time.perf_counter()
 
     def settled(self, task: Task, finished: bool) -> None:
         self.result.last_settled_at = time.perf_counter()
