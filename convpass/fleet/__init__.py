@@ -1,8 +1,11 @@
 """Fleet tuning: many models, many GPUs, one tuning cache (``convpass tune``).
 
-* :mod:`convpass.fleet.driver` - collect the distinct problems of all models while the workers
-  start, pick the target devices, schedule, write each tuned model (one decision table per device
-  type) as soon as its problems are settled, while the workers measure the rest;
+* :mod:`convpass.fleet.driver` - collect the distinct problems of the models while the workers
+  start and then tune them, model by model as they are collected; pick the target devices,
+  schedule, write each tuned model (one decision table per device type) as soon as its problems
+  are settled, while the workers measure the rest;
+* :mod:`convpass.fleet.model_procs` - the processes beside the driver that collect (graph passes)
+  and write the models, so that the driver's own process only hands out tasks;
 * :mod:`convpass.fleet.scheduler` - tasks on worker slots: retries, lost workers, timeouts,
   interrupts; the driver is the only writer of the cache;
 * :mod:`convpass.fleet.local` - the embedded executor: one worker process per local GPU;
