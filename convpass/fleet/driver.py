@@ -426,12 +426,14 @@ def tune(
 
 
 def _import_for_results() -> None:
-    """What unpickling the model processes' answers imports, imported now, while the workers start,
+    """What unpickling the model processes' answers and checking the cache for each new problem
+    import (the tuner's completeness rule: no GPU library), imported now, while the workers start,
     rather than in the middle of handing out tasks."""
     import convpass.cache  # noqa: F401
     import convpass.decide  # noqa: F401
     import convpass.passes.collect_conv_problems  # noqa: F401
     import convpass.pipeline  # noqa: F401
+    import convpass.tune.tuner  # noqa: F401
 
 
 def _what_was_kept(error: Exception, report: FleetReport) -> Exception:
