@@ -106,7 +106,6 @@ def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
     their ``--shape`` profiles, and notes on the batches left out."""
     import onnx
 
-    from convpass.bench.contenders import CaseSkipped, input_shapes, shape_spec
     from convpass.model_io import load_model
 
     specs, notes = [], []
@@ -117,18 +116,28 @@ def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
         except Exception:  # noqa: BLE001  (not ONNX, truncated...: load_model says precisely what)
             load_model(path)
             raise
-        shapes = []
-        for batch in lazy.batches:
-            try:
-                shapes.append(shape_spec(input_shapes(proto, batch)))
-            except CaseSkipped as e:
-                notes.append(f"{path.name}: batch {batch} left out: {e}")
-            except ValueError as e:
-                raise ConvpassError(f"{path}: --batch: {e}") from None
-        if not shapes:
-            raise ConvpassError(f"{path}: none of the batch sizes {list(lazy.batches)} fits the model")
-        specs.append(ModelSpec(path, tuple(shapes)))
+        shapes, left_out = profiles_for_batches(path, proto, lazy.batches)
+        notes += left_out
+        specs.append(ModelSpec(path, shapes))
     return specs, notes
+
+
+def profiles_for_batches(path: Path, proto: Any, batches: Sequence[int]) -> tuple[tuple[str, ...], list[str]]:
+    """The ``--shape`` profiles of ``--batch`` sizes for a model whose graph inputs ``proto`` holds, by
+    ``convpass bench``'s rule, and notes on the sizes left out (a fixed batch dim of another size)."""
+    from convpass.bench.contenders import CaseSkipped, input_shapes, shape_spec
+
+    shapes, notes = [], []
+    for batch in batches:
+        try:
+            shapes.append(shape_spec(input_shapes(proto, batch)))
+        except CaseSkipped as e:
+            notes.append(f"{path.name}: batch {batch} left out: {e}")
+        except ValueError as e:
+            raise ConvpassError(f"{path}: --batch: {e}") from None
+    if not shapes:
+        raise ConvpassError(f"{path}: none of the batch sizes {list(batches)} fits the model")
+    return tuple(shapes), notes
 
 
 Prepared = tuple["ir.Model", "dict[ConvProblem, list[ProblemUse]]"]

@@ -140,21 +140,11 @@ def batch_profiles(model: Any, spec: ModelSpec) -> tuple[tuple[str, ...], list[s
     import onnx
     import onnx_ir as ir
 
-    from convpass.bench.contenders import CaseSkipped, input_shapes, shape_spec
+    from convpass.fleet.driver import profiles_for_batches
 
     inputs = onnx.ModelProto()
     inputs.graph.input.extend(ir.serde.serialize_value(v) for v in model.graph.inputs if v.name not in model.graph.initializers)
-    shapes, notes = [], []
-    for batch in spec.batches:
-        try:
-            shapes.append(shape_spec(input_shapes(inputs, batch)))
-        except CaseSkipped as e:
-            notes.append(f"{spec.path.name}: batch {batch} left out: {e}")
-        except ValueError as e:
-            raise ConvpassError(f"{spec.path}: --batch: {e}") from None
-    if not shapes:
-        raise ConvpassError(f"{spec.path}: none of the batch sizes {list(spec.batches)} fits the model")
-    return tuple(shapes), notes
+    return profiles_for_batches(spec.path, inputs, spec.batches)
 
 
 def write(job: WriteJob, prepared: tuple[Any, dict, "OptimizeReport"] | None, cache: "TuningCache") -> "OptimizeReport":
