@@ -422,28 +422,31 @@ class CudaBackend(Backend):
         tf32_before = self._tf32_now
         self._tf32_now = bool(allow_tf32)
         restore.append(lambda: setattr(self, "_tf32_now", tf32_before))
-        try:
+
+        def cupy_compute_type() -> tuple[Any, Any, Any]:
             from cupy._core import _routines_linalg as lin
 
             f32 = np.dtype(np.float32)
             want = getattr(lin, "COMPUTE_TYPE_TF32", 7) if allow_tf32 else getattr(lin, "COMPUTE_TYPE_DEFAULT", 1)
-            before = lin.get_compute_type(f32)
-            if before != want:
-                lin.set_compute_type(f32, want)
-                restore.append(lambda: lin.set_compute_type(f32, before))
-        except Exception as e:  # noqa: BLE001
-            self.note_once("compute_type", f"cannot set CuPy's float32 matmul compute type: {e}", warn=False)
-        try:
+            return (lambda: lin.get_compute_type(f32)), (lambda v: lin.set_compute_type(f32, v)), want
+
+        def cublas_math_mode() -> tuple[Any, Any, Any]:
             from cupy_backends.cuda.libs import cublas
 
             handle = self.cp.cuda.device.get_cublas_handle()
-            mode = getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if allow_tf32 else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0)
-            old = cublas.getMathMode(handle)
-            if old != mode:
-                cublas.setMathMode(handle, mode)
-                restore.append(lambda: cublas.setMathMode(handle, old))
-        except Exception as e:  # noqa: BLE001
-            self.note_once("cublas_math", f"cannot set the cuBLAS math mode: {e}", warn=False)
+            want = getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if allow_tf32 else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0)
+            return (lambda: cublas.getMathMode(handle)), (lambda v: cublas.setMathMode(handle, v)), want
+
+        for tag, what, switch in (("compute_type", "CuPy's float32 matmul compute type", cupy_compute_type),
+                                  ("cublas_math", "the cuBLAS math mode", cublas_math_mode)):
+            try:
+                get, put, want = switch()
+                before = get()
+                if before != want:
+                    put(want)
+                    restore.append(lambda put=put, before=before: put(before))
+            except Exception as e:  # noqa: BLE001
+                self.note_once(tag, f"cannot set {what}: {e}", warn=False)
         try:
             yield
         finally:
