@@ -30,6 +30,7 @@ import ctypes
 import dataclasses
 import sys
 import threading
+import weakref
 from ctypes import byref, c_float, c_int, c_size_t, c_void_p
 from typing import Callable, Iterator
 
@@ -132,6 +133,9 @@ class Handle:
 _tls = threading.local()
 # Handles made ahead by another thread, keyed by (thread they are for, device): see make_handle_for.
 _made_ahead: dict[tuple[int, int], Handle] = {}
+# Devices each thread holds a handle of its own for: make_handle_for has nothing to do for them.
+# Keyed by the Thread object, not its ident: idents are reused once a thread ends.
+_held: "weakref.WeakKeyDictionary[threading.Thread, set[int]]" = weakref.WeakKeyDictionary()
 
 
 def get_handle(stream=None) -> Handle:
@@ -148,16 +152,21 @@ def get_handle(stream=None) -> Handle:
         h = _made_ahead.pop((threading.get_ident(), device), None) or Handle(device)
         h.thread = threading.get_ident()
         handles[device] = h
+        _held.setdefault(threading.current_thread(), set()).add(device)
     return h.set_stream(stream)
 
 
-def make_handle_for(thread: int, device: int | None = None) -> None:
+def make_handle_for(thread: threading.Thread, device: int | None = None) -> None:
     """Create, from this thread, the handle that ``thread`` will get from :func:`get_handle` on
     ``device`` (default: the current one). Creating a handle loads cuDNN's libraries; a thread that
     has other start-up work (reading a model) lets a helper thread do it meanwhile. The handle is
     only ever used by ``thread``, after this returns."""
-    h = Handle(device)
-    _made_ahead.setdefault((thread, h.device), h)
+    cupy = _cupy()
+    dev = int(cupy.cuda.runtime.getDevice() if device is None else device)
+    key = (thread.ident, dev)
+    if dev in _held.get(thread, ()) or key in _made_ahead:  # it has one already (e.g. a second executor)
+        return
+    _made_ahead[key] = Handle(dev)
 
 
 def _handle_ptr(handle) -> int:

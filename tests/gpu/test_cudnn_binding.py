@@ -542,7 +542,7 @@ def test_a_handle_made_ahead_by_another_thread_is_taken_over_by_its_thread():
 
     def work():
         me = threading.get_ident()
-        helper = threading.Thread(target=api.make_handle_for, args=(me, 0))
+        helper = threading.Thread(target=api.make_handle_for, args=(threading.current_thread(), 0))
         helper.start()
         helper.join()
         try:
@@ -550,6 +550,8 @@ def test_a_handle_made_ahead_by_another_thread_is_taken_over_by_its_thread():
             with cupy.cuda.Device(0):
                 h = api.get_handle()
             assert h is made and h.thread == me and (me, 0) not in api._made_ahead
+            api.make_handle_for(threading.current_thread(), 0)  # it has one now: nothing is made
+            assert (me, 0) not in api._made_ahead
             p = Problem(key, seed=1)
             cupy.cuda.Device().synchronize()
             api.run(p.descs, "fwd", "implicit_precomp_gemm", p.x, p.w, p.y)

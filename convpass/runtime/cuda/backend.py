@@ -160,10 +160,10 @@ class CudaBackend(Backend):
 
     def begin_open(self) -> None:
         if self._opener is None:
-            self._opener = threading.Thread(target=self._open, args=(threading.get_ident(),), name="convpass-cuda-open", daemon=True)
+            self._opener = threading.Thread(target=self._open, args=(threading.current_thread(),), name="convpass-cuda-open", daemon=True)
             self._opener.start()
 
-    def _open(self, caller: int) -> None:
+    def _open(self, caller: threading.Thread) -> None:
         # CUDA context creation, cuDNN's library loads and handle creation mostly run without the
         # GIL: in a fresh process they overlap reading and parsing the model (0.1-0.2 s measured).
         try:
