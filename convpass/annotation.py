@@ -3,7 +3,7 @@
 This module is the only place that knows the format; the annotate pass writes through it, and
 ``inspect``, the executor and everything else read through it.
 
-Format (schema version 2)
+Format (schema version 3)
 -------------------------
 * Every tuned ``Conv`` / ``ConvTranspose`` node is the same op in domain ``ai.convpass``, with all
   its original attributes unchanged, plus the decision attributes below.
@@ -19,8 +19,16 @@ Format (schema version 2)
   entry ``t * n_profiles + p`` is table ``t``'s decision for profile ``p``; a single entry is
   written as a scalar.
 
-  ``algo``            algorithm that runs the node: the forward algorithm of a Conv, the
-                      backward-data algorithm of a ConvTranspose; ``"auto"`` = chosen at run time
+  ``algo``            legacy algorithm that runs the node: the forward algorithm of a Conv, the
+                      backward-data algorithm of a ConvTranspose; ``"auto"`` = chosen at run time.
+                      When ``engine`` is set, the legacy algorithm nearest to that engine (the
+                      fastest measured for the same key, else cuDNN's heuristic first choice), which
+                      runs where the graph API cannot
+  ``engine``          (optional, schema 3) the cuDNN graph-API engine configuration that runs the
+                      node, as cuDNN names its plans (``eng67_k2=16_k13=0``: engine id, then knob
+                      id = value), of the graph ``y = conv(x, w) + b``
+                      (:mod:`convpass.cudnn.graph_api`); ``""`` = the legacy ``algo`` runs. The
+                      device fingerprint of the table names the cuDNN version it was measured with
   ``dgrad_algo``      (optional, Conv only) backward-data algorithm for training
   ``wgrad_algo``      (optional, Conv only) backward-filter algorithm for training
   ``memory_format``   NCHW / NHWC (NCW / NWC, NCDHW / NDHWC by rank) or ``"auto"``
@@ -37,7 +45,7 @@ Format (schema version 2)
   ``convpass.profiles`` (JSON), ``convpass.matmul_allow_tf32`` (``0``/``1``: MindSpore's
   ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.options`` (JSON of the options used).
 
-Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
+Schema 2 (still read) is schema 3 without ``engine``. Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
 version in ``convpass.cudnn_version``; one value per profile. It reads as one table.
 
 Reading for a device
@@ -64,8 +72,8 @@ from convpass.device import DeviceFingerprint
 
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 CONV_OPS = ("Conv", "ConvTranspose")
 
 # Lowest IR version with model-local functions; and the highest ONNX Runtime 1.31 reads.
@@ -98,6 +106,7 @@ STANDARD_ATTRIBUTES: dict[str, dict[str, int]] = {
 }
 DECISION_ATTRIBUTES = (
     "algo",
+    "engine",
     "dgrad_algo",
     "wgrad_algo",
     "memory_format",
@@ -128,10 +137,11 @@ class ConvDecision:
     source: str = AUTO
     dgrad_algo: str | None = None
     wgrad_algo: str | None = None
+    engine: str = ""
 
     @property
     def is_auto(self) -> bool:
-        return self.algo == AUTO
+        return self.algo == AUTO and not self.engine
 
     @property
     def tf32(self) -> bool | None:
@@ -252,6 +262,8 @@ def decision_attributes(decisions: Sequence[ConvDecision]) -> dict[str, Any]:
     }
     if any(d.time_ms is not None for d in decisions):
         attrs["time_ms"] = pack([math.nan if d.time_ms is None else float(d.time_ms) for d in decisions])
+    if any(d.engine for d in decisions):
+        attrs["engine"] = pack([d.engine for d in decisions])
     for name in ("dgrad_algo", "wgrad_algo"):
         values = [getattr(d, name) for d in decisions]
         if any(v is not None for v in values):
@@ -389,6 +401,7 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
             ("source", AUTO),
             ("dgrad_algo", None),
             ("wgrad_algo", None),
+            ("engine", ""),
         ]
     }
     decisions = [
@@ -402,6 +415,7 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
             source=cols["source"][i],
             dgrad_algo=cols["dgrad_algo"][i],
             wgrad_algo=cols["wgrad_algo"][i],
+            engine=cols["engine"][i],
         )
         for i in range(entries)
     ]

@@ -35,6 +35,10 @@ def add_decision_options(p: argparse.ArgumentParser, layout_default: str, layout
     p.add_argument("--workspace-limit", metavar="SIZE", help="largest workspace an algorithm may use, e.g. 256MiB")
     p.add_argument("--deterministic", action="store_true", help="only deterministic algorithms")
     p.add_argument("--directions", default="fwd", help="fwd, or fwd,dgrad,wgrad to also tune training passes of Conv")
+    p.add_argument("--engines", default="all", choices=["legacy", "graph", "all"],
+                   help="candidates for forward convs under --mode measure: cuDNN's legacy algorithms, its graph-API "
+                   "engine configurations (needs nvidia-cudnn-frontend: pip install convpass[graph]), or all (default; "
+                   "legacy only, with a warning, where the graph API is not installed)")
 
 
 def decision_options(args: argparse.Namespace) -> dict:
@@ -50,6 +54,7 @@ def decision_options(args: argparse.Namespace) -> dict:
         workspace_limit=args.workspace_limit,
         deterministic=args.deterministic,
         directions=args.directions,
+        engines=args.engines,
     )
 
 
@@ -149,12 +154,12 @@ def _inspect(args: argparse.Namespace) -> int:
         title += f", decisions for {len(devices)} devices"
     table = Table(title=title)
     columns = ["node", "op"] + (["device"] if len(devices) > 1 else []) + [
-        "profile", "algo", "format", "math", "tf32", "workspace", "time", "source", "problem key"]
+        "profile", "algo", "engine", "format", "math", "tf32", "workspace", "time", "source", "problem key"]
     for col in columns:
         table.add_column(col, overflow="fold")
     for r in records:
         row = [r["node"], r["op"]] + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
-            _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
+            _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r.get("engine")), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
             _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
         table.add_row(*row)
     console = Console(width=200)

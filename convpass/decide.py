@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from convpass.cudnn.graph_api import is_engine
 from convpass.device import DeviceFingerprint
 from convpass.options import TuneOptions
 from convpass.passes.collect_conv_problems import ConvProblem
@@ -37,6 +38,9 @@ class Choice:
     time_ms: float | None
     workspace_bytes: int | None
     source: str  # measure | exhaustive | heuristic | forced | cache
+    # when ``algo`` is a graph-API engine: the legacy algorithm nearest to it (the fastest measured,
+    # else cuDNN's heuristic first choice, for the same key), what runs where the engine cannot
+    fallback: str | None = None
 
 
 class DecisionBackend(Protocol):
@@ -51,8 +55,10 @@ def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions) -> boo
     """Whether a measured configuration satisfies the user's constraints for this problem."""
     direction = problem.direction
     strategy, forced = options.strategy(direction)
+    legacy_ok, engines_ok = options.engine_space(direction)
     return (
         m.status == "ok"
+        and (engines_ok if is_engine(m.algo) else legacy_ok)
         and m.key.shape in problem.candidates
         and m.key.layout in options.layouts
         and m.key.math in options.math_modes(m.key.shape.dtype)
@@ -93,8 +99,22 @@ def _layout_pref(m: "Measurement") -> int:
     return 0 if m.key.layout == "nchw" else 1
 
 
-def choice_from(m: "Measurement", source: str) -> Choice:
-    return Choice(key=m.key, algo=m.algo, time_ms=m.time_ms, workspace_bytes=m.workspace_bytes, source=source)
+def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = ()) -> Choice:
+    """The Choice of a selected measurement; ``rows`` (the problem's measurements) give an engine's
+    legacy fallback."""
+    return Choice(key=m.key, algo=m.algo, time_ms=m.time_ms, workspace_bytes=m.workspace_bytes, source=source,
+                  fallback=legacy_fallback(rows, m.key) if is_engine(m.algo) else None)
+
+
+def legacy_fallback(rows: Iterable["Measurement"], key: ProblemKey) -> str | None:
+    """The legacy algorithm nearest to a graph-API engine chosen for ``key``: the fastest legacy
+    algorithm measured for the same key, else cuDNN's heuristic first choice; None without either."""
+    same = [m for m in rows if m.key == key and m.status == "ok" and not is_engine(m.algo)]
+    timed = [m for m in same if m.method == "measure" and m.time_ms is not None]
+    if timed:
+        return min(timed, key=lambda m: (m.time_ms, m.algo)).algo
+    ranked = [m for m in same if m.method == "heuristic" and m.heuristic_rank is not None]
+    return min(ranked, key=lambda m: m.heuristic_rank).algo if ranked else None
 
 
 def cached_rows(cache: "TuningCache", device: DeviceFingerprint, problem: ConvProblem) -> list["Measurement"]:
@@ -112,8 +132,7 @@ class CacheBackend:
     def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
         out: dict[ConvProblem, Choice | None] = {}
         for problem in problems:
-            chosen = None
-            if self.cache is not None and self.device is not None:
-                chosen = select(cached_rows(self.cache, self.device, problem), problem, options)
-            out[problem] = None if chosen is None else choice_from(chosen, "cache")
+            rows = cached_rows(self.cache, self.device, problem) if self.cache is not None and self.device is not None else []
+            chosen = select(rows, problem, options)
+            out[problem] = None if chosen is None else choice_from(chosen, "cache", rows)
         return out

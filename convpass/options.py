@@ -21,6 +21,9 @@ TF32_CHOICES = ("auto", "on", "off")
 # layout, transposes ignored; nchw / nhwc: one layout everywhere.
 LAYOUT_CHOICES = ("auto", "per-conv", "nchw", "nhwc")
 ALGO_KEYWORDS = ("normal", "performance")
+# legacy: cuDNN's legacy algorithms only; graph: graph-API engine configurations (forward convs;
+# dgrad / wgrad stay legacy); all: both, the fastest wins (convpass.cudnn.graph_api).
+ENGINE_CHOICES = ("legacy", "graph", "all")
 
 # Algorithm names per direction, as users write them (MindSpore's vocabulary); the cuDNN enums
 # module owns them (pure Python: importing it loads nothing).
@@ -59,9 +62,11 @@ class TuneOptions:
     workspace_limit: int | None = None
     deterministic: bool = False
     directions: tuple[str, ...] = ("fwd",)
+    engines: str = "all"
 
     def __post_init__(self) -> None:
         _choice("--mode", self.mode, MODES)
+        _choice("--engines", self.engines, ENGINE_CHOICES)
         _choice("--tf32", self.tf32, TF32_CHOICES)
         _choice("--layout", self.layout, LAYOUT_CHOICES)
         for direction in ("fwd", "dgrad", "wgrad"):
@@ -90,6 +95,13 @@ class TuneOptions:
     @property
     def layouts(self) -> tuple[str, ...]:
         return ("nchw", "nhwc") if self.layout in ("auto", "per-conv") else (self.layout,)
+
+    def engine_space(self, direction: str) -> tuple[bool, bool]:
+        """(legacy algorithms, graph-API engines) allowed for a direction. Engines exist for the
+        forward direction under ``--mode measure`` only: the other strategies are cuDNN's legacy
+        heuristic, Find or a named legacy algorithm."""
+        graph = self.engines != "legacy" and direction == "fwd" and self.strategy(direction)[0] == "measure"
+        return (self.engines != "graph" or not graph), graph
 
     def math_modes(self, dtype: str) -> tuple[str, ...]:
         """cuDNN math types to consider for a data type under --tf32."""

@@ -243,7 +243,8 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             problem = own[node]
             pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
             if pick is not None:
-                overrides[(node, i)] = choice_from(pick, "cache" if report.measured == 0 else options.strategy(problem.direction)[0])
+                source = "cache" if report.measured == 0 else options.strategy(problem.direction)[0]
+                overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []))
         if plan.layouts:
             report.layout_plans[profile.name] = plan
     return overrides
@@ -315,7 +316,8 @@ def optimize(
     Options (as on the CLI): ``mode`` (heuristic | exhaustive | measure), ``fprop_algo`` /
     ``dgrad_algo`` / ``wgrad_algo`` (normal | performance | an algorithm name), ``tf32``
     (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
-    (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad").
+    (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad"), ``engines``
+    (legacy | graph | all: cuDNN's legacy algorithms, its graph-API engine configurations, or both).
     ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
     ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
     model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.aot`).
@@ -387,7 +389,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
         if not annotation.is_annotated_conv(node):
             if node.domain in ("", "ai.onnx"):
                 records.append({"node": name, "op": node.op_type, "device": None, "profile": None, "problem_key": "",
-                                "algo": None, "dgrad_algo": None, "wgrad_algo": None, "memory_format": None,
+                                "algo": None, "engine": None, "dgrad_algo": None, "wgrad_algo": None, "memory_format": None,
                                 "math_mode": None, "tf32": None, "workspace_bytes": None, "time_ms": None, "source": "untuned"})
             continue
         for dev, table in zip(devices, by_name[name].tables):
@@ -402,6 +404,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
                         "profile": profiles[i] if i < len(profiles) else str(i),
                         "problem_key": d.problem_key,
                         "algo": d.algo,
+                        "engine": d.engine or None,
                         "dgrad_algo": d.dgrad_algo,
                         "wgrad_algo": d.wgrad_algo,
                         "memory_format": d.memory_format,

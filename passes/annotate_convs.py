@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from convpass import annotation
 from convpass.annotation import ConvDecision, ModelInfo
+from convpass.cudnn.graph_api import ENGINE_PREFIX, is_engine
 from convpass.decide import Choice
 from convpass.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
 from convpass.passes.collect_conv_problems import ConvProblem, node_problems
@@ -62,8 +63,10 @@ def decision_for(
         extra[f"{problem.direction}_algo"] = annotation.AUTO if c is None else c.algo
     if chosen is None:
         return ConvDecision(problem_key=str(own.primary), **extra)
+    engine = chosen.algo[len(ENGINE_PREFIX):] if is_engine(chosen.algo) else ""
     return ConvDecision(
-        algo=chosen.algo,
+        algo=(chosen.fallback or annotation.AUTO) if engine else chosen.algo,
+        engine=engine,
         memory_format=memory_format_name(canonical.spatial_rank, chosen.key.layout),
         math_mode=chosen.key.math,
         workspace_bytes=chosen.workspace_bytes,

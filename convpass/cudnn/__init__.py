@@ -7,6 +7,8 @@
   Python) and builds the descriptors (``ConvDescriptors``).
 * :mod:`convpass.cudnn.api` holds handles, heuristics, search, workspace sizes, execution and the
   call listeners.
+* :mod:`convpass.cudnn.graph_api` is the second tuning space: cuDNN's graph-API engine
+  configurations through NVIDIA's ``nvidia-cudnn-frontend`` package (optional; not imported here).
 
 Importing this package neither imports CuPy nor loads cuDNN; both happen on first use.
 """

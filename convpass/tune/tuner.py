@@ -36,7 +36,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from convpass.cache import Measurement, TuningCache
 from convpass.decide import Choice, cached_rows, choice_from, select
+from convpass.cudnn.graph_api import ENGINE_PREFIX, is_engine
 from convpass.device import DeviceFingerprint
+from convpass.errors import OptionError
 from convpass.options import TuneOptions
 from convpass.passes.collect_conv_problems import ConvProblem
 from convpass.problem import ConvShape, ProblemKey
@@ -114,7 +116,7 @@ class CudnnTuner:
         if from_cache:
             self.summary.cached += 1
         else:
-            fresh = measure_problem(problem, options)
+            fresh = measure_problem(problem, options, rows)
             self.cache.put(self.device, fresh)
             self.summary.measured += 1
             fresh_ids = {(m.key, m.algo, m.method) for m in fresh}
@@ -128,7 +130,7 @@ class CudnnTuner:
             return None
         if chosen.time_ms is not None and chosen.method == "measure":
             self.chosen_ms[problem] = chosen.time_ms
-        return choice_from(chosen, "cache" if from_cache else strategy)
+        return choice_from(chosen, "cache" if from_cache else strategy, rows)
 
     def transpose_ms(self, dims: tuple[int, ...], dtype: str) -> float:
         """Measured time of converting a tensor between channels-first and channels-last."""
@@ -161,27 +163,63 @@ class CudnnTuner:
             self.baseline_ms[problem] = timed.time_ms
 
 
-def measure_problem(problem: ConvProblem, options: TuneOptions) -> list[Measurement]:
+def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[Measurement] = ()) -> list[Measurement]:
     """Measure one problem on the current GPU as ``options`` ask and return every row; writes
     nothing (the caller stores the rows: the tuner in its cache, a fleet worker by sending them to
-    the driver). Runs with a non-default CuPy stream current; warms the clocks first."""
+    the driver). Runs with a non-default CuPy stream current; warms the clocks first.
+
+    ``have``: rows already stored for the problem. When they hold every legacy measurement, only
+    the graph-API engines are measured (a cache filled before engines existed is not re-timed).
+    """
     strategy, forced = options.strategy(problem.direction)
     harness.warm_clocks()
-    return _measure(problem, candidate_keys(problem, options), strategy, forced)
+    legacy, engines = spaces(problem, options)
+    keys = candidate_keys(problem, options)
+    best = None
+    if legacy and engines and complete(list(have), keys, strategy, forced, legacy=True, engines=False):
+        legacy = False
+        timed = [m.time_ms for m in have if m.key in keys and m.status == "ok" and m.method == "measure" and m.time_ms]
+        best = min(timed, default=None)
+    return _measure(problem, keys, strategy, forced, legacy, engines, best)
 
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
     """Whether ``rows`` (e.g. the cache's for this problem) hold everything :func:`measure_problem`
     would measure under ``options``: then nothing needs timing."""
     strategy, forced = options.strategy(problem.direction)
-    return complete(rows, candidate_keys(problem, options), strategy, forced)
+    legacy, engines = spaces(problem, options)
+    return complete(rows, candidate_keys(problem, options), strategy, forced, legacy, engines)
 
 
-def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None) -> list[Measurement]:
+_warned_no_graph_api: set[str] = set()
+
+
+def spaces(problem: ConvProblem, options: TuneOptions) -> tuple[bool, bool]:
+    """(time legacy algorithms, time graph-API engines) for a problem under ``options``.
+
+    Engines need the nvidia-cudnn-frontend package: ``--engines graph`` without it is an error;
+    ``--engines all`` without it tunes the legacy algorithms and says so once.
+    """
+    from convpass.cudnn import graph_api
+
+    legacy, engines = options.engine_space(problem.direction)
+    if engines:
+        why = graph_api.unavailable()
+        if why is not None:
+            if options.engines == "graph":
+                raise OptionError(f"--engines graph: {why}")
+            if why not in _warned_no_graph_api:
+                _warned_no_graph_api.add(why)
+                logger.warning("cuDNN graph-API engines are not tuned: %s. Legacy algorithms only.", why)
+            return True, False
+    return legacy, engines
+
+
+def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
+             engines: bool = False, best: float | None = None) -> list[Measurement]:
     from convpass.cudnn import ConvDescriptors, find, heuristic
 
     rows: list[Measurement] = []
-    best: float | None = None
     for shape in problem.candidates:
         bench = _ShapeBench(shape)
         for key in (k for k in keys if k.shape == shape):
@@ -192,7 +230,9 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                 for rank, perf in enumerate(ok_ranked):
                     rows.append(_row(key, perf.algo, "ok", None, perf.workspace_bytes, perf.deterministic, now, "heuristic", heuristic_rank=rank))
                 to_time: list[str]
-                if strategy == "measure":
+                if strategy == "measure" and not legacy:
+                    to_time = []
+                elif strategy == "measure":
                     from convpass.cudnn import algo_names
 
                     to_time = list(algo_names(shape.direction))
@@ -207,7 +247,7 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                         rows.append(_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
                     to_time = [found[0].algo] if found else []
                 # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
-                if strategy != "measure" and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
+                if (strategy != "measure" or not legacy) and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
                     to_time.append(ok_ranked[0].algo)
                 # cuDNN's own pick first: a good early "best" lets slow candidates stop early.
                 preferred = [p.algo for p in ok_ranked]
@@ -217,6 +257,11 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                     row = bench.measure(descs, key, algo, best, forced=strategy == "forced")
                     logger.debug("%s %s %s: %s %s (%.0f ms) %s", shape, key.layout, key.math, algo, row.status,
                                  (time.perf_counter() - t0) * 1e3, row.note)
+                    rows.append(row)
+                    if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
+                        best = row.time_ms if best is None else min(best, row.time_ms)
+            if engines:
+                for row in bench.measure_engines(key, best):
                     rows.append(row)
                     if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
                         best = row.time_ms if best is None else min(best, row.time_ms)
@@ -240,8 +285,11 @@ def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKe
     ]
 
 
-def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, forced: str | None) -> bool:
-    """Whether the cache already holds everything this strategy needs for these keys."""
+def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
+             engines: bool = False) -> bool:
+    """Whether the cache already holds everything this strategy needs for these keys (graph-API
+    engines: at least one engine row per key, which :meth:`_ShapeBench.measure_engines` always
+    writes, an ``unsupported`` one when cuDNN offers none)."""
     from convpass.cudnn.enums import algo_names
 
     for key in keys:
@@ -249,7 +297,9 @@ def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, for
         if not any(m.method == "heuristic" for m in mine):
             return False
         timed = {m.algo for m in mine if m.method == "measure"}
-        if strategy == "measure" and not set(algo_names(key.shape.direction)) <= timed:
+        if strategy == "measure" and legacy and not set(algo_names(key.shape.direction)) <= timed:
+            return False
+        if engines and not any(is_engine(a) for a in timed):
             return False
         if strategy == "forced" and forced not in timed:
             return False
@@ -377,6 +427,65 @@ class _ShapeBench:
         if timing.eager:
             note += "; eager launches (not capturable): includes launch overhead"
         return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
+
+    def measure_engines(self, key: ProblemKey, best_ms: float | None) -> list[Measurement]:
+        """Every graph-API engine configuration of ``key`` (``y = conv(x, w)``), checked against
+        the reference and timed like the legacy algorithms. Always at least
+        one row: ``engine:none`` (unsupported) when cuDNN offers no configuration."""
+        from convpass.cudnn import graph_api
+
+        now = time.time()
+        try:
+            found = graph_api.configs(key)
+        except graph_api.GraphApiError as e:
+            return [_row(key, ENGINE_PREFIX + "none", "unsupported", None, 0, True, now, "measure", note=str(e))]
+        if not found:
+            return [_row(key, ENGINE_PREFIX + "none", "unsupported", None, 0, True, now, "measure", note="cuDNN offers no engine configuration")]
+        rows = []
+        for config in found:
+            row = self._measure_engine(key, config, best_ms)
+            rows.append(row)
+            if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
+                best_ms = row.time_ms if best_ms is None else min(best_ms, row.time_ms)
+        return rows
+
+    def _measure_engine(self, key: ProblemKey, config, best_ms: float | None) -> Measurement:
+        import cupy as cp
+
+        from convpass.cudnn import graph_api
+
+        now = time.time()
+        algo = config.algo
+        try:
+            plan = graph_api.EnginePlan(key, config)
+        except graph_api.GraphApiError as e:
+            return _row(key, algo, "unsupported", None, 0, True, now, "measure", note=str(e))
+        ws = plan.workspace_bytes
+        try:
+            expected = self.reference()
+            s = self.shape
+            workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
+            per_set = sum(a.nbytes for a in self._base.values())
+            sets = self.buffers(key.layout, harness.rotation_sets(per_set))
+            check = sets[0]
+            check["y"].fill(float("nan")) if s.dtype != "bfloat16" else check["y"].fill(0x7FC0)
+            plan.execute(check["x"], check["w"], check["y"], workspace)
+            err = harness.relative_error(harness.to_float32(check["y"], s.dtype), expected)
+            tolerance = TOLERANCE[(s.dtype, key.math)]
+            if not err <= tolerance:
+                return _row(key, algo, "wrong_result", None, ws, True, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
+            timing = harness.time_launches(lambda i: plan.execute(sets[i]["x"], sets[i]["w"], sets[i]["y"], workspace), len(sets), best_ms)
+        except cp.cuda.memory.OutOfMemoryError as e:
+            return _row(key, algo, "oom", None, ws, True, now, "measure", note=str(e).splitlines()[0])
+        except graph_api.GraphApiError as e:
+            return _row(key, algo, "error", None, ws, True, now, "measure", note=str(e))
+        if timing.eager:
+            # the executor replays a captured CUDA graph: an engine that cannot be captured is no candidate
+            return _row(key, algo, "unsupported", None, ws, True, now, "measure", note="its launches cannot be captured into a CUDA graph")
+        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}; graph API"
+        if timing.early_stop:
+            note += f"; early stop: estimate over 4x the best ({best_ms:.4f} ms)"
+        return _row(key, algo, "ok", timing.time_ms, ws, True, now, "measure", note=note)
 
     def release(self) -> None:
         self._sets.clear()

@@ -151,7 +151,7 @@ class CudaBackend(Backend):
         self.step_events: list[tuple[str, str, Any, Any]] | None = None
         self.counters = {
             "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
-            "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0,
+            "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
         }
         with self._device:
             self.convs = Convolutions(self)

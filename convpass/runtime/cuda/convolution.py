@@ -34,6 +34,11 @@ Decisions:
   :class:`~convpass.cudnn.CudnnError`), or a recorded problem key that is not the problem the
   plan computes, falls back the same way with one warning naming the node. Nothing crashes,
   nothing changes silently. The executor never calls cuDNN's Find.
+* Graph-API engines (a decision with ``engine``): the plan of ``y = conv(x, w)`` is built at
+  plan-compile time (:class:`convpass.cudnn.graph_api.EnginePlan`) and enqueued on the stream, so
+  it is captured like any launch; the residual, the bias and a Relu follow as element-wise passes. An engine that cannot be built here (package
+  missing, another cuDNN, refused) warns once, naming the node, and the recorded legacy ``algo``
+  runs instead.
 * Geometries cuDNN cannot express (``shapes == ()``) or dtypes it is not asked for (float64) run
   :func:`convpass.runtime.conv.conv_reference` over CuPy.
 """
@@ -81,6 +86,7 @@ class ConvExec:
     fuse_identity_ok: bool = True
     fuse_residual_ok: bool = True
     strided_output_ok: bool = True
+    engine: Any = None  # a graph-API EnginePlan (conv + bias) when the recorded engine runs
 
     @property
     def layout(self) -> str:
@@ -171,6 +177,12 @@ class Convolutions:
             self.mismatch_nodes.append(node)
             return self.heuristic_exec(call, "fallback", f"tuned on {self.rt.recorded_device}", math)
         key, why = self._recorded_key(d, g)
+        if key is not None and d.engine:
+            ex = self._engine_exec(call, d, key)
+            if ex is not None:
+                return ex
+            if d.algo == annotation.AUTO:
+                return self.heuristic_exec(call, "fallback", f"recorded engine {d.engine!r} not usable here", math)
         if key is not None:
             from convpass import cudnn
 
@@ -183,6 +195,25 @@ class Convolutions:
                 return ConvExec(node, g.op_type, g, key, descs, d.algo, ws, _insert_axis(g, key), "recorded")
         ex = self.heuristic_exec(call, "fallback", why, math)
         self.rt.warn_node(node, f"node {node!r}: {why}; running cuDNN's heuristic choice {describe_exec(ex)} instead")
+        return ex
+
+    def _engine_exec(self, call: ConvCall, d: annotation.ConvDecision, key: ProblemKey) -> ConvExec | None:
+        """The exec of a recorded graph-API engine, its plan built now (plan-compile time); None,
+        with a warning naming the node and the legacy algorithm that runs instead, when it cannot."""
+        from convpass.cudnn import graph_api
+
+        g = call.geometry
+        try:
+            if g.op_type != "Conv":
+                raise graph_api.GraphApiError(f"engines run forward convolutions, not {g.op_type}")
+            plan = graph_api.EnginePlan(key, graph_api.EngineConfig.parse(d.engine))
+        except (graph_api.GraphApiError, ValueError) as e:
+            instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
+            self.rt.warn_node(call.node_name, f"node {call.node_name!r}: recorded cuDNN graph-API engine {d.engine!r} is not usable here ({first_line(e)}); running {instead} instead")
+            return None
+        ex = ConvExec(call.node_name, g.op_type, g, key, None, graph_api.ENGINE_PREFIX + d.engine, plan.workspace_bytes,
+                      _insert_axis(g, key), "recorded", engine=plan)
+        ex.strided_output_ok = False  # the plan was built for a packed output
         return ex
 
     @staticmethod
@@ -319,12 +350,14 @@ class Convolutions:
         written into ``out`` (a slice of a Concat buffer) when given."""
         from convpass import cudnn
 
+        from convpass.cudnn.graph_api import GraphApiError
+
         ex = self.resolve(call, x.dtype)
         if ex is REFERENCE or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
             return self._into(self._reference(call, x, w, b, relu, z), out)
         try:
             return self._run(ex, x, w, b, relu, z, out)
-        except cudnn.CudnnError as e:
+        except (cudnn.CudnnError, GraphApiError) as e:
             if self.rt.capturing or ex.source != "recorded":
                 raise
             # the recorded algorithm was accepted by workspace_size but cuDNN refuses to run it
@@ -376,6 +409,8 @@ class Convolutions:
             z4 = cudnn.as_layout(mapped_z, ex.layout)
             if z4 is not mapped_z:
                 counters["layout_copies"] += 1
+        if ex.engine is not None:
+            return self._into(self._run_engine(ex, x4, wk, b, relu, z4, ws), out)
         activation = None
         if b is not None and self.rt.fuse:
             if z4 is not None:
@@ -422,6 +457,19 @@ class Convolutions:
             y4 += z4  # same memory format on both sides: one pass over the storage
         self._bias_relu(y, b, relu)
         return y if y_strides is not None else self._into(y, out)
+
+    def _run_engine(self, ex: ConvExec, x4: Any, wk: Any, b: Any, relu: bool, z4: Any, ws: Any) -> Any:
+        """``act(conv(x, w) + z + b)``: the conv in its graph-API plan, then element-wise passes."""
+        from convpass import cudnn
+
+        y = cudnn.empty_like_layout(ex.geometry.output_shape, x4.dtype, ex.layout)
+        y4 = self._map(y, ex)
+        ex.engine.execute(x4, wk, y4, ws if ex.workspace > 0 else None)
+        self.rt.counters["graph_api_calls"] += 1
+        if z4 is not None:
+            y4 += z4  # same memory format on both sides: one pass over the storage
+        self._bias_relu(y, b, relu)
+        return y
 
     def _strided_refused(self, ex: ConvExec, e: Exception, x: Any, w: Any, b: Any, relu: bool, out: Any) -> Any:
         if self.rt.capturing:

@@ -1,0 +1,232 @@
+"""cuDNN's graph API as a second tuning space: engine configurations of ``y = conv(x, w)``.
+
+The legacy API offers 8 forward algorithms; cuDNN 9's graph API offers the engine configurations
+its heuristics (modes A and B) and fallback list return for an operation graph, with their knobs
+(tile sizes, split-K, ...). On an H200 the depthwise convolutions of EfficientNet-B0 at batch 32
+ran 2-3x faster on graph-API engines in NHWC than on any legacy algorithm. This module reaches
+that API through NVIDIA's own Python binding, the ``nvidia-cudnn-frontend`` package (imported as
+``cudnn``; ``pip install convpass[graph]``), and is the one place that knows it.
+
+Rules
+-----
+* **One operation graph per problem key.** Every engine candidate is an engine configuration of
+  the graph ``y = conv_fprop(x, w)``: the forward direction only, over the key's shapes, memory
+  format and data type, compute in float32, timed like the legacy algorithms (which are timed
+  without their bias too). The bias is not part of the graph: on an H200 (cuDNN 9.19) the fast
+  depthwise engine offered for the bare conv was not offered once a bias add was in the graph
+  (the tuner then found only generic engines, 2-8x slower), so the executor adds the bias after
+  the conv, as it does for legacy algorithms it cannot fuse it with.
+* **Math modes.** Engines are candidates with TF32 allowed (``default``, ``tensor_op``). For
+  ``fma`` (TF32 off) none is offered: the frontend's numerical-note filter does not remove the
+  tensor-core engines from the list it enumerates (an H200 test measured TF32-sized errors on
+  "filtered" configurations), so TF32-off convolutions keep the legacy algorithms, whose math type
+  is exact.
+* **Names.** A configuration is named as cuDNN names its plans: ``eng<id>`` followed by
+  ``_k<knob id>=<value>`` per knob, in knob-id order (``eng67_k2=16_k13=0``). The tuning cache and
+  the annotation record ``engine:<name>`` as the algorithm (:attr:`EngineConfig.algo`), and
+  :meth:`EngineConfig.parse` turns it back into the engine id and knobs the plan is rebuilt from.
+  Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
+  version, keeps a decision from being replayed on another.
+* **Only backend engines.** The frontend's own Python-implemented engines (ids from 20000, CUTLASS
+  DSL kernels compiled at plan build) are not candidates: they compile at start-up, which the
+  executor must not do.
+* **No silent fallback.** :func:`unavailable` says why the package cannot be used (not installed,
+  no cuDNN); callers report it. A configuration cuDNN will not build raises :class:`GraphApiError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import threading
+from typing import Any
+
+from convpass.problem import ProblemKey
+
+__all__ = [
+    "ENGINE_PREFIX", "EngineConfig", "EnginePlan", "GraphApiError", "configs", "is_engine", "unavailable",
+]
+
+ENGINE_PREFIX = "engine:"
+PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
+_NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
+
+
+class GraphApiError(RuntimeError):
+    """The graph API cannot do what was asked (package missing, graph or plan refused)."""
+
+
+def is_engine(algo: str | None) -> bool:
+    """Whether a recorded algorithm is a graph-API engine configuration."""
+    return bool(algo) and algo.startswith(ENGINE_PREFIX)  # type: ignore[union-attr]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class EngineConfig:
+    """An engine id and its knob values (knob id -> value), as cuDNN numbers them."""
+
+    engine_id: int
+    knobs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"eng{self.engine_id}" + "".join(f"_k{k}={v}" for k, v in self.knobs)
+
+    @property
+    def algo(self) -> str:
+        return ENGINE_PREFIX + self.name
+
+    @classmethod
+    def parse(cls, text: str) -> "EngineConfig":
+        """From ``eng67_k2=16_k13=0`` or ``engine:eng67_k2=16_k13=0``."""
+        body = text[len(ENGINE_PREFIX):] if text.startswith(ENGINE_PREFIX) else text
+        m = _NAME.fullmatch(body)
+        if not m:
+            raise ValueError(f"{text!r} is not a cuDNN engine configuration (expected e.g. 'engine:eng67_k2=16_k13=0')")
+        knobs = tuple(sorted((int(k), int(v)) for k, v in re.findall(r"_k(\d+)=(-?\d+)", m[2])))
+        return cls(int(m[1]), knobs)
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@functools.lru_cache(maxsize=1)
+def _frontend() -> Any:
+    import cudnn as fe  # nvidia-cudnn-frontend
+
+    fe.backend_version()  # loads libcudnn: fails here, not at the first graph
+    return fe
+
+
+def unavailable() -> str | None:
+    """Why the graph API cannot be used here, or None when it can."""
+    try:
+        _frontend()
+    except ImportError as e:
+        return f"the nvidia-cudnn-frontend package is not installed ({e}; pip install convpass[graph])"
+    except Exception as e:  # noqa: BLE001  (no libcudnn, wrong CUDA: the package's own error)
+        return f"the nvidia-cudnn-frontend package cannot load cuDNN: {type(e).__name__}: {str(e).strip()[:200]}"
+    return None
+
+
+def _require() -> Any:
+    why = unavailable()
+    if why is not None:
+        raise GraphApiError(why)
+    return _frontend()
+
+
+_DATA_TYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16"}
+_handles = threading.local()
+
+
+def _handle(fe: Any, device: int) -> Any:
+    """The frontend's cuDNN handle of this thread on ``device`` (made once)."""
+    have = getattr(_handles, "by_device", None)
+    if have is None:
+        have = _handles.by_device = {}
+    if device not in have:
+        have[device] = fe.create_handle()
+    return have[device]
+
+
+def _current(cp: Any) -> tuple[int, int]:
+    return cp.cuda.Device().id, cp.cuda.get_current_stream().ptr
+
+
+def _graph(fe: Any, key: ProblemKey, handle: Any) -> tuple[Any, dict[str, Any]]:
+    """The operation graph ``y = conv(x, w)`` of ``key`` (forward only)."""
+    from convpass.cudnn.descriptors import descriptor_params
+
+    if key.shape.direction != "fwd":
+        raise GraphApiError(f"graph-API engines are tuned for forward convolutions only, not {key.shape.direction}")
+    p = descriptor_params(key)
+    dt = getattr(fe.data_type, _DATA_TYPES[key.shape.dtype])
+    g = fe.pygraph(io_data_type=dt, intermediate_data_type=fe.data_type.FLOAT, compute_data_type=fe.data_type.FLOAT, handle=handle)
+    x = g.tensor(name="x", dim=list(p.x.dims), stride=list(p.x.strides), data_type=dt)
+    w = g.tensor(name="w", dim=list(p.w.dims), stride=list(p.w.strides), data_type=dt)
+    y = g.conv_fprop(image=x, weight=w, padding=list(p.pads), stride=list(p.strides), dilation=list(p.dilations),
+                     compute_data_type=fe.data_type.FLOAT, name="conv")
+    y.set_output(True).set_dim(list(p.y.dims)).set_stride(list(p.y.strides)).set_data_type(dt)
+    g.validate()
+    g.build_operation_graph()
+    return g, {"x": x, "w": w, "y": y}
+
+
+def _config_at(g: Any, index: int) -> EngineConfig:
+    # The plan name, not get_engine_and_knobs_at_index: the Python knob enum maps knob ids it does
+    # not list (3 and 5 in frontend 1.32) to NOT_SET, which loses them.
+    return EngineConfig.parse(g.get_plan_name_at_index(index))
+
+
+def _enumerate(fe: Any, g: Any, key: ProblemKey) -> None:
+    if key.math == "fma":
+        raise GraphApiError(f"no graph-API engines with TF32 off ({key}): only the legacy algorithms run with FMA math")
+    g.create_execution_plans([fe.heur_mode.A, fe.heur_mode.B, fe.heur_mode.FALLBACK])
+
+
+def configs(key: ProblemKey) -> list[EngineConfig]:
+    """Every backend engine configuration cuDNN offers for ``key``'s graph (heuristic modes A and
+    B, then the fallback list; duplicates once, in that order), filtered by the key's math mode."""
+    fe = _require()
+    import cupy as cp
+
+    device, _ = _current(cp)
+    try:
+        g, _ = _graph(fe, key, _handle(fe, device))
+        _enumerate(fe, g, key)
+        found = [_config_at(g, i) for i in range(g.get_execution_plan_count())]
+    except GraphApiError:
+        raise
+    except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
+        raise GraphApiError(f"cuDNN's graph API has no engine for {key}: {_why(e)}") from e
+    return list(dict.fromkeys(c for c in found if c.engine_id < PYTHON_ENGINE_ID_BASE))
+
+
+class EnginePlan:
+    """A built execution plan of one engine configuration for one problem key.
+
+    Built once (plan-compile time in the executor, once per candidate in the tuner), then
+    :meth:`execute` enqueues the conv on CuPy's current stream: no allocation, no
+    synchronization, so it can be captured into a CUDA graph.
+    """
+
+    def __init__(self, key: ProblemKey, config: EngineConfig) -> None:
+        fe = _require()
+        import cupy as cp
+
+        self.key = key
+        self.config = config
+        self._fe = fe
+        self._device, _ = _current(cp)
+        self._handle = _handle(fe, self._device)
+        try:
+            self._graph, t = _graph(fe, key, self._handle)
+            # The configuration is found again among cuDNN's own for this graph, by name: rebuilding
+            # it from (engine id, knobs) through the frontend's knob enum gave configurations that
+            # cuDNN refused to finalize (H200, frontend 1.32: its enum is not cuDNN's knob numbering).
+            _enumerate(fe, self._graph, key)
+            names = [self._graph.get_plan_name_at_index(i) for i in range(self._graph.get_execution_plan_count())]
+            if config.name not in names:
+                raise GraphApiError(f"cuDNN does not offer {config.name} for {key} here")
+            self._index = names.index(config.name)
+            self._graph.build_plan_at_index(self._index)
+            self.workspace_bytes = int(self._graph.get_workspace_size_plan_at_index(self._index))
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"cuDNN does not build {config.name} for {key}: {_why(e)}") from e
+        self._uids = (t["x"], t["w"], t["y"])
+
+    def execute(self, x: Any, w: Any, y: Any, workspace: Any = None) -> None:
+        """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format)."""
+        import cupy as cp
+
+        self._fe.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
+        pack = dict(zip(self._uids, (x.data.ptr, w.data.ptr, y.data.ptr)))
+        ws = 0 if workspace is None or getattr(workspace, "nbytes", 0) == 0 else workspace.data.ptr
+        try:
+            self._graph.execute_plan_at_index(pack, ws, index=self._index, handle=self._handle)
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"{self.config.name} failed to execute for {self.key}: {_why(e)}") from e

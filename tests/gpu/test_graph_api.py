@@ -1,0 +1,157 @@
+"""cuDNN graph-API engines on a real GPU: every offered configuration that builds computes
+``conv(x, w)`` right (float64 NumPy reference), the tuner records them, and the executor runs a
+model tuned with them inside its captured CUDA graph, or warns and runs the legacy fallback."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+import convpass  # noqa: E402
+from conftest import MODELS, conv_model, run_ort  # noqa: E402
+from convpass import annotation  # noqa: E402
+from convpass.cudnn import as_layout, graph_api  # noqa: E402
+from convpass.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
+from convpass.runtime import Executor  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _need_frontend():
+    why = graph_api.unavailable()
+    if why is not None:
+        pytest.skip(why)
+
+
+CASES = {
+    "dense3x3": ((2, 16, 14, 14), (32, 16, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "depthwise_s2": ((2, 32, 15, 15), (32, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2], "group": 32}),
+    "grouped1x1": ((2, 16, 7, 7), (32, 4, 1, 1), {"group": 4}),
+    "dilated": ((1, 8, 12, 12), (8, 8, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    "conv3d": ((1, 4, 6, 8, 8), (8, 4, 3, 3, 3), {"pads": [1, 1, 1, 1, 1, 1]}),
+}
+
+
+def _reference(x, w, shape) -> np.ndarray:
+    """float64 conv of a canonical ConvShape (symmetric pads), channels first."""
+    g = shape.groups
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    r = len(shape.spatial)
+    x = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in shape.pads])
+    n, k = x.shape[0], w.shape[0]
+    out_sp = shape.y_shape[2:]
+    y = np.zeros((n, k, *out_sp))
+    cg, kg = shape.c // g, k // g
+    for gi in range(g):
+        xs = x[:, gi * cg:(gi + 1) * cg]
+        ws = w[gi * kg:(gi + 1) * kg]
+        for idx in np.ndindex(*shape.kernel):
+            sl = tuple(slice(idx[d] * shape.dilations[d], idx[d] * shape.dilations[d] + shape.strides[d] * (out_sp[d] - 1) + 1, shape.strides[d]) for d in range(r))
+            patch = xs[(slice(None), slice(None), *sl)]
+            y[:, gi * kg:(gi + 1) * kg] += np.einsum("nc...,kc->nk...", patch, ws[(slice(None), slice(None), *idx)])
+    return y
+
+
+def test_no_engine_is_offered_with_tf32_off():
+    shape = canonicalize_conv("Conv", {}, (2, 8, 8, 8), (8, 8, 1, 1)).shapes[0]
+    with pytest.raises(graph_api.GraphApiError, match="TF32 off"):
+        graph_api.configs(shape.key("nhwc", "fma"))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_offered_configuration_computes_the_conv(case, layout):
+    x_shape, w_shape, attrs = CASES[case]
+    shape = canonicalize_conv("Conv", attrs, x_shape, w_shape).shapes[0]
+    key = shape.key(layout, "default")
+    configs = graph_api.configs(key)
+    assert configs, f"cuDNN offers no engine for {key}"
+    assert all(c.engine_id < graph_api.PYTHON_ENGINE_ID_BASE for c in configs)
+    rng = np.random.default_rng(3)
+    xh = rng.standard_normal(shape.x_shape).astype(np.float32)
+    wh = (rng.standard_normal(shape.w_shape) / np.sqrt(np.prod(shape.w_shape[1:]))).astype(np.float32)
+    want = _reference(xh, wh, shape)
+    x, w = as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout)
+    tolerance = 5e-3  # TF32
+    built = 0
+    for config in configs:
+        try:
+            plan = graph_api.EnginePlan(key, config)
+        except graph_api.GraphApiError:
+            continue  # offered but not buildable here: the tuner records it as unsupported
+        built += 1
+        y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), layout)
+        ws = cp.empty(max(plan.workspace_bytes, 1), cp.uint8)
+        plan.execute(x, w, y, ws)
+        got = cp.asnumpy(y).astype(np.float64)
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= tolerance, f"{config.name} ({layout}): relative error {err:.2e}"
+    assert built, f"no configuration of {key} builds"
+
+
+def test_the_tuner_records_engines_beside_the_legacy_algorithms(tmp_path):
+    model = conv_model("Conv", (2, 32, 15, 15), (32, 1, 3, 3), pads=[1, 1, 1, 1], group=32)
+    convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on")
+    from convpass.cache import TuningCache
+
+    shape = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1], "group": 32}, (2, 32, 15, 15), (32, 1, 3, 3)).shapes[0]
+    cache = TuningCache(tmp_path / "c.db")
+    [(device, _)] = cache.devices()
+    rows = cache.get(device, shape)
+    cache.close()
+    for layout in ("nchw", "nhwc"):
+        mine = [r for r in rows if r.key == shape.key(layout, "default")]
+        engines = [r for r in mine if graph_api.is_engine(r.algo)]
+        assert any(r.status == "ok" and r.time_ms for r in engines), [(r.algo, r.status, r.note) for r in engines]
+        assert any(r.algo == "implicit_gemm" and r.method == "measure" for r in mine)
+
+
+def _check(outs, refs, tol, what):
+    for got, want in zip(outs, refs):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        assert err <= tol, f"{what}: relative error {err:.2e}"
+
+
+def test_a_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(tmp_path):
+    model = onnx.load(MODELS / "mobile_block.onnx")
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, shapes=["input=2x3x32x32"], tf32="on", engines="graph")
+    records = convpass.inspect(tuned)
+    assert records and all(r["engine"] for r in records if r["op"] == "Conv"), records
+    inp = model.graph.input[0]
+    dims = [2, 3, 32, 32]
+    x = np.random.default_rng(5).standard_normal(dims).astype(np.float32)
+    refs = run_ort(model, {inp.name: x})
+    from convpass.runtime.cuda import ExecutorWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExecutorWarning)  # no fallback anywhere
+        ex = Executor(tuned, device="cuda")
+        first = ex.run(None, {inp.name: x})
+    _check(first, refs, 5e-3, "first run")
+    for i in range(3):
+        _check(ex.run(None, {inp.name: x}), refs, 5e-3, f"replay {i}")
+    assert ex.graph_status().captured, ex.graph_status().describe()
+    assert ex._backend.counters["graph_api_calls"] >= 1
+
+
+def test_an_engine_that_cannot_be_built_warns_and_runs_the_legacy_algorithm(tmp_path):
+    model = conv_model("Conv", (2, 16, 14, 14), (32, 16, 3, 3), pads=[1, 1, 1, 1])
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines="legacy")
+    legacy_algo = convpass.inspect(tuned)[0]["algo"]
+    for node in tuned.graph.node:
+        if annotation.is_annotated_conv(node):
+            node.attribute.append(onnx.helper.make_attribute("engine", "eng99999"))
+    x = np.random.default_rng(2).standard_normal((2, 16, 14, 14)).astype(np.float32)
+    from convpass.runtime.cuda import ExecutorWarning
+
+    with pytest.warns(ExecutorWarning, match=r"engine 'eng99999' is not usable here.*legacy algorithm '" + legacy_algo):
+        outs = Executor(tuned, device="cuda").run(None, {"x": x})
+    _check(outs, run_ort(model, {"x": x}), 5e-3, "legacy fallback")

@@ -1,0 +1,190 @@
+"""cuDNN graph-API engines as a second tuning space, on the CPU: configuration names, the
+``--engines`` space in selection and cache completeness, the legacy fallback, the annotation
+(schema 3) and what happens without the nvidia-cudnn-frontend package."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx
+import pytest
+
+import convpass
+from conftest import conv_model
+from convpass import annotation
+from convpass.cache import Measurement, TuningCache
+from convpass.cudnn import graph_api
+from convpass.cudnn.graph_api import EngineConfig, is_engine
+from convpass.decide import CacheBackend, choice_from, legacy_fallback, select
+from convpass.device import DeviceFingerprint
+from convpass.errors import OptionError
+from convpass.options import TuneOptions
+from convpass.passes.canonicalize_convs import canonicalize_conv
+from convpass.passes.collect_conv_problems import ConvProblem
+from convpass.tune import tuner
+
+H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
+SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 3, 8, 8), (4, 3, 3, 3)).shapes[0]
+PROBLEM = ConvProblem((SHAPE,))
+ENG5 = "engine:eng5"
+ENG67 = "engine:eng67_k2=16_k13=0_k18=0"
+
+
+def m(layout, algo, time_ms, method="measure", status="ok", hr=None, math="default"):
+    return Measurement(SHAPE.key(layout, math), algo, status, time_ms, 0, True, 1.0, method, heuristic_rank=hr)
+
+
+ROWS = [
+    m("nchw", "implicit_gemm", 0.030),
+    m("nchw", "implicit_precomp_gemm", None, method="heuristic", hr=0),
+    m("nhwc", "implicit_gemm", 0.020),
+    m("nhwc", "implicit_precomp_gemm", 0.025),
+    m("nhwc", "implicit_precomp_gemm", None, method="heuristic", hr=0),
+    m("nhwc", ENG5, 0.010),
+    m("nchw", ENG67, 0.015),
+    m("nhwc", ENG67, None, status="wrong_result"),
+    m("nchw", "engine:none", None, status="unsupported"),
+]
+
+
+@pytest.mark.parametrize(
+    "text,engine_id,knobs",
+    [("eng5", 5, ()), ("engine:eng5", 5, ()), ("eng67_k2=16_k13=0_k18=0", 67, ((2, 16), (13, 0), (18, 0))),
+     ("engine:eng3_k11=-1", 3, ((11, -1),)), ("eng9_k5=2_k3=0", 9, ((3, 0), (5, 2)))],
+)
+def test_engine_names_round_trip(text, engine_id, knobs):
+    config = EngineConfig.parse(text)
+    assert (config.engine_id, config.knobs) == (engine_id, knobs)
+    assert EngineConfig.parse(config.name) == config == EngineConfig.parse(config.algo)
+    assert config.algo == "engine:" + config.name and is_engine(config.algo)
+
+
+@pytest.mark.parametrize("text", ["implicit_gemm", "engine:", "engine:none", "eng", "eng5_k2", "eng5 k2=1", "engX"])
+def test_bad_engine_names_are_refused(text):
+    with pytest.raises(ValueError, match="not a cuDNN engine configuration"):
+        EngineConfig.parse(text)
+
+
+def test_only_the_prefix_marks_an_engine():
+    assert not is_engine("implicit_gemm") and not is_engine("") and not is_engine(None)
+    assert is_engine("engine:none")
+
+
+@pytest.mark.parametrize(
+    "engines,expected",
+    [("all", ("nhwc", ENG5)), ("graph", ("nhwc", ENG5)), ("legacy", ("nhwc", "implicit_gemm"))],
+)
+def test_the_engine_space_option_chooses_the_candidates(engines, expected):
+    chosen = select(ROWS, PROBLEM, TuneOptions(tf32="on", engines=engines))
+    assert (chosen.key.layout, chosen.algo) == expected
+
+
+def test_graph_space_in_one_layout_and_no_engine_at_all():
+    assert select(ROWS, PROBLEM, TuneOptions(tf32="on", engines="graph", layout="nchw")).algo == ENG67
+    legacy_only = [r for r in ROWS if not is_engine(r.algo)]
+    assert select(legacy_only, PROBLEM, TuneOptions(tf32="on", engines="graph")) is None
+    assert select(legacy_only, PROBLEM, TuneOptions(tf32="on", engines="all")).algo == "implicit_gemm"
+
+
+def test_engines_belong_to_the_measure_mode_and_the_forward_direction():
+    assert TuneOptions().engine_space("fwd") == (True, True)
+    assert TuneOptions(engines="graph").engine_space("fwd") == (False, True)
+    assert TuneOptions(engines="graph").engine_space("dgrad") == (True, False)
+    assert TuneOptions(engines="legacy").engine_space("fwd") == (True, False)
+    assert TuneOptions(mode="heuristic").engine_space("fwd") == (True, False)
+    assert TuneOptions(fprop_algo="gemm", engines="graph").engine_space("fwd") == (True, False)
+    with pytest.raises(OptionError, match="--engines"):
+        TuneOptions(engines="fast")
+
+
+def test_an_engine_choice_carries_the_nearest_legacy_algorithm():
+    chosen = select(ROWS, PROBLEM, TuneOptions(tf32="on"))
+    choice = choice_from(chosen, "measure", ROWS)
+    assert choice.algo == ENG5 and choice.fallback == "implicit_gemm"  # fastest legacy, same key (NHWC)
+    nchw = SHAPE.key("nchw", "default")
+    assert legacy_fallback(ROWS, nchw) == "implicit_gemm"
+    heuristic_only = [r for r in ROWS if r.method == "heuristic"]
+    assert legacy_fallback(heuristic_only, nchw) == "implicit_precomp_gemm"
+    assert legacy_fallback([], nchw) is None
+    assert choice_from(m("nchw", "gemm", 0.1), "measure", ROWS).fallback is None  # legacy choices need none
+
+
+def test_cache_completeness_needs_an_engine_row_per_key():
+    keys = [SHAPE.key("nchw", "default"), SHAPE.key("nhwc", "default")]
+    from convpass.cudnn.enums import algo_names
+
+    legacy = [m(layout, a, 0.1) for layout in ("nchw", "nhwc") for a in algo_names("fwd")]
+    legacy += [m(layout, "implicit_gemm", None, method="heuristic", hr=0) for layout in ("nchw", "nhwc")]
+    assert tuner.complete(legacy, keys, "measure", None, legacy=True, engines=False)
+    assert not tuner.complete(legacy, keys, "measure", None, legacy=True, engines=True)
+    with_engines = legacy + [m("nchw", ENG5, 0.1), m("nhwc", "engine:none", None, status="unsupported")]
+    assert tuner.complete(with_engines, keys, "measure", None, legacy=True, engines=True)
+    # graph only: the legacy algorithms need not be timed, only ranked
+    ranked = [r for r in with_engines if r.method == "heuristic" or is_engine(r.algo)]
+    assert tuner.complete(ranked, keys, "measure", None, legacy=False, engines=True)
+    assert not tuner.complete(ranked, keys, "measure", None, legacy=True, engines=True)
+
+
+def test_without_the_frontend_graph_is_an_error_and_all_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(graph_api, "unavailable", lambda: "the nvidia-cudnn-frontend package is not installed")
+    monkeypatch.setattr(tuner, "_warned_no_graph_api", set())
+    with pytest.raises(OptionError, match="--engines graph: the nvidia-cudnn-frontend package is not installed"):
+        tuner.spaces(PROBLEM, TuneOptions(engines="graph"))
+    with caplog.at_level(logging.WARNING, logger="convpass"):
+        assert tuner.spaces(PROBLEM, TuneOptions()) == (True, False)
+        assert tuner.spaces(PROBLEM, TuneOptions()) == (True, False)
+    assert sum("graph-API engines are not tuned" in r.getMessage() for r in caplog.records) == 1
+    assert tuner.spaces(PROBLEM, TuneOptions(engines="legacy")) == (True, False)
+
+
+def test_unavailable_names_the_reason_on_a_machine_without_the_package():
+    try:
+        import cudnn  # noqa: F401
+    except ImportError:
+        assert "nvidia-cudnn-frontend" in graph_api.unavailable()
+    else:
+        pytest.skip("nvidia-cudnn-frontend is installed here")
+
+
+def _tuned_from_cache(tmp_path, rows, **options):
+    """A one-conv model decided from a recorded cache (no GPU)."""
+    model = conv_model("Conv", (2, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1])
+    cache = TuningCache(tmp_path / "c.db")
+    cache.put(H200, rows)
+    cache.close()
+    return convpass.optimize(model, cache=tmp_path / "c.db", device_name=str(H200), quiet=True, tf32="on", **options)
+
+
+def test_a_tuned_model_records_the_engine_and_its_legacy_fallback(tmp_path):
+    tuned = _tuned_from_cache(tmp_path, ROWS, layout="per-conv")
+    onnx.checker.check_model(tuned, full_check=True)
+    [record] = convpass.inspect(tuned)
+    assert (record["engine"], record["algo"], record["memory_format"]) == ("eng5", "implicit_gemm", "NHWC")
+    info, [node] = annotation.read_annotations(tuned)
+    assert info.schema_version == annotation.SCHEMA_VERSION == 3
+    assert node.decisions[0].engine == "eng5" and not node.decisions[0].is_auto
+    legacy = _tuned_from_cache(tmp_path / "l", ROWS, layout="per-conv", engines="legacy")
+    [record] = convpass.inspect(legacy)
+    assert (record["engine"], record["algo"]) == (None, "implicit_gemm")
+    assert not any(a.name == "engine" for n in legacy.graph.node for a in n.attribute)
+
+
+def test_engine_attribute_round_trips_per_table_and_profile():
+    decisions = [annotation.ConvDecision(algo="gemm", engine="eng5"), annotation.ConvDecision(algo="gemm"),
+                 annotation.ConvDecision(algo=annotation.AUTO, engine="eng67_k2=16")]
+    attrs = annotation.decision_attributes(decisions)
+    assert attrs["engine"] == ["eng5", "", "eng67_k2=16"]
+    node = onnx.helper.make_node("Conv", ["x", "w"], ["y"], domain=annotation.DOMAIN, **attrs)
+    read = annotation.read_node(node, n_profiles=3)
+    assert [d.engine for d in read.decisions] == ["eng5", "", "eng67_k2=16"]
+    assert [d.is_auto for d in read.decisions] == [False, False, False]
+    plain = onnx.helper.make_node("Conv", ["x", "w"], ["y"], domain=annotation.DOMAIN, algo="gemm")
+    assert annotation.read_node(plain, n_profiles=1).decisions[0].engine == ""  # schema 2 nodes read as legacy
+
+
+def test_the_cache_backend_chooses_engines_from_recorded_rows(tmp_path):
+    cache = TuningCache(tmp_path / "c.db")
+    cache.put(H200, ROWS)
+    [choice] = CacheBackend(cache, H200).decide([PROBLEM], TuneOptions(tf32="on")).values()
+    assert (choice.algo, choice.fallback, choice.source) == (ENG5, "implicit_gemm", "cache")
+    cache.close()
