@@ -188,3 +188,25 @@ def test_the_cache_backend_chooses_engines_from_recorded_rows(tmp_path):
     [choice] = CacheBackend(cache, H200).decide([PROBLEM], TuneOptions(tf32="on")).values()
     assert (choice.algo, choice.fallback, choice.source) == (ENG5, "implicit_gemm", "cache")
     cache.close()
+
+
+class _Notes:
+    def __init__(self):
+        self.said = []
+
+    def note_once(self, tag, message, warn=True, category=None):
+        self.said.append((tag, message, category))
+
+
+def test_plans_built_at_start_up_are_reported_once_they_take_time():
+    from convpass.runtime.cuda.backend import CudaBackend
+    from convpass.runtime.cuda.common import StartupCompileWarning
+
+    quick = _Notes()
+    CudaBackend._note_engine_builds(quick, [("conv1", 0.001), ("conv2", 0.002)])  # engines cuDNN does not compile
+    assert quick.said == []
+    slow = _Notes()
+    CudaBackend._note_engine_builds(slow, [("a", 0.01), ("dw1", 0.21), ("dw2", 0.64), ("b", 0.0), ("dw3", 0.2)])
+    [(tag, message, category)] = slow.said
+    assert tag == "engine-build" and category is StartupCompileWarning
+    assert message.startswith("5 cuDNN graph-API plan(s) built at start-up in 1.06 s (slowest: 'dw2' 0.64 s, 'dw1' 0.21 s, 'dw3' 0.20 s)")

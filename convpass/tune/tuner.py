@@ -457,7 +457,9 @@ class _ShapeBench:
         now = time.time()
         algo = config.algo
         try:
+            started = time.perf_counter()
             plan = graph_api.EnginePlan(key, config)
+            build_s = time.perf_counter() - started
         except graph_api.GraphApiError as e:
             return _row(key, algo, "unsupported", None, 0, True, now, "measure", note=str(e))
         ws = plan.workspace_bytes
@@ -482,7 +484,7 @@ class _ShapeBench:
         if timing.eager:
             # the executor replays a captured CUDA graph: an engine that cannot be captured is no candidate
             return _row(key, algo, "unsupported", None, ws, True, now, "measure", note="its launches cannot be captured into a CUDA graph")
-        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}; graph API"
+        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}; graph API, plan built in {build_s:.3f} s"
         if timing.early_stop:
             note += f"; early stop: estimate over 4x the best ({best_ms:.4f} ms)"
         return _row(key, algo, "ok", timing.time_ms, ws, True, now, "measure", note=note)

@@ -43,7 +43,7 @@ from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.cuda import lowering, prebuilt, runner
 from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, unavailable_reason
-from convpass.runtime.cuda.convolution import Convolutions
+from convpass.runtime.cuda.convolution import ENGINE_BUILD_NOTE_S, Convolutions
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import GraphStatus, Plan
 
@@ -344,9 +344,20 @@ class CudaBackend(Backend):
         if not plan.steps:
             return
         mark = len(prebuilt.COMPILATIONS)
+        engines_mark = len(self.convs.engine_builds)
         with self._device:
             plan.backend_state = lowering.compile_plan(self, plan)
         plan.backend_state.compilations_from = mark
+        self._note_engine_builds(self.convs.engine_builds[engines_mark:])
+
+    def _note_engine_builds(self, builds: list[tuple[str, float]]) -> None:
+        seconds = sum(s for _, s in builds)
+        if seconds >= ENGINE_BUILD_NOTE_S:
+            slow = sorted(builds, key=lambda b: -b[1])[:3]
+            listed = ", ".join(f"{node!r} {s:.2f} s" for node, s in slow)
+            self.note_once("engine-build", f"{len(builds)} cuDNN graph-API plan(s) built at start-up in {seconds:.2f} s "
+                           f"(slowest: {listed}): cuDNN compiles some engines when their plan is built, and convpass does "
+                           "not store built plans with the model yet", category=StartupCompileWarning)
 
     def run_plan(self, plan: Plan, feeds: dict[str, Any]) -> list[Any]:
         with self._device, self._matmul_math(plan.matmul_allow_tf32):

@@ -36,7 +36,10 @@ Decisions:
   nothing changes silently. The executor never calls cuDNN's Find.
 * Graph-API engines (a decision with ``engine``): the plan of ``y = conv(x, w)`` is built at
   plan-compile time (:class:`convpass.cudnn.graph_api.EnginePlan`) and enqueued on the stream, so
-  it is captured like any launch; the residual, the bias and a Relu follow as element-wise passes. An engine that cannot be built here (package
+  it is captured like any launch; the residual, the bias and a Relu follow as element-wise passes.
+  cuDNN compiles some engines when their plan is built (0.2-0.6 s each on an H200): plans that
+  took :data:`ENGINE_BUILD_NOTE_S` or more in all are reported once as start-up compilation
+  (:class:`~.common.StartupCompileWarning`), since built plans are not yet stored with the model. An engine that cannot be built here (package
   missing, another cuDNN, refused) warns once, naming the node, and the recorded legacy ``algo``
   runs instead.
 * Geometries cuDNN cannot express (``shapes == ()``) or dtypes it is not asked for (float64) run
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -62,6 +66,8 @@ logger = logging.getLogger("convpass")
 
 __all__ = ["ConvLaunch", "Convolutions", "lower_convs"]
 
+# Graph-API plan builds at start-up that take this long in all are reported (module docstring).
+ENGINE_BUILD_NOTE_S = 0.05
 # Heuristic picks above this workspace are skipped while a smaller usable one exists.
 HEURISTIC_WORKSPACE_LIMIT = 512 << 20
 
@@ -132,6 +138,7 @@ class Convolutions:
         self._biases: dict[Any, tuple[Any, Any]] = {}
         self.arena: Any = None
         self.mismatch_nodes: list[str] = []
+        self.engine_builds: list[tuple[str, float]] = []  # (node, seconds) per graph-API plan built
 
     @property
     def device_mismatch(self) -> bool:
@@ -206,7 +213,9 @@ class Convolutions:
         try:
             if g.op_type != "Conv":
                 raise graph_api.GraphApiError(f"engines run forward convolutions, not {g.op_type}")
+            started = time.perf_counter()
             plan = graph_api.EnginePlan(key, graph_api.EngineConfig.parse(d.engine))
+            self.engine_builds.append((call.node_name, time.perf_counter() - started))
         except (graph_api.GraphApiError, ValueError) as e:
             instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: recorded cuDNN graph-API engine {d.engine!r} is not usable here ({first_line(e)}); running {instead} instead")
