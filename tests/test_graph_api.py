@@ -210,3 +210,107 @@ def test_plans_built_at_start_up_are_reported_once_they_take_time():
     [(tag, message, category)] = slow.said
     assert tag == "engine-build" and category is StartupCompileWarning
     assert message.startswith("5 cuDNN graph-API plan(s) built at start-up in 1.06 s (slowest: 'dw2' 0.64 s, 'dw1' 0.21 s, 'dw3' 0.20 s)")
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuner's engine bookkeeping, on NumPy stand-ins for CuPy and the frontend (no timing invented:
+# the "times" below are the fakes' own numbers, and only statuses and notes are checked)
+
+class _FakePlan:
+    """Engine ids: 1 right, 2 not buildable, 3 wrong, 4 not capturable, 5 slow, 6 right and fast."""
+
+    last = None
+    ms = {1: 0.010, 3: 0.010, 4: 0.008, 5: 0.200, 6: 0.005}
+
+    def __init__(self, key, config):
+        if config.engine_id == 2:
+            raise graph_api.GraphApiError(f"cuDNN does not build {config.name} for {key}: NOT_SUPPORTED")
+        self.config = config
+        self.workspace_bytes = 64 * config.engine_id
+
+    def execute(self, x, w, y, workspace=None):
+        _FakePlan.last = self
+        y[...] = x.sum() if self.config.engine_id != 3 else -1.0
+
+
+def _fake_timing(launch, sets, best_ms=None, **_):
+    from convpass.tune.harness import Timing
+
+    launch(0)
+    ms = _FakePlan.ms[_FakePlan.last.config.engine_id]
+    return Timing(ms, 10, 0.0, early_stop=best_ms is not None and ms > 4 * best_ms, eager=_FakePlan.last.config.engine_id == 4)
+
+
+@pytest.fixture
+def engine_bench(monkeypatch):
+    import sys
+    import types
+
+    import numpy as np
+
+    from convpass.tune import harness
+
+    fake_cp = types.ModuleType("cupy")
+    fake_cp.empty, fake_cp.uint8 = np.empty, np.uint8
+    fake_cp.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cp)
+    monkeypatch.setattr(graph_api, "EnginePlan", _FakePlan)
+    monkeypatch.setattr(harness, "time_launches", _fake_timing)
+    monkeypatch.setattr(harness, "rotation_sets", lambda nbytes: 1)
+    monkeypatch.setattr(harness, "to_float32", lambda a, dtype: np.asarray(a, np.float32))
+    monkeypatch.setattr(harness, "relative_error",
+                        lambda out, ref: float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("inf"))
+    x = np.ones(SHAPE.x_shape, np.float32)
+    bench = object.__new__(tuner._ShapeBench)
+    bench.shape = SHAPE
+    bench._base = {"x": x, "w": np.ones(SHAPE.w_shape, np.float32), "y": np.empty(SHAPE.y_shape, np.float32)}
+    bench.reference = lambda: np.full(SHAPE.y_shape, x.sum(), np.float32)
+    bench.buffers = lambda layout, count: [dict(bench._base)]
+    return bench
+
+
+def test_every_engine_configuration_gets_a_row_with_its_status_and_reason(engine_bench, monkeypatch):
+    monkeypatch.setattr(graph_api, "configs", lambda key: [EngineConfig(i) for i in (1, 2, 3, 4, 5, 6)])
+    key = SHAPE.key("nhwc", "default")
+    rows = {r.algo: r for r in engine_bench.measure_engines(key, best_ms=0.02)}
+    assert {a: r.status for a, r in rows.items()} == {
+        "engine:eng1": "ok", "engine:eng2": "unsupported", "engine:eng3": "wrong_result",
+        "engine:eng4": "unsupported", "engine:eng5": "ok", "engine:eng6": "ok"}
+    assert all(r.key == key and r.method == "measure" for r in rows.values())
+    assert "NOT_SUPPORTED" in rows["engine:eng2"].note
+    assert "relative error" in rows["engine:eng3"].note and rows["engine:eng3"].time_ms is None
+    assert "cannot be captured into a CUDA graph" in rows["engine:eng4"].note
+    assert "early stop" in rows["engine:eng5"].note  # over 4x the best so far (eng1's 0.010 ms)
+    assert rows["engine:eng6"].time_ms == 0.005 and "plan built in" in rows["engine:eng6"].note
+    assert rows["engine:eng6"].workspace_bytes == 6 * 64
+
+
+@pytest.mark.parametrize("offered", [[], graph_api.GraphApiError("cuDNN's graph API has no engine for this")])
+def test_no_engine_at_all_is_recorded_so_the_cache_counts_as_complete(engine_bench, monkeypatch, offered):
+    def configs(key):
+        if isinstance(offered, Exception):
+            raise offered
+        return offered
+
+    monkeypatch.setattr(graph_api, "configs", configs)
+    [row] = engine_bench.measure_engines(SHAPE.key("nchw", "default"), best_ms=None)
+    assert (row.algo, row.status) == ("engine:none", "unsupported") and row.note
+    assert is_engine(row.algo)
+
+
+def test_a_cache_with_every_legacy_row_gets_only_its_engines_measured(monkeypatch):
+    from convpass.cudnn.enums import algo_names
+    from convpass.tune import harness
+
+    seen = []
+    monkeypatch.setattr(harness, "warm_clocks", lambda: None)
+    monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
+    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best: seen.append((legacy, engines, best)) or [])
+    options = TuneOptions(tf32="on", layout="nhwc")
+    key = SHAPE.key("nhwc", "default")
+    have = [Measurement(key, a, "ok", 0.01 * (i + 1), 0, True, 1.0, "measure") for i, a in enumerate(algo_names("fwd"))]
+    have.append(Measurement(key, "implicit_gemm", "ok", None, 0, True, 1.0, "heuristic", heuristic_rank=0))
+    tuner.measure_problem(PROBLEM, options, have)
+    tuner.measure_problem(PROBLEM, options, have[1:])  # one legacy algorithm missing: everything again
+    tuner.measure_problem(PROBLEM, options)
+    assert seen == [(False, True, 0.01), (True, True, None), (True, True, None)]
