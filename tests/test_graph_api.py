@@ -314,3 +314,15 @@ def test_a_cache_with_every_legacy_row_gets_only_its_engines_measured(monkeypatc
     tuner.measure_problem(PROBLEM, options, have[1:])  # one legacy algorithm missing: everything again
     tuner.measure_problem(PROBLEM, options)
     assert seen == [(False, True, 0.01), (True, True, None), (True, True, None)]
+
+
+def test_the_plan_summary_names_the_engine_that_runs(tmp_path):
+    import numpy as np
+
+    from convpass.runtime import Executor
+
+    tuned = _tuned_from_cache(tmp_path, ROWS, layout="per-conv")
+    ex = Executor(tuned, device="cpu")
+    ex.run(None, {"x": np.ones((2, 3, 8, 8), np.float32)})
+    [conv] = ex.plan_summary()
+    assert (conv.algo, conv.memory_format, conv.source) == ("engine:eng5", "NHWC", "cache")

@@ -519,7 +519,11 @@ def summarize(s: Any, ex: Any) -> Any:
     if ex is REFERENCE:
         return dataclasses.replace(s, algo="reference", note=(s.note + "; " if s.note else "") + "runs CuPy reference kernels")
     if ex.source == "recorded":
-        return s
+        if ex.algo == s.algo:
+            return s
+        # a recorded graph-API engine not usable here: its legacy algorithm runs (warned once)
+        return dataclasses.replace(s, algo=ex.algo, workspace_bytes=ex.workspace,
+                                   note=(s.note + "; " if s.note else "") + f"recorded {s.algo!r} not usable here: its legacy algorithm runs")
     note = "cuDNN heuristic" if ex.source == "untuned" else f"recorded {s.algo!r} not used ({ex.note}): cuDNN heuristic"
     return dataclasses.replace(
         s,
