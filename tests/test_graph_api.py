@@ -326,3 +326,34 @@ def test_the_plan_summary_names_the_engine_that_runs(tmp_path):
     ex.run(None, {"x": np.ones((2, 3, 8, 8), np.float32)})
     [conv] = ex.plan_summary()
     assert (conv.algo, conv.memory_format, conv.source) == ("engine:eng5", "NHWC", "cache")
+
+
+def test_legacy_algorithms_go_through_the_same_check_and_timing(engine_bench, monkeypatch):
+    """The legacy path shares the check-and-time core: statuses by cuDNN's answer, an eager timing
+    kept (with a note) rather than refused, as before engines existed."""
+    import convpass.cudnn as cudnn_pkg
+    from convpass.cudnn.enums import STATUS, CudnnError
+    from convpass.tune import harness
+
+    def workspace_size(descs, direction, algo):
+        if algo == "gemm":
+            raise CudnnError(STATUS["CUDNN_STATUS_NOT_SUPPORTED"], "cudnnGetConvolutionForwardWorkspaceSize")
+        return 128
+
+    def run(descs, direction, algo, x, w, y, workspace=None):
+        if algo == "direct":
+            raise CudnnError(STATUS["CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"], "cudnnConvolutionForward")
+        y[...] = x.sum() if algo != "fft" else 0.0
+
+    def timing(launch, sets, best_ms=None, **_):
+        launch(0)
+        return harness.Timing(0.02, 10, 0.0, eager=True)
+
+    monkeypatch.setattr(cudnn_pkg, "workspace_size", workspace_size)
+    monkeypatch.setattr(cudnn_pkg, "run", run)
+    monkeypatch.setattr(harness, "time_launches", timing)
+    key = SHAPE.key("nchw", "default")
+    rows = {a: engine_bench.measure(None, key, a, None) for a in ("implicit_gemm", "gemm", "fft", "direct")}
+    assert {a: r.status for a, r in rows.items()} == {"implicit_gemm": "ok", "gemm": "unsupported", "fft": "wrong_result", "direct": "oom"}
+    assert rows["implicit_gemm"].time_ms == 0.02 and "eager launches (not capturable)" in rows["implicit_gemm"].note
+    assert rows["implicit_gemm"].workspace_bytes == 128 and "graph API" not in rows["implicit_gemm"].note

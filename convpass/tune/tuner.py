@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -258,15 +259,20 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                     logger.debug("%s %s %s: %s %s (%.0f ms) %s", shape, key.layout, key.math, algo, row.status,
                                  (time.perf_counter() - t0) * 1e3, row.note)
                     rows.append(row)
-                    if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
-                        best = row.time_ms if best is None else min(best, row.time_ms)
+                    best = _best_after(best, row)
             if engines:
                 for row in bench.measure_engines(key, best):
                     rows.append(row)
-                    if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
-                        best = row.time_ms if best is None else min(best, row.time_ms)
+                    best = _best_after(best, row)
         bench.release()
     return rows
+
+
+def _best_after(best: float | None, row: Measurement) -> float | None:
+    """The best time so far after ``row`` (early-stopped estimates do not count)."""
+    if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
+        return row.time_ms if best is None else min(best, row.time_ms)
+    return best
 
 
 def skip_reason(key: ProblemKey, algo: str, forced: bool) -> str | None:
@@ -383,6 +389,7 @@ class _ShapeBench:
         raise RuntimeError(f"no deterministic reference algorithm supports {self.shape}")
 
     def measure(self, descs, key: ProblemKey, algo: str, best_ms: float | None, forced: bool = False) -> Measurement:
+        """One legacy algorithm: checked against the reference, then timed."""
         import cupy as cp
 
         from convpass.cudnn import CudnnError, is_deterministic, run, workspace_size
@@ -397,41 +404,20 @@ class _ShapeBench:
         except CudnnError as e:
             status = "unsupported" if e.not_supported else "error"
             return _row(key, algo, status, None, 0, det, now, "measure", note=str(e))
-        direction = key.shape.direction
-        out_name = OUTPUT[direction]
         try:
-            reference = self.reference()
-            workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
-            per_set = sum(a.nbytes for a in self._base.values())
-            sets = self.buffers(key.layout, harness.rotation_sets(per_set))
-            check = sets[0]
-            check[out_name].fill(float("nan")) if key.shape.dtype != "bfloat16" else check[out_name].fill(0x7FC0)
-            run(descs, None, algo, check["x"], check["w"], check["y"], workspace=workspace)
-            err = harness.relative_error(harness.to_float32(check[out_name], key.shape.dtype), reference)
-            tolerance = TOLERANCE[(key.shape.dtype, key.math)]
-            if not err <= tolerance:
-                return _row(key, algo, "wrong_result", None, ws, det, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
-            timing = harness.time_launches(
-                lambda i: run(descs, None, algo, sets[i]["x"], sets[i]["w"], sets[i]["y"], workspace=workspace),
-                len(sets),
-                best_ms,
-            )
+            return self._checked_and_timed(
+                key, algo, ws, det, now, best_ms,
+                lambda b, workspace: run(descs, None, algo, b["x"], b["w"], b["y"], workspace=workspace))
         except cp.cuda.memory.OutOfMemoryError as e:
             return _row(key, algo, "oom", None, ws, det, now, "measure", note=str(e).splitlines()[0])
         except CudnnError as e:
             status = "oom" if "ALLOC" in e.status_name else ("unsupported" if e.not_supported else "error")
             return _row(key, algo, status, None, ws, det, now, "measure", note=str(e))
-        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
-        if timing.early_stop:
-            note += f"; early stop: estimate over 4x the best ({best_ms:.4f} ms)"
-        if timing.eager:
-            note += "; eager launches (not capturable): includes launch overhead"
-        return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
 
     def measure_engines(self, key: ProblemKey, best_ms: float | None) -> list[Measurement]:
         """Every graph-API engine configuration of ``key`` (``y = conv(x, w)``), checked against
-        the reference and timed like the legacy algorithms. Always at least
-        one row: ``engine:none`` (unsupported) when cuDNN offers no configuration."""
+        the reference and timed like the legacy algorithms. Always at least one row:
+        ``engine:none`` (unsupported) when cuDNN offers no configuration."""
         from convpass.cudnn import graph_api
 
         now = time.time()
@@ -445,8 +431,7 @@ class _ShapeBench:
         for config in found:
             row = self._measure_engine(key, config, best_ms)
             rows.append(row)
-            if row.status == "ok" and row.time_ms is not None and "early stop" not in row.note:
-                best_ms = row.time_ms if best_ms is None else min(best_ms, row.time_ms)
+            best_ms = _best_after(best_ms, row)
         return rows
 
     def _measure_engine(self, key: ProblemKey, config, best_ms: float | None) -> Measurement:
@@ -464,30 +449,46 @@ class _ShapeBench:
             return _row(key, algo, "unsupported", None, 0, True, now, "measure", note=str(e))
         ws = plan.workspace_bytes
         try:
-            expected = self.reference()
-            s = self.shape
-            workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
-            per_set = sum(a.nbytes for a in self._base.values())
-            sets = self.buffers(key.layout, harness.rotation_sets(per_set))
-            check = sets[0]
-            check["y"].fill(float("nan")) if s.dtype != "bfloat16" else check["y"].fill(0x7FC0)
-            plan.execute(check["x"], check["w"], check["y"], workspace)
-            err = harness.relative_error(harness.to_float32(check["y"], s.dtype), expected)
-            tolerance = TOLERANCE[(s.dtype, key.math)]
-            if not err <= tolerance:
-                return _row(key, algo, "wrong_result", None, ws, True, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
-            timing = harness.time_launches(lambda i: plan.execute(sets[i]["x"], sets[i]["w"], sets[i]["y"], workspace), len(sets), best_ms)
+            # the executor replays a captured CUDA graph: an engine that cannot be captured is no candidate
+            row = self._checked_and_timed(key, algo, ws, True, now, best_ms,
+                                          lambda b, workspace: plan.execute(b["x"], b["w"], b["y"], workspace), capture_required=True)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _row(key, algo, "oom", None, ws, True, now, "measure", note=str(e).splitlines()[0])
         except graph_api.GraphApiError as e:
             return _row(key, algo, "error", None, ws, True, now, "measure", note=str(e))
-        if timing.eager:
-            # the executor replays a captured CUDA graph: an engine that cannot be captured is no candidate
-            return _row(key, algo, "unsupported", None, ws, True, now, "measure", note="its launches cannot be captured into a CUDA graph")
-        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}; graph API, plan built in {build_s:.3f} s"
+        if row.status == "ok":
+            row = dataclasses.replace(row, note=f"{row.note}; graph API, plan built in {build_s:.3f} s")
+        return row
+
+    def _checked_and_timed(self, key: ProblemKey, algo: str, ws: int, det: bool, now: float, best_ms: float | None,
+                           launch: Callable[[dict, Any], None], capture_required: bool = False) -> Measurement:
+        """``launch(buffers, workspace)`` run once on set 0 and checked against the reference (a
+        ``wrong_result`` row past the tolerance), then timed over the rotation sets (an ``ok``
+        row; ``unsupported`` when ``capture_required`` and its launches could not be captured).
+        CUDA and cuDNN errors propagate: the callers know what they mean."""
+        import cupy as cp
+
+        out_name = OUTPUT[key.shape.direction]
+        reference = self.reference()
+        workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
+        per_set = sum(a.nbytes for a in self._base.values())
+        sets = self.buffers(key.layout, harness.rotation_sets(per_set))
+        check = sets[0]
+        check[out_name].fill(float("nan")) if key.shape.dtype != "bfloat16" else check[out_name].fill(0x7FC0)
+        launch(check, workspace)
+        err = harness.relative_error(harness.to_float32(check[out_name], key.shape.dtype), reference)
+        tolerance = TOLERANCE[(key.shape.dtype, key.math)]
+        if not err <= tolerance:
+            return _row(key, algo, "wrong_result", None, ws, det, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
+        timing = harness.time_launches(lambda i: launch(sets[i], workspace), len(sets), best_ms)
+        if capture_required and timing.eager:
+            return _row(key, algo, "unsupported", None, ws, det, now, "measure", note="its launches cannot be captured into a CUDA graph")
+        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
         if timing.early_stop:
             note += f"; early stop: estimate over 4x the best ({best_ms:.4f} ms)"
-        return _row(key, algo, "ok", timing.time_ms, ws, True, now, "measure", note=note)
+        if timing.eager:
+            note += "; eager launches (not capturable): includes launch overhead"
+        return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
 
     def release(self) -> None:
         self._sets.clear()

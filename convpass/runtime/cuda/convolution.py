@@ -39,9 +39,9 @@ Decisions:
   it is captured like any launch; the residual, the bias and a Relu follow as element-wise passes.
   cuDNN compiles some engines when their plan is built (0.2-0.6 s each on an H200): plans that
   took :data:`ENGINE_BUILD_NOTE_S` or more in all are reported once as start-up compilation
-  (:class:`~.common.StartupCompileWarning`), since built plans are not yet stored with the model. An engine that cannot be built here (package
-  missing, another cuDNN, refused) warns once, naming the node, and the recorded legacy ``algo``
-  runs instead.
+  (:class:`~.common.StartupCompileWarning`), since built plans are not yet stored with the model.
+  An engine that cannot be built here (package missing, another cuDNN, refused) warns once,
+  naming the node, and the recorded legacy ``algo`` runs instead.
 * Geometries cuDNN cannot express (``shapes == ()``) or dtypes it is not asked for (float64) run
   :func:`convpass.runtime.conv.conv_reference` over CuPy.
 """
@@ -92,7 +92,7 @@ class ConvExec:
     fuse_identity_ok: bool = True
     fuse_residual_ok: bool = True
     strided_output_ok: bool = True
-    engine: Any = None  # a graph-API EnginePlan (conv + bias) when the recorded engine runs
+    engine: Any = None  # the graph-API EnginePlan when a recorded engine runs
 
     @property
     def layout(self) -> str:
@@ -358,7 +358,6 @@ class Convolutions:
         """The conv of ``call`` plus bias, plus the residual ``z`` when given, then ReLU if asked;
         written into ``out`` (a slice of a Concat buffer) when given."""
         from convpass import cudnn
-
         from convpass.cudnn.graph_api import GraphApiError
 
         ex = self.resolve(call, x.dtype)
