@@ -19,6 +19,7 @@ from rich.console import Console
 
 import convpass
 from convpass import device as device_mod
+from convpass import annotation
 from convpass.annotation import ModelInfo, Profile, SCHEMA_VERSION
 from convpass.decide import CacheBackend, DecisionBackend, choice_from, select
 from convpass.errors import ConvpassError
@@ -56,6 +57,9 @@ class OptimizeReport:
     layout_plans: dict[str, Any] = dataclasses.field(default_factory=dict)  # profile -> LayoutPlan
     layout_mode: str | None = None  # what --layout auto became when it could not plan
     by_device: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # device -> (decided, undecided)
+    # recorded conv decisions (node x table x profile) and how many of them are graph-API engines
+    decisions_recorded: int = 0
+    engine_decisions: int = 0
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -144,6 +148,19 @@ def decide_and_annotate(
         devices=devices,
     )
     AnnotateConvsPass(tables, info, options.directions)(model)
+    _count_engines(model, report)
+
+
+def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
+    def values(attr: Any) -> list[Any]:
+        if attr is None:
+            return []
+        return list(attr.value) if isinstance(attr.value, (list, tuple)) else [attr.value]
+
+    for node in model.graph:
+        if node.domain == annotation.DOMAIN and node.op_type in annotation.CONV_OPS:
+            report.decisions_recorded += len(values(node.attributes.get("algo")))
+            report.engine_decisions += sum(1 for v in values(node.attributes.get("engine")) if v)
 
 
 def optimize_model(
@@ -266,6 +283,9 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         console.print(line)
         if report.measured == 0 and report.cached:
             console.print("  every decision came from the tuning cache: nothing was timed")
+    if report.engine_decisions:
+        console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine")
+    if report.measured is not None:
         for name, plan in report.layout_plans.items():
             nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
             console.print(

@@ -357,3 +357,158 @@ def test_legacy_algorithms_go_through_the_same_check_and_timing(engine_bench, mo
     assert {a: r.status for a, r in rows.items()} == {"implicit_gemm": "ok", "gemm": "unsupported", "fft": "wrong_result", "direct": "oom"}
     assert rows["implicit_gemm"].time_ms == 0.02 and "eager launches (not capturable)" in rows["implicit_gemm"].note
     assert rows["implicit_gemm"].workspace_bytes == 128 and "graph API" not in rows["implicit_gemm"].note
+
+
+def test_optimize_says_how_many_decisions_run_an_engine(tmp_path, capsys):
+    from convpass.cli import main
+
+    model = conv_model("Conv", (2, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1])
+    onnx.save(model, tmp_path / "m.onnx")
+    cache = TuningCache(tmp_path / "c.db")
+    cache.put(H200, ROWS)
+    cache.close()
+    args = ["optimize", str(tmp_path / "m.onnx"), "--cache", str(tmp_path / "c.db"), "--device-name", str(H200),
+            "--tf32", "on", "--layout", "per-conv"]
+    assert main(args + ["-o", str(tmp_path / "t.onnx")]) == 0
+    assert "1 of 1 conv decisions run a cuDNN graph-API engine" in capsys.readouterr().err
+    assert main(args + ["-o", str(tmp_path / "l.onnx"), "--engines", "legacy"]) == 0
+    assert "graph-API engine" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# graph_api against a stand-in for the nvidia-cudnn-frontend package: the calls it makes, in order
+
+
+class _FakeFrontend:
+    """Offers plans per heuristic mode, by name, as cuDNN's frontend does; records every call."""
+
+    def __init__(self, offers):
+        import types
+
+        self.offers = offers  # mode -> plan names
+        self.calls = []
+        self.heur_mode = types.SimpleNamespace(A="A", B="B", FALLBACK="FALLBACK")
+        self.data_type = types.SimpleNamespace(FLOAT="f32", HALF="f16", BFLOAT16="bf16")
+        fe = self
+
+        class Graph:
+            def __init__(self, **kw):
+                self.plans = []
+                fe.calls.append(("graph", kw["io_data_type"]))
+
+            def tensor(self, name, dim, stride, data_type):
+                return ("tensor", name, tuple(dim), tuple(stride))
+
+            def conv_fprop(self, image, weight, padding, stride, dilation, compute_data_type, name):
+                fe.calls.append(("conv", tuple(padding), tuple(stride), tuple(dilation)))
+                return _FakeTensor()
+
+            def validate(self):
+                pass
+
+            def build_operation_graph(self):
+                pass
+
+            def create_execution_plans(self, modes):
+                fe.calls.append(("plans", tuple(modes)))
+                self.plans = [n for m in modes for n in fe.offers.get(m, [])]
+                if not self.plans:
+                    raise RuntimeError("cudnnGraphNotSupportedError: no engine")
+
+            def get_execution_plan_count(self):
+                return len(self.plans)
+
+            def get_plan_name_at_index(self, i):
+                return self.plans[i]
+
+            def build_plan_at_index(self, i):
+                if self.plans[i].startswith("eng13"):
+                    raise RuntimeError("Finalizing the engine config failed: CUDNN_STATUS_NOT_SUPPORTED")
+                fe.calls.append(("build", self.plans[i]))
+
+            def get_workspace_size_plan_at_index(self, i):
+                return 1024
+
+            def execute_plan_at_index(self, pack, ws, index, handle):
+                fe.calls.append(("execute", self.plans[index], tuple(sorted(pack.values())), ws))
+
+        self.pygraph = Graph
+
+    __version__ = "fake"
+
+    def backend_version(self):
+        return 91900
+
+    def create_handle(self):
+        return "handle"
+
+    def set_stream(self, handle, stream):
+        self.calls.append(("stream", stream))
+
+
+class _FakeTensor:
+    def set_output(self, flag):
+        return self
+
+    def set_dim(self, dim):
+        return self
+
+    def set_stride(self, stride):
+        return self
+
+    def set_data_type(self, dt):
+        return self
+
+
+@pytest.fixture
+def frontend(monkeypatch):
+    import sys
+    import types
+
+    fe = _FakeFrontend({"A": ["eng5", "eng67_k2=16_k13=0"], "B": ["eng67_k2=16_k13=0", "eng20001", "eng13_k3=1"],
+                        "FALLBACK": ["eng0", "eng28_k2=4_k3=0"]})
+    fake_cp = types.ModuleType("cupy")
+    fake_cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0),
+                                         get_current_stream=lambda: types.SimpleNamespace(ptr=77))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cp)
+    monkeypatch.setattr(graph_api, "_frontend", lambda: fe)
+    monkeypatch.setattr(graph_api._handles, "by_device", {}, raising=False)
+    return fe
+
+
+def test_configs_lists_every_mode_once_without_the_frontends_python_engines(frontend):
+    key = SHAPE.key("nhwc", "default")
+    names = [c.name for c in graph_api.configs(key)]
+    assert names == ["eng5", "eng67_k2=16_k13=0", "eng13_k3=1", "eng0", "eng28_k2=4_k3=0"]
+    assert ("plans", ("A", "B", "FALLBACK")) in frontend.calls
+    assert ("conv", (1, 1), (1, 1), (1, 1)) in frontend.calls
+
+
+def test_configs_for_tf32_off_and_for_a_graph_without_engines(frontend):
+    with pytest.raises(graph_api.GraphApiError, match="TF32 off"):
+        graph_api.configs(SHAPE.key("nhwc", "fma"))
+    frontend.offers = {}
+    with pytest.raises(graph_api.GraphApiError, match="has no engine for .*no engine"):
+        graph_api.configs(SHAPE.key("nchw", "default"))
+
+
+def test_a_plan_is_found_by_name_mode_a_first_and_runs_on_the_current_stream(frontend):
+    import types
+
+    key = SHAPE.key("nhwc", "default")
+    plan = graph_api.EnginePlan(key, EngineConfig.parse("eng5"))
+    assert [c for c in frontend.calls if c[0] == "plans"] == [("plans", ("A",))]  # found in mode A: no B query
+    assert plan.workspace_bytes == 1024
+    arr = lambda p: types.SimpleNamespace(data=types.SimpleNamespace(ptr=p), nbytes=8)  # noqa: E731
+    plan.execute(arr(1), arr(2), arr(3), arr(9))
+    assert frontend.calls[-2:] == [("stream", 77), ("execute", "eng5", (1, 2, 3), 9)]
+    frontend.calls.clear()
+    graph_api.EnginePlan(key, EngineConfig.parse("eng28_k2=4_k3=0"))  # a fallback configuration
+    assert [c for c in frontend.calls if c[0] == "plans"] == [("plans", ("A",)), ("plans", ("A", "B", "FALLBACK"))]
+    assert ("build", "eng28_k2=4_k3=0") in frontend.calls
+
+
+@pytest.mark.parametrize("name,why", [("eng99", "does not offer eng99"), ("eng13_k3=1", "Finalizing the engine config failed")])
+def test_a_plan_cuDNN_will_not_give_is_refused_with_the_reason(frontend, name, why):
+    with pytest.raises(graph_api.GraphApiError, match=why):
+        graph_api.EnginePlan(SHAPE.key("nhwc", "default"), EngineConfig.parse(name))

@@ -156,29 +156,26 @@ def _graph(fe: Any, key: ProblemKey, handle: Any) -> tuple[Any, dict[str, Any]]:
     return g, {"x": x, "w": w, "y": y}
 
 
-def _config_at(g: Any, index: int) -> EngineConfig:
-    # The plan name, not get_engine_and_knobs_at_index: the Python knob enum maps knob ids it does
-    # not list (3 and 5 in frontend 1.32) to NOT_SET, which loses them.
-    return EngineConfig.parse(g.get_plan_name_at_index(index))
-
-
-def _enumerate(fe: Any, g: Any, key: ProblemKey) -> None:
+def _enumerate(fe: Any, g: Any, key: ProblemKey, modes: tuple[str, ...] = ("A", "B", "FALLBACK")) -> list[str]:
+    """cuDNN's configurations for ``g`` from heuristic ``modes``, by plan name (list index = plan
+    index). Names, not ``get_engine_and_knobs_at_index``: the frontend's Python knob enum maps knob
+    ids it does not list (3 and 5 in frontend 1.32) to NOT_SET, which loses them."""
     if key.math == "fma":
         raise GraphApiError(f"no graph-API engines with TF32 off ({key}): only the legacy algorithms run with FMA math")
-    g.create_execution_plans([fe.heur_mode.A, fe.heur_mode.B, fe.heur_mode.FALLBACK])
+    g.create_execution_plans([getattr(fe.heur_mode, m) for m in modes])
+    return [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
 
 
 def configs(key: ProblemKey) -> list[EngineConfig]:
     """Every backend engine configuration cuDNN offers for ``key``'s graph (heuristic modes A and
-    B, then the fallback list; duplicates once, in that order), filtered by the key's math mode."""
+    B, then the fallback list; duplicates once, in that order). None for TF32 off (see the rules)."""
     fe = _require()
     import cupy as cp
 
     device, _ = _current(cp)
     try:
         g, _ = _graph(fe, key, _handle(fe, device))
-        _enumerate(fe, g, key)
-        found = [_config_at(g, i) for i in range(g.get_execution_plan_count())]
+        found = [EngineConfig.parse(name) for name in _enumerate(fe, g, key)]
     except GraphApiError:
         raise
     except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
@@ -208,8 +205,16 @@ class EnginePlan:
             # The configuration is found again among cuDNN's own for this graph, by name: rebuilding
             # it from (engine id, knobs) through the frontend's knob enum gave configurations that
             # cuDNN refused to finalize (H200, frontend 1.32: its enum is not cuDNN's knob numbering).
-            _enumerate(fe, self._graph, key)
-            names = [self._graph.get_plan_name_at_index(i) for i in range(self._graph.get_execution_plan_count())]
+            # Mode A alone first (the instant heuristic: start-up time), the full list when needed.
+            try:
+                names = _enumerate(fe, self._graph, key, ("A",))
+            except GraphApiError:
+                raise
+            except Exception:  # noqa: BLE001  (mode A offers nothing for this graph: the full list below)
+                names = []
+            if config.name not in names:
+                self._graph, t = _graph(fe, key, self._handle)
+                names = _enumerate(fe, self._graph, key)
             if config.name not in names:
                 raise GraphApiError(f"cuDNN does not offer {config.name} for {key} here")
             self._index = names.index(config.name)
