@@ -550,6 +550,10 @@ def test_case_table_and_report_text():
 def test_all_cached_tuning_line():
     line = report.tuning_line({"optimize_s": 0.8, "tuning_s": 0.1, "measured": 0, "cached": 23, "failed": 0, "all_cached": True})
     assert "every decision from the tuning cache (23 problems), nothing timed" in line
+    assert "graph-API" not in line
+    engines = report.tuning_line({"optimize_s": 9.0, "tuning_s": 8.0, "measured": 40, "cached": 6, "failed": 0,
+                                  "engine_decisions": 17})
+    assert engines.endswith("(40 problems measured, 6 from the tuning cache; 17 run a cuDNN graph-API engine)")
 
 
 # ---------------------------------------------------------------------------------------------

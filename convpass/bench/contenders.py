@@ -335,6 +335,7 @@ def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | 
         "cached": rep.cached,
         "failed": rep.failed,
         "undecided": rep.undecided,
+        "engine_decisions": rep.engine_decisions,
         "all_cached": bool(rep.measured == 0 and (rep.cached or 0) > 0),
         "backend": rep.backend,
         "decisions": decision_summary(records),
