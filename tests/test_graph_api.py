@@ -472,6 +472,7 @@ def frontend(monkeypatch):
                                          get_current_stream=lambda: types.SimpleNamespace(ptr=77))
     monkeypatch.setitem(sys.modules, "cupy", fake_cp)
     monkeypatch.setattr(graph_api, "_frontend", lambda: fe)
+    monkeypatch.setattr(graph_api, "unavailable", lambda: None)
     monkeypatch.setattr(graph_api._handles, "by_device", {}, raising=False)
     return fe
 

@@ -101,8 +101,10 @@ def _frontend() -> Any:
     return fe
 
 
+@functools.lru_cache(maxsize=1)
 def unavailable() -> str | None:
-    """Why the graph API cannot be used here, or None when it can."""
+    """Why the graph API cannot be used here, or None when it can (asked once per process: the
+    tuner asks per problem, and a failed import is not cached by Python)."""
     try:
         _frontend()
     except ImportError as e:
