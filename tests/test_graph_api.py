@@ -257,6 +257,7 @@ def engine_bench(monkeypatch):
     monkeypatch.setattr(graph_api, "EnginePlan", _FakePlan)
     monkeypatch.setattr(harness, "time_launches", _fake_timing)
     monkeypatch.setattr(harness, "rotation_sets", lambda nbytes: 1)
+    monkeypatch.setattr(harness, "random_array", lambda shape, dtype, layout, seed: np.full(shape, 0.5, np.float32))
     monkeypatch.setattr(harness, "to_float32", lambda a, dtype: np.asarray(a, np.float32))
     monkeypatch.setattr(harness, "relative_error",
                         lambda out, ref: float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("inf"))
@@ -397,11 +398,11 @@ class _FakeFrontend:
                 fe.calls.append(("graph", kw["io_data_type"]))
 
             def tensor(self, name, dim, stride, data_type):
-                return ("tensor", name, tuple(dim), tuple(stride))
+                return _FakeTensor({"x": 1, "w": 2}[name])
 
             def conv_fprop(self, image, weight, padding, stride, dilation, compute_data_type, name):
                 fe.calls.append(("conv", tuple(padding), tuple(stride), tuple(dilation)))
-                return _FakeTensor()
+                return _FakeTensor(3)
 
             def validate(self):
                 pass
@@ -447,6 +448,12 @@ class _FakeFrontend:
 
 
 class _FakeTensor:
+    def __init__(self, uid):
+        self.uid = uid
+
+    def get_uid(self):
+        return self.uid
+
     def set_output(self, flag):
         return self
 
