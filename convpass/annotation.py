@@ -26,8 +26,8 @@ Format (schema version 3)
                       runs where the graph API cannot
   ``engine``          (optional, schema 3) the cuDNN graph-API engine configuration that runs the
                       node, as cuDNN names its plans (``eng67_k2=16_k13=0``: engine id, then knob
-                      id = value), of the graph ``y = conv(x, w) + b``
-                      (:mod:`convpass.cudnn.graph_api`); ``""`` = the legacy ``algo`` runs. The
+                      id = value), of the graph ``y = conv(x, w)`` (the bias follows as its own
+                      pass; :mod:`convpass.cudnn.graph_api`); ``""`` = the legacy ``algo`` runs. The
                       device fingerprint of the table names the cuDNN version it was measured with
   ``dgrad_algo``      (optional, Conv only) backward-data algorithm for training
   ``wgrad_algo``      (optional, Conv only) backward-filter algorithm for training

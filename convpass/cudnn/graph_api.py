@@ -11,20 +11,21 @@ Rules
 -----
 * **One operation graph per problem key.** Every engine candidate is an engine configuration of
   the graph ``y = conv_fprop(x, w)``: the forward direction only, over the key's shapes, memory
-  format and data type, compute in float32, timed like the legacy algorithms (which are timed
-  without their bias too). The bias is not part of the graph: on an H200 (cuDNN 9.19) the fast
-  depthwise engine offered for the bare conv was not offered once a bias add was in the graph
-  (the tuner then found only generic engines, 2-8x slower), so the executor adds the bias after
-  the conv, as it does for legacy algorithms it cannot fuse it with.
+  format and data type, compute in float32. The bias is not part of the graph: on an H200
+  (cuDNN 9.19) the fast depthwise engine offered for the bare conv was not offered once a bias add
+  was in the graph (the tuner then found only generic engines, 2-8x slower), so the executor adds
+  the bias after the conv, and the tuner times an engine with that pass (a legacy algorithm often
+  has its bias fused into its call: timed by the bare conv, engines won where they lost in the
+  network).
 * **Math modes.** Engines are candidates with TF32 allowed (``default``, ``tensor_op``). For
   ``fma`` (TF32 off) none is offered: the frontend's numerical-note filter does not remove the
   tensor-core engines from the list it enumerates (an H200 test measured TF32-sized errors on
   "filtered" configurations), so TF32-off convolutions keep the legacy algorithms, whose math type
   is exact.
 * **Names.** A configuration is named as cuDNN names its plans: ``eng<id>`` followed by
-  ``_k<knob id>=<value>`` per knob, in knob-id order (``eng67_k2=16_k13=0``). The tuning cache and
-  the annotation record ``engine:<name>`` as the algorithm (:attr:`EngineConfig.algo`), and
-  :meth:`EngineConfig.parse` turns it back into the engine id and knobs the plan is rebuilt from.
+  ``_k<knob id>=<value>`` per knob, in knob-id order (``eng67_k2=16_k13=0``). The tuning cache
+  records ``engine:<name>`` as the algorithm (:attr:`EngineConfig.algo`), the annotation the name
+  in its ``engine`` attribute, and :meth:`EngineConfig.parse` reads either back.
   Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
   version, keeps a decision from being replayed on another.
 * **Only backend engines.** The frontend's own Python-implemented engines (ids from 20000, CUTLASS
