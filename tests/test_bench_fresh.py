@@ -456,3 +456,14 @@ def test_bench_fresh_process_end_to_end_with_stand_ins(monkeypatch, tmp_path, ca
     args = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--fresh-process", "--fresh-timeout", "0"])
     with pytest.raises(ConvpassError, match="--fresh-timeout must be > 0"):
         args.func(args)
+
+
+def test_a_fresh_process_counts_cudnn_plans_it_compiled_as_compilations(monkeypatch):
+    import types
+
+    monkeypatch.delitem(sys.modules, "convpass.runtime.cuda.compiler", raising=False)
+    assert fresh._compilations() is None  # nothing of the cuda backend was imported
+    monkeypatch.setitem(sys.modules, "convpass.runtime.cuda.compiler", types.SimpleNamespace(COMPILATIONS=["convpass_ew_1"]))
+    monkeypatch.setitem(sys.modules, "convpass.runtime.cuda.convolution",
+                        types.SimpleNamespace(ENGINE_COMPILATIONS=["cuDNN plan eng5 of 'dw1' (0.18 s)"]))
+    assert fresh._compilations() == ["convpass_ew_1", "cuDNN plan eng5 of 'dw1' (0.18 s)"]

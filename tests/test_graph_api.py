@@ -520,3 +520,26 @@ def test_a_plan_is_found_by_name_mode_a_first_and_runs_on_the_current_stream(fro
 def test_a_plan_cuDNN_will_not_give_is_refused_with_the_reason(frontend, name, why):
     with pytest.raises(graph_api.GraphApiError, match=why):
         graph_api.EnginePlan(SHAPE.key("nhwc", "default"), EngineConfig.parse(name))
+
+
+def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(monkeypatch):
+    import time as time_mod
+    import types
+
+    from convpass.runtime.cuda import convolution
+
+    class SlowPlan:
+        def __init__(self, key, config):
+            time_mod.sleep(0.06 if config.engine_id == 5 else 0.0)
+            self.config, self.workspace_bytes = config, 0
+
+    monkeypatch.setattr(graph_api, "EnginePlan", SlowPlan)
+    monkeypatch.setattr(convolution, "ENGINE_COMPILATIONS", [])
+    convs = convolution.Convolutions(types.SimpleNamespace(cp=None))
+    geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
+    for node, engine in (("dw1", "eng5"), ("pw1", "eng0")):
+        call = types.SimpleNamespace(node_name=node, geometry=geometry)
+        ex = convs._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default"))
+        assert ex.algo == "engine:" + engine and ex.engine is not None and not ex.strided_output_ok
+    assert [n for n, _ in convs.engine_builds] == ["dw1", "pw1"]
+    assert len(convolution.ENGINE_COMPILATIONS) == 1 and convolution.ENGINE_COMPILATIONS[0].startswith("cuDNN plan eng5 of 'dw1'")

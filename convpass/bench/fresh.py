@@ -215,9 +215,14 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 
 
 def _compilations() -> list[str] | None:
-    """The kernels compiled at run time in this process; None when convpass's compiler was never imported."""
+    """The kernels compiled at run time in this process, and the cuDNN graph-API plans whose build
+    took long enough to be a compilation (``convolution.ENGINE_COMPILATIONS``); None when convpass's
+    compiler was never imported."""
     compiler = sys.modules.get("convpass.runtime.cuda.compiler")
-    return None if compiler is None else list(compiler.COMPILATIONS)
+    if compiler is None:
+        return None
+    convolution = sys.modules.get("convpass.runtime.cuda.convolution")
+    return list(compiler.COMPILATIONS) + list(getattr(convolution, "ENGINE_COMPILATIONS", ()))
 
 
 def _cache_files() -> int | None:
