@@ -3,7 +3,7 @@
 This module is the only place that knows the format; the annotate pass writes through it, and
 ``inspect``, the executor and everything else read through it.
 
-Format (schema version 3)
+Format (schema version 4)
 -------------------------
 * Every tuned ``Conv`` / ``ConvTranspose`` node is the same op in domain ``ai.convpass``, with all
   its original attributes unchanged, plus the decision attributes below.
@@ -29,6 +29,10 @@ Format (schema version 3)
                       id = value), of the graph ``y = conv(x, w)`` (the bias follows as its own
                       pass; :mod:`convpass.cudnn.graph_api`); ``""`` = the legacy ``algo`` runs. The
                       device fingerprint of the table names the cuDNN version it was measured with
+  ``fusion``          (optional, schema 4) the epilogue fused into ``engine``'s graph, named by what
+                      follows the conv: ``bias+swish`` = ``y = silu(conv(x, w) + b)``, the graph the
+                      engine configuration belongs to (the executor runs the node's bias and its
+                      SiLU readers in that one call); ``""`` = the bare conv
   ``dgrad_algo``      (optional, Conv only) backward-data algorithm for training
   ``wgrad_algo``      (optional, Conv only) backward-filter algorithm for training
   ``memory_format``   NCHW / NHWC (NCW / NWC, NCDHW / NDHWC by rank) or ``"auto"``
@@ -45,7 +49,7 @@ Format (schema version 3)
   ``convpass.profiles`` (JSON), ``convpass.matmul_allow_tf32`` (``0``/``1``: MindSpore's
   ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.options`` (JSON of the options used).
 
-Schema 2 (still read) is schema 3 without ``engine``. Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
+Schema 3 (still read) is schema 4 without ``fusion``; schema 2 is schema 3 without ``engine``. Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
 version in ``convpass.cudnn_version``; one value per profile. It reads as one table.
 
 Reading for a device
@@ -72,8 +76,8 @@ from convpass.device import DeviceFingerprint
 
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 CONV_OPS = ("Conv", "ConvTranspose")
 
 # Lowest IR version with model-local functions; and the highest ONNX Runtime 1.31 reads.
@@ -107,6 +111,7 @@ STANDARD_ATTRIBUTES: dict[str, dict[str, int]] = {
 DECISION_ATTRIBUTES = (
     "algo",
     "engine",
+    "fusion",
     "dgrad_algo",
     "wgrad_algo",
     "memory_format",
@@ -138,6 +143,7 @@ class ConvDecision:
     dgrad_algo: str | None = None
     wgrad_algo: str | None = None
     engine: str = ""
+    fusion: str = ""  # the epilogue fused into the engine's graph (schema 4), "" = the bare conv
 
     @property
     def is_auto(self) -> bool:
@@ -264,6 +270,8 @@ def decision_attributes(decisions: Sequence[ConvDecision]) -> dict[str, Any]:
         attrs["time_ms"] = pack([math.nan if d.time_ms is None else float(d.time_ms) for d in decisions])
     if any(d.engine for d in decisions):
         attrs["engine"] = pack([d.engine for d in decisions])
+    if any(d.fusion for d in decisions):
+        attrs["fusion"] = pack([d.fusion for d in decisions])
     for name in ("dgrad_algo", "wgrad_algo"):
         values = [getattr(d, name) for d in decisions]
         if any(v is not None for v in values):
@@ -402,6 +410,7 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
             ("dgrad_algo", None),
             ("wgrad_algo", None),
             ("engine", ""),
+            ("fusion", ""),
         ]
     }
     decisions = [
@@ -416,6 +425,7 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
             dgrad_algo=cols["dgrad_algo"][i],
             wgrad_algo=cols["wgrad_algo"][i],
             engine=cols["engine"][i],
+            fusion=cols["fusion"][i],
         )
         for i in range(entries)
     ]

@@ -3,8 +3,11 @@
 What it holds
     One row per (device fingerprint, problem key, algorithm, method): the candidate's status,
     time, workspace, determinism, when it was measured, and where cuDNN ranked it. ``method`` says
-    how the row came about: ``measure`` (convpass's own timing harness), ``find`` (cuDNN's Find)
-    or ``heuristic`` (not timed, only ranked by cuDNN's ``_v7`` heuristic). Lookups by geometry
+    how the row came about: ``measure`` (convpass's own timing harness), ``find`` (cuDNN's Find),
+    ``heuristic`` (not timed, only ranked by cuDNN's ``_v7`` heuristic) or ``epilogue`` (the
+    activation of a fused epilogue timed as its own pass over the key's output; its algo is the
+    fusion's name: :mod:`convpass.decide`). Graph-API engines are ``measure`` rows whose algo is
+    ``engine:<cuDNN plan name>[+<fusion>]``. Lookups by geometry
     (:meth:`TuningCache.get`) return every memory format, math mode and algorithm measured for a
     :class:`~convpass.problem.ConvShape` in one indexed query.
 
@@ -86,7 +89,7 @@ __all__ = [
 
 # "skipped": not run, on purpose (the note says why, e.g. an algorithm known to take seconds per launch).
 STATUSES: tuple[str, ...] = ("ok", "unsupported", "wrong_result", "error", "oom", "skipped")
-METHODS: tuple[str, ...] = ("measure", "find", "heuristic")
+METHODS: tuple[str, ...] = ("measure", "find", "heuristic", "epilogue")
 
 SCHEMA_VERSION = 1
 EXPORT_FORMAT = "convpass-tuning-cache"

@@ -159,7 +159,7 @@ def _inspect(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     for r in records:
         row = [r["node"], r["op"]] + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
-            _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r.get("engine")), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
+            _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r.get("engine") and (r["engine"] + (f" +{r['fusion']}" if r.get("fusion") else ""))), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
             _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
         table.add_row(*row)
     console = Console(width=200)

@@ -8,6 +8,12 @@ comes back. Two backends exist:
 * ``convpass.tune.tuner.CudnnTuner`` - measures on the local GPU (and fills the cache).
 
 :func:`select` is the one rule for picking a configuration from measurements; both backends use it.
+
+Fused epilogues: a problem with a ``fusion`` (its conv is followed by an activation cuDNN's graph
+API can fuse) compares every configuration by what its conv and epilogue cost together, on one
+clock: a fused graph's own time, against an unfused configuration's time plus the measured time of
+the activation as its own pass (the ``epilogue`` row of the same key: :data:`EPILOGUE_METHOD`). A
+fused graph is a candidate only where that row exists.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from convpass.cudnn.graph_api import is_engine
+from convpass.cudnn.graph_api import fusion_of, is_engine
 from convpass.device import DeviceFingerprint
 from convpass.options import TuneOptions
 from convpass.passes.collect_conv_problems import ConvProblem
@@ -27,6 +33,10 @@ if TYPE_CHECKING:
     from convpass.cache import Measurement, TuningCache
 
 logger = logging.getLogger("convpass")
+
+# The method of a tuning-cache row that times a fused epilogue's activation as its own pass over a
+# key's output (algo: the fusion's name): what an unfused configuration adds.
+EPILOGUE_METHOD = "epilogue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +61,34 @@ class DecisionBackend(Protocol):
         ...
 
 
-def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions) -> bool:
-    """Whether a measured configuration satisfies the user's constraints for this problem."""
+def epilogue_ms(measurements: Iterable["Measurement"], problem: ConvProblem) -> dict[ProblemKey, float]:
+    """Per key, the measured time of ``problem``'s fused epilogue run as its own pass (module
+    docstring); empty for a problem without a fusion."""
+    if not problem.fusion:
+        return {}
+    return {m.key: m.time_ms for m in measurements
+            if m.method == EPILOGUE_METHOD and m.algo == problem.fusion and m.status == "ok" and m.time_ms is not None}
+
+
+def cost_ms(m: "Measurement", epilogue: dict[ProblemKey, float]) -> float | None:
+    """What a timed configuration costs with its problem's epilogue (``epilogue``: from
+    :func:`epilogue_ms`): a fused graph its own time, an unfused one its time plus the pass."""
+    if m.time_ms is None:
+        return None
+    return m.time_ms if fusion_of(m.algo) else m.time_ms + epilogue.get(m.key, 0.0)
+
+
+def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKey, float] | None = None) -> bool:
+    """Whether a measured configuration satisfies the user's constraints for this problem (a fused
+    graph: only the problem's own fusion, where ``epilogue`` has its key)."""
     direction = problem.direction
     strategy, forced = options.strategy(direction)
     legacy_ok, engines_ok = options.engine_space(direction)
+    fusion = fusion_of(m.algo)
     return (
         m.status == "ok"
         and (engines_ok if is_engine(m.algo) else legacy_ok)
+        and (not fusion or (fusion == problem.fusion and m.key in (epilogue or {})))
         and m.key.shape in problem.candidates
         and m.key.layout in options.layouts
         and m.key.math in options.math_modes(m.key.shape.dtype)
@@ -71,14 +101,17 @@ def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions) -> boo
 def select(measurements: Iterable["Measurement"], problem: ConvProblem, options: TuneOptions) -> "Measurement | None":
     """The configuration to run, by the strategy of the problem's direction.
 
-    measure / forced: the fastest configuration convpass timed itself; heuristic: cuDNN's first
+    measure / forced: the fastest configuration convpass timed itself (with the problem's epilogue:
+    :func:`cost_ms`); heuristic: cuDNN's first
     heuristic choice (per layout and math type its ranking differs; ties go to NCHW and default
     math, cuDNN's conventional setting); exhaustive: the fastest by cuDNN Find's own timing. For
     heuristic and exhaustive picks, the returned record is convpass's own timing of that choice when
     there is one (so recorded times are always comparable), else the ranking record.
     """
     strategy, _ = options.strategy(problem.direction)
-    ok = [m for m in measurements if allowed(m, problem, options)]
+    measurements = list(measurements)
+    epilogue = epilogue_ms(measurements, problem)
+    ok = [m for m in measurements if allowed(m, problem, options, epilogue)]
     timed = {(m.key, m.algo): m for m in ok if m.method == "measure" and m.time_ms is not None}
     if strategy == "heuristic":
         ranked = [m for m in ok if m.method == "heuristic" and m.heuristic_rank is not None]
@@ -89,7 +122,7 @@ def select(measurements: Iterable["Measurement"], problem: ConvProblem, options:
     else:
         # equal times (event-resolution ties on tiny convs) break the same way whatever order the
         # rows came in (live measurements or the cache's ORDER BY): the cached re-run reproduces the choice
-        return min(timed.values(), key=lambda m: (m.time_ms, _layout_pref(m), m.key.math != "default", m.algo), default=None)
+        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue), _layout_pref(m), m.key.math != "default", m.algo), default=None)
     if best is None:
         return None
     return timed.get((best.key, best.algo), best)

@@ -103,6 +103,12 @@ class TuneOptions:
         graph = self.engines != "legacy" and direction == "fwd" and self.strategy(direction)[0] == "measure"
         return (self.engines != "graph" or not graph), graph
 
+    @property
+    def fusions(self) -> bool:
+        """Whether fused conv epilogues (graph-API engines of ``act(conv + bias)``) are candidates:
+        problems then carry their conv's fusion (:mod:`convpass.passes.collect_conv_problems`)."""
+        return self.engine_space("fwd")[1]
+
     def math_modes(self, dtype: str) -> tuple[str, ...]:
         """cuDNN math types to consider for a data type under --tf32."""
         if dtype != "float32":

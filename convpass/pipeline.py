@@ -21,7 +21,7 @@ import convpass
 from convpass import device as device_mod
 from convpass import annotation
 from convpass.annotation import ModelInfo, Profile, SCHEMA_VERSION
-from convpass.decide import CacheBackend, DecisionBackend, choice_from, select
+from convpass.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
 from convpass.errors import ConvpassError
 from convpass.model_io import load_model, save_model, to_proto
 from convpass.options import TuneOptions, parse_directions, parse_size
@@ -60,6 +60,7 @@ class OptimizeReport:
     # recorded conv decisions (node x table x profile) and how many of them are graph-API engines
     decisions_recorded: int = 0
     engine_decisions: int = 0
+    fused_decisions: int = 0  # of those, engines of a fused conv + bias + activation graph
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -91,7 +92,7 @@ def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | 
     resolve(model)
     report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile
     CanonicalizeConvsPass()(model)
-    collect = CollectConvProblemsPass(options.directions)
+    collect = CollectConvProblemsPass(options.directions, options.fusions)
     collect(model)
     report.profiles = model.meta[PROFILES_KEY]
     for node in model.graph:
@@ -147,7 +148,7 @@ def decide_and_annotate(
         options={**options.to_json(), **({"layout_applied": report.layout_mode} if report.layout_mode else {})},
         devices=devices,
     )
-    AnnotateConvsPass(tables, info, options.directions)(model)
+    AnnotateConvsPass(tables, info, options.directions, options.fusions)(model)
     _count_engines(model, report)
 
 
@@ -161,6 +162,7 @@ def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
         if node.domain == annotation.DOMAIN and node.op_type in annotation.CONV_OPS:
             report.decisions_recorded += len(values(node.attributes.get("algo")))
             report.engine_decisions += sum(1 for v in values(node.attributes.get("engine")) if v)
+            report.fused_decisions += sum(1 for v in values(node.attributes.get("fusion")) if v)
 
 
 def optimize_model(
@@ -242,10 +244,11 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
         conv_costs = {}
         for node, problem in own.items():
             costs = {}
+            epilogue = epilogue_ms(rows.get(problem, []), problem)
             for layout in ("nchw", "nhwc"):
                 pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
                 if pick is not None and pick.time_ms is not None:
-                    costs[layout] = pick.time_ms
+                    costs[layout] = cost_ms(pick, epilogue)
             conv_costs[node] = costs
 
         def cost(value: ir.Value) -> float:
@@ -284,7 +287,8 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         if report.measured == 0 and report.cached:
             console.print("  every decision came from the tuning cache: nothing was timed")
     if report.engine_decisions:
-        console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine")
+        fused = f" ({report.fused_decisions} with a fused epilogue)" if report.fused_decisions else ""
+        console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine{fused}")
     if report.measured is not None:
         for name, plan in report.layout_plans.items():
             nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
@@ -409,7 +413,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
         if not annotation.is_annotated_conv(node):
             if node.domain in ("", "ai.onnx"):
                 records.append({"node": name, "op": node.op_type, "device": None, "profile": None, "problem_key": "",
-                                "algo": None, "engine": None, "dgrad_algo": None, "wgrad_algo": None, "memory_format": None,
+                                "algo": None, "engine": None, "fusion": None, "dgrad_algo": None, "wgrad_algo": None, "memory_format": None,
                                 "math_mode": None, "tf32": None, "workspace_bytes": None, "time_ms": None, "source": "untuned"})
             continue
         for dev, table in zip(devices, by_name[name].tables):
@@ -425,6 +429,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
                         "problem_key": d.problem_key,
                         "algo": d.algo,
                         "engine": d.engine or None,
+                        "fusion": d.fusion or None,
                         "dgrad_algo": d.dgrad_algo,
                         "wgrad_algo": d.wgrad_algo,
                         "memory_format": d.memory_format,

@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from convpass import annotation
 from convpass.annotation import ConvDecision, ModelInfo
-from convpass.cudnn.graph_api import ENGINE_PREFIX, is_engine
+from convpass.cudnn.graph_api import ENGINE_PREFIX, fusion_of, is_engine
 from convpass.decide import Choice
 from convpass.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
 from convpass.passes.collect_conv_problems import ConvProblem, node_problems
@@ -51,11 +51,12 @@ def decision_for(
     choices: Mapping[ConvProblem, Choice | None],
     directions,
     overrides: Mapping[tuple[ir.Node, int], Choice] | None = None,
+    fusions: bool = False,
 ) -> ConvDecision:
     """The ConvDecision of a node at a profile: the layout plan's choice for this node if there is
-    one (``overrides``), else the backend's choice for its problem."""
+    one (``overrides``), else the backend's choice for its problem (``fusions``: as collected)."""
     canonical = node.meta[CANONICAL_KEY][profile]
-    own, *training = node_problems(node, profile, directions)
+    own, *training = node_problems(node, profile, directions, fusions)
     chosen = (overrides or {}).get((node, profile)) or choices.get(own)
     extra = {}
     for problem in training:
@@ -64,9 +65,11 @@ def decision_for(
     if chosen is None:
         return ConvDecision(problem_key=str(own.primary), **extra)
     engine = chosen.algo[len(ENGINE_PREFIX):] if is_engine(chosen.algo) else ""
+    fusion = fusion_of(chosen.algo)
     return ConvDecision(
         algo=(chosen.fallback or annotation.AUTO) if engine else chosen.algo,
-        engine=engine,
+        engine=engine.split("+", 1)[0],
+        fusion=fusion,
         memory_format=memory_format_name(canonical.spatial_rank, chosen.key.layout),
         math_mode=chosen.key.math,
         workspace_bytes=chosen.workspace_bytes,
@@ -89,8 +92,9 @@ class DeviceChoices:
 class AnnotateConvsPass(ir.passes.InPlacePass):
     """Records the choices on the conv nodes and makes the model self-describing (module rules)."""
 
-    def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",)) -> None:
+    def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",), fusions: bool = False) -> None:
         super().__init__()
+        self.fusions = fusions
         if len(tables) != info.tables:
             raise ValueError(f"{len(tables)} decision tables for {info.tables} device table(s) {list(info.devices)}")
         self.tables = tuple(tables)
@@ -108,7 +112,7 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
             if not node.name:
                 node.name = f"{node.op_type}_{counters[node.op_type]}"
             decisions = [
-                decision_for(node, p, table.choices, self.directions, table.overrides)
+                decision_for(node, p, table.choices, self.directions, table.overrides, self.fusions)
                 for table in self.tables
                 for p in range(len(node.meta[CANONICAL_KEY]))
             ]

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # cuDNN's graph-API engines on the device machine (issue 12), in one call of at most 10 minutes:
 # unpacks nvidia-cudnn-frontend staged in .cudnnfe/ (one part, carried with .cudnnfe/tool), runs
-# tests/gpu/test_graph_api.py, then benchmarks MODELS at BATCHES against ONNX Runtime (when staged
+# tests/gpu/test_graph_api_gpu.py, then benchmarks MODELS at BATCHES against ONNX Runtime (when staged
 # in /tmp/ortgpu, shared/device/README.md) with --engines all, the default.
 #   bash ../shared/device/stage-wheels.sh .cudnnfe nvidia-cudnn-frontend==1.32.0      (here, once)
 #   bash scripts/graph-api-check.sh [MODELS] [BATCHES]       (device; carry .cudnnfe/00, .cudnnfe/tool)
 # MODELS default to the batch-32 losers of the wide panel whose convs are depthwise; the tuning
 # cache is $CONVPASS_TUNE_CACHE (default /tmp/tune.db; a legacy-only cache gets only its engines
-# measured). Logs and JSON go to $OUT (or ./graph-api-out).
+# measured). $ENGINES (default "all") lists the --engines spaces to bench, one bench run each
+# ("legacy all" compares the legacy space alone with the default on the same machine). Logs and
+# JSON go to $OUT (or ./graph-api-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-graph-api-out}; mkdir -p "$out"
@@ -22,7 +24,7 @@ export PYTHONPATH=/tmp/cudnnfe-site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 python3 -c "from convpass.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
-python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_graph_api.py 2>&1 | tee "$out/gpu-tests.log" | tail -8
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_graph_api_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -8
 rc=${PIPESTATUS[0]}
 python3 models/export_panel.py --out .panel --models "$models" >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
 SP=/opt/torch/.venv/lib/python3.12/site-packages
@@ -30,7 +32,11 @@ SP=/opt/torch/.venv/lib/python3.12/site-packages
 export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 paths=(); for m in ${models//,/ }; do paths+=(".panel/$m.onnx"); done
 vs=ort; [ -d /tmp/ortgpu ] || vs=none
-python3 -m convpass.cli bench "${paths[@]}" --batch "$batches" --vs "$vs" --runs 15 --warmup 3 --tf32 on --profile-ops \
-    --no-roofline --cache "${CONVPASS_TUNE_CACHE:-/tmp/tune.db}" --json "$out/bench-graph-api.json" 2>&1 \
-    | tee "$out/bench-graph-api.txt" | grep -E "^\||convpass optimize|CUDA graph" | tail -30
+for engines in ${ENGINES:-all}; do
+    echo "== --engines $engines"
+    python3 -m convpass.cli bench "${paths[@]}" --batch "$batches" --vs "$vs" --runs 15 --warmup 3 --tf32 on --profile-ops \
+        --no-roofline --engines "$engines" --cache "${CONVPASS_TUNE_CACHE:-/tmp/tune.db}" --json "$out/bench-$engines.json" 2>&1 \
+        | tee "$out/bench-$engines.txt" | grep -E "^\||convpass optimize|CUDA graph" | tail -30
+    vs=none  # the peers once
+done
 exit "$rc"

@@ -60,6 +60,33 @@ def random_input(shape: Sequence[int], elem_type: int = TensorProto.FLOAT, seed:
     return np.random.default_rng(seed).standard_normal(shape).astype(_NP[elem_type])
 
 
+def silu_model(x_shape: Sequence[int] = (2, 16, 12, 12), seed: int = 0) -> onnx.ModelProto:
+    """EfficientNet's pattern: a 1x1 Conv and a depthwise 3x3 Conv, each with bias and SiLU
+    (``Mul(y, Sigmoid(y))``, as torch exports it), then a plain Conv whose output is the graph's."""
+    rng = np.random.default_rng(seed)
+    c = x_shape[1]
+
+    def init(name, *shape, scale=1.0):
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    inits = [init("w1", 2 * c, c, 1, 1, scale=c ** -0.5), init("b1", 2 * c), init("w2", 2 * c, 1, 3, 3, scale=1 / 3),
+             init("b2", 2 * c), init("w3", c, 2 * c, 1, 1, scale=(2 * c) ** -0.5), init("b3", c)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="expand"),
+        helper.make_node("Sigmoid", ["y1"], ["s1"], name="sig1"),
+        helper.make_node("Mul", ["y1", "s1"], ["a1"], name="silu1"),
+        helper.make_node("Conv", ["a1", "w2", "b2"], ["y2"], name="dw", group=2 * c, pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["y2"], ["s2"], name="sig2"),
+        helper.make_node("Mul", ["s2", "y2"], ["a2"], name="silu2"),
+        helper.make_node("Conv", ["a2", "w3", "b3"], ["out"], name="project"),
+    ]
+    graph = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, list(x_shape))], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
 def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     import onnxruntime as ort
 

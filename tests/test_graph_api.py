@@ -161,7 +161,7 @@ def test_a_tuned_model_records_the_engine_and_its_legacy_fallback(tmp_path):
     [record] = convpass.inspect(tuned)
     assert (record["engine"], record["algo"], record["memory_format"]) == ("eng5", "implicit_gemm", "NHWC")
     info, [node] = annotation.read_annotations(tuned)
-    assert info.schema_version == annotation.SCHEMA_VERSION == 3
+    assert info.schema_version == annotation.SCHEMA_VERSION == 4
     assert node.decisions[0].engine == "eng5" and not node.decisions[0].is_auto
     legacy = _tuned_from_cache(tmp_path / "l", ROWS, layout="per-conv", engines="legacy")
     [record] = convpass.inspect(legacy)
@@ -271,7 +271,7 @@ def engine_bench(monkeypatch):
 
 
 def test_every_engine_configuration_gets_a_row_with_its_status_and_reason(engine_bench, monkeypatch):
-    monkeypatch.setattr(graph_api, "configs", lambda key: [EngineConfig(i) for i in (1, 2, 3, 4, 5, 6)])
+    monkeypatch.setattr(graph_api, "configs", lambda key, fusion="": [EngineConfig(i, (), fusion) for i in (1, 2, 3, 4, 5, 6)])
     key = SHAPE.key("nhwc", "default")
     rows = {r.algo: r for r in engine_bench.measure_engines(key, best_ms=0.02)}
     assert {a: r.status for a, r in rows.items()} == {
@@ -288,7 +288,7 @@ def test_every_engine_configuration_gets_a_row_with_its_status_and_reason(engine
 
 @pytest.mark.parametrize("offered", [[], graph_api.GraphApiError("cuDNN's graph API has no engine for this")])
 def test_no_engine_at_all_is_recorded_so_the_cache_counts_as_complete(engine_bench, monkeypatch, offered):
-    def configs(key):
+    def configs(key, fusion=""):
         if isinstance(offered, Exception):
             raise offered
         return offered
@@ -306,7 +306,7 @@ def test_a_cache_with_every_legacy_row_gets_only_its_engines_measured(monkeypatc
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
     monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best: seen.append((legacy, engines, best)) or [])
+    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion: seen.append((legacy, engines, best)) or [])
     options = TuneOptions(tf32="on", layout="nhwc")
     key = SHAPE.key("nhwc", "default")
     have = [Measurement(key, a, "ok", 0.01 * (i + 1), 0, True, 1.0, "measure") for i, a in enumerate(algo_names("fwd"))]

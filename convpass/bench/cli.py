@@ -52,6 +52,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before them (default 10)")
     p.add_argument("--tf32", default="auto", choices=["auto", "on", "off"],
                    help="convpass --tf32; ONNX Runtime's use_tf32 and torch's allow_tf32 are 1 unless this is off")
+    p.add_argument("--engines", default="all", choices=["legacy", "graph", "all"],
+                   help="convpass --engines: the cuDNN tuning space (default all; legacy = the legacy algorithms only)")
     p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or the XDG cache dir)")
     p.add_argument("--panel-json", help="panel.json of models/export_panel.py (default: the one next to each model)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write every result as JSON")
@@ -249,6 +251,7 @@ def bench_command(args: argparse.Namespace) -> int:
         "batches": {p.stem: list(batches[p.stem]) for p in paths},
         "vs": list(vs),
         "tf32": args.tf32,
+        "engines": args.engines,
         "timing": contenders.TIMING,
         "cache": args.cache,
         "tolerances": {"tf32": report.TOL_TF32, "fp32": report.TOL_FP32, "half": report.TOL_HALF},
@@ -265,7 +268,7 @@ def bench_command(args: argparse.Namespace) -> int:
             for batch in batches[path.stem]:
                 try:
                     case = contenders.bench_case(
-                        path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache,
+                        path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache, engines=args.engines,
                         panel_json=args.panel_json, peaks=peaks, workdir=Path(tmp), module_cache=module_cache, log=log,
                         profile_runs=settings["profile_ops"], fresh_timeout=args.fresh_timeout if args.fresh_process else None,
                     )
@@ -309,7 +312,7 @@ def _same_executor(path: Path, model_cases: list[dict[str, Any]], args: argparse
     if len(ran) < 2:
         return
     log(f"{path.stem}: batch sizes {', '.join(map(str, ran))} in one executor")
-    records = contenders.run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir)
+    records = contenders.run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir, args.engines)
     for case in model_cases:
         if case["batch"] in records:
             case["same_executor"] = records[case["batch"]]

@@ -309,7 +309,8 @@ def uses_tf32(records: Sequence[Mapping[str, Any]], matmul_tf32: bool = False) -
     return any(r.get("math_mode") != "fma" for r in records) or bool(matmul_tf32)
 
 
-def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | None, out_path: Path) -> tuple[dict[str, Any], list[dict]]:
+def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | None, out_path: Path,
+                 engines: str = "all") -> tuple[dict[str, Any], list[dict]]:
     """Tune ``path`` for one shape profile (or several); save to ``out_path``; (tuning record, inspect records)."""
     from rich.console import Console
 
@@ -320,7 +321,7 @@ def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | 
 
     # Gemm / MatMul TF32 as the peers get it (ONNX Runtime's use_tf32, torch's allow_tf32): on
     # unless --tf32 off; convpass optimize's own default (--matmul-tf32 off) is MindSpore's.
-    options = TuneOptions(tf32=tf32, matmul_tf32=tf32 != "off")
+    options = TuneOptions(tf32=tf32, matmul_tf32=tf32 != "off", engines=engines)
     t0 = time.perf_counter()
     model = load_model(path)
     rep = optimize_model(model, options, [spec] if isinstance(spec, str) else list(spec), cache, None, Console(stderr=True, quiet=True))
@@ -336,6 +337,7 @@ def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | 
         "failed": rep.failed,
         "undecided": rep.undecided,
         "engine_decisions": rep.engine_decisions,
+        "fused_decisions": rep.fused_decisions,
         "all_cached": bool(rep.measured == 0 and (rep.cached or 0) > 0),
         "backend": rep.backend,
         "decisions": decision_summary(records),
@@ -588,8 +590,9 @@ def _run_torch_one(name: str, cfg: dict[str, Any], module_cpu: Any, entry: Mappi
 def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: int, tf32: str, cache: str | None,
                panel_json: str | None, peaks: Mapping[str, Any] | None, workdir: Path,
                module_cache: dict[str, Any], log: Callable[[str], None] = lambda s: None,
-               profile_runs: int = 0, fresh_timeout: float | None = None) -> dict[str, Any]:
-    """Benchmark one model at one batch; returns the (not yet annotated) case record.
+               profile_runs: int = 0, fresh_timeout: float | None = None, engines: str = "all") -> dict[str, Any]:
+    """Benchmark one model at one batch; returns the (not yet annotated) case record (``engines``:
+    convpass's ``--engines`` tuning space).
 
     ``profile_runs`` > 0: after every contender's timed runs, that many eager runs of the tuned
     model with a CUDA event pair around each launch (``op_profile``). ``fresh_timeout``: then every
@@ -621,7 +624,7 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
     tuned_path = workdir / f"{path.stem}.b{batch}.tuned.onnx"
     records: list[dict] = []
     try:
-        tuning, records = run_optimize(path, shape_spec(shapes), tf32, cache, tuned_path)
+        tuning, records = run_optimize(path, shape_spec(shapes), tf32, cache, tuned_path, engines)
     except Exception as e:  # noqa: BLE001
         case["contenders"].append(report.contender("convpass", "convpass", {"tf32_option": tf32}, status="failed",
                                                    reason=f"optimize: {_first_line(e)}"))
@@ -655,7 +658,7 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
 
 
 def run_batch_sizes_in_one_executor(path: Path, batches: Sequence[int], tf32: str, cache: str | None,
-                                    workdir: Path) -> dict[int, dict[str, Any]]:
+                                    workdir: Path, engines: str = "all") -> dict[int, dict[str, Any]]:
     """Issue 10's "a model's second batch size in the same process": one model tuned for every batch
     size (from the tuning cache the cases filled), one executor; it runs the first batch size, then
     each later one is timed from the call to the first result in device memory (plan build, kernels,
@@ -672,7 +675,7 @@ def run_batch_sizes_in_one_executor(path: Path, batches: Sequence[int], tf32: st
     try:
         from convpass.runtime.executor import Executor
 
-        run_optimize(path, [shape_spec(shapes[b]) for b in batches], tf32, cache, out)
+        run_optimize(path, [shape_spec(shapes[b]) for b in batches], tf32, cache, out, engines)
         free_gpu_memory()
         cp = _cupy()
         ex = Executor(os.fspath(out), device="cuda", output_kind="device")

@@ -854,10 +854,10 @@ def _call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> t
     return tuple(outs[: len(node.outputs)])
 
 
-def _engine_algo(engine: str) -> str:
-    from convpass.cudnn.graph_api import ENGINE_PREFIX  # not at import: the CPU executor needs no cuDNN package
+def _engine_algo(engine: str, fusion: str = "") -> str:
+    from convpass.cudnn.graph_api import EngineConfig  # not at import: the CPU executor needs no cuDNN package
 
-    return ENGINE_PREFIX + engine
+    return EngineConfig.parse(engine, fusion).algo
 
 
 def _summary(node: NodeInfo, d: annotation.ConvDecision | None, call: ConvCall | None, profile: int | None, note: str) -> ConvSummary:
@@ -872,7 +872,7 @@ def _summary(node: NodeInfo, d: annotation.ConvDecision | None, call: ConvCall |
         node=node.name,
         op_type=node.op_type,
         tuned=True,
-        algo=_engine_algo(d.engine) if d.engine else d.algo,
+        algo=_engine_algo(d.engine, d.fusion) if d.engine else d.algo,
         memory_format=d.memory_format,
         math_mode=d.math_mode,
         source=d.source,

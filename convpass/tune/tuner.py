@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from convpass.cache import Measurement, TuningCache
-from convpass.decide import Choice, cached_rows, choice_from, select
-from convpass.cudnn.graph_api import ENGINE_PREFIX, is_engine
+from convpass.decide import EPILOGUE_METHOD, Choice, cached_rows, choice_from, select
+from convpass.cudnn.graph_api import ENGINE_PREFIX, fusion_of, is_engine
 from convpass.device import DeviceFingerprint
 from convpass.errors import OptionError
 from convpass.options import TuneOptions
@@ -170,18 +170,23 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     the driver). Runs with a non-default CuPy stream current; warms the clocks first.
 
     ``have``: rows already stored for the problem. When they hold every legacy measurement, only
-    the graph-API engines are measured (a cache filled before engines existed is not re-timed).
+    the graph-API engines are measured (a cache filled before engines existed is not re-timed);
+    when they also hold the engines, only the problem's fused epilogue.
     """
     strategy, forced = options.strategy(problem.direction)
     harness.warm_clocks()
     legacy, engines = spaces(problem, options)
+    fusion = problem.fusion if engines else ""
     keys = candidate_keys(problem, options)
+    have = list(have)
     best = None
-    if legacy and engines and complete(list(have), keys, strategy, forced, legacy=True, engines=False):
+    if legacy and engines and complete(have, keys, strategy, forced, legacy=True, engines=False):
         legacy = False
+        if complete(have, keys, strategy, forced, legacy=False, engines=True):
+            engines = False
         timed = [m.time_ms for m in have if m.key in keys and m.status == "ok" and m.method == "measure" and m.time_ms]
         best = min(timed, default=None)
-    return _measure(problem, keys, strategy, forced, legacy, engines, best)
+    return _measure(problem, keys, strategy, forced, legacy, engines, best, fusion)
 
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
@@ -189,7 +194,7 @@ def problem_complete(rows: list[Measurement], problem: ConvProblem, options: Tun
     would measure under ``options``: then nothing needs timing."""
     strategy, forced = options.strategy(problem.direction)
     legacy, engines = spaces(problem, options)
-    return complete(rows, candidate_keys(problem, options), strategy, forced, legacy, engines)
+    return complete(rows, candidate_keys(problem, options), strategy, forced, legacy, engines, problem.fusion if engines else "")
 
 
 _warned_no_graph_api: set[str] = set()
@@ -217,7 +222,7 @@ def spaces(problem: ConvProblem, options: TuneOptions) -> tuple[bool, bool]:
 
 
 def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
-             engines: bool = False, best: float | None = None) -> list[Measurement]:
+             engines: bool = False, best: float | None = None, fusion: str = "") -> list[Measurement]:
     from convpass.cudnn import ConvDescriptors, find, heuristic
 
     rows: list[Measurement] = []
@@ -264,6 +269,8 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                 for row in bench.measure_engines(key, best):
                     rows.append(row)
                     best = _best_after(best, row)
+            if fusion:
+                rows.extend(bench.measure_fused(key, fusion, best))
         bench.release()
     return rows
 
@@ -292,10 +299,11 @@ def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKe
 
 
 def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
-             engines: bool = False) -> bool:
+             engines: bool = False, fusion: str = "") -> bool:
     """Whether the cache already holds everything this strategy needs for these keys (graph-API
     engines: at least one engine row per key, which :meth:`_ShapeBench.measure_engines` always
-    writes, an ``unsupported`` one when cuDNN offers none)."""
+    writes, an ``unsupported`` one when cuDNN offers none; a ``fusion``: its epilogue row and at
+    least one fused engine row per key, which :meth:`_ShapeBench.measure_fused` always writes)."""
     from convpass.cudnn.enums import algo_names
 
     for key in keys:
@@ -305,7 +313,10 @@ def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, for
         timed = {m.algo for m in mine if m.method == "measure"}
         if strategy == "measure" and legacy and not set(algo_names(key.shape.direction)) <= timed:
             return False
-        if engines and not any(is_engine(a) for a in timed):
+        if engines and not any(is_engine(a) and not fusion_of(a) for a in timed):
+            return False
+        if fusion and not (any(fusion_of(a) == fusion for a in timed)
+                           and any(m.method == EPILOGUE_METHOD and m.algo == fusion for m in mine)):
             return False
         if strategy == "forced" and forced not in timed:
             return False
@@ -332,6 +343,23 @@ def _row(key, algo, status, time_ms, workspace, deterministic, now, method, note
         heuristic_rank=heuristic_rank,
         find_rank=find_rank,
     )
+
+
+_activation_kernels: dict[str, Any] = {}
+
+
+def _activation_kernel(fusion: str) -> Any:
+    """A CuPy element-wise kernel of ``fusion``'s activation (tuning time only: the executor runs
+    its own generated kernels, compiled ahead of time)."""
+    import cupy as cp
+
+    from convpass.cudnn import graph_api
+
+    if fusion not in _activation_kernels:
+        expression = graph_api.FUSIONS[fusion].cuda
+        _activation_kernels[fusion] = cp.ElementwiseKernel(
+            "T x", "T y", f"float v = (float)x; y = (T)({expression});", f"convpass_{graph_api.FUSIONS[fusion].frontend_op}")
+    return _activation_kernels[fusion]
 
 
 class _ShapeBench:
@@ -414,25 +442,52 @@ class _ShapeBench:
             status = "oom" if "ALLOC" in e.status_name else ("unsupported" if e.not_supported else "error")
             return _row(key, algo, status, None, ws, det, now, "measure", note=str(e))
 
-    def measure_engines(self, key: ProblemKey, best_ms: float | None) -> list[Measurement]:
-        """Every graph-API engine configuration of ``key`` (``y = conv(x, w)``), checked against
-        the reference and timed like the legacy algorithms. Always at least one row:
-        ``engine:none`` (unsupported) when cuDNN offers no configuration."""
+    def measure_engines(self, key: ProblemKey, best_ms: float | None, fusion: str = "") -> list[Measurement]:
+        """Every graph-API engine configuration of ``key`` (``y = conv(x, w)``, or the graph of
+        ``fusion``), checked against the reference and timed like the legacy algorithms. Always at
+        least one row: ``engine:none`` (unsupported) when cuDNN offers no configuration."""
         from convpass.cudnn import graph_api
 
         now = time.time()
+        none = ENGINE_PREFIX + "none" + (f"+{fusion}" if fusion else "")
         try:
-            found = graph_api.configs(key)
+            found = graph_api.configs(key, fusion)
         except graph_api.GraphApiError as e:
-            return [_row(key, ENGINE_PREFIX + "none", "unsupported", None, 0, True, now, "measure", note=str(e))]
+            return [_row(key, none, "unsupported", None, 0, True, now, "measure", note=str(e))]
         if not found:
-            return [_row(key, ENGINE_PREFIX + "none", "unsupported", None, 0, True, now, "measure", note="cuDNN offers no engine configuration")]
+            return [_row(key, none, "unsupported", None, 0, True, now, "measure", note="cuDNN offers no engine configuration")]
         rows = []
         for config in found:
             row = self._measure_engine(key, config, best_ms)
             rows.append(row)
             best_ms = _best_after(best_ms, row)
         return rows
+
+    def measure_fused(self, key: ProblemKey, fusion: str, best_ms: float | None) -> list[Measurement]:
+        """A fused epilogue for ``key``: its activation timed as its own pass over the output (the
+        ``epilogue`` row every unfused configuration adds: :mod:`convpass.decide`), then every
+        engine configuration of the fused graph (:meth:`measure_engines`)."""
+        epilogue = self._measure_activation(key, fusion)
+        if epilogue.status == "ok" and best_ms is not None:
+            best_ms += epilogue.time_ms  # an early stop compares a fused graph with conv + pass
+        return [epilogue, *self.measure_engines(key, best_ms, fusion)]
+
+    def _measure_activation(self, key: ProblemKey, fusion: str) -> Measurement:
+        """The activation of ``fusion`` as the executor runs it after an unfused conv: one
+        element-wise pass over the output's storage, in place."""
+        import cupy as cp
+
+        from convpass.runtime.cuda.common import storage
+
+        now = time.time()
+        try:
+            kernel = _activation_kernel(fusion)
+            sets = self.buffers(key.layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
+            timing = harness.time_launches(lambda i: kernel(storage(sets[i]["y"]), storage(sets[i]["y"])), len(sets))
+        except cp.cuda.memory.OutOfMemoryError as e:
+            return _row(key, fusion, "oom", None, 0, True, now, EPILOGUE_METHOD, note=str(e).splitlines()[0])
+        return _row(key, fusion, "ok", timing.time_ms, 0, True, now, EPILOGUE_METHOD,
+                    note=f"its activation as its own pass over the output; {timing.launches} launches, spread {timing.spread:.1%}")
 
     def _measure_engine(self, key: ProblemKey, config, best_ms: float | None) -> Measurement:
         import cupy as cp
@@ -451,23 +506,31 @@ class _ShapeBench:
         ws = plan.workspace_bytes
         try:
             # Timed as the executor runs it: the conv, then the bias as its own pass (legacy algorithms
-            # are timed without their bias, which the executor can often fuse into their call). The
-            # executor replays a captured CUDA graph: an engine that cannot be captured is no candidate.
+            # are timed without their bias, which the executor can often fuse into their call); a fused
+            # graph in its one call. The executor replays a captured CUDA graph: an engine that cannot
+            # be captured is no candidate.
             bias = harness.random_array((1, key.shape.k) + (1,) * len(key.shape.spatial), key.shape.dtype, "nchw", 5)
             expected = self.reference() + harness.to_float32(bias, key.shape.dtype)
+            if config.fusion:
+                expected = graph_api.FUSIONS[config.fusion].apply(cp, expected)
+                flat = bias.reshape(-1)
 
-            def conv_and_bias(b: dict, workspace: Any) -> None:
-                plan.execute(b["x"], b["w"], b["y"], workspace)
-                phys = storage(b["y"])
-                phys += bias if phys is b["y"] else bias.reshape(-1)
+                def launch(b: dict, workspace: Any) -> None:
+                    plan.execute(b["x"], b["w"], b["y"], workspace, bias=flat)
+            else:
+                def launch(b: dict, workspace: Any) -> None:
+                    plan.execute(b["x"], b["w"], b["y"], workspace)
+                    phys = storage(b["y"])
+                    phys += bias if phys is b["y"] else bias.reshape(-1)
 
-            row = self._checked_and_timed(key, algo, ws, True, now, best_ms, conv_and_bias, capture_required=True, expected=expected)
+            row = self._checked_and_timed(key, algo, ws, True, now, best_ms, launch, capture_required=True, expected=expected)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _row(key, algo, "oom", None, ws, True, now, "measure", note=str(e).splitlines()[0])
         except graph_api.GraphApiError as e:
             return _row(key, algo, "error", None, ws, True, now, "measure", note=str(e))
         if row.status == "ok":
-            row = dataclasses.replace(row, note=f"{row.note}; graph API, conv then bias pass; plan built in {build_s:.3f} s")
+            how = f"fused {config.fusion} in one call" if config.fusion else "conv then bias pass"
+            row = dataclasses.replace(row, note=f"{row.note}; graph API, {how}; plan built in {build_s:.3f} s")
         return row
 
     def _checked_and_timed(self, key: ProblemKey, algo: str, ws: int, det: bool, now: float, best_ms: float | None,

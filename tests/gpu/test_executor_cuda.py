@@ -549,7 +549,7 @@ def test_panel_model(name, precision, tmp_path):
         ex = Executor(tuned, device="cuda")
         with cudnn.record_calls() as calls:
             first = ex.run(None, feeds)
-    # graph-API engine convs (convpass[graph] installed) run no legacy call; tests/gpu/test_graph_api.py covers them
+    # graph-API engine convs (convpass[graph] installed) run no legacy call; tests/gpu/test_graph_api_gpu.py covers them
     recorded = {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned) if not r["engine"]}
     assert {(c.algo, str(c.key)) for c in calls} == recorded
     assert all(o.dtype == (np.float16 if precision == "fp16" else np.float32) for o in first)

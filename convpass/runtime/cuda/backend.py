@@ -43,7 +43,8 @@ from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.cuda import lowering, prebuilt, runner
 from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, unavailable_reason
-from convpass.runtime.cuda.convolution import ENGINE_BUILD_NOTE_S, Convolutions
+from convpass.cudnn.graph_api import FUSIONS
+from convpass.runtime.cuda.convolution import ENGINE_BUILD_NOTE_S, Convolutions, fusion_counter
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import GraphStatus, Plan
 
@@ -152,6 +153,7 @@ class CudaBackend(Backend):
         self.counters = {
             "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
             "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
+            **{fusion_counter(f): 0 for f in FUSIONS},
         }
         with self._device:
             self.convs = Convolutions(self)

@@ -17,6 +17,13 @@ operand is computed before the conv with the same shape, goes into the same call
 input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused
 call cuDNN refuses falls back to the unfused form for good.
 
+Fused graph-API epilogues: a Conv whose decision records a fused engine (``fusion``, e.g.
+``bias+swish``) and whose output is read only by that epilogue in the plan (``Mul(y, Sigmoid(y))``)
+runs conv, bias and activation in the engine's one call, and its launch absorbs the epilogue's
+steps. When the plan does not offer the epilogue (fusion off, another graph) the recorded legacy
+``algo`` runs, with one warning; when the fused plan cannot be built, the same, and the epilogue's
+steps run as usual.
+
 Placement: a Conv without bias, activation or residual (DenseNet's convs) writes its output
 straight into its slice of a Concat buffer (:mod:`.memory`): cuDNN gets an output descriptor with
 the slice's strides. When cuDNN refuses that (some algorithms want packed outputs), and for every
@@ -158,18 +165,24 @@ class Convolutions:
             d = self._descs[key] = cudnn.ConvDescriptors(key)
         return d
 
-    def resolve(self, call: ConvCall, dtype: Any) -> Any:
-        """The :class:`ConvExec` (or :data:`REFERENCE`) ``call`` runs with for inputs of ``dtype``."""
+    def resolve(self, call: ConvCall, dtype: Any, fusion: str | None = None) -> Any:
+        """The :class:`ConvExec` (or :data:`REFERENCE`) ``call`` runs with for inputs of ``dtype``
+        (``fusion``: the epilogue the plan lets this conv fuse, ``""`` none; None: the conv runs op
+        by op, as in the run that records a plan, so a fused decision runs its legacy algorithm)."""
         hit = self._by_call.get(id(call))  # fast path: a plan holds the same ConvCall objects run after run
-        if hit is not None and hit[0] is call and hit[1] == dtype:
-            return self._execs[hit[2]]
-        cache_key = (call.node_name, call.geometry, call.decision, np.dtype(dtype).str)
+        if hit is not None and hit[0] is call and hit[1] == dtype and hit[2] == fusion:
+            return self._execs[hit[3]]
+        cache_key = self._cache_key(call, dtype, fusion)
         if cache_key not in self._execs:
-            self._execs[cache_key] = self._make_exec(call, dtype)
-        self._by_call[id(call)] = (call, dtype, cache_key)
+            self._execs[cache_key] = self._make_exec(call, dtype, fusion)
+        self._by_call[id(call)] = (call, dtype, fusion, cache_key)
         return self._execs[cache_key]
 
-    def _make_exec(self, call: ConvCall, dtype: Any) -> Any:
+    @staticmethod
+    def _cache_key(call: ConvCall, dtype: Any, fusion: str | None) -> tuple:
+        return (call.node_name, call.geometry, call.decision, np.dtype(dtype).str, fusion)
+
+    def _make_exec(self, call: ConvCall, dtype: Any, fusion: str | None = None) -> Any:
         g = call.geometry
         node = call.node_name
         if not g.shapes:
@@ -187,7 +200,16 @@ class Convolutions:
             self.mismatch_nodes.append(node)
             return self.heuristic_exec(call, "fallback", f"tuned on {self.rt.recorded_device}", math)
         key, why = self._recorded_key(d, g)
-        if key is not None and d.engine:
+        if key is not None and d.engine and d.fusion and d.fusion != fusion:
+            instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
+            if fusion is None:  # the op-by-op run that records the plan: its plan runs the engine
+                logger.debug("node %r: run op by op: %s instead of the fused engine %r", node, instead, d.engine)
+            else:
+                self.rt.warn_node(node, f"node {node!r}: recorded cuDNN graph-API engine {d.engine!r} is the fused graph conv + {d.fusion}, "
+                                        f"which this plan does not run fused (fusion off, or the conv's readers differ); running {instead} instead")
+            if d.algo == annotation.AUTO:
+                return self.heuristic_exec(call, "fallback", f"recorded engine {d.engine!r} ({d.fusion}) not fused in this plan", math)
+        elif key is not None and d.engine:
             ex = self._engine_exec(call, d, key)
             if ex is not None:
                 return ex
@@ -217,7 +239,7 @@ class Convolutions:
             if g.op_type != "Conv":
                 raise graph_api.GraphApiError(f"engines run forward convolutions, not {g.op_type}")
             started = time.perf_counter()
-            plan = graph_api.EnginePlan(key, graph_api.EngineConfig.parse(d.engine))
+            plan = graph_api.EnginePlan(key, graph_api.EngineConfig.parse(d.engine, d.fusion))
             seconds = time.perf_counter() - started
             self.engine_builds.append((call.node_name, seconds))
             if seconds >= ENGINE_BUILD_NOTE_S:
@@ -226,7 +248,7 @@ class Convolutions:
             instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: recorded cuDNN graph-API engine {d.engine!r} is not usable here ({first_line(e)}); running {instead} instead")
             return None
-        ex = ConvExec(call.node_name, g.op_type, g, key, None, graph_api.ENGINE_PREFIX + d.engine, plan.workspace_bytes,
+        ex = ConvExec(call.node_name, g.op_type, g, key, None, plan.config.algo, plan.workspace_bytes,
                       _insert_axis(g, key), "recorded", engine=plan)
         ex.strided_output_ok = False  # the plan was built for a packed output
         return ex
@@ -282,11 +304,11 @@ class Convolutions:
 
     # ------------------------------------------------------------------ compile time
 
-    def prepare(self, call: ConvCall, x_dtype: Any, w: Any) -> Any:
+    def prepare(self, call: ConvCall, x_dtype: Any, w: Any, fusion: str | None = None) -> Any:
         """Resolve ``call`` for inputs of ``x_dtype``, convert a constant weight to the conv's
         memory format and grow the workspace arena: everything a launch must not do while a CUDA
         graph is captured. Returns the exec."""
-        ex = self.resolve(call, x_dtype)
+        ex = self.resolve(call, x_dtype, fusion)
         if ex is not REFERENCE:
             if w is not None and w.dtype == x_dtype:
                 self.weight(w, ex)
@@ -360,29 +382,51 @@ class Convolutions:
             y = self.cp.maximum(y, y.dtype.type(0))
         return y
 
-    def run(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool = False, z: Any = None, out: Any = None) -> Any:
+    def run(self, call: ConvCall, x: Any, w: Any, b: Any, relu: bool = False, z: Any = None, out: Any = None,
+            fusion: str | None = None, fused: bool = False) -> Any:
         """The conv of ``call`` plus bias, plus the residual ``z`` when given, then ReLU if asked;
-        written into ``out`` (a slice of a Concat buffer) when given."""
+        written into ``out`` (a slice of a Concat buffer) when given. ``fusion``: the epilogue the
+        plan lets this conv fuse (as at :meth:`prepare`; None: op by op, see :meth:`resolve`);
+        ``fused``: the launch owns it, so its activation is applied here (in the engine's call, or
+        as a pass after a fallback)."""
         from convpass import cudnn
         from convpass.cudnn.graph_api import GraphApiError
 
-        ex = self.resolve(call, x.dtype)
+        ex = self.resolve(call, x.dtype, fusion)
+        after = (fusion or "") if fused and not _runs_fused(ex) else ""
         if ex is REFERENCE or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-            return self._into(self._reference(call, x, w, b, relu, z), out)
+            return self._into(self._activate(self._reference(call, x, w, b, relu, z), after), out)
         try:
-            return self._run(ex, x, w, b, relu, z, out)
+            return self._finish(self._run(ex, x, w, b, relu, z, None if after else out), after, out)
         except (cudnn.CudnnError, GraphApiError) as e:
             if self.rt.capturing or ex.source != "recorded":
                 raise
             # the recorded algorithm was accepted by workspace_size but cuDNN refuses to run it
             why = f"recorded algorithm {ex.algo!r} ({ex.layout}, {ex.key.math}) failed here: {first_line(e)}"
             new = self.heuristic_exec(call, "fallback", why, ex.key.math)
-            self._execs[(call.node_name, call.geometry, call.decision, np.dtype(x.dtype).str)] = new  # _by_call points here
+            self._execs[self._cache_key(call, x.dtype, fusion)] = new  # _by_call points here
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: {why}; running cuDNN's heuristic choice {describe_exec(new)} instead")
+            after = (fusion or "") if fused else ""
             if new is REFERENCE:
-                return self._into(self._reference(call, x, w, b, relu, z), out)
+                return self._into(self._activate(self._reference(call, x, w, b, relu, z), after), out)
             self.workspace(new.workspace)
-            return self._run(new, x, w, b, relu, z, out)
+            return self._finish(self._run(new, x, w, b, relu, z, None if after else out), after, out)
+
+    def _finish(self, y: Any, after: str, out: Any) -> Any:
+        return self._into(self._activate(y, after), out) if after else y
+
+    def _activate(self, y: Any, fusion: str) -> Any:
+        """``fusion``'s activation over ``y`` in place, with CuPy ufuncs: only where a fused engine
+        could not run after its launch absorbed the epilogue (warned), never on the planned path."""
+        if not fusion:
+            return y
+        cp = self.cp
+        phys = storage(y)
+        t = cp.negative(phys)
+        cp.exp(t, out=t)
+        cp.add(t, phys.dtype.type(1), out=t)
+        cp.divide(phys, t, out=phys)  # the one fusion today: SiLU, y / (1 + exp(-y))
+        return y
 
     def _into(self, y: Any, out: Any) -> Any:
         if out is None:
@@ -478,6 +522,11 @@ class Convolutions:
 
         y = cudnn.empty_like_layout(ex.geometry.output_shape, x4.dtype, ex.layout)
         y4 = self._map(y, ex)
+        if _runs_fused(ex):  # act(conv + bias) in the engine's one call
+            ex.engine.execute(x4, wk, y4, ws if ex.workspace > 0 else None, bias=self._bias(b))
+            self.rt.counters["graph_api_calls"] += 1
+            self.rt.counters[fusion_counter(ex.engine.config.fusion)] += 1
+            return y
         ex.engine.execute(x4, wk, y4, ws if ex.workspace > 0 else None)
         self.rt.counters["graph_api_calls"] += 1
         if z4 is not None:
@@ -502,6 +551,16 @@ class Convolutions:
             phys += b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))
         if relu:
             self.cp.maximum(phys, phys.dtype.type(0), out=phys)
+
+
+def fusion_counter(fusion: str) -> str:
+    """The backend counter of launches that ran a fused graph-API epilogue (``fused_bias_swish``)."""
+    return "fused_" + fusion.replace("+", "_")
+
+
+def _runs_fused(ex: Any) -> bool:
+    """Whether an exec runs a fused graph-API epilogue in its engine's call."""
+    return isinstance(ex, ConvExec) and ex.engine is not None and bool(ex.engine.config.fusion)
 
 
 def _same_order(a: Any, layout: str) -> bool:
@@ -546,17 +605,23 @@ def summarize(s: Any, ex: Any) -> Any:
 
 
 class ConvLaunch(Launch):
-    """One Conv / ConvTranspose step with its fused epilogue (``epilogue``: None, ``"relu"``, or
-    ``("residual", z slot, activation)``)."""
+    """One Conv / ConvTranspose step with its fused epilogue (``epilogue``: None, ``"relu"``,
+    ``("residual", z slot, activation)`` or ``("engine", fusion)``: a fused graph-API engine).
+    ``fusion``: the graph-API epilogue the plan lets this conv fuse, which its exec is resolved
+    with (the launch owns it only with an ``"engine"`` epilogue)."""
 
-    def __init__(self, plan: Any, index: int, convs: Convolutions, epilogue: Any, output: int, absorbs: tuple[int, ...]) -> None:
+    def __init__(self, plan: Any, index: int, convs: Convolutions, epilogue: Any, output: int, absorbs: tuple[int, ...],
+                 fusion: str = "") -> None:
         step = plan.steps[index]
         label = step.node.op_type
         if epilogue == "relu":
             label += "+relu"
+        elif epilogue is not None and epilogue[0] == "engine":
+            label += f"+{epilogue[1]}"
         elif epilogue is not None:
             label += f"+residual+{epilogue[2]}"
         super().__init__(index, step.node, label, (output,), absorbs)
+        self.fusion = fusion
         self.convs = convs
         self.call: ConvCall = step.node.prepared
         self.inputs = step.inputs
@@ -570,7 +635,7 @@ class ConvLaunch(Launch):
 
     def prepare(self) -> None:
         if self.x_dtype is not None:
-            self.exec = self.convs.prepare(self.call, self.x_dtype, self.w_const)
+            self.exec = self.convs.prepare(self.call, self.x_dtype, self.w_const, self.fusion)
 
     def run(self, env: list[Any]) -> None:
         ins = self.inputs
@@ -579,7 +644,9 @@ class ConvLaunch(Launch):
         e = self.epilogue
         out = self.destination(env, self._layout())
         if e is None or e == "relu":
-            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e == "relu", out=out)
+            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e == "relu", out=out, fusion=self.fusion)
+        elif e[0] == "engine":
+            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, out=out, fusion=self.fusion, fused=True)
         else:
             env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e[2] == "relu", z=env[e[1]], out=out)
 
@@ -612,11 +679,19 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
             continue
         y = st.outputs[0] if st.outputs else -1
         epilogue, out, absorbs = None, y, ()
-        fusible = (
+        with_bias = (
             fuse and node.op_type == "Conv" and node.prepared.geometry.shapes and len(st.inputs) >= 3 and st.inputs[2] >= 0
-            and plan.template[st.inputs[2]] is not None and y >= 0 and y not in outputs and len(readers.get(y, ())) == 1
+            and plan.template[st.inputs[2]] is not None and y >= 0 and y not in outputs
         )
-        if fusible:
+        fusion = ""
+        if with_bias:
+            # a recorded fused graph-API engine whose epilogue the plan has: conv, bias and activation in
+            # its one call, when its plan builds here (else the steps run as usual: module docstring)
+            fusion, ends = _graph_epilogue(plan, i, readers, outputs, taken)
+            x = plan.info(st.inputs[0]) if fusion else None
+            if x is not None and _runs_fused(convs.resolve(node.prepared, x[1], fusion)):
+                epilogue, out, absorbs = ("engine", fusion), steps[ends[-1]].outputs[0], ends
+        if with_bias and epilogue is None and len(readers.get(y, ())) == 1:
             # conv + bias + residual Add (+ Relu): y = act(conv(x, w) + z + b) in one cuDNN call, when the
             # residual z is computed before the conv and has the conv output's exact shape and dtype.
             j = only_reader(y, i, "Add") if fuse_residual else None
@@ -634,5 +709,29 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
                 if k is not None and len(steps[k].inputs) == 1 and steps[k].inputs[0] == y:
                     epilogue, out, absorbs = "relu", steps[k].outputs[0], (k,)
         taken.update(absorbs)
-        launches[i] = ConvLaunch(plan, i, convs, epilogue, out, absorbs)
+        launches[i] = ConvLaunch(plan, i, convs, epilogue, out, absorbs, fusion)
     return launches
+
+
+def _graph_epilogue(plan: Any, i: int, readers: dict[int, list[int]], outputs: set[int], taken: set[int]) -> tuple[str, tuple[int, ...]]:
+    """The graph-API epilogue the conv of step ``i`` can fuse, when its recorded decision is such a
+    fused engine: ``("bias+swish", (sigmoid step, mul step))`` for ``Mul(y, Sigmoid(y))`` with ``y``
+    and the Sigmoid read by nothing else (the rule :func:`convpass.passes.collect_conv_problems.conv_fusion`
+    tunes for); ``("", ())`` otherwise."""
+    steps = plan.steps
+    d = steps[i].node.prepared.decision
+    if d is None or d.fusion != "bias+swish":
+        return "", ()
+    y = steps[i].outputs[0]
+    ks = readers.get(y, [])
+    if len(ks) != 2 or any(k <= i or k in taken or steps[k].node.domain != "" for k in ks):
+        return "", ()
+    sig, mul = (ks[0], ks[1]) if steps[ks[0]].node.op_type == "Sigmoid" else (ks[1], ks[0])
+    if steps[sig].node.op_type != "Sigmoid" or steps[mul].node.op_type != "Mul" or tuple(steps[sig].inputs) != (y,):
+        return "", ()
+    s = steps[sig].outputs[0] if steps[sig].outputs else -1
+    if s < 0 or s in outputs or readers.get(s, []) != [mul] or sorted(steps[mul].inputs) != sorted([y, s]):
+        return "", ()
+    if not steps[mul].outputs or steps[mul].outputs[0] < 0:
+        return "", ()
+    return d.fusion, (sig, mul)

@@ -1,6 +1,7 @@
 """cuDNN graph-API engines on a real GPU: every offered configuration that builds computes
-``conv(x, w)`` right (float64 NumPy reference), the tuner records them, and the executor runs a
-model tuned with them inside its captured CUDA graph, or warns and runs the legacy fallback."""
+``conv(x, w)`` right (float64 NumPy reference), and every fused one ``silu(conv(x, w) + b)``; the
+tuner records them; the executor runs a model tuned with them inside its captured CUDA graph (a
+fused engine in place of the conv, its bias and its SiLU), or warns and runs the legacy fallback."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
-from conftest import MODELS, conv_model, run_ort  # noqa: E402
+from conftest import MODELS, conv_model, run_ort, silu_model  # noqa: E402
 from convpass import annotation  # noqa: E402
 from convpass.cudnn import as_layout, graph_api  # noqa: E402
 from convpass.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
@@ -155,3 +156,103 @@ def test_an_engine_that_cannot_be_built_warns_and_runs_the_legacy_algorithm(tmp_
     with pytest.warns(ExecutorWarning, match=r"engine 'eng99999' is not usable here.*legacy algorithm '" + legacy_algo):
         outs = Executor(tuned, device="cuda").run(None, {"x": x})
     _check(outs, run_ort(model, {"x": x}), 5e-3, "legacy fallback")
+
+
+FUSED_CASES = {k: CASES[k] for k in ("dense3x3", "depthwise_s2", "grouped1x1")}
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_every_fused_configuration_computes_silu_of_conv_plus_bias(case, layout):
+    x_shape, w_shape, attrs = FUSED_CASES[case]
+    shape = canonicalize_conv("Conv", attrs, x_shape, w_shape).shapes[0]
+    key = shape.key(layout, "default")
+    try:
+        configs = graph_api.configs(key, "bias+swish")
+    except graph_api.GraphApiError as e:
+        pytest.skip(f"no fused engine here: {e}")  # the tuner records this as engine:none+bias+swish
+    assert all(c.fusion == "bias+swish" and c.algo.endswith("+bias+swish") for c in configs)
+    rng = np.random.default_rng(4)
+    xh = rng.standard_normal(shape.x_shape).astype(np.float32)
+    wh = (rng.standard_normal(shape.w_shape) / np.sqrt(np.prod(shape.w_shape[1:]))).astype(np.float32)
+    bh = rng.standard_normal(shape.k).astype(np.float32)
+    pre = _reference(xh, wh, shape) + bh.reshape(1, -1, *([1] * len(shape.spatial)))
+    want = pre / (1.0 + np.exp(-pre))
+    x, w, b = as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout), cp.asarray(bh)
+    built = 0
+    for config in configs:
+        try:
+            plan = graph_api.EnginePlan(key, config)
+        except graph_api.GraphApiError:
+            continue
+        built += 1
+        y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), layout)
+        plan.execute(x, w, y, cp.empty(max(plan.workspace_bytes, 1), cp.uint8), bias=b)
+        got = cp.asnumpy(y).astype(np.float64)
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= 5e-3, f"{config.algo} ({layout}): relative error {err:.2e}"
+        with pytest.raises(graph_api.GraphApiError, match="takes a bias"):
+            plan.execute(x, w, y)
+    assert built or not configs
+
+
+def test_a_silu_model_runs_fused_engines_in_its_cuda_graph(tmp_path):
+    """Tuned with every space, then each SiLU conv forced onto its fastest fused configuration the
+    tuner kept (so the fused path runs whatever won): outputs match ONNX Runtime CPU, the Sigmoid
+    and Mul steps are absorbed, and the plan is captured."""
+    from convpass.cache import TuningCache
+    from convpass.runtime.cuda import ExecutorWarning
+
+    model = silu_model((2, 16, 12, 12))
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on")
+    cache = TuningCache(tmp_path / "c.db")
+    [(device, _)] = cache.devices()
+    forced = 0
+    for node in tuned.graph.node:
+        if not annotation.is_annotated_conv(node) or node.name == "project":
+            continue
+        d = annotation.read_node(node, n_profiles=1).decisions[0]
+        from convpass.problem import ProblemKey
+
+        key = ProblemKey.parse(d.problem_key)
+        rows = [r for r in cache.get(device, key.shape) if r.key == key]
+        assert any(r.method == "epilogue" and r.algo == "bias+swish" and r.status == "ok" for r in rows), [(r.algo, r.method, r.status) for r in rows]
+        fused = sorted((r for r in rows if graph_api.fusion_of(r.algo) == "bias+swish" and r.status == "ok"), key=lambda r: r.time_ms)
+        if not fused:
+            continue
+        config = graph_api.EngineConfig.parse(fused[0].algo)
+        for a in list(node.attribute):
+            if a.name in ("engine", "fusion"):
+                node.attribute.remove(a)
+        node.attribute.extend([onnx.helper.make_attribute("engine", config.name), onnx.helper.make_attribute("fusion", config.fusion)])
+        forced += 1
+    cache.close()
+    if not forced:
+        pytest.skip("cuDNN kept no fused configuration for these convs here")
+    x = np.random.default_rng(6).standard_normal((2, 16, 12, 12)).astype(np.float32)
+    refs = run_ort(model, {"x": x})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExecutorWarning)  # no fallback anywhere
+        ex = Executor(tuned, device="cuda")
+        first = ex.run(None, {"x": x})
+    _check(first, refs, 5e-3, "first run")
+    for i in range(3):
+        _check(ex.run(None, {"x": x}), refs, 5e-3, f"replay {i}")
+    assert ex.graph_status().captured, ex.graph_status().describe()
+    assert ex._backend.counters["fused_bias_swish"] >= forced
+    summary = {c.node: c.algo for c in ex.plan_summary()}
+    assert sum(a.endswith("+bias+swish") for a in summary.values()) == forced, summary
+
+
+def test_a_fused_engine_without_its_epilogue_in_the_plan_runs_the_legacy_algorithm(tmp_path):
+    from convpass.runtime.cuda import CudaBackend, ExecutorWarning
+
+    model = silu_model((2, 16, 12, 12))
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines="legacy")
+    for node in tuned.graph.node:
+        if node.name == "expand":
+            node.attribute.extend([onnx.helper.make_attribute("engine", "eng0"), onnx.helper.make_attribute("fusion", "bias+swish")])
+    x = np.random.default_rng(7).standard_normal((2, 16, 12, 12)).astype(np.float32)
+    with pytest.warns(ExecutorWarning, match=r"fused graph conv \+ bias\+swish, which this plan does not run fused"):
+        outs = Executor(tuned, device=CudaBackend(fuse=False)).run(None, {"x": x})
+    _check(outs, run_ort(model, {"x": x}), 5e-3, "fusion off")
