@@ -5,6 +5,7 @@
 # in /tmp/ortgpu, shared/device/README.md) with --engines all, the default.
 #   bash ../shared/device/stage-wheels.sh .cudnnfe nvidia-cudnn-frontend==1.32.0      (here, once)
 #   bash scripts/graph-api-check.sh [MODELS] [BATCHES]       (device; carry .cudnnfe/00, .cudnnfe/tool)
+# BATCHES: bench's --batch values, space-separated ("32", "1,32", "efficientnet_b0=1 efficientnet_v2_s=32").
 # MODELS default to the batch-32 losers of the wide panel whose convs are depthwise; the tuning
 # cache is $CONVPASS_TUNE_CACHE (default /tmp/tune.db; a legacy-only cache gets only its engines
 # measured). $ENGINES (default "all") lists the --engines spaces to bench, one bench run each
@@ -24,17 +25,21 @@ export PYTHONPATH=/tmp/cudnnfe-site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 python3 -c "from convpass.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
-python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_graph_api_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -8
-rc=${PIPESTATUS[0]}
+rc=0
+if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: the benchmark only
+    python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_graph_api_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -12
+    rc=${PIPESTATUS[0]}
+fi
 python3 models/export_panel.py --out .panel --models "$models" >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
 SP=/opt/torch/.venv/lib/python3.12/site-packages
 [ -d /tmp/ortgpu ] && export PYTHONPATH=/tmp/ortgpu:$PYTHONPATH
 export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 paths=(); for m in ${models//,/ }; do paths+=(".panel/$m.onnx"); done
+batch_args=(); for b in $batches; do batch_args+=(--batch "$b"); done
 vs=ort; [ -d /tmp/ortgpu ] || vs=none
 for engines in ${ENGINES:-all}; do
     echo "== --engines $engines"
-    python3 -m convpass.cli bench "${paths[@]}" --batch "$batches" --vs "$vs" --runs 15 --warmup 3 --tf32 on --profile-ops \
+    python3 -m convpass.cli bench "${paths[@]}" "${batch_args[@]}" --vs "$vs" --runs 15 --warmup 3 --tf32 on --profile-ops \
         --no-roofline --engines "$engines" --cache "${CONVPASS_TUNE_CACHE:-/tmp/tune.db}" --json "$out/bench-$engines.json" 2>&1 \
         | tee "$out/bench-$engines.txt" | grep -E "^\||convpass optimize|CUDA graph" | tail -30
     vs=none  # the peers once

@@ -110,3 +110,122 @@ def panel_models() -> list[str]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module.panel_names()
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN's graph API on the CPU (tests/test_graph_api.py, tests/test_fused_epilogues.py)
+
+class _FakeFrontend:
+    """Offers plans per heuristic mode, by name, as cuDNN's frontend does; records every call."""
+
+    def __init__(self, offers):
+        import types
+
+        self.offers = offers  # mode -> plan names
+        self.calls = []
+        self.heur_mode = types.SimpleNamespace(A="A", B="B", FALLBACK="FALLBACK")
+        self.data_type = types.SimpleNamespace(FLOAT="f32", HALF="f16", BFLOAT16="bf16")
+        fe = self
+
+        class Graph:
+            def __init__(self, **kw):
+                self.plans = []
+                fe.calls.append(("graph", kw["io_data_type"]))
+
+            def tensor(self, name, dim, stride, data_type):
+                fe.calls.append(("tensor", name, tuple(dim), tuple(stride)))
+                return _FakeTensor({"x": 1, "w": 2, "b": 4}[name])
+
+            def conv_fprop(self, image, weight, padding, stride, dilation, compute_data_type, name):
+                fe.calls.append(("conv", tuple(padding), tuple(stride), tuple(dilation)))
+                return _FakeTensor(3)
+
+            def bias(self, input, bias, name):
+                fe.calls.append(("bias", bias.uid))
+                return _FakeTensor(5)
+
+            def swish(self, input, name):
+                fe.calls.append(("swish",))
+                return _FakeTensor(6)
+
+            def validate(self):
+                pass
+
+            def build_operation_graph(self):
+                pass
+
+            def create_execution_plans(self, modes):
+                fe.calls.append(("plans", tuple(modes)))
+                self.plans = [n for m in modes for n in fe.offers.get(m, [])]
+                if not self.plans:
+                    raise RuntimeError("cudnnGraphNotSupportedError: no engine")
+
+            def get_execution_plan_count(self):
+                return len(self.plans)
+
+            def get_plan_name_at_index(self, i):
+                return self.plans[i]
+
+            def build_plan_at_index(self, i):
+                if self.plans[i].startswith("eng13"):
+                    raise RuntimeError("Finalizing the engine config failed: CUDNN_STATUS_NOT_SUPPORTED")
+                fe.calls.append(("build", self.plans[i]))
+
+            def get_workspace_size_plan_at_index(self, i):
+                return 1024
+
+            def execute_plan_at_index(self, pack, ws, index, handle):
+                fe.calls.append(("execute", self.plans[index], tuple(sorted(pack.values())), ws))
+
+        self.pygraph = Graph
+
+    __version__ = "fake"
+
+    def backend_version(self):
+        return 91900
+
+    def create_handle(self):
+        return "handle"
+
+    def set_stream(self, handle, stream):
+        self.calls.append(("stream", stream))
+
+
+class _FakeTensor:
+    def __init__(self, uid):
+        self.uid = uid
+
+    def get_uid(self):
+        return self.uid
+
+    def set_output(self, flag):
+        return self
+
+    def set_dim(self, dim):
+        return self
+
+    def set_stride(self, stride):
+        return self
+
+    def set_data_type(self, dt):
+        return self
+
+
+@pytest.fixture
+def frontend(monkeypatch):
+    """nvidia-cudnn-frontend and CuPy's device / stream calls, stood in for on the CPU."""
+    import sys
+    import types
+
+    from convpass.cudnn import graph_api
+
+    fe = _FakeFrontend({"A": ["eng5", "eng67_k2=16_k13=0"], "B": ["eng67_k2=16_k13=0", "eng20001", "eng13_k3=1"],
+                        "FALLBACK": ["eng0", "eng28_k2=4_k3=0"]})
+    fake_cp = types.ModuleType("cupy")
+    fake_cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0),
+                                         get_current_stream=lambda: types.SimpleNamespace(ptr=77))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cp)
+    monkeypatch.setattr(graph_api, "_frontend", lambda: fe)
+    monkeypatch.setattr(graph_api, "unavailable", lambda: None)
+    monkeypatch.setattr(graph_api._handles, "by_device", {}, raising=False)
+    return fe
