@@ -5,6 +5,7 @@ tuner's rows (NumPy stand-ins for CuPy and cuDNN: no timing invented) and the fr
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -301,3 +302,61 @@ def test_the_fused_graph_adds_a_bias_and_the_activation_and_its_plan_takes_the_b
     with pytest.raises(graph_api.GraphApiError, match="takes no bias"):
         bare.execute(arr(1), arr(2), arr(3), arr(9), bias=arr(4))
     assert [c.algo for c in graph_api.configs(KEY, SWISH)][:2] == ["engine:eng5+bias+swish", "engine:eng67_k2=16_k13=0+bias+swish"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the executor's choice for a fused decision (cuDNN stood in for: no GPU)
+
+class _Plan:
+    def __init__(self, key, config):
+        self.config, self.workspace_bytes = config, 0
+
+
+@pytest.fixture
+def convs(monkeypatch):
+    from convpass import cudnn
+    from convpass.runtime.cuda import convolution
+
+    warned = []
+    rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))
+    monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
+    monkeypatch.setattr(convolution.Convolutions, "descriptors", lambda self, key: "descs")
+    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo: 0)
+    c = convolution.Convolutions(rt)
+    c.warned = warned
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:  # what the executor reads of a ConvGeometry here
+    op_type: str
+    spatial_rank: int
+    shapes: tuple
+
+
+def _call(fusion=SWISH):
+    from convpass.runtime.conv import ConvCall
+
+    geometry = _Geometry("Conv", 2, (SHAPE,))
+    d = annotation.ConvDecision(algo="implicit_gemm", engine="eng5_k2=1", fusion=fusion, memory_format="NHWC",
+                                math_mode="default", problem_key=str(KEY))
+    return ConvCall("dw", geometry, d)  # type: ignore[arg-type]
+
+
+def test_a_fused_decision_runs_its_fused_engine_where_the_plan_lets_the_launch_own_the_epilogue(convs):
+    ex = convs.resolve(_call(), np.float32, SWISH)
+    assert ex.algo == FUSED and ex.engine.config.fusion == SWISH and convs.warned == []
+
+
+def test_a_fused_decision_without_its_epilogue_in_the_plan_warns_and_runs_the_legacy_algorithm(convs):
+    ex = convs.resolve(_call(), np.float32, "")
+    assert (ex.algo, ex.engine, ex.source) == ("implicit_gemm", None, "recorded")
+    [message] = convs.warned
+    assert "'dw'" in message and "fused graph conv + bias+swish" in message and "'implicit_gemm' instead" in message
+
+
+def test_the_op_by_op_run_that_records_a_plan_runs_the_legacy_algorithm_quietly(convs):
+    ex = convs.resolve(_call(), np.float32, None)
+    assert (ex.algo, ex.engine) == ("implicit_gemm", None) and convs.warned == []
+    plain = convs.resolve(_call(fusion=""), np.float32, None)  # an unfused engine runs as recorded
+    assert plain.algo == "engine:eng5_k2=1" and plain.engine.config.fusion == ""

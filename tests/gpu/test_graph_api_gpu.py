@@ -60,6 +60,16 @@ def _reference(x, w, shape) -> np.ndarray:
     return y
 
 
+def _built(key, configs):
+    """(config, plan) for each offered configuration that builds here (one that does not is
+    recorded as unsupported by the tuner)."""
+    for config in configs:
+        try:
+            yield config, graph_api.EnginePlan(key, config)
+        except graph_api.GraphApiError:
+            continue
+
+
 def test_no_engine_is_offered_with_tf32_off():
     shape = canonicalize_conv("Conv", {}, (2, 8, 8, 8), (8, 8, 1, 1)).shapes[0]
     with pytest.raises(graph_api.GraphApiError, match="TF32 off"):
@@ -82,11 +92,7 @@ def test_every_offered_configuration_computes_the_conv(case, layout):
     x, w = as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout)
     tolerance = 5e-3  # TF32
     built = 0
-    for config in configs:
-        try:
-            plan = graph_api.EnginePlan(key, config)
-        except graph_api.GraphApiError:
-            continue  # offered but not buildable here: the tuner records it as unsupported
+    for config, plan in _built(key, configs):
         built += 1
         y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), layout)
         ws = cp.empty(max(plan.workspace_bytes, 1), cp.uint8)
@@ -180,11 +186,7 @@ def test_every_fused_configuration_computes_silu_of_conv_plus_bias(case, layout)
     want = pre / (1.0 + np.exp(-pre))
     x, w, b = as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout), cp.asarray(bh)
     built = 0
-    for config in configs:
-        try:
-            plan = graph_api.EnginePlan(key, config)
-        except graph_api.GraphApiError:
-            continue
+    for config, plan in _built(key, configs):
         built += 1
         y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), layout)
         plan.execute(x, w, y, cp.empty(max(plan.workspace_bytes, 1), cp.uint8), bias=b)

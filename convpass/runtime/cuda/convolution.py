@@ -393,6 +393,8 @@ class Convolutions:
         from convpass.cudnn.graph_api import GraphApiError
 
         ex = self.resolve(call, x.dtype, fusion)
+        if _runs_fused(ex) and not fused:  # its activation would run twice (the plan's own steps too)
+            raise RuntimeError(f"node {call.node_name!r}: a fused graph-API engine resolved for a launch that does not own its epilogue")
         after = (fusion or "") if fused and not _runs_fused(ex) else ""
         if ex is REFERENCE or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
             return self._into(self._activate(self._reference(call, x, w, b, relu, z), after), out)
@@ -648,7 +650,7 @@ class ConvLaunch(Launch):
         elif e[0] == "engine":
             env[self.outputs[0]] = self.convs.run(self.call, x, w, b, out=out, fusion=self.fusion, fused=True)
         else:
-            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e[2] == "relu", z=env[e[1]], out=out)
+            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e[2] == "relu", z=env[e[1]], out=out, fusion=self.fusion)
 
     def _layout(self) -> str:
         return self.exec.layout if isinstance(self.exec, ConvExec) else "nchw"
@@ -689,7 +691,9 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
             # its one call, when its plan builds here (else the steps run as usual: module docstring)
             fusion, ends = _graph_epilogue(plan, i, readers, outputs, taken)
             x = plan.info(st.inputs[0]) if fusion else None
-            if x is not None and _runs_fused(convs.resolve(node.prepared, x[1], fusion)):
+            if x is None:
+                fusion = ""  # no input dtype to resolve with: the launch cannot own the epilogue
+            elif _runs_fused(convs.resolve(node.prepared, x[1], fusion)):
                 epilogue, out, absorbs = ("engine", fusion), steps[ends[-1]].outputs[0], ends
         if with_bias and epilogue is None and len(readers.get(y, ())) == 1:
             # conv + bias + residual Add (+ Relu): y = act(conv(x, w) + z + b) in one cuDNN call, when the
