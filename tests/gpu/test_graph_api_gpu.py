@@ -199,14 +199,15 @@ def test_every_fused_configuration_computes_silu_of_conv_plus_bias(case, layout)
 
 
 def test_a_silu_model_runs_fused_engines_in_its_cuda_graph(tmp_path):
-    """Tuned with every space, then each SiLU conv forced onto its fastest fused configuration the
+    """Tuned with every space in NHWC, then each SiLU conv forced onto its fastest fused configuration the
     tuner kept (so the fused path runs whatever won): outputs match ONNX Runtime CPU, the Sigmoid
     and Mul steps are absorbed, and the plan is captured."""
     from convpass.cache import TuningCache
     from convpass.runtime.cuda import ExecutorWarning
 
     model = silu_model((2, 16, 12, 12))
-    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on")
+    # NHWC: cuDNN 9.19 on an H200 offered no fused graph in NCHW for these convs (nor for FUSED_CASES)
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", layout="nhwc")
     cache = TuningCache(tmp_path / "c.db")
     [(device, _)] = cache.devices()
     forced = 0
