@@ -37,7 +37,7 @@ def add_decision_options(p: argparse.ArgumentParser, layout_default: str, layout
     p.add_argument("--directions", default="fwd", help="fwd, or fwd,dgrad,wgrad to also tune training passes of Conv")
     p.add_argument("--engines", default="all", choices=["legacy", "graph", "all"],
                    help="candidates for forward convs under --mode measure: cuDNN's legacy algorithms, its graph-API "
-                   "engine configurations (needs nvidia-cudnn-frontend: pip install convpass[graph]), or all (default; "
+                   "engine configurations (needs nvidia-cudnn-frontend: in pip install convpass[gpu], or convpass[graph]), or all (default; "
                    "legacy only, with a warning, where the graph API is not installed)")
 
 

@@ -6,7 +6,7 @@ its heuristics (modes A and B) and fallback list return for an operation graph, 
 (tile sizes, split-K, ...). On an H200 the depthwise convolutions of EfficientNet-B0 at batch 32
 ran 2-3x faster on graph-API engines in NHWC than on any legacy algorithm. This module reaches
 that API through NVIDIA's own Python binding, the ``nvidia-cudnn-frontend`` package (imported as
-``cudnn``; ``pip install convpass[graph]``), and is the one place that knows it.
+``cudnn``; in ``pip install convpass[gpu]``, or ``convpass[graph]`` alone), and is the one place that knows it.
 
 Rules
 -----
@@ -155,7 +155,7 @@ def unavailable() -> str | None:
     try:
         _frontend()
     except ImportError as e:
-        return f"the nvidia-cudnn-frontend package is not installed ({e}; pip install convpass[graph])"
+        return f"the nvidia-cudnn-frontend package is not installed ({e}; pip install convpass[gpu], or convpass[graph])"
     except Exception as e:  # noqa: BLE001  (no libcudnn, wrong CUDA: the package's own error)
         return f"the nvidia-cudnn-frontend package cannot load cuDNN: {type(e).__name__}: {str(e).strip()[:200]}"
     return None
