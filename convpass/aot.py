@@ -9,6 +9,8 @@ missed — with :func:`convpass.runtime.cuda.prebuilt.recording` on, compiles th
 for any other GPU architectures asked for (NVRTC needs no GPU of that architecture), and writes
 ``<model>.kernels`` (:mod:`convpass.kernel_file`) atomically, marked verified: the model ran on
 the GPU before the file was written, so the executor trusts this exact file without re-checking it.
+The cuDNN graph-API plans the model's engine decisions build go into the same file, serialized
+(for this GPU's architecture only), so the executor loads them instead of building them.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ class KernelReport:
     profiles: list[str]
     failed: list[str]
     seconds: float
+    plans: int = 0  # built cuDNN graph-API plans stored beside the kernels
 
     def line(self) -> str:
         per = ", ".join(f"sm_{a}: {n}" for a, n in sorted(self.archs.items(), key=lambda x: int(x[0])))
         extra = f"; {len(self.failed)} did not build: {'; '.join(self.failed[:3])}" if self.failed else ""
-        return f"{self.path}: {self.kernels} kernel(s) compiled ahead of time ({per}) for {len(self.profiles)} profile(s) in {self.seconds:.1f} s{extra}"
+        plans = f" and {self.plans} built cuDNN plan(s)" if self.plans else ""
+        return (f"{self.path}: {self.kernels} kernel(s) compiled ahead of time ({per}){plans} for {len(self.profiles)} "
+                f"profile(s) in {self.seconds:.1f} s{extra}")
 
 
 def parse_archs(text: str | Sequence[str] | None) -> list[str]:
@@ -97,7 +102,7 @@ def compile_kernels(
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-6:])
         raise ConvpassError(f"compiling the kernels of {path} failed (nothing was written):\n{tail}")
     doc = json.loads(done.stdout.strip().splitlines()[-1])
-    return KernelReport(Path(doc["path"]), doc["kernels"], doc["archs"], doc["profiles"], doc["failed"], doc["seconds"])
+    return KernelReport(Path(doc["path"]), doc["kernels"], doc["archs"], doc["profiles"], doc["failed"], doc["seconds"], doc.get("plans", 0))
 
 
 def _profiles(executor: Any, shapes: Sequence[Mapping[str, Sequence[int]]]) -> list[dict[str, tuple[int, ...]]]:
@@ -153,12 +158,14 @@ def _record(request: Mapping[str, Any]) -> dict[str, Any]:
         raise ConvpassError(f"{path} changed while its kernels were compiled: not written")
     entries = list(recorder.entries.values())
     out = kernel_file.write(kernel_file.sidecar_path(path), entries, model_sha256=digest, verified=True, cupy_version=cupy.__version__)
+    kernels = [e for e in entries if not e.is_plan]
     archs: dict[str, int] = {}
-    for e in entries:
+    for e in kernels:
         archs[e.arch] = archs.get(e.arch, 0) + 1
     return {
         "path": str(out),
-        "kernels": len({e.key for e in entries}),
+        "kernels": len({e.key for e in kernels}),
+        "plans": len(entries) - len(kernels),
         "archs": archs,
         "profiles": ["x".join(map(str, next(iter(s.values())))) if len(s) == 1 else json.dumps(s) for s in profiles],
         "failed": failed,

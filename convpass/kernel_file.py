@@ -7,7 +7,10 @@
   model on the GPU before writing, "kernels": [{"key", "arch", "name", "file", "sha256", "size"},
   ...]}``
 * ``bin/<key>.sm<arch>``: one binary (cubin) per kernel and GPU architecture, exactly as CuPy's
-  compiler produced it.
+  compiler produced it; or a built cuDNN graph-API plan, serialized
+  (:meth:`convpass.cudnn.graph_api.EnginePlan.serialize`), named ``cudnn plan <configuration>``
+  (:data:`PLAN_PREFIX`) and keyed by :func:`convpass.cudnn.graph_api.plan_id`, for the
+  architecture it was built on only.
 
 ``key`` is the hash of everything a binary depends on (source, compiler options, CuPy version),
 computed by the loader (:mod:`convpass.runtime.cuda.prebuilt`): a binary is only ever used for the
@@ -35,9 +38,10 @@ from typing import Any
 
 from convpass.errors import ConvpassError
 
-__all__ = ["FORMAT", "SUFFIX", "KernelEntry", "KernelFile", "KernelFileError", "describe", "file_sha256", "read", "sidecar_path", "write"]
+__all__ = ["FORMAT", "PLAN_PREFIX", "SUFFIX", "KernelEntry", "KernelFile", "KernelFileError", "describe", "file_sha256", "read", "sidecar_path", "write"]
 
 FORMAT = "convpass.kernels/1"
+PLAN_PREFIX = "cudnn plan "  # the name of an entry that is a built cuDNN graph-API plan, not a kernel
 SUFFIX = ".kernels"
 _MANIFEST = "manifest.json"
 
@@ -60,6 +64,11 @@ class KernelEntry:
     @property
     def file(self) -> str:
         return f"bin/{self.key}.sm{self.arch}"
+
+    @property
+    def is_plan(self) -> bool:
+        """Whether this entry is a built cuDNN plan rather than a kernel binary."""
+        return self.name.startswith(PLAN_PREFIX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +177,13 @@ def describe(model_path: str | os.PathLike[str]) -> str:
         kf = read(path, model_sha256=file_sha256(model_path))
     except KernelFileError as e:
         return f"kernels: refused, {e}"
-    per_arch = ", ".join(f"sm_{a}: {sum(1 for _, arch in kf.entries if arch == a)}" for a in kf.archs) or "none"
+    kernels = [e for e in kf.entries.values() if not e.is_plan]
+    per_arch = ", ".join(f"sm_{a}: {n}" for a in kf.archs if (n := sum(1 for e in kernels if e.arch == a))) or "none"
+    plans = len(kf.entries) - len(kernels)
+    with_plans = f" and {plans} built cuDNN plan(s)" if plans else ""
     trust = "verified on the GPU before writing" if kf.verified else "not verified"
-    return f"kernels: {path.name}, {len({k for k, _ in kf.entries})} kernel(s) ({per_arch}), {trust}; convpass {kf.convpass_version}, CuPy {kf.cupy_version}"
+    return (f"kernels: {path.name}, {len({e.key for e in kernels})} kernel(s) ({per_arch}){with_plans}, {trust}; "
+            f"convpass {kf.convpass_version}, CuPy {kf.cupy_version}")
 
 
 def _manifest(z: zipfile.ZipFile, p: Path) -> dict[str, Any]:

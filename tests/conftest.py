@@ -87,6 +87,27 @@ def silu_model(x_shape: Sequence[int] = (2, 16, 12, 12), seed: int = 0) -> onnx.
     return model
 
 
+def residual_block_model() -> onnx.ModelProto:
+    """x -> Conv -> Relu -> Conv -> Add(x) -> Relu, biases as initializers (as torch exports it)."""
+    rng = np.random.default_rng(7)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) * 0.1).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) * 0.1).astype(np.float32), "w2"),
+        numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b2"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "x"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu2"),
+    ]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 14, 14])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16, 14, 14])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
 def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     import onnxruntime as ort
 
@@ -130,7 +151,7 @@ class _FakeFrontend:
         class Graph:
             def __init__(self, **kw):
                 self.plans = []
-                fe.calls.append(("graph", kw["io_data_type"]))
+                fe.calls.append(("graph", kw.get("io_data_type")))
 
             def tensor(self, name, dim, stride, data_type):
                 fe.calls.append(("tensor", name, tuple(dim), tuple(stride)))
@@ -177,6 +198,19 @@ class _FakeFrontend:
             def execute_plan_at_index(self, pack, ws, index, handle):
                 fe.calls.append(("execute", self.plans[index], tuple(sorted(pack.values())), ws))
 
+            def serialize(self):  # the last plan built, as the frontend stores its candidate
+                built = [c[1] for c in fe.calls if c[0] == "build"]
+                return list(("stored " + built[-1]).encode())
+
+            def deserialize(self, handle, data):
+                if not bytes(data).startswith(b"stored "):
+                    raise RuntimeError("CUDNN_STATUS_BAD_PARAM: not a plan")
+                self.loaded = bytes(data).decode().removeprefix("stored ")
+                fe.calls.append(("deserialize", self.loaded))
+
+            def execute(self, pack, ws, handle):
+                fe.calls.append(("execute", self.loaded, tuple(sorted(pack.values())), ws))
+
         self.pygraph = Graph
 
     __version__ = "fake"
@@ -209,6 +243,18 @@ class _FakeTensor:
 
     def set_data_type(self, dt):
         return self
+
+
+def no_plan_side_car(monkeypatch, stored=None, recorded=None):
+    """The executor's stored cuDNN plans stood in for: ``stored`` (plan id -> KernelEntry) is the
+    side-car in use, ``recorded`` (a list) collects what a recording side-car would store."""
+    from convpass.cudnn import graph_api
+    from convpass.runtime.cuda import prebuilt
+
+    monkeypatch.setattr(graph_api, "plan_id", lambda key, config: f"plan-{config.algo}")
+    monkeypatch.setattr(prebuilt, "stored", lambda ident: (stored or {}).get(ident))
+    monkeypatch.setattr(prebuilt, "recording_active", lambda: recorded is not None)
+    monkeypatch.setattr(prebuilt, "record_entry", lambda ident, name, payload: recorded.append((ident, name, payload)) if recorded is not None else None)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from onnx import helper
 
 import convpass
-from conftest import silu_model
+from conftest import no_plan_side_car, silu_model
 from convpass import annotation
 from convpass.cache import Measurement, TuningCache
 from convpass.cudnn import graph_api
@@ -320,6 +320,7 @@ def convs(monkeypatch):
     warned = []
     rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))
     monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
+    no_plan_side_car(monkeypatch)
     monkeypatch.setattr(convolution.Convolutions, "descriptors", lambda self, key: "descs")
     monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo: 0)
     c = convolution.Convolutions(rt)

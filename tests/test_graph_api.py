@@ -4,13 +4,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import types
 
 import onnx
 import pytest
 
 import convpass
-from conftest import conv_model
+from conftest import conv_model, no_plan_side_car
 from convpass import annotation
 from convpass.cache import Measurement, TuningCache
 from convpass.cudnn import graph_api
@@ -193,6 +195,7 @@ def test_the_cache_backend_chooses_engines_from_recorded_rows(tmp_path):
 class _Notes:
     def __init__(self):
         self.said = []
+        self.kernel_file = None
 
     def note_once(self, tag, message, warn=True, category=None):
         self.said.append((tag, message, category))
@@ -203,13 +206,15 @@ def test_plans_built_at_start_up_are_reported_once_they_take_time():
     from convpass.runtime.cuda.common import StartupCompileWarning
 
     quick = _Notes()
-    CudaBackend._note_engine_builds(quick, [("conv1", 0.001), ("conv2", 0.002)])  # engines cuDNN does not compile
+    why = "the model's kernel side-car does not store it"
+    CudaBackend._note_engine_builds(quick, [("conv1", 0.001, why), ("conv2", 0.002, why)])  # engines cuDNN does not compile
     assert quick.said == []
     slow = _Notes()
-    CudaBackend._note_engine_builds(slow, [("a", 0.01), ("dw1", 0.21), ("dw2", 0.64), ("b", 0.0), ("dw3", 0.2)])
+    CudaBackend._note_engine_builds(slow, [("a", 0.01, why), ("dw1", 0.21, why), ("dw2", 0.64, why), ("b", 0.0, why), ("dw3", 0.2, why)])
     [(tag, message, category)] = slow.said
     assert tag == "engine-build" and category is StartupCompileWarning
     assert message.startswith("5 cuDNN graph-API plan(s) built at start-up in 1.06 s (slowest: 'dw2' 0.64 s, 'dw1' 0.21 s, 'dw3' 0.20 s)")
+    assert message.endswith(f"and {why} (`convpass compile` on a GPU stores them)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,6 +435,7 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
             self.config, self.workspace_bytes = config, 0
 
     monkeypatch.setattr(graph_api, "EnginePlan", SlowPlan)
+    no_plan_side_car(monkeypatch)
     monkeypatch.setattr(convolution, "ENGINE_COMPILATIONS", [])
     convs = convolution.Convolutions(types.SimpleNamespace(cp=None))
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
@@ -437,5 +443,106 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
         call = types.SimpleNamespace(node_name=node, geometry=geometry)
         ex = convs._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default"))
         assert ex.algo == "engine:" + engine and ex.engine is not None and not ex.strided_output_ok
-    assert [n for n, _ in convs.engine_builds] == ["dw1", "pw1"]
+    assert [n for n, _, _ in convs.engine_builds] == ["dw1", "pw1"]
     assert len(convolution.ENGINE_COMPILATIONS) == 1 and convolution.ENGINE_COMPILATIONS[0].startswith("cuDNN plan eng5 of 'dw1'")
+
+
+# ---------------------------------------------------------------------------------------------
+# stored plans: the serialized form, and the executor's load-or-build (frontend stood in for)
+
+def test_a_built_plan_round_trips_through_its_stored_form(frontend):
+    key = SHAPE.key("nhwc", "default")
+    for config, uids in ((EngineConfig.parse("eng67_k2=16_k13=0"), (1, 2, 3)), (EngineConfig.parse("eng5", "bias+swish"), (1, 2, 4, 6))):
+        data = graph_api.EnginePlan(key, config).serialize(verify=False)
+        header = json.loads(data.partition(b"\n")[0])
+        assert header["format"] == graph_api.PLAN_FORMAT and header["cudnn"] == "91900" and header["algo"] == config.algo
+        frontend.calls.clear()
+        loaded = graph_api.EnginePlan.load(key, config, data)
+        assert ("deserialize", config.name) in frontend.calls and not any(c[0] in ("build", "plans") for c in frontend.calls)
+        assert loaded.workspace_bytes == 1024
+        arr = lambda p: types.SimpleNamespace(data=types.SimpleNamespace(ptr=p), nbytes=8)  # noqa: E731
+        loaded.execute(arr(1), arr(2), arr(3), arr(9), bias=arr(4) if config.fusion else None)
+        assert frontend.calls[-1] == ("execute", config.name, (1, 2, 3, 4)[:len(uids)], 9)
+        with pytest.raises(graph_api.GraphApiError, match="was loaded, not built"):
+            loaded.serialize()
+
+
+def test_a_stored_plan_of_another_cudnn_problem_or_configuration_is_refused(frontend, monkeypatch):
+    key, config = SHAPE.key("nhwc", "default"), EngineConfig.parse("eng5")
+    data = graph_api.EnginePlan(key, config).serialize(verify=False)
+    with pytest.raises(graph_api.GraphApiError, match="is for key"):
+        graph_api.EnginePlan.load(SHAPE.key("nchw", "default"), config, data)
+    with pytest.raises(graph_api.GraphApiError, match="is for algo 'engine:eng5', not 'engine:eng0'"):
+        graph_api.EnginePlan.load(key, EngineConfig.parse("eng0"), data)
+    with pytest.raises(graph_api.GraphApiError, match="not a stored cuDNN plan"):
+        graph_api.EnginePlan.load(key, config, b"\x00garbage")
+    head, _, _ = data.partition(b"\n")
+    with pytest.raises(graph_api.GraphApiError, match="does not load the stored plan"):
+        graph_api.EnginePlan.load(key, config, head + b"\ntruncated")
+    ident = graph_api.plan_id(key, config)
+    monkeypatch.setattr(frontend, "backend_version", lambda: 92000)
+    with pytest.raises(graph_api.GraphApiError, match="is for cudnn '91900', not '92000'"):
+        graph_api.EnginePlan.load(key, config, data)
+    assert graph_api.plan_id(key, config) != ident  # another cuDNN looks for another entry
+
+
+class _StoredPlan:
+    """EnginePlan stood in for: built (counted), or loaded from bytes naming its configuration."""
+
+    built: list = []
+
+    def __init__(self, key, config):
+        _StoredPlan.built.append(config.algo)
+        self.key, self.config, self.workspace_bytes = key, config, 0
+
+    def serialize(self, verify=True):
+        return b"stored " + self.config.algo.encode()
+
+    @classmethod
+    def load(cls, key, config, data):
+        if data != b"stored " + config.algo.encode():
+            raise graph_api.GraphApiError("the stored plan is for cudnn '91000', not '91900'")
+        plan = cls.__new__(cls)
+        plan.key, plan.config, plan.workspace_bytes = key, config, 0
+        return plan
+
+
+def _engine_execs(convs, engines):
+    geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
+    out = []
+    for node, engine in engines:
+        call = types.SimpleNamespace(node_name=node, geometry=geometry)
+        out.append(convs._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default")))
+    return out
+
+
+def test_the_executor_loads_stored_plans_builds_the_rest_and_says_why(monkeypatch):
+    from convpass.kernel_file import KernelEntry
+    from convpass.runtime.cuda import convolution
+
+    stored = {"plan-engine:eng5": KernelEntry("plan-engine:eng5", "90", "cudnn plan engine:eng5", b"stored engine:eng5"),
+              "plan-engine:eng7": KernelEntry("plan-engine:eng7", "90", "cudnn plan engine:eng7", b"stored by another cuDNN")}
+    _StoredPlan.built = []
+    monkeypatch.setattr(graph_api, "EnginePlan", _StoredPlan)
+    no_plan_side_car(monkeypatch, stored)
+    convs = convolution.Convolutions(types.SimpleNamespace(cp=None))
+    execs = _engine_execs(convs, [("dw1", "eng5"), ("dw2", "eng6"), ("dw3", "eng7")])
+    assert [ex.algo for ex in execs] == ["engine:eng5", "engine:eng6", "engine:eng7"]
+    assert _StoredPlan.built == ["engine:eng6", "engine:eng7"]  # eng5 was loaded
+    assert [(n, why) for n, _, why in convs.engine_builds] == [
+        ("dw2", "the model's kernel side-car does not store it"),
+        ("dw3", "its stored plan was refused: the stored plan is for cudnn '91000', not '91900'")]
+
+
+def test_plans_are_stored_while_a_side_car_is_recorded(monkeypatch):
+    from convpass.kernel_file import PLAN_PREFIX, KernelEntry
+    from convpass.runtime.cuda import convolution
+
+    recorded = []
+    stored = {"plan-engine:eng5": KernelEntry("plan-engine:eng5", "90", PLAN_PREFIX + "engine:eng5", b"stored engine:eng5")}
+    monkeypatch.setattr(graph_api, "EnginePlan", _StoredPlan)
+    no_plan_side_car(monkeypatch, stored, recorded)
+    convs = convolution.Convolutions(types.SimpleNamespace(cp=None))
+    _engine_execs(convs, [("dw1", "eng5"), ("pw1", "eng0")])
+    assert recorded == [("plan-engine:eng5", PLAN_PREFIX + "engine:eng5", b"stored engine:eng5"),
+                        ("plan-engine:eng0", PLAN_PREFIX + "engine:eng0", b"stored engine:eng0")]

@@ -38,6 +38,14 @@ Rules
   ``engine`` attribute and the fusion in ``fusion``; :meth:`EngineConfig.parse` reads either back.
   Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
   version, keeps a decision from being replayed on another.
+* **Stored plans.** A built plan serializes (:meth:`EnginePlan.serialize`: the frontend's own
+  form behind a JSON header naming the problem key, the configuration, the tensor uids and the
+  cuDNN and frontend versions) and loads back in another process in milliseconds
+  (:meth:`EnginePlan.load`), against 0.15-0.4 s to build one that cuDNN compiles (H200, cuDNN
+  9.19). A stored plan is only loaded by the cuDNN and frontend versions that wrote it, for the
+  same key and configuration: anything else raises :class:`GraphApiError`, and the caller builds
+  the plan instead. It runs through the frontend's ``execute`` (a loaded graph has no plan list
+  to index). :func:`plan_id` names a stored plan in the kernel side-car.
 * **Only backend engines.** The frontend's own Python-implemented engines (ids from 20000, CUTLASS
   DSL kernels compiled at plan build) are not candidates: they compile at start-up, which the
   executor must not do.
@@ -49,6 +57,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import re
 import threading
 from collections.abc import Callable
@@ -57,12 +67,13 @@ from typing import Any
 from convpass.problem import ProblemKey
 
 __all__ = [
-    "ENGINE_PREFIX", "FUSIONS", "EngineConfig", "EnginePlan", "GraphApiError", "configs", "fusion_of", "is_engine",
-    "unavailable",
+    "ENGINE_PREFIX", "FUSIONS", "PLAN_FORMAT", "EngineConfig", "EnginePlan", "GraphApiError", "configs", "fusion_of", "is_engine",
+    "plan_id", "unavailable",
 ]
 
 ENGINE_PREFIX = "engine:"
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
+PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +177,19 @@ def _require() -> Any:
     if why is not None:
         raise GraphApiError(why)
     return _frontend()
+
+
+def versions() -> dict[str, str]:
+    """The cuDNN library and frontend package versions a stored plan is bound to."""
+    fe = _require()
+    return {"cudnn": str(fe.backend_version()), "frontend": str(getattr(fe, "__version__", ""))}
+
+
+def plan_id(key: ProblemKey, config: "EngineConfig") -> str:
+    """The name of ``config``'s stored plan for ``key`` under this cuDNN and frontend (a hash: the
+    kernel side-car keys entries by it)."""
+    doc = {"format": PLAN_FORMAT, **versions(), "key": str(key), "algo": config.algo}
+    return "plan-" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:27]
 
 
 _DATA_TYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16"}
@@ -290,6 +314,59 @@ class EnginePlan:
         self._uids = (t["x"], t["w"], t["y"])
         self._bias_uid = t.get("b")
 
+    def serialize(self, verify: bool = True) -> bytes:
+        """The built plan as bytes :meth:`load` reads back (module rules). ``verify``: load it here
+        and require the loaded plan to compute bit for bit what this one does on random inputs
+        (the frontend stores its current candidate plan: this proves it is the one built)."""
+        if self._index is None:
+            raise GraphApiError(f"{self.config.algo} was loaded, not built: store the bytes it was loaded from")
+        try:
+            blob = bytes(self._graph.serialize())
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"cuDNN does not serialize {self.config.algo} for {self.key}: {_why(e)}") from e
+        uids = [int(t.get_uid()) for t in self._uids] + ([int(self._bias_uid.get_uid())] if self._bias_uid is not None else [])
+        header = {"format": PLAN_FORMAT, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
+                  "workspace": self.workspace_bytes}
+        data = json.dumps(header, sort_keys=True).encode() + b"\n" + blob
+        if verify:
+            _same_results(self, EnginePlan.load(self.key, self.config, data))
+        return data
+
+    @classmethod
+    def load(cls, key: ProblemKey, config: EngineConfig, data: bytes) -> "EnginePlan":
+        """A plan from :meth:`serialize`'s bytes, for exactly ``key`` and ``config`` under the
+        cuDNN and frontend versions that wrote it (else :class:`GraphApiError`, nothing loaded)."""
+        fe = _require()
+        import cupy as cp
+
+        head, sep, blob = bytes(data).partition(b"\n")
+        try:
+            header = json.loads(head) if sep else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != PLAN_FORMAT:
+            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT})")
+        here = {**versions(), "key": str(key), "algo": config.algo}
+        for field, want in here.items():
+            if header.get(field) != want:
+                raise GraphApiError(f"the stored plan is for {field} {header.get(field)!r}, not {want!r}")
+        self = cls.__new__(cls)
+        self.key, self.config, self._fe = key, config, fe
+        self._device, _ = _current(cp)
+        self._handle = _handle(fe, self._device)
+        try:
+            self._graph = fe.pygraph(handle=self._handle)
+            self._graph.deserialize(self._handle, blob)
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"cuDNN does not load the stored plan {config.algo} for {key}: {_why(e)}") from e
+        self._index = None
+        uids = [int(u) for u in header["uids"]]
+        self._uids, self._bias_uid = tuple(uids[:3]), (uids[3] if len(uids) > 3 else None)
+        if (self._bias_uid is not None) != bool(config.fusion):
+            raise GraphApiError(f"the stored plan of {config.algo} has {'a' if self._bias_uid is not None else 'no'} bias tensor")
+        self.workspace_bytes = int(header["workspace"])
+        return self
+
     def execute(self, x: Any, w: Any, y: Any, workspace: Any = None, bias: Any = None) -> None:
         """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format); for a
         fused configuration ``y = act(conv(x, w) + bias)`` (``bias``: K contiguous values)."""
@@ -303,6 +380,33 @@ class EnginePlan:
             pack[self._bias_uid] = bias.data.ptr
         ws = 0 if workspace is None or getattr(workspace, "nbytes", 0) == 0 else workspace.data.ptr
         try:
-            self._graph.execute_plan_at_index(pack, ws, index=self._index, handle=self._handle)
+            if self._index is None:  # loaded: the graph holds this one plan
+                self._graph.execute(pack, ws, handle=self._handle)
+            else:
+                self._graph.execute_plan_at_index(pack, ws, index=self._index, handle=self._handle)
         except Exception as e:  # noqa: BLE001
             raise GraphApiError(f"{self.config.algo} failed to execute for {self.key}: {_why(e)}") from e
+
+
+def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
+    """Run both plans on the same random inputs; :class:`GraphApiError` unless bit for bit equal."""
+    import cupy as cp
+
+    from convpass.cudnn.api import empty_like_layout
+
+    shape, layout = built.key.shape, built.key.layout
+    rng = cp.random.default_rng(7)
+    x, w = (empty_like_layout(s, shape.dtype, layout) for s in (shape.x_shape, shape.w_shape))
+    x[...] = rng.standard_normal(x.shape, dtype=cp.float32)
+    w[...] = rng.standard_normal(w.shape, dtype=cp.float32)
+    bias = rng.standard_normal((shape.k,), dtype=cp.float32).astype(shape.dtype) if built.config.fusion else None
+    ws = cp.empty(max(built.workspace_bytes, loaded.workspace_bytes, 1), dtype=cp.uint8)
+    outs = []
+    for plan in (built, loaded):
+        y = empty_like_layout(shape.y_shape, shape.dtype, layout)
+        y.fill(0)
+        plan.execute(x, w, y, ws, bias=bias)
+        outs.append(y)
+    cp.cuda.get_current_stream().synchronize()
+    if not bool(cp.array_equal(outs[0], outs[1], equal_nan=True)):
+        raise GraphApiError(f"the stored plan of {built.config.algo} does not compute what the built one does for {built.key}")

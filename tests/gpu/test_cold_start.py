@@ -51,6 +51,8 @@ np.savez(out, *outs)
 cache = os.environ["CUPY_CACHE_DIR"]
 print(json.dumps({
     "compilations": list(prebuilt.COMPILATIONS),
+    "plans_built": [list(b) for b in ex._backend.convs.engine_builds],  # cuDNN plans built, not loaded
+    "engines": sum(1 for ex_ in ex._backend.convs._execs.values() if getattr(ex_, "engine", None) is not None),
     "cache_files": sorted(os.listdir(cache)) if os.path.isdir(cache) else [],
     "warnings": [str(w.message) for w in caught],
     "trusted": ex.trusted,
@@ -97,11 +99,41 @@ def test_a_fresh_process_compiles_nothing(path, tmp_path):
     refs = run_ort(onnx.load(path), feeds)
     info, outs = _fresh(out, feeds, tmp_path / "fresh")
     assert info["compilations"] == [], info["compilations"]
+    assert info["plans_built"] == [], info["plans_built"]
     assert info["cache_files"] == [], "CuPy compiled kernels the seam did not see"
     assert info["trusted"] and info["replay_equal"]
     assert info["slow_imports"] == [], "start-up imported cupyx / SciPy (see convpass/runtime/ops.py on comparisons)"
     assert not [w for w in info["warnings"] if "compiled at start-up" in w or "side-car" in w], info["warnings"]
     _check(outs, refs, _tolerance(onnx.load(out)), f"{path.stem} from its side-car")
+
+
+def test_graph_api_plans_are_loaded_from_the_side_car_not_built(tmp_path):
+    """A model on graph-API engines only (fused SiLU graphs where cuDNN offers them, NHWC): its
+    side-car stores every built plan; a fresh process loads them all (nothing built, nothing
+    compiled, no warning) and computes what ONNX Runtime does. Without the side-car the same
+    process builds them and says why once."""
+    from conftest import silu_model
+    from convpass.cudnn import graph_api
+
+    if graph_api.unavailable():
+        pytest.skip(graph_api.unavailable())
+    model = silu_model((2, 16, 12, 12))
+    out = tmp_path / "silu.tuned.onnx"
+    convpass.optimize(model, out, cache=tmp_path / "tune.db", quiet=True, tf32="on", engines="graph", layout="nhwc")
+    engines = [r for r in convpass.inspect(onnx.load(out)) if r["engine"]]
+    if not engines:
+        pytest.skip("cuDNN kept no engine for these convs here")
+    described = kernel_file.describe(out)
+    assert "built cuDNN plan(s)" in described, described
+    feeds = {"x": np.random.default_rng(4).standard_normal((2, 16, 12, 12)).astype(np.float32)}
+    refs = run_ort(model, feeds)
+    info, outs = _fresh(out, feeds, tmp_path / "fresh")
+    assert info["engines"] >= len(engines) and info["plans_built"] == [] and info["compilations"] == [], info
+    assert not [w for w in info["warnings"] if "start-up" in w], info["warnings"]
+    _check(outs, refs, 5e-3, "plans from the side-car")
+    info, outs = _fresh(out, feeds, tmp_path / "none", kernels="none")
+    assert len(info["plans_built"]) >= len(engines), info
+    _check(outs, refs, 5e-3, "plans built at start-up")
 
 
 def test_without_the_sidecar_kernels_compile_and_that_is_said_once(tmp_path):

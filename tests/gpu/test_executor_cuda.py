@@ -25,7 +25,7 @@ cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
 from convpass import annotation  # noqa: E402
-from conftest import MODELS, REPO, conv_model, panel_models, run_ort  # noqa: E402
+from conftest import MODELS, REPO, conv_model, panel_models, residual_block_model, run_ort  # noqa: E402
 from convpass import cudnn  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 import test_cuda_fusion as fusion_cases  # noqa: E402
@@ -341,29 +341,8 @@ def test_matmul_tf32_follows_the_model_switch():
         assert all(e > 5e-5 for e in errors["1"]), errors  # TF32 rounds the inputs to 10 mantissa bits
 
 
-def _residual_block() -> onnx.ModelProto:
-    """x -> Conv -> Relu -> Conv -> Add(x) -> Relu, biases as initializers (as torch exports it)."""
-    rng = np.random.default_rng(7)
-    inits = [
-        numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) * 0.1).astype(np.float32), "w1"),
-        numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b1"),
-        numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) * 0.1).astype(np.float32), "w2"),
-        numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b2"),
-    ]
-    nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
-        helper.make_node("Add", ["c2", "x"], ["s"], name="add"),
-        helper.make_node("Relu", ["s"], ["y"], name="relu2"),
-    ]
-    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 14, 14])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16, 14, 14])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
-
 def test_residual_add_and_relu_are_fused_into_the_conv(tmp_path):
-    model = _residual_block()
+    model = residual_block_model()
     tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True)
     x = np.random.default_rng(8).standard_normal((2, 16, 14, 14)).astype(np.float32)
     from convpass.runtime.cuda import CudaBackend
@@ -379,6 +358,32 @@ def test_residual_add_and_relu_are_fused_into_the_conv(tmp_path):
     assert counters["fused_residual_relu"] + counters["fused_relu"] >= 1, counters
     assert len(calls) == 2
     _check_against(outs, run_ort(model, {"x": x}), _tolerance(tuned), "residual fusion")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layouts", [("nchw", "nchw"), ("nhwc", "nhwc"), ("nhwc", "nchw")], ids=["nchw", "nhwc", "z-other-order"])
+@pytest.mark.parametrize("bias,residual,relu", [(b, z, r) for b in (0, 1) for z in (0, 1) for r in (0, 1)])
+def test_the_conv_epilogue_pass_matches_numpy(bias, residual, relu, layouts, dtype):
+    """act(y + z + b) in one pass, in place, over the storage order of y (a residual in another
+    memory order takes the logical path); NaN passes the ReLU as NaN."""
+    import types
+
+    from convpass.runtime.cuda.convolution import Convolutions
+
+    rng = np.random.default_rng(3)
+    shape = (2, 6, 5, 7)
+    y0, z0, b0 = (rng.standard_normal(s).astype(dtype) for s in (shape, shape, (6,)))
+    y0[0, 0, 0, 0] = np.nan
+    y = cudnn.as_layout(cp.asarray(y0), layouts[0])
+    z = cudnn.as_layout(cp.asarray(z0), layouts[1]) if residual else None
+    convs = Convolutions(types.SimpleNamespace(cp=cp))
+    convs._epilogue(y, cp.asarray(b0) if bias else None, bool(relu), z)
+    want = y0.astype(np.float64) + (z0 if residual else 0) + (b0.reshape(1, -1, 1, 1) if bias else 0)
+    want = np.where(want < 0, 0, want) if relu else want
+    got = cp.asnumpy(y).astype(np.float64)
+    assert np.isnan(got[0, 0, 0, 0])
+    np.testing.assert_allclose(got.ravel()[1:], want.ravel()[1:], rtol=2e-3 if dtype == np.float16 else 1e-6, atol=2e-3 if dtype == np.float16 else 1e-6)
+    assert cudnn.layout_of(y) == layouts[0]
 
 
 # ---------------------------------------------------------------------------------------------

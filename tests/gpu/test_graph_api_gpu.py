@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
-from conftest import MODELS, conv_model, run_ort, silu_model  # noqa: E402
+from conftest import MODELS, conv_model, residual_block_model, run_ort, silu_model  # noqa: E402
 from convpass import annotation  # noqa: E402
 from convpass.cudnn import as_layout, graph_api  # noqa: E402
 from convpass.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
@@ -147,6 +147,33 @@ def test_a_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(tmp_path):
         _check(ex.run(None, {inp.name: x}), refs, 5e-3, f"replay {i}")
     assert ex.graph_status().captured, ex.graph_status().describe()
     assert ex._backend.counters["graph_api_calls"] >= 1
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_engine_convs_take_their_bias_residual_and_relu_in_one_pass(layout, tmp_path):
+    """Conv + bias + Relu and Conv + bias + Add + Relu on engines only: each conv is one engine
+    call and its epilogue (bias, residual, ReLU) one element-wise pass; right in eager runs and in
+    the captured graph."""
+    from convpass.runtime.cuda import CudaBackend, ExecutorWarning
+
+    model = residual_block_model()
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines="graph", layout=layout)
+    if not all(r["engine"] for r in convpass.inspect(tuned) if r["op"] == "Conv"):
+        pytest.skip(f"cuDNN kept no engine for every conv in {layout} here")
+    x = np.random.default_rng(8).standard_normal((2, 16, 14, 14)).astype(np.float32)
+    refs = run_ort(model, {"x": x})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExecutorWarning)
+        eager = Executor(tuned, device=CudaBackend(cuda_graph=False))
+        eager.run(None, {"x": x})  # the plan-recording run
+        before = dict(eager._backend.counters)
+        _check(eager.run(None, {"x": x}), refs, 5e-3, "eager")
+        counters = {k: v - before.get(k, 0) for k, v in eager._backend.counters.items()}
+        assert counters.get("graph_api_calls") == 2 and not counters.get("cudnn_calls"), counters
+        graphed = Executor(tuned, device="cuda")
+        for i in range(3):
+            _check(graphed.run(None, {"x": x}), refs, 5e-3, f"replay {i}")
+    assert graphed.graph_status().captured, graphed.graph_status().describe()
 
 
 def test_an_engine_that_cannot_be_built_warns_and_runs_the_legacy_algorithm(tmp_path):

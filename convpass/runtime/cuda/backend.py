@@ -352,14 +352,17 @@ class CudaBackend(Backend):
         plan.backend_state.compilations_from = mark
         self._note_engine_builds(self.convs.engine_builds[engines_mark:])
 
-    def _note_engine_builds(self, builds: list[tuple[str, float]]) -> None:
-        seconds = sum(s for _, s in builds)
+    def _note_engine_builds(self, builds: list[tuple[str, float, str]]) -> None:
+        seconds = sum(s for _, s, _ in builds)
         if seconds >= ENGINE_BUILD_NOTE_S:
             slow = sorted(builds, key=lambda b: -b[1])[:3]
-            listed = ", ".join(f"{node!r} {s:.2f} s" for node, s in slow)
+            listed = ", ".join(f"{node!r} {s:.2f} s" for node, s, _ in slow)
+            whys = sorted({why for _, _, why in builds})
+            why = whys[0] if len(whys) == 1 else "; ".join(whys[:3])
+            hint = "" if self.kernel_file is not None else " (`convpass compile` on a GPU stores them)"
             self.note_once("engine-build", f"{len(builds)} cuDNN graph-API plan(s) built at start-up in {seconds:.2f} s "
-                           f"(slowest: {listed}): cuDNN compiles some engines when their plan is built, and convpass does "
-                           "not store built plans with the model yet", category=StartupCompileWarning)
+                           f"(slowest: {listed}): cuDNN compiles some engines when their plan is built, and {why}{hint}",
+                           category=StartupCompileWarning)
 
     def run_plan(self, plan: Plan, feeds: dict[str, Any]) -> list[Any]:
         with self._device, self._matmul_math(plan.matmul_allow_tf32):

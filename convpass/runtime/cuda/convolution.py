@@ -12,7 +12,7 @@ a cropped view.
 Epilogues (:func:`lower_convs`): bias fused into ``cudnnConvolutionBiasActivationForward`` as
 ``relu`` when the only reader of the conv is a Relu (the Relu step is absorbed), as ``identity``
 when the algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an identity with);
-otherwise one broadcast add. A residual ``Add`` that is the conv's only reader, whose other
+otherwise one element-wise pass (bias, residual and ReLU together). A residual ``Add`` that is the conv's only reader, whose other
 operand is computed before the conv with the same shape, goes into the same call as its ``z``
 input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused
 call cuDNN refuses falls back to the unfused form for good.
@@ -43,10 +43,12 @@ Decisions:
   nothing changes silently. The executor never calls cuDNN's Find.
 * Graph-API engines (a decision with ``engine``): the plan of ``y = conv(x, w)`` is built at
   plan-compile time (:class:`convpass.cudnn.graph_api.EnginePlan`) and enqueued on the stream, so
-  it is captured like any launch; the residual, the bias and a Relu follow as element-wise passes.
-  cuDNN compiles some engines when their plan is built (0.2-0.6 s each on an H200): plans that
-  took :data:`ENGINE_BUILD_NOTE_S` or more in all are reported once as start-up compilation
-  (:class:`~.common.StartupCompileWarning`), since built plans are not yet stored with the model.
+  it is captured like any launch; the residual, the bias and a Relu follow in one element-wise pass.
+  cuDNN compiles some engines when their plan is built (0.15-0.6 s each on an H200), so built
+  plans are stored in the model's kernel side-car (``convpass compile`` records them, as it does
+  the CuPy kernels) and loaded from there in milliseconds; plans built at start-up anyway (no
+  side-car, another cuDNN, a refused entry) that took :data:`ENGINE_BUILD_NOTE_S` or more in all
+  are reported once as start-up compilation (:class:`~.common.StartupCompileWarning`), with why.
   An engine that cannot be built here (package missing, another cuDNN, refused) warns once,
   naming the node, and the recorded legacy ``algo`` runs instead.
 * Geometries cuDNN cannot express (``shapes == ()``) or dtypes it is not asked for (float64) run
@@ -62,11 +64,11 @@ from typing import Any
 
 import numpy as np
 
-from convpass import annotation
+from convpass import annotation, kernel_file
 from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.runtime import conv as conv_kernels
 from convpass.runtime.conv import ConvCall, ConvGeometry
-from convpass.runtime.cuda.common import CaptureBreak, elements, first_line, storage
+from convpass.runtime.cuda.common import CaptureBreak, channels_last, elements, first_line, storage
 from convpass.runtime.cuda.launch import Launch
 
 logger = logging.getLogger("convpass")
@@ -148,7 +150,7 @@ class Convolutions:
         self._biases: dict[Any, tuple[Any, Any]] = {}
         self.arena: Any = None
         self.mismatch_nodes: list[str] = []
-        self.engine_builds: list[tuple[str, float]] = []  # (node, seconds) per graph-API plan built
+        self.engine_builds: list[tuple[str, float, str]] = []  # (node, seconds, why not loaded) per graph-API plan built
 
     @property
     def device_mismatch(self) -> bool:
@@ -238,12 +240,7 @@ class Convolutions:
         try:
             if g.op_type != "Conv":
                 raise graph_api.GraphApiError(f"engines run forward convolutions, not {g.op_type}")
-            started = time.perf_counter()
-            plan = graph_api.EnginePlan(key, graph_api.EngineConfig.parse(d.engine, d.fusion))
-            seconds = time.perf_counter() - started
-            self.engine_builds.append((call.node_name, seconds))
-            if seconds >= ENGINE_BUILD_NOTE_S:
-                ENGINE_COMPILATIONS.append(f"cuDNN plan {d.engine} of {call.node_name!r} ({seconds:.2f} s)")
+            plan = self._engine_plan(call.node_name, key, graph_api.EngineConfig.parse(d.engine, d.fusion))
         except (graph_api.GraphApiError, ValueError) as e:
             instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: recorded cuDNN graph-API engine {d.engine!r} is not usable here ({first_line(e)}); running {instead} instead")
@@ -252,6 +249,37 @@ class Convolutions:
                       _insert_axis(g, key), "recorded", engine=plan)
         ex.strided_output_ok = False  # the plan was built for a packed output
         return ex
+
+    def _engine_plan(self, node: str, key: ProblemKey, config: Any) -> Any:
+        """``config``'s plan for ``key``: loaded from the model's kernel side-car when it stores
+        one for this cuDNN, else built (timed into :attr:`engine_builds` with the reason, and
+        stored in the side-car being recorded, if any)."""
+        from convpass.cudnn import graph_api
+        from convpass.runtime.cuda import prebuilt
+
+        ident = graph_api.plan_id(key, config)
+        entry = prebuilt.stored(ident)
+        why = "the model's kernel side-car does not store it"
+        if entry is not None:
+            try:
+                plan = graph_api.EnginePlan.load(key, config, entry.payload)
+            except graph_api.GraphApiError as e:
+                why = f"its stored plan was refused: {first_line(e)}"
+            else:
+                prebuilt.record_entry(ident, entry.name, entry.payload)
+                return plan
+        started = time.perf_counter()
+        plan = graph_api.EnginePlan(key, config)
+        seconds = time.perf_counter() - started
+        self.engine_builds.append((node, seconds, why))
+        if seconds >= ENGINE_BUILD_NOTE_S:
+            ENGINE_COMPILATIONS.append(f"cuDNN plan {config.name} of {node!r} ({seconds:.2f} s)")
+        if prebuilt.recording_active():
+            try:
+                prebuilt.record_entry(ident, kernel_file.PLAN_PREFIX + config.algo, plan.serialize())
+            except graph_api.GraphApiError as e:
+                self.rt.warn_node(node, f"node {node!r}: the cuDNN plan {config.algo} is not stored with the model ({first_line(e)}); it is built at start-up")
+        return plan
 
     @staticmethod
     def _recorded_key(d: annotation.ConvDecision, g: ConvGeometry) -> tuple[ProblemKey | None, str]:
@@ -456,7 +484,7 @@ class Convolutions:
             y = full
             if any(g.extra_pads):
                 y = full[(slice(None), slice(None), *(slice(g.extra_pads[i], g.extra_pads[i] + g.output_shape[2 + i]) for i in range(r)))]
-            self._bias_relu(y, b, relu)
+            self._epilogue(y, b, relu)
             return self._into(y, out)
         xin = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
         mapped = self._map(xin, ex)
@@ -513,13 +541,11 @@ class Convolutions:
                 raise
             return self._strided_refused(ex, e, x, w, b, relu, out)
         counters["cudnn_calls"] += 1
-        if z4 is not None:
-            y4 += z4  # same memory format on both sides: one pass over the storage
-        self._bias_relu(y, b, relu)
+        self._epilogue(y4, b, relu, z4)
         return y if y_strides is not None else self._into(y, out)
 
     def _run_engine(self, ex: ConvExec, x4: Any, wk: Any, b: Any, relu: bool, z4: Any, ws: Any) -> Any:
-        """``act(conv(x, w) + z + b)``: the conv in its graph-API plan, then element-wise passes."""
+        """``act(conv(x, w) + z + b)``: the conv in its graph-API plan, then one element-wise pass."""
         from convpass import cudnn
 
         y = cudnn.empty_like_layout(ex.geometry.output_shape, x4.dtype, ex.layout)
@@ -531,9 +557,7 @@ class Convolutions:
             return y
         ex.engine.execute(x4, wk, y4, ws if ex.workspace > 0 else None)
         self.rt.counters["graph_api_calls"] += 1
-        if z4 is not None:
-            y4 += z4  # same memory format on both sides: one pass over the storage
-        self._bias_relu(y, b, relu)
+        self._epilogue(y4, b, relu, z4)
         return y
 
     def _strided_refused(self, ex: ConvExec, e: Exception, x: Any, w: Any, b: Any, relu: bool, out: Any) -> Any:
@@ -543,16 +567,38 @@ class Convolutions:
         logger.debug("node %r: cuDNN %r does not write into a Concat slice (%s): packed output + copy", ex.node, ex.algo, first_line(e))
         return self._run(ex, x, w, b, relu, None, out)
 
-    def _bias_relu(self, y: Any, b: Any, relu: bool) -> None:
-        """In place, on the storage order of ``y`` (element-wise kernels over a channels-last array
-        seen channels-first would read and write with a stride of C elements)."""
-        if b is None and not relu:
+    def _epilogue(self, y: Any, b: Any, relu: bool, z: Any = None) -> None:
+        """``y = act(y + z + b)`` in place, in one element-wise pass (``z``: None or an array of
+        ``y``'s shape). One pass instead of up to three is what the tuner timed after an engine
+        conv (its conv, then its bias pass). The pass runs over the storage order of ``y`` where
+        ``z`` has the same one: over a channels-last array seen channels-first, element-wise
+        kernels read and write with a stride of C elements."""
+        if b is None and z is None:
+            if relu:
+                self.cp.maximum(storage(y), y.dtype.type(0), out=storage(y))
             return
-        phys = storage(y)
-        if b is not None:
-            phys += b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))
-        if relu:
-            self.cp.maximum(phys, phys.dtype.type(0), out=phys)
+        phys, zp = storage(y), (None if z is None else storage(z))
+        if zp is not None and (channels_last(z) != channels_last(y) or zp.shape != phys.shape):
+            phys, zp = y, z  # logical views: right whatever the strides
+        args = [] if b is None else [b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))]
+        args += [] if zp is None else [zp]
+        epilogue_kernel(self.cp, b is not None, z is not None, relu)(*args, phys)
+
+
+_epilogue_kernels: dict[tuple[Any, bool, bool, bool], Any] = {}
+
+
+def epilogue_kernel(cp: Any, bias: bool, residual: bool, relu: bool) -> Any:
+    """The CuPy element-wise kernel ``y = act(y + z + b)`` over the operands present (inputs ``b``
+    then ``z``, broadcast to ``y``; ``y`` read and written in place; a ReLU that keeps NaN)."""
+    key = (cp, bias, residual, relu)
+    if key not in _epilogue_kernels:
+        inputs = [name for name, on in (("T b", bias), ("T z", residual)) if on]
+        value = " + ".join(["y"] + [name[2:] for name in inputs])
+        body = f"T v = {value}; y = v < (T)0 ? (T)0 : v" if relu else f"y = {value}"
+        name = "convpass_epilogue" + "".join(part for part, on in (("_bias", bias), ("_residual", residual), ("_relu", relu)) if on)
+        _epilogue_kernels[key] = cp.ElementwiseKernel(", ".join(inputs), "T y", body, name)
+    return _epilogue_kernels[key]
 
 
 def fusion_counter(fusion: str) -> str:

@@ -16,6 +16,10 @@ call). :func:`install` wraps it, once per process:
   the bytes it loads or stores), and :func:`compile_for` builds the same kernels for other GPU
   architectures, so ``convpass compile`` can write the side-car.
 
+Built cuDNN graph-API plans travel in the same side-car (:func:`record_entry` while recording,
+:func:`stored` at start-up; the executor's conv code owns when to use them), for this GPU's
+architecture only: cuDNN builds them on the GPU.
+
 A binary that does not load (another driver, a corrupt file) is compiled instead, with a warning:
 a side-car can cost start-up time, never a wrong result. CuPy's private compiler API is checked
 once; a CuPy without it gets start-up compilation and one warning, not an error.
@@ -35,7 +39,8 @@ from typing import Any
 
 from convpass.kernel_file import KernelEntry, KernelFile
 
-__all__ = ["COMPILATIONS", "Recorder", "compile_for", "device_arch", "install", "kernel_key", "recording", "use"]
+__all__ = ["COMPILATIONS", "Recorder", "compile_for", "device_arch", "install", "kernel_key", "record_entry", "recording",
+           "recording_active", "stored", "use"]
 
 # names of the kernels built at run time in this process (not loaded from a side-car), in order
 COMPILATIONS: list[str] = []
@@ -196,6 +201,27 @@ def _record(key: str, arch: str, entry: KernelEntry, source: str, options: tuple
     for r in _RECORDERS:
         r.entries[(key, arch)] = entry
         r.calls.setdefault(key, _Call(source, tuple(options), dict(kwargs)))
+
+
+def stored(key: str) -> KernelEntry | None:
+    """The entry ``key`` (e.g. a stored cuDNN plan, :mod:`convpass.cudnn.graph_api`) of this GPU's
+    architecture among the side-cars in use, or None."""
+    with _LOCK:
+        return _LOADED.get((key, device_arch()))
+
+
+def record_entry(key: str, name: str, payload: bytes) -> None:
+    """Keep a binary that is not a CuPy kernel (a built cuDNN plan) for this GPU's architecture in
+    every active :func:`recording`."""
+    with _LOCK:
+        if _RECORDERS:
+            arch = device_arch()
+            for r in _RECORDERS:
+                r.entries[(key, arch)] = KernelEntry(key, arch, name, payload)
+
+
+def recording_active() -> bool:
+    return bool(_RECORDERS)
 
 
 def use(kernels: KernelFile) -> None:
