@@ -526,9 +526,10 @@ def test_the_executor_loads_stored_plans_builds_the_rest_and_says_why(monkeypatc
     monkeypatch.setattr(graph_api, "EnginePlan", _StoredPlan)
     no_plan_side_car(monkeypatch, stored)
     convs = convolution.Convolutions(types.SimpleNamespace(cp=None))
-    execs = _engine_execs(convs, [("dw1", "eng5"), ("dw2", "eng6"), ("dw3", "eng7")])
-    assert [ex.algo for ex in execs] == ["engine:eng5", "engine:eng6", "engine:eng7"]
-    assert _StoredPlan.built == ["engine:eng6", "engine:eng7"]  # eng5 was loaded
+    execs = _engine_execs(convs, [("dw1", "eng5"), ("dw2", "eng6"), ("dw3", "eng7"), ("dw4", "eng6")])
+    assert [ex.algo for ex in execs] == ["engine:eng5", "engine:eng6", "engine:eng7", "engine:eng6"]
+    assert _StoredPlan.built == ["engine:eng6", "engine:eng7"]  # eng5 was loaded; dw4 shares dw2's plan
+    assert execs[3].engine is execs[1].engine
     assert [(n, why) for n, _, why in convs.engine_builds] == [
         ("dw2", "the model's kernel side-car does not store it"),
         ("dw3", "its stored plan was refused: the stored plan is for cudnn '91000', not '91900'")]

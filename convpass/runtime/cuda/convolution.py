@@ -150,6 +150,7 @@ class Convolutions:
         self._biases: dict[Any, tuple[Any, Any]] = {}
         self.arena: Any = None
         self.mismatch_nodes: list[str] = []
+        self._plans: dict[str, Any] = {}  # graph-API plans by graph_api.plan_id
         self.engine_builds: list[tuple[str, float, str]] = []  # (node, seconds, why not loaded) per graph-API plan built
 
     @property
@@ -251,13 +252,21 @@ class Convolutions:
         return ex
 
     def _engine_plan(self, node: str, key: ProblemKey, config: Any) -> Any:
-        """``config``'s plan for ``key``: loaded from the model's kernel side-car when it stores
-        one for this cuDNN, else built (timed into :attr:`engine_builds` with the reason, and
-        stored in the side-car being recorded, if any)."""
+        """``config``'s plan for ``key``, one per problem and configuration: loaded from the
+        model's kernel side-car when it stores one for this cuDNN, else built (timed into
+        :attr:`engine_builds` with the reason, and stored in the side-car being recorded, if any)."""
+        from convpass.cudnn import graph_api
+
+        ident = graph_api.plan_id(key, config)
+        if ident in self._plans:  # the same problem elsewhere in the model: one plan serves every node
+            return self._plans[ident]
+        self._plans[ident] = plan = self._load_or_build_plan(node, key, config, ident)
+        return plan
+
+    def _load_or_build_plan(self, node: str, key: ProblemKey, config: Any, ident: str) -> Any:
         from convpass.cudnn import graph_api
         from convpass.runtime.cuda import prebuilt
 
-        ident = graph_api.plan_id(key, config)
         entry = prebuilt.stored(ident)
         why = "the model's kernel side-car does not store it"
         if entry is not None:
