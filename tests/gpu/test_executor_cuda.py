@@ -134,7 +134,7 @@ def test_tuned_sample_matches_ort_and_runs_the_recorded_algorithms(path, tmp_pat
     feeds, _ = _feeds(model)
     refs = run_ort(model, feeds)
     recorded = {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned)}
-    assert recorded and all(a not in (None, "auto") and k for a, k in recorded)
+    assert recorded and all(a not in (None, "auto") and k for a, k in recorded)  # an engine's too: its legacy fallback
     with warnings.catch_warnings():
         warnings.simplefilter("error", _ExecutorWarning())  # tuned here: nothing to warn about
         ex = Executor(tuned, device="cuda", cuda_graph=False)
@@ -142,9 +142,23 @@ def test_tuned_sample_matches_ort_and_runs_the_recorded_algorithms(path, tmp_pat
             outs = [ex.run(None, feeds) for _ in range(2)]  # the plan-building run, then the plan's runner
     for i, o in enumerate(outs):
         _check_against(o, refs, _tolerance(tuned), f"{path.stem} tuned, run {i + 1}")
-    called = {(c.algo, str(c.key)) for c in calls}
-    assert called == recorded, f"called {sorted(called - recorded)}, recorded but not called {sorted(recorded - called)}"
+    _check_recorded_calls(calls, tuned, ex)
     assert all(s.tuned and s.source != "fallback" for s in ex.plan_summary())
+
+
+def _check_recorded_calls(calls, tuned, ex) -> None:
+    """The legacy cuDNN calls of a tuned model's first runs are its recorded legacy decisions: each
+    one called, and nothing else but the legacy algorithm of a fused graph-API engine decision (the
+    op-by-op run that records the plan runs that). Engine decisions make no legacy call: they are
+    counted as graph-API calls (tests/gpu/test_graph_api_gpu.py checks them against references)."""
+    records = convpass.inspect(tuned)
+    legacy = {(r["algo"], r["problem_key"]) for r in records if not r["engine"]}
+    fused_fallbacks = {(r["algo"], r["problem_key"]) for r in records if r["engine"] and r["fusion"]}
+    called = {(c.algo, str(c.key)) for c in calls}
+    assert legacy <= called <= legacy | fused_fallbacks, (
+        f"called {sorted(called - legacy - fused_fallbacks)}, recorded but not called {sorted(legacy - called)}")
+    if any(r["engine"] for r in records):
+        assert ex._backend.counters["graph_api_calls"] > 0, dict(ex._backend.counters)
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
@@ -475,7 +489,7 @@ def test_fp16_tuned_models(op_type, x_shape, w_shape, attrs, tmp_path):
     with cudnn.record_calls() as calls:
         (out,) = ex.run(None, {"x": x})
     assert out.dtype == np.float16
-    assert {(c.algo, str(c.key)) for c in calls} == {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned)}
+    _check_recorded_calls(calls, tuned, ex)
     err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64))
     assert err < 1e-2, err
 
@@ -554,9 +568,7 @@ def test_panel_model(name, precision, tmp_path):
         ex = Executor(tuned, device="cuda")
         with cudnn.record_calls() as calls:
             first = ex.run(None, feeds)
-    # graph-API engine convs (convpass[graph] installed) run no legacy call; tests/gpu/test_graph_api_gpu.py covers them
-    recorded = {(r["algo"], r["problem_key"]) for r in convpass.inspect(tuned) if not r["engine"]}
-    assert {(c.algo, str(c.key)) for c in calls} == recorded
+    _check_recorded_calls(calls, tuned, ex)
     assert all(o.dtype == (np.float16 if precision == "fp16" else np.float32) for o in first)
     _check_panel_outputs(first, refs, tol, f"{name} {precision} first run")
     for i in range(3):
