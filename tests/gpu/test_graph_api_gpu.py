@@ -76,31 +76,47 @@ def test_no_engine_is_offered_with_tf32_off():
         graph_api.configs(shape.key("nhwc", "fma"))
 
 
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_every_offered_configuration_computes_the_conv(case, layout):
-    x_shape, w_shape, attrs = CASES[case]
+def _inputs(spec, layout: str, seed: int, bias: bool = False):
+    """(shape, key, float64 reference of conv(x, w) [+ b], x, w, b) for a CASES entry in ``layout``."""
+    x_shape, w_shape, attrs = spec
     shape = canonicalize_conv("Conv", attrs, x_shape, w_shape).shapes[0]
-    key = shape.key(layout, "default")
-    configs = graph_api.configs(key)
-    assert configs, f"cuDNN offers no engine for {key}"
-    assert all(c.engine_id < graph_api.PYTHON_ENGINE_ID_BASE for c in configs)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     xh = rng.standard_normal(shape.x_shape).astype(np.float32)
     wh = (rng.standard_normal(shape.w_shape) / np.sqrt(np.prod(shape.w_shape[1:]))).astype(np.float32)
     want = _reference(xh, wh, shape)
-    x, w = as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout)
-    tolerance = 5e-3  # TF32
+    b = None
+    if bias:
+        bh = rng.standard_normal(shape.k).astype(np.float32)
+        want = want + bh.reshape(1, -1, *([1] * len(shape.spatial)))
+        b = cp.asarray(bh)
+    return shape, shape.key(layout, "default"), want, as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout), b
+
+
+def _check_every_plan(key, configs, shape, want, x, w, b=None) -> int:
+    """Run every configuration that builds into a NaN-filled output; each must match ``want``
+    (TF32 tolerance). Returns how many built."""
     built = 0
     for config, plan in _built(key, configs):
         built += 1
-        y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), layout)
-        ws = cp.empty(max(plan.workspace_bytes, 1), cp.uint8)
-        plan.execute(x, w, y, ws)
+        y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), key.layout)
+        plan.execute(x, w, y, cp.empty(max(plan.workspace_bytes, 1), cp.uint8), bias=b)
         got = cp.asnumpy(y).astype(np.float64)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err <= tolerance, f"{config.name} ({layout}): relative error {err:.2e}"
-    assert built, f"no configuration of {key} builds"
+        assert err <= 5e-3, f"{config.algo} ({key.layout}): relative error {err:.2e}"
+        if b is not None:
+            with pytest.raises(graph_api.GraphApiError, match="takes a bias"):
+                plan.execute(x, w, y)
+    return built
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_offered_configuration_computes_the_conv(case, layout):
+    shape, key, want, x, w, _ = _inputs(CASES[case], layout, 3)
+    configs = graph_api.configs(key)
+    assert configs, f"cuDNN offers no engine for {key}"
+    assert all(c.engine_id < graph_api.PYTHON_ENGINE_ID_BASE for c in configs)
+    assert _check_every_plan(key, configs, shape, want, x, w), f"no configuration of {key} builds"
 
 
 def test_the_tuner_records_engines_beside_the_legacy_algorithms(tmp_path):
@@ -197,32 +213,13 @@ FUSED_CASES = {k: CASES[k] for k in ("dense3x3", "depthwise_s2", "grouped1x1")}
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
 def test_every_fused_configuration_computes_silu_of_conv_plus_bias(case, layout):
-    x_shape, w_shape, attrs = FUSED_CASES[case]
-    shape = canonicalize_conv("Conv", attrs, x_shape, w_shape).shapes[0]
-    key = shape.key(layout, "default")
+    shape, key, pre, x, w, b = _inputs(FUSED_CASES[case], layout, 4, bias=True)
     try:
         configs = graph_api.configs(key, "bias+swish")
     except graph_api.GraphApiError as e:
         pytest.skip(f"no fused engine here: {e}")  # the tuner records this as engine:none+bias+swish
-    assert all(c.fusion == "bias+swish" and c.algo.endswith("+bias+swish") for c in configs)
-    rng = np.random.default_rng(4)
-    xh = rng.standard_normal(shape.x_shape).astype(np.float32)
-    wh = (rng.standard_normal(shape.w_shape) / np.sqrt(np.prod(shape.w_shape[1:]))).astype(np.float32)
-    bh = rng.standard_normal(shape.k).astype(np.float32)
-    pre = _reference(xh, wh, shape) + bh.reshape(1, -1, *([1] * len(shape.spatial)))
-    want = pre / (1.0 + np.exp(-pre))
-    x, w, b = as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout), cp.asarray(bh)
-    built = 0
-    for config, plan in _built(key, configs):
-        built += 1
-        y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), layout)
-        plan.execute(x, w, y, cp.empty(max(plan.workspace_bytes, 1), cp.uint8), bias=b)
-        got = cp.asnumpy(y).astype(np.float64)
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err <= 5e-3, f"{config.algo} ({layout}): relative error {err:.2e}"
-        with pytest.raises(graph_api.GraphApiError, match="takes a bias"):
-            plan.execute(x, w, y)
-    assert built or not configs
+    assert configs and all(c.fusion == "bias+swish" and c.algo.endswith("+bias+swish") for c in configs), configs
+    assert _check_every_plan(key, configs, shape, pre / (1.0 + np.exp(-pre)), x, w, b), f"no fused configuration of {key} builds"
 
 
 def test_a_silu_model_runs_fused_engines_in_its_cuda_graph(tmp_path):
