@@ -3,7 +3,7 @@
 This module is the only place that knows the format; the annotate pass writes through it, and
 ``inspect``, the executor and everything else read through it.
 
-Format (schema version 4)
+Format (schema version 5)
 -------------------------
 * Every tuned ``Conv`` / ``ConvTranspose`` node is the same op in domain ``ai.convpass``, with all
   its original attributes unchanged, plus the decision attributes below.
@@ -32,14 +32,19 @@ Format (schema version 4)
   ``fusion``          (optional, schema 4) the epilogue fused into ``engine``'s graph, named by what
                       follows the conv: ``bias+swish`` = ``y = silu(conv(x, w) + b)``, the graph the
                       engine configuration belongs to (the executor runs the node's bias and its
-                      SiLU readers in that one call); ``""`` = the bare conv
+                      SiLU readers in that one call); ``""`` = the bare conv. (schema 5) With no
+                      ``engine``: the legacy epilogue (:mod:`convpass.epilogue`: ``bias``,
+                      ``bias+relu``, ``bias+add``, ``bias+add+relu``) fused into ``algo``'s call,
+                      cuDNN's ``cudnnConvolutionBiasActivationForward``; ``""`` = the conv runs
+                      alone and its epilogue as one element-wise pass
   ``dgrad_algo``      (optional, Conv only) backward-data algorithm for training
   ``wgrad_algo``      (optional, Conv only) backward-filter algorithm for training
   ``memory_format``   NCHW / NHWC (NCW / NWC, NCDHW / NDHWC by rank) or ``"auto"``
   ``math_mode``       cuDNN math type: ``default`` (TF32 allowed for fp32), ``tensor_op``, ``fma``
                       (TF32 off), or ``"auto"``
   ``workspace_bytes`` workspace the algorithm needs; -1 = unknown
-  ``time_ms``         measured time of the chosen configuration; NaN = not measured
+  ``time_ms``         measured time of the chosen configuration, with its epilogue (schema 5: the
+                      conv's step); NaN = not measured
   ``problem_key``     :class:`convpass.problem.ProblemKey` string of the decided problem, or ``""``
   ``source``          how the decision was taken: ``measure``, ``exhaustive``, ``heuristic``,
                       ``forced``, ``cache`` or ``auto`` (not decided)
@@ -49,7 +54,9 @@ Format (schema version 4)
   ``convpass.profiles`` (JSON), ``convpass.matmul_allow_tf32`` (``0``/``1``: MindSpore's
   ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.options`` (JSON of the options used).
 
-Schema 3 (still read) is schema 4 without ``fusion``; schema 2 is schema 3 without ``engine``. Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
+Schema 4 (still read) is schema 5 with ``fusion`` for engines only and times of the bare conv: its
+legacy decisions run the conv alone and the epilogue as one pass, as they were timed. Schema 3 is
+schema 4 without ``fusion``; schema 2 is schema 3 without ``engine``. Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
 version in ``convpass.cudnn_version``; one value per profile. It reads as one table.
 
 Reading for a device
@@ -76,8 +83,8 @@ from convpass.device import DeviceFingerprint
 
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
-SCHEMA_VERSION = 4
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+SCHEMA_VERSION = 5
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 CONV_OPS = ("Conv", "ConvTranspose")
 
 # Lowest IR version with model-local functions; and the highest ONNX Runtime 1.31 reads.
@@ -143,7 +150,7 @@ class ConvDecision:
     dgrad_algo: str | None = None
     wgrad_algo: str | None = None
     engine: str = ""
-    fusion: str = ""  # the epilogue fused into the engine's graph (schema 4), "" = the bare conv
+    fusion: str = ""  # the epilogue fused into the engine's graph (schema 4) or the legacy call (5); "" = none
 
     @property
     def is_auto(self) -> bool:

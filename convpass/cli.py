@@ -139,6 +139,11 @@ def _fmt(value, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
+def _with_fusion(name: str | None, fusion: str | None) -> str | None:
+    """An algorithm or engine with the epilogue fused into its call (``implicit_gemm +bias+relu``)."""
+    return f"{name} +{fusion}" if name and fusion else name
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from convpass.pipeline import inspect
 
@@ -159,7 +164,8 @@ def _inspect(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     for r in records:
         row = [r["node"], r["op"]] + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
-            _fmt(r["profile"]), _fmt(r["algo"]), _fmt(r.get("engine") and (r["engine"] + (f" +{r['fusion']}" if r.get("fusion") else ""))), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
+            _fmt(r["profile"]), _fmt(_with_fusion(r["algo"], None if r.get("engine") else r.get("fusion"))),
+            _fmt(r.get("engine") and _with_fusion(r["engine"], r.get("fusion"))), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
             _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
         table.add_row(*row)
     console = Console(width=200)

@@ -9,11 +9,14 @@ comes back. Two backends exist:
 
 :func:`select` is the one rule for picking a configuration from measurements; both backends use it.
 
-Fused epilogues: a problem with a ``fusion`` (its conv is followed by an activation cuDNN's graph
-API can fuse) compares every configuration by what its conv and epilogue cost together, on one
-clock: a fused graph's own time, against an unfused configuration's time plus the measured time of
-the activation as its own pass (the ``epilogue`` row of the same key: :data:`EPILOGUE_METHOD`). A
-fused graph is a candidate only where that row exists.
+Epilogues: a problem with a ``fusion`` (what its conv's step runs after the conv: a legacy
+epilogue of :mod:`convpass.epilogue`, or an activation cuDNN's graph API fuses) compares every
+configuration by what its conv and epilogue cost together, on one clock: a fused call's or fused
+graph's own time, against an unfused configuration's time plus the measured time of the epilogue
+as its own pass (the ``epilogue`` row of the same key: :data:`EPILOGUE_METHOD`). A fused
+configuration is a candidate only where that row exists. An unfused graph-API engine was timed
+with its bias pass, the pass the executor runs a legacy epilogue in: for a legacy epilogue it
+costs its own time (a residual read by that pass is not in it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from convpass.cudnn.graph_api import fusion_of, is_engine
+from convpass.cudnn.graph_api import is_engine
+from convpass.epilogue import base_algo, fused_name, fusion_of, is_legacy
 from convpass.device import DeviceFingerprint
 from convpass.options import TuneOptions
 from convpass.passes.collect_conv_problems import ConvProblem
@@ -45,7 +49,7 @@ class Choice:
 
     key: ProblemKey
     algo: str
-    time_ms: float | None
+    time_ms: float | None  # of the conv's step: the conv with its problem's epilogue (cost_ms)
     workspace_bytes: int | None
     source: str  # measure | exhaustive | heuristic | forced | cache
     # when ``algo`` is a graph-API engine: the legacy algorithm nearest to it (the fastest measured,
@@ -70,17 +74,20 @@ def epilogue_ms(measurements: Iterable["Measurement"], problem: ConvProblem) -> 
             if m.method == EPILOGUE_METHOD and m.algo == problem.fusion and m.status == "ok" and m.time_ms is not None}
 
 
-def cost_ms(m: "Measurement", epilogue: dict[ProblemKey, float]) -> float | None:
-    """What a timed configuration costs with its problem's epilogue (``epilogue``: from
-    :func:`epilogue_ms`): a fused graph its own time, an unfused one its time plus the pass."""
+def cost_ms(m: "Measurement", epilogue: dict[ProblemKey, float], fusion: str = "") -> float | None:
+    """What a timed configuration costs with its problem's epilogue ``fusion`` (``epilogue``: from
+    :func:`epilogue_ms`): a fused call or graph its own time, an unfused one its time plus the pass
+    (module docstring: an unfused engine under a legacy epilogue, its own time)."""
     if m.time_ms is None:
         return None
-    return m.time_ms if fusion_of(m.algo) else m.time_ms + epilogue.get(m.key, 0.0)
+    if fusion_of(m.algo) or (is_engine(m.algo) and is_legacy(fusion)):
+        return m.time_ms
+    return m.time_ms + epilogue.get(m.key, 0.0)
 
 
 def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKey, float] | None = None) -> bool:
     """Whether a measured configuration satisfies the user's constraints for this problem (a fused
-    graph: only the problem's own fusion, where ``epilogue`` has its key)."""
+    call or graph: only the problem's own fusion, where ``epilogue`` has its key)."""
     direction = problem.direction
     strategy, forced = options.strategy(direction)
     legacy_ok, engines_ok = options.engine_space(direction)
@@ -94,7 +101,7 @@ def allowed(m: "Measurement", problem: ConvProblem, options: TuneOptions, epilog
         and m.key.math in options.math_modes(m.key.shape.dtype)
         and (options.workspace_limit is None or m.workspace_bytes <= options.workspace_limit)
         and (not options.deterministic or m.deterministic)
-        and (strategy != "forced" or m.algo == forced)
+        and (strategy != "forced" or base_algo(m.algo) == forced)
     )
 
 
@@ -106,7 +113,8 @@ def select(measurements: Iterable["Measurement"], problem: ConvProblem, options:
     heuristic choice (per layout and math type its ranking differs; ties go to NCHW and default
     math, cuDNN's conventional setting); exhaustive: the fastest by cuDNN Find's own timing. For
     heuristic and exhaustive picks, the returned record is convpass's own timing of that choice when
-    there is one (so recorded times are always comparable), else the ranking record.
+    there is one (so recorded times are always comparable), else the ranking record; where the pick's
+    fused call with the problem's epilogue was timed too, the cheaper of the two.
     """
     strategy, _ = options.strategy(problem.direction)
     measurements = list(measurements)
@@ -122,27 +130,33 @@ def select(measurements: Iterable["Measurement"], problem: ConvProblem, options:
     else:
         # equal times (event-resolution ties on tiny convs) break the same way whatever order the
         # rows came in (live measurements or the cache's ORDER BY): the cached re-run reproduces the choice
-        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue), _layout_pref(m), m.key.math != "default", m.algo), default=None)
+        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue, problem.fusion), _layout_pref(m), m.key.math != "default", m.algo),
+                   default=None)
     if best is None:
         return None
-    return timed.get((best.key, best.algo), best)
+    # the algorithm is the strategy's pick; how its epilogue runs is measured like any other choice
+    variants = [m for m in (timed.get((best.key, best.algo)), timed.get((best.key, fused_name(best.algo, problem.fusion)))) if m is not None]
+    return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion), m.algo), default=best)
 
 
 def _layout_pref(m: "Measurement") -> int:
     return 0 if m.key.layout == "nchw" else 1
 
 
-def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = ()) -> Choice:
+def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = (), problem: ConvProblem | None = None) -> Choice:
     """The Choice of a selected measurement; ``rows`` (the problem's measurements) give an engine's
-    legacy fallback."""
-    return Choice(key=m.key, algo=m.algo, time_ms=m.time_ms, workspace_bytes=m.workspace_bytes, source=source,
+    legacy fallback and, with ``problem``, the epilogue its time includes (:func:`cost_ms`: the
+    recorded time is what the conv's step costs)."""
+    rows = list(rows)
+    time_ms = m.time_ms if problem is None else cost_ms(m, epilogue_ms(rows, problem), problem.fusion)
+    return Choice(key=m.key, algo=m.algo, time_ms=time_ms, workspace_bytes=m.workspace_bytes, source=source,
                   fallback=legacy_fallback(rows, m.key) if is_engine(m.algo) else None)
 
 
 def legacy_fallback(rows: Iterable["Measurement"], key: ProblemKey) -> str | None:
     """The legacy algorithm nearest to a graph-API engine chosen for ``key``: the fastest legacy
     algorithm measured for the same key, else cuDNN's heuristic first choice; None without either."""
-    same = [m for m in rows if m.key == key and m.status == "ok" and not is_engine(m.algo)]
+    same = [m for m in rows if m.key == key and m.status == "ok" and not is_engine(m.algo) and not fusion_of(m.algo)]
     timed = [m for m in same if m.method == "measure" and m.time_ms is not None]
     if timed:
         return min(timed, key=lambda m: (m.time_ms, m.algo)).algo
@@ -167,5 +181,5 @@ class CacheBackend:
         for problem in problems:
             rows = cached_rows(self.cache, self.device, problem) if self.cache is not None and self.device is not None else []
             chosen = select(rows, problem, options)
-            out[problem] = None if chosen is None else choice_from(chosen, "cache", rows)
+            out[problem] = None if chosen is None else choice_from(chosen, "cache", rows, problem)
         return out

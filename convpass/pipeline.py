@@ -60,7 +60,7 @@ class OptimizeReport:
     # recorded conv decisions (node x table x profile) and how many of them are graph-API engines
     decisions_recorded: int = 0
     engine_decisions: int = 0
-    fused_decisions: int = 0  # of those, engines of a fused conv + bias + activation graph
+    fused_decisions: int = 0  # decisions whose epilogue runs fused into the conv's call (legacy fused call or fused graph)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -248,7 +248,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             for layout in ("nchw", "nhwc"):
                 pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
                 if pick is not None and pick.time_ms is not None:
-                    costs[layout] = cost_ms(pick, epilogue)
+                    costs[layout] = cost_ms(pick, epilogue, problem.fusion)
             conv_costs[node] = costs
 
         def cost(value: ir.Value) -> float:
@@ -264,7 +264,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
             if pick is not None:
                 source = "cache" if report.measured == 0 else options.strategy(problem.direction)[0]
-                overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []))
+                overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []), problem)
         if plan.layouts:
             report.layout_plans[profile.name] = plan
     return overrides
@@ -287,8 +287,10 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         if report.measured == 0 and report.cached:
             console.print("  every decision came from the tuning cache: nothing was timed")
     if report.engine_decisions:
-        fused = f" ({report.fused_decisions} with a fused epilogue)" if report.fused_decisions else ""
-        console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine{fused}")
+        console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine")
+    if report.fused_decisions:
+        console.print(f"  {report.fused_decisions} of {report.decisions_recorded} conv decisions run their epilogue fused into the conv's call "
+                      "(the rest: the conv, then one element-wise pass)")
     if report.measured is not None:
         for name, plan in report.layout_plans.items():
             nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")

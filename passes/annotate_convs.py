@@ -23,10 +23,12 @@ import onnx_ir as ir
 
 from convpass import annotation
 from convpass.annotation import ConvDecision, ModelInfo
-from convpass.cudnn.graph_api import ENGINE_PREFIX, fusion_of, is_engine
+from convpass.cudnn.graph_api import ENGINE_PREFIX, is_engine
+from convpass.epilogue import base_algo, fusion_of
 from convpass.decide import Choice
 from convpass.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
 from convpass.passes.collect_conv_problems import ConvProblem, node_problems
+from convpass.passes.resolve_shapes import VALUE_SHAPES_KEY
 from convpass.problem import memory_format_name
 
 
@@ -52,11 +54,13 @@ def decision_for(
     directions,
     overrides: Mapping[tuple[ir.Node, int], Choice] | None = None,
     fusions: bool = False,
+    value_shapes: Sequence[Mapping[str, Sequence[int]]] = (),
 ) -> ConvDecision:
     """The ConvDecision of a node at a profile: the layout plan's choice for this node if there is
-    one (``overrides``), else the backend's choice for its problem (``fusions``: as collected)."""
+    one (``overrides``), else the backend's choice for its problem (``fusions``, ``value_shapes``:
+    as collected)."""
     canonical = node.meta[CANONICAL_KEY][profile]
-    own, *training = node_problems(node, profile, directions, fusions)
+    own, *training = node_problems(node, profile, directions, fusions, value_shapes)
     chosen = (overrides or {}).get((node, profile)) or choices.get(own)
     extra = {}
     for problem in training:
@@ -67,7 +71,7 @@ def decision_for(
     engine = chosen.algo[len(ENGINE_PREFIX):] if is_engine(chosen.algo) else ""
     fusion = fusion_of(chosen.algo)
     return ConvDecision(
-        algo=(chosen.fallback or annotation.AUTO) if engine else chosen.algo,
+        algo=(chosen.fallback or annotation.AUTO) if engine else base_algo(chosen.algo),
         engine=engine.split("+", 1)[0],
         fusion=fusion,
         memory_format=memory_format_name(canonical.spatial_rank, chosen.key.layout),
@@ -112,7 +116,7 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
             if not node.name:
                 node.name = f"{node.op_type}_{counters[node.op_type]}"
             decisions = [
-                decision_for(node, p, table.choices, self.directions, table.overrides, self.fusions)
+                decision_for(node, p, table.choices, self.directions, table.overrides, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ()))
                 for table in self.tables
                 for p in range(len(node.meta[CANONICAL_KEY]))
             ]

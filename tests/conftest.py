@@ -275,3 +275,34 @@ def frontend(monkeypatch):
     monkeypatch.setattr(graph_api, "unavailable", lambda: None)
     monkeypatch.setattr(graph_api._handles, "by_device", {}, raising=False)
     return fe
+
+
+def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.0, **cupy_functions):
+    """The tuner's ``_ShapeBench`` for ``shape`` over NumPy stand-ins for CuPy and the harness's
+    arrays (no timing: a test sets ``harness.time_launches``). Inputs are filled with ``fill``, ``x``
+    with ``x_value``; the reference is what a conv of all-ones weights gives (``x.sum()``);
+    ``cupy_functions``: what the fake ``cupy`` module offers besides ``empty`` and ``uint8``."""
+    import sys
+    import types
+
+    from convpass.tune import harness, tuner
+
+    fake_cp = types.ModuleType("cupy")
+    fake_cp.empty, fake_cp.uint8 = np.empty, np.uint8
+    for name, fn in cupy_functions.items():
+        setattr(fake_cp, name, fn)
+    fake_cp.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cp)
+    monkeypatch.setattr(harness, "rotation_sets", lambda nbytes: 1)
+    monkeypatch.setattr(harness, "random_array", lambda dims, dtype, layout, seed: np.full(dims, fill, np.float32))
+    monkeypatch.setattr(harness, "to_float32", lambda a, dtype: np.asarray(a, np.float32))
+    monkeypatch.setattr(harness, "relative_error",
+                        lambda out, ref: float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("inf"))
+    x = np.full(shape.x_shape, x_value, np.float32)
+    bench = object.__new__(tuner._ShapeBench)
+    bench.shape = shape
+    bench._base = {"x": x, "w": np.ones(shape.w_shape, np.float32), "y": np.empty(shape.y_shape, np.float32)}
+    bench.reference = lambda: np.full(shape.y_shape, x.sum(), np.float32)
+    sets = [dict(bench._base)]
+    bench.buffers = lambda layout, count: sets
+    return bench

@@ -15,7 +15,7 @@ import pytest
 from onnx import helper
 
 import convpass
-from conftest import no_plan_side_car, silu_model
+from conftest import no_plan_side_car, numpy_shape_bench, silu_model
 from convpass import annotation
 from convpass.cache import Measurement, TuningCache
 from convpass.cudnn import graph_api
@@ -77,27 +77,28 @@ def _variant(edit) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("why,edit", [
-    ("the conv output has a third reader", lambda g: g.node.insert(3, helper.make_node("Relu", ["y1"], ["extra"], name="extra"))),
-    ("the Sigmoid is read elsewhere too", lambda g: g.output.append(helper.make_tensor_value_info("s1", onnx.TensorProto.FLOAT, None))),
-    ("no bias", lambda g: g.node[0].input.pop()),
-    ("Mul of the conv and something else", lambda g: g.node[2].input.__setitem__(1, "x")),
+@pytest.mark.parametrize("why,edit,expected", [
+    ("the conv output has a third reader", lambda g: g.node.insert(3, helper.make_node("Relu", ["y1"], ["extra"], name="extra")), "bias"),
+    ("the Sigmoid is read elsewhere too", lambda g: g.output.append(helper.make_tensor_value_info("s1", onnx.TensorProto.FLOAT, None)), "bias"),
+    ("no bias", lambda g: g.node[0].input.pop(), ""),
+    ("Mul of the conv and something else", lambda g: g.node[2].input.__setitem__(1, "x"), "bias"),
 ])
-def test_anything_else_after_the_conv_is_no_fusion(why, edit):
-    assert conv_fusion(_nodes(_variant(edit))["expand"]) == "", why
+def test_anything_else_after_the_conv_is_no_swish_fusion(why, edit, expected):
+    """No SiLU graph: a conv with a bias keeps its legacy epilogue (the bias alone), one without none."""
+    assert conv_fusion(_nodes(_variant(edit))["expand"]) == expected, why
 
 
 def test_fused_problems_are_collected_only_when_engines_are_candidates(tmp_path):
     from convpass.pipeline import OptimizeReport, prepare_model
 
-    for engines, expected in (("all", {SWISH: 2, "": 1}), ("legacy", {"": 3})):
+    for engines, expected in (("all", {SWISH: 2, "": 1}), ("legacy", {"bias": 2, "": 1})):
         model = ir.serde.deserialize_model(silu_model())
         problems = prepare_model(model, TuneOptions(engines=engines), [], OptimizeReport())
         seen: dict[str, int] = {}
         for p in problems:
             seen[p.fusion] = seen.get(p.fusion, 0) + 1
         assert seen == expected, engines
-        assert all(("+ bias+swish" in str(p)) == bool(p.fusion) for p in problems)
+        assert all((f"+ {p.fusion}" in str(p)) == bool(p.fusion) for p in problems)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def test_a_cache_with_legacy_and_engine_rows_gets_only_the_fusion_measured(monke
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
     monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion: seen.append((legacy, engines, best, fusion)) or [])
+    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(): seen.append((legacy, engines, best, fusion)) or [])
     options = TuneOptions(tf32="on", layout="nhwc")
     have = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
     tuner.measure_problem(FUSED_PROBLEM, options, have + [row("engine:eng8", 0.005)])
@@ -177,7 +178,7 @@ def test_a_tuned_model_records_the_fused_engine_where_it_won(tmp_path):
     assert {n: (r["engine"], r["fusion"], r["algo"]) for n, r in records.items()} == {
         "expand": ("eng5_k2=1", SWISH, "implicit_gemm"), "dw": ("eng5_k2=1", SWISH, "implicit_gemm"), "project": (None, None, "implicit_gemm")}
     info, nodes = annotation.read_annotations(tuned)
-    assert info.schema_version == 4 and [n.decisions[0].fusion for n in nodes] == [SWISH, SWISH, ""]
+    assert info.schema_version == 5 and [n.decisions[0].fusion for n in nodes] == [SWISH, SWISH, ""]
     slow = {r["node"]: r["fusion"] for r in convpass.inspect(_tuned(tmp_path / "slow", 0.040))}
     assert slow == {"expand": None, "dw": None, "project": None}
     legacy = _tuned(tmp_path / "legacy", 0.025, engines="legacy")
@@ -234,14 +235,8 @@ class _FusedPlan:
 
 @pytest.fixture
 def fused_bench(monkeypatch):
-    import sys
-
     from convpass.tune import harness
 
-    fake_cp = types.ModuleType("cupy")
-    fake_cp.empty, fake_cp.uint8, fake_cp.exp = np.empty, np.uint8, np.exp
-    fake_cp.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
-    monkeypatch.setitem(sys.modules, "cupy", fake_cp)
     monkeypatch.setattr(graph_api, "EnginePlan", _FusedPlan)
     monkeypatch.setattr(graph_api, "configs", lambda key, fusion="": [EngineConfig(i, (), fusion) for i in (1, 2, 3)])
     launched = []
@@ -252,16 +247,8 @@ def fused_bench(monkeypatch):
         return harness.Timing(0.004, 10, 0.0, early_stop=False, eager=False)
 
     monkeypatch.setattr(harness, "time_launches", timing)
-    monkeypatch.setattr(harness, "rotation_sets", lambda nbytes: 1)
-    monkeypatch.setattr(harness, "random_array", lambda shape, dtype, layout, seed: np.full(shape, 0.25, np.float32))
-    monkeypatch.setattr(harness, "to_float32", lambda a, dtype: np.asarray(a, np.float32))
-    monkeypatch.setattr(harness, "relative_error", lambda out, ref: float(np.linalg.norm(out - ref) / np.linalg.norm(ref)))
-    x = np.full(SHAPE.x_shape, -1e-4, np.float32)  # conv + bias near -0.7, where SiLU is far from identity
-    bench = object.__new__(tuner._ShapeBench)
-    bench.shape = SHAPE
-    bench._base = {"x": x, "w": np.ones(SHAPE.w_shape, np.float32), "y": np.empty(SHAPE.y_shape, np.float32)}
-    bench.reference = lambda: np.full(SHAPE.y_shape, x.sum(), np.float32)
-    bench.buffers = lambda layout, count: [dict(bench._base)]
+    # x near 0: conv + bias near -0.7, where SiLU is far from identity
+    bench = numpy_shape_bench(monkeypatch, SHAPE, fill=0.25, x_value=-1e-4, exp=np.exp)
     bench.launched = launched
     return bench
 

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import convpass
-from conftest import conv_model, no_plan_side_car
+from conftest import conv_model, no_plan_side_car, numpy_shape_bench
 from convpass import annotation
 from convpass.cache import Measurement, TuningCache
 from convpass.cudnn import graph_api
@@ -163,7 +163,7 @@ def test_a_tuned_model_records_the_engine_and_its_legacy_fallback(tmp_path):
     [record] = convpass.inspect(tuned)
     assert (record["engine"], record["algo"], record["memory_format"]) == ("eng5", "implicit_gemm", "NHWC")
     info, [node] = annotation.read_annotations(tuned)
-    assert info.schema_version == annotation.SCHEMA_VERSION == 4
+    assert info.schema_version == annotation.SCHEMA_VERSION == 5
     assert node.decisions[0].engine == "eng5" and not node.decisions[0].is_auto
     legacy = _tuned_from_cache(tmp_path / "l", ROWS, layout="per-conv", engines="legacy")
     [record] = convpass.inspect(legacy)
@@ -248,31 +248,11 @@ def _fake_timing(launch, sets, best_ms=None, **_):
 
 @pytest.fixture
 def engine_bench(monkeypatch):
-    import sys
-    import types
-
-    import numpy as np
-
     from convpass.tune import harness
 
-    fake_cp = types.ModuleType("cupy")
-    fake_cp.empty, fake_cp.uint8 = np.empty, np.uint8
-    fake_cp.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
-    monkeypatch.setitem(sys.modules, "cupy", fake_cp)
     monkeypatch.setattr(graph_api, "EnginePlan", _FakePlan)
     monkeypatch.setattr(harness, "time_launches", _fake_timing)
-    monkeypatch.setattr(harness, "rotation_sets", lambda nbytes: 1)
-    monkeypatch.setattr(harness, "random_array", lambda shape, dtype, layout, seed: np.full(shape, 0.5, np.float32))
-    monkeypatch.setattr(harness, "to_float32", lambda a, dtype: np.asarray(a, np.float32))
-    monkeypatch.setattr(harness, "relative_error",
-                        lambda out, ref: float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("inf"))
-    x = np.ones(SHAPE.x_shape, np.float32)
-    bench = object.__new__(tuner._ShapeBench)
-    bench.shape = SHAPE
-    bench._base = {"x": x, "w": np.ones(SHAPE.w_shape, np.float32), "y": np.empty(SHAPE.y_shape, np.float32)}
-    bench.reference = lambda: np.full(SHAPE.y_shape, x.sum(), np.float32)
-    bench.buffers = lambda layout, count: [dict(bench._base)]
-    return bench
+    return numpy_shape_bench(monkeypatch, SHAPE)
 
 
 def test_every_engine_configuration_gets_a_row_with_its_status_and_reason(engine_bench, monkeypatch):
@@ -311,7 +291,7 @@ def test_a_cache_with_every_legacy_row_gets_only_its_engines_measured(monkeypatc
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
     monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion: seen.append((legacy, engines, best)) or [])
+    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(): seen.append((legacy, engines, best)) or [])
     options = TuneOptions(tf32="on", layout="nhwc")
     key = SHAPE.key("nhwc", "default")
     have = [Measurement(key, a, "ok", 0.01 * (i + 1), 0, True, 1.0, "measure") for i, a in enumerate(algo_names("fwd"))]

@@ -884,8 +884,8 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
         extra = f"; {t['undecided']} left to run time (auto)"
     if t.get("engine_decisions"):
         extra += f"; {t['engine_decisions']} run a cuDNN graph-API engine"
-        if t.get("fused_decisions"):
-            extra += f" ({t['fused_decisions']} fused with their epilogue)"
+    if t.get("fused_decisions"):
+        extra += f"; {t['fused_decisions']} run their epilogue fused into the conv's call"
     tuning = t.get("tuning_s")
     tail = f", tuner {tuning:.1f} s" if isinstance(tuning, (int, float)) else ""
     line = f"convpass optimize: {_s(wall)} s{tail} ({where}{extra})"

@@ -64,6 +64,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from convpass.epilogue import fusion_of  # noqa: F401  (the naming of fused rows is shared: re-exported)
 from convpass.problem import ProblemKey
 
 __all__ = [
@@ -94,13 +95,6 @@ FUSIONS: dict[str, Fusion] = {
     )
 }
 _NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)(?:\+(" + "|".join(re.escape(f) for f in FUSIONS) + r"))?")
-
-
-def fusion_of(algo: str | None) -> str:
-    """The fused epilogue of a recorded algorithm (``""``: none)."""
-    if not algo or not algo.startswith(ENGINE_PREFIX) or "+" not in algo:
-        return ""
-    return algo.split("+", 1)[1]
 
 
 class GraphApiError(RuntimeError):

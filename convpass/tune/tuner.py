@@ -36,8 +36,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from convpass.cache import Measurement, TuningCache
-from convpass.decide import EPILOGUE_METHOD, Choice, cached_rows, choice_from, select
-from convpass.cudnn.graph_api import ENGINE_PREFIX, fusion_of, is_engine
+from convpass import epilogue
+from convpass.decide import EPILOGUE_METHOD, Choice, cached_rows, choice_from, cost_ms, epilogue_ms, select
+from convpass.cudnn.graph_api import ENGINE_PREFIX, is_engine
+from convpass.epilogue import fusion_of
 from convpass.device import DeviceFingerprint
 from convpass.errors import OptionError
 from convpass.options import TuneOptions
@@ -129,9 +131,10 @@ class CudnnTuner:
             self.summary.failed += 1
             logger.warning("no %s configuration of %s passed the constraints and checks: left to run time", problem.direction, problem)
             return None
-        if chosen.time_ms is not None and chosen.method == "measure":
-            self.chosen_ms[problem] = chosen.time_ms
-        return choice_from(chosen, "cache" if from_cache else strategy, rows)
+        choice = choice_from(chosen, "cache" if from_cache else strategy, rows, problem)
+        if choice.time_ms is not None and chosen.method == "measure":
+            self.chosen_ms[problem] = choice.time_ms
+        return choice
 
     def transpose_ms(self, dims: tuple[int, ...], dtype: str) -> float:
         """Measured time of converting a tensor between channels-first and channels-last."""
@@ -160,8 +163,8 @@ class CudnnTuner:
         if first is None:
             return
         timed = next((m for m in rows if m.key == key and m.algo == first.algo and m.method == "measure" and m.time_ms is not None), None)
-        if timed is not None:
-            self.baseline_ms[problem] = timed.time_ms
+        if timed is not None:  # with its epilogue as its own pass, as the chosen time has it
+            self.baseline_ms[problem] = cost_ms(timed, epilogue_ms(rows, problem), problem.fusion)
 
 
 def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[Measurement] = ()) -> list[Measurement]:
@@ -176,17 +179,20 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     strategy, forced = options.strategy(problem.direction)
     harness.warm_clocks()
     legacy, engines = spaces(problem, options)
-    fusion = problem.fusion if engines else ""
+    fusion = problem.fusion if engines or epilogue.is_legacy(problem.fusion) else ""
     keys = candidate_keys(problem, options)
     have = list(have)
     best = None
+    legacy_fusion = legacy and epilogue.is_legacy(fusion)
     if legacy and engines and complete(have, keys, strategy, forced, legacy=True, engines=False):
         legacy = False
         if complete(have, keys, strategy, forced, legacy=False, engines=True):
             engines = False
         timed = [m.time_ms for m in have if m.key in keys and m.status == "ok" and m.method == "measure" and m.time_ms]
         best = min(timed, default=None)
-    return _measure(problem, keys, strategy, forced, legacy, engines, best, fusion)
+    if legacy_fusion and complete(have, keys, strategy, forced, legacy=False, engines=False, fusion=fusion):
+        legacy_fusion = False
+    return _measure(problem, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have)
 
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
@@ -194,7 +200,8 @@ def problem_complete(rows: list[Measurement], problem: ConvProblem, options: Tun
     would measure under ``options``: then nothing needs timing."""
     strategy, forced = options.strategy(problem.direction)
     legacy, engines = spaces(problem, options)
-    return complete(rows, candidate_keys(problem, options), strategy, forced, legacy, engines, problem.fusion if engines else "")
+    fusion = problem.fusion if (engines and not epilogue.is_legacy(problem.fusion)) or (legacy and epilogue.is_legacy(problem.fusion)) else ""
+    return complete(rows, candidate_keys(problem, options), strategy, forced, legacy, engines, fusion)
 
 
 _warned_no_graph_api: set[str] = set()
@@ -222,7 +229,11 @@ def spaces(problem: ConvProblem, options: TuneOptions) -> tuple[bool, bool]:
 
 
 def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
-             engines: bool = False, best: float | None = None, fusion: str = "") -> list[Measurement]:
+             engines: bool = False, best: float | None = None, fusion: str = "", have: Sequence[Measurement] = ()) -> list[Measurement]:
+    """Every row of the problem's ``keys`` this call is asked for: the legacy algorithms, the
+    graph-API engines, and the epilogue ``fusion`` (a legacy one: its pass and the fused calls of
+    the fastest legacy algorithms timed here or in ``have``; a graph-API one: its activation pass
+    and fused graphs)."""
     from convpass.cudnn import ConvDescriptors, find, heuristic
 
     rows: list[Measurement] = []
@@ -265,14 +276,26 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                                  (time.perf_counter() - t0) * 1e3, row.note)
                     rows.append(row)
                     best = _best_after(best, row)
+                if epilogue.is_legacy(fusion):
+                    algos = fused_call_candidates([*rows, *have], key)
+                    rows.extend(bench.measure_legacy_epilogue(descs, key, fusion, algos, best))
             if engines:
                 for row in bench.measure_engines(key, best):
                     rows.append(row)
                     best = _best_after(best, row)
-            if fusion:
+            if fusion and not epilogue.is_legacy(fusion):
                 rows.extend(bench.measure_fused(key, fusion, best))
         bench.release()
     return rows
+
+
+def fused_call_candidates(rows: Sequence[Measurement], key: ProblemKey) -> list[str]:
+    """The legacy algorithms of ``key`` whose fused call with an epilogue is timed: the
+    :data:`convpass.epilogue.FUSED_CALL_CANDIDATES` fastest bare ones timed in full."""
+    timed = {m.algo: m.time_ms for m in rows
+             if m.key == key and m.method == "measure" and m.status == "ok" and m.time_ms is not None
+             and not is_engine(m.algo) and not fusion_of(m.algo) and "early stop" not in m.note}
+    return sorted(timed, key=lambda a: (timed[a], a))[:epilogue.FUSED_CALL_CANDIDATES]
 
 
 def _best_after(best: float | None, row: Measurement) -> float | None:
@@ -303,7 +326,9 @@ def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, for
     """Whether the cache already holds everything this strategy needs for these keys (graph-API
     engines: at least one engine row per key, which :meth:`_ShapeBench.measure_engines` always
     writes, an ``unsupported`` one when cuDNN offers none; a ``fusion``: its epilogue row and at
-    least one fused engine row per key, which :meth:`_ShapeBench.measure_fused` always writes)."""
+    least one fused row per key, which :meth:`_ShapeBench.measure_fused` always writes for a
+    graph-API fusion and :meth:`_ShapeBench.measure_legacy_epilogue` for a legacy one where a
+    legacy algorithm of the key was timed)."""
     from convpass.cudnn.enums import algo_names
 
     for key in keys:
@@ -315,8 +340,12 @@ def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, for
             return False
         if engines and not any(is_engine(a) and not fusion_of(a) for a in timed):
             return False
-        if fusion and not (any(fusion_of(a) == fusion for a in timed)
-                           and any(m.method == EPILOGUE_METHOD and m.algo == fusion for m in mine)):
+        if fusion and not any(m.method == EPILOGUE_METHOD and m.algo == fusion for m in mine):
+            return False
+        fused_rows = any(fusion_of(a) == fusion for a in timed)
+        if fusion and not epilogue.is_legacy(fusion) and not fused_rows:
+            return False
+        if epilogue.is_legacy(fusion) and fused_call_candidates(mine, key) and not fused_rows:
             return False
         if strategy == "forced" and forced not in timed:
             return False
@@ -488,6 +517,80 @@ class _ShapeBench:
             return _row(key, fusion, "oom", None, 0, True, now, EPILOGUE_METHOD, note=str(e).splitlines()[0])
         return _row(key, fusion, "ok", timing.time_ms, 0, True, now, EPILOGUE_METHOD,
                     note=f"its activation as its own pass over the output; {timing.launches} launches, spread {timing.spread:.1%}")
+
+    def measure_legacy_epilogue(self, descs, key: ProblemKey, name: str, algos: Sequence[str], best_ms: float | None) -> list[Measurement]:
+        """A legacy epilogue for ``key`` (:mod:`convpass.epilogue`): the executor's one-pass
+        epilogue over the output (the ``epilogue`` row an unfused configuration adds), then
+        cuDNN's fused conv + bias + activation call of each of ``algos``, checked and timed."""
+        rows = [self._measure_epilogue_pass(key, name)]
+        if rows[0].status == "ok" and best_ms is not None:
+            best_ms += rows[0].time_ms  # an early stop compares a fused call with conv + pass
+        for algo in algos:
+            rows.append(self._measure_fused_call(descs, key, algo, name, best_ms))
+            best_ms = _best_after(best_ms, rows[-1])
+        return rows
+
+    def _bias_and_residuals(self, key: ProblemKey, residual: bool, sets: list[dict]) -> Any:
+        """The bias of the epilogue timings (``(K,)``), and with ``residual`` a ``z`` in every set."""
+        if residual:
+            for i, b in enumerate(sets):
+                if "z" not in b:
+                    b["z"] = harness.random_array(self.shape.y_shape, self.shape.dtype, key.layout, 40 + i)
+        return harness.random_array((self.shape.k,), self.shape.dtype, "nchw", 5)
+
+    def _measure_epilogue_pass(self, key: ProblemKey, name: str) -> Measurement:
+        import cupy as cp
+
+        from convpass.runtime.cuda.convolution import apply_epilogue
+
+        now = time.time()
+        residual, relu = epilogue.parts(name)
+        try:
+            sets = self.buffers(key.layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
+            bias = self._bias_and_residuals(key, residual, sets)
+            timing = harness.time_launches(lambda i: apply_epilogue(cp, sets[i]["y"], bias, relu, sets[i]["z"] if residual else None), len(sets))
+        except cp.cuda.memory.OutOfMemoryError as e:
+            return _row(key, name, "oom", None, 0, True, now, EPILOGUE_METHOD, note=str(e).splitlines()[0])
+        return _row(key, name, "ok", timing.time_ms, 0, True, now, EPILOGUE_METHOD,
+                    note=f"the executor's one element-wise pass over the output; {timing.launches} launches, spread {timing.spread:.1%}")
+
+    def _measure_fused_call(self, descs, key: ProblemKey, algo: str, name: str, best_ms: float | None) -> Measurement:
+        """``algo`` with the epilogue fused into its call (cudnnConvolutionBiasActivationForward)."""
+        import cupy as cp
+
+        from convpass.cudnn import CudnnError, conv_bias_activation_forward, is_deterministic, workspace_size
+
+        now = time.time()
+        fused = epilogue.fused_name(algo, name)
+        det = is_deterministic("fwd", algo)
+        residual, relu = epilogue.parts(name)
+        activation = "relu" if relu else "identity"
+        ws = 0
+        try:
+            ws = workspace_size(descs, None, algo)
+            sets = self.buffers(key.layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
+            bias = self._bias_and_residuals(key, residual, sets)
+            expected = self.reference() + harness.to_float32(bias, key.shape.dtype).reshape((1, -1) + (1,) * len(key.shape.spatial))
+            if residual:
+                expected = expected + harness.to_float32(sets[0]["z"], key.shape.dtype)
+            if relu:
+                expected = cp.maximum(expected, 0)
+
+            def launch(b: dict, workspace: Any) -> None:
+                conv_bias_activation_forward(descs, algo, b["x"], b["w"], b["y"], bias, z=b["z"] if residual else None,
+                                             activation=activation, workspace=workspace)
+
+            row = self._checked_and_timed(key, fused, ws, det, now, best_ms, launch, expected=expected)
+        except cp.cuda.memory.OutOfMemoryError as e:
+            return _row(key, fused, "oom", None, ws, det, now, "measure", note=str(e).splitlines()[0])
+        except ValueError as e:  # a pairing cuDNN does not implement (identity needs implicit_precomp_gemm)
+            return _row(key, fused, "unsupported", None, ws, det, now, "measure", note=str(e))
+        except CudnnError as e:
+            status = "oom" if "ALLOC" in e.status_name else ("unsupported" if e.not_supported else "error")
+            return _row(key, fused, status, None, ws, det, now, "measure", note=str(e))
+        if row.status == "ok":
+            row = dataclasses.replace(row, note=f"{row.note}; the conv with {name} in one cuDNN call")
+        return row
 
     def _measure_engine(self, key: ProblemKey, config, best_ms: float | None) -> Measurement:
         import cupy as cp

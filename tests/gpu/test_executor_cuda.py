@@ -355,23 +355,46 @@ def test_matmul_tf32_follows_the_model_switch():
         assert all(e > 5e-5 for e in errors["1"]), errors  # TF32 rounds the inputs to 10 mantissa bits
 
 
-def test_residual_add_and_relu_are_fused_into_the_conv(tmp_path):
-    model = residual_block_model()
-    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True)
-    x = np.random.default_rng(8).standard_normal((2, 16, 14, 14)).astype(np.float32)
+@pytest.mark.parametrize("engines", ["legacy", "all"])
+def test_conv_epilogues_are_tuned_and_run_the_way_they_were_timed(engines, tmp_path):
+    """conv1 + bias + Relu (``bias+relu``) and conv2 + bias + Add(x) + Relu (``bias+add+relu``):
+    each epilogue timed as one pass after the conv and as cuDNN's fused call of the fastest legacy
+    algorithms (checked against the reference first); the executor then makes the fused call
+    exactly where the decision recorded one, and otherwise the conv and one pass."""
+    from convpass.cache import TuningCache
+    from convpass.decide import EPILOGUE_METHOD
+    from convpass.device import detect
+    from convpass.epilogue import fusion_of
+    from convpass.problem import ProblemKey
     from convpass.runtime.cuda import CudaBackend
 
-    ex = Executor(tuned, device=CudaBackend(cuda_graph=False))  # residual fusion is on by default
-    ex.run(None, {"x": x})  # the first run builds the plan; fusions apply from the plan on
-    before = dict(ex._backend.counters)
-    with cudnn.record_calls() as calls:
-        outs = ex.run(None, {"x": x})
+    model = residual_block_model()
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines=engines)
+    records = {r["node"]: r for r in convpass.inspect(tuned)}
+    shape = ProblemKey.parse(records["conv1"]["problem_key"]).shape  # both convs: one geometry
+    with TuningCache(tmp_path / "c.db") as cache:
+        rows = cache.get(detect(), shape)
+    for name in ("bias+relu", "bias+add+relu"):
+        assert any(m.method == EPILOGUE_METHOD and m.algo == name and m.status == "ok" for m in rows), name
+        fused = [m for m in rows if fusion_of(m.algo) == name and not m.algo.startswith("engine:")]
+        assert fused and all(m.status in ("ok", "unsupported") for m in fused), [(m.algo, m.status, m.note) for m in fused]
+        assert any(m.status == "ok" for m in fused), [(m.algo, m.note) for m in fused]
+    x = np.random.default_rng(8).standard_normal((2, 16, 14, 14)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _ExecutorWarning())  # a recorded fused call cuDNN refuses would warn
+        ex = Executor(tuned, device=CudaBackend(cuda_graph=False))
+        ex.run(None, {"x": x})  # the first run builds the plan
+        before = dict(ex._backend.counters)
+        with cudnn.record_calls() as calls:
+            outs = ex.run(None, {"x": x})
     counters = {k: v - before.get(k, 0) for k, v in ex._backend.counters.items()}
-    # conv1 + bias + Relu and conv2 + bias + Add(x) + Relu: one cuDNN call each (unless cuDNN refuses
-    # the fused form for the recorded algorithm, in which case the unfused path must be just as right)
-    assert counters["fused_residual_relu"] + counters["fused_relu"] >= 1, counters
-    assert len(calls) == 2
-    _check_against(outs, run_ort(model, {"x": x}), _tolerance(tuned), "residual fusion")
+    legacy_fused = {n: r["fusion"] for n, r in records.items() if r["fusion"] and not r["engine"]}
+    want = {"conv1": "fused_relu", "conv2": "fused_residual_relu"}
+    for node, counter in want.items():
+        assert counters[counter] == (1 if node in legacy_fused else 0), (node, records[node], counters)
+    fused_calls = [c for c in calls if c.call == "cudnnConvolutionBiasActivationForward"]
+    assert len(fused_calls) == len(legacy_fused), (legacy_fused, [c.call for c in calls])
+    _check_against(outs, run_ort(model, {"x": x}), _tolerance(tuned), f"conv epilogues ({engines})")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
@@ -380,9 +403,7 @@ def test_residual_add_and_relu_are_fused_into_the_conv(tmp_path):
 def test_the_conv_epilogue_pass_matches_numpy(bias, residual, relu, layouts, dtype):
     """act(y + z + b) in one pass, in place, over the storage order of y (a residual in another
     memory order takes the logical path); NaN passes the ReLU as NaN."""
-    import types
-
-    from convpass.runtime.cuda.convolution import Convolutions
+    from convpass.runtime.cuda.convolution import apply_epilogue
 
     rng = np.random.default_rng(3)
     shape = (2, 6, 5, 7)
@@ -390,8 +411,7 @@ def test_the_conv_epilogue_pass_matches_numpy(bias, residual, relu, layouts, dty
     y0[0, 0, 0, 0] = np.nan
     y = cudnn.as_layout(cp.asarray(y0), layouts[0])
     z = cudnn.as_layout(cp.asarray(z0), layouts[1]) if residual else None
-    convs = Convolutions(types.SimpleNamespace(cp=cp))
-    convs._epilogue(y, cp.asarray(b0) if bias else None, bool(relu), z)
+    apply_epilogue(cp, y, cp.asarray(b0) if bias else None, bool(relu), z)
     want = y0.astype(np.float64) + (z0 if residual else 0) + (b0.reshape(1, -1, 1, 1) if bias else 0)
     want = np.where(want < 0, 0, want) if relu else want
     got = cp.asnumpy(y).astype(np.float64)

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from convpass import annotation, kernel_file
+from convpass.epilogue import is_legacy, legacy_name
 from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.runtime import conv as conv_kernels
 from convpass.runtime.conv import ConvCall, ConvGeometry
@@ -105,6 +106,11 @@ class ConvExec:
     fuse_residual_ok: bool = True
     strided_output_ok: bool = True
     engine: Any = None  # the graph-API EnginePlan when a recorded engine runs
+    # how a legacy algorithm runs its step's epilogue (convpass.epilogue): None = not tuned, cuDNN's
+    # fused call where it takes it; "" = recorded unfused (the conv, then one pass); a legacy
+    # epilogue name = recorded fused into the call
+    fused_call: str | None = None
+    op_by_op: bool = False  # resolved for the op-by-op run that records the plan (its steps are not the plan's)
 
     @property
     def layout(self) -> str:
@@ -227,7 +233,9 @@ class Convolutions:
             except (cudnn.CudnnError, ValueError) as e:
                 why = f"recorded algorithm {d.algo!r} ({key.layout}, {key.math}) is not usable here: {first_line(e)}"
             else:
-                return ConvExec(node, g.op_type, g, key, descs, d.algo, ws, _insert_axis(g, key), "recorded")
+                fused_call = d.fusion if is_legacy(d.fusion) and not d.engine else ""
+                return ConvExec(node, g.op_type, g, key, descs, d.algo, ws, _insert_axis(g, key), "recorded", fused_call=fused_call,
+                                op_by_op=fusion is None)
         ex = self.heuristic_exec(call, "fallback", why, math)
         self.rt.warn_node(node, f"node {node!r}: {why}; running cuDNN's heuristic choice {describe_exec(ex)} instead")
         return ex
@@ -493,7 +501,7 @@ class Convolutions:
             y = full
             if any(g.extra_pads):
                 y = full[(slice(None), slice(None), *(slice(g.extra_pads[i], g.extra_pads[i] + g.output_shape[2 + i]) for i in range(r)))]
-            self._epilogue(y, b, relu)
+            apply_epilogue(self.cp, y, b, relu)
             return self._into(y, out)
         xin = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
         mapped = self._map(xin, ex)
@@ -508,15 +516,7 @@ class Convolutions:
                 counters["layout_copies"] += 1
         if ex.engine is not None:
             return self._into(self._run_engine(ex, x4, wk, b, relu, z4, ws), out)
-        activation = None
-        if b is not None and self.rt.fuse:
-            if z4 is not None:
-                if ex.fuse_residual_ok and (relu or ex.algo == "implicit_precomp_gemm"):
-                    activation = "relu" if relu else "identity"
-            elif relu and ex.fuse_relu_ok:
-                activation = "relu"
-            elif not relu and ex.algo == "implicit_precomp_gemm" and ex.fuse_identity_ok:
-                activation = "identity"
+        activation = self._fused_activation(ex, b, relu, z4) if b is not None and self.rt.fuse else None
         # Only cudnnConvolutionForward writes through a strided output descriptor: the fused bias +
         # activation call wrote packed rows into a Concat slice on an H200 (cuDNN 9.19), so a fused
         # conv computes into a packed buffer that is then copied into its slice.
@@ -538,7 +538,12 @@ class Convolutions:
                 else:
                     ex.fuse_identity_ok = False
                 what = f"{'residual + ' if z4 is not None else ''}{activation}"
-                logger.debug("node %r: cuDNN refuses the fused conv + bias + %s (%s); running them apart", ex.node, what, first_line(e))
+                message = f"node {ex.node!r}: cuDNN refuses the fused conv + bias + {what} ({first_line(e)}); running them apart"
+                if ex.fused_call:  # the tuner ran this call: a refusal here is news
+                    self.rt.warn_node(ex.node, message)
+                    ex.fused_call = ""
+                else:
+                    logger.debug(message)
             else:
                 counters["cudnn_calls"] += 1
                 counters["fused_" + ("residual_" if z4 is not None else "") + activation] += 1
@@ -550,8 +555,26 @@ class Convolutions:
                 raise
             return self._strided_refused(ex, e, x, w, b, relu, out)
         counters["cudnn_calls"] += 1
-        self._epilogue(y4, b, relu, z4)
+        apply_epilogue(self.cp, y4, b, relu, z4)
         return y if y_strides is not None else self._into(y, out)
+
+    def _fused_activation(self, ex: ConvExec, b: Any, relu: bool, z4: Any) -> str | None:
+        """The activation to pass cuDNN's fused conv + bias call, or None to run the conv alone and
+        the epilogue as one pass: what the recorded decision measured (``ex.fused_call``); for an
+        untuned conv, the fused call wherever cuDNN has not refused it."""
+        step = legacy_name(z4 is not None, relu)
+        if ex.fused_call is not None:
+            if ex.fused_call and ex.fused_call != step and not ex.op_by_op:
+                self.rt.warn_node(ex.node, f"node {ex.node!r}: the recorded fused call runs conv + {ex.fused_call}, but this plan's step "
+                                           f"is conv + {step} (fusion off, or its readers differ): running the conv, then one pass")
+            return None if ex.fused_call != step else ("relu" if relu else "identity")
+        if z4 is not None:
+            ok = ex.fuse_residual_ok and (relu or ex.algo == "implicit_precomp_gemm")
+        elif relu:
+            ok = ex.fuse_relu_ok
+        else:
+            ok = ex.algo == "implicit_precomp_gemm" and ex.fuse_identity_ok
+        return ("relu" if relu else "identity") if ok else None
 
     def _run_engine(self, ex: ConvExec, x4: Any, wk: Any, b: Any, relu: bool, z4: Any, ws: Any) -> Any:
         """``act(conv(x, w) + z + b)``: the conv in its graph-API plan, then one element-wise pass."""
@@ -566,7 +589,7 @@ class Convolutions:
             return y
         ex.engine.execute(x4, wk, y4, ws if ex.workspace > 0 else None)
         self.rt.counters["graph_api_calls"] += 1
-        self._epilogue(y4, b, relu, z4)
+        apply_epilogue(self.cp, y4, b, relu, z4)
         return y
 
     def _strided_refused(self, ex: ConvExec, e: Exception, x: Any, w: Any, b: Any, relu: bool, out: Any) -> Any:
@@ -576,22 +599,22 @@ class Convolutions:
         logger.debug("node %r: cuDNN %r does not write into a Concat slice (%s): packed output + copy", ex.node, ex.algo, first_line(e))
         return self._run(ex, x, w, b, relu, None, out)
 
-    def _epilogue(self, y: Any, b: Any, relu: bool, z: Any = None) -> None:
-        """``y = act(y + z + b)`` in place, in one element-wise pass (``z``: None or an array of
-        ``y``'s shape). One pass instead of up to three is what the tuner timed after an engine
-        conv (its conv, then its bias pass). The pass runs over the storage order of ``y`` where
-        ``z`` has the same one: over a channels-last array seen channels-first, element-wise
-        kernels read and write with a stride of C elements."""
-        if b is None and z is None:
-            if relu:
-                self.cp.maximum(storage(y), y.dtype.type(0), out=storage(y))
-            return
-        phys, zp = storage(y), (None if z is None else storage(z))
-        if zp is not None and (channels_last(z) != channels_last(y) or zp.shape != phys.shape):
-            phys, zp = y, z  # logical views: right whatever the strides
-        args = [] if b is None else [b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))]
-        args += [] if zp is None else [zp]
-        epilogue_kernel(self.cp, b is not None, z is not None, relu)(*args, phys)
+def apply_epilogue(cp: Any, y: Any, b: Any, relu: bool, z: Any = None) -> None:
+    """``y = act(y + z + b)`` in place, in one element-wise pass (``b``: None or the ``(K,)`` bias;
+    ``z``: None or an array of ``y``'s shape): a conv's epilogue when it does not run fused into the
+    conv's call, as the tuner times it (:mod:`convpass.epilogue`). The pass runs over the storage
+    order of ``y`` where ``z`` has the same one: over a channels-last array seen channels-first,
+    element-wise kernels read and write with a stride of C elements."""
+    if b is None and z is None:
+        if relu:
+            cp.maximum(storage(y), y.dtype.type(0), out=storage(y))
+        return
+    phys, zp = storage(y), (None if z is None else storage(z))
+    if zp is not None and (channels_last(z) != channels_last(y) or zp.shape != phys.shape):
+        phys, zp = y, z  # logical views: right whatever the strides
+    args = [] if b is None else [b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))]
+    args += [] if zp is None else [zp]
+    epilogue_kernel(cp, b is not None, z is not None, relu)(*args, phys)
 
 
 _epilogue_kernels: dict[tuple[Any, bool, bool, bool], Any] = {}

@@ -1,0 +1,300 @@
+"""Legacy conv epilogues on the CPU (:mod:`convpass.epilogue`): which epilogue a conv's step runs
+(the collect pass reads the executor's lowering rules), selection between the fused cuDNN call and
+the conv plus one pass, cache completeness, the tuner's rows (NumPy stand-ins for CuPy and cuDNN: no
+timing invented), the annotation (schema 5) and the executor's use of the recorded choice."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import helper, numpy_helper
+
+import convpass
+from conftest import numpy_shape_bench
+from convpass import annotation, epilogue
+from convpass.cache import Measurement, TuningCache
+from convpass.cudnn.enums import algo_names
+from convpass.decide import EPILOGUE_METHOD, choice_from, cost_ms, epilogue_ms, select
+from convpass.device import DeviceFingerprint
+from convpass.options import TuneOptions
+from convpass.passes.canonicalize_convs import canonicalize_conv
+from convpass.passes.collect_conv_problems import ConvProblem, conv_fusion
+from convpass.tune import tuner
+
+H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
+X = (2, 8, 6, 6)
+SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, X, (8, 8, 3, 3)).shapes[0]
+KEY = SHAPE.key("nhwc", "default")
+RELU = "bias+relu"
+PROBLEM = ConvProblem((SHAPE,), RELU)
+OPTIONS = TuneOptions(tf32="on", layout="nhwc", engines="legacy")
+
+
+def row(algo, time_ms, method="measure", status="ok", key=KEY, hr=None, note=""):
+    return Measurement(key, algo, status, time_ms, 0, True, 1.0, method, note=note, heuristic_rank=hr)
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+def test_epilogue_names_and_parts():
+    assert [epilogue.legacy_name(z, r) for z in (False, True) for r in (False, True)] == list(epilogue.LEGACY)
+    assert [epilogue.parts(n) for n in epilogue.LEGACY] == [(False, False), (False, True), (True, False), (True, True)]
+    assert epilogue.fused_name("implicit_gemm", RELU) == "implicit_gemm+bias+relu"
+    assert (epilogue.fusion_of("implicit_gemm+bias+relu"), epilogue.base_algo("implicit_gemm+bias+relu")) == (RELU, "implicit_gemm")
+    assert (epilogue.fusion_of("implicit_gemm"), epilogue.fusion_of(None), epilogue.fusion_of("engine:eng5+bias+swish")) == ("", "", "bias+swish")
+    assert epilogue.is_legacy("bias+add") and not epilogue.is_legacy("bias+swish") and not epilogue.is_legacy("")
+    with pytest.raises(ValueError, match="not a legacy conv epilogue"):
+        epilogue.parts("bias+swish")
+
+
+# ---------------------------------------------------------------------------------------------
+# which epilogue a conv's step runs
+
+def _residual_model(*, relu_after_add=True, z_after_conv=False, z_shape=X, add_is_output=False, bias=True) -> onnx.ModelProto:
+    """x -> c0 (Conv+bias) -> r0 (Relu) = z; z -> c1 (Conv) -> Add(y1, z) -> Relu -> out."""
+    w = numpy_helper.from_array(np.ones((8, 8, 3, 3), np.float32), "w")
+    b = numpy_helper.from_array(np.ones(8, np.float32), "b")
+    conv = dict(pads=[1, 1, 1, 1])
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y0"], name="c0", **conv), helper.make_node("Relu", ["y0"], ["z"], name="r0")]
+    c1 = helper.make_node("Conv", ["z", "w"] + (["b"] if bias else []), ["y1"], name="c1", **conv)
+    other = "z"
+    if z_shape != X:  # the residual through a pooling: another shape
+        nodes.append(helper.make_node("MaxPool", ["z"], ["zp"], name="pool", kernel_shape=[2, 2], strides=[2, 2]))
+        other = "zp"
+    add = helper.make_node("Add", ["y1", other], ["s"], name="add")
+    tail = [helper.make_node("Relu", ["s"], ["out"], name="r1")] if relu_after_add else [helper.make_node("Identity", ["s"], ["out"], name="id")]
+    if z_after_conv:  # z computed after c1 in the graph's order: c1 reads x instead
+        c1 = helper.make_node("Conv", ["x", "w", "b"], ["y1"], name="c1", **conv)
+        nodes = [c1] + nodes
+    else:
+        nodes.append(c1)
+    nodes += [add] + tail
+    outputs = [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)]
+    if add_is_output:
+        outputs.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(X))], outputs, [w, b])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _conv(model: onnx.ModelProto, name: str) -> ir.Node:
+    return {n.name: n for n in ir.serde.deserialize_model(model).graph}[name]
+
+
+@pytest.mark.parametrize("why,kwargs,expected", [
+    ("residual Add then Relu", {}, "bias+add+relu"),
+    ("residual Add without a Relu", {"relu_after_add": False}, "bias+add"),
+    ("the Add's output is read by the Relu and is a graph output", {"add_is_output": True}, "bias+add"),
+    ("the residual is computed after the conv", {"z_after_conv": True}, "bias"),
+    ("the residual has another shape", {"z_shape": (2, 8, 3, 3)}, "bias"),
+    ("no bias", {"bias": False}, ""),
+])
+def test_the_residual_epilogue_follows_the_executor_rules(why, kwargs, expected):
+    assert conv_fusion(_conv(_residual_model(**kwargs), "c1")) == expected, why
+
+
+def test_the_residual_shape_check_reads_the_profile_shapes_where_the_graph_has_none():
+    model = _residual_model()
+    del model.graph.value_info[:]  # as a dynamic-batch export leaves them: nothing concrete in the graph
+    conv = _conv(model, "c1")
+    assert conv_fusion(conv) == "bias"  # not provably the same shape: no residual epilogue
+    assert conv_fusion(conv, shapes={"y1": X, "z": X}) == "bias+add+relu"
+    assert conv_fusion(conv, shapes={"y1": X, "z": (1, 8, 6, 6)}) == "bias"
+
+
+def test_the_pipeline_collects_each_convs_epilogue():
+    """conftest's residual block as torch exports it (no shapes inside the graph; the residual is the
+    graph input): the problems carry bias+relu and bias+add+relu."""
+    from conftest import residual_block_model
+    from convpass.pipeline import OptimizeReport, prepare_model
+
+    model = ir.serde.deserialize_model(residual_block_model())
+    problems = prepare_model(model, TuneOptions(engines="legacy"), [], OptimizeReport())
+    assert sorted(p.fusion for p in problems) == ["bias+add+relu", RELU]
+
+
+def test_a_relu_that_is_the_only_reader_is_the_epilogue_and_any_other_reader_leaves_the_bias():
+    model = _residual_model()
+    assert conv_fusion(_conv(model, "c0")) == RELU
+    model.graph.node.append(helper.make_node("Identity", ["y0"], ["peek"], name="peek"))
+    assert conv_fusion(_conv(model, "c0")) == "bias"
+
+
+# ---------------------------------------------------------------------------------------------
+# selection, the recorded time and cache completeness
+
+BARE = [row("implicit_gemm", 0.020), row("implicit_precomp_gemm", 0.022), row(RELU, 0.006, method=EPILOGUE_METHOD)]
+
+
+@pytest.mark.parametrize("fused_ms,winner", [(0.025, "implicit_gemm+bias+relu"), (0.027, "implicit_gemm"), (0.050, "implicit_gemm")])
+def test_the_fused_call_wins_only_when_faster_than_the_conv_plus_its_pass(fused_ms, winner):
+    rows = BARE + [row("implicit_gemm+bias+relu", fused_ms)]
+    chosen = select(rows, PROBLEM, OPTIONS)
+    assert chosen.algo == winner
+    assert cost_ms(chosen, epilogue_ms(rows, PROBLEM), RELU) == pytest.approx(min(fused_ms, 0.026))
+    assert choice_from(chosen, "measure", rows, PROBLEM).time_ms == pytest.approx(min(fused_ms, 0.026))  # the step's time is recorded
+
+
+def test_a_fused_call_needs_its_problem_and_the_pass_timing():
+    fast = row("implicit_gemm+bias+add+relu", 0.001)
+    assert select(BARE + [fast], PROBLEM, OPTIONS).algo == "implicit_gemm"  # another epilogue
+    no_pass = [r for r in BARE if r.method != EPILOGUE_METHOD] + [row("implicit_gemm+bias+relu", 0.001)]
+    assert select(no_pass, PROBLEM, OPTIONS).algo == "implicit_gemm"
+
+
+def test_an_unfused_engine_costs_its_own_time_under_a_legacy_epilogue():
+    """Its timing ran its bias pass, the pass the executor widens to the whole epilogue."""
+    rows = BARE + [row("engine:eng8", 0.023)]
+    assert select(rows, PROBLEM, TuneOptions(tf32="on", layout="nhwc")).algo == "engine:eng8"  # 0.023 < 0.020 + 0.006
+
+
+def test_the_heuristic_pick_runs_its_epilogue_the_measured_way():
+    rows = BARE + [row("implicit_precomp_gemm", None, "heuristic", hr=0), row("implicit_precomp_gemm+bias+relu", 0.024)]
+    options = TuneOptions(tf32="on", layout="nhwc", engines="legacy", fprop_algo="normal")
+    assert select(rows, PROBLEM, options).algo == "implicit_precomp_gemm+bias+relu"  # 0.024 < 0.022 + 0.006
+
+
+def test_a_forced_algorithm_may_run_its_fused_call():
+    rows = BARE + [row("implicit_precomp_gemm+bias+relu", 0.024), row("implicit_gemm+bias+relu", 0.001)]
+    assert select(rows, PROBLEM, TuneOptions(tf32="on", layout="nhwc", fprop_algo="implicit_precomp_gemm")).algo == "implicit_precomp_gemm+bias+relu"
+
+
+def test_the_fused_calls_timed_are_the_fastest_bare_legacy_algorithms():
+    rows = [row("gemm", 0.010), row("fft", 0.005, note="early stop: estimate over 4x"), row("implicit_gemm", 0.020),
+            row("implicit_precomp_gemm", 0.030), row("engine:eng1", 0.001), row("direct", None, status="unsupported"),
+            row("gemm+bias+relu", 0.001), row("winograd", 0.001, key=SHAPE.key("nchw", "default"))]
+    assert tuner.fused_call_candidates(rows, KEY) == ["gemm", "implicit_gemm"][:epilogue.FUSED_CALL_CANDIDATES]
+
+
+def test_the_cache_is_complete_for_a_legacy_epilogue_with_its_pass_and_a_fused_call_row():
+    legacy = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
+    check = lambda rows: tuner.complete(rows, [KEY], "measure", None, True, False, RELU)  # noqa: E731
+    assert tuner.complete(legacy, [KEY], "measure", None, True, False) and not check(legacy)
+    assert not check(legacy + [row(RELU, 0.01, method=EPILOGUE_METHOD)])
+    assert not check(legacy + [row("gemm+bias+relu", 0.01)])
+    assert check(legacy + [row(RELU, 0.01, method=EPILOGUE_METHOD), row("gemm+bias+relu", None, status="unsupported")])
+    # no legacy algorithm ran for the key: the pass row alone completes it
+    none_ok = [row(a, None, status="unsupported") for a in algo_names("fwd")] + [row("implicit_gemm", None, method="heuristic", hr=0)]
+    assert check(none_ok + [row(RELU, 0.01, method=EPILOGUE_METHOD)])
+
+
+def test_a_cache_with_every_bare_row_gets_only_the_epilogue_measured(monkeypatch):
+    from convpass.tune import harness
+
+    seen = []
+    monkeypatch.setattr(harness, "warm_clocks", lambda: None)
+    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(): seen.append((legacy, fusion)) or [])
+    have = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
+    tuner.measure_problem(PROBLEM, OPTIONS, have)  # bare rows cached: the epilogue only (legacy=True: nothing to skip with one space)
+    tuner.measure_problem(PROBLEM, OPTIONS, have + [row(RELU, 0.01, method=EPILOGUE_METHOD), row("gemm+bias+relu", 0.01)])
+    assert seen == [(True, RELU), (True, "")]
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuner's rows (NumPy stand-ins)
+
+@pytest.fixture
+def bench(monkeypatch):
+    from convpass import cudnn
+    from convpass.runtime.cuda import convolution
+    from convpass.tune import harness
+
+    timings: list[float] = []
+
+    def time_launches(launch, sets, best_ms=None, **_):
+        launch(0)
+        ms = timings.pop(0)
+        return harness.Timing(ms, 10, 0.0, early_stop=best_ms is not None and ms > 4 * best_ms)
+
+    def fused_call(descs, algo, x, w, y, bias, z=None, activation="relu", workspace=None):
+        if algo == "gemm":
+            raise cudnn.CudnnError(3000, "cudnnConvolutionBiasActivationForward")  # CUDNN_STATUS_NOT_SUPPORTED
+        if activation == "identity" and algo != "implicit_precomp_gemm":
+            raise ValueError("identity only with implicit_precomp_gemm")
+        v = x.sum() + bias.reshape(1, -1, 1, 1) + (0 if z is None else z)
+        y[...] = (np.maximum(v, 0) if activation == "relu" else v) + (1e3 if algo == "fft" else 0.0)  # fft: wrong
+
+    monkeypatch.setattr(harness, "time_launches", time_launches)
+    monkeypatch.setattr(cudnn, "conv_bias_activation_forward", fused_call)
+    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, handle, algo: 128)
+    monkeypatch.setattr(convolution, "apply_epilogue", lambda cp, y, b, relu, z=None: None)
+    bench = numpy_shape_bench(monkeypatch, SHAPE, maximum=np.maximum)
+    bench.timings = timings
+    return bench
+
+
+@pytest.mark.parametrize("name", epilogue.LEGACY)
+def test_a_legacy_epilogue_gets_its_pass_row_and_a_checked_row_per_fused_call(bench, name):
+    residual, relu = epilogue.parts(name)
+    bench.timings[:] = [0.004] + ([0.030] if relu else []) + [0.012]  # the pass, then the fused calls that run
+    rows = bench.measure_legacy_epilogue(None, KEY, name, ["implicit_gemm", "implicit_precomp_gemm", "gemm", "fft"], 0.010)
+    assert not bench.timings
+    by = {r.algo: r for r in rows}
+    assert by[name].method == EPILOGUE_METHOD and by[name].time_ms == 0.004
+    gemm_row = by[epilogue.fused_name("gemm", name)]
+    assert gemm_row.status == "unsupported" and gemm_row.algo.endswith(name)
+    assert by[epilogue.fused_name("fft", name)].status == ("wrong_result" if relu else "unsupported")
+    precomp = by[epilogue.fused_name("implicit_precomp_gemm", name)]
+    assert precomp.status == "ok" and precomp.time_ms == 0.012 and "in one cuDNN call" in precomp.note and precomp.workspace_bytes == 128
+    implicit = by[epilogue.fused_name("implicit_gemm", name)]
+    assert implicit.status == ("ok" if relu else "unsupported")  # cuDNN's identity needs implicit_precomp_gemm
+    assert ("z" in bench.buffers(KEY.layout, 1)[0]) == residual
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuned model and the executor
+
+def test_a_tuned_model_records_the_fused_call_where_it_won(tmp_path):
+    model = _residual_model()  # c0: bias+relu, c1: bias+add+relu, one problem key
+    rows = [row("implicit_gemm", 0.020), row("implicit_gemm", None, "heuristic", hr=0),
+            row(RELU, 0.006, EPILOGUE_METHOD), row("implicit_gemm+bias+relu", 0.010),  # c0: fused 0.010 < 0.026
+            row("bias+add+relu", 0.008, EPILOGUE_METHOD), row("implicit_gemm+bias+add+relu", 0.040)]  # c1: 0.028 < 0.040
+    cache = TuningCache(tmp_path / "c.db")
+    cache.put(H200, rows)
+    cache.close()
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", device_name=str(H200), quiet=True, tf32="on", layout="nhwc", engines="legacy")
+    onnx.checker.check_model(tuned, full_check=True)
+    records = {r["node"]: r for r in convpass.inspect(tuned)}
+    assert {n: (r["algo"], r["fusion"], r["engine"]) for n, r in records.items()} == {
+        "c0": ("implicit_gemm", RELU, None), "c1": ("implicit_gemm", None, None)}
+    assert records["c0"]["time_ms"] == pytest.approx(0.010) and records["c1"]["time_ms"] == pytest.approx(0.028)  # conv + pass
+    info, _ = annotation.read_annotations(tuned)
+    assert info.schema_version == 5
+
+
+class _Rt:
+    def __init__(self):
+        self.cp, self.warned = None, []
+
+    def warn_node(self, node, message):
+        self.warned.append(message)
+
+
+def _exec(fused_call, algo="implicit_gemm"):
+    from convpass.runtime.cuda.convolution import ConvExec
+
+    return ConvExec("c1", "Conv", None, KEY, None, algo, 0, None, "recorded", fused_call=fused_call)
+
+
+@pytest.mark.parametrize("fused_call,relu,residual,activation,warns", [
+    (RELU, True, False, "relu", False),  # recorded fused call: cuDNN's fused call
+    ("bias", False, False, "identity", False),
+    ("bias+add+relu", True, True, "relu", False),
+    ("", True, False, None, False),  # recorded unfused: the conv, then one pass
+    (RELU, True, True, None, True),  # the plan's step differs from what was timed: said once
+    (None, True, False, "relu", False),  # untuned: cuDNN's fused call, as frameworks run it
+    (None, False, False, None, False),  # untuned: identity only with implicit_precomp_gemm
+])
+def test_the_executor_runs_the_epilogue_the_way_the_decision_recorded(fused_call, relu, residual, activation, warns):
+    from convpass.runtime.cuda.convolution import Convolutions
+
+    rt = _Rt()
+    convs = Convolutions(rt)
+    got = convs._fused_activation(_exec(fused_call), object(), relu, object() if residual else None)
+    assert got == activation and bool(rt.warned) == warns
+    if warns:
+        assert "conv + bias+relu" in rt.warned[0] and "conv + bias+add+relu" in rt.warned[0]
