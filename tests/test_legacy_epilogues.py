@@ -6,6 +6,8 @@ timing invented), the annotation (schema 5) and the executor's use of the record
 from __future__ import annotations
 
 
+import types
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -298,3 +300,18 @@ def test_the_executor_runs_the_epilogue_the_way_the_decision_recorded(fused_call
     assert got == activation and bool(rt.warned) == warns
     if warns:
         assert "conv + bias+relu" in rt.warned[0] and "conv + bias+add+relu" in rt.warned[0]
+
+
+def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
+    """A legacy epilogue belongs to the legacy call: an engine recorded beside one (an edited model)
+    is the bare conv's configuration, not a fused graph cuDNN's graph API has no name for."""
+    from convpass.runtime.conv import ConvCall
+    from convpass.runtime.cuda.convolution import Convolutions
+
+    seen = []
+    monkeypatch.setattr(Convolutions, "_engine_plan",
+                        lambda self, node, key, config: seen.append(config) or types.SimpleNamespace(config=config, workspace_bytes=0))
+    geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
+    decision = annotation.ConvDecision(algo="implicit_gemm", engine="eng5", fusion=RELU)
+    ex = Convolutions(_Rt())._engine_exec(ConvCall("c1", geometry, decision), decision, KEY)
+    assert ex is not None and [c.fusion for c in seen] == [""] and ex.fused_call is None

@@ -197,7 +197,7 @@ def test_an_engine_that_cannot_be_built_warns_and_runs_the_legacy_algorithm(tmp_
     tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines="legacy")
     legacy_algo = convpass.inspect(tuned)[0]["algo"]
     for node in tuned.graph.node:
-        if annotation.is_annotated_conv(node):
+        if annotation.is_annotated_conv(node):  # beside whatever legacy epilogue its decision fused
             node.attribute.append(onnx.helper.make_attribute("engine", "eng99999"))
     x = np.random.default_rng(2).standard_normal((2, 16, 14, 14)).astype(np.float32)
     from convpass.runtime.cuda import ExecutorWarning
@@ -277,8 +277,10 @@ def test_a_fused_engine_without_its_epilogue_in_the_plan_runs_the_legacy_algorit
     model = silu_model((2, 16, 12, 12))
     tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines="legacy")
     for node in tuned.graph.node:
-        if node.name == "expand":
-            node.attribute.extend([onnx.helper.make_attribute("engine", "eng0"), onnx.helper.make_attribute("fusion", "bias+swish")])
+        if node.name == "expand":  # its legacy decision may carry a legacy epilogue: replaced
+            kept = [a for a in node.attribute if a.name not in ("engine", "fusion")]
+            del node.attribute[:]
+            node.attribute.extend(kept + [onnx.helper.make_attribute("engine", "eng0"), onnx.helper.make_attribute("fusion", "bias+swish")])
     x = np.random.default_rng(7).standard_normal((2, 16, 12, 12)).astype(np.float32)
     with pytest.warns(ExecutorWarning, match=r"fused graph conv \+ bias\+swish, which this plan does not run fused"):
         outs = Executor(tuned, device=CudaBackend(fuse=False)).run(None, {"x": x})

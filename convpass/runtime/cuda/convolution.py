@@ -209,7 +209,8 @@ class Convolutions:
             self.mismatch_nodes.append(node)
             return self.heuristic_exec(call, "fallback", f"tuned on {self.rt.recorded_device}", math)
         key, why = self._recorded_key(d, g)
-        if key is not None and d.engine and d.fusion and d.fusion != fusion:
+        graph_fusion = "" if is_legacy(d.fusion) else d.fusion  # a legacy epilogue belongs to the legacy call, not an engine
+        if key is not None and d.engine and graph_fusion and graph_fusion != fusion:
             instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
             if fusion is None:  # the op-by-op run that records the plan: its plan runs the engine
                 logger.debug("node %r: run op by op: %s instead of the fused engine %r", node, instead, d.engine)
@@ -249,7 +250,7 @@ class Convolutions:
         try:
             if g.op_type != "Conv":
                 raise graph_api.GraphApiError(f"engines run forward convolutions, not {g.op_type}")
-            plan = self._engine_plan(call.node_name, key, graph_api.EngineConfig.parse(d.engine, d.fusion))
+            plan = self._engine_plan(call.node_name, key, graph_api.EngineConfig.parse(d.engine, "" if is_legacy(d.fusion) else d.fusion))
         except (graph_api.GraphApiError, ValueError) as e:
             instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: recorded cuDNN graph-API engine {d.engine!r} is not usable here ({first_line(e)}); running {instead} instead")
