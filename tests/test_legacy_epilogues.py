@@ -315,3 +315,16 @@ def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
     decision = annotation.ConvDecision(algo="implicit_gemm", engine="eng5", fusion=RELU)
     ex = Convolutions(_Rt())._engine_exec(ConvCall("c1", geometry, decision), decision, KEY)
     assert ex is not None and [c.fusion for c in seen] == [""] and ex.fused_call is None
+
+
+@pytest.mark.parametrize("engine,fusion,complaint", [
+    ("", RELU, None), ("", "", None), ("eng5", "bias+swish", None),
+    ("", "bias+gelu", "names no legacy epilogue"), ("", "bias+swish", "names no legacy epilogue"),
+    ("eng5", RELU, "is a legacy fused call, not a graph of engine 'eng5'"),
+])
+def test_a_recorded_fusion_that_cannot_be_run_is_said(engine, fusion, complaint):
+    """The executor warns (naming the node) about a fusion it cannot run as recorded; see odd_fusion."""
+    from convpass.runtime.cuda.convolution import odd_fusion
+
+    got = odd_fusion(annotation.ConvDecision(algo="implicit_gemm", engine=engine, fusion=fusion))
+    assert (got is None) if complaint is None else (complaint in got), got

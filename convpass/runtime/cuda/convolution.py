@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from convpass import annotation, kernel_file
-from convpass.epilogue import is_legacy, legacy_name
+from convpass.epilogue import LEGACY, is_legacy, legacy_name
 from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.runtime import conv as conv_kernels
 from convpass.runtime.conv import ConvCall, ConvGeometry
@@ -143,7 +143,7 @@ def _same_device(recorded: str, current: Any) -> bool:
 class Convolutions:
     """The conv state of one backend: descriptors, resolved executions, converted weights, the
     workspace arena. ``rt`` is the backend: ``cp``, ``fuse``, ``counters``, ``is_constant(a)``,
-    ``warn_node(node, message)``, ``capturing``, and the device check (``recorded_device``,
+    ``warn_node(node, message)``, ``note_once(tag, message)``, ``capturing``, and the device check (``recorded_device``,
     ``current_device``)."""
 
     def __init__(self, rt: Any) -> None:
@@ -209,6 +209,9 @@ class Convolutions:
             self.mismatch_nodes.append(node)
             return self.heuristic_exec(call, "fallback", f"tuned on {self.rt.recorded_device}", math)
         key, why = self._recorded_key(d, g)
+        odd = odd_fusion(d)
+        if odd:  # its own tag: the node's one warning may still be needed for what runs instead
+            self.rt.note_once(f"fusion:{node}", f"node {node!r}: {odd}")
         graph_fusion = "" if is_legacy(d.fusion) else d.fusion  # a legacy epilogue belongs to the legacy call, not an engine
         if key is not None and d.engine and graph_fusion and graph_fusion != fusion:
             instead = f"the recorded legacy algorithm {d.algo!r}" if d.algo != annotation.AUTO else "cuDNN's heuristic choice"
@@ -651,6 +654,20 @@ def _same_order(a: Any, layout: str) -> bool:
     if layout == "nhwc":
         return st[1] == 1
     return all(st[1] >= st[k] for k in range(2, a.ndim))
+
+
+def odd_fusion(d: annotation.ConvDecision) -> str | None:
+    """What is wrong with a decision's recorded ``fusion`` (an edited or damaged model), or None:
+    without an engine it must name a legacy epilogue; beside an engine, not one."""
+    if not d.fusion:
+        return None
+    if not d.engine and not is_legacy(d.fusion):
+        return (f"recorded fusion {d.fusion!r} names no legacy epilogue ({', '.join(LEGACY)}) and no engine records it: "
+                "running the conv, then its epilogue as one pass")
+    if d.engine and is_legacy(d.fusion):
+        return (f"recorded fusion {d.fusion!r} is a legacy fused call, not a graph of engine {d.engine!r}: "
+                "the engine runs the bare conv, then its epilogue as one pass")
+    return None
 
 
 def describe_exec(ex: Any) -> str:
