@@ -32,6 +32,7 @@ from convpass.device import DeviceFingerprint
 from convpass.options import TuneOptions
 from convpass.passes.collect_conv_problems import ConvProblem
 from convpass.problem import ProblemKey
+from convpass.runtime.cuda.depthwise import is_own
 
 if TYPE_CHECKING:
     from convpass.cache import Measurement, TuningCache
@@ -154,9 +155,10 @@ def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = (
 
 
 def legacy_fallback(rows: Iterable["Measurement"], key: ProblemKey) -> str | None:
-    """The legacy algorithm nearest to a graph-API engine chosen for ``key``: the fastest legacy
-    algorithm measured for the same key, else cuDNN's heuristic first choice; None without either."""
-    same = [m for m in rows if m.key == key and m.status == "ok" and not is_engine(m.algo) and not fusion_of(m.algo)]
+    """The legacy algorithm nearest to a graph-API engine chosen for ``key``: the fastest cuDNN
+    legacy algorithm measured for the same key, else cuDNN's heuristic first choice; None without
+    either."""
+    same = [m for m in rows if m.key == key and m.status == "ok" and not is_engine(m.algo) and not is_own(m.algo) and not fusion_of(m.algo)]
     timed = [m for m in same if m.method == "measure" and m.time_ms is not None]
     if timed:
         return min(timed, key=lambda m: (m.time_ms, m.algo)).algo

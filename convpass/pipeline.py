@@ -31,6 +31,7 @@ from convpass.passes.collect_conv_problems import CollectConvProblemsPass, ConvP
 from convpass.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.passes.plan_layouts import plan_layouts
 from convpass.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
+from convpass.runtime.cuda.depthwise import is_own
 
 logger = logging.getLogger("convpass")
 
@@ -61,6 +62,7 @@ class OptimizeReport:
     decisions_recorded: int = 0
     engine_decisions: int = 0
     fused_decisions: int = 0  # decisions whose epilogue runs fused into the conv's call (legacy fused call or fused graph)
+    own_kernel_decisions: int = 0  # decisions that run convpass's own kernel (runtime.cuda.depthwise)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -163,6 +165,7 @@ def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
             report.decisions_recorded += len(values(node.attributes.get("algo")))
             report.engine_decisions += sum(1 for v in values(node.attributes.get("engine")) if v)
             report.fused_decisions += sum(1 for v in values(node.attributes.get("fusion")) if v)
+            report.own_kernel_decisions += sum(1 for v in values(node.attributes.get("algo")) if is_own(v))
 
 
 def optimize_model(
@@ -288,6 +291,9 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
             console.print("  every decision came from the tuning cache: nothing was timed")
     if report.engine_decisions:
         console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine")
+    if report.own_kernel_decisions:
+        console.print(f"  {report.own_kernel_decisions} of {report.decisions_recorded} conv decisions run convpass's own depthwise kernel "
+                      "(measured faster than every cuDNN algorithm)")
     if report.fused_decisions:
         console.print(f"  {report.fused_decisions} of {report.decisions_recorded} conv decisions run their epilogue fused into the conv's call "
                       "(the rest: the conv, then one element-wise pass)")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -306,3 +309,35 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     sets = [dict(bench._base)]
     bench.buffers = lambda layout, count: sets
     return bench
+
+
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+_SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+using std::min; using std::max;
+struct Dim3 { unsigned x, y, z; };
+static Dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
+#define __shfl_xor_sync(mask, v, o) (v)
+#define __syncthreads()
+"""
+
+
+def host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
+    """A CUDA kernel source whose kernels need no warp or block cooperation, compiled as host C++
+    (``__global__`` and friends defined away; launch it as one thread that strides over all work)."""
+    if CXX is None:
+        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"'))
+    lib = tmp_path / f"lib{name}.so"
+    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))

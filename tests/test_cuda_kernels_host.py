@@ -19,49 +19,20 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import host_library
 from convpass.runtime.cuda import pooling, tensor_ops
 from convpass.runtime.executor import Executor
 from convpass.runtime.ops_nn import _pool_geometry, resize_arguments, resize_geometry
 from convpass.runtime.registry import NodeInfo, decode_attributes, lookup
 
-CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-
-_SHIM = r"""
-#include <cmath>
-#include <cstring>
-#include <algorithm>
-using std::min; using std::max;
-struct Dim3 { unsigned x, y, z; };
-static Dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __shared__ static
-static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
-#define __shfl_xor_sync(mask, v, o) (v)
-#define __syncthreads()
-"""
-
-
-def _host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
-    if CXX is None:
-        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
-    src = tmp_path / f"{name}.cpp"
-    src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"'))
-    lib = tmp_path / f"lib{name}.so"
-    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
-    return ctypes.CDLL(str(lib))
-
-
 @pytest.fixture(scope="module")
 def pool_lib(tmp_path_factory):
-    return _host_library(tmp_path_factory.mktemp("pool"), pooling.source(np.float32).code, "pool")
+    return host_library(tmp_path_factory.mktemp("pool"), pooling.source(np.float32).code, "pool")
 
 
 @pytest.fixture(scope="module")
 def resize_lib(tmp_path_factory):
-    return _host_library(tmp_path_factory.mktemp("resize"), tensor_ops.source(np.float32).code, "resize")
+    return host_library(tmp_path_factory.mktemp("resize"), tensor_ops.source(np.float32).code, "resize")
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:

@@ -189,11 +189,11 @@ def test_a_cache_with_every_bare_row_gets_only_the_epilogue_measured(monkeypatch
 
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(): seen.append((legacy, fusion)) or [])
+    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, fusion)) or [])
     have = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
-    tuner.measure_problem(PROBLEM, OPTIONS, have)  # bare rows cached: the epilogue only (legacy=True: nothing to skip with one space)
+    tuner.measure_problem(PROBLEM, OPTIONS, have)  # bare rows cached: the epilogue only
     tuner.measure_problem(PROBLEM, OPTIONS, have + [row(RELU, 0.01, method=EPILOGUE_METHOD), row("gemm+bias+relu", 0.01)])
-    assert seen == [(True, RELU), (True, "")]
+    assert seen == [(False, RELU), (False, "")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -338,6 +338,7 @@ def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | 
         "undecided": rep.undecided,
         "engine_decisions": rep.engine_decisions,
         "fused_decisions": rep.fused_decisions,
+        "own_kernel_decisions": rep.own_kernel_decisions,
         "all_cached": bool(rep.measured == 0 and (rep.cached or 0) > 0),
         "backend": rep.backend,
         "decisions": decision_summary(records),

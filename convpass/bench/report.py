@@ -884,6 +884,8 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
         extra = f"; {t['undecided']} left to run time (auto)"
     if t.get("engine_decisions"):
         extra += f"; {t['engine_decisions']} run a cuDNN graph-API engine"
+    if t.get("own_kernel_decisions"):
+        extra += f"; {t['own_kernel_decisions']} run convpass's own depthwise kernel"
     if t.get("fused_decisions"):
         extra += f"; {t['fused_decisions']} run their epilogue fused into the conv's call"
     tuning = t.get("tuning_s")

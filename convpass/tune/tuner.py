@@ -45,6 +45,7 @@ from convpass.errors import OptionError
 from convpass.options import TuneOptions
 from convpass.passes.collect_conv_problems import ConvProblem
 from convpass.problem import ConvShape, ProblemKey
+from convpass.runtime.cuda import depthwise
 from convpass.tune import harness
 
 logger = logging.getLogger("convpass")
@@ -179,20 +180,25 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     strategy, forced = options.strategy(problem.direction)
     harness.warm_clocks()
     legacy, engines = spaces(problem, options)
+    own = own_space(problem, options, legacy)
     fusion = problem.fusion if engines or epilogue.is_legacy(problem.fusion) else ""
+    own_fusion = problem.fusion if epilogue.is_legacy(problem.fusion) else ""
     keys = candidate_keys(problem, options)
     have = list(have)
     best = None
     legacy_fusion = legacy and epilogue.is_legacy(fusion)
-    if legacy and engines and complete(have, keys, strategy, forced, legacy=True, engines=False):
+    if legacy and complete(have, keys, strategy, forced, legacy=True, engines=False):
         legacy = False
-        if complete(have, keys, strategy, forced, legacy=False, engines=True):
+        if engines and complete(have, keys, strategy, forced, legacy=False, engines=True):
             engines = False
         timed = [m.time_ms for m in have if m.key in keys and m.status == "ok" and m.method == "measure" and m.time_ms]
         best = min(timed, default=None)
     if legacy_fusion and complete(have, keys, strategy, forced, legacy=False, engines=False, fusion=fusion):
         legacy_fusion = False
-    return _measure(problem, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have)
+    if own and own_complete(have, keys, own_fusion):
+        own = False
+    return _measure(problem, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have,
+                    own=own, own_fusion=own_fusion)
 
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
@@ -201,7 +207,31 @@ def problem_complete(rows: list[Measurement], problem: ConvProblem, options: Tun
     strategy, forced = options.strategy(problem.direction)
     legacy, engines = spaces(problem, options)
     fusion = problem.fusion if (engines and not epilogue.is_legacy(problem.fusion)) or (legacy and epilogue.is_legacy(problem.fusion)) else ""
-    return complete(rows, candidate_keys(problem, options), strategy, forced, legacy, engines, fusion)
+    keys = candidate_keys(problem, options)
+    own_fusion = problem.fusion if epilogue.is_legacy(problem.fusion) else ""
+    return (complete(rows, keys, strategy, forced, legacy, engines, fusion)
+            and (not own_space(problem, options, legacy) or own_complete(rows, keys, own_fusion)))
+
+
+def own_space(problem: ConvProblem, options: TuneOptions, legacy: bool = True) -> bool:
+    """Whether convpass's own kernels (:mod:`convpass.runtime.cuda.depthwise`) are timed for a
+    problem: by the measure strategy, with the legacy space (they run where cuDNN's legacy
+    algorithms do), where a geometry of the problem has a candidate."""
+    strategy, _ = options.strategy(problem.direction)
+    return strategy == "measure" and legacy and any(depthwise.candidates(shape) for shape in problem.candidates)
+
+
+def own_complete(rows: Sequence[Measurement], keys: Sequence[ProblemKey], fusion: str = "") -> bool:
+    """Whether ``rows`` hold every own-kernel candidate of ``keys`` and, for a legacy epilogue
+    ``fusion``, the fastest one's fused row (where one of them ran)."""
+    for key in keys:
+        timed = {m.algo: m for m in rows if m.key == key and m.method == "measure"}
+        if not set(depthwise.candidates(key.shape)) <= set(timed):
+            return False
+        ran = any(depthwise.is_own(a) and not fusion_of(a) and m.status == "ok" for a, m in timed.items())
+        if fusion and ran and not any(depthwise.is_own(a) and fusion_of(a) == fusion for a in timed):
+            return False
+    return True
 
 
 _warned_no_graph_api: set[str] = set()
@@ -229,11 +259,13 @@ def spaces(problem: ConvProblem, options: TuneOptions) -> tuple[bool, bool]:
 
 
 def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
-             engines: bool = False, best: float | None = None, fusion: str = "", have: Sequence[Measurement] = ()) -> list[Measurement]:
+             engines: bool = False, best: float | None = None, fusion: str = "", have: Sequence[Measurement] = (),
+             own: bool = False, own_fusion: str = "") -> list[Measurement]:
     """Every row of the problem's ``keys`` this call is asked for: the legacy algorithms, the
-    graph-API engines, and the epilogue ``fusion`` (a legacy one: its pass and the fused calls of
+    graph-API engines, the epilogue ``fusion`` (a legacy one: its pass and the fused calls of
     the fastest legacy algorithms timed here or in ``have``; a graph-API one: its activation pass
-    and fused graphs)."""
+    and fused graphs), and with ``own`` convpass's own kernels (bare, and the fastest with the
+    legacy epilogue ``own_fusion``)."""
     from convpass.cudnn import ConvDescriptors, find, heuristic
 
     rows: list[Measurement] = []
@@ -279,6 +311,10 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                 if epilogue.is_legacy(fusion):
                     algos = fused_call_candidates([*rows, *have], key)
                     rows.extend(bench.measure_legacy_epilogue(descs, key, fusion, algos, best))
+            if own:
+                for row in bench.measure_own(key, own_fusion, best, [*rows, *have]):
+                    rows.append(row)
+                    best = _best_after(best, row) if not fusion_of(row.algo) else best
             if engines:
                 for row in bench.measure_engines(key, best):
                     rows.append(row)
@@ -294,7 +330,7 @@ def fused_call_candidates(rows: Sequence[Measurement], key: ProblemKey) -> list[
     :data:`convpass.epilogue.FUSED_CALL_CANDIDATES` fastest bare ones timed in full."""
     timed = {m.algo: m.time_ms for m in rows
              if m.key == key and m.method == "measure" and m.status == "ok" and m.time_ms is not None
-             and not is_engine(m.algo) and not fusion_of(m.algo) and "early stop" not in m.note}
+             and not is_engine(m.algo) and not depthwise.is_own(m.algo) and not fusion_of(m.algo) and "early stop" not in m.note}
     return sorted(timed, key=lambda a: (timed[a], a))[:epilogue.FUSED_CALL_CANDIDATES]
 
 
@@ -529,6 +565,58 @@ class _ShapeBench:
             rows.append(self._measure_fused_call(descs, key, algo, name, best_ms))
             best_ms = _best_after(best_ms, rows[-1])
         return rows
+
+    def measure_own(self, key: ProblemKey, fusion: str, best_ms: float | None, have: Sequence[Measurement] = ()) -> list[Measurement]:
+        """convpass's own kernels for ``key`` (:func:`convpass.runtime.cuda.depthwise.candidates`),
+        checked and timed like the legacy algorithms; then, with a legacy epilogue ``fusion``, the
+        fastest of them (timed here or in ``have``) with the epilogue in the kernel. Candidates
+        already in ``have`` are not timed again."""
+        done = {m.algo for m in have if m.key == key and m.method == "measure"}
+        rows = []
+        for algo in depthwise.candidates(key.shape):
+            if algo not in done:
+                rows.append(self._measure_own(key, algo, "", best_ms))
+                best_ms = _best_after(best_ms, rows[-1])
+        bare = [m for m in [*rows, *have] if m.key == key and m.method == "measure" and m.status == "ok" and m.time_ms is not None
+                and depthwise.is_own(m.algo) and not fusion_of(m.algo) and "early stop" not in m.note]
+        if epilogue.is_legacy(fusion) and bare:
+            fastest = min(bare, key=lambda m: (m.time_ms, m.algo)).algo
+            if epilogue.fused_name(fastest, fusion) not in done:
+                rows.append(self._measure_own(key, fastest, fusion, None))
+        return rows
+
+    def _measure_own(self, key: ProblemKey, algo: str, fusion: str, best_ms: float | None) -> Measurement:
+        """One own kernel, bare or with the legacy epilogue ``fusion`` in it."""
+        import cupy as cp
+
+        now = time.time()
+        name = epilogue.fused_name(algo, fusion) if fusion else algo
+        try:
+            kernel = depthwise.DepthwiseKernel.of(algo, key.shape, key.layout)
+            kernel.build(cp)
+        except Exception as e:  # noqa: BLE001  (a shape it refuses, or a compiler error: not a candidate here)
+            return _row(key, name, "unsupported", None, 0, True, now, "measure", note=str(e).splitlines()[0])
+        try:
+            sets = self.buffers(key.layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
+            bias, expected, residual, relu = None, None, False, False
+            if fusion:
+                residual, relu = epilogue.parts(fusion)
+                bias = self._bias_and_residuals(key, residual, sets)
+                expected = self.reference() + harness.to_float32(bias, key.shape.dtype).reshape((1, -1) + (1,) * len(key.shape.spatial))
+                if residual:
+                    expected = expected + harness.to_float32(sets[0]["z"], key.shape.dtype)
+                if relu:
+                    expected = cp.maximum(expected, 0)
+
+            def launch(b: dict, workspace: Any) -> None:
+                kernel(cp, b["x"], b["w"], b["y"], bias, b["z"] if residual else None, relu)
+
+            row = self._checked_and_timed(key, name, 0, True, now, best_ms, launch, capture_required=True, expected=expected)
+        except cp.cuda.memory.OutOfMemoryError as e:
+            return _row(key, name, "oom", None, 0, True, now, "measure", note=str(e).splitlines()[0])
+        if row.status == "ok":
+            row = dataclasses.replace(row, note=f"{row.note}; convpass's own kernel{f', {fusion} in it' if fusion else ''}")
+        return row
 
     def _bias_and_residuals(self, key: ProblemKey, residual: bool, sets: list[dict]) -> Any:
         """The bias of the epilogue timings (``(K,)``), and with ``residual`` a ``z`` in every set."""

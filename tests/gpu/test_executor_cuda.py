@@ -594,3 +594,77 @@ def test_panel_model(name, precision, tmp_path):
     for i in range(3):
         _check_panel_outputs(ex.run(None, feeds), refs, tol, f"{name} {precision} run {i + 2}")
     assert ex.graph_status().captured, ex.graph_status().describe()
+
+
+def _depthwise_model() -> onnx.ModelProto:
+    """Depthwise convs the way MobileNets and ConvNeXt have them: 3x3 + bias + Relu, 5x5 stride 2 +
+    bias, 7x7 + bias + residual Add + Relu, and a 3x3 without bias written into a Concat slice."""
+    rng = np.random.default_rng(11)
+    c = 16
+
+    def w(name, k):
+        return numpy_helper.from_array((rng.standard_normal((c, 1, k, k)) * 0.2).astype(np.float32), name)
+
+    def b(name):
+        return numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w3", "b3"], ["y3"], name="dw3", group=c, pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["y3"], ["r3"], name="relu3"),
+        helper.make_node("Conv", ["r3", "w5", "b5"], ["out5"], name="dw5s2", group=c, pads=[2, 2, 2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["r3", "w7", "b7"], ["y7"], name="dw7", group=c, pads=[3, 3, 3, 3]),
+        helper.make_node("Add", ["y7", "r3"], ["s7"], name="add7"),
+        helper.make_node("Relu", ["s7"], ["r7"], name="relu7"),
+        helper.make_node("Conv", ["r7", "wc"], ["yc"], name="dwcat", group=c, pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["yc", "r7"], ["cat"], name="cat", axis=1),
+    ]
+    graph = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, c, 20, 20])],
+                              [helper.make_tensor_value_info("out5", TensorProto.FLOAT, None), helper.make_tensor_value_info("cat", TensorProto.FLOAT, None)],
+                              [w("w3", 3), b("b3"), w("w5", 5), b("b5"), w("w7", 7), b("b7"), w("wc", 3)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_own_depthwise_kernels_are_tuned_checked_and_run_as_recorded(layout, tmp_path):
+    """The tuner times convpass's depthwise kernel beside cuDNN (every variant checked against the
+    reference, the fastest also with its epilogue); with the kernel recorded for every conv
+    (its rows made fastest in the cache), the executor runs it, in one CUDA graph, with the
+    epilogues where they were recorded, and matches ONNX Runtime."""
+    import dataclasses
+
+    from convpass.cache import TuningCache
+    from convpass.device import detect
+    from convpass.epilogue import fusion_of
+    from convpass.problem import ProblemKey
+    from convpass.runtime.cuda import CudaBackend
+    from convpass.runtime.cuda.depthwise import is_own
+
+    model = _depthwise_model()
+    db = tmp_path / "c.db"
+    first_tuning = convpass.optimize(model, cache=db, quiet=True, tf32="on", engines="legacy", layout=layout)
+    device = detect()
+    with TuningCache(db) as cache:
+        shapes = {ProblemKey.parse(r["problem_key"]).shape for r in convpass.inspect(first_tuning)}
+        rows = [m for s in shapes for m in cache.get(device, s)]
+        own = [m for m in rows if is_own(m.algo)]
+        assert {m.key.shape for m in own} == shapes
+        assert all(m.status == "ok" for m in own), [(m.algo, m.status, m.note) for m in own if m.status != "ok"]
+        assert {fusion_of(m.algo) for m in own} >= {"", "bias+relu", "bias", "bias+add+relu"}
+        cache.put(device, [dataclasses.replace(m, time_ms=1e-6) for m in own])  # now the fastest everywhere
+    tuned = convpass.optimize(model, cache=db, quiet=True, tf32="on", engines="legacy", layout=layout)
+    records = {r["node"]: r for r in convpass.inspect(tuned)}
+    assert all(is_own(r["algo"]) for r in records.values()), records
+    assert {n: r["fusion"] for n, r in records.items()} == {"dw3": "bias+relu", "dw5s2": "bias", "dw7": "bias+add+relu", "dwcat": None}
+    x = np.random.default_rng(12).standard_normal((2, 16, 20, 20)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _ExecutorWarning())  # a recorded kernel that cannot run would warn
+        ex = Executor(tuned, device=CudaBackend())
+        first = ex.run(None, {"x": x})  # eager warm-up, then capture
+        counters = dict(ex._backend.counters)
+        outs = [ex.run(None, {"x": x}) for _ in range(2)][-1]  # replayed
+    assert ex.graph_status().captured, ex.graph_status().describe()
+    assert counters.get("own_kernel_calls", 0) >= 4 and not counters.get("cudnn_calls"), counters
+    assert counters.get("fused_relu") and counters.get("fused_identity") and counters.get("fused_residual_relu"), counters
+    refs = run_ort(model, {"x": x})
+    _check_against(first, refs, FMA_TOL, f"own depthwise kernels ({layout})")
+    _check_against(outs, refs, FMA_TOL, f"own depthwise kernels, replayed ({layout})")

@@ -317,3 +317,32 @@ def test_an_uncapturable_op_is_named_and_the_rest_replays_as_graphs():
     x2 = rng.standard_normal(6).astype(np.float32)
     (want2,) = Executor(model, device="cpu").run(None, {"x": x2})
     np.testing.assert_allclose(ex.run(None, {"x": x2})[0], want2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("kernel,stride,dilation", [(3, 1, 1), (3, 2, 1), (5, 2, 1), (7, 1, 1), (3, 1, 2)])
+def test_own_depthwise_kernel_matches_cudnn(kernel, stride, dilation, layout, dtype):
+    """convpass's depthwise kernel, every variant the tuner times, against cuDNN's deterministic
+    FMA algorithm on the same inputs (float16: both accumulate in float32)."""
+    from convpass import cudnn
+    from convpass.problem import ConvShape
+    from convpass.runtime.cuda.depthwise import DepthwiseKernel, candidates
+
+    pad = dilation * (kernel // 2)
+    shape = ConvShape("fwd", 3, 24, 24, (17, 19), (kernel, kernel), (pad, pad), (stride, stride), (dilation, dilation), groups=24, dtype=dtype)
+    rng = np.random.default_rng(kernel * 10 + stride)
+    x = cudnn.as_layout(cp.asarray(rng.standard_normal(shape.x_shape).astype(dtype)), layout)
+    w = cudnn.as_layout(cp.asarray((rng.standard_normal(shape.w_shape) * 0.2).astype(dtype)), layout)
+    want = cudnn.empty_like_layout(shape.y_shape, dtype, layout)
+    with cudnn.ConvDescriptors(shape.key(layout, "fma")) as descs:
+        cudnn.run(descs, None, "implicit_gemm", x, w, want)
+    ref = cp.asnumpy(want).astype(np.float64)
+    assert candidates(shape)
+    for algo in candidates(shape):
+        y = cudnn.empty_like_layout(shape.y_shape, dtype, layout)
+        y.fill(np.nan)
+        DepthwiseKernel.of(algo, shape, layout)(cp, x, w, y)
+        got = cp.asnumpy(y).astype(np.float64)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < (2e-3 if dtype == "float16" else 1e-6), (algo, err)

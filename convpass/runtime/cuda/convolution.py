@@ -70,6 +70,7 @@ from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, 
 from convpass.runtime import conv as conv_kernels
 from convpass.runtime.conv import ConvCall, ConvGeometry
 from convpass.runtime.cuda.common import CaptureBreak, channels_last, elements, first_line, storage
+from convpass.runtime.cuda.depthwise import is_own
 from convpass.runtime.cuda.launch import Launch
 
 logger = logging.getLogger("convpass")
@@ -106,6 +107,7 @@ class ConvExec:
     fuse_residual_ok: bool = True
     strided_output_ok: bool = True
     engine: Any = None  # the graph-API EnginePlan when a recorded engine runs
+    kernel: Any = None  # convpass's own kernel (a depthwise.DepthwiseKernel) when a recorded one runs
     # how a legacy algorithm runs its step's epilogue (convpass.epilogue): None = not tuned, cuDNN's
     # fused call where it takes it; "" = recorded unfused (the conv, then one pass); a legacy
     # epilogue name = recorded fused into the call
@@ -228,7 +230,11 @@ class Convolutions:
                 return ex
             if d.algo == annotation.AUTO:
                 return self.heuristic_exec(call, "fallback", f"recorded engine {d.engine!r} not usable here", math)
-        if key is not None:
+        if key is not None and is_own(d.algo):
+            ex, why = self._own_exec(call, d, key, fusion)
+            if ex is not None:
+                return ex
+        elif key is not None:
             from convpass import cudnn
 
             try:
@@ -262,6 +268,23 @@ class Convolutions:
                       _insert_axis(g, key), "recorded", engine=plan)
         ex.strided_output_ok = False  # the plan was built for a packed output
         return ex
+
+    def _own_exec(self, call: ConvCall, d: annotation.ConvDecision, key: ProblemKey, fusion: str | None) -> tuple[ConvExec | None, str]:
+        """The exec of a recorded convpass kernel, built now (plan-compile time), or None and why
+        it cannot run here."""
+        from convpass.runtime.cuda.depthwise import DepthwiseKernel
+
+        g = call.geometry
+        try:
+            if g.op_type != "Conv":
+                raise ValueError(f"it computes Conv, not {g.op_type}")
+            kernel = DepthwiseKernel.of(d.algo, key.shape, key.layout)
+            kernel.build(self.cp)
+        except Exception as e:  # noqa: BLE001  (a name or shape it refuses, a compiler error)
+            return None, f"recorded kernel {d.algo!r} ({key.layout}) is not usable here: {first_line(e)}"
+        fused_call = d.fusion if is_legacy(d.fusion) and not d.engine else ""
+        return ConvExec(call.node_name, g.op_type, g, key, None, d.algo, 0, _insert_axis(g, key), "recorded", fused_call=fused_call,
+                        op_by_op=fusion is None, kernel=kernel), ""
 
     def _engine_plan(self, node: str, key: ProblemKey, config: Any) -> Any:
         """``config``'s plan for ``key``, one per problem and configuration: loaded from the
@@ -520,6 +543,8 @@ class Convolutions:
                 counters["layout_copies"] += 1
         if ex.engine is not None:
             return self._into(self._run_engine(ex, x4, wk, b, relu, z4, ws), out)
+        if ex.kernel is not None:
+            return self._run_own(ex, x4, wk, b, relu, z4, out)
         activation = self._fused_activation(ex, b, relu, z4) if b is not None and self.rt.fuse else None
         # Only cudnnConvolutionForward writes through a strided output descriptor: the fused bias +
         # activation call wrote packed rows into a Concat slice on an H200 (cuDNN 9.19), so a fused
@@ -595,6 +620,24 @@ class Convolutions:
         self.rt.counters["graph_api_calls"] += 1
         apply_epilogue(self.cp, y4, b, relu, z4)
         return y
+
+    def _run_own(self, ex: ConvExec, x4: Any, wk: Any, b: Any, relu: bool, z4: Any, out: Any) -> Any:
+        """``act(conv(x, w) + z + b)`` in convpass's own kernel: with the epilogue in the kernel
+        where the decision recorded that, else the bare kernel and one element-wise pass. Writes
+        straight into ``out`` (a Concat slice: the kernel takes any output strides)."""
+        from convpass import cudnn
+
+        direct = out is not None and ex.insert_axis is None
+        y = out if direct else cudnn.empty_like_layout(ex.geometry.output_shape, x4.dtype, ex.layout)
+        y4 = self._map(y, ex)
+        if b is not None and self._fused_activation(ex, b, relu, z4) is not None:
+            ex.kernel(self.cp, x4, wk, y4, self._bias(b), z4, relu)
+            self.rt.counters["fused_" + ("residual_" if z4 is not None else "") + ("relu" if relu else "identity")] += 1
+        else:
+            ex.kernel(self.cp, x4, wk, y4)
+            apply_epilogue(self.cp, y4, b, relu, z4)
+        self.rt.counters["own_kernel_calls"] += 1
+        return y if direct else self._into(y, out)
 
     def _strided_refused(self, ex: ConvExec, e: Exception, x: Any, w: Any, b: Any, relu: bool, out: Any) -> Any:
         if self.rt.capturing:
