@@ -9,7 +9,7 @@ back, timed with CUDA events (median of ``--batches`` groups of ``--reps`` repla
 checked against the first variant. A hand-written kernel stays the default only where it beats
 the library; this table is where that is shown.
 
-    python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7]
+    python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7] [--only TEXT]
 
 Prints one row per case and variant: median microseconds, effective bandwidth (input + output
 bytes / time), speedup over the op library, the relative error against it.
@@ -130,6 +130,11 @@ def cases() -> list[dict[str, Any]]:
         for c in out[-3:]:
             c["channels_last"] = cl
     pool("MaxPool 3x3/2 ceil_mode 32x64x112x112", "MaxPool", (32, 64, 112, 112), kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)
+    for shape in ((32, 96, 112, 112), (32, 480, 14, 14), (32, 1152, 7, 7)):  # EfficientNet-B0's squeeze-excitation inputs, batch 32
+        for cl in (False, True):
+            out.append({"name": f"GlobalAveragePool {'x'.join(map(str, shape))}{' nhwc' if cl else ''}", "family": "pooling", "shape": shape,
+                        "model": _model([N("GlobalAveragePool", ["x"], ["y"])], shape), "channels_last": cl, "reduces": True,
+                        "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
     c = 256
     bn = [_const(k, v) for k, v in (("s", 1 + 0.1 * rng.standard_normal(c)), ("b", rng.standard_normal(c)), ("m", rng.standard_normal(c)), ("v", 0.5 + rng.random(c)))]
     out.append({"name": "BatchNormalization+Relu 32x256x28x28", "family": "normalization", "shape": (32, c, 28, 28),
@@ -191,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batches", type=int, default=7)
+    ap.add_argument("--only", help="run only the cases whose name contains this text")
     args = ap.parse_args(argv)
     from convpass.runtime.cuda import unavailable_reason
 
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t0 = time.perf_counter()
     for case in cases():
+        if args.only and args.only not in case["name"]:
+            continue
         x = np.random.default_rng(1).standard_normal(case["shape"]).astype(np.float32)
         base = None
         results = []
@@ -218,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"variant": f"cuDNN {case['cudnn']}", "us": us, "labels": [], "rel_err": _rel(y, base[0]) if base else None})
             except Exception as e:  # noqa: BLE001
                 results.append({"variant": f"cuDNN {case['cudnn']}", "error": str(e).splitlines()[0]})
-        nbytes = 2 * int(np.prod(case["shape"])) * 4  # one read of the input, one write of an output of that size
+        # one read of the input, one write of an output of that size (a reduction's output: n x c)
+        nbytes = int(np.prod(case["shape"])) * 4 + (int(np.prod(case["shape"][:2])) if case.get("reduces") else int(np.prod(case["shape"]))) * 4
         for r in results:
             if "us" in r:
                 r["GBps"] = nbytes / (r["us"] * 1e-6) / 1e9

@@ -201,3 +201,18 @@ def test_kernel_sources_compile_for_hopper(family, tmp_path):
     assert "bytes spill stores" in done.stderr and all(
         line.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for line in done.stderr.splitlines() if "spill stores" in line
     ), done.stderr
+
+
+def test_global_pooling_walks_positions_as_one_strided_run():
+    """The global pooling kernel walks the spatial positions of one (n, c) as a single strided run:
+    packed channels-first (stride 1), channels-last and a channel slice of a Concat buffer (stride C),
+    never a spatial crop (then the launch packs the input first)."""
+    a = np.zeros((2, 6, 5, 7), np.float32)
+    last = np.zeros((2, 5, 7, 6), np.float32).transpose(0, 3, 1, 2)
+    concat_slice = np.zeros((2, 5, 7, 10), np.float32).transpose(0, 3, 1, 2)[:, 2:8]
+    assert pooling._flat_positions(a) == 1
+    assert pooling._flat_positions(last) == 6
+    assert pooling._flat_positions(concat_slice) == 10
+    assert pooling._flat_positions(a[:, :, 1:4, 2:6]) is None
+    assert pooling._flat_positions(np.zeros((2, 6, 9), np.float32)) == 1
+    assert pooling._flat_positions(np.zeros((2, 6, 1, 7), np.float32)[:, :, :, ::2]) == 2  # a size-1 dim imposes nothing

@@ -143,14 +143,22 @@ def test_window_pooling(op, shape, attrs, dtype, channels_last, prefer):
         ([N("GlobalAveragePool", ["x"], ["y"])], []),
         ([N("GlobalMaxPool", ["x"], ["y"])], []),
         ([N("ReduceMean", ["x", "axes"], ["y"], keepdims=1)], [_const("axes", [2, 3], np.int64)]),
+        ([N("ReduceMax", ["x", "axes"], ["y"], keepdims=1)], [_const("axes", [-1, -2], np.int64)]),
+        ([N("ReduceMean", ["x", "axes"], ["y"], keepdims=1)], [_const("axes", [1, 2], np.int64)]),  # not spatial: the op library
     ],
-    ids=["gap", "gmp", "reducemean"],
+    ids=["gap", "gmp", "reducemean", "reducemax", "reducemean-c-h"],
 )
-@pytest.mark.parametrize("shape", [(3, 40, 7, 7), (2, 24, 56, 56), (1, 1280, 7, 7)], ids=["7x7", "56x56", "c1280"])
+@pytest.mark.parametrize("shape", [(3, 40, 7, 7), (2, 24, 56, 56), (1, 1280, 7, 7), (2, 33, 1, 3)], ids=["7x7", "56x56", "c1280", "odd"])
 def test_global_pooling(nodes, inits, shape, dtype, channels_last):
+    """convpass's global pooling kernel (a warp per row channels-first, coalesced channel tiles
+    channels-last) against the NumPy op library; NaN propagates through the max."""
     model = _model(nodes, [("x", shape)], ["y"], dtype, inits, opset=18)
     x = (1 + np.random.default_rng(1).standard_normal(shape)).astype(dtype)
-    _check(model, {"x": x}, TOL[dtype] * 4, channels_last_input=channels_last)  # the op library: CuPy's reduction
+    spatial = nodes[0].op_type.startswith("Global") or list(numpy_helper.to_array(inits[0])) != [1, 2]
+    if nodes[0].op_type in ("GlobalMaxPool", "ReduceMax"):
+        x[0, 0, 0, 0] = np.nan
+    _check(model, {"x": x}, TOL[dtype] * 4, channels_last_input=channels_last,
+           expect_launch=f"{nodes[0].op_type} (kernel)" if spatial else None)
 
 
 # ---------------------------------------------------------------------------------------------

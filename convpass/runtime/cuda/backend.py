@@ -31,6 +31,7 @@ choice), ``"cudnn"`` or ``"kernel"``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -150,11 +151,12 @@ class CudaBackend(Backend):
         # Set to a list to profile eager runs: (launch label, op type of its node, start event, end event)
         # per launch run; the label says which kernel ran ("fused Sigmoid+Mul", "MaxPool (kernel)", ...).
         self.step_events: list[tuple[str, str, Any, Any]] | None = None
-        self.counters = {
+        # a Counter: a launch kind with no entry yet counts from 0 instead of failing the run
+        self.counters: collections.Counter[str] = collections.Counter({
             "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
             "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
-            **{fusion_counter(f): 0 for f in FUSIONS},
-        }
+            "own_kernel_calls": 0, **{fusion_counter(f): 0 for f in FUSIONS},
+        })
         with self._device:
             self.convs = Convolutions(self)
 

@@ -62,6 +62,7 @@ def _kernel_launch(rt: Any, plan: Any, i: int, host: Any) -> Any:
         lambda: normalization.lower_norm(plan, i, cp),
         lambda: normalization.lower_softmax(plan, i, cp),
         lambda: pooling.lower_pool(plan, i, cp, rt.pooling),
+        lambda: pooling.lower_global_pool(plan, i, cp, host),
         lambda: tensor_ops.lower_resize(plan, i, cp, host, rt.upload_constant),
     ):
         launch = lower()
@@ -77,6 +78,8 @@ def _sources(launch: Launch) -> list[compiler.KernelSource]:
         return [] if launch.use_cudnn else [normalization.source(dtype)]
     if isinstance(launch, pooling.PoolLaunch):
         return [] if launch.use_cudnn else [pooling.source(dtype)]
+    if isinstance(launch, pooling.GlobalPoolLaunch):
+        return [pooling.global_source(dtype)]
     if isinstance(launch, tensor_ops.ResizeLaunch):
         return [tensor_ops.source(dtype)]
     return []
