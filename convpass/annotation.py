@@ -23,7 +23,9 @@ Format (schema version 5)
                       backward-data algorithm of a ConvTranspose; ``"auto"`` = chosen at run time.
                       When ``engine`` is set, the legacy algorithm nearest to that engine (the
                       fastest measured for the same key, else cuDNN's heuristic first choice), which
-                      runs where the graph API cannot
+                      runs where the graph API cannot. It may also name convpass's own kernel
+                      (``convpass_depthwise_r8``: :mod:`convpass.runtime.cuda.depthwise`), which
+                      runs like a legacy algorithm, its ``fusion`` in the kernel
   ``engine``          (optional, schema 3) the cuDNN graph-API engine configuration that runs the
                       node, as cuDNN names its plans (``eng67_k2=16_k13=0``: engine id, then knob
                       id = value), of the graph ``y = conv(x, w)`` (the bias follows as its own

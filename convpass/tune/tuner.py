@@ -6,7 +6,8 @@ type allowed by the options):
 * cuDNN's heuristic ranking (``_v7``) is recorded for every configuration (it is also the baseline
   the summary compares against: its first choice in NCHW with default math, as frameworks run);
 * ``exhaustive`` mode adds cuDNN's own Find; ``measure`` mode (the default) times every algorithm
-  cuDNN supports with :mod:`convpass.tune.harness`; ``heuristic`` / ``exhaustive`` / forced modes
+  cuDNN supports with :mod:`convpass.tune.harness`, and convpass's own kernels where they apply
+  (:mod:`convpass.runtime.cuda.depthwise`: depthwise convs; :func:`own_space`); ``heuristic`` / ``exhaustive`` / forced modes
   time only the configuration they pick, so every recorded time comes from the same harness;
 * every timed algorithm is first run once and checked against a reference computed by a
   deterministic algorithm with FMA math (no TF32) on the same random inputs, within a tolerance that

@@ -9,7 +9,8 @@ One module per concern, dependencies one way (:mod:`.backend` is the only one th
 
 * :mod:`.lowering` — which kernel runs each plan step; :mod:`.memory` — Concat buffers;
   :mod:`.runner` — warm-up, capture, replay; :mod:`.launch` — the unit of a compiled plan;
-* kernel families: :mod:`.convolution` (cuDNN convolutions and their epilogues),
+* kernel families: :mod:`.convolution` (cuDNN convolutions and their epilogues), :mod:`.depthwise`
+  (convpass's own depthwise conv kernel, a tuning candidate beside cuDNN's algorithms),
   :mod:`.elementwise` (generated element-wise groups), :mod:`.normalization` (row-wise norms and
   softmax), :mod:`.pooling` (window and global pooling), :mod:`.tensor_ops` (Resize, Concat),
   :mod:`.blas` (capturable cuBLAS);

@@ -51,6 +51,12 @@ Decisions:
   are reported once as start-up compilation (:class:`~.common.StartupCompileWarning`), with why.
   An engine that cannot be built here (package missing, another cuDNN, refused) warns once,
   naming the node, and the recorded legacy ``algo`` runs instead.
+* convpass's own depthwise kernel (a decision whose ``algo`` names it:
+  :mod:`convpass.runtime.cuda.depthwise`) is built at plan-compile time (from the kernel side-car
+  when the model has one) and runs with the legacy epilogue in the kernel where the decision
+  recorded that, else the bare kernel and one pass; it writes into Concat slices directly. A name
+  or geometry it refuses, or a kernel that does not build, warns once naming the node and runs
+  cuDNN's heuristic choice.
 * Geometries cuDNN cannot express (``shapes == ()``) or dtypes it is not asked for (float64) run
   :func:`convpass.runtime.conv.conv_reference` over CuPy.
 """
