@@ -602,12 +602,7 @@ class _ShapeBench:
             bias, expected, residual, relu = None, None, False, False
             if fusion:
                 residual, relu = epilogue.parts(fusion)
-                bias = self._bias_and_residuals(key, residual, sets)
-                expected = self.reference() + harness.to_float32(bias, key.shape.dtype).reshape((1, -1) + (1,) * len(key.shape.spatial))
-                if residual:
-                    expected = expected + harness.to_float32(sets[0]["z"], key.shape.dtype)
-                if relu:
-                    expected = cp.maximum(expected, 0)
+                bias, expected = self._epilogue_inputs(key, fusion, sets)
 
             def launch(b: dict, workspace: Any) -> None:
                 kernel(cp, b["x"], b["w"], b["y"], bias, b["z"] if residual else None, relu)
@@ -618,6 +613,18 @@ class _ShapeBench:
         if row.status == "ok":
             row = dataclasses.replace(row, note=f"{row.note}; convpass's own kernel{f', {fusion} in it' if fusion else ''}")
         return row
+
+    def _epilogue_inputs(self, key: ProblemKey, name: str, sets: list[dict]) -> tuple[Any, Any]:
+        """The bias of a legacy epilogue's timings (and its residual in every set), and what the
+        conv with that epilogue must give on set 0: ``act(reference + b + z)``."""
+        import cupy as cp
+
+        residual, relu = epilogue.parts(name)
+        bias = self._bias_and_residuals(key, residual, sets)
+        expected = self.reference() + harness.to_float32(bias, key.shape.dtype).reshape((1, -1) + (1,) * len(key.shape.spatial))
+        if residual:
+            expected = expected + harness.to_float32(sets[0]["z"], key.shape.dtype)
+        return bias, (cp.maximum(expected, 0) if relu else expected)
 
     def _bias_and_residuals(self, key: ProblemKey, residual: bool, sets: list[dict]) -> Any:
         """The bias of the epilogue timings (``(K,)``), and with ``residual`` a ``z`` in every set."""
@@ -658,12 +665,7 @@ class _ShapeBench:
         try:
             ws = workspace_size(descs, None, algo)
             sets = self.buffers(key.layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
-            bias = self._bias_and_residuals(key, residual, sets)
-            expected = self.reference() + harness.to_float32(bias, key.shape.dtype).reshape((1, -1) + (1,) * len(key.shape.spatial))
-            if residual:
-                expected = expected + harness.to_float32(sets[0]["z"], key.shape.dtype)
-            if relu:
-                expected = cp.maximum(expected, 0)
+            bias, expected = self._epilogue_inputs(key, name, sets)
 
             def launch(b: dict, workspace: Any) -> None:
                 conv_bias_activation_forward(descs, algo, b["x"], b["w"], b["y"], bias, z=b["z"] if residual else None,

@@ -240,21 +240,27 @@ def pool_window(cupy: Any, x: Any, y: Any, *, mode: str, kernel: tuple[int, ...]
 # lowering
 
 
-class PoolLaunch(Launch):
+class _PoolingStep(Launch):
+    """A pooling step's launch: one input ``x``, one output of ``out_shape``; ``which`` runs it."""
+
+    def __init__(self, plan: Any, index: int, cupy: Any, which: str) -> None:
+        step = plan.steps[index]
+        super().__init__(index, step.node, f"{step.node.op_type} ({which})", step.outputs[:1])
+        self.dtype = np.dtype(plan.info(step.inputs[0])[1])
+        self.cp = cupy
+        self.x = step.inputs[0]
+        self.out_shape = tuple(plan.info(step.outputs[0])[0])
+
+
+class PoolLaunch(_PoolingStep):
     """One pooling step: convpass's kernel or cuDNN's, into a new array or a placement."""
 
     supports_placement = True
 
     def __init__(self, plan: Any, index: int, cupy: Any, spec: dict[str, Any], use_cudnn: bool) -> None:
-        step = plan.steps[index]
+        super().__init__(plan, index, cupy, "cuDNN" if use_cudnn else "kernel")
         self.use_cudnn = use_cudnn
-        which = "cuDNN" if use_cudnn else "kernel"
-        super().__init__(index, step.node, f"{step.node.op_type} ({which})", step.outputs[:1])
-        self.dtype = np.dtype(plan.info(step.inputs[0])[1])
-        self.cp = cupy
-        self.x = step.inputs[0]
         self.spec = spec
-        self.out_shape = tuple(plan.info(step.outputs[0])[0])
         self._cudnn: dict[tuple, Any] = {}
 
     def _output(self, env: list[Any], x: Any) -> Any:
@@ -289,19 +295,14 @@ class PoolLaunch(Launch):
         pooling_forward(descs, int(x.data.ptr), int(y.data.ptr), cudnn.get_handle().ptr)
 
 
-class GlobalPoolLaunch(Launch):
+class GlobalPoolLaunch(_PoolingStep):
     """One global pooling step (GlobalAveragePool / GlobalMaxPool, or a spatial ReduceMean / ReduceMax
     with ``keepdims``) in convpass's kernel; an input whose positions are not one evenly strided run
     is made contiguous first (never on the planned path: producers write packed arrays)."""
 
     def __init__(self, plan: Any, index: int, cupy: Any, mode: str) -> None:
-        step = plan.steps[index]
-        super().__init__(index, step.node, f"{step.node.op_type} (kernel)", step.outputs[:1])
-        self.dtype = np.dtype(plan.info(step.inputs[0])[1])
-        self.cp = cupy
-        self.x = step.inputs[0]
+        super().__init__(plan, index, cupy, "kernel")
         self.mode = mode
-        self.out_shape = tuple(plan.info(step.outputs[0])[0])
 
     def run(self, env: list[Any]) -> None:
         x = env[self.x]
