@@ -341,3 +341,11 @@ def host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
     lib = tmp_path / f"lib{name}.so"
     subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
     return ctypes.CDLL(str(lib))
+
+
+def channels_last_array(shape, rng) -> np.ndarray:
+    """A float32 array of logical shape ``shape`` (``(n, c, *spatial)``) stored channels-last: a
+    transposed view of a packed ``(n, *spatial, c)`` array."""
+    phys = (shape[0], *shape[2:], shape[1])
+    data = rng.standard_normal(phys).astype(np.float32)
+    return data.transpose(0, len(shape) - 1, *range(1, len(shape) - 1))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import host_library
+from conftest import channels_last_array, host_library
 from convpass.runtime.cuda import pooling, tensor_ops
 from convpass.runtime.executor import Executor
 from convpass.runtime.ops_nn import _pool_geometry, resize_arguments, resize_geometry
@@ -43,13 +43,6 @@ def _elements(a: np.ndarray) -> tuple[int, ...]:
     return tuple(s // a.itemsize for s in a.strides)
 
 
-def _channels_last(shape, rng):
-    """A float32 array of logical shape ``shape`` stored channels-last (a transposed view)."""
-    phys = (shape[0], *shape[2:], shape[1])
-    data = rng.standard_normal(phys).astype(np.float32)
-    return data.transpose(0, len(shape) - 1, *range(1, len(shape) - 1))
-
-
 def _node(op: str, opset: int, **attrs) -> NodeInfo:
     proto = helper.make_node(op, ["x"], ["y"], name=op.lower(), **attrs)
     node = NodeInfo(proto.name, op, "", opset, decode_attributes(list(proto.attribute)), ["x"], ["y"])
@@ -67,7 +60,7 @@ def _reference(op: str, opset: int, x: np.ndarray, inits=(), extra_inputs=(), **
 
 def _run_pool(lib, x: np.ndarray, out_shape, mode: str, kernel, begin, end, strides, dilations, include_pad=False, p=2.0, channels_last=False):
     pad3 = pooling._pad3
-    y = (_channels_last(out_shape, np.random.default_rng(0)) if channels_last else np.empty(out_shape, np.float32))
+    y = (channels_last_array(out_shape, np.random.default_rng(0)) if channels_last else np.empty(out_shape, np.float32))
     y[...] = np.nan  # poison: every element must be written
     xs5 = (*_elements(x)[:2], *pad3(_elements(x)[2:], 0))
     ys5 = (*_elements(y)[:2], *pad3(_elements(y)[2:], 0))
@@ -104,7 +97,7 @@ POOL_CASES = [
 def test_pool_window_kernel_matches_the_op_library(pool_lib, op, shape, attrs, channels_last):
     opset = 19
     rng = np.random.default_rng(1)
-    x = _channels_last(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
+    x = channels_last_array(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
     x.flat[0] = np.nan if op == "MaxPool" else x.flat[0]  # NaN propagates through MaxPool
     node = _node(op, opset, **attrs)
     kernel = tuple(attrs["kernel_shape"])
@@ -138,7 +131,7 @@ RESIZE_CASES = [
 def test_resize_kernel_matches_the_op_library(resize_lib, attrs, shape, scales, sizes, channels_last):
     opset = 19
     rng = np.random.default_rng(2)
-    x = _channels_last(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
+    x = channels_last_array(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
     node = _node("Resize", opset, **attrs)
     g = resize_geometry(node, shape, np.float32, **resize_arguments(node, _resize_values(None, scales, sizes)))
     by_axis = {a: (kind, table) for a, kind, table, _ in g.axes}
@@ -148,7 +141,7 @@ def test_resize_kernel_matches_the_op_library(resize_lib, attrs, shape, scales, 
     else:
         iy, wy = np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32)
     ix, wx = tensor_ops.resize_taps(*by_axis.get(rank - 1, (None, None)), shape[-1], g.out_shape[-1])
-    y = _channels_last(g.out_shape, rng) if channels_last else np.empty(g.out_shape, np.float32)
+    y = channels_last_array(g.out_shape, rng) if channels_last else np.empty(g.out_shape, np.float32)
     y[...] = np.nan
     xs, ys = _elements(x), _elements(y)
     if rank == 3:

@@ -18,7 +18,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import convpass
-from conftest import host_library, numpy_shape_bench
+from conftest import channels_last_array, host_library, numpy_shape_bench
 from convpass import annotation
 from convpass.cache import Measurement, TuningCache
 from convpass.cudnn.enums import algo_names
@@ -54,10 +54,7 @@ def _reference(x, w, shape: ConvShape, bias=None, z=None, relu=False) -> np.ndar
 
 def _stored(shape, channels_last: bool, rng) -> np.ndarray:
     """A float32 array of logical ``shape`` stored channels-last (a transposed view) or not."""
-    if not channels_last:
-        return rng.standard_normal(shape).astype(np.float32)
-    data = rng.standard_normal((shape[0], *shape[2:], shape[1])).astype(np.float32)
-    return data.transpose(0, 3, 1, 2)
+    return channels_last_array(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
 
 
 _libraries: dict[tuple, ctypes.CDLL] = {}
@@ -285,10 +282,21 @@ def test_a_wrong_result_is_recorded_and_cached_variants_are_not_timed_again(own_
     assert rows[-1].note.startswith("relative error")
 
 
-def test_a_variant_the_kernel_refuses_is_unsupported(own_bench, monkeypatch):
+def test_a_variant_that_does_not_build_is_an_error_row_and_tuning_goes_on(own_bench, monkeypatch):
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: (_ for _ in ()).throw(RuntimeError("nvrtc: error")))
     rows = own_bench.measure_own(DW_KEY, "", None)
-    assert [(r.algo, r.status, r.note) for r in rows] == [(R4, "unsupported", "nvrtc: error"), (R8, "unsupported", "nvrtc: error")]
+    assert [(r.algo, r.status, r.note) for r in rows] == [(R4, "error", "the kernel did not build: nvrtc: error"),
+                                                          (R8, "error", "the kernel did not build: nvrtc: error")]
+
+
+def test_a_variant_the_kernel_refuses_is_unsupported(own_bench, monkeypatch):
+    def refuse(algo, shape, layout):
+        raise ValueError(f"{algo} cannot compute {shape}: a row window of 60 inputs")
+
+    monkeypatch.setattr(depthwise.DepthwiseKernel, "of", staticmethod(refuse))
+    rows = own_bench.measure_own(DW_KEY, "", None)
+    assert [(r.algo, r.status) for r in rows] == [(R4, "unsupported"), (R8, "unsupported")]
+    assert "row window" in rows[0].note and not own_bench.calls
 
 
 def test_selection_and_the_recorded_decision(tmp_path):

@@ -594,9 +594,12 @@ class _ShapeBench:
         name = epilogue.fused_name(algo, fusion) if fusion else algo
         try:
             kernel = depthwise.DepthwiseKernel.of(algo, key.shape, key.layout)
-            kernel.build(cp)
-        except Exception as e:  # noqa: BLE001  (a shape it refuses, or a compiler error: not a candidate here)
+        except ValueError as e:  # a shape or name it refuses
             return _row(key, name, "unsupported", None, 0, True, now, "measure", note=str(e).splitlines()[0])
+        try:
+            kernel.build(cp)
+        except Exception as e:  # noqa: BLE001  (a compiler or driver error: recorded, tuning goes on with the others)
+            return _row(key, name, "error", None, 0, True, now, "measure", note=f"the kernel did not build: {str(e).splitlines()[0]}")
         try:
             sets = self.buffers(key.layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
             bias, expected, residual, relu = None, None, False, False

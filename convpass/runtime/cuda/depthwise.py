@@ -19,8 +19,9 @@ Rules
   does every multiply-add from there. ``R`` is part of the candidate's name
   (``convpass_depthwise_r8``): the tuner times the variants of :data:`STRIPS` and records the
   fastest. Threads are ordered as the output's memory: channels fastest for channels-last, strips
-  fastest for channels-first, so neighbouring threads read neighbouring addresses. No shared memory, no cooperation between threads: the
-  source also compiles as host C++ (the CPU tests run it against NumPy).
+  fastest for channels-first, so neighbouring threads read neighbouring addresses. No shared
+  memory, no cooperation between threads: the source also compiles as host C++ (the CPU tests run
+  it against NumPy).
 * **Any strides.** Input, weight, residual and output are passed with their element strides: the
   kernel reads a slice of a Concat buffer and writes into one, in either memory format.
 * **Epilogue in the kernel.** ``y = act(conv(x, w) + z + b)`` with the bias, the residual and the
