@@ -2,7 +2,8 @@
 """convpass's depthwise conv kernel against cuDNN's fastest legacy algorithm, problem by problem.
 
 For depthwise convs of the panel (ConvNeXt, MobileNetV3, EfficientNet-B0 at batch 32, two at
-batch 1), in NCHW and NHWC: the kernel with R = 1, 2, 4, 8 outputs per thread and every cuDNN
+batch 1), in NCHW and NHWC: the kernel's variants the tuner times (``depthwise.candidates``; or
+the outputs per thread R given with ``--strips``) and every cuDNN
 legacy algorithm but FFT tiling (seconds per launch on depthwise convs), each timed by the tuner's
 harness (captured launches on a non-default stream, rotating input sets larger than L2, medians);
 the kernel's output is compared with cuDNN's implicit_gemm (FMA math).
@@ -28,14 +29,14 @@ CASES = [  # name, n, c, size, kernel, stride
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--strips", default="1,2,4,8", help="outputs per thread to time")
+    ap.add_argument("--strips", help="outputs per thread to time (default: the variants the tuner times)")
     args = ap.parse_args(argv)
     import cupy as cp
     import numpy as np
 
     from convpass import cudnn
     from convpass.problem import ConvShape
-    from convpass.runtime.cuda.depthwise import DepthwiseKernel
+    from convpass.runtime.cuda.depthwise import DepthwiseKernel, candidates, strip_of
     from convpass.tune import harness
 
     harness.warm_clocks()
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             ys = [cudnn.empty_like_layout(shape.y_shape, "float32", layout) for _ in range(sets)]
             w = harness.random_array(shape.w_shape, "float32", "nchw", 2)
             own = []
-            for r in (int(v) for v in args.strips.split(",")):
+            strips = [int(v) for v in args.strips.split(",")] if args.strips else [strip_of(a) for a in candidates(shape)]
+            for r in strips:
                 kernel = DepthwiseKernel(shape, layout == "nhwc", r)
                 kernel(cp, xs[0], w, ys[0])
                 own.append((harness.time_launches(lambda i: kernel(cp, xs[i], w, ys[i]), sets).time_ms, r))
