@@ -7,9 +7,11 @@ convpass's kernel, cuDNN's where it has one (pooling; softmax and InstanceNormal
 cuDNN's legacy softmax / batch-norm calls) — each captured as a CUDA graph and replayed back to
 back, timed with CUDA events (median of ``--batches`` groups of ``--reps`` replays), outputs
 checked against the first variant. A hand-written kernel stays the default only where it beats
-the library; this table is where that is shown.
+the library; this table is where that is shown. Fused element-wise groups are timed with
+convpass's broadcasting kernel (the default) and with CuPy's ``ElementwiseKernel`` of the same
+code (``CuPy's kernel``: what ran before the broadcasting kernel).
 
-    python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7] [--only TEXT]
+    python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7] [--only TEXT[,TEXT...]]
 
 Prints one row per case and variant: median microseconds, effective bandwidth (input + output
 bytes / time), speedup over the op library, the relative error against it.
@@ -18,12 +20,13 @@ bytes / time), speedup over the op library, the relative error against it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -69,8 +72,28 @@ def _replay_us(run_once: Callable[[], None], reps: int, batches: int) -> float:
     return statistics.median(times)
 
 
+CUPY_FUSED = "cupy_fused"  # variant option: fused groups run CuPy's ElementwiseKernel
+
+
+@contextlib.contextmanager
+def _cupy_fused_groups() -> Iterator[None]:
+    """Plans compiled inside run their fused groups with CuPy's kernel, not the broadcasting one."""
+    from convpass.runtime.cuda import elementwise
+
+    saved = elementwise.BroadcastKernel.__call__, elementwise.needs_fallback
+    elementwise.BroadcastKernel.__call__ = lambda self, args, out=None: None
+    elementwise.needs_fallback = lambda plan, group: True
+    try:
+        yield
+    finally:
+        elementwise.BroadcastKernel.__call__, elementwise.needs_fallback = saved
+
+
 def _executor_variant(model, x, reps: int, batches: int, channels_last: bool, **options) -> tuple[float, Any]:
     """Time the compiled plan of ``model`` (one graph) on device input ``x``; returns (us, output)."""
+    if options.pop(CUPY_FUSED, False):
+        with _cupy_fused_groups():
+            return _executor_variant(model, x, reps, batches, channels_last, **options)
     import cupy as cp
 
     from convpass.runtime import Executor
@@ -137,9 +160,28 @@ def cases() -> list[dict[str, Any]]:
                         "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
     c = 256
     bn = [_const(k, v) for k, v in (("s", 1 + 0.1 * rng.standard_normal(c)), ("b", rng.standard_normal(c)), ("m", rng.standard_normal(c)), ("v", 0.5 + rng.random(c)))]
-    out.append({"name": "BatchNormalization+Relu 32x256x28x28", "family": "normalization", "shape": (32, c, 28, 28),
-                "model": _model([N("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"]), N("Relu", ["n"], ["y"])], (32, c, 28, 28), bn, 15),
-                "variants": {"op library": {"kernels": False, "fuse": False}, "fused kernel": {}}})
+    fused = {"op library": {"kernels": False, "fuse": False}, "CuPy's kernel": {CUPY_FUSED: True}, "fused kernel": {}}
+    for cl in (False, True):
+        out.append({"name": f"BatchNormalization+Relu 32x256x28x28{' nhwc' if cl else ''}", "family": "normalization", "shape": (32, c, 28, 28),
+                    "model": _model([N("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"]), N("Relu", ["n"], ["y"])], (32, c, 28, 28), bn, 15),
+                    "variants": fused, "channels_last": cl})
+    # ConvNeXt's MLP at batch 32, stage 1: the first Linear's bias and the exported (erf) GELU ...
+    h = (32, 56, 56, 384)
+    gelu = [N("Add", ["x", "bias"], ["a"]), N("Div", ["a", "sqrt2"], ["d"]), N("Erf", ["d"], ["e"]), N("Add", ["e", "one"], ["e1"]),
+            N("Mul", ["a", "e1"], ["m"]), N("Mul", ["m", "half"], ["y"])]
+    out.append({"name": "bias + GELU (ConvNeXt MLP) 32x56x56x384", "family": "elementwise", "shape": h, "variants": fused,
+                "model": _model(gelu, h, [_const("bias", rng.standard_normal(384)), _const("sqrt2", np.sqrt(2)), _const("one", 1.0), _const("half", 0.5)])})
+    # ... the second Linear's bias alone (a Transpose follows), and layer scale + residual
+    out.append({"name": "bias Add 32x56x56x96", "family": "elementwise", "shape": (32, 56, 56, 96), "variants": fused,
+                "model": _model([N("Add", ["x", "bias"], ["y"])], (32, 56, 56, 96), [_const("bias", rng.standard_normal(96))])})
+    out.append({"name": "layer scale + residual 32x96x56x56 nhwc", "family": "elementwise", "shape": (32, 96, 56, 56), "variants": fused,
+                "channels_last": True, "model": _model([N("Mul", ["x", "gamma"], ["g"]), N("Add", ["g", "x"], ["y"])], (32, 96, 56, 56),
+                                                       [_const("gamma", rng.standard_normal((96, 1, 1)))])})
+    # squeeze-excitation's gate (EfficientNet-B0, batch 32): x * sigmoid(per-(n, c) value)
+    se = (32, 672, 14, 14)
+    for cl in (False, True):
+        out.append({"name": f"SE gate x * sigmoid(g) 32x672x14x14{' nhwc' if cl else ''}", "family": "elementwise", "shape": se, "variants": fused,
+                    "channels_last": cl, "model": _model([N("GlobalAveragePool", ["x"], ["p"]), N("Sigmoid", ["p"], ["s"]), N("Mul", ["x", "s"], ["y"])], se)})
     for shape, groups, name in (((1, 1, 512 * 2000), None, "InstanceNormalization (GroupNorm(1, 512) of a 1-D audio net, b1) 1x1x1024000"),
                                 ((16, 1, 512 * 2000), None, "InstanceNormalization (GroupNorm(1, 512), b16) 16x1x1024000"),
                                 ((32, 64, 56 * 56), None, "InstanceNormalization 32x64x3136")):
@@ -196,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batches", type=int, default=7)
-    ap.add_argument("--only", help="run only the cases whose name contains this text")
+    ap.add_argument("--only", help="run only the cases whose name contains one of these comma-separated texts")
     args = ap.parse_args(argv)
     from convpass.runtime.cuda import unavailable_reason
 
@@ -207,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t0 = time.perf_counter()
     for case in cases():
-        if args.only and args.only not in case["name"]:
+        if args.only and not any(t in case["name"] for t in args.only.split(",")):
             continue
         x = np.random.default_rng(1).standard_normal(case["shape"]).astype(np.float32)
         base = None

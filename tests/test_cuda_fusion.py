@@ -9,6 +9,7 @@ kernels themselves, on CuPy, are checked in tests/gpu/test_executor_cuda.py.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 
@@ -245,3 +246,187 @@ def test_group_kernel_names_depend_on_code_and_dtype_only():
     ga, gb, gc = (cuda_fusion.plan_groups(p, [None] * len(p.steps))[0] for p in (a, b, c))
     assert ga.name == gb.name != gc.name
     assert "typedef float A;" in ga.code and "typedef double A;" in gc.code
+
+
+# ---------------------------------------------------------------------------------------------
+# the broadcasting kernel: its launch geometry, and its CUDA source run on the host
+
+
+def test_geometry_merges_what_every_operand_walks_contiguously():
+    geo = cuda_fusion.broadcast_geometry
+    # BatchNormalization's (C, 1, 1) parameters over NCHW: N, C, H * W
+    g = geo((2, 3, 4, 5), [((2, 3, 4, 5), (60, 20, 5, 1)), ((3, 1, 1), (1, 1, 1))], (60, 20, 5, 1), False)
+    assert (g.n, g.extents) == (120, (1, 3, 20))
+    assert g.strides == ((60, 0, 20, 1), (0, 0, 1, 0), (60, 0, 20, 1))
+    # the same over channels-last storage: N * H * W, C; the parameters follow the inner index
+    g = geo((2, 3, 4, 5), [((2, 3, 4, 5), (60, 1, 15, 3)), ((3, 1, 1), (1, 1, 1))], (60, 1, 15, 3), True)
+    assert (g.n, g.extents) == (120, (1, 1, 3))
+    assert g.strides == ((3, 0, 0, 1), (0, 0, 0, 1), (3, 0, 0, 1))
+    # same-shape contiguous operands: one dimension
+    g = geo((2, 3, 4, 5), [((2, 3, 4, 5), (60, 20, 5, 1))] * 2, (60, 20, 5, 1), False)
+    assert (g.extents, g.strides[0]) == ((1, 1, 120), (0, 0, 0, 1))
+    # a squeeze-excite gate (N, C, 1, 1) over channels-last storage: N, H * W, C
+    g = geo((2, 3, 4, 5), [((2, 3, 4, 5), (60, 1, 15, 3)), ((2, 3, 1, 1), (3, 1, 1, 1))], (60, 1, 15, 3), True)
+    assert (g.extents, g.strides[1]) == ((1, 20, 3), (3, 0, 0, 1))
+    # four dimensions: a (C, 1, W) operand; (C, H, 1) would merge C and H
+    g = geo((2, 3, 4, 5), [((2, 3, 4, 5), (60, 20, 5, 1)), ((3, 1, 5), (5, 5, 1))], (60, 20, 5, 1), False)
+    assert (g.extents, g.strides[1]) == ((3, 4, 5), (0, 5, 0, 1))
+    assert geo((2, 3, 4, 5), [((3, 4, 1), (4, 1, 1))], (60, 20, 5, 1), False).extents == (1, 12, 5)
+    # into a Concat slice: the output's stride keeps N apart
+    g = geo((2, 3, 4, 5), [((2, 3, 4, 5), (60, 20, 5, 1))], (140, 20, 5, 1), False)
+    assert (g.extents, g.strides[1]) == ((1, 1, 60), (140, 0, 0, 1))
+    # one element; more dimensions than the kernel has; offsets beyond 31 bits
+    assert geo((1, 1), [((1,), (1,))], (1, 1), False).n == 1
+    shape = (2, 3, 2, 3, 2)
+    transposed = (1, 2, 6, 12, 36)  # np.empty(shape[::-1]).T: no two dimensions merge
+    assert geo(shape, [(shape, transposed)], (36, 12, 6, 2, 1), False) is None
+    assert geo((2, 4), [((2, 4), (2**31, 1))], (4, 1), False) is None
+
+
+def test_launch_and_entry_follow_the_geometry():
+    g = cuda_fusion.Geometry(10**6, (1, 1, 10**6), ((0, 0, 0, 1),))
+    assert g.launch(4) == (-(-10**6 // 1024), 256) and g.launch(2) == (-(-10**6 // 512), 256) and g.dims == 1
+    assert cuda_fusion.Geometry(100, (1, 1, 100), ((0, 0, 0, 1),)).launch(4) == (1, 256)
+    assert [cuda_fusion.Geometry(120, e, ()).dims for e in ((1, 1, 40), (1, 3, 20), (3, 4, 5))] == [2, 3, 4]
+
+
+def test_constants_of_one_shape_share_their_offsets():
+    nodes, extra, inits, opset = CASES["batchnorm_relu"]
+    plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y", inits=inits, opset=opset), _feeds([], np.float32))
+    (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    assert cuda_fusion.broadcast_classes(plan, group) == (0, 1, 1)  # x, the folded scale and shift
+    source = cuda_fusion.broadcast_source(group, (0, 1, 1))
+    assert source.name != cuda_fusion.broadcast_source(group).name
+    assert source.code.count("const int oc_") == 3  # x, the parameters, the output
+    # folded: multiplies and adds only, so more elements per thread than for heavier math
+    assert cuda_fusion.unroll_for(group) == cuda_fusion.UNROLL
+    assert "T v0[%d];" % cuda_fusion.UNROLL in source.code
+
+
+def test_batchnorm_with_constant_parameters_is_folded_to_a_scale_and_shift():
+    nodes, extra, inits, opset = CASES["batchnorm_relu"]
+    plan, ref = _plan(_model(nodes, [("X", X_SHAPE)], "Y", inits=inits, opset=opset), _feeds([], np.float32))
+    (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    assert len(group.inputs) == 3 and "sqrt" not in group.code
+    scale, shift = (plan.template[s] for s in group.inputs[1:])
+    gamma, beta, mean, var = (numpy_helper.to_array(t).astype(np.float64) for t in inits)
+    np.testing.assert_allclose(scale, gamma / np.sqrt(var + 1e-3), rtol=1e-7)
+    np.testing.assert_allclose(shift, beta - mean * gamma / np.sqrt(var + 1e-3), rtol=1e-6)
+    # a parameter that is a graph input is not a constant: the op's own formula, five inputs
+    ins = [("X", X_SHAPE), ("scale", (3,))]
+    plan, _ = _plan(_model(nodes, ins, "Y", inits=inits[1:], opset=opset), {**_feeds([], np.float32), "scale": np.ones(3, np.float32)})
+    (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    assert len(group.inputs) == 5 and "sqrt" in group.code
+
+
+def _host_launcher(lib, entry):
+    kernel = getattr(lib, entry)
+
+    def launch(grid, block, args):
+        conv = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                conv.append(ctypes.c_void_p(a.ctypes.data))
+            elif isinstance(a, np.uint32):
+                conv.append(ctypes.c_uint(int(a)))
+            else:
+                conv.append(ctypes.c_longlong(int(a)))
+        (gx,), (bx,) = grid, block
+        for bx_ in range(gx):
+            for tx in range(bx):
+                lib.set_index(bx_, 0, tx, bx, gx, 1)
+                kernel(*conv)
+
+    return launch
+
+
+_SETTER = ('\nextern "C" void set_index(unsigned bx, unsigned by, unsigned tx, unsigned bdx, unsigned gdx, unsigned gdy) '
+           '{ blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; blockDim.x = bdx; gridDim.x = gdx; gridDim.y = gdy; }\n')
+
+
+def _stored_channels_last(a):
+    if a.ndim != 4:
+        return a
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "mixed", "concat-slice"])
+@pytest.mark.parametrize("case", ["batchnorm_relu", "bias_gelu", "se_gate", "prelu", "arithmetic", "silu"])
+def test_broadcasting_kernel_source_matches_the_numpy_ops(tmp_path, case, layout):
+    """The generated kernel, compiled as host C++ and run thread by thread over its real launch
+    grid, on operands stored channels-first, channels-last, both, and into a Concat slice."""
+    from conftest import host_library
+
+    nodes, extra, inits, opset = CASES[case]
+    model = _model(nodes, [("X", X_SHAPE), *extra], "Y", TensorProto.FLOAT, inits, opset)
+    feeds = _feeds(extra, np.float32)
+    plan, ref = _plan(model, feeds)
+    (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    classes = cuda_fusion.broadcast_classes(plan, group)
+    source = cuda_fusion.broadcast_source(group, classes)
+    lib = host_library(tmp_path, "using namespace std;\n" + source.code + _SETTER, "bcast")
+    env = dict(zip(plan.slot_names, plan.template))
+    env.update(feeds)
+    args = [np.asarray(env[plan.slot_names[s]], np.float32) for s in group.inputs]
+    args = [a.reshape(group.view_of(k)) if group.view_of(k) else a for k, a in enumerate(args)]
+    if layout in ("nhwc", "mixed"):
+        args = [_stored_channels_last(a) if (layout == "nhwc" or k == 0) else a for k, a in enumerate(args)]
+    out = buffer = None
+    if layout == "concat-slice":
+        buffer = np.full((2, 7, 4, 5), -7.0, np.float32)
+        out = buffer[:, 2:5]
+    kern = cuda_fusion.BroadcastKernel(np, group, classes, entry=lambda name: _host_launcher(lib, name))
+    got = kern(args, out)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"{case} {layout}")
+    if layout == "nhwc" and got.ndim == 4:
+        assert got.strides[1] == 4, "the output keeps the inputs' channels-last storage"
+    if buffer is not None:
+        assert got.base is buffer.base or np.shares_memory(got, buffer)
+        assert (buffer[:, :2] == -7).all() and (buffer[:, 5:] == -7).all(), "nothing written outside the slice"
+
+
+def test_lone_ops_that_broadcast_form_a_group():
+    nodes = [N("Add", ["X", "B"], ["Y"])]
+    plan, _ = _plan(_model(nodes, [("X", X_SHAPE), ("B", (5,))], "Y"), _feeds([("B", (5,))], np.float32))
+    assert [g.ops for g in cuda_fusion.plan_groups(plan, [None])] == [("Add",)]
+    nodes = [N("Mul", ["X", "s"], ["Y"])]
+    plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y", inits=[_const("s", 2.0)]), _feeds([], np.float32))
+    assert cuda_fusion.plan_groups(plan, [None]) == [], "a scalar operand: CuPy's kernel is fast already"
+
+
+def test_cupys_kernel_is_built_only_for_shapes_the_broadcasting_kernel_may_not_take():
+    nodes, extra, inits, opset = CASES["silu"]
+    plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y"), _feeds([], np.float32))
+    (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    assert not cuda_fusion.needs_fallback(plan, group)
+    five = (1, 2, 3, 4, 5)
+    plan5, _ = _plan(_model(nodes, [("X", five)], "Y"), {"X": np.ones(five, np.float32)})
+    (group5,) = cuda_fusion.plan_groups(plan5, [None] * len(plan5.steps))
+    assert cuda_fusion.needs_fallback(plan5, group5)  # rank 5 may leave five dimensions after merging
+
+
+def test_a_fused_launch_runs_the_broadcasting_kernel_and_falls_back_to_cupys():
+    nodes, extra, inits, opset = CASES["silu"]
+    feeds = _feeds([], np.float32)
+    plan, ref = _plan(_model(nodes, [("X", X_SHAPE)], "Y"), feeds)
+    (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    calls = []
+
+    def broadcast(args, out=None):
+        calls.append("broadcast")
+        return None if len(calls) > 1 else np.asarray(ref)  # takes the first shape only
+
+    def fallback(*args):
+        calls.append("cupy")
+        return np.asarray(ref)
+
+    env = list(plan.template)
+    env[group.inputs[0]] = feeds["X"]
+    counters = {"fused_elementwise": 0}
+    cuda_fusion.FusedLaunch(plan, group, broadcast, fallback, counters).run(env)
+    cuda_fusion.FusedLaunch(plan, group, broadcast, fallback, counters).run(env)
+    assert calls == ["broadcast", "broadcast", "cupy"] and counters["fused_elementwise"] == 2
+    with pytest.raises(RuntimeError, match="needs CuPy's kernel"):
+        cuda_fusion.FusedLaunch(plan, group, broadcast, None, counters).run(env)
+    with pytest.raises(ValueError):
+        cuda_fusion.FusedLaunch(plan, group, None, None, counters)

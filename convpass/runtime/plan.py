@@ -90,6 +90,13 @@ class Plan:
         """slot -> the step that computes it."""
         return {s: i for i, st in enumerate(self.steps) for s in st.outputs if s >= 0}
 
+    def add_constant(self, name: str, value: Any) -> int:
+        """A new slot holding the constant ``value`` (a backend array; e.g. parameters that a
+        lowering derived from other constants); returns its slot."""
+        self.slot_names.append(name)
+        self.template.append(value)
+        return len(self.template) - 1
+
     def info(self, slot: int) -> tuple[tuple[int, ...], np.dtype] | None:
         """(shape, dtype) of a slot: computed values from ``value_info``, constants from the template."""
         if slot < 0:

@@ -85,6 +85,28 @@ def _sources(launch: Launch) -> list[compiler.KernelSource]:
     return []
 
 
+def _fused_launch(rt: Any, plan: Any, group: Any) -> Any:
+    """The group's launch with its kernels built now (not inside a capture), or None (with a note)
+    when they do not build: its ops then run one by one."""
+    what = "+".join(group.ops)
+    try:
+        broadcast = elementwise.BroadcastKernel(rt.cp, group, elementwise.broadcast_classes(plan, group))
+    except Exception as e:  # noqa: BLE001  (a compiler or driver error: CuPy's kernel, below)
+        rt.note_once("fusion-broadcast", f"broadcasting element-wise kernel for {what} did not build ({first_line(e)}): CuPy's kernel runs it")
+        broadcast = None
+    fallback = None
+    if broadcast is None or elementwise.needs_fallback(plan, group):
+        try:
+            fallback = elementwise.kernel(rt.cp, group)
+            fallback(*[rt.cp.zeros((1,), dtype=group.dtype) for _ in group.inputs])  # compiles now, or loads CuPy's cache
+        except Exception as e:  # noqa: BLE001
+            rt.note_once("fusion", f"fused element-wise kernel for {what} did not build ({first_line(e)}): those ops run one by one")
+            fallback = None
+    if broadcast is None and fallback is None:
+        return None
+    return elementwise.FusedLaunch(plan, group, broadcast, fallback, rt.counters)
+
+
 def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
     """Lower and prepare every step of ``plan`` (module docstring)."""
     steps = plan.steps
@@ -122,14 +144,9 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
     # 3. fused element-wise groups
     if rt.fuse:
         for group in elementwise.plan_groups(plan, claimed):
-            try:
-                kern = elementwise.kernel(rt.cp, group)
-                probe = [rt.cp.zeros((1,), dtype=group.dtype) for _ in group.inputs]
-                kern(*probe)  # compiles now (or loads CuPy's kernel cache), not inside a capture
-            except Exception as e:  # noqa: BLE001  (a compiler or driver error: run the ops one by one)
-                rt.note_once("fusion", f"fused element-wise kernel for {'+'.join(group.ops)} did not build ({first_line(e)}): those ops run one by one")
-                continue
-            take(elementwise.FusedLaunch(plan, group, kern, rt.counters))
+            launch = _fused_launch(rt, plan, group)
+            if launch is not None:
+                take(launch)
     # 4. the op library
     for i, st in enumerate(steps):
         if claimed[i] is None:
