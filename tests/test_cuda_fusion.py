@@ -430,3 +430,18 @@ def test_a_fused_launch_runs_the_broadcasting_kernel_and_falls_back_to_cupys():
         cuda_fusion.FusedLaunch(plan, group, broadcast, None, counters).run(env)
     with pytest.raises(ValueError):
         cuda_fusion.FusedLaunch(plan, group, None, None, counters)
+
+
+def test_constant_inputs_are_packed_so_a_class_has_one_set_of_strides():
+    nodes = [N("Mul", ["X", "a"], ["m"]), N("Add", ["m", "b"], ["Y"])]
+    a = np.arange(20, dtype=np.float32).reshape(4, 5)
+    inits = [_const("a", a), _const("b", np.ones((4, 5)))]
+    plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y", inits=inits), _feeds([], np.float32))
+    (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
+    assert cuda_fusion.broadcast_classes(plan, group) == (0, 1, 1)
+    slot = group.inputs[1]
+    plan.template[slot] = np.asfortranarray(plan.template[slot])  # a constant stored column-major
+    launch = cuda_fusion.FusedLaunch(plan, group, lambda args, out=None: None, None, {"fused_elementwise": 0})
+    fixed = [f for f in launch._fixed if f is not None]
+    assert all(f.flags.c_contiguous for f in fixed) and len({f.strides for f in fixed}) == 1
+    np.testing.assert_array_equal(fixed[0], plan.template[slot])

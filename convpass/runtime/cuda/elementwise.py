@@ -22,9 +22,10 @@ per class of operands that share strides (:func:`broadcast_classes`: a BatchNorm
 parameters), with the terms of absent dimensions compiled out (one entry per dimension count).
 Each thread loads :data:`UNROLL` adjacent elements (:data:`UNROLL_HEAVY` for heavier math)
 before it stores any. CuPy's ``ElementwiseKernel`` of the same code keeps one load in flight per
-thread and indexes every operand on its own; on an H200 (benchmarks/op_kernels.py) this kernel
-ran a bias Add and ConvNeXt's layer scale + residual 2.0x faster, bias + erf GELU 1.19x and
-BatchNormalization + Relu 1.18x (1.6x with the parameters folded, below). CuPy's kernel still
+thread and indexes every operand on its own; on an H200, in one-op models replayed as graphs
+(benchmarks/op_kernels.py), this kernel ran a bias Add 2.0x faster, ConvNeXt's layer scale +
+residual 1.6x, bias + erf GELU 1.19x and BatchNormalization + Relu 1.5x (its parameters folded,
+below; unfolded it was 1.18x in a raw-launch probe). CuPy's kernel still
 runs the shapes this one does not take (more than :data:`MAX_DIMS` dimensions after merging,
 2^31 elements or more).
 
@@ -394,9 +395,10 @@ def kernel(cupy: Any, group: FusedGroup) -> Any:
 # ------------------------------------------------------------------ the broadcasting kernel
 
 # elements per thread, all loaded before any is stored: 4 for groups of a few multiplies and adds,
-# 2 where the math is heavier (erf, exp, division, ...): the best of 2, 4 and 8 for each kind on an
-# H200 (bias Add and layer scale 2.0x CuPy's kernel at 4; bias + erf GELU 1.19x and
-# BatchNormalization + Relu 1.18x at 2, where 4 lost a third of that and 8 was slower than CuPy)
+# 2 where the math is heavier (erf, exp, division, ...): the best of 2, 4 and 8 for each kind in a
+# raw-launch probe on an H200 (bias Add and layer scale 2.0x CuPy's kernel at 4; bias + erf GELU
+# 1.19x and unfolded BatchNormalization + Relu 1.18x at 2, where 4 lost a third of that and 8 was
+# slower than CuPy)
 UNROLL = 4
 UNROLL_HEAVY = 2
 _HEAVY_MATH = ("erf", "exp", "log", "tanh", "sqrt", "pow", "/")
@@ -693,8 +695,10 @@ class FusedLaunch(Launch):
         self.broadcast = broadcast
         self.fallback = fallback
         self.counters = counters
-        # constant inputs viewed once, here; computed ones at run time
-        self._fixed = [None if plan.template[s] is None else _as_view(plan.template[s], group.view_of(k)) for k, s in enumerate(group.inputs)]
+        # constant inputs viewed once, here; computed ones at run time. Packed (C order), as
+        # broadcast_classes assumes: constants read as one shape then have one set of strides.
+        self._fixed = [None if plan.template[s] is None else _packed(_as_view(plan.template[s], group.view_of(k)))
+                       for k, s in enumerate(group.inputs)]
 
     def run(self, env: list[Any]) -> None:
         g = self.group
@@ -714,3 +718,8 @@ class FusedLaunch(Launch):
 
 def _as_view(a: Any, view: tuple[int, ...] | None) -> Any:
     return a if view is None else a.reshape(view)
+
+
+def _packed(a: Any) -> Any:
+    """``a`` in C order (a copy when it is not: NumPy and CuPy arrays alike)."""
+    return a if a.flags.c_contiguous else a.copy()
