@@ -11,6 +11,12 @@ What it holds
     (:meth:`TuningCache.get`) return every memory format, math mode and algorithm measured for a
     :class:`~convpass.problem.ConvShape` in one indexed query.
 
+    Beside them, one row per (device, tensor dims, dtype) in ``transposes``: the measured time of
+    converting such a tensor between channels-first and channels-last
+    (:meth:`TuningCache.put_transpose`). The whole-graph layout plan weighs conv times against these
+    (:mod:`convpass.passes.plan_layouts`); keeping them makes a cached re-run plan the same layouts as
+    the run that measured, and lets a machine without a GPU plan them too.
+
 Where it lives
     ``TuningCache(path)``; with no path, ``$CONVPASS_CACHE`` if set, else
     ``$XDG_CACHE_HOME/convpass/tuning.db`` (``~/.cache/convpass/tuning.db`` by default).
@@ -22,7 +28,7 @@ Concurrency
 
 Damage
     A file that is not a convpass cache (not SQLite, truncated or otherwise malformed, other
-    tables, another schema version) is renamed to ``<name>.corrupt-<timestamp>`` (with its
+    tables, an unknown schema version) is renamed to ``<name>.corrupt-<timestamp>`` (with its
     ``-wal``/``-shm`` siblings), a :class:`CacheWarning` names both paths, and a fresh cache is
     started. A location that cannot be created or written raises :class:`CacheError`.
 
@@ -39,7 +45,13 @@ Exchange
         {"format": "convpass-tuning-cache", "version": 1, "exported_at": <unix time>,
          "entries": [{"device": "<fingerprint>", "key": "<problem key>", "algo": ..., ...}]}
 
-    Import checks the whole file before writing anything and writes it in one transaction.
+    Version 2 adds ``"transposes": [{"device", "dims": [..], "dtype", "time_ms", "measured_at"}]``;
+    version 1 files (no transposes) still import. Import checks the whole file before writing
+    anything and writes it in one transaction.
+
+Schema versions
+    1: measurements only. 2: adds ``transposes``. A version-1 file is upgraded in place when opened
+    (the table is added; nothing else changes).
 
 No pickle is used anywhere: rows are plain columns, exchange files are plain JSON.
 """
@@ -91,9 +103,10 @@ __all__ = [
 STATUSES: tuple[str, ...] = ("ok", "unsupported", "wrong_result", "error", "oom", "skipped")
 METHODS: tuple[str, ...] = ("measure", "find", "heuristic", "epilogue")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 EXPORT_FORMAT = "convpass-tuning-cache"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
+_READABLE_EXPORT_VERSIONS = (1, 2)
 
 _APP_TAG = "convpass-tuning-cache"
 _BUSY_TIMEOUT_MS = 5_000
@@ -217,7 +230,9 @@ _ENTRY_FIELDS: tuple[tuple[str, bool], ...] = (
     ("find_rank", False),
 )
 _ENTRY_NAMES = {n for n, _ in _ENTRY_FIELDS}
-_TOP_LEVEL = {"format", "version", "exported_at", "entries", "convpass_version"}
+_TOP_LEVEL = {"format", "version", "exported_at", "entries", "convpass_version", "transposes"}
+_TRANSPOSE_FIELDS = ("device", "dims", "dtype", "time_ms", "measured_at")
+TRANSPOSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _entry(device: str, m: Measurement) -> dict[str, Any]:
@@ -311,6 +326,16 @@ _COLUMNS = (
     "find_rank",
 )
 
+# Added in schema version 2 (a version-1 file gets it when opened: _validate_schema).
+_TRANSPOSES_TABLE = """CREATE TABLE IF NOT EXISTS transposes (
+    device      TEXT NOT NULL,
+    dims        TEXT NOT NULL,
+    dtype       TEXT NOT NULL,
+    time_ms     REAL NOT NULL,
+    measured_at REAL NOT NULL,
+    PRIMARY KEY (device, dims, dtype)
+)"""
+
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (
     name  TEXT PRIMARY KEY,
@@ -333,6 +358,7 @@ CREATE TABLE IF NOT EXISTS measurements (
     PRIMARY KEY (device, key, algo, method)
 );
 CREATE INDEX IF NOT EXISTS measurements_device_shape ON measurements (device, shape);
+{_TRANSPOSES_TABLE};
 INSERT OR IGNORE INTO meta (name, value) VALUES ('format', '{_APP_TAG}');
 INSERT OR IGNORE INTO meta (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}');
 """
@@ -551,13 +577,18 @@ class TuningCache:
             raise self._unwritable(e) from None
 
     def _validate_schema(self, conn: sqlite3.Connection, tables: set[str]) -> None:
-        if tables != {"meta", "measurements"}:
+        """Check an existing file; upgrade a version-1 cache (module docstring: schema versions)."""
+        if tables not in ({"meta", "measurements"}, {"meta", "measurements", "transposes"}):
             raise _Damaged(f"unexpected tables {sorted(tables)}")
         meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
         if meta.get("format") != _APP_TAG:
             raise _Damaged(f"meta format is {meta.get('format')!r}, not {_APP_TAG!r}")
-        if meta.get("schema_version") != str(SCHEMA_VERSION):
-            raise _Damaged(f"schema version {meta.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        version = meta.get("schema_version")
+        if version == "1" and "transposes" not in tables:
+            conn.execute(_TRANSPOSES_TABLE)
+            conn.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),))
+        elif version != str(SCHEMA_VERSION) or "transposes" not in tables:
+            raise _Damaged(f"schema version {version!r} with tables {sorted(tables)}, expected {SCHEMA_VERSION}")
         cols = tuple(r[1] for r in conn.execute("PRAGMA table_info(measurements)"))
         if set(cols) != set(_COLUMNS):
             raise _Damaged(f"measurements table has columns {list(cols)}")
@@ -713,6 +744,23 @@ class TuningCache:
         )
         return [self._measurement(r, key) for r in rows]
 
+    def put_transpose(self, device: DeviceFingerprint, dims: Iterable[int], dtype: str, time_ms: float) -> None:
+        """Record the measured time of converting a ``dims`` tensor of ``dtype`` between
+        channels-first and channels-last on ``device`` (overwrites an older row)."""
+        row = _transpose_row(str(device), dims, dtype, time_ms, time.time())
+        self._run(lambda c: c.execute(_TRANSPOSE_UPSERT, row), write=True)
+
+    def get_transpose(self, device: DeviceFingerprint, dims: Iterable[int], dtype: str) -> float | None:
+        """The recorded transpose time of :meth:`put_transpose`, or None."""
+        text = _dims_text(dims)
+        row = self._run(
+            lambda c: c.execute(
+                "SELECT time_ms FROM transposes WHERE device = ? AND dims = ? AND dtype = ?", (str(device), text, dtype)
+            ).fetchone(),
+            write=False,
+        )
+        return None if row is None else float(row[0])
+
     def devices(self) -> list[tuple[DeviceFingerprint, int]]:
         """The devices the cache knows, each with its number of distinct problem keys."""
         rows = self._run(
@@ -768,6 +816,7 @@ class TuningCache:
             ).fetchall()
 
         rows = self._run(q, write=False)
+        transposes = self._run(lambda c: c.execute(f"SELECT COUNT(*) FROM transposes{where}", params).fetchone()[0], write=False)
         size = 0
         for p in (self.path, Path(f"{self.path}-wal")):
             try:
@@ -785,6 +834,7 @@ class TuningCache:
             "devices": devices,
             "keys": sum(d["keys"] for d in devices),
             "measurements": sum(d["measurements"] for d in devices),
+            "transposes": transposes,
             "oldest_measured_at": min((d["oldest_measured_at"] for d in devices), default=None),
             "newest_measured_at": max((d["newest_measured_at"] for d in devices), default=None),
         }
@@ -797,6 +847,12 @@ class TuningCache:
             write=False,
         )
         entries = [_entry(r[0], self._measurement(r)) for r in rows]
+        transposes = self._run(
+            lambda c: c.execute(
+                "SELECT device, dims, dtype, time_ms, measured_at FROM transposes" + where + " ORDER BY device, dtype, dims", params
+            ).fetchall(),
+            write=False,
+        )
         from convpass import __version__
 
         doc = {
@@ -805,6 +861,10 @@ class TuningCache:
             "exported_at": time.time(),
             "convpass_version": __version__,
             "entries": entries,
+            "transposes": [
+                {"device": d, "dims": [int(x) for x in dims.split("x")], "dtype": t, "time_ms": ms, "measured_at": at}
+                for d, dims, t, ms, at in transposes
+            ],
         }
         target = Path(path).expanduser()
         tmp_name = None
@@ -828,32 +888,58 @@ class TuningCache:
         return len(entries)
 
     def import_json(self, path: str | os.PathLike[str]) -> int:
-        """Read an export file into the cache; all or nothing. Returns the number of rows imported.
+        """Read an export file into the cache; all or nothing. Returns the number of measurement
+        rows imported (its transpose timings are imported with them).
 
         The whole file is validated first; a bad one raises :class:`CacheError` naming the
         problem and where it is (entry index, field), and the cache is left unchanged. Entries
         overwrite existing rows with the same (device, key, algo, method).
         """
-        rows = _read_export(Path(path).expanduser())
-        if rows:
-            self._run(lambda c: c.executemany(_UPSERT, rows), write=True)
+        rows, transposes = _read_export(Path(path).expanduser())
+
+        def write(c: sqlite3.Connection) -> None:
+            c.executemany(_UPSERT, rows)
+            c.executemany(_TRANSPOSE_UPSERT, transposes)
+
+        if rows or transposes:
+            self._run(write, write=True)
         return len(rows)
 
     def clear(self, device: DeviceFingerprint | None = None) -> int:
         """Delete every row (or one device's rows); returns how many were deleted."""
-        if device is None:
-            return self._run(lambda c: c.execute("DELETE FROM measurements").rowcount, write=True)
-        return self._run(
-            lambda c: c.execute("DELETE FROM measurements WHERE device = ?", (str(device),)).rowcount, write=True
-        )
+        where, params = ("", ()) if device is None else (" WHERE device = ?", (str(device),))
+
+        def delete(c: sqlite3.Connection) -> int:
+            c.execute("DELETE FROM transposes" + where, params)
+            return c.execute("DELETE FROM measurements" + where, params).rowcount
+
+        return self._run(delete, write=True)
+
+
+_TRANSPOSE_UPSERT = "INSERT OR REPLACE INTO transposes (device, dims, dtype, time_ms, measured_at) VALUES (?, ?, ?, ?, ?)"
+
+
+def _dims_text(dims: Iterable[int]) -> str:
+    values = [int(d) for d in dims]
+    if not values or any(d <= 0 for d in values):
+        raise ValueError(f"transpose dims must be positive integers, got {values}")
+    return "x".join(map(str, values))
+
+
+def _transpose_row(device: str, dims: Iterable[int], dtype: str, time_ms: float, measured_at: float) -> tuple[Any, ...]:
+    if dtype not in TRANSPOSE_DTYPES:
+        raise ValueError(f"transpose dtype must be one of {', '.join(TRANSPOSE_DTYPES)}, got {_short(dtype)}")
+    if not _is_real(time_ms) or not math.isfinite(time_ms) or time_ms < 0:
+        raise ValueError(f"transpose time_ms must be a finite non-negative number, got {_short(time_ms)}")
+    return (device, _dims_text(dims), dtype, float(time_ms), float(measured_at))
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _read_export(path: Path) -> list[tuple[Any, ...]]:
-    """Validate an export file completely and return the rows to upsert."""
+def _read_export(path: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Validate an export file completely and return the measurement and transpose rows to upsert."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
@@ -875,8 +961,11 @@ def _read_export(path: Path) -> list[tuple[Any, ...]]:
     if doc.get("format") != EXPORT_FORMAT:
         raise bad("field 'format'", f"expected {EXPORT_FORMAT!r}, got {_short(doc.get('format'))}")
     version = doc.get("version")
-    if not _is_int(version) or version != EXPORT_VERSION:
-        raise bad("field 'version'", f"unsupported version {_short(version)} (this convpass reads {EXPORT_VERSION})")
+    if not _is_int(version) or version not in _READABLE_EXPORT_VERSIONS:
+        raise bad("field 'version'", f"unsupported version {_short(version)} (this convpass reads "
+                  f"{' and '.join(map(str, _READABLE_EXPORT_VERSIONS))})")
+    if version == 1 and "transposes" in doc:
+        raise bad("field 'transposes'", "version 1 exports have no transposes")
     extra = sorted(set(doc) - _TOP_LEVEL)
     if extra:
         raise bad("top level", f"unknown field(s) {', '.join(map(repr, extra))}")
@@ -925,7 +1014,31 @@ def _read_export(path: Path) -> list[tuple[Any, ...]]:
             **{n: e[n] for n, _ in _ENTRY_FIELDS[2:] if n in e},
         )
         rows.append(_row(devices[dev_s], m))
-    return rows
+
+    transposes = doc.get("transposes", [])
+    if not isinstance(transposes, list):
+        raise bad("field 'transposes'", f"must be a list, got {_short(transposes)}")
+    transpose_rows = []
+    for i, t in enumerate(transposes):
+        where = f"transpose {i}"
+        if not isinstance(t, dict) or set(t) != set(_TRANSPOSE_FIELDS):
+            raise bad(where, f"expected an object with exactly the fields {', '.join(_TRANSPOSE_FIELDS)}, got {_short(t)}")
+        dev_s = t["device"]
+        try:
+            device = str(DeviceFingerprint.parse(dev_s)) if isinstance(dev_s, str) else None
+        except ValueError:
+            device = None
+        if device is None:
+            raise bad(f"{where}, field 'device'", f"not a device fingerprint: {_short(dev_s)}")
+        if not isinstance(t["dims"], list) or not all(_is_int(d) for d in t["dims"]):
+            raise bad(f"{where}, field 'dims'", f"must be a list of integers, got {_short(t['dims'])}")
+        if not _is_real(t["measured_at"]):
+            raise bad(f"{where}, field 'measured_at'", f"must be a unix time, got {_short(t['measured_at'])}")
+        try:
+            transpose_rows.append(_transpose_row(device, t["dims"], t["dtype"], t["time_ms"], t["measured_at"]))
+        except ValueError as err:
+            raise bad(where, str(err)) from None
+    return rows, transpose_rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -1006,7 +1119,7 @@ def cache_command(args: argparse.Namespace) -> int:
                 return 0
             console.print(
                 f"tuning cache [bold]{st['path']}[/bold] ({_size(st['size_bytes'])}): "
-                f"{st['measurements']} measurements of {st['keys']} problem keys; dates in UTC"
+                f"{st['measurements']} measurements of {st['keys']} problem keys, {st['transposes']} transpose timings; dates in UTC"
             )
             if not st["devices"]:
                 console.print("no measurements")

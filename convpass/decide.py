@@ -5,6 +5,7 @@ comes back. Two backends exist:
 
 * :class:`CacheBackend` - no GPU needed: takes decisions from the tuning cache for a named device
   (``--device-name``); a problem with no usable measurement stays ``auto`` (chosen at run time).
+  With the cache's transpose timings it plans layouts over the whole graph as the tuner does.
 * ``convpass.tune.tuner.CudnnTuner`` - measures on the local GPU (and fills the cache).
 
 :func:`select` is the one rule for picking a configuration from measurements; both backends use it.
@@ -177,11 +178,23 @@ class CacheBackend:
     def __init__(self, cache: "TuningCache | None", device: DeviceFingerprint | None) -> None:
         self.cache = cache
         self.device = device
+        # every cached measurement of every decided problem: the layout planner chooses among them
+        self.rows: dict[ConvProblem, list["Measurement"]] = {}
 
     def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
         out: dict[ConvProblem, Choice | None] = {}
         for problem in problems:
             rows = cached_rows(self.cache, self.device, problem) if self.cache is not None and self.device is not None else []
+            self.rows[problem] = rows
             chosen = select(rows, problem, options)
             out[problem] = None if chosen is None else choice_from(chosen, "cache", rows, problem)
         return out
+
+    def transpose_ms(self, dims: tuple[int, ...], dtype: str) -> float | None:
+        """The cache's transpose time for the layout planner; None where the cache has none (the
+        tuner records one for every tensor it planned on a GPU)."""
+        if len(dims) < 3:
+            return 0.0
+        if self.cache is None or self.device is None:
+            return None
+        return self.cache.get_transpose(self.device, dims, dtype)

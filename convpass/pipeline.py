@@ -221,21 +221,19 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
 
 
 def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport) -> dict:
-    """With ``--layout auto`` and a measuring backend: each conv's layout from the min-cut plan over
-    the whole graph (conv times + measured transposes), then its best configuration in that layout."""
+    """With ``--layout auto``: each conv's layout from the min-cut plan over the whole graph (conv
+    times + transpose times, measured by the tuner or recorded in the tuning cache), then its best
+    configuration in that layout. Where the cache lacks a transpose time the plan needs, each conv
+    takes its own best layout, with a note."""
     rows = getattr(backend, "rows", None)
     transpose_ms = getattr(backend, "transpose_ms", None)
     if options.layout != "auto":
         return {}
     if rows is None or transpose_ms is None:
         report.layout_mode = "per-conv"
-        if report.decided:
-            report.notes.append(
-                "--layout auto plans the whole graph with transpose timings measured on the GPU, which the tuning "
-                "cache does not hold: each conv takes its own best layout here (as --layout per-conv)"
-            )
         return {}
     overrides = {}
+    missing: set[tuple] = set()
     value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
     for i, profile in enumerate(report.profiles):
         shapes = value_shapes[i] if i < len(value_shapes) else {}
@@ -259,17 +257,33 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             if not dims or any(not isinstance(d, int) for d in dims):
                 return 0.0
             dtype = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}.get(value.dtype, "float32")
-            return transpose_ms(tuple(dims), dtype)
+            ms = transpose_ms(tuple(dims), dtype)
+            if ms is None:
+                missing.add((tuple(dims), dtype))
+                return 0.0
+            return ms
 
         plan = plan_layouts(model.graph, conv_costs, cost)
+        if missing:
+            continue  # not planned: the notes below
         for node, layout in plan.layouts.items():
             problem = own[node]
             pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
             if pick is not None:
-                source = "cache" if report.measured == 0 else options.strategy(problem.direction)[0]
+                source = "cache" if not report.measured else options.strategy(problem.direction)[0]
                 overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []), problem)
         if plan.layouts:
             report.layout_plans[profile.name] = plan
+    if missing:
+        report.layout_mode = "per-conv"
+        report.layout_plans.clear()
+        shown = ", ".join(f"{'x'.join(map(str, d))} {t}" for d, t in sorted(missing)[:3])
+        report.notes.append(
+            f"--layout auto weighs conv times against transpose times, and the tuning cache holds none for {len(missing)} "
+            f"tensor shape(s) the plan needs ({shown}{', ...' if len(missing) > 3 else ''}): each conv takes its own best "
+            "layout here (as --layout per-conv); tuning the model once on a GPU of this type records them"
+        )
+        return {}
     return overrides
 
 

@@ -153,7 +153,7 @@ def test_export_import_round_trip(tmp_path: Path, cache: TuningCache) -> None:
     out = tmp_path / "all.json"
     assert cache.export_json(out) == 12
     doc = json.loads(out.read_text())
-    assert doc["format"] == "convpass-tuning-cache" and doc["version"] == 1
+    assert doc["format"] == "convpass-tuning-cache" and doc["version"] == 2
     assert isinstance(doc["exported_at"], float) and len(doc["entries"]) == 12
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # temp file replaced
 
@@ -173,6 +173,7 @@ def test_export_import_round_trip(tmp_path: Path, cache: TuningCache) -> None:
 
 def _good_doc(cache: TuningCache, tmp_path: Path) -> dict:
     _populate(cache)
+    cache.put_transpose(H200, (32, 64, 56, 56), "float32", 0.05)
     cache.export_json(tmp_path / "good.json")
     return json.loads((tmp_path / "good.json").read_text())
 
@@ -192,7 +193,14 @@ def _mutations():
     return [
         ("not json", lambda doc: "{this is not json", "not valid JSON"),
         ("format tag", lambda doc: {**doc, "format": "something-else"}, "field 'format'"),
-        ("version", lambda doc: {**doc, "version": 2}, "field 'version'"),
+        ("version", lambda doc: {**doc, "version": 3}, "field 'version'"),
+        ("v1 with transposes", lambda doc: {**doc, "version": 1}, "field 'transposes'"),
+        ("transposes not list", lambda doc: {**doc, "transposes": {}}, "field 'transposes'"),
+        ("transpose dims", lambda doc: {**doc, "transposes": [{**doc["transposes"][0], "dims": [1, 0, 2]}]}, "transpose 0"),
+        ("transpose dtype", lambda doc: {**doc, "transposes": [{**doc["transposes"][0], "dtype": "int8"}]}, "transpose 0"),
+        ("transpose time", lambda doc: {**doc, "transposes": [{**doc["transposes"][0], "time_ms": -1}]}, "transpose 0"),
+        ("transpose device", lambda doc: {**doc, "transposes": [{**doc["transposes"][0], "device": "H200"}]}, "transpose 0, field 'device'"),
+        ("transpose field", lambda doc: {**doc, "transposes": [{**doc["transposes"][0], "colour": 1}]}, "transpose 0"),
         ("entries not list", lambda doc: {**doc, "entries": {}}, "field 'entries'"),
         ("missing field", entry(5, lambda e: e.pop("algo")), "entry 5: missing field 'algo'"),
         ("bad key", entry(7, setk("key", "fwd|n=1|nonsense")), "entry 7, field 'key'"),
@@ -221,6 +229,69 @@ def test_import_rejects_malformed_and_writes_nothing(tmp_path: Path, cache: Tuni
     msg = str(err.value)
     assert where in msg and str(path) in msg and "\n" not in msg
     assert rows(cache) == before
+
+
+def test_transposes_round_trip_export_import_and_clear(tmp_path: Path, cache: TuningCache) -> None:
+    assert cache.get_transpose(H200, (32, 64, 56, 56), "float32") is None
+    cache.put_transpose(H200, (32, 64, 56, 56), "float32", 0.05)
+    cache.put_transpose(H200, (32, 64, 56, 56), "float32", 0.04)  # a re-measurement overwrites
+    cache.put_transpose(H200, (1, 64, 56, 56), "float16", 0.003)
+    cache.put_transpose(H100, (32, 64, 56, 56), "float32", 0.07)
+    assert cache.get_transpose(H200, [32, 64, 56, 56], "float32") == 0.04
+    assert cache.get_transpose(H200, (32, 64, 56, 56), "float16") is None
+    assert cache.stats()["transposes"] == 3 and cache.stats(H100)["transposes"] == 1
+    with pytest.raises(ValueError, match="dtype"):
+        cache.put_transpose(H200, (1, 2, 3, 4), "int8", 0.1)
+    with pytest.raises(ValueError, match="time_ms"):
+        cache.put_transpose(H200, (1, 2, 3, 4), "float32", float("nan"))
+
+    cache.export_json(tmp_path / "h200.json", H200)
+    doc = json.loads((tmp_path / "h200.json").read_text())
+    assert doc["transposes"] == [
+        {"device": str(H200), "dims": [1, 64, 56, 56], "dtype": "float16", "time_ms": 0.003, "measured_at": doc["transposes"][0]["measured_at"]},
+        {"device": str(H200), "dims": [32, 64, 56, 56], "dtype": "float32", "time_ms": 0.04, "measured_at": doc["transposes"][1]["measured_at"]},
+    ]
+    with TuningCache(tmp_path / "fresh.db") as fresh:
+        fresh.import_json(tmp_path / "h200.json")
+        assert fresh.get_transpose(H200, (32, 64, 56, 56), "float32") == 0.04
+        assert fresh.get_transpose(H100, (32, 64, 56, 56), "float32") is None
+
+    cache.clear(H200)
+    assert cache.get_transpose(H200, (32, 64, 56, 56), "float32") is None
+    assert cache.get_transpose(H100, (32, 64, 56, 56), "float32") == 0.07
+
+
+def test_version_1_export_still_imports(tmp_path: Path, cache: TuningCache) -> None:
+    _populate(cache)
+    cache.export_json(tmp_path / "v2.json")
+    doc = json.loads((tmp_path / "v2.json").read_text())
+    doc["version"] = 1
+    del doc["transposes"]
+    (tmp_path / "v1.json").write_text(json.dumps(doc))
+    with TuningCache(tmp_path / "fresh.db") as fresh:
+        assert fresh.import_json(tmp_path / "v1.json") == 12
+        assert rows(fresh) == rows(cache)
+
+
+def test_schema_version_1_file_is_upgraded_in_place(tmp_path: Path, recwarn) -> None:
+    """A cache written before transposes were recorded keeps its measurements and gains the table."""
+    path = tmp_path / "v1.db"
+    key = shape().key("nchw", "default")
+    with TuningCache(path) as c:
+        c.put(H200, [meas(key)])
+    with sqlite3.connect(path) as c:  # as schema version 1 wrote it
+        c.execute("DROP TABLE transposes")
+        c.execute("UPDATE meta SET value = '1' WHERE name = 'schema_version'")
+    c.close()
+    with TuningCache(path) as c:
+        assert c.get_key(H200, key) == [meas(key)]
+        c.put_transpose(H200, (1, 3, 8, 8), "float32", 0.001)
+        assert c.get_transpose(H200, (1, 3, 8, 8), "float32") == 0.001
+    with sqlite3.connect(path) as c:
+        assert c.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone() == ("2",)
+    c.close()
+    assert not [w for w in recwarn.list if issubclass(w.category, CacheWarning)]
+    assert not list(tmp_path.glob("*.corrupt-*"))
 
 
 def test_import_missing_file(tmp_path: Path, cache: TuningCache) -> None:

@@ -328,3 +328,31 @@ def test_a_recorded_fusion_that_cannot_be_run_is_said(engine, fusion, complaint)
 
     got = odd_fusion(annotation.ConvDecision(algo="implicit_gemm", engine=engine, fusion=fusion))
     assert (got is None) if complaint is None else (complaint in got), got
+
+
+@pytest.mark.parametrize("second_reader", [False, True])
+def test_a_convtranspose_takes_its_only_reader_relu_into_its_bias_pass(second_reader):
+    """cuDNN's backward data has no fused bias call: the bias is one element-wise pass after it, and
+    a Relu that is the only reader of the ConvTranspose joins that pass (its step is absorbed)."""
+    from convpass.runtime.cuda.convolution import lower_convs
+    from convpass.runtime.executor import Executor
+
+    n = helper.make_node
+    nodes = [n("ConvTranspose", ["X", "W", "B"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1]), n("Relu", ["c"], ["Y"])]
+    outputs = [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, (1, 3, 10, 10))]
+    if second_reader:
+        nodes.append(n("Neg", ["c"], ["Z"]))
+        outputs.append(helper.make_tensor_value_info("Z", onnx.TensorProto.FLOAT, (1, 3, 10, 10)))
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 4, 4)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "B")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, (1, 4, 5, 5))], outputs, initializer=inits)
+    ex = Executor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), device="cpu")
+    ex.run(None, {"X": rng.standard_normal((1, 4, 5, 5)).astype(np.float32)})
+    (launch,) = lower_convs(ex.last_plan, None, fuse=True, fuse_residual=True).values()
+    if second_reader:
+        assert (launch.label, launch.epilogue, launch.absorbs) == ("ConvTranspose", None, ())
+    else:
+        assert (launch.label, launch.epilogue, launch.absorbs) == ("ConvTranspose+relu", "relu", (1,))
+    (unfused,) = lower_convs(ex.last_plan, None, fuse=False, fuse_residual=False).values()
+    assert unfused.epilogue is None

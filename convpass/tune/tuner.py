@@ -139,24 +139,18 @@ class CudnnTuner:
         return choice
 
     def transpose_ms(self, dims: tuple[int, ...], dtype: str) -> float:
-        """Measured time of converting a tensor between channels-first and channels-last."""
-        import cupy as cp
-
-        from convpass.cudnn import empty_like_layout
-
+        """Time of converting a tensor between channels-first and channels-last: the tuning cache's
+        record, else measured now (warm clocks, as every conv was) and recorded, so that a cached
+        re-run plans the same layouts as this one."""
         if len(dims) < 3:
             return 0.0  # no channels-last form
         key = (tuple(dims), dtype)
         if key not in self._transpose_ms:
-            with cp.cuda.Stream(non_blocking=True):
-                sets = harness.rotation_sets(harness.prod(dims) * 4)
-                sources = [harness.random_array(dims, dtype, "nchw", 100 + i) for i in range(sets)]
-                targets = [empty_like_layout(dims, dtype, "nhwc") for _ in range(sets)]
-
-                def convert(i: int) -> None:
-                    targets[i][...] = sources[i]
-
-                self._transpose_ms[key] = harness.time_launches(convert, sets).time_ms
+            recorded = self.cache.get_transpose(self.device, dims, dtype)
+            if recorded is None:
+                recorded = measure_transpose(tuple(dims), dtype)
+                self.cache.put_transpose(self.device, dims, dtype, recorded)
+            self._transpose_ms[key] = recorded
         return self._transpose_ms[key]
 
     def _record_baseline(self, problem: ConvProblem, rows: list[Measurement]) -> None:
@@ -167,6 +161,26 @@ class CudnnTuner:
         timed = next((m for m in rows if m.key == key and m.algo == first.algo and m.method == "measure" and m.time_ms is not None), None)
         if timed is not None:  # with its epilogue as its own pass, as the chosen time has it
             self.baseline_ms[problem] = cost_ms(timed, epilogue_ms(rows, problem), problem.fusion)
+
+
+def measure_transpose(dims: tuple[int, ...], dtype: str) -> float:
+    """Measured time (ms) of converting a ``dims`` tensor from channels-first to channels-last, on
+    the current GPU with its clocks warmed first (a cold GPU times it up to several times slower
+    than the convs it is weighed against)."""
+    import cupy as cp
+
+    from convpass.cudnn import empty_like_layout
+
+    harness.warm_clocks()
+    with cp.cuda.Stream(non_blocking=True):
+        sets = harness.rotation_sets(harness.prod(dims) * 4)
+        sources = [harness.random_array(dims, dtype, "nchw", 100 + i) for i in range(sets)]
+        targets = [empty_like_layout(dims, dtype, "nhwc") for _ in range(sets)]
+
+        def convert(i: int) -> None:
+            targets[i][...] = sources[i]
+
+        return harness.time_launches(convert, sets).time_ms
 
 
 def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[Measurement] = ()) -> list[Measurement]:

@@ -15,7 +15,8 @@ when the algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an ide
 otherwise one element-wise pass (bias, residual and ReLU together). A residual ``Add`` that is the conv's only reader, whose other
 operand is computed before the conv with the same shape, goes into the same call as its ``z``
 input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused
-call cuDNN refuses falls back to the unfused form for good.
+call cuDNN refuses falls back to the unfused form for good. A ConvTranspose adds its bias in one
+element-wise pass after cuDNN's backward data; a Relu that is its only reader joins that pass.
 
 Fused graph-API epilogues: a Conv whose decision records a fused engine (``fusion``, e.g.
 ``bias+swish``) and whose output is read only by that epilogue in the plan (``Mul(y, Sigmoid(y))``)
@@ -853,10 +854,13 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
                         epilogue, out, absorbs = ("residual", z, "relu"), steps[k].outputs[0], (j, k)
                     else:
                         epilogue, out, absorbs = ("residual", z, "identity"), steps[j].outputs[0], (j,)
-            if epilogue is None:
-                k = only_reader(y, i, "Relu")
-                if k is not None and len(steps[k].inputs) == 1 and steps[k].inputs[0] == y:
-                    epilogue, out, absorbs = "relu", steps[k].outputs[0], (k,)
+        # a ConvTranspose's bias is always its own pass after cuDNN's backward data: a Relu that is
+        # the only reader joins that pass (one launch fewer per layer of a DCGAN-style generator)
+        transpose = fuse and node.op_type == "ConvTranspose" and node.prepared.geometry.shapes
+        if (with_bias or transpose) and epilogue is None:
+            k = only_reader(y, i, "Relu")
+            if k is not None and len(steps[k].inputs) == 1 and steps[k].inputs[0] == y:
+                epilogue, out, absorbs = "relu", steps[k].outputs[0], (k,)
         taken.update(absorbs)
         launches[i] = ConvLaunch(plan, i, convs, epilogue, out, absorbs, fusion)
     return launches
