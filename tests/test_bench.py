@@ -1108,6 +1108,33 @@ def test_bench_json_keeps_finished_cases_when_a_later_one_is_interrupted(monkeyp
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
 
 
+def test_bench_no_kernels_skips_the_sidecar_and_says_what_the_cold_start_then_holds(monkeypatch, tmp_path, capsys):
+    _bench_on_cpu(monkeypatch)
+
+    def no_call(path):
+        raise AssertionError("write_kernels called under --no-kernels")
+
+    monkeypatch.setattr(contenders, "write_kernels", no_call)
+    out_json = tmp_path / "bench.json"
+    args = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--batch", "1,2", "--vs", "none", "--no-roofline",
+                                 "--runs", "2", "--warmup", "0", "--cache", str(tmp_path / "t.db"), "--json", str(out_json), "--no-kernels"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out_json.read_text())
+    assert report.validate_document(doc) == []
+    assert doc["settings"]["kernels"] is False
+    assert any(n.startswith("--no-kernels: ") and "includes compiling" in n for n in doc["notes"])
+    for case in doc["cases"]:
+        tuning = report.find(case, "convpass")["tuning"]
+        assert (tuning["kernels"], tuning["kernels_s"]) == (contenders.NO_KERNELS, None)
+    assert f"; kernels: {contenders.NO_KERNELS}" in out
+    from convpass.errors import ConvpassError
+
+    both = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--no-kernels", "--fresh-process"])
+    with pytest.raises(ConvpassError, match="not with --no-kernels"):
+        both.func(both)
+
+
 def test_bench_reports_ort_cuda_ep_that_does_not_load(monkeypatch):
     ort = pytest.importorskip("onnxruntime")
     import numpy as np

@@ -59,6 +59,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write every result as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.add_argument("--no-roofline", action="store_true", help="do not measure the GPU peaks (no roofline)")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="do not compile the tuned models' kernels ahead of time (faster runs of many cases; convpass's "
+                   "cold start then includes the compilation; steady state is unaffected)")
     p.add_argument("--profile-ops", action="store_true",
                    help=f"after each case's timed runs, run the tuned model eagerly {opprofile.PROFILE_RUNS} times with CUDA "
                    "events around every launch: GPU time outside convolutions and per op family")
@@ -198,6 +201,8 @@ def bench_command(args: argparse.Namespace) -> int:
         return _from_json(args)
     if not args.models:
         raise ConvpassError("give one or more MODEL.onnx files (or --from-json FILE.json)")
+    if args.no_kernels and args.fresh_process:
+        raise ConvpassError("--fresh-process measures a deployment's start, which has the kernel side-car: not with --no-kernels")
     if args.runs < 1 or args.warmup < 0:
         raise ConvpassError("--runs must be >= 1 and --warmup >= 0")
     if args.fresh_timeout <= 0:
@@ -234,6 +239,9 @@ def bench_command(args: argparse.Namespace) -> int:
     ]
     if args.fresh_process:
         notes.append(report.fresh_note())
+    if args.no_kernels:
+        notes.append("--no-kernels: the tuned models carry no kernel side-car, so convpass's cold start (and the second batch "
+                     "size's start) includes compiling its kernels, unlike a deployment's; steady state is unaffected.")
     if args.profile_ops:
         notes.append("--profile-ops: GPU time per launch of the tuned model in eager runs (cuda_graph=False, the launches "
                      "a graph replays), each run queued whole behind a hold kernel so that host launch overhead is not "
@@ -252,6 +260,7 @@ def bench_command(args: argparse.Namespace) -> int:
         "vs": list(vs),
         "tf32": args.tf32,
         "engines": args.engines,
+        "kernels": not args.no_kernels,
         "timing": contenders.TIMING,
         "cache": args.cache,
         "tolerances": {"tf32": report.TOL_TF32, "fp32": report.TOL_FP32, "half": report.TOL_HALF},
@@ -271,6 +280,7 @@ def bench_command(args: argparse.Namespace) -> int:
                         path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache, engines=args.engines,
                         panel_json=args.panel_json, peaks=peaks, workdir=Path(tmp), module_cache=module_cache, log=log,
                         profile_runs=settings["profile_ops"], fresh_timeout=args.fresh_timeout if args.fresh_process else None,
+                        kernels=not args.no_kernels,
                     )
                 except contenders.CaseSkipped as e:
                     notes.append(f"{path.stem} b{batch} skipped: {e}")
@@ -312,7 +322,7 @@ def _same_executor(path: Path, model_cases: list[dict[str, Any]], args: argparse
     if len(ran) < 2:
         return
     log(f"{path.stem}: batch sizes {', '.join(map(str, ran))} in one executor")
-    records = contenders.run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir, args.engines)
+    records = contenders.run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir, args.engines, not args.no_kernels)
     for case in model_cases:
         if case["batch"] in records:
             case["same_executor"] = records[case["batch"]]

@@ -310,8 +310,9 @@ def uses_tf32(records: Sequence[Mapping[str, Any]], matmul_tf32: bool = False) -
 
 
 def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | None, out_path: Path,
-                 engines: str = "all") -> tuple[dict[str, Any], list[dict]]:
-    """Tune ``path`` for one shape profile (or several); save to ``out_path``; (tuning record, inspect records)."""
+                 engines: str = "all", kernels: bool = True) -> tuple[dict[str, Any], list[dict]]:
+    """Tune ``path`` for one shape profile (or several); save to ``out_path`` with its kernel
+    side-car unless ``kernels`` is false; (tuning record, inspect records)."""
     from rich.console import Console
 
     import convpass
@@ -344,9 +345,12 @@ def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | 
         "decisions": decision_summary(records),
         "tf32_option": tf32,
         "matmul_tf32": options.matmul_tf32,
-        **write_kernels(out_path),
+        **(write_kernels(out_path) if kernels else {"kernels": NO_KERNELS, "kernels_s": None}),
     }
     return tuning, records
+
+
+NO_KERNELS = "not written (bench --no-kernels): the executor compiles them at start-up, inside its cold start"
 
 
 def write_kernels(tuned_path: Path) -> dict[str, Any]:
@@ -591,9 +595,9 @@ def _run_torch_one(name: str, cfg: dict[str, Any], module_cpu: Any, entry: Mappi
 def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: int, tf32: str, cache: str | None,
                panel_json: str | None, peaks: Mapping[str, Any] | None, workdir: Path,
                module_cache: dict[str, Any], log: Callable[[str], None] = lambda s: None,
-               profile_runs: int = 0, fresh_timeout: float | None = None, engines: str = "all") -> dict[str, Any]:
+               profile_runs: int = 0, fresh_timeout: float | None = None, engines: str = "all", kernels: bool = True) -> dict[str, Any]:
     """Benchmark one model at one batch; returns the (not yet annotated) case record (``engines``:
-    convpass's ``--engines`` tuning space).
+    convpass's ``--engines`` tuning space; ``kernels``: write the tuned model's kernel side-car).
 
     ``profile_runs`` > 0: after every contender's timed runs, that many eager runs of the tuned
     model with a CUDA event pair around each launch (``op_profile``). ``fresh_timeout``: then every
@@ -625,7 +629,7 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
     tuned_path = workdir / f"{path.stem}.b{batch}.tuned.onnx"
     records: list[dict] = []
     try:
-        tuning, records = run_optimize(path, shape_spec(shapes), tf32, cache, tuned_path, engines)
+        tuning, records = run_optimize(path, shape_spec(shapes), tf32, cache, tuned_path, engines, kernels)
     except Exception as e:  # noqa: BLE001
         case["contenders"].append(report.contender("convpass", "convpass", {"tf32_option": tf32}, status="failed",
                                                    reason=f"optimize: {_first_line(e)}"))
@@ -659,7 +663,7 @@ def bench_case(path: Path, batch: int, *, vs: Sequence[str], runs: int, warmup: 
 
 
 def run_batch_sizes_in_one_executor(path: Path, batches: Sequence[int], tf32: str, cache: str | None,
-                                    workdir: Path, engines: str = "all") -> dict[int, dict[str, Any]]:
+                                    workdir: Path, engines: str = "all", kernels: bool = True) -> dict[int, dict[str, Any]]:
     """Issue 10's "a model's second batch size in the same process": one model tuned for every batch
     size (from the tuning cache the cases filled), one executor; it runs the first batch size, then
     each later one is timed from the call to the first result in device memory (plan build, kernels,
@@ -676,7 +680,7 @@ def run_batch_sizes_in_one_executor(path: Path, batches: Sequence[int], tf32: st
     try:
         from convpass.runtime.executor import Executor
 
-        run_optimize(path, [shape_spec(shapes[b]) for b in batches], tf32, cache, out, engines)
+        run_optimize(path, [shape_spec(shapes[b]) for b in batches], tf32, cache, out, engines, kernels)
         free_gpu_memory()
         cp = _cupy()
         ex = Executor(os.fspath(out), device="cuda", output_kind="device")

@@ -891,7 +891,9 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
     tuning = t.get("tuning_s")
     tail = f", tuner {tuning:.1f} s" if isinstance(tuning, (int, float)) else ""
     line = f"convpass optimize: {_s(wall)} s{tail} ({where}{extra})"
-    if t.get("kernels"):
+    if t.get("kernels") and t.get("kernels_s") is None:
+        line += f"; kernels: {t['kernels']}"
+    elif t.get("kernels"):
         line += f"; kernels ahead of time ({_s(t.get('kernels_s'))} s): {t['kernels']}"
     return line
 

@@ -58,6 +58,16 @@ def test_samples_are_measured_then_cached(path, tmp_path):
     assert [(r["algo"], r["memory_format"]) for r in convpass.inspect(to_proto(second))] == [
         (r["algo"], r["memory_format"]) for r in records
     ]
+    # the cache-only backend (a machine without this GPU) plans the same layouts: the transposes
+    # the tuner timed are in the cache
+    from convpass import device
+
+    third = load_model(path)
+    replay = optimize_model(third, TuneOptions(), shapes, cache=tmp_path / "c.db", device_name=str(device.detect()))
+    assert replay.layout_mode is None, replay.notes
+    assert [(r["algo"], r["memory_format"]) for r in convpass.inspect(to_proto(third))] == [
+        (r["algo"], r["memory_format"]) for r in records
+    ]
 
 
 def _tune(model, tmp_path, **options):
