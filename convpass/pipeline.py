@@ -235,6 +235,8 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
         return {}
     overrides = {}
     missing: set[tuple] = set()
+    summary = getattr(backend, "summary", None)  # a measuring backend's (the report has it only later)
+    measured = summary.measured if summary is not None else 0
     value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
     for i, profile in enumerate(report.profiles):
         shapes = value_shapes[i] if i < len(value_shapes) else {}
@@ -273,7 +275,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             problem = own[node]
             pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
             if pick is not None:
-                source = "cache" if not report.measured else options.strategy(problem.direction)[0]
+                source = "cache" if not measured else options.strategy(problem.direction)[0]
                 overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []), problem)
         if plan.layouts:
             report.layout_plans[profile.name] = plan

@@ -165,10 +165,11 @@ def _layout_model():
     return conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1])
 
 
-def _decisions(report_model):
+def _decisions(report_model, source=False):
     from convpass.model_io import to_proto
 
-    return [(r["algo"], r["memory_format"], r["math_mode"]) for r in convpass.inspect(to_proto(report_model))]
+    return [(r["algo"], r["memory_format"], r["math_mode"], *((r["source"],) if source else ()))
+            for r in convpass.inspect(to_proto(report_model))]
 
 
 def test_cache_only_plans_layouts_with_recorded_transposes(tmp_path):
@@ -209,14 +210,14 @@ def test_measured_and_cached_runs_plan_the_same_layouts(tmp_path, monkeypatch):
     def run(backend=None, **kw):
         model = load_model(_layout_model())
         report = optimize_model(model, TuneOptions(), backend=backend, **kw)
-        return _decisions(model), report
+        return _decisions(model, source=True), report
 
     with TuningCache(tmp_path / "c.db") as cache:
         fresh, report = run(tuner.CudnnTuner(cache, H200))
         assert measured and sorted(transposes) == [(1, 3, 8, 8), (1, 4, 8, 8)] and report.layout_plans
-        assert fresh == [("fft", "NCHW", "default")]
+        assert fresh == [("fft", "NCHW", "default", "measure")]  # a planned decision says how it was decided
         measured.clear(), transposes.clear()
         again, _ = run(tuner.CudnnTuner(cache, H200))
-        assert again == fresh and not measured and not transposes
+        assert again == [("fft", "NCHW", "default", "cache")] and not measured and not transposes
     replay, report = run(cache=tmp_path / "c.db", device_name="H200")
-    assert replay == fresh and report.layout_plans
+    assert replay == again and report.layout_plans
