@@ -42,11 +42,12 @@ Exchange
     :meth:`TuningCache.export_json` / :meth:`TuningCache.import_json` move measurements between
     machines (a GPU fleet tunes, a GPU-less build machine applies) as JSON::
 
-        {"format": "convpass-tuning-cache", "version": 1, "exported_at": <unix time>,
-         "entries": [{"device": "<fingerprint>", "key": "<problem key>", "algo": ..., ...}]}
+        {"format": "convpass-tuning-cache", "version": 2, "exported_at": <unix time>,
+         "entries": [{"device": "<fingerprint>", "key": "<problem key>", "algo": ..., ...}],
+         "transposes": [...]}
 
-    Version 2 adds ``"transposes": [{"device", "dims": [..], "dtype", "time_ms", "measured_at"}]``;
-    version 1 files (no transposes) still import. Import checks the whole file before writing
+    Version 2 added ``"transposes"``: ``{"device", "dims": [..], "dtype", "time_ms", "measured_at"}``
+    each; version 1 files (no transposes) still import. Import checks the whole file before writing
     anything and writes it in one transaction.
 
 Schema versions

@@ -191,10 +191,8 @@ class CacheBackend:
         return out
 
     def transpose_ms(self, dims: tuple[int, ...], dtype: str) -> float | None:
-        """The cache's transpose time for the layout planner; None where the cache has none (the
-        tuner records one for every tensor it planned on a GPU)."""
-        if len(dims) < 3:
-            return 0.0
+        """The cache's transpose time of a rank 3-5 tensor for the layout planner; None where the
+        cache has none (the tuner records one for every tensor it planned on a GPU)."""
         if self.cache is None or self.device is None:
             return None
         return self.cache.get_transpose(self.device, dims, dtype)

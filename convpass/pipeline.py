@@ -259,8 +259,10 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             dims = shapes.get(value.name)
             if not dims or any(not isinstance(d, int) for d in dims):
                 return 0.0
-            if len(dims) >= 3 and (dims[1] == 1 or math.prod(dims[2:]) == 1):
-                return 0.0  # one channel or one position: both formats are one memory order (cudnn.layout_of: "both")
+            if len(dims) < 3 or dims[1] == 1 or math.prod(dims[2:]) == 1:
+                # no channels-last form, or one channel or one position: both formats are one memory
+                # order (cudnn.layout_of: "both"), so nothing is converted
+                return 0.0
             dtype = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}.get(value.dtype, "float32")
             ms = transpose_ms(tuple(dims), dtype)
             if ms is None:

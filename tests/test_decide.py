@@ -133,6 +133,17 @@ def test_cache_only_optimize_leaves_unknown_problems_auto(tmp_path):
     assert convpass.inspect(tuned)[0]["algo"] == "auto"
 
 
+def test_nothing_decided_from_the_cache_says_nothing_about_layouts(tmp_path):
+    from convpass.model_io import load_model
+    from convpass.pipeline import optimize_model
+
+    _fill_cache(tmp_path / "c.db", ROWS)
+    model = load_model(conv_model("Conv", (1, 3, 16, 16), (4, 3, 3, 3)))  # a problem the cache has not seen
+    report = optimize_model(model, TuneOptions(), cache=tmp_path / "c.db", device_name="H200")
+    assert report.decided == 0 and report.layout_mode is None  # no conv costs: no transposes asked for
+    assert not any("transpose" in note for note in report.notes), report.notes
+
+
 def test_unknown_device_name_lists_known_devices(tmp_path):
     _fill_cache(tmp_path / "c.db", ROWS)
     with pytest.raises(ConvpassError, match="H200"):
