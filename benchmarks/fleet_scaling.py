@@ -231,6 +231,12 @@ def report_phase(args: argparse.Namespace) -> int:
         lines.append(f"wall time, {measured} problems: 1 GPU {one['wall_s']:.1f} s, 2 GPUs {two['wall_s']:.1f} s -> "
                      f"{ratio:.2f}x (target <= 0.55: {'met' if ratio <= 0.55 else 'NOT met'}); "
                      f"{doc['wall']['one_gpu_s_per_problem']} s per problem on 1 GPU")
+        for name in ("one", "two"):  # where the wall time went: the serial part and the GPUs' idle time
+            secs, busy = runs[name]["summary"]["seconds"], runs[name]["summary"].get("busy_s_by_slot", {})
+            lines.append(f"  {name}: wall {runs[name]['wall_s']:.1f} s = outside the command's timed span "
+                         f"{runs[name]['wall_s'] - secs.get('total', 0):.1f} s + first task at {secs.get('first_task', 0):.1f} s "
+                         f"+ tuning {secs.get('tune', 0):.1f} s + writing {secs.get('write', 0):.2f} s; GPU busy in tuning: "
+                         + ", ".join(f"{sid} {b:.1f} s ({b / max(secs.get('tune', 0), 1e-9):.0%})" for sid, b in busy.items()))
         if "two-ray" in runs:
             r = runs["two-ray"]["wall_s"] / one["wall_s"]
             doc["wall"]["ray_two_gpus_s"], doc["wall"]["ray_ratio"] = runs["two-ray"]["wall_s"], round(r, 3)

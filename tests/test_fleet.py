@@ -184,6 +184,8 @@ def test_each_problem_is_measured_once_and_every_model_written(lab, tmp_path):
     doc = report.to_json()
     assert doc["problems"] == 18 and doc["tasks"] == 18 and doc["cached"] == 0
     assert [s["id"] for s in doc["slots"]] == ["proc0", "proc1"] and all(doc["measured_by_slot"].values())
+    assert set(doc["busy_s_by_slot"]) == {"proc0", "proc1"}  # each slot's time holding tasks, within the tuning span
+    assert all(0 < b <= doc["seconds"]["tune"] + 0.002 for b in doc["busy_s_by_slot"].values())  # (rounded to ms)
     _check_nothing_lost(doc, tmp_path / "driver.db")
     (f1, f2) = doc["failed"]
     assert f1["attempts"] == f2["attempts"] == 3  # 1 + --retries 2
@@ -223,6 +225,7 @@ def test_a_broken_gpu_is_retired_and_its_problems_run_on_the_others(lab, tmp_pat
     assert [s["where"].split(",")[0] for s in doc["slots"]] == ["GPU 0 of this host", "GPU 1 of this host"]
     assert [w["slot"] for w in doc["workers_lost"]] == ["gpu1"] * 3
     assert "lost 3 workers in a row" in doc["slots_retired"]["gpu1"]
+    assert set(doc["busy_s_by_slot"]) == {"gpu0", "gpu1"}  # a lost worker's task counts as busy time too
     assert doc["measured_by_slot"] == {"gpu0": RECORDED_PROBLEMS}
     _check_nothing_lost(doc, tmp_path / "driver.db")
 

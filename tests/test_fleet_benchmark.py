@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -106,4 +107,6 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     doc = json.loads((tmp_path / "out" / "fleet-check.json").read_text())
     assert doc["wall"]["problems"] == 14 and set(doc["runs"]) == {"one", "two", "retime"}
     assert doc["decisions"]["b_vs_a"] == {"problems": 14, "within_3pct": 14, "median": 1.0, "p95": 1.0, "max": 1.0}
-    assert "2-GPU within 3% of 1-GPU on 14/14" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2-GPU within 3% of 1-GPU on 14/14" in printed
+    assert re.search(r"two: wall .* GPU busy in tuning: proc0 [0-9.]+ s \(\d+%\), proc1", printed)

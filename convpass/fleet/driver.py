@@ -310,6 +310,7 @@ class FleetReport:
             "workers_lost": [{"slot": sid, "reason": why} for sid, why in (s.lost if s else [])],
             "slots_retired": s.retired if s else {},
             "measured_by_slot": _count(finished.values()),
+            "busy_s_by_slot": {sid: round(v, 3) for sid, v in sorted(s.busy.items())} if s else {},
             "cache_writes": {"tasks": len(s.writes), "max_per_task": max(s.writes.values(), default=0)} if s else {},
             "written_during_tune": self.written_during_tune,
             "interrupted": self.interrupted,

@@ -201,6 +201,7 @@ class ScheduleResult:
     stopped_by: Exception | None = None  # what the feed raised (the run stopped early)
     first_task_at: float | None = None  # time.perf_counter() when the first task was given to a worker
     last_settled_at: float | None = None  # ... when the last task was settled
+    busy: dict[str, float] = dataclasses.field(default_factory=dict)  # slot id -> seconds it held a task (any outcome)
 
 
 class Scheduler:
@@ -381,10 +382,10 @@ class _Run:
                 if sid not in tried or live <= tried:  # elsewhere while another slot of the type lives
                     del queue[i]
                     self.result.attempts[task.id] = self.result.attempts.get(task.id, 0) + 1
-                    self.running[sid] = (task, time.monotonic())
-                    self.s.executor.submit(sid, task, self.s.options)
                     if self.result.first_task_at is None:
                         self.result.first_task_at = time.perf_counter()
+                    self.running[sid] = (task, time.monotonic())
+                    self.s.executor.submit(sid, task, self.s.options)
                     break
         self.progress()
 
@@ -436,7 +437,11 @@ class _Run:
         if running is None or running[0].id != task_id:
             held = "nothing" if running is None else f"task {running[0].id}"
             raise RuntimeError(f"executor bug: slot {sid} reported task {task_id} while running {held}")
+        self.count_busy(sid, running[1])
         return running[0]
+
+    def count_busy(self, sid: str, started: float) -> None:
+        self.result.busy[sid] = self.result.busy.get(sid, 0.0) + time.monotonic() - started
 
     def lose(self, sid: str, reason: str) -> None:
         slot = self.slots.get(sid)
@@ -444,6 +449,7 @@ class _Run:
         self.result.lost.append((sid, reason))
         running = self.running.pop(sid, None)
         if running is not None:
+            self.count_busy(sid, running[1])
             self.retry(running[0], sid, f"worker {sid}{where} lost: {reason}")
         self.losses[sid] = self.losses.get(sid, 0) + 1
         if self.losses[sid] >= SLOT_LOSSES:
