@@ -28,6 +28,7 @@ Phases (each one ``convpass tune`` run on a fresh cache, so every phase fits the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -38,42 +39,84 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-Decision = tuple[str, str]  # (problem key string, algorithm)
+if TYPE_CHECKING:
+    from convpass.cache import Measurement
+    from convpass.options import TuneOptions
+    from convpass.passes.collect_conv_problems import ConvProblem
+
+Clock = Mapping[str, Sequence["Measurement"]]  # geometry -> the clock run's ok rows (timed configurations, epilogue passes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a tuned model runs for one problem: the configuration's problem key and the tuning-cache
+    row it was decided from (a legacy algorithm, an engine, or either's fused call)."""
+
+    problem: "ConvProblem"  # as the driver collected it, its epilogue included
+    key: str
+    row: str
 
 
 # ------------------------------------------------------------------------------------------------
 # pure: decisions against a clock
 
 
-def decisions_of(tuned_models: Sequence[Path | str]) -> dict[tuple[str, str], Decision]:
-    """(device, problem geometry) -> (problem key, algorithm) of every decided conv of the models."""
+def tune_options() -> "TuneOptions":
+    """The decision options the phases' ``convpass tune`` runs with (its defaults)."""
+    from convpass.cli import build_parser, decision_options
+    from convpass.pipeline import build_options
+
+    return build_options(decision_options(build_parser().parse_args(["tune", "m.onnx", "-o", "."])))
+
+
+def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> dict[tuple[str, str], Decision]:
+    """(device, problem) -> the Decision of every decided conv of the models. Each conv's problem is
+    collected again from the tuned model at its own profiles, with ``options``: what the tuner timed
+    it as, with its epilogue, which the row's time alone does not say (an unfused configuration
+    costs its time plus the epilogue's pass)."""
     import convpass
-    from convpass.problem import ProblemKey
+    from convpass import annotation
+    from convpass.cudnn.graph_api import ENGINE_PREFIX
+    from convpass.epilogue import fused_name
+    from convpass.model_io import load_model, to_proto
+    from convpass.pipeline import OptimizeReport, prepare_model
 
     out: dict[tuple[str, str], Decision] = {}
     for path in tuned_models:
-        for r in convpass.inspect(path):
+        tuned = to_proto(load_model(path))
+        records = convpass.inspect(tuned)
+        info, _ = annotation.read_annotations(tuned)
+        profiles = [p.name for p in info.profiles]
+        plain = load_model(annotation.standard_model(tuned))
+        uses = prepare_model(plain, options, [dict(p.inputs) for p in info.profiles], OptimizeReport())
+        problem_of = {(u.node.name, u.profile): p for p, us in uses.items() for u in us}
+        for r in records:
             if r["algo"] in (None, "auto") or not r["problem_key"]:
                 continue
-            shape = str(ProblemKey.parse(r["problem_key"]).shape)
-            out[(r["device"], shape)] = (r["problem_key"], r["algo"])
+            problem = problem_of[(r["node"], profiles.index(r["profile"]))]
+            row = ENGINE_PREFIX + r["engine"] if r["engine"] else r["algo"]
+            out[(r["device"], str(problem))] = Decision(problem, r["problem_key"], fused_name(row, r["fusion"]) if r["fusion"] else row)
     return out
 
 
-def retimed(decisions: Mapping[Any, Decision], clock: Mapping[str, Mapping[Decision, float]]) -> dict[Any, dict[str, float]]:
-    """Each decision's time on the clock run and the clock's fastest candidate, by decision key.
+def retimed(decisions: Mapping[Any, Decision], clock: Clock, options: "TuneOptions") -> dict[Any, dict[str, float]]:
+    """Each decision's time on the clock run and the time of what the tuner decides from the clock,
+    by decision key. Both are the conv's step by the tuner's own rule (:func:`convpass.decide.cost_ms`:
+    a fused call its own time, an unfused configuration its time plus its epilogue's pass), and
+    the clock's choice is :func:`convpass.decide.select`'s under ``options``. Decisions whose
+    configuration the clock did not time are left out."""
+    from convpass.decide import cost_ms, epilogue_ms, select
 
-    ``clock``: geometry -> {(problem key, algorithm): time} of the clock run's ok measurements.
-    Decisions whose geometry or configuration the clock did not time are left out.
-    """
     out = {}
-    for k, (key, algo) in decisions.items():
-        shape = key.rsplit("|", 2)[0]
-        times = clock.get(shape, {})
-        if (key, algo) in times:
-            out[k] = {"time_ms": times[(key, algo)], "best_ms": min(times.values())}
+    for k, d in decisions.items():
+        rows = [m for shape in d.problem.candidates for m in clock.get(str(shape), ())]
+        epilogue = epilogue_ms(rows, d.problem)
+        timed = next((m for m in rows if m.method == "measure" and m.algo == d.row and str(m.key) == d.key), None)
+        best = select(rows, d.problem, options)
+        if timed is not None and best is not None:
+            out[k] = {"time_ms": cost_ms(timed, epilogue, d.problem.fusion), "best_ms": cost_ms(best, epilogue, d.problem.fusion)}
     return out
 
 
@@ -90,37 +133,41 @@ def _spread(ratios: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Mapping[str, Mapping[Decision, float]]) -> dict[str, Any]:
-    """Run ``b``'s decisions against run ``a``'s, both re-timed on ``clock``.
+def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Clock, options: "TuneOptions") -> dict[str, Any]:
+    """Run ``b``'s decisions against run ``a``'s, both re-timed on ``clock`` (:func:`retimed`).
 
     ``b_vs_a``: time(b's decision) / time(a's decision) per problem both decided (target <= 1.03);
-    ``a_vs_best`` / ``b_vs_best``: each run's decision against the clock's fastest candidate, i.e.
-    the tuner's run-to-run noise as the same clock sees it.
+    ``a_vs_best`` / ``b_vs_best``: each run's decision against the clock's own choice, i.e. the
+    tuner's run-to-run noise as the same clock sees it.
     """
-    ta, tb = retimed(a, clock), retimed(b, clock)
+    ta, tb = retimed(a, clock, options), retimed(b, clock, options)
     both = sorted(set(ta) & set(tb), key=str)
     ratios = {k: tb[k]["time_ms"] / ta[k]["time_ms"] for k in both}
     worst = sorted(ratios.items(), key=lambda kv: -kv[1])[:5]
     return {
         "decided": {"a": len(a), "b": len(b), "retimed_both": len(both)},
-        "same_choice": sum(1 for k in both if a[k] == b[k]),
+        "same_choice": sum(1 for k in both if (a[k].key, a[k].row) == (b[k].key, b[k].row)),
         "b_vs_a": _spread(list(ratios.values())),
         "a_vs_best": _spread([t["time_ms"] / t["best_ms"] for t in ta.values()]),
         "b_vs_best": _spread([t["time_ms"] / t["best_ms"] for t in tb.values()]),
-        "worst_b_vs_a": [{"problem": str(k), "ratio": round(r, 4), "a": list(a[k]), "b": list(b[k])} for k, r in worst],
+        "worst_b_vs_a": [{"problem": str(k), "ratio": round(r, 4), "a": [a[k].key, a[k].row], "b": [b[k].key, b[k].row]} for k, r in worst],
     }
 
 
-def clock_of(cache_path: Path, device: str) -> dict[str, dict[Decision, float]]:
-    """geometry -> {(problem key, algorithm): time} of a tuning cache's ok ``measure`` rows."""
+def clock_of(cache_path: Path, device: str) -> dict[str, list["Measurement"]]:
+    """geometry -> a tuning cache's ok rows with a time (``measure`` and epilogue passes) on ``device``."""
+    from convpass.cache import TuningCache
+    from convpass.device import DeviceFingerprint
+    from convpass.problem import ProblemKey
+
     with sqlite3.connect(f"file:{cache_path}?mode=ro", uri=True) as c:
-        rows = c.execute(
-            "SELECT shape, key, algo, time_ms FROM measurements WHERE device = ? AND method = 'measure' "
-            "AND status = 'ok' AND time_ms IS NOT NULL", (device,)
-        ).fetchall()
-    out: dict[str, dict[Decision, float]] = {}
-    for shape, key, algo, t in rows:
-        out.setdefault(shape, {})[(key, algo)] = t
+        keys = [k for (k,) in c.execute("SELECT DISTINCT key FROM measurements WHERE device = ?", (device,))]
+    fingerprint, out = DeviceFingerprint.parse(device), {}
+    with TuningCache(cache_path) as cache:
+        for key in keys:
+            for m in cache.get_key(fingerprint, ProblemKey.parse(key)):
+                if m.status == "ok" and m.time_ms is not None:
+                    out.setdefault(str(m.key.shape), []).append(m)
     return out
 
 
@@ -244,9 +291,10 @@ def report_phase(args: argparse.Namespace) -> int:
         if "retime" in runs:
             device = one["summary"]["devices"][0]
             clock = clock_of(work / "retime.db", device)
-            a = decisions_of([m["output"] for m in one["summary"]["models"] if m["output"]])
-            b = decisions_of([m["output"] for m in two["summary"]["models"] if m["output"]])
-            cmp = compare(a, b, clock)
+            options = tune_options()
+            a = decisions_of([m["output"] for m in one["summary"]["models"] if m["output"]], options)
+            b = decisions_of([m["output"] for m in two["summary"]["models"] if m["output"]], options)
+            cmp = compare(a, b, clock, options)
             doc["decisions"] = cmp
             ba, na, nb = cmp["b_vs_a"], cmp["a_vs_best"], cmp["b_vs_best"]
             lines.append(f"decisions re-timed on one clock (the retime run), {ba['problems']} problems: 2-GPU within 3% of 1-GPU "

@@ -462,3 +462,17 @@ def read_annotations(
 def standard_attributes(node: onnx.NodeProto) -> list[onnx.AttributeProto]:
     """The node's attributes less the decision attributes: what the standard op takes."""
     return [a for a in node.attribute if a.name not in DECISION_ATTRIBUTES]
+
+
+def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a tuned model with every annotated conv back in the standard domain with its
+    standard attributes: the model the graph passes collected the problems of."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if is_annotated_conv(node):
+            keep = standard_attributes(node)
+            del node.attribute[:]
+            node.attribute.extend(keep)
+            node.domain = ""
+    return out
