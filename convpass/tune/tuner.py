@@ -13,15 +13,6 @@ type allowed by the options):
   deterministic algorithm with FMA math (no TF32) on the same random inputs, within a tolerance that
   fits its math type; a wrong result, an error or running out of memory is recorded as such and
   the algorithm is skipped — tuning always continues;
-* **close calls are timed twice** (``measure`` mode): the configurations whose cost (with the
-  problem's epilogue, as :func:`convpass.decide.cost_ms` weighs them) is within
-  :data:`CONFIRM_BAND` of the fastest, at most :data:`CONFIRM_TOP`, are timed once more and keep
-  the lower of their two times, with both in the note (:func:`close_calls`). One timing of a
-  configuration can come out a few percent high as a whole (H200 fleet runs: r3d_18's 3x3x3
-  512-channel conv at batch 32 with its bias in cuDNN's fused call timed 0.1527 ms once and
-  0.1450-0.1453 ms in the two other runs), and between near-equal candidates that flips the
-  decision: two GPUs of one run then disagreed by 5.7% on that conv with bias + ReLU. Graph-API engines are not timed again (their configurations are rebuilt
-  only by enumerating them all);
 * everything measured goes to the tuning cache (per device fingerprint); a problem whose
   measurements are all in the cache is decided from there without timing anything.
 
@@ -83,9 +74,6 @@ REFERENCE_ALGOS = {
 FFT_TILING_MAX_GROUPS = 8
 # What each direction reads and writes.
 OUTPUT = {"fwd": "y", "dgrad": "x", "wgrad": "w"}
-# Close calls (module docstring): within this fraction of the fastest cost, at most this many.
-CONFIRM_BAND = 0.06
-CONFIRM_TOP = 3
 
 
 @dataclasses.dataclass
@@ -222,68 +210,8 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
         legacy_fusion = False
     if own and own_complete(have, keys, own_fusion):
         own = False
-    rows = _measure(problem, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have,
+    return _measure(problem, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have,
                     own=own, own_fusion=own_fusion)
-    return confirm_close_calls(problem, options, rows, have) if strategy == "measure" else rows
-
-
-def close_calls(rows: Sequence[Measurement], problem: ConvProblem, options: TuneOptions) -> list[Measurement]:
-    """The timed configurations among ``rows`` whose cost is within :data:`CONFIRM_BAND` of the
-    fastest (as :func:`convpass.decide.select` weighs them: with the problem's epilogue), fastest
-    first, at most :data:`CONFIRM_TOP`; none when the fastest has no rival. Early-stopped timings
-    are no rivals (they stopped at 4x the best)."""
-    from convpass.decide import allowed
-
-    epi = epilogue_ms(rows, problem)
-    timed = [m for m in rows if m.method == "measure" and m.time_ms is not None and "early stop" not in m.note
-             and allowed(m, problem, options, epi)]
-    ranked = sorted(timed, key=lambda m: (cost_ms(m, epi, problem.fusion), str(m.key), m.algo))
-    if not ranked:
-        return []
-    limit = cost_ms(ranked[0], epi, problem.fusion) * (1 + CONFIRM_BAND)
-    close = [m for m in ranked if cost_ms(m, epi, problem.fusion) <= limit][:CONFIRM_TOP]
-    return close if len(close) > 1 else []
-
-
-def confirm_close_calls(problem: ConvProblem, options: TuneOptions, rows: list[Measurement], have: Sequence[Measurement] = (),
-                        retime: Callable[[Measurement], Measurement] | None = None) -> list[Measurement]:
-    """``rows`` (this call's) with their close calls (:func:`close_calls`, over ``rows`` and the
-    stored ``have``) timed again by ``retime`` (default: on this GPU, :func:`retime_row`), each
-    keeping the lower of its two times. Stored rows and engines are not timed again."""
-    fresh = {(m.key, m.algo) for m in rows if m.method == "measure"}
-    again = [m for m in close_calls([*rows, *have], problem, options) if (m.key, m.algo) in fresh and not is_engine(m.algo)]
-    if not again:
-        return rows
-    retime = retime or retime_row
-    second = {(m.key, m.algo): retime(m) for m in again}
-    return [confirmed(m, second[(m.key, m.algo)]) if m.method == "measure" and (m.key, m.algo) in second else m for m in rows]
-
-
-def confirmed(first: Measurement, again: Measurement) -> Measurement:
-    """A close call timed twice: its lower time, both in the note. A second timing that did not
-    give a time leaves the first as it was, and says why."""
-    if again.status != "ok" or again.time_ms is None:
-        return dataclasses.replace(first, note=f"{first.note}; close call, timed again: {again.status} ({again.note})")
-    return dataclasses.replace(first, time_ms=min(first.time_ms, again.time_ms),
-                               note=f"{first.note}; close call, timed twice: {first.time_ms:.4f} and {again.time_ms:.4f} ms, the lower kept")
-
-
-def retime_row(row: Measurement) -> Measurement:
-    """Time one measured configuration again on the current GPU (a legacy algorithm, its fused
-    call, or an own kernel, bare or with its epilogue), checked against the reference again."""
-    from convpass.cudnn import ConvDescriptors
-
-    base, fusion = epilogue.base_algo(row.algo), fusion_of(row.algo)
-    bench = _ShapeBench(row.key.shape)
-    try:
-        if depthwise.is_own(base):
-            return bench._measure_own(row.key, base, fusion, None)
-        with ConvDescriptors(row.key) as descs:
-            if fusion:
-                return bench._measure_fused_call(descs, row.key, base, fusion, None)
-            return bench.measure(descs, row.key, base, None)
-    finally:
-        bench.release()
 
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
