@@ -15,10 +15,11 @@ Phases (each one ``convpass tune`` run on a fresh cache, so every phase fits the
   once ``--kill-after`` geometries are in the cache it kills one worker process (SIGKILL, in the
   middle of a problem: workers are busy while problems remain) and checks that the run completes
   with no problem missing and none written twice.
-* ``report``: wall time of ``two`` / ``one`` (target <= 0.55); every problem's decision of ``two``
+* ``report``: wall time of ``two`` / the faster of the 1-GPU runs ``one`` and ``retime`` (target
+  <= 0.55; both ratios are printed); every problem's decision of ``two``
   and of ``one`` re-timed on one clock, the ``retime`` run's measurements of every candidate
   (target: ``two``'s within 3% of ``one``'s); the tuner's own run-to-run noise on the same clock
-  (``one``'s and ``two``'s decisions against the fastest candidate of ``retime``); the kill run.
+  (``one``'s and ``two``'s decisions against what the tuner decides from ``retime``); the kill run.
   Prints a short table, writes ``fleet-check.json``.
 
 :func:`retimed` and :func:`compare` are pure and tested on CPU with recorded runs
@@ -270,14 +271,19 @@ def report_phase(args: argparse.Namespace) -> int:
     lines = []
     if "one" in runs and "two" in runs:
         one, two = runs["one"], runs["two"]
-        ratio = two["wall_s"] / one["wall_s"]
+        # the retime run is a 1-GPU run of the same problems too: the ratio is taken against the
+        # faster of the two (the same 1-GPU run was measured 20% apart on one machine)
+        singles = {n: runs[n]["wall_s"] for n in ("one", "retime") if n in runs}
+        fastest = min(singles.values())
+        ratio = two["wall_s"] / fastest
         measured = one["summary"]["measured"]
-        doc["wall"] = {"one_gpu_s": one["wall_s"], "two_gpus_s": two["wall_s"], "ratio": round(ratio, 3), "target": 0.55,
+        doc["wall"] = {"one_gpu_s": one["wall_s"], "one_gpu_runs_s": singles, "two_gpus_s": two["wall_s"], "ratio": round(ratio, 3),
+                       "ratio_per_run": {n: round(two["wall_s"] / w, 3) for n, w in singles.items()}, "target": 0.55,
                        "met": ratio <= 0.55, "problems": measured,
                        "one_gpu_s_per_problem": round(one["summary"]["seconds"]["tune"] / max(1, measured), 3)}
-        lines.append(f"wall time, {measured} problems: 1 GPU {one['wall_s']:.1f} s, 2 GPUs {two['wall_s']:.1f} s -> "
-                     f"{ratio:.2f}x (target <= 0.55: {'met' if ratio <= 0.55 else 'NOT met'}); "
-                     f"{doc['wall']['one_gpu_s_per_problem']} s per problem on 1 GPU")
+        lines.append(f"wall time, {measured} problems: 1 GPU {' / '.join(f'{w:.1f} s ({n})' for n, w in singles.items())}, "
+                     f"2 GPUs {two['wall_s']:.1f} s -> {ratio:.2f}x of the faster 1-GPU run (target <= 0.55: "
+                     f"{'met' if ratio <= 0.55 else 'NOT met'}); {doc['wall']['one_gpu_s_per_problem']} s per problem on 1 GPU")
         for name in ("one", "two"):  # where the wall time went: the serial part and the GPUs' idle time
             secs, busy = runs[name]["summary"]["seconds"], runs[name]["summary"].get("busy_s_by_slot", {})
             lines.append(f"  {name}: wall {runs[name]['wall_s']:.1f} s = outside the command's timed span "

@@ -141,6 +141,8 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     assert fleet_scaling.main(["report", "--work", str(work), "--out", str(tmp_path / "out")]) == 0
     doc = json.loads((tmp_path / "out" / "fleet-check.json").read_text())
     assert doc["wall"]["problems"] == 14 and set(doc["runs"]) == {"one", "two", "retime"}
+    wall = doc["wall"]  # against the faster of the two 1-GPU runs
+    assert set(wall["ratio_per_run"]) == {"one", "retime"} and wall["ratio"] == max(wall["ratio_per_run"].values())
     assert doc["decisions"]["b_vs_a"] == {"problems": 14, "within_3pct": 14, "median": 1.0, "p95": 1.0, "max": 1.0}
     printed = capsys.readouterr().out
     assert "2-GPU within 3% of 1-GPU on 14/14" in printed
