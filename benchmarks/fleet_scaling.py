@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import sqlite3
 import statistics
@@ -153,6 +154,30 @@ def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Clock, 
         "b_vs_best": _spread([t["time_ms"] / t["best_ms"] for t in tb.values()]),
         "worst_b_vs_a": [{"problem": str(k), "ratio": round(r, 4), "a": [a[k].key, a[k].row], "b": [b[k].key, b[k].row]} for k, r in worst],
     }
+
+
+def is_depthwise(problem: str) -> bool:
+    """Whether a problem (its summary string) is a depthwise conv: the family convpass's own kernels
+    are built for, one source per geometry."""
+    dims = dict(re.findall(r"\|([ckg])=(\d+)", problem))
+    return len(dims) == 3 and dims["c"] == dims["k"] == dims["g"] != "1"
+
+
+def problem_time_lines(runs: Mapping[str, Any]) -> list[str]:
+    """Where the 1-GPU runs' tuning time went (the summaries' ``task_seconds``): depthwise problems
+    against the others, and the problems whose time differs most between ``one`` and ``retime``."""
+    seconds = {n: {t["problem"]: t["seconds"] for t in runs[n]["summary"].get("task_seconds", [])} for n in ("one", "two", "retime") if n in runs}
+    seconds = {n: v for n, v in seconds.items() if v}
+    if not seconds:
+        return []
+    lines = ["  seconds of the problems' tasks, depthwise / others: " + ", ".join(
+        f"{n} {sum(t for p, t in v.items() if is_depthwise(p)):.1f} / {sum(t for p, t in v.items() if not is_depthwise(p)):.1f}"
+        for n, v in seconds.items())]
+    if "one" in seconds and "retime" in seconds:
+        both = set(seconds["one"]) & set(seconds["retime"])
+        worst = sorted(both, key=lambda p: -abs(seconds["one"][p] - seconds["retime"][p]))[:5]
+        lines += [f"    one {seconds['one'][p]:.2f} s, retime {seconds['retime'][p]:.2f} s: {p}" for p in worst]
+    return lines
 
 
 def clock_of(cache_path: Path, device: str) -> dict[str, list["Measurement"]]:
@@ -290,6 +315,7 @@ def report_phase(args: argparse.Namespace) -> int:
                          f"{runs[name]['wall_s'] - secs.get('total', 0):.1f} s + first task at {secs.get('first_task', 0):.1f} s "
                          f"+ tuning {secs.get('tune', 0):.1f} s + writing {secs.get('write', 0):.2f} s; GPU busy in tuning: "
                          + ", ".join(f"{sid} {b:.1f} s ({b / max(secs.get('tune', 0), 1e-9):.0%})" for sid, b in busy.items()))
+        lines += problem_time_lines(runs)
         if "two-ray" in runs:
             r = runs["two-ray"]["wall_s"] / one["wall_s"]
             doc["wall"]["ray_two_gpus_s"], doc["wall"]["ray_ratio"] = runs["two-ray"]["wall_s"], round(r, 3)

@@ -186,6 +186,9 @@ def test_each_problem_is_measured_once_and_every_model_written(lab, tmp_path):
     assert [s["id"] for s in doc["slots"]] == ["proc0", "proc1"] and all(doc["measured_by_slot"].values())
     assert set(doc["busy_s_by_slot"]) == {"proc0", "proc1"}  # each slot's time holding tasks, within the tuning span
     assert all(0 < b <= doc["seconds"]["tune"] + 0.002 for b in doc["busy_s_by_slot"].values())  # (rounded to ms)
+    timed = doc["task_seconds"]  # per finished problem, its measuring attempt's time (the failed ones have none)
+    assert len(timed) == doc["measured"] and all(t["slot"] in ("proc0", "proc1") and t["seconds"] > 0 for t in timed)
+    assert sum(t["seconds"] for t in timed) <= sum(doc["busy_s_by_slot"].values()) + 0.02
     _check_nothing_lost(doc, tmp_path / "driver.db")
     (f1, f2) = doc["failed"]
     assert f1["attempts"] == f2["attempts"] == 3  # 1 + --retries 2

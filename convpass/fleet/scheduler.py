@@ -202,6 +202,7 @@ class ScheduleResult:
     first_task_at: float | None = None  # time.perf_counter() when the first task was given to a worker
     last_settled_at: float | None = None  # ... when the last task was settled
     busy: dict[str, float] = dataclasses.field(default_factory=dict)  # slot id -> seconds it held a task (any outcome)
+    task_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # task id -> seconds its finishing attempt held a slot
 
 
 class Scheduler:
@@ -267,6 +268,7 @@ class _Run:
         self.rank: dict[int, int] = {}  # the order tasks are taken in
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
         self.received: list[tuple[Task, str, list["Measurement"]]] = []  # finished, rows not written yet
+        self.last_held = 0.0  # seconds the task taken back last held its slot
         self.add(tasks)
 
     def add(self, tasks: Sequence[Task]) -> None:
@@ -405,6 +407,7 @@ class _Run:
                 self.retry(task, event.slot_id, f"worker returned rows of another problem ({wrong[0].key})")
             else:
                 self.received.append((task, event.slot_id, event.rows))  # written by flush()
+                self.result.task_seconds[task.id] = self.last_held
                 self.losses[event.slot_id] = 0
         elif isinstance(event, Failed):
             self.retry(self.took_back(event.slot_id, event.task_id), event.slot_id, event.reason)
@@ -441,7 +444,8 @@ class _Run:
         return running[0]
 
     def count_busy(self, sid: str, started: float) -> None:
-        self.result.busy[sid] = self.result.busy.get(sid, 0.0) + time.monotonic() - started
+        self.last_held = time.monotonic() - started
+        self.result.busy[sid] = self.result.busy.get(sid, 0.0) + self.last_held
 
     def lose(self, sid: str, reason: str) -> None:
         slot = self.slots.get(sid)
