@@ -268,7 +268,6 @@ class _Run:
         self.rank: dict[int, int] = {}  # the order tasks are taken in
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
         self.received: list[tuple[Task, str, list["Measurement"]]] = []  # finished, rows not written yet
-        self.last_held = 0.0  # seconds the task taken back last held its slot
         self.add(tasks)
 
     def add(self, tasks: Sequence[Task]) -> None:
@@ -401,16 +400,16 @@ class _Run:
             self.restarting.discard(event.slot_id)
             self.retire(event.slot_id, f"its worker did not start again: {event.reason}")
         elif isinstance(event, Finished):
-            task = self.took_back(event.slot_id, event.task_id)
+            task, held = self.took_back(event.slot_id, event.task_id)
             wrong = [m for m in event.rows if m.key.shape not in task.problem.candidates]
             if wrong:
                 self.retry(task, event.slot_id, f"worker returned rows of another problem ({wrong[0].key})")
             else:
                 self.received.append((task, event.slot_id, event.rows))  # written by flush()
-                self.result.task_seconds[task.id] = self.last_held
+                self.result.task_seconds[task.id] = held
                 self.losses[event.slot_id] = 0
         elif isinstance(event, Failed):
-            self.retry(self.took_back(event.slot_id, event.task_id), event.slot_id, event.reason)
+            self.retry(self.took_back(event.slot_id, event.task_id)[0], event.slot_id, event.reason)
         elif isinstance(event, Lost):
             self.lose(event.slot_id, event.reason)
         self.progress()
@@ -435,17 +434,18 @@ class _Run:
         if self.s.on_settled is not None:
             self.s.on_settled(task, finished)
 
-    def took_back(self, sid: str, task_id: int) -> Task:
+    def took_back(self, sid: str, task_id: int) -> tuple[Task, float]:
+        """The task a slot reported on, and the seconds it held the slot."""
         running = self.running.pop(sid, None)
         if running is None or running[0].id != task_id:
             held = "nothing" if running is None else f"task {running[0].id}"
             raise RuntimeError(f"executor bug: slot {sid} reported task {task_id} while running {held}")
-        self.count_busy(sid, running[1])
-        return running[0]
+        return running[0], self.count_busy(sid, running[1])
 
-    def count_busy(self, sid: str, started: float) -> None:
-        self.last_held = time.monotonic() - started
-        self.result.busy[sid] = self.result.busy.get(sid, 0.0) + self.last_held
+    def count_busy(self, sid: str, started: float) -> float:
+        held = time.monotonic() - started
+        self.result.busy[sid] = self.result.busy.get(sid, 0.0) + held
+        return held
 
     def lose(self, sid: str, reason: str) -> None:
         slot = self.slots.get(sid)
