@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import signal
 import sqlite3
 import statistics
@@ -97,7 +96,10 @@ def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> 
         for r in records:
             if r["algo"] in (None, "auto") or not r["problem_key"]:
                 continue
-            problem = problem_of[(r["node"], profiles.index(r["profile"]))]
+            problem = problem_of.get((r["node"], profiles.index(r["profile"])))
+            if problem is None:
+                raise SystemExit(f"fleet_scaling: {path}: conv {r['node']!r} at profile {r['profile']} has a decision but no "
+                                 "problem when collected with convpass tune's default options (was it tuned with others?)")
             row = ENGINE_PREFIX + r["engine"] if r["engine"] else r["algo"]
             out[(r["device"], str(problem))] = Decision(problem, r["problem_key"], fused_name(row, r["fusion"]) if r["fusion"] else row)
     return out
@@ -156,23 +158,17 @@ def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Clock, 
     }
 
 
-def is_depthwise(problem: str) -> bool:
-    """Whether a problem (its summary string) is a depthwise conv: the family convpass's own kernels
-    are built for, one source per geometry."""
-    dims = dict(re.findall(r"\|([ckg])=(\d+)", problem))
-    return len(dims) == 3 and dims["c"] == dims["k"] == dims["g"] != "1"
-
-
 def problem_time_lines(runs: Mapping[str, Any]) -> list[str]:
-    """Where the 1-GPU runs' tuning time went (the summaries' ``task_seconds``): depthwise problems
-    against the others, and the problems whose time differs most between ``one`` and ``retime``."""
-    seconds = {n: {t["problem"]: t["seconds"] for t in runs[n]["summary"].get("task_seconds", [])} for n in ("one", "two", "retime") if n in runs}
-    seconds = {n: v for n, v in seconds.items() if v}
-    if not seconds:
+    """Where the runs' tuning time went (the summaries' ``task_seconds``): depthwise problems (the
+    family convpass's own kernels are built for, one source per geometry) against the others, and the problems whose time differs most between ``one`` and ``retime``."""
+    tasks = {n: runs[n]["summary"].get("task_seconds", []) for n in ("one", "two", "retime") if n in runs}
+    tasks = {n: v for n, v in tasks.items() if v}
+    if not tasks:
         return []
     lines = ["  seconds of the problems' tasks, depthwise / others: " + ", ".join(
-        f"{n} {sum(t for p, t in v.items() if is_depthwise(p)):.1f} / {sum(t for p, t in v.items() if not is_depthwise(p)):.1f}"
-        for n, v in seconds.items())]
+        f"{n} {sum(t['seconds'] for t in v if t['depthwise']):.1f} / {sum(t['seconds'] for t in v if not t['depthwise']):.1f}"
+        for n, v in tasks.items())]
+    seconds = {n: {t["problem"]: t["seconds"] for t in v} for n, v in tasks.items()}
     if "one" in seconds and "retime" in seconds:
         both = set(seconds["one"]) & set(seconds["retime"])
         worst = sorted(both, key=lambda p: -abs(seconds["one"][p] - seconds["retime"][p]))[:5]
@@ -317,9 +313,9 @@ def report_phase(args: argparse.Namespace) -> int:
                          + ", ".join(f"{sid} {b:.1f} s ({b / max(secs.get('tune', 0), 1e-9):.0%})" for sid, b in busy.items()))
         lines += problem_time_lines(runs)
         if "two-ray" in runs:
-            r = runs["two-ray"]["wall_s"] / one["wall_s"]
+            r = runs["two-ray"]["wall_s"] / fastest
             doc["wall"]["ray_two_gpus_s"], doc["wall"]["ray_ratio"] = runs["two-ray"]["wall_s"], round(r, 3)
-            lines.append(f"  the same on Ray: 2 GPUs {runs['two-ray']['wall_s']:.1f} s -> {r:.2f}x")
+            lines.append(f"  the same on Ray: 2 GPUs {runs['two-ray']['wall_s']:.1f} s -> {r:.2f}x of the faster 1-GPU run")
         if "retime" in runs:
             device = one["summary"]["devices"][0]
             clock = clock_of(work / "retime.db", device)

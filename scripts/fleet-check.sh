@@ -43,7 +43,9 @@ phase() {
       python3 - <<'PY' | tee "$out/page-cache.txt"
 import pathlib, time
 from convpass.cudnn import library
-libs = sorted(pathlib.Path(library.path()).resolve().parent.parent.parent.glob("*/lib/*.so*"))
+lib = pathlib.Path(library.path()).resolve().parent
+nvidia = lib.parent.parent  # .../site-packages/nvidia/<package>/lib: the wheels' libraries, cuDNN's beside CUDA's
+libs = sorted(nvidia.glob("*/lib/*.so*")) if nvidia.name == "nvidia" else sorted(lib.glob("libcudnn*.so*"))
 started, n = time.perf_counter(), 0
 for f in libs:
     with open(f, "rb") as fh:

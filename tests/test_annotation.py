@@ -200,3 +200,18 @@ def test_schema1_model_runs_its_decisions_in_the_executor_and_inspect():
     ex = convpass.Executor(str(SCHEMA1))
     assert [(s.node, s.algo, s.memory_format, s.source) for s in ex.plan_summary()] == [
         ("conv0", "implicit_precomp_gemm", "NHWC", "cache"), ("conv2", "implicit_precomp_gemm", "NCHW", "cache")]
+
+
+def test_a_tuned_model_goes_back_to_standard_convs_without_changing_the_tuned_one():
+    tuned = onnx.load(str(REPO / "tests" / "data" / "schema1-resnet-stem.tuned.onnx"))
+    before = tuned.SerializeToString()
+    plain = annotation.standard_model(tuned)
+    assert tuned.SerializeToString() == before  # a copy: the tuned model keeps its decisions
+    convs = [n for n in plain.graph.node if n.op_type == "Conv"]
+    assert convs and all(n.domain == "" for n in convs)
+    assert not any(annotation.is_annotated_conv(n) for n in plain.graph.node)
+    assert all(a.name not in annotation.DECISION_ATTRIBUTES for n in convs for a in n.attribute)
+    originals = {n.name: n for n in tuned.graph.node}
+    for n in convs:  # the standard attributes (pads, strides...) are kept as they were
+        assert list(n.attribute) == annotation.standard_attributes(originals[n.name])
+        assert {a.name for a in n.attribute} == {"group", "kernel_shape", "pads", "strides"}

@@ -188,6 +188,9 @@ def test_each_problem_is_measured_once_and_every_model_written(lab, tmp_path):
     assert all(0 < b <= doc["seconds"]["tune"] + 0.002 for b in doc["busy_s_by_slot"].values())  # (rounded to ms)
     timed = doc["task_seconds"]  # per finished problem, its measuring attempt's time (the failed ones have none)
     assert len(timed) == doc["measured"] and all(t["slot"] in ("proc0", "proc1") and t["seconds"] > 0 for t in timed)
+    depthwise = {t["problem"].split(" ")[0] for t in timed if t["depthwise"]}  # inverted_residual's 3x3 convs, g == c
+    assert depthwise and all(re.search(r"\|c=(\d+)\|.*\|g=\1\|", p) for p in depthwise)
+    assert all(re.search(r"\|g=1\|", t["problem"]) for t in timed if not t["depthwise"])
     assert sum(t["seconds"] for t in timed) <= sum(doc["busy_s_by_slot"].values()) + 0.02
     _check_nothing_lost(doc, tmp_path / "driver.db")
     (f1, f2) = doc["failed"]

@@ -150,8 +150,3 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     assert re.search(r"seconds of the problems' tasks, depthwise / others: one 0\.0 / [0-9.]+, two 0\.0 / [0-9.]+, retime", printed)
     assert len(doc["runs"]["one"]["summary"]["task_seconds"]) == 14 and printed.count("    one ") == 5
 
-
-def test_depthwise_problems_are_told_apart():
-    assert fleet_scaling.is_depthwise("fwd|n=1|c=960|k=960|in=14x14|ker=5x5|pad=4x4|str=1x1|dil=2x2|g=960|float32 + bias+swish")
-    assert not fleet_scaling.is_depthwise("fwd|n=1|c=64|k=256|in=56x56|ker=1x1|pad=0x0|str=1x1|dil=1x1|g=1|float32")
-    assert not fleet_scaling.is_depthwise("fwd|n=1|c=64|k=128|in=56x56|ker=3x3|pad=1x1|str=1x1|dil=1x1|g=64|float32")
