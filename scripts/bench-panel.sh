@@ -1,23 +1,140 @@
 #!/usr/bin/env bash
-# The wide-panel benchmark on the device machine, in parts that each fit one device call:
+# The wide-panel benchmark on the device machine (issue 9): every panel model at its bench batches,
+# convpass against ONNX Runtime's four configurations and PyTorch's two, every output checked
+# against ONNX Runtime CPU. Expects onnxruntime-gpu unpacked in /tmp/ortgpu (shared/device/README.md,
+# stage-ort-gpu.sh); uses nvidia-cudnn-frontend when staged in .cudnnfe/ (graph-api-check.sh says how).
+#
+# In phases, each within one device call; the machine keeps .panel and .bench-panel/ between
+# back-to-back calls:
+#   bash scripts/bench-panel.sh setup              install, export the panel (or $MODELS), queue its models
+#   bash scripts/bench-panel.sh tune               convpass tune of the queued models at 1,32 on every GPU
+#                                                  (--cluster local), so that the benches time no conv
+#   bash scripts/bench-panel.sh run [SECONDS] [bench options]
+#       one worker per GPU takes the next queued model and benches it (its batches in one process,
+#       the machine's cores split between the workers with taskset, one tuning-cache copy each) until
+#       SECONDS (default 540) have passed; a model cut off by that limit goes back to the head of the
+#       queue for the next call, and one that fails is kept with its log
+#   bash scripts/bench-panel.sh report             merge every benched model: $OUT/bench.{txt,json,png}
+# Per-model reports and JSON stay in .bench-panel/ (copied to $OUT after every phase).
+#
+# One part in one process, as the earlier runs were made (README):
 #   bash scripts/bench-panel.sh TAG MODEL[,MODEL...] [more convpass bench options]
-# writes $OUT/bench-TAG.json and .txt (the report of that part); merge the parts with
+# writes $OUT/bench-TAG.json and .txt; merge parts with
 #   convpass bench --from-json bench-*.json --json bench.json --plot bench.png
-# Expects onnxruntime-gpu unpacked in /tmp/ortgpu (shared/device/README.md, stage-ort-gpu.sh) and
-# shares one tuning cache per machine ($CONVPASS_TUNE_CACHE, default /tmp/tune.db) with the GPU tests.
+#
+# The tuning cache is $CONVPASS_TUNE_CACHE (default /tmp/tune.db); it is seeded from .tunecache/tune.db
+# when that exists (decisions are kept per device fingerprint, so only the same GPU type reuses them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-tag=${1:?tag}; models=${2:?models}; shift 2
 out=${OUT:-bench-out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-SP=/opt/torch/.venv/lib/python3.12/site-packages
-export PYTHONPATH=/tmp/ortgpu${PYTHONPATH:+:$PYTHONPATH}
-export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-python3 -c "import convpass" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1
-[ -f .panel/panel.json ] || python3 models/export_panel.py --out .panel >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
+work=.bench-panel
 cache=${CONVPASS_TUNE_CACHE:-/tmp/tune.db}
-# a cache carried from an earlier machine of the same GPU type (decisions are per device fingerprint)
+# shellcheck source=device-env.sh
+. scripts/device-env.sh
+device_env || exit 1
 [ -f "$cache" ] || [ ! -f .tunecache/tune.db ] || cp .tunecache/tune.db "$cache"
+bench_defaults=(--runs 15 --warmup 3 --tf32 on --profile-ops --no-roofline --no-kernels)
+# the largest cases first, so that the small ones fill the end of a call
+heavy_first="r2plus1d_18 conv_tasnet_base r3d_18 unet espcn efficientnet_v2_s fcn_resnet50 densenet121 inception_v3 mobilevit_s convnext_tiny"
+
+export_panel() {
+  [ -f .panel/panel.json ] || python3 models/export_panel.py --out .panel ${MODELS:+--models "$MODELS"} >"$out/export.log" 2>&1 \
+    || { tail -5 "$out/export.log"; return 1; }
+}
+
+# the next queued model (and remove it), under a lock: the workers share the queue
+pop() {
+  flock "$work/queue.lock" bash -c 'm=$(head -n 1 "$1"); [ -n "$m" ] || exit 1; sed -i 1d "$1"; echo "$m"' _ "$work/queue"
+}
+push_front() {
+  flock "$work/queue.lock" bash -c '{ echo "$2"; cat "$1"; } >"$1.new" && mv "$1.new" "$1"' _ "$work/queue" "$1"
+}
+
+worker() {  # GPU, CPU list, deadline (in $SECONDS), bench options...
+  local gpu=$1 cpus=$2 deadline=$3; shift 3
+  local wcache="$cache.gpu$gpu" m left rc pin=()
+  [ -f "$wcache" ] || cp "$cache" "$wcache" 2>/dev/null || true
+  command -v taskset >/dev/null && pin=(taskset -c "$cpus")
+  while left=$((deadline - SECONDS)); [ "$left" -gt 60 ] && m=$(pop); do
+    echo "[gpu $gpu] $m (${left} s left)"
+    local started=$SECONDS
+    CUDA_VISIBLE_DEVICES=$gpu timeout --signal=INT --kill-after=20 $((left - 25)) "${pin[@]}" \
+      python3 -m convpass.cli bench ".panel/$m.onnx" "${bench_defaults[@]}" --cache "$wcache" \
+        --json "$work/bench-$m.json.part" "$@" >"$work/bench-$m.txt" 2>&1
+    rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] || [ ! -s "$work/bench-$m.json.part" ]; then
+      if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "[gpu $gpu] $m cut off after $((SECONDS - started)) s: back to the queue"; push_front "$m"
+      else
+        echo "[gpu $gpu] $m FAILED (exit $rc, no JSON): $work/bench-$m.txt"; echo "$m" >>"$work/failed"
+      fi
+      rm -f "$work/bench-$m.json.part"
+    else
+      mv "$work/bench-$m.json.part" "$work/bench-$m.json"
+      echo "[gpu $gpu] $m done in $((SECONDS - started)) s (exit $rc)"
+      grep -E "^  convpass |CUDA graph:" "$work/bench-$m.txt" | sed "s/^/[gpu $gpu]   /"
+    fi
+  done
+}
+
+phase() {
+  case "$1" in
+    setup)
+      mkdir -p "$work"
+      nvidia-smi -L | tee "$out/gpus.txt"
+      python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())" 2>&1 | tee "$out/ort.txt"
+      grep -q CUDAExecutionProvider "$out/ort.txt" || echo "onnxruntime-gpu is not staged in /tmp/ortgpu: the bench will have no ONNX Runtime GPU peer" | tee -a "$out/ort.txt"
+      python3 -c "from convpass.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
+      export_panel || return 1
+      if [ ! -f "$work/queue" ]; then
+        local all
+        all=$(python3 -c "import json; print(' '.join(dict.fromkeys(e['name'] for e in json.load(open('.panel/panel.json'))['models'])))")
+        { for m in $heavy_first; do [[ " $all " == *" $m "* ]] && echo "$m"; done
+          for m in $all; do [[ " $heavy_first " == *" $m "* ]] || echo "$m"; done; } >"$work/queue"
+      fi
+      echo "queued: $(tr '\n' ' ' <"$work/queue")" ;;
+    tune)
+      local models=() m
+      while read -r m; do models+=(".panel/$m.onnx"); done <"$work/queue"
+      mkdir -p "$work/tuned"
+      python3 -m convpass.cli tune "${models[@]}" --batch 1,32 --tf32 on --cluster local --cache "$cache" \
+        -o "$work/tuned" --json >"$work/tune.json" 2>"$work/tune.log"
+      local rc=$?
+      tail -3 "$work/tune.log"; return "$rc" ;;
+    run)
+      shift
+      local seconds=540
+      [[ "${1:-}" =~ ^[0-9]+$ ]] && { seconds=$1; shift; }
+      local gpus cores n i per
+      gpus=$(nvidia-smi -L | wc -l); cores=$(nproc); per=$((cores / gpus))
+      local deadline=$((SECONDS + seconds))
+      for ((i = 0; i < gpus; i++)); do
+        worker "$i" "$((i * per))-$((i * per + per - 1))" "$deadline" "$@" &
+      done
+      wait
+      n=$(wc -l <"$work/queue")
+      echo "still queued: $n model(s) $(tr '\n' ' ' <"$work/queue")" ;;
+    report)
+      python3 -m convpass.cli bench --from-json "$work"/bench-*.json --json "$out/bench.json" --plot "$out/bench.png" \
+        >"$out/bench.txt" 2>&1
+      local rc=$?
+      sed -n '/^Summary over/,/^$/p' "$out/bench.txt"
+      [ -s "$work/failed" ] && echo "failed: $(tr '\n' ' ' <"$work/failed")"
+      return "$rc" ;;
+    *) sed -n 2,26p "$0"; return 2 ;;
+  esac
+}
+
+case "${1:-}" in
+  setup|tune|report)
+    phase "$1"; rc=$?; cp "$work"/*.txt "$work"/*.json "$work"/*.log "$out"/ 2>/dev/null; exit "$rc" ;;
+  run)
+    shift; phase run "$@"; rc=$?; cp "$work"/*.txt "$work"/*.json "$work"/*.log "$out"/ 2>/dev/null; exit "$rc" ;;
+  ""|-h|--help) phase help ;;
+esac
+
+tag=$1; models=${2:?models}; shift 2
+export_panel || exit 1
 paths=()
 for m in ${models//,/ }; do paths+=(".panel/$m.onnx"); done
 python3 -m convpass.cli bench "${paths[@]}" --runs 20 --warmup 5 --tf32 on --profile-ops \

@@ -17,13 +17,9 @@ out=${OUT:-graph-api-out}; mkdir -p "$out"
 models=${1:-efficientnet_b0,mobilenet_v3_large}
 batches=${2:-32}
 [ -f .cudnnfe/00/part ] || { echo "stage nvidia-cudnn-frontend first: bash ../shared/device/stage-wheels.sh .cudnnfe nvidia-cudnn-frontend==1.32.0" >&2; exit 2; }
-mkdir -p /tmp/cudnnfe-wheels
-cat .cudnnfe/[0-9]*/part | .cudnnfe/tool/zstd -d -q | tar xf - -C /tmp/cudnnfe-wheels
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/cudnnfe-site /tmp/cudnnfe-wheels/*.whl >"$out/install.log" 2>&1 \
-    || { cat "$out/install.log"; exit 1; }
-export PYTHONPATH=/tmp/cudnnfe-site${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+# shellcheck source=device-env.sh
+. scripts/device-env.sh
+device_env || exit 1
 python3 -c "from convpass.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: the benchmark only
@@ -31,9 +27,6 @@ if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: the benchmark only
     rc=${PIPESTATUS[0]}
 fi
 python3 models/export_panel.py --out .panel --models "$models" >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
-SP=/opt/torch/.venv/lib/python3.12/site-packages
-[ -d /tmp/ortgpu ] && export PYTHONPATH=/tmp/ortgpu:$PYTHONPATH
-export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 paths=(); for m in ${models//,/ }; do paths+=(".panel/$m.onnx"); done
 batch_args=(); for b in $batches; do batch_args+=(--batch "$b"); done
 vs=ort; [ -d /tmp/ortgpu ] || vs=none
