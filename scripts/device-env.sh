@@ -17,7 +17,8 @@ device_env() {
   done
   local sp=/opt/torch/.venv/lib/python3.12/site-packages
   export LD_LIBRARY_PATH=$sp/nvidia/cu13/lib:$sp/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  python3 -c "import convpass" 2>/dev/null \
-    || python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 \
+  # always: run from the repository root, "import convpass" finds the folder even when uninstalled,
+  # and convpass.passes exists only through the install's package mapping
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 \
     || { cat "$out/install.log"; return 1; }
 }
