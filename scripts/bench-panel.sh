@@ -8,14 +8,19 @@
 # back-to-back calls:
 #   bash scripts/bench-panel.sh setup              install, export the panel (or $MODELS), queue its models
 #   bash scripts/bench-panel.sh tune               convpass tune of the queued models at 1,32 on every GPU
-#                                                  (--cluster local), so that the benches time no conv
+#                                                  (--cluster local), so that the benches time no conv;
+#                                                  stopped after TUNE_SECONDS (default 420)
 #   bash scripts/bench-panel.sh run [SECONDS] [bench options]
 #       one worker per GPU takes the next queued model and benches it (its batches in one process,
 #       the machine's cores split between the workers with taskset, one tuning-cache copy each) until
 #       SECONDS (default 540) have passed; a model cut off by that limit goes back to the head of the
 #       queue for the next call, and one that fails is kept with its log
 #   bash scripts/bench-panel.sh report             merge every benched model: $OUT/bench.{txt,json,png}
-# Per-model reports and JSON stay in .bench-panel/ (copied to $OUT after every phase).
+# Per-model reports and JSON stay in .bench-panel/; after every phase all of it goes to $OUT as one
+# file, bench-panel.tar (with the workers' tuning caches, zstd-compressed).
+# Device time: a machine goes back after about 30 s idle, so issue the calls back to back; the
+# whole panel at 1,32 took more than 430 s of tuning on 2 H200s from a cache that lacked batch 1's
+# newer rows (2026-11-23), so carry a complete cache or budget for it.
 #
 # One part in one process, as the earlier runs were made (README):
 #   bash scripts/bench-panel.sh TAG MODEL[,MODEL...] [more convpass bench options]
@@ -97,10 +102,13 @@ phase() {
       local models=() m
       while read -r m; do models+=(".panel/$m.onnx"); done <"$work/queue"
       mkdir -p "$work/tuned"
-      python3 -m convpass.cli tune "${models[@]}" --batch 1,32 --tf32 on --cluster local --cache "$cache" \
-        -o "$work/tuned" --json >"$work/tune.json" 2>"$work/tune.log"
+      # interrupted (SIGINT) after TUNE_SECONDS, tune keeps what it measured in the cache
+      timeout --signal=INT --kill-after=30 "${TUNE_SECONDS:-420}" \
+        python3 -m convpass.cli tune "${models[@]}" --batch 1,32 --tf32 on --cluster local --cache "$cache" \
+          -o "$work/tuned" --json >"$work/tune.json" 2>"$work/tune.log"
       local rc=$?
-      tail -3 "$work/tune.log"; return "$rc" ;;
+      [ "$rc" -eq 124 ] && echo "tune: stopped after ${TUNE_SECONDS:-420} s; the benches measure what is missing"
+      tail -c 600 "$work/tune.log"; return "$rc" ;;
     run)
       shift
       local seconds=540
@@ -125,11 +133,22 @@ phase() {
   esac
 }
 
+# Everything in .bench-panel/ as one file, $OUT/bench-panel.tar (the device tool brings back only a
+# few files per call), with the workers' tuning caches compressed when a zstd is at hand.
+pack() {
+  local z
+  z=$(command -v zstd || ls .ortgpu/tool/zstd .cudnnfe/tool/zstd 2>/dev/null | head -n 1)
+  if [ -n "$z" ]; then
+    for f in "$cache".gpu*; do [ -f "$f" ] && "$z" -q -f "$f" -o "$work/$(basename "$f").zst"; done
+  fi
+  tar cf "$out/bench-panel.tar" -C "$work" --exclude=tuned --exclude=queue.lock . 2>/dev/null
+}
+
 case "${1:-}" in
   setup|tune|report)
-    phase "$1"; rc=$?; cp "$work"/*.txt "$work"/*.json "$work"/*.log "$out"/ 2>/dev/null; exit "$rc" ;;
+    phase "$1"; rc=$?; pack; exit "$rc" ;;
   run)
-    shift; phase run "$@"; rc=$?; cp "$work"/*.txt "$work"/*.json "$work"/*.log "$out"/ 2>/dev/null; exit "$rc" ;;
+    shift; phase run "$@"; rc=$?; pack; exit "$rc" ;;
   ""|-h|--help) phase help ;;
 esac
 
