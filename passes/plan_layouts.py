@@ -6,9 +6,14 @@ Rules (per shape profile):
   no measurement in a layout cannot take it (infinite cost).
 * Layout-agnostic ops (:data:`AGNOSTIC_OPS`) take whatever format their tensors arrive in and pass
   it on: element-wise ops, BatchNormalization and activations, and the ops the cuda backend runs in
-  the tensor's own memory format (window and global pooling, Resize). Every other op (Concat
-  included: see :data:`AGNOSTIC_OPS`), graph inputs and graph outputs are fixed in NCHW (ONNX
-  semantics).
+  the tensor's own memory format (window and global pooling, Resize, Pad). A Concat is agnostic too
+  when it stands alone (:func:`standalone_concats`): its buffer takes its producers' format and its
+  readers read it whole (a UNet's skip connections). Concats that share a buffer (DenseNet's
+  growing ``cat``, Inception's inner ``cat``) stay in NCHW: their channel slices of a channels-last
+  buffer are strided rows for the convs that write them and the BatchNormalization + ReLU that
+  read them, a cost this plan does not see (DenseNet-121 at batch 32 on an H200: 5.76 ms with its
+  Concats in NCHW, 9.40 ms when every Concat passed NHWC through).
+  Every other op, graph inputs and graph outputs are fixed in NCHW (ONNX semantics).
 * An edge between two nodes whose formats differ costs one transpose of the tensor on that edge
   (measured on the GPU, by tensor size; nothing for a tensor whose two formats are one memory
   order: one channel, or one spatial position). A value is converted once per node that reads it.
@@ -24,7 +29,7 @@ configuration in its planned layout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import networkx as nx
 import onnx_ir as ir
@@ -34,11 +39,9 @@ AGNOSTIC_OPS = frozenset(
         "Relu", "LeakyRelu", "PRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu",
         "Softplus", "Gelu", "Erf", "Exp", "Log", "Sqrt", "Neg", "Abs", "Identity", "Dropout", "Cast",
         "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "BatchNormalization",
-        # run in the input's memory format (convpass.runtime.cuda.pooling, .tensor_ops). Not Concat:
-        # a channel slice of a channels-last buffer is a strided row for the convs that write it and
-        # the ops that read it, a cost this plan does not see (DenseNet-121 at batch 32 on an H200:
-        # 5.76 ms with Concat pinned to NCHW, 9.40 ms when it passed NHWC through)
-        "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "Resize", "Upsample",
+        # run in the input's memory format (convpass.runtime.cuda.pooling, .tensor_ops, the op
+        # library's Pad)
+        "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "Resize", "Upsample", "Pad",
     }
 )
 INF = float("inf")
@@ -78,7 +81,7 @@ def plan_layouts(
         else:
             g.add_edge(u, v, capacity=capacity)
 
-    movable = set(conv_costs) | {n for n in graph if n.op_type in AGNOSTIC_OPS and n.domain in ("", "ai.onnx")}
+    movable = movable_nodes(graph, conv_costs)
     for node in graph:
         if node in conv_costs:
             costs = conv_costs[node]
@@ -107,6 +110,35 @@ def plan_layouts(
     _, (s_side, _) = nx.minimum_cut(g, source, sink)
     fmt = {n: ("nchw" if n in s_side or n not in g else "nhwc") for n in movable}
     return _evaluate(graph, fmt, conv_costs, transpose_ms)
+
+
+def movable_nodes(graph: ir.Graph, conv_costs: Mapping[ir.Node, Mapping[str, float]]) -> set[ir.Node]:
+    """The nodes the plan may put in NHWC: the convs with costs, the agnostic ops and the
+    standalone Concats (module rules)."""
+    standard = [n for n in graph if n.domain in ("", "ai.onnx")]
+    return set(conv_costs) | {n for n in standard if n.op_type in AGNOSTIC_OPS} | standalone_concats(standard)
+
+
+def standalone_concats(nodes: Iterable[ir.Node]) -> set[ir.Node]:
+    """The Concats that share a buffer with no other Concat: none of their inputs is a Concat's
+    output, their output is read by no Concat, and their inputs are not a contiguous run of
+    another Concat's on the same axis, nor the other way round (the cuda backend's families,
+    :mod:`convpass.runtime.cuda.memory`)."""
+    concats = [n for n in nodes if n.op_type == "Concat"]
+
+    def inside(inner: ir.Node, outer: ir.Node) -> bool:
+        a, b = list(inner.inputs), list(outer.inputs)
+        return (inner.attributes.get_int("axis", 0) == outer.attributes.get_int("axis", 0) and len(a) < len(b)
+                and any(b[i:i + len(a)] == a for i in range(len(b) - len(a) + 1)))
+
+    alone = set()
+    for node in concats:
+        fed = any(v is not None and v.producer() is not None and v.producer().op_type == "Concat" for v in node.inputs)
+        feeds = any(user.op_type == "Concat" for out in node.outputs for user, _ in out.uses())
+        nested = any(other is not node and (inside(node, other) or inside(other, node)) for other in concats)
+        if not (fed or feeds or nested):
+            alone.add(node)
+    return alone
 
 
 def _evaluate(graph, fmt, conv_costs, transpose_ms) -> LayoutPlan:

@@ -63,7 +63,7 @@ def test_no_convs():
 # ------------------------------------------------------------------ optimality on random graphs
 
 
-_RANDOM_OPS = ["Conv", "Relu", "Add", "Mul", "Sigmoid", "GlobalAveragePool", "Reshape"]
+_RANDOM_OPS = ["Conv", "Relu", "Add", "Mul", "Sigmoid", "GlobalAveragePool", "Reshape", "Concat", "Pad"]
 
 
 def _random_case(seed):
@@ -76,7 +76,7 @@ def _random_case(seed):
     values, nodes = [x], []
     for i in range(rng.randint(4, 11)):
         op = rng.choice(_RANDOM_OPS)
-        ins = [rng.choice(values[-4:])] + ([rng.choice(values[-4:])] if op in ("Add", "Mul") else [])
+        ins = [rng.choice(values[-4:])] + ([rng.choice(values[-4:])] if op in ("Add", "Mul", "Concat") else [])
         node = ir.Node("", op, ins, name=f"{op}{i}")
         node.outputs[0].name = f"v{i}"
         nodes.append(node)
@@ -91,9 +91,9 @@ def _random_case(seed):
 def _brute_force_ms(graph, nodes, conv_costs, transpose_ms):
     import itertools
 
-    from convpass.passes.plan_layouts import AGNOSTIC_OPS, _evaluate
+    from convpass.passes.plan_layouts import _evaluate, movable_nodes
 
-    movable = [n for n in nodes if n in conv_costs or n.op_type in AGNOSTIC_OPS]
+    movable = [n for n in nodes if n in movable_nodes(graph, conv_costs)]
     return min(_evaluate(graph, dict(zip(movable, f)), conv_costs, transpose_ms).cost_ms
                for f in itertools.product(("nchw", "nhwc"), repeat=len(movable)))
 
@@ -119,3 +119,61 @@ def test_pooling_passes_the_format_through_and_one_position_tensors_cost_nothing
     graph, nodes = _chain("Conv", "GlobalAveragePool", "Reshape")
     plan = plan_layouts(graph, {nodes[0]: {"nchw": 10, "nhwc": 5}}, lambda v: 0.0 if v.name == "v1" else 1.0)
     assert plan.layouts[nodes[0]] == "nhwc" and plan.transposes == 1 and plan.cost_ms == pytest.approx(6)
+
+
+# ------------------------------------------------------------------ Concat and Pad
+
+
+def _node(op, *inputs, name, **attrs):
+    node = ir.Node("", op, list(inputs), attributes=[ir.AttrInt64(k, v) for k, v in attrs.items()], name=name)
+    node.outputs[0].name = name
+    return node
+
+
+def test_a_standalone_concat_and_a_pad_pass_nhwc_through():
+    # UNet's decoder: conv(skip) and ConvTranspose -> Pad -> Concat -> conv; with NHWC convs cheaper,
+    # the whole graph runs NHWC and only the graph's input and output are transposed
+    x = ir.Value(name="x")
+    skip = _node("Conv", x, name="skip")
+    up = _node("Conv", skip.outputs[0], name="up")
+    pad = _node("Pad", up.outputs[0], name="pad")
+    cat = _node("Concat", skip.outputs[0], pad.outputs[0], name="cat", axis=1)
+    head = _node("Conv", cat.outputs[0], name="head")
+    nodes = [skip, up, pad, cat, head]
+    graph = ir.Graph([x], [head.outputs[0]], nodes=nodes)
+    costs = {n: {"nchw": 10, "nhwc": 5} for n in (skip, up, head)}
+    plan = plan_layouts(graph, costs, lambda v: 1)
+    assert set(plan.layouts.values()) == {"nhwc"} and plan.transposes == 2 and plan.cost_ms == pytest.approx(17)
+
+
+def test_nested_concats_stay_nchw():
+    # DenseNet: cat([x0, f1]) is a contiguous run of cat([x0, f1, f2]); both stay NCHW, so NHWC convs
+    # that read them pay a transpose each
+    from convpass.passes.plan_layouts import standalone_concats
+
+    x = ir.Value(name="x")
+    f1 = _node("Conv", x, name="f1")
+    c1 = _node("Concat", x, f1.outputs[0], name="c1", axis=1)
+    f2 = _node("Conv", c1.outputs[0], name="f2")
+    c2 = _node("Concat", x, f1.outputs[0], f2.outputs[0], name="c2", axis=1)
+    out = _node("Conv", c2.outputs[0], name="out")
+    graph = ir.Graph([x], [out.outputs[0]], nodes=[f1, c1, f2, c2, out])
+    assert standalone_concats(graph) == set()
+    costs = {n: {"nchw": 10, "nhwc": 9} for n in (f1, f2, out)}
+    plan = plan_layouts(graph, costs, lambda v: 1)
+    assert set(plan.layouts.values()) == {"nchw"} and plan.cost_ms == 30
+    # on another axis the two do not share a buffer: both stand alone
+    c1.attributes["axis"] = ir.AttrInt64("axis", 2)
+    assert standalone_concats(graph) == {c1, c2}
+
+
+def test_concats_that_feed_each_other_do_not_stand_alone():
+    # Inception's inner cat is an input of the block's cat; a cat of two values stands alone
+    from convpass.passes.plan_layouts import standalone_concats
+
+    x, y = ir.Value(name="x"), ir.Value(name="y")
+    inner = _node("Concat", x, y, name="inner", axis=1)
+    outer = _node("Concat", inner.outputs[0], x, name="outer", axis=1)
+    alone = _node("Concat", x, y, name="alone", axis=2)
+    graph = ir.Graph([x, y], [outer.outputs[0], alone.outputs[0]], nodes=[inner, outer, alone])
+    assert standalone_concats(graph) == {alone}

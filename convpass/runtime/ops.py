@@ -38,6 +38,18 @@ def acc(x: Any) -> Any:
     return x.astype(np.float32) if x.dtype == np.float16 else x
 
 
+def storage_order(x: Any) -> tuple[int, ...] | None:
+    """``(0, 2, ..., 1)`` when ``x`` (rank 3-5, logical channels-first) is stored channels-last,
+    else None. Ops that move data (Pad, Concat) work on that order, so their results keep the
+    format: the layout planner lets them pass NHWC through."""
+    if not 3 <= x.ndim <= 5 or x.shape[1] == 1:
+        return None
+    spatial = [s for d, s in zip(x.shape[2:], x.strides[2:]) if d > 1]
+    if not spatial or x.strides[1] >= min(spatial):
+        return None
+    return (0, *range(2, x.ndim), 1)
+
+
 def _axis(axis: int, rank: int) -> int:
     a = int(axis)
     if a < 0:
@@ -519,6 +531,10 @@ def _transpose(ctx: OpContext, node: NodeInfo, x: Any) -> Any:
 def _concat(ctx: OpContext, node: NodeInfo, *xs: Any) -> Any:
     xs = [x for x in xs if x is not None]
     axis = _axis(node.attr("axis", 1), xs[0].ndim)
+    orders = {storage_order(x) for x in xs}
+    if len(orders) == 1 and (order := orders.pop()) is not None:  # all channels-last: so is the result
+        y = ctx.xp.concatenate([x.transpose(order) for x in xs], axis=order.index(axis))
+        return y.transpose(np.argsort(order))
     return ctx.xp.concatenate(xs, axis=axis)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from convpass import annotation
 from convpass.runtime.conv import ConvCall, conv_geometry
 from convpass.runtime.errors import ExecutorError
-from convpass.runtime.ops import _axis, _axes, _like, acc
+from convpass.runtime.ops import _axis, _axes, _like, acc, storage_order
 from convpass.runtime.registry import NodeInfo, OpContext, register
 
 # ---------------------------------------------------------------------------------------------
@@ -369,12 +369,18 @@ def _do_pad(ctx: OpContext, node: NodeInfo, x: Any, pads: list[int], value: Any,
         index = tuple(slice(max(0, -b), x.shape[i] - max(0, -e)) for i, (b, e) in enumerate(zip(begin, end)))
         x = x[index]
     widths = [(max(0, b), max(0, e)) for b, e in zip(begin, end)]
-    if mode == "constant":
-        v = 0 if value is None else value
-        return xp.pad(x, widths, mode="constant", constant_values=v)
-    if mode in ("reflect", "edge", "wrap"):
-        return xp.pad(x, widths, mode=mode)
-    raise ExecutorError(f"node {node.name!r}: Pad mode {mode!r} is not supported")
+    if mode not in ("constant", "reflect", "edge", "wrap"):
+        raise ExecutorError(f"node {node.name!r}: Pad mode {mode!r} is not supported")
+    if not any(b or e for b, e in widths):
+        return x  # pads of zero: the tensor itself, as Identity (a UNet's Pad to the skip's size)
+    kwargs = {"constant_values": 0 if value is None else value} if mode == "constant" else {}
+    # a channels-last tensor is padded in its memory order, so the result keeps that format (the
+    # layout planner lets Pad pass NHWC through) and the copy reads and writes whole rows
+    order = storage_order(x)
+    if order is None:
+        return xp.pad(x, widths, mode=mode, **kwargs)
+    y = xp.pad(x.transpose(order), [widths[a] for a in order], mode=mode, **kwargs)
+    return y.transpose(np.argsort(order))
 
 
 @register("Pad", 1)
