@@ -13,7 +13,9 @@ Rules (per shape profile):
   buffer are strided rows for the convs that write them and the BatchNormalization + ReLU that
   read them, a cost this plan does not see (DenseNet-121 at batch 32 on an H200: 5.76 ms with its
   Concats in NCHW, 9.40 ms when every Concat passed NHWC through).
-  Every other op, graph inputs and graph outputs are fixed in NCHW (ONNX semantics).
+  Shape and Size (:data:`METADATA_OPS`) read no data (the executor folds them to constants), so
+  reading a tensor in either format costs them nothing. Every other op, graph inputs and graph
+  outputs are fixed in NCHW (ONNX semantics).
 * An edge between two nodes whose formats differ costs one transpose of the tensor on that edge
   (measured on the GPU, by tensor size; nothing for a tensor whose two formats are one memory
   order: one channel, or one spatial position). A value is converted once per node that reads it.
@@ -44,6 +46,9 @@ AGNOSTIC_OPS = frozenset(
         "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "Resize", "Upsample", "Pad",
     }
 )
+# read only their input's shape: a tensor's format is nothing to them (exported models compute
+# UNet's Pad widths and many Reshape targets from Shape of the feature maps)
+METADATA_OPS = frozenset({"Shape", "Size"})
 INF = float("inf")
 _NS_PER_MS = 1_000_000
 
@@ -113,10 +118,11 @@ def plan_layouts(
 
 
 def movable_nodes(graph: ir.Graph, conv_costs: Mapping[ir.Node, Mapping[str, float]]) -> set[ir.Node]:
-    """The nodes the plan may put in NHWC: the convs with costs, the agnostic ops and the
-    standalone Concats (module rules)."""
+    """The nodes the plan may put in NHWC: the convs with costs, the agnostic and metadata ops and
+    the standalone Concats (module rules)."""
     standard = [n for n in graph if n.domain in ("", "ai.onnx")]
-    return set(conv_costs) | {n for n in standard if n.op_type in AGNOSTIC_OPS} | standalone_concats(standard)
+    free = AGNOSTIC_OPS | METADATA_OPS
+    return set(conv_costs) | {n for n in standard if n.op_type in free} | standalone_concats(standard)
 
 
 def standalone_concats(nodes: Iterable[ir.Node]) -> set[ir.Node]:

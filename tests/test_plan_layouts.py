@@ -177,3 +177,17 @@ def test_concats_that_feed_each_other_do_not_stand_alone():
     alone = _node("Concat", x, y, name="alone", axis=2)
     graph = ir.Graph([x, y], [outer.outputs[0], alone.outputs[0]], nodes=[inner, outer, alone])
     assert standalone_concats(graph) == {alone}
+
+
+def test_shape_reads_no_data_so_it_costs_no_transpose():
+    # exported models compute Pad widths and Reshape targets from Shape of feature maps: Shape of an
+    # NHWC tensor converts nothing
+    x = ir.Value(name="x")
+    conv0 = _node("Conv", x, name="v0")
+    conv1 = _node("Conv", conv0.outputs[0], name="v1")
+    shape = _node("Shape", conv0.outputs[0], name="s")
+    gather = _node("Gather", shape.outputs[0], name="g")
+    graph = ir.Graph([x], [conv1.outputs[0], gather.outputs[0]], nodes=[conv0, conv1, shape, gather])
+    costs = {n: {"nchw": 10, "nhwc": 5} for n in (conv0, conv1)}
+    plan = plan_layouts(graph, costs, lambda v: 0.0 if v.name in ("s", "g") else 1.0)
+    assert set(plan.layouts.values()) == {"nhwc"} and plan.transposes == 2 and plan.cost_ms == pytest.approx(12)

@@ -312,7 +312,7 @@ class FleetReport:
             "measured_by_slot": _count(finished.values()),
             "busy_s_by_slot": {sid: round(v, 3) for sid, v in sorted(s.busy.items())} if s else {},
             "task_seconds": [{"device": str(by_id[i].device), "problem": str(by_id[i].problem), "depthwise": by_id[i].problem.primary.is_depthwise,
-                              "slot": finished.get(i), "seconds": round(v, 3)} for i, v in sorted(s.task_seconds.items())] if s else [],
+                              "slot": finished.get(i), "seconds": round(v, 6)} for i, v in sorted(s.task_seconds.items())] if s else [],
             "cache_writes": {"tasks": len(s.writes), "max_per_task": max(s.writes.values(), default=0)} if s else {},
             "written_during_tune": self.written_during_tune,
             "interrupted": self.interrupted,
