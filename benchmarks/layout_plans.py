@@ -4,7 +4,10 @@ For every model: how many convs the plan puts in NHWC, how many transposes it pa
 predicted cost (the convs' recorded times in their planned layouts plus the recorded transpose
 times), next to the sum of each conv's own best time. Nothing is timed: the figures are the tuning
 cache's, read as ``convpass optimize --device-name`` reads them, so a change to the planner can be
-compared before and after on a machine without a GPU (run this at both commits)::
+compared before and after on a machine without a GPU (run this at both commits). ``--pinned`` adds,
+per model, the ops the plan keeps in NCHW that exchange a tensor with a recorded transpose time
+with a node it may put in NHWC (count, and the sum of those times): where the plan's rules, not
+the conv times, hold NCHW::
 
     python models/export_panel.py --out /tmp/panel                 # needs PyTorch
     python benchmarks/layout_plans.py --panel /tmp/panel --cache tune.db --device H200 --batch 32
@@ -13,6 +16,7 @@ compared before and after on a machine without a GPU (run this at both commits):
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import sys
@@ -21,21 +25,52 @@ from pathlib import Path
 from rich.console import Console
 
 from convpass.errors import ConvpassError
+from convpass import pipeline
 from convpass.model_io import load_model
+from convpass.passes import plan_layouts as planner
 from convpass.pipeline import build_options, optimize_model
 
 
-def plan_row(path: Path, input_name: str, dims: list, cache: str, device: str, tf32: str) -> str:
+def _pinned_ops(graph, conv_costs, transpose_ms) -> str:
+    movable = planner.movable_nodes(graph, conv_costs)
+    count: collections.Counter = collections.Counter()
+    ms: collections.Counter = collections.Counter()
+    for node in graph:
+        if node in movable:
+            continue
+        # the values that join it to a node the plan may put in NHWC
+        joined = [v for v in node.inputs if v is not None and v.producer() in movable]
+        joined += [v for v in node.outputs if any(user in movable for user, _ in v.uses())]
+        touched = [transpose_ms(v) for v in joined]
+        if any(t > 0 for t in touched):
+            count[node.op_type] += 1
+            ms[node.op_type] += sum(touched)
+    return ", ".join(f"{op} {count[op]} ({ms[op]:.3f} ms)" for op, _ in ms.most_common()) or "none"
+
+
+def plan_row(path: Path, input_name: str, dims: list, cache: str, device: str, tf32: str, pinned: bool = False) -> str:
     model = load_model(str(path))
     profile = f"{input_name}={'x'.join(str(d) for d in dims)}"
-    report = optimize_model(model, build_options({"tf32": tf32}), [profile], cache, device, console=Console(file=io.StringIO()))
+    seen: list[str] = []
+    plan_layouts = pipeline.plan_layouts
+
+    def planning(graph, conv_costs, transpose_ms):  # the pipeline's own call, looked at on the way
+        seen.append(_pinned_ops(graph, conv_costs, transpose_ms))
+        return plan_layouts(graph, conv_costs, transpose_ms)
+
+    pipeline.plan_layouts = planning
+    try:
+        report = optimize_model(model, build_options({"tf32": tf32}), [profile], cache, device, console=Console(file=io.StringIO()))
+    finally:
+        pipeline.plan_layouts = plan_layouts
     plans = list(report.layout_plans.values())
     if not plans:
         return f"no plan ({(report.notes or ['no layout plan'])[0][:100]})"
     plan = plans[0]
     nhwc = sum(v == "nhwc" for v in plan.layouts.values())
-    return (f"{nhwc:3d}/{len(plan.layouts):3d} convs NHWC, {plan.transposes:3d} transposes, plan {plan.cost_ms:8.3f} ms "
-            f"(each conv's own best {plan.per_conv_best_ms:.3f} ms)")
+    row = (f"{nhwc:3d}/{len(plan.layouts):3d} convs NHWC, {plan.transposes:3d} transposes, plan {plan.cost_ms:8.3f} ms "
+           f"(each conv's own best {plan.per_conv_best_ms:.3f} ms)")
+    return row + (f"; pinned: {seen[0]}" if pinned and seen else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tf32", default="on")
     ap.add_argument("--models", help="comma-separated panel names (default: every fp32 model)")
+    ap.add_argument("--pinned", action="store_true", help="also the NCHW-pinned ops next to nodes the plan may put in NHWC")
     args = ap.parse_args(argv)
     panel = Path(args.panel)
     entries = [e for e in json.loads((panel / "panel.json").read_text())["models"] if e["file"] == f"{e['name']}.onnx"]
@@ -55,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in entries:
         dims = [args.batch, *e["input_shape"][1:]]
         try:
-            row = plan_row(panel / e["file"], e["input"], dims, args.cache, args.device, args.tf32)
+            row = plan_row(panel / e["file"], e["input"], dims, args.cache, args.device, args.tf32, args.pinned)
         except ConvpassError as err:
             print(f"layout_plans: {e['name']}: {err}", file=sys.stderr)
             return 2
