@@ -132,10 +132,15 @@ def standalone_concats(nodes: Iterable[ir.Node]) -> set[ir.Node]:
     :mod:`convpass.runtime.cuda.memory`)."""
     concats = [n for n in nodes if n.op_type == "Concat"]
 
+    def axis(node: ir.Node) -> int | None:  # normalized; None: a negative axis of unknown rank
+        a = node.attributes.get_int("axis", 0)
+        shape = node.outputs[0].shape
+        return a if a >= 0 else (a + len(shape) if shape is not None else None)
+
     def inside(inner: ir.Node, outer: ir.Node) -> bool:
         a, b = list(inner.inputs), list(outer.inputs)
-        return (inner.attributes.get_int("axis", 0) == outer.attributes.get_int("axis", 0) and len(a) < len(b)
-                and any(b[i:i + len(a)] == a for i in range(len(b) - len(a) + 1)))
+        same_axis = None in (axis(inner), axis(outer)) or axis(inner) == axis(outer)  # unknown: assume shared
+        return same_axis and len(a) < len(b) and any(b[i:i + len(a)] == a for i in range(len(b) - len(a) + 1))
 
     alone = set()
     for node in concats:

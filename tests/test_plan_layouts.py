@@ -162,6 +162,11 @@ def test_nested_concats_stay_nchw():
     costs = {n: {"nchw": 10, "nhwc": 9} for n in (f1, f2, out)}
     plan = plan_layouts(graph, costs, lambda v: 1)
     assert set(plan.layouts.values()) == {"nchw"} and plan.cost_ms == 30
+    # -3 is axis 1 of a rank-4 output: still nested; one of unknown rank might be: still nested
+    c1.attributes["axis"] = ir.AttrInt64("axis", -3)
+    assert standalone_concats(graph) == set()
+    c1.outputs[0].shape = ir.Shape([1, 2, 3, 4])
+    assert standalone_concats(graph) == set()
     # on another axis the two do not share a buffer: both stand alone
     c1.attributes["axis"] = ir.AttrInt64("axis", 2)
     assert standalone_concats(graph) == {c1, c2}
