@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pinned", action="store_true", help="also the NCHW-pinned ops next to nodes the plan may put in NHWC")
     args = ap.parse_args(argv)
     panel = Path(args.panel)
-    entries = [e for e in json.loads((panel / "panel.json").read_text())["models"] if e["file"] == f"{e['name']}.onnx"]
+    try:
+        models = json.loads((panel / "panel.json").read_text())["models"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"layout_plans: {panel / 'panel.json'} is not a panel of models/export_panel.py ({err})", file=sys.stderr)
+        return 2
+    entries = [e for e in models if e["file"] == f"{e['name']}.onnx"]
     if args.models:
         wanted = args.models.split(",")
         entries = [e for e in entries if e["name"] in wanted]

@@ -67,7 +67,7 @@ class OptimizeReport:
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
-    from convpass.cache import TuningCache
+    from convpass.cache import TuningCache, default_cache_path
 
     local = device_mod.detect()
     if local is not None and (device_name is None or local.matches_name(device_name)):
@@ -79,7 +79,11 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
     if device_name is None:
         report.backend = "no GPU found and no --device-name: nothing can be measured or looked up"
         return CacheBackend(None, None)
-    cache = TuningCache(cache_path)
+    path = Path(cache_path).expanduser() if cache_path is not None else default_cache_path()
+    if not path.is_file():  # decisions are read, never measured, here: an empty new cache holds none
+        raise ConvpassError(f"--device-name {device_name}: tuning cache {path} does not exist; give the cache recorded "
+                            "on that GPU type with --cache (or CONVPASS_CACHE)")
+    cache = TuningCache(path)
     target = cache.resolve_device(device_name)
     report.backend = f"tuning cache {cache.path} for {target.name} (cuDNN {target.cudnn_version_str}); no GPU used"
     report.device = str(target)

@@ -150,6 +150,12 @@ def test_unknown_device_name_lists_known_devices(tmp_path):
         convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), cache=tmp_path / "c.db", device_name="A100", quiet=True)
 
 
+def test_device_name_with_a_cache_that_does_not_exist_is_an_error_and_creates_nothing(tmp_path):
+    with pytest.raises(ConvpassError, match=r"--device-name H200: tuning cache .*nowhere\.db does not exist"):
+        convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), cache=tmp_path / "nowhere.db", device_name="H200", quiet=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_fft_tiling_is_skipped_on_many_groups_unless_forced():
     depthwise = canonicalize_conv("Conv", {"group": 64, "pads": [1, 1, 1, 1]}, (1, 64, 14, 14), (64, 1, 3, 3)).shapes[0]
     key = depthwise.key("nchw", "default")

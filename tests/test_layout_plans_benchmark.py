@@ -37,7 +37,12 @@ def test_one_row_per_fp32_model_and_what_the_cache_lacks(tmp_path, capsys):
 def test_a_cache_without_the_device_is_a_clear_error(tmp_path, capsys):
     _panel(tmp_path)
     code = layout_plans.main(["--panel", str(tmp_path), "--cache", str(tmp_path / "empty.db")])
+    assert code == 2 and "empty.db does not exist" in capsys.readouterr().err and not (tmp_path / "empty.db").exists()
+    TuningCache(tmp_path / "empty.db").close()
+    code = layout_plans.main(["--panel", str(tmp_path), "--cache", str(tmp_path / "empty.db")])
     assert code == 2 and "no device matching 'H200'" in capsys.readouterr().err
+    code = layout_plans.main(["--panel", str(tmp_path / "nowhere"), "--cache", str(tmp_path / "empty.db")])
+    assert code == 2 and "nowhere/panel.json is not a panel" in capsys.readouterr().err
 
 
 def test_pinned_ops_are_the_ones_next_to_nodes_that_may_go_nhwc():
@@ -51,3 +56,39 @@ def test_pinned_ops_are_the_ones_next_to_nodes_that_may_go_nhwc():
     text = layout_plans._pinned_ops(graph, {conv: {"nchw": 1.0, "nhwc": 0.5}}, lambda v: 0.25)
     assert text == "Reshape 1 (0.250 ms)"
     assert layout_plans._pinned_ops(graph, {}, lambda v: 0.25) == "none"
+
+
+def test_a_cache_with_both_layouts_and_transposes_gives_the_plan(tmp_path, capsys):
+    # two 3x3 convs whose recorded NHWC times are half their NCHW times, and cheap transposes:
+    # the plan puts both in NHWC and pays the graph input's and output's transposes
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    import numpy as np
+    from convpass.cache import Measurement
+    from convpass.pipeline import OptimizeReport, build_options, prepare_model
+
+    w = numpy_helper.from_array(np.ones((4, 4, 3, 3), np.float32), "w")
+    nodes = [helper.make_node("Conv", ["input", "w"], ["a"], pads=[1, 1, 1, 1], name="c0"),
+             helper.make_node("Relu", ["a"], ["b"], name="r"),
+             helper.make_node("Conv", ["b", "w"], ["output"], pads=[1, 1, 1, 1], name="c1")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 4, 8, 8])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "two.onnx")
+    (tmp_path / "panel.json").write_text(json.dumps({"models": [
+        {"name": "two", "file": "two.onnx", "input": "input", "input_shape": ["batch", 4, 8, 8]}]}))
+    problems = prepare_model(ir.serde.deserialize_model(onnx.load(tmp_path / "two.onnx")), build_options({"tf32": "on"}),
+                             ["input=2x4x8x8"], OptimizeReport())
+    assert len(problems) == 1  # both convs are one problem
+    shape = next(iter(problems)).primary
+    rows = [Measurement(key=shape.key(layout, "default"), algo="implicit_gemm", status="ok", time_ms=ms, workspace_bytes=0,
+                        deterministic=True, measured_at=0.0, method="measure", note="test")
+            for layout, ms in (("nchw", 1.0), ("nhwc", 0.5))]
+    with TuningCache(tmp_path / "h200.db") as c:
+        c.put(H200, rows)
+        c.put_transpose(H200, (2, 4, 8, 8), "float32", 0.01)
+    code = layout_plans.main(["--panel", str(tmp_path), "--cache", str(tmp_path / "h200.db"), "--batch", "2", "--pinned"])
+    row = capsys.readouterr().out.strip()
+    assert code == 0
+    assert row.startswith("two") and "2/  2 convs NHWC,   2 transposes, plan    1.020 ms" in row and row.endswith("pinned: none"), row
