@@ -8,7 +8,10 @@ legacy algorithm but FFT tiling (seconds per launch on depthwise convs), each ti
 harness (captured launches on a non-default stream, rotating input sets larger than L2, medians);
 the kernel's output is compared with cuDNN's implicit_gemm (FMA math).
 
-    python benchmarks/depthwise_kernel.py [--strips 1,2,4,8]
+    python benchmarks/depthwise_kernel.py [--strips 1,2,4,8] [--as-given-weights]
+
+``--as-given-weights`` times the kernel reading its weights as cuDNN stores them (the form before
+``DepthwiseKernel.weight``'s tap-major copy), to compare the two in one session.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ CASES = [  # name, n, c, size, kernel, stride
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strips", help="outputs per thread to time (default: the variants the tuner times)")
+    ap.add_argument("--as-given-weights", action="store_true", help="pass the weights as stored, not as DepthwiseKernel.weight gives them")
     args = ap.parse_args(argv)
     import cupy as cp
     import numpy as np
@@ -53,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             strips = [int(v) for v in args.strips.split(",")] if args.strips else [strip_of(a) for a in candidates(shape)]
             for r in strips:
                 kernel = DepthwiseKernel(shape, layout == "nhwc", r)
-                kernel(cp, xs[0], w, ys[0])
-                own.append((harness.time_launches(lambda i: kernel(cp, xs[i], w, ys[i]), sets).time_ms, r))
+                wk = cudnn.as_layout(w, layout) if args.as_given_weights else kernel.weight(cp, w)  # as the tuner and executor pass it
+                kernel(cp, xs[0], wk, ys[0])
+                own.append((harness.time_launches(lambda i: kernel(cp, xs[i], wk, ys[i]), sets).time_ms, r))
             with cudnn.ConvDescriptors(shape.key(layout, "fma")) as descs:
                 wl = cudnn.as_layout(w, layout)
                 ref = cudnn.empty_like_layout(shape.y_shape, "float32", layout)

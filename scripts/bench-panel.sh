@@ -17,7 +17,8 @@
 #       queue for the next call, and one that fails is kept with its log
 #   bash scripts/bench-panel.sh report             merge every benched model: $OUT/bench.{txt,json,png}
 # Per-model reports and JSON stay in .bench-panel/; after every phase all of it goes to $OUT as one
-# file, bench-panel.tar (with the workers' tuning caches, zstd-compressed).
+# file, bench-panel.tar (with the tuning cache and the workers' copies, zstd-compressed: carry the
+# first back as .tunecache/<tag>/tune.db.zst for the next session).
 # Device time: a machine goes back after about 30 s idle, so issue the calls back to back; the
 # whole panel at 1,32 took more than 430 s of tuning on 2 H200s from a cache that lacked batch 1's
 # newer rows (2026-11-23), so carry a complete cache or budget for it.
@@ -134,12 +135,12 @@ phase() {
 }
 
 # Everything in .bench-panel/ as one file, $OUT/bench-panel.tar (the device tool brings back only a
-# few files per call), with the workers' tuning caches compressed when a zstd is at hand.
+# few files per call), with the tuning cache and the workers' copies compressed when a zstd is at hand.
 pack() {
   local z
   z=$(command -v zstd || ls .ortgpu/tool/zstd .cudnnfe/tool/zstd 2>/dev/null | head -n 1)
   if [ -n "$z" ]; then
-    for f in "$cache".gpu*; do [ -f "$f" ] && "$z" -q -f "$f" -o "$work/$(basename "$f").zst"; done
+    for f in "$cache" "$cache".gpu*; do [ -f "$f" ] && "$z" -q -f "$f" -o "$work/$(basename "$f").zst"; done
   fi
   tar cf "$out/bench-panel.tar" -C "$work" --exclude=tuned --exclude=queue.lock . 2>/dev/null
 }

@@ -12,6 +12,7 @@ warps (normalizations), are checked in tests/gpu/test_kernels.py.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import shutil
 import subprocess
 
@@ -108,6 +109,46 @@ def test_pool_window_kernel_matches_the_op_library(pool_lib, op, shape, attrs, c
     want = _reference(op, opset, x, **attrs)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("strip", [1, 2, 3, 4])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("op,shape,attrs", [c for c in POOL_CASES if c[0] != "LpPool" and len(c[1]) == 4],
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(POOL_CASES) if c[0] != "LpPool" and len(c[1]) == 4])
+def test_strip_pool_kernel_matches_the_op_library(tmp_path_factory, op, shape, attrs, channels_last, strip):
+    """The 2-D strip kernel (several outputs per thread, the window unrolled) in every memory order
+    and strip width, including strips that overhang the row's end: every output written, NaN kept."""
+    opset = 19
+    rng = np.random.default_rng(2)
+    x = channels_last_array(shape, rng) if channels_last else rng.standard_normal(shape).astype(np.float32)
+    x.flat[5] = np.nan if op == "MaxPool" else x.flat[5]
+    node = _node(op, opset, **attrs)
+    kernel = tuple(attrs["kernel_shape"])
+    begin, end, strides, dilations, out = _pool_geometry(node, shape[2:], kernel)
+    spec = {"mode": "max" if op == "MaxPool" else "average", "kernel": kernel, "strides": strides, "dilations": dilations,
+            "count_include_pad": bool(attrs.get("count_include_pad", 0))}
+    pool = dataclasses.replace(pooling.StripPool.for_spec(spec, channels_last), r=strip)
+    source = pool.source(np.float32)
+    lib = host_library(tmp_path_factory.mktemp("strip"), source.code, source.name)
+    y = channels_last_array((*shape[:2], *out), rng) if channels_last else np.empty((*shape[:2], *out), np.float32)
+    y[...] = np.nan  # poison: every element must be written
+    n, c, oh, ow = y.shape
+    strips = -(-ow // strip)
+    i, ll = ctypes.c_int, ctypes.c_longlong
+    lib.pool_strip(_ptr(x), _ptr(y), ctypes.c_uint(n * c * oh * strips), ctypes.c_uint(c), ctypes.c_uint(oh), ctypes.c_uint(strips),
+                   i(shape[2]), i(shape[3]), i(ow), i(begin[0]), i(begin[1]), i(end[0]), i(end[1]), *(ll(v) for v in _elements(x)),
+                   *(ll(v) for v in _elements(y)))
+    want = _reference(op, opset, x, **attrs)
+    np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+
+
+def test_strip_pool_takes_2d_max_and_average_only():
+    spec = {"mode": "max", "kernel": (3, 3), "strides": [2, 2], "dilations": [1, 1], "count_include_pad": False}
+    assert pooling.StripPool.for_spec(spec, True).r == pooling.STRIP_OUTPUTS_STRIDED
+    assert pooling.StripPool.for_spec({**spec, "strides": [1, 1]}, False).r == pooling.STRIP_OUTPUTS
+    assert pooling.StripPool.for_spec({**spec, "mode": "lp"}, False) is None
+    assert pooling.StripPool.for_spec({**spec, "kernel": (3, 3, 3), "strides": [1, 1, 1], "dilations": [1, 1, 1]}, False) is None
+    assert pooling.StripPool.for_spec({**spec, "kernel": (1, 46), "strides": [1, 1]}, False) is None  # a row window over 48 inputs
 
 
 def _resize_values(node_inputs, scales=None, sizes=None):

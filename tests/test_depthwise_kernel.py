@@ -104,9 +104,25 @@ def test_kernel_matches_a_float64_convolution(run_kernel, name, channels_last):
     w = rng.standard_normal(shape.w_shape).astype(np.float32)
     y = _stored(shape.y_shape, channels_last, rng)
     for algo in depthwise.candidates(shape):
-        y[...] = np.nan  # every output must be written
-        run_kernel(depthwise.DepthwiseKernel.of(algo, shape, "nhwc" if channels_last else "nchw"), x, w, y)
-        np.testing.assert_allclose(y, _reference(x, w, shape), rtol=1e-5, atol=1e-5, err_msg=algo)
+        kernel = depthwise.DepthwiseKernel.of(algo, shape, "nhwc" if channels_last else "nchw")
+        for weight in (w, kernel.weight(np, w)):  # any strides; the form the executor passes
+            y[...] = np.nan  # every output must be written
+            run_kernel(kernel, x, weight, y)
+            np.testing.assert_allclose(y, _reference(x, w, shape), rtol=1e-5, atol=1e-5, err_msg=algo)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_weight_is_tap_major_for_the_channels_last_order(channels_last):
+    """Channels-last threads are neighbouring channels: their weights are read from a tap-major
+    copy (channel stride 1), the same values; channels-first threads share a channel: as given."""
+    shape = GEOMETRIES["7x7-convnext"]
+    w = np.random.default_rng(6).standard_normal(shape.w_shape).astype(np.float32)
+    got = depthwise.DepthwiseKernel(shape, channels_last).weight(np, w)
+    np.testing.assert_array_equal(got, w)
+    if channels_last:
+        assert got.strides == tuple(v * 4 for v in (1, 49 * shape.c, 7 * shape.c, shape.c))
+    else:
+        assert got is w
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -262,7 +278,7 @@ def own_bench(monkeypatch):
     monkeypatch.setattr(harness, "time_launches", time_launches)
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: None)
     monkeypatch.setattr(depthwise.DepthwiseKernel, "__call__", run)
-    bench = numpy_shape_bench(monkeypatch, DW, maximum=np.maximum)
+    bench = numpy_shape_bench(monkeypatch, DW, maximum=np.maximum, ascontiguousarray=np.ascontiguousarray)
     bench.timings, bench.calls = timings, calls
     return bench
 

@@ -77,3 +77,21 @@ def test_concat_keeps_channels_last_when_every_input_has_it():
     mixed = _run("Concat", 13, {"axis": 1}, _channels_last(a), b)
     np.testing.assert_array_equal(mixed, want)
     assert mixed.flags.c_contiguous
+
+
+@pytest.mark.parametrize("src_channels_last", [True, False], ids=["nhwc-src", "nchw-src"])
+def test_copy_into_a_channels_last_concat_slice(src_channels_last):
+    """copy_into writes exactly the slice, whatever the source's format (channels-last pairs are
+    copied in their channels-last view)."""
+    from convpass.runtime.cuda.common import copy_into
+
+    rng = np.random.default_rng(7)
+    buf = np.ascontiguousarray(rng.standard_normal((2, 5, 6, 7)).astype(np.float32)).transpose(0, 3, 1, 2)  # (2, 7, 5, 6) NHWC
+    before = buf.copy()
+    src = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
+    if src_channels_last:
+        src = np.ascontiguousarray(src.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    copy_into(buf[:, 2:5], src)
+    np.testing.assert_array_equal(buf[:, 2:5], src)
+    np.testing.assert_array_equal(buf[:, :2], before[:, :2])
+    np.testing.assert_array_equal(buf[:, 5:], before[:, 5:])

@@ -855,9 +855,15 @@ def _call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> t
 
 
 def _engine_algo(engine: str, fusion: str = "") -> str:
-    from convpass.cudnn.graph_api import EngineConfig  # not at import: the CPU executor needs no cuDNN package
+    """The recorded engine's algorithm name; ``fusion`` counts only when it is a graph-API fusion (a
+    legacy epilogue beside an engine is the conv's business, not the name's). An engine that does
+    not parse is shown as recorded: building the conv warns about it and runs the legacy algorithm."""
+    from convpass.cudnn.graph_api import FUSIONS, EngineConfig  # not at import: the CPU executor needs no cuDNN package
 
-    return EngineConfig.parse(engine, fusion).algo
+    try:
+        return EngineConfig.parse(engine, fusion if fusion in FUSIONS else "").algo
+    except ValueError:
+        return engine
 
 
 def _summary(node: NodeInfo, d: annotation.ConvDecision | None, call: ConvCall | None, profile: int | None, note: str) -> ConvSummary:

@@ -12,6 +12,7 @@ __all__ = [
     "ELEMENTWISE",
     "ExecutorWarning",
     "channels_last",
+    "copy_into",
     "first_line",
     "storage",
     "unavailable_reason",
@@ -62,6 +63,21 @@ def storage(a: Any) -> Any:
     if channels_last(a):
         return a.transpose(0, *range(2, a.ndim), 1)
     return a
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """``dst[...] = src``, walked in memory order. CuPy's copy walks the logical order and merges
+    only adjacent dimensions, so channels-last arrays seen channels-first were copied with a stride
+    of C elements between neighbouring threads (a UNet's NHWC skip Concats: 5.2 ms on an H200 at
+    batch 32, against 1.7 ms for the same copies in NCHW); both in their channels-last view, the
+    copy is rows of channels."""
+    from convpass.runtime.ops import storage_order
+
+    order = storage_order(dst)
+    if order is not None and storage_order(src) == order:
+        dst.transpose(order)[...] = src.transpose(order)
+    else:
+        dst[...] = src
 
 
 def elements(strides: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

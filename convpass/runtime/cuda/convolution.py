@@ -76,7 +76,7 @@ from convpass.epilogue import LEGACY, is_legacy, legacy_name
 from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.runtime import conv as conv_kernels
 from convpass.runtime.conv import ConvCall, ConvGeometry
-from convpass.runtime.cuda.common import CaptureBreak, channels_last, elements, first_line, storage
+from convpass.runtime.cuda.common import CaptureBreak, channels_last, copy_into, elements, first_line, storage
 from convpass.runtime.cuda.depthwise import is_own
 from convpass.runtime.cuda.launch import Launch
 
@@ -397,11 +397,14 @@ class Convolutions:
     def weight(self, w: Any, ex: ConvExec) -> Any:
         from convpass import cudnn
 
-        key = (id(w), ex.layout, ex.insert_axis)
+        tap_major = ex.kernel is not None and ex.kernel.channels_last  # own kernels read their own copy
+        key = (id(w), ex.layout, ex.insert_axis, tap_major)
         hit = self._weights.get(key)
         if hit is not None and hit[0] is w:
             return hit[1]
         wk = cudnn.as_layout(self._map(w, ex), ex.layout)
+        if ex.kernel is not None:
+            wk = ex.kernel.weight(self.cp, wk)
         if self.rt.is_constant(w):
             self._weights[key] = (w, wk)
         return wk
@@ -512,7 +515,7 @@ class Convolutions:
     def _into(self, y: Any, out: Any) -> Any:
         if out is None:
             return y
-        out[...] = y
+        copy_into(out, y)
         return out
 
     def _run(self, ex: ConvExec, x: Any, w: Any, b: Any, relu: bool, z: Any = None, out: Any = None) -> Any:

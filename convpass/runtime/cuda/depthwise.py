@@ -23,7 +23,9 @@ Rules
   memory, no cooperation between threads: the source also compiles as host C++ (the CPU tests run
   it against NumPy).
 * **Any strides.** Input, weight, residual and output are passed with their element strides: the
-  kernel reads a slice of a Concat buffer and writes into one, in either memory format.
+  kernel reads a slice of a Concat buffer and writes into one, in either memory format. Its
+  weights are read best tap-major in the channels-last order (:meth:`DepthwiseKernel.weight`:
+  neighbouring threads are neighbouring channels); the tuner times and the executor runs that copy.
 * **Epilogue in the kernel.** ``y = act(conv(x, w) + z + b)`` with the bias, the residual and the
   ReLU of a legacy epilogue (:mod:`convpass.epilogue`) each optional: the tuner times the bare
   variants and the fastest with the problem's epilogue (``convpass_depthwise_r8+bias+relu``), the
@@ -47,7 +49,7 @@ from convpass.problem import ConvShape
 from convpass.runtime.cuda import compiler
 from convpass.runtime.cuda.common import elements
 
-__all__ = ["ALGO", "MAX_SPAN", "MAX_TAPS", "DepthwiseKernel", "algo_name", "candidates", "is_own", "strip_of", "unsupported"]
+__all__ = ["ALGO", "MAX_SPAN", "MAX_TAPS", "THREAD_ORDERS", "DepthwiseKernel", "algo_name", "candidates", "is_own", "strip_of", "unsupported"]
 
 ALGO = "convpass_depthwise"  # the family's name; a candidate is ALGO + "_r<R>" (:func:`algo_name`)
 MAX_TAPS = 121  # 11x11: the unrolled body stays small
@@ -157,7 +159,8 @@ def _or_null(a: Any) -> Any:
     return np.uint64(0) if a is None else a
 
 
-_ORDERS = {
+# How a thread's flat index splits into (n, c, oh, strip); shared with pooling's strip kernel
+THREAD_ORDERS = {
     True: "c = r % C; r /= C; s = r % strips; r /= strips; oh = r % OH; n = r / OH;",  # channels fastest
     False: "s = r % strips; r /= strips; oh = r % OH; r /= OH; c = r % C; n = r / C;",  # strips fastest
 }
@@ -197,10 +200,21 @@ class DepthwiseKernel:
             lines += [f"  acc[{j}] = fmaf(v{j * sw + t * dw}, wt, acc[{j}]);" for j in range(r)]
             lines.append("}")
         constants = "".join(f"\n#define {name} {value}" for name, value in (("KH", kh), ("SH", sh), ("SW", sw), ("DH", dh), ("R", r)))
-        code = (_TEMPLATE.replace("#HEADER", "#HEADER" + constants, 1).replace("ORDER", _ORDERS[self.channels_last])
+        code = (_TEMPLATE.replace("#HEADER", "#HEADER" + constants, 1).replace("ORDER", THREAD_ORDERS[self.channels_last])
                 .replace("WINDOW", "\n            ".join(lines)))
         family = f"depthwise_k{kh}x{kw}_s{sh}x{sw}_d{dh}x{dw}_r{r}_{'nhwc' if self.channels_last else 'nchw'}"
         return compiler.typed(family, code, ("depthwise_conv",), _DTYPES[self.shape.dtype])
+
+    def weight(self, cupy: Any, w: Any) -> Any:
+        """``w`` (logical ``(c, 1, kh, kw)``, any strides) as this kernel reads it fastest: for the
+        channels-last thread order a tap-major copy (memory ``(kh, kw, c)``), seen as ``(c, 1, kh, kw)``,
+        so that a warp's 32 neighbouring channels read one tap's weights from adjacent addresses
+        instead of 32 addresses ``kh * kw`` elements apart; for the channels-first order (a warp's
+        threads share ``c``: one broadcast read) ``w`` as it is. Called once per weight at plan
+        time (the executor keeps it with the model's constants), never per launch."""
+        if not self.channels_last:
+            return w
+        return cupy.ascontiguousarray(w.transpose(1, 2, 3, 0)).transpose(3, 0, 1, 2)
 
     def build(self, cupy: Any) -> Any:
         """The compiled entry point (from the model's kernel side-car when it has it), built once
@@ -213,7 +227,8 @@ class DepthwiseKernel:
 
     def __call__(self, cupy: Any, x: Any, w: Any, y: Any, bias: Any = None, z: Any = None, relu: bool = False) -> Any:
         """``y = act(conv(x, w) + z + bias)`` (logical ``(n, c, h, w)`` arrays of any strides;
-        ``w``: ``(c, 1, kh, kw)``; ``bias``: None or a contiguous ``(c,)``); returns ``y``."""
+        ``w``: ``(c, 1, kh, kw)`` of any strides, fastest as :meth:`weight` gives it; ``bias``: None
+        or a contiguous ``(c,)``); returns ``y``."""
         s = self.shape
         n, c, h, width = x.shape
         oh, ow = y.shape[2:]

@@ -7,12 +7,19 @@ pooling is one launch instead, on the input as it is stored (channels-first, cha
 slice of a Concat buffer: arrays are passed with their strides), writing its output where the plan
 wants it:
 
-* cuDNN's ``cudnnPoolingForward`` (:mod:`convpass.cudnn.pooling`) for the max and average poolings
-  it expresses (2-D / 3-D windows, symmetric pads, no dilation, no ceil-mode tail): measured 2-2.6x
-  faster than convpass's own kernel on an H200 (:data:`CUDNN_FAMILIES`);
-* ``pool_window``, convpass's kernel, for everything else ONNX allows: 1-D windows, asymmetric pads,
-  ``auto_pad``, ``ceil_mode``, dilations, LpPool. The window geometry comes from the op library's
-  :func:`~convpass.runtime.ops_nn._pool_geometry`, so both agree by construction;
+* :class:`StripPool`, convpass's strip kernel, for 2-D max and average poolings (any pads, strides,
+  dilations, ``ceil_mode``, ``count_include_pad``): the depthwise kernel's scheme, several outputs
+  per thread and the window unrolled. Measured on an H200 (``benchmarks/op_kernels.py --only Pool``,
+  fp32, batch 32, both layouts alike; benchmarks/results/op-kernels-pooling-h200-2026-11-23.txt):
+  MaxPool 3x3/2 58 us against cuDNN's 83, AveragePool 3x3/1 incl. pad 46 against 82, AveragePool
+  2x2/2 45 against 51, MaxPool ceil_mode 59 against 59. Inside Inception-v3 at batch 32 (``convpass
+  bench --profile-ops``, two runs on H200s) its pooling took 0.755 ms, against 1.785 ms with cuDNN;
+* cuDNN's ``cudnnPoolingForward`` (:mod:`convpass.cudnn.pooling`) for the 3-D max and average
+  poolings it expresses (symmetric pads, no dilation, no ceil-mode tail; :data:`CUDNN_FAMILIES`),
+  and wherever ``pooling="cudnn"`` asks for it;
+* ``pool_window``, convpass's generic kernel, for everything else ONNX allows: 1-D and 3-D windows
+  cuDNN does not take, LpPool. The window geometry comes from the op library's
+  :func:`~convpass.runtime.ops_nn._pool_geometry`, so all agree by construction;
   ``count_include_pad`` counts window positions inside the input and its explicit pads, never the
   ceil-mode tail; MaxPool propagates NaN. One thread per output element, threads ordered as the
   output's memory, 32-bit index arithmetic (outputs up to 2^31 elements).
@@ -33,6 +40,7 @@ run; why CuPy's reduction is slower inside them is not known.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -43,16 +51,18 @@ from convpass.runtime.cuda.common import elements
 from convpass.runtime.cuda.launch import Launch
 from convpass.runtime.ops_nn import _pool_geometry
 
-__all__ = ["CUDNN_FAMILIES", "MAX_ELEMENTS", "POOL_DTYPES", "GlobalPoolLaunch", "PoolLaunch", "global_pool", "lower_global_pool", "lower_pool",
+__all__ = ["CUDNN_FAMILIES", "MAX_ELEMENTS", "POOL_DTYPES", "GlobalPoolLaunch", "PoolLaunch", "StripPool", "global_pool", "lower_global_pool", "lower_pool",
            "pool_window"]
 
-# Window poolings cuDNN runs where it expresses them; the rest run convpass's kernel. From
-# benchmarks/op_kernels.py on an H200: MaxPool 3x3/2 84 us (cuDNN) vs 157 us (kernel), AveragePool
-# 3x3/1 82 vs 216 us, AveragePool 2x2/2 52 vs 130 us (fp32, batch 32; both layouts alike).
+# Window poolings cuDNN runs where StripPool does not take them and cuDNN expresses them (3-D);
+# pool_window was 1.5-2.6x slower than cuDNN (MaxPool 3x3/2 124 against 83 us, H200, batch 32).
 CUDNN_FAMILIES: frozenset[str] = frozenset({"max", "average"})
 MAX_ELEMENTS = (1 << 31) - 1  # the kernel's 32-bit index arithmetic
 
 _BLOCK = 256
+# StripPool: outputs per thread (stride 1, larger strides), and the limits of its unrolled window
+STRIP_OUTPUTS, STRIP_OUTPUTS_STRIDED = 4, 2
+STRIP_MAX_SPAN, STRIP_MAX_TAPS = 48, 121
 
 _SOURCE = r"""
 #HEADER
@@ -240,6 +250,118 @@ def pool_window(cupy: Any, x: Any, y: Any, *, mode: str, kernel: tuple[int, ...]
     return y
 
 
+_STRIP_SOURCE = r"""
+#HEADER
+#define NEG_INF __int_as_float(0xff800000)
+extern "C" __global__ void pool_strip(
+    const TYPE* __restrict__ x, TYPE* __restrict__ y, unsigned total, unsigned C, unsigned OH, unsigned strips,
+    int H, int W, int OW, int PH, int PW, int EH, int EW,
+    long long xsn, long long xsc, long long xsh, long long xsw, long long ysn, long long ysc, long long ysh, long long ysw)
+{
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        unsigned r = i, n, c, oh, s;
+        ORDER
+        const int ow0 = (int)s * R;
+        float acc[R];
+        for (int j = 0; j < R; ++j) acc[j] = INIT;
+        const TYPE* xb = x + n * xsn + c * xsc;
+        const int ih0 = (int)oh * SH - PH, iw0 = ow0 * SW - PW;
+        #pragma unroll
+        for (int kh = 0; kh < KH; ++kh) {
+            const int ih = ih0 + kh * DH;
+            if (ih < 0 || ih >= H) continue;
+            const TYPE* row = xb + ih * xsh;
+            WINDOW
+        }
+        for (int j = 0; j < R; ++j) {
+            const int ow = ow0 + j;
+            if (ow >= OW) break;
+            float v = acc[j];
+            FINISH
+            y[n * ysn + c * ysc + oh * ysh + ow * ysw] = STORE(v);
+        }
+    }
+}
+"""
+
+# max: NaN sticks (as NumPy's max); positions outside the input are -inf, which changes nothing
+_STRIP_COMBINE = {"max": "acc[{j}] = (v{u} != v{u} || v{u} > acc[{j}]) ? v{u} : acc[{j}];", "average": "acc[{j}] += v{u};"}
+# the divisor of an average: window positions inside the input, or (count_include_pad) inside the
+# input and its explicit pads; never the ceil-mode tail (as pool_window)
+_STRIP_DIVISOR = """{{ int ch = 0, cw = 0;
+              for (int kh = 0; kh < KH; ++kh) {{ const int ih = ih0 + kh * DH; ch += ih >= {lo_h} && ih < {hi_h}; }}
+              for (int kw = 0; kw < KW; ++kw) {{ const int iw = ow * SW - PW + kw * DW; cw += iw >= {lo_w} && iw < {hi_w}; }}
+              v = v / fmaxf((float)(ch * cw), 1.f); }}"""
+
+
+@dataclasses.dataclass(frozen=True)
+class StripPool:
+    """convpass's 2-D window pooling for one geometry (max or average): the depthwise kernel's
+    scheme (:mod:`.depthwise`) with a max or a sum for the multiply-add. A thread computes ``r``
+    horizontally adjacent outputs of one ``(n, c, oh)`` row and loads, per window row, the inputs
+    they share once into registers; window size, strides, dilations, ``r``, the mode and the thread
+    order (channels fastest for a channels-last output) are compile-time constants, the loops
+    unroll. ``pool_window`` evaluates every output's window on its own, with run-time bounds."""
+
+    mode: str  # "max" or "average"
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    dilations: tuple[int, int]
+    count_include_pad: bool
+    channels_last: bool
+    r: int
+
+    @classmethod
+    def for_spec(cls, spec: dict[str, Any], channels_last: bool) -> "StripPool | None":
+        """The kernel of a 2-D max or average pooling spec (:func:`lower_pool`), or None when it
+        does not take it (LpPool, other ranks, a row window wider than :data:`STRIP_MAX_SPAN`)."""
+        if spec["mode"] not in _STRIP_COMBINE or len(spec["kernel"]) != 2:
+            return None
+        kernel, strides, dilations = (tuple(int(v) for v in spec[k]) for k in ("kernel", "strides", "dilations"))
+        r = STRIP_OUTPUTS if strides[1] == 1 else STRIP_OUTPUTS_STRIDED
+        if (r - 1) * strides[1] + (kernel[1] - 1) * dilations[1] + 1 > STRIP_MAX_SPAN or math.prod(kernel) > STRIP_MAX_TAPS:
+            return None
+        return cls(spec["mode"], kernel, strides, dilations, bool(spec["count_include_pad"]) and spec["mode"] == "average", channels_last, r)  # type: ignore[arg-type]
+
+    def source(self, dtype: Any) -> compiler.KernelSource:
+        from convpass.runtime.cuda.depthwise import THREAD_ORDERS
+
+        (kh, kw), (sh, sw), (dh, dw), r = self.kernel, self.strides, self.dilations, self.r
+        pad_value = "NEG_INF" if self.mode == "max" else "0.f"
+        used = sorted({j * sw + t * dw for j in range(r) for t in range(kw)})
+        lines = [f"const float v{u} = (iw0 + {u} >= 0 && iw0 + {u} < W) ? LOAD(row[(iw0 + {u}) * xsw]) : {pad_value};" for u in used]
+        lines += [_STRIP_COMBINE[self.mode].format(j=j, u=j * sw + t * dw) for t in range(kw) for j in range(r)]
+        if self.mode == "max":
+            finish = ""
+        elif self.count_include_pad:
+            finish = _STRIP_DIVISOR.format(lo_h="-PH", hi_h="H + EH", lo_w="-PW", hi_w="W + EW")
+        else:
+            finish = _STRIP_DIVISOR.format(lo_h="0", hi_h="H", lo_w="0", hi_w="W")
+        constants = "".join(f"\n#define {k} {v}" for k, v in (("KH", kh), ("KW", kw), ("SH", sh), ("SW", sw), ("DH", dh), ("DW", dw), ("R", r),
+                                                                ("INIT", pad_value)))
+        code = (_STRIP_SOURCE.replace("#HEADER", "#HEADER" + constants, 1).replace("ORDER", THREAD_ORDERS[self.channels_last])
+                .replace("WINDOW", "\n            ".join(lines)).replace("FINISH", finish))
+        family = (f"pool_strip_{self.mode}{'_incl' if self.count_include_pad else ''}_k{kh}x{kw}_s{sh}x{sw}_d{dh}x{dw}_r{r}_"
+                  f"{'nhwc' if self.channels_last else 'nchw'}")
+        return compiler.typed(family, code, ("pool_strip",), dtype)
+
+    def __call__(self, cupy: Any, x: Any, y: Any, begin: list[int], end: list[int]) -> Any:
+        """``y`` = the pooling of ``x`` (logical ``(n, c, h, w)``, any strides); returns ``y``."""
+        n, c, oh, ow = y.shape
+        strips = -(-ow // self.r)
+        total = n * c * oh * strips
+        if total == 0:
+            return y
+        params = (
+            x, y, np.uint32(total), np.uint32(c), np.uint32(oh), np.uint32(strips), np.int32(x.shape[2]), np.int32(x.shape[3]), np.int32(ow),
+            np.int32(begin[0]), np.int32(begin[1]), np.int32(end[0]), np.int32(end[1]),
+            *(np.int64(v) for v in elements(x.strides, x.itemsize)), *(np.int64(v) for v in elements(y.strides, y.itemsize)),
+        )
+        blocks = min(math.ceil(total / _BLOCK), 65535 * 8)
+        compiler.function(cupy, self.source(x.dtype), "pool_strip")((blocks,), (_BLOCK,), params)
+        return y
+
+
 # ---------------------------------------------------------------------------------------------
 # lowering
 
@@ -261,11 +383,13 @@ class PoolLaunch(_PoolingStep):
 
     supports_placement = True
 
-    def __init__(self, plan: Any, index: int, cupy: Any, spec: dict[str, Any], use_cudnn: bool) -> None:
-        super().__init__(plan, index, cupy, "cuDNN" if use_cudnn else "kernel")
+    def __init__(self, plan: Any, index: int, cupy: Any, spec: dict[str, Any], use_cudnn: bool, strip: bool = False) -> None:
+        super().__init__(plan, index, cupy, "cuDNN" if use_cudnn else ("strip kernel" if strip else "kernel"))
         self.use_cudnn = use_cudnn
+        self.strip = strip
         self.spec = spec
         self._cudnn: dict[tuple, Any] = {}
+        self._strips: dict[bool, StripPool] = {}  # by the output's memory order
 
     def _output(self, env: list[Any], x: Any) -> Any:
         from convpass import cudnn
@@ -280,6 +404,10 @@ class PoolLaunch(_PoolingStep):
         s = self.spec
         if self.use_cudnn:
             self._run_cudnn(x, y)
+        elif self.strip:
+            order = _channels_last(y)
+            kernel = self._strips.get(order) or self._strips.setdefault(order, StripPool.for_spec(s, order))  # type: ignore[arg-type]
+            kernel(self.cp, x, y, s["begin"], s["end"])
         else:
             pool_window(self.cp, x, y, mode=s["mode"], kernel=s["kernel"], strides=s["strides"], dilations=s["dilations"],
                         begin=s["begin"], end=s["end"], count_include_pad=s["count_include_pad"], p=s["p"])
@@ -361,8 +489,9 @@ def _cudnn_expressible(spec: dict[str, Any], rank: int) -> bool:
 def lower_pool(plan: Any, index: int, cupy: Any, prefer: str = "auto") -> PoolLaunch | None:
     """A :class:`PoolLaunch` for plan step ``index`` when it is a window pooling this module runs.
 
-    ``prefer``: ``"auto"`` (cuDNN for the families in :data:`CUDNN_FAMILIES` where it expresses
-    the problem), ``"cudnn"`` (wherever it does), ``"kernel"`` (never)."""
+    ``prefer``: ``"auto"`` (:class:`StripPool` where it takes the pooling, else cuDNN for the
+    families in :data:`CUDNN_FAMILIES` where it expresses the problem), ``"cudnn"`` (wherever it
+    does), ``"kernel"`` (convpass's kernels only: :class:`StripPool`, else ``pool_window``)."""
     step = plan.steps[index]
     node = step.node
     if node.domain != "" or node.op_type not in ("MaxPool", "AveragePool", "LpPool"):
@@ -386,5 +515,6 @@ def lower_pool(plan: Any, index: int, cupy: Any, prefer: str = "auto") -> PoolLa
         "count_include_pad": bool(node.attr("count_include_pad", 0)), "p": float(node.attr("p", 2)), "in": shape[2:], "out": out,
     }
     family = "max" if mode == "max" else "average"
-    use_cudnn = _cudnn_expressible(spec, rank) and (prefer == "cudnn" or (prefer == "auto" and family in CUDNN_FAMILIES))
-    return PoolLaunch(plan, index, cupy, spec, use_cudnn)
+    strip = StripPool.for_spec(spec, False) is not None
+    use_cudnn = _cudnn_expressible(spec, rank) and (prefer == "cudnn" or (prefer == "auto" and not strip and family in CUDNN_FAMILIES))
+    return PoolLaunch(plan, index, cupy, spec, use_cudnn, strip=strip and not use_cudnn)

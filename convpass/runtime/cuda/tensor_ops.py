@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from convpass.runtime.cuda import compiler
-from convpass.runtime.cuda.common import elements
+from convpass.runtime.cuda.common import copy_into, elements
 from convpass.runtime.cuda.launch import Launch, Placement
 from convpass.runtime.ops_nn import resize_arguments, resize_geometry
 
@@ -201,5 +201,5 @@ class ConcatLaunch(Launch):
         buf = self.destination(env, layout) if self.placement is not None else self.own.buffer(env, layout)
         for slot, offset, length in self.copies:
             index = (slice(None),) * self.axis + (slice(offset, offset + length),)
-            buf[index] = env[slot]
+            copy_into(buf[index], env[slot])
         env[self.outputs[0]] = buf
