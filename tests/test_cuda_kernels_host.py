@@ -15,6 +15,7 @@ import ctypes
 import dataclasses
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -149,6 +150,32 @@ def test_strip_pool_takes_2d_max_and_average_only():
     assert pooling.StripPool.for_spec({**spec, "mode": "lp"}, False) is None
     assert pooling.StripPool.for_spec({**spec, "kernel": (3, 3, 3), "strides": [1, 1, 1], "dilations": [1, 1, 1]}, False) is None
     assert pooling.StripPool.for_spec({**spec, "kernel": (1, 46), "strides": [1, 1]}, False) is None  # a row window over 48 inputs
+
+
+def _lowered_pool(op: str, shape, prefer: str = "auto", **attrs) -> pooling.PoolLaunch:
+    """lower_pool over a one-step plan (no GPU needed: nothing is compiled or run)."""
+    node = _node(op, 19, **attrs)
+    out = _pool_geometry(node, shape[2:], tuple(attrs["kernel_shape"]))[4]
+    infos = {0: (tuple(shape), np.dtype(np.float32)), 1: ((*shape[:2], *out), np.dtype(np.float32))}
+    plan = types.SimpleNamespace(steps=[types.SimpleNamespace(node=node, inputs=[0], outputs=[1])], info=infos.get)
+    return pooling.lower_pool(plan, 0, None, prefer)
+
+
+@pytest.mark.parametrize("op,shape,attrs,prefer,runs", [
+    ("MaxPool", (2, 8, 16, 16), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, "auto", "strip kernel"),
+    ("AveragePool", (2, 8, 9, 9), {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}, "auto", "strip kernel"),
+    ("MaxPool", (2, 8, 16, 16), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, "cudnn", "cuDNN"),
+    ("MaxPool", (2, 8, 16, 16), {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, "kernel", "strip kernel"),
+    ("AveragePool", (1, 2, 5, 6, 7), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2]}, "auto", "cuDNN"),
+    ("MaxPool", (2, 3, 17), {"kernel_shape": [4], "strides": [3], "pads": [1, 2]}, "auto", "kernel"),
+    ("LpPool", (2, 3, 8, 9), {"kernel_shape": [3, 3], "strides": [2, 2], "p": 3}, "auto", "kernel"),
+], ids=["max-2d", "avg-2d", "max-2d-cudnn", "max-2d-kernel", "avg-3d", "max-1d", "lp-2d"])
+def test_window_pooling_runs_the_measured_choice(op, shape, attrs, prefer, runs):
+    """auto: the strip kernel for 2-D max / average (measured faster than cuDNN), cuDNN for the 3-D
+    poolings it expresses, pool_window for the rest; the launch's label says which."""
+    launch = _lowered_pool(op, shape, prefer, **attrs)
+    assert launch.label == f"{op} ({runs})"
+    assert launch.strip == (runs == "strip kernel") and launch.use_cudnn == (runs == "cuDNN")
 
 
 def _resize_values(node_inputs, scales=None, sizes=None):

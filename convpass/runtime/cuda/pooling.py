@@ -12,7 +12,7 @@ wants it:
   per thread and the window unrolled. Measured on an H200 (``benchmarks/op_kernels.py --only Pool``,
   fp32, batch 32, both layouts alike; benchmarks/results/op-kernels-pooling-h200-2026-11-23.txt):
   MaxPool 3x3/2 58 us against cuDNN's 83, AveragePool 3x3/1 incl. pad 46 against 82, AveragePool
-  2x2/2 45 against 51, MaxPool ceil_mode 59 against 59. Inside Inception-v3 at batch 32 (``convpass
+  2x2/2 45 against 51, MaxPool ceil_mode (no cuDNN form) 59 against pool_window's 128. Inside Inception-v3 at batch 32 (``convpass
   bench --profile-ops``, two runs on H200s) its pooling took 0.755 ms, against 1.785 ms with cuDNN;
 * cuDNN's ``cudnnPoolingForward`` (:mod:`convpass.cudnn.pooling`) for the 3-D max and average
   poolings it expresses (symmetric pads, no dilation, no ceil-mode tail; :data:`CUDNN_FAMILIES`),
