@@ -63,7 +63,8 @@ def test_no_convs():
 # ------------------------------------------------------------------ optimality on random graphs
 
 
-_RANDOM_OPS = ["Conv", "Relu", "Add", "Mul", "Sigmoid", "GlobalAveragePool", "Reshape", "Concat", "Pad"]
+_RANDOM_OPS = ["Conv", "Relu", "Add", "Mul", "Sigmoid", "GlobalAveragePool", "Reshape", "Concat", "Pad", "Transpose"]
+_RANDOM_PERMS = [(0, 2, 3, 1), (0, 3, 1, 2), (0, 1, 3, 2)]  # channels last, back, neither
 
 
 def _random_case(seed):
@@ -77,7 +78,8 @@ def _random_case(seed):
     for i in range(rng.randint(4, 11)):
         op = rng.choice(_RANDOM_OPS)
         ins = [rng.choice(values[-4:])] + ([rng.choice(values[-4:])] if op in ("Add", "Mul", "Concat") else [])
-        node = ir.Node("", op, ins, name=f"{op}{i}")
+        attrs = [ir.AttrInt64s("perm", rng.choice(_RANDOM_PERMS))] if op == "Transpose" else []
+        node = ir.Node("", op, ins, attributes=attrs, name=f"{op}{i}")
         node.outputs[0].name = f"v{i}"
         nodes.append(node)
         values.append(node.outputs[0])
@@ -196,3 +198,56 @@ def test_shape_reads_no_data_so_it_costs_no_transpose():
     costs = {n: {"nchw": 10, "nhwc": 5} for n in (conv0, conv1)}
     plan = plan_layouts(graph, costs, lambda v: 0.0 if v.name in ("s", "g") else 1.0)
     assert set(plan.layouts.values()) == {"nhwc"} and plan.transposes == 2 and plan.cost_ms == pytest.approx(12)
+
+
+# ------------------------------------------------------------------ Transposes that move the channels
+
+
+def _convnext_block():
+    """ConvNeXt's block after the stem: dwconv -> permute(0, 2, 3, 1) -> LayerNorm -> MatMul ->
+    permute(0, 3, 1, 2) -> + the block's input -> the next conv."""
+    x = ir.Value(name="x")
+    stem = _node("Conv", x, name="stem")
+    dw = _node("Conv", stem.outputs[0], name="dw")
+    to_last = ir.Node("", "Transpose", [dw.outputs[0]], attributes=[ir.AttrInt64s("perm", (0, 2, 3, 1))], name="to_last")
+    to_last.outputs[0].name = "to_last"
+    norm = _node("LayerNormalization", to_last.outputs[0], name="norm")
+    mm = _node("MatMul", norm.outputs[0], name="mm")
+    back = ir.Node("", "Transpose", [mm.outputs[0]], attributes=[ir.AttrInt64s("perm", (0, 3, 1, 2))], name="back")
+    back.outputs[0].name = "back"
+    add = _node("Add", stem.outputs[0], back.outputs[0], name="add")
+    nxt = _node("Conv", add.outputs[0], name="next")
+    nodes = [stem, dw, to_last, norm, mm, back, add, nxt]
+    return ir.Graph([x], [nxt.outputs[0]], nodes=nodes), (stem, dw, nxt)
+
+
+def test_channel_moving_transposes_are_free_in_nhwc():
+    from convpass.passes.plan_layouts import channel_moves
+
+    graph, convs = _convnext_block()
+    moves = channel_moves(graph)
+    assert sorted(moves.values()) == ["to_first", "to_last"]
+    # convs as fast in either format; in NCHW the permute into the LayerNorm copies (3), and so does
+    # the permuted-back MLP output the residual Add reads (3); NHWC converts only the graph's input
+    # and output (1 each)
+    costs = {conv: {"nchw": 10, "nhwc": 10} for conv in convs}
+    transpose = lambda v: 1 if v.name in ("x", "next") else 3  # noqa: E731
+    plan = plan_layouts(graph, costs, transpose)
+    assert set(plan.layouts.values()) == {"nhwc"} and plan.transposes == 2 and plan.cost_ms == pytest.approx(32)
+    # the same graph with the permutes seen as ordinary NCHW ops (rank 3 is never a channel move)
+    for node in graph:
+        if node.op_type == "Transpose":
+            node.attributes["perm"] = ir.AttrInt64s("perm", (0, 1, 3, 2))
+    assert channel_moves(graph) == {}
+    plan = plan_layouts(graph, costs, transpose)
+    assert set(plan.layouts.values()) == {"nchw"} and plan.transposes == 0 and plan.cost_ms == 30
+
+
+def test_rank_3_and_5_channel_moves():
+    from convpass.passes.plan_layouts import channel_moves
+
+    x = ir.Value(name="x")
+    nodes = [ir.Node("", "Transpose", [x], attributes=[ir.AttrInt64s("perm", p)], name=str(p))
+             for p in [(0, 2, 1), (0, 2, 3, 4, 1), (0, 4, 1, 2, 3), (0, 3, 4, 1, 2)]]
+    graph = ir.Graph([x], [n.outputs[0] for n in nodes], nodes=nodes)
+    assert {n.name: m for n, m in channel_moves(graph).items()} == {"(0, 2, 3, 4, 1)": "to_last", "(0, 4, 1, 2, 3)": "to_first"}

@@ -145,6 +145,11 @@ class Backend:
         """Called once when a static plan is built (see the module docstring)."""
         return None
 
+    def replay(self, plan: Plan, feeds: dict[str, Any]) -> list[Any] | None:
+        """The outputs of a plan that replays without host work (a captured CUDA graph), run
+        outside :meth:`errstate`; None where the plan must run the usual way."""
+        return None
+
     def graph_status(self, plan: Plan) -> GraphStatus:
         """Whether ``plan`` runs as one captured CUDA graph (not applicable here)."""
         return GraphStatus(None, f"{self.name} backend")

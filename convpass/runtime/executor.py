@@ -446,8 +446,7 @@ class Executor:
         device_out = self.output_kind == "device" or (
             self.output_kind == "auto" and xp is not np and any(_on_device(v, xp) for v in feeds.values())
         )
-        with self._backend.errstate():
-            plan, results = self._plan_and_run(arrays, names)
+        plan, results = self._plan_and_run(arrays, names)
         self._last_plan = plan
         return [self._finish(r, device_out) for r in results]
 
@@ -458,8 +457,8 @@ class Executor:
         for a shape it has not seen. Returns the plan (already built: returned as it is)."""
         names = self._check_output_names(output_names)
         arrays = self._check_feeds(feeds)
+        plan, _ = self._plan_and_run(arrays, names, run_cached=False)
         with self._backend.errstate():
-            plan, _ = self._plan_and_run(arrays, names, run_cached=False)
             self._backend.warm_up(plan, arrays)
         return plan
 
@@ -470,10 +469,17 @@ class Executor:
         key = (signature, names)
         plan = self._plans.get(key)
         if plan is None:
-            plan, results = self._build_plan(key, arrays, names)
+            with self._backend.errstate():
+                plan, results = self._build_plan(key, arrays, names)
             self._plans[key] = plan
             return plan, results
-        return plan, (self._execute(plan, arrays) if run_cached else [])
+        if not run_cached:
+            return plan, []
+        results = self._backend.replay(plan, arrays)
+        if results is None:
+            with self._backend.errstate():
+                results = self._execute(plan, arrays)
+        return plan, results
 
     def plan_summary(self) -> list[ConvSummary]:
         """Per conv: the decision it runs with (from the last plan; the recorded ones before any run)."""

@@ -189,6 +189,43 @@ def test_cuda_graph_replay_equals_eager(path, tmp_path_factory):
     assert state.replays >= 2
 
 
+def test_a_replay_returns_fresh_outputs_and_needs_no_host_settings(tmp_path_factory):
+    """A whole-graph replay copies the feeds in and the outputs out with one memcpy each, and runs
+    outside the backend's errstate (no matmul math switch): outputs are new arrays every run, an
+    earlier result survives a later run, and a model with a Gemm replays without the switch."""
+    import cupy as cp
+
+    path = MODELS / "residual_cnn.onnx"
+    model = onnx.load(path)
+    tuned = _tuned(path, tmp_path_factory)
+    feeds_a, _ = _feeds(model, seed=1)
+    feeds_b, _ = _feeds(model, seed=2)
+    ex = Executor(tuned, device="cuda", output_kind="device")
+    dev_a = {k: cp.asarray(v) for k, v in feeds_a.items()}
+    dev_b = {k: cp.asarray(v) for k, v in feeds_b.items()}
+    for _ in range(3):
+        ex.run(None, dev_a)
+    assert ex.last_plan.backend_state.captured
+
+    def refuse(*a, **k):
+        raise AssertionError("a captured replay entered the matmul math switch")
+
+    ex._backend._matmul_math = refuse
+    first = ex.run(None, dev_a)
+    second = ex.run(None, dev_b)
+    statics = [o.data.ptr for o in ex.last_plan.backend_state.outputs]
+    for a, b in zip(first, second):
+        assert a.data.ptr != b.data.ptr and a.data.ptr not in statics and b.data.ptr not in statics
+    refs_a, refs_b = run_ort(model, feeds_a), run_ort(model, feeds_b)
+    _check_against([cp.asnumpy(o) for o in first], refs_a, _tolerance(tuned), "first replay, after a second one")
+    _check_against([cp.asnumpy(o) for o in second], refs_b, _tolerance(tuned), "second replay")
+    # a feed that is not C-contiguous (a transposed view) is still copied in correctly
+    name, value = next(iter(feeds_b.items()))
+    view = cp.asfortranarray(cp.asarray(value))
+    assert not view.flags.c_contiguous
+    _check_against([cp.asnumpy(o) for o in ex.run(None, {**dev_b, name: view})], refs_b, _tolerance(tuned), "non-contiguous feed")
+
+
 def test_fma_only_tuning_meets_the_tight_tolerance(tmp_path_factory):
     path = MODELS / "residual_cnn.onnx"
     tuned = _tuned(path, tmp_path_factory, tf32="off")

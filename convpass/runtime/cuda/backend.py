@@ -377,6 +377,10 @@ class CudaBackend(Backend):
                 self._note_startup_compilations(built)
         return outs
 
+    def replay(self, plan: Plan, feeds: dict[str, Any]) -> list[Any] | None:
+        with self._device:
+            return runner.replay_whole(self, plan, feeds)
+
     def warm_up(self, plan: Plan, feeds: dict[str, Any]) -> None:
         state = plan.backend_state
         if state is not None and state.compilations_from is not None:  # its first run has not happened

@@ -37,7 +37,7 @@ from convpass.runtime.plan import GraphStatus, unshare_outputs
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["CompiledPlan", "run_plan"]
+__all__ = ["CompiledPlan", "replay_whole", "run_plan"]
 
 _MAX_CAPTURE_ATTEMPTS = 8
 
@@ -133,13 +133,23 @@ def run_plan(rt: Any, plan: Any, feeds: dict[str, Any]) -> list[Any]:
     return unshare_outputs([env[s] for s in plan.output_slots], plan, feeds)
 
 
+def replay_whole(rt: Any, plan: Any, feeds: dict[str, Any]) -> list[Any] | None:
+    """Replay a plan captured as one CUDA graph; None for any other plan. Such a replay runs no
+    launch on the host, so the caller needs none of the host-side settings eager launches read
+    (the matmul math mode): on a batch-1 model those cost more host time than the replay itself."""
+    state = plan.backend_state
+    if state is None or not state.captured:
+        return None
+    return _replay(rt, plan, state, feeds)
+
+
 def _replay(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> list[Any]:
     cp = rt.cp
+    stream = cp.cuda.get_current_stream()
     for name, buf in state.static_inputs.items():
         src = feeds[name]
         if src is not buf:
-            cp.copyto(buf, src)
-    stream = cp.cuda.get_current_stream()
+            _copy(cp, buf, src, stream)
     for seg in state.segments:
         if isinstance(seg, _EagerPart):
             env = list(seg.env)
@@ -151,7 +161,20 @@ def _replay(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> l
             seg.launch(stream)
     state.replays += 1
     rt.counters["graph_replays"] += 1
-    return [o.copy() for o in state.outputs]
+    return [_copy(cp, cp.empty(o.shape, dtype=o.dtype), o, stream) if o.flags.c_contiguous else o.copy() for o in state.outputs]
+
+
+def _copy(cp: Any, dst: Any, src: Any, stream: Any) -> Any:
+    """``dst[...] = src``: one device-to-device memcpy where both are C-contiguous arrays of one
+    shape and dtype on the device (CuPy's ``copyto`` and ``copy`` check and dispatch for longer
+    than a small copy takes), else ``cupy.copyto``."""
+    if (isinstance(src, cp.ndarray) and src.dtype == dst.dtype and src.shape == dst.shape and src.flags.c_contiguous
+            and dst.flags.c_contiguous and src.device == dst.device):
+        if src.nbytes:
+            dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+    else:
+        cp.copyto(dst, src)
+    return dst
 
 
 def _warm_up(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any]) -> list[Any]:
