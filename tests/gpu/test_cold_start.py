@@ -57,7 +57,9 @@ print(json.dumps({
     "warnings": [str(w.message) for w in caught],
     "trusted": ex.trusted,
     "graph": bool(ex.graph_status().captured),
-    "replay_equal": all(np.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(outs, again)),
+    # normwise, not per element: some algorithms accumulate with atomics (backward-data algo_0 in
+    # DCGAN's last ConvTranspose), so two runs differ in the last bits (9e-10 there) in any order
+    "replay_equal": all(np.linalg.norm((a - b).ravel()) <= 1e-6 * np.linalg.norm(b.ravel()) for a, b in zip(outs, again)),
     # cupyx (and with it SciPy, 0.3 s) is imported by a CuPy operator comparison or cupyx.scipy.special
     "slow_imports": sorted(m for m in ("cupyx.scipy", "scipy") if m in sys.modules),
 }))
