@@ -755,3 +755,38 @@ def test_plan_summary_names_an_engine_beside_a_legacy_epilogue_or_a_malformed_on
     assert _engine_algo("eng99999", "bias+relu") == "engine:eng99999"
     assert _engine_algo("eng5_k2=1", "bias+swish") == "engine:eng5_k2=1+bias+swish"
     assert _engine_algo("not-an-engine") == "not-an-engine"
+
+
+def test_a_plan_the_backend_replays_runs_outside_errstate():
+    """A plan the backend can replay without host work (a captured CUDA graph) is run by
+    ``Backend.replay`` and never enters ``errstate`` (on the cuda backend: the matmul math switch, a
+    host cost larger than a batch-1 replay); the plan's first run, and any plan the backend does not
+    replay, runs inside it."""
+    from convpass.runtime.backends import CpuBackend
+
+    class Replaying(CpuBackend):
+        def __init__(self):
+            super().__init__()
+            self.scopes, self.replayed = 0, 0
+            self.replays = False
+
+        def errstate(self):
+            self.scopes += 1
+            return super().errstate()
+
+        def replay(self, plan, feeds):
+            if not self.replays:
+                return None
+            self.replayed += 1
+            return ["replayed"]
+
+    model = conv_model("Conv", [1, 3, 8, 8], [4, 3, 3, 3])
+    backend = Replaying()
+    ex = Executor(model, device=backend)
+    x = random_input([1, 3, 8, 8])
+    first = ex.run(None, {"x": x})
+    assert backend.scopes == 1  # the plan is built inside it
+    np.testing.assert_allclose(ex.run(None, {"x": x})[0], first[0])
+    assert backend.scopes == 2 and backend.replayed == 0  # not replayable: run inside it
+    backend.replays = True
+    assert ex.run(None, {"x": x}) == ["replayed"] and backend.scopes == 2 and backend.replayed == 1
