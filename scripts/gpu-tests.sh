@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU tests on every GPU of the device machine, resumable across calls: one call may run 10
+# minutes, and the GPU suite with the exported panel models (fp32 and fp16) takes longer.
+#   bash scripts/gpu-tests.sh [SECONDS] [pytest arguments]     (default: 540 s, tests/)
+# One pytest per GPU, each taking every n-th collected test (scripts/gpu_tests_progress.py); every
+# finished test is written to .gpu-tests/done as it ends, so the next call (back to back: the
+# machine keeps .gpu-tests/ and .panel/ between calls) runs only what is left. The workers are
+# interrupted SECONDS after the start; a test cut off runs again next call. Prints the totals, the
+# failures (their reports in .gpu-tests/done.failures) and how many are left; $OUT/gpu-tests.tar
+# has the logs. PANEL_MODELS=all (or a list) exports the panel first, fp32 and fp16, so that the
+# tests check those models too. Start again from nothing: rm -rf .gpu-tests
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-tests-out}; mkdir -p "$out"
+# shellcheck source=device-env.sh
+. scripts/device-env.sh
+device_env || exit 1
+seconds=540
+[[ "${1:-}" =~ ^[0-9]+$ ]] && { seconds=$1; shift; }
+[ "$#" -gt 0 ] || set -- tests
+work=.gpu-tests; mkdir -p "$work"
+if [ -n "${PANEL_MODELS:-}" ] && [ ! -f .panel/panel.json ]; then
+  [ "$PANEL_MODELS" = all ] && sel=() || sel=(--models "$PANEL_MODELS")
+  { python3 models/export_panel.py --out .panel "${sel[@]}" && python3 models/export_panel.py --out .panel "${sel[@]}" --fp16; } \
+      >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
+fi
+gpus=$(nvidia-smi -L | wc -l)
+left=$((seconds - SECONDS - 30))  # install and export included; 30 s for the summary and the tar
+[ "$left" -gt 30 ] || { echo "no time left for tests after set-up ($SECONDS s)"; exit 1; }
+export PYTHONPATH=scripts${PYTHONPATH:+:$PYTHONPATH} GPU_TESTS_LOG=$work/done
+for ((g = 0; g < gpus; g++)); do
+  CUDA_VISIBLE_DEVICES=$g GPU_TESTS_SHARD=$g/$gpus timeout --signal=INT --kill-after=20 "$left" \
+    python3 -m pytest -m gpu -q -p no:cacheprovider -p gpu_tests_progress "$@" >>"$work/gpu$g.log" 2>&1 &
+done
+wait
+python3 scripts/gpu_tests_progress.py summary "$work/done" | tee "$out/gpu-tests-summary.txt"
+tar cf "$out/gpu-tests.tar" -C "$work" .
