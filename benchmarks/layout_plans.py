@@ -5,7 +5,8 @@ predicted cost (the convs' recorded times in their planned layouts plus the reco
 times), next to the sum of each conv's own best time. Nothing is timed: the figures are the tuning
 cache's, read as ``convpass optimize --device-name`` reads them, so a change to the planner can be
 compared before and after on a machine without a GPU (run this at both commits). ``--pinned`` adds,
-per model, the ops the plan keeps in NCHW that exchange a tensor with a recorded transpose time
+per model, the ops the plan keeps in NCHW (not the channel-moving Transposes, which read or give
+NHWC by rule) that exchange a tensor with a recorded transpose time
 with a node it may put in NHWC (count, and the sum of those times): where the plan's rules, not
 the conv times, hold NCHW::
 
@@ -33,10 +34,11 @@ from convpass.pipeline import build_options, optimize_model
 
 def _pinned_ops(graph, conv_costs, transpose_ms) -> str:
     movable = planner.movable_nodes(graph, conv_costs)
+    moves = planner.channel_moves(graph)  # read or give NHWC by rule: not pinned
     count: collections.Counter = collections.Counter()
     ms: collections.Counter = collections.Counter()
     for node in graph:
-        if node in movable:
+        if node in movable or node in moves:
             continue
         # the values that join it to a node the plan may put in NHWC
         joined = [v for v in node.inputs if v is not None and v.producer() in movable]

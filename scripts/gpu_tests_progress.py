@@ -30,9 +30,12 @@ def _shard() -> tuple[int, int] | None:
     spec = os.environ.get("GPU_TESTS_SHARD")
     if not spec:
         return None
-    k, n = (int(v) for v in spec.split("/"))
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        k, n = -1, 0
     if not 0 <= k < n:
-        raise ValueError(f"GPU_TESTS_SHARD={spec!r}: want k/n with 0 <= k < n")
+        raise pytest.UsageError(f"GPU_TESTS_SHARD={spec!r}: want k/n with 0 <= k < n (the k-th of n shards)")
     return k, n
 
 

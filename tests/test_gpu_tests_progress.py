@@ -67,3 +67,12 @@ def test_a_cut_off_test_is_not_logged_and_the_worst_outcome_of_an_id_wins(tmp_pa
     assert gpu_tests_progress.read_log(log) == {"t::a": "error", "t::b": "skipped"}
     assert gpu_tests_progress.summary(str(log)).splitlines()[1] == "nothing collected yet"
     assert gpu_tests_progress.read_log(tmp_path / "absent") == {}
+
+
+def test_a_malformed_shard_is_a_clear_error(tmp_path):
+    (tmp_path / "test_some.py").write_text(_TESTS)
+    (tmp_path / "pytest.ini").write_text(_INI)
+    for shard in ("2/2", "one/two", "3"):
+        done = _run(tmp_path, shard)
+        assert done.returncode != 0 and f"GPU_TESTS_SHARD={shard!r}: want k/n" in done.stderr + done.stdout, (shard, done.stderr)
+        assert not (tmp_path / "done").exists()

@@ -56,6 +56,13 @@ def test_pinned_ops_are_the_ones_next_to_nodes_that_may_go_nhwc():
     text = layout_plans._pinned_ops(graph, {conv: {"nchw": 1.0, "nhwc": 0.5}}, lambda v: 0.25)
     assert text == "Reshape 1 (0.250 ms)"
     assert layout_plans._pinned_ops(graph, {}, lambda v: 0.25) == "none"
+    # a Transpose that moves the channels last reads NHWC by rule: not pinned; any other is
+    for perm, want in [((0, 2, 3, 1), "none"), ((0, 1, 3, 2), "Transpose 1 (0.250 ms)")]:
+        x = ir.Value(name="x")
+        conv = ir.Node("", "Conv", [x], name="conv")
+        move = ir.Node("", "Transpose", [conv.outputs[0]], attributes=[ir.AttrInt64s("perm", perm)], name="move")
+        graph = ir.Graph([x], [move.outputs[0]], nodes=[conv, move])
+        assert layout_plans._pinned_ops(graph, {conv: {"nchw": 1.0, "nhwc": 0.5}}, lambda v: 0.25) == want, perm
 
 
 def test_a_cache_with_both_layouts_and_transposes_gives_the_plan(tmp_path, capsys):
