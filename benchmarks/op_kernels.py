@@ -7,7 +7,10 @@ convpass's kernel, cuDNN's where it has one (pooling; softmax and InstanceNormal
 cuDNN's legacy softmax / batch-norm calls) — each captured as a CUDA graph and replayed back to
 back, timed with CUDA events (median of ``--batches`` groups of ``--reps`` replays), outputs
 checked against the first variant. A hand-written kernel stays the default only where it beats
-the library; this table is where that is shown. Fused element-wise groups are timed with
+the library; this table is where that is shown. MatMul / Gemm with bias, residual and ReLU are
+timed as cuBLAS plus the fused element-wise kernel (``matmul_epilogues=False``) and as one
+cuBLASLt call with those epilogues (the default; a bias before an erf GELU: cuBLASLt's bias epilogue,
+then the GELU's fused kernel). Fused element-wise groups are timed with
 convpass's broadcasting kernel (the default) and with CuPy's ``ElementwiseKernel`` of the same
 code (``CuPy's kernel``: what ran before the broadcasting kernel).
 
@@ -203,6 +206,26 @@ def cases() -> list[dict[str, Any]]:
     out.append({"name": "Softmax last axis (ViT attention) 32x12x197x197", "family": "softmax", "shape": sshape,
                 "model": _model([N("Softmax", ["x"], ["y"], axis=-1)], sshape, opset=13),
                 "variants": {"op library": {"kernels": False}, "cuDNN (the runtime's path)": {}}})
+    # MatMul / Gemm epilogues: ConvNeXt's MLP (batch 32 and 1, stage 1), a MobileViT-style Linear
+    # with its residual, a classifier's Gemm + Relu
+    lt = {"cuBLAS + element-wise": {"matmul_epilogues": False}, "cuBLASLt epilogue": {}}
+
+    def linear(name, x_shape, n, extra, inits_extra=(), variants=lt, gemm=False):
+        k = x_shape[-1]
+        w = _const("W", rng.standard_normal((n, k) if gemm else (k, n)) / np.sqrt(k))
+        head = [N("Gemm", ["x", "W", "bias"], ["a"], transB=1)] if gemm else [N("MatMul", ["x", "W"], ["m"]), N("Add", ["m", "bias"], ["a"])]
+        out.append({"name": name, "family": "matmul", "shape": x_shape, "variants": variants,
+                    "nbytes": 4 * (int(np.prod(x_shape)) + k * n + int(np.prod(x_shape[:-1])) * n * (2 if "residual" in name else 1)),
+                    "model": _model(head + extra, x_shape, [w, _const("bias", rng.standard_normal(n)), *inits_extra])})
+
+    for b in (32, 1):
+        linear(f"Linear + bias (ConvNeXt fc2) {b}x56x56x384 -> 96", (b, 56, 56, 384), 96, [N("Transpose", ["a"], ["y"], perm=[0, 3, 1, 2])])
+    gelu_tail = [N("Div", ["a", "sqrt2"], ["d"]), N("Erf", ["d"], ["e"]), N("Add", ["e", "one"], ["e1"]), N("Mul", ["a", "e1"], ["g"]), N("Mul", ["g", "half"], ["y"])]
+    linear("Linear + bias + erf GELU (ConvNeXt fc1) 32x56x56x96 -> 384", (32, 56, 56, 96), 384, gelu_tail,
+           [_const("sqrt2", np.sqrt(2)), _const("one", 1.0), _const("half", 0.5)],
+           {"cuBLAS + fused bias+GELU": {"matmul_epilogues": False}, "cuBLASLt bias, GELU kernel": {}})
+    linear("Linear + bias + residual (MobileViT) 128x256x144", (128, 256, 144), 144, [N("Add", ["a", "x"], ["y"])])
+    linear("Gemm + bias + Relu (classifier) 32x4096 -> 4096", (32, 4096), 4096, [N("Relu", ["a"], ["y"])], gemm=True)
     rshape = (32, 64, 56, 56)
     for mode in ("nearest", "linear"):
         out.append({"name": f"Resize {mode} 2x 32x64x56x56", "family": "resize", "shape": rshape,
@@ -269,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001
                 results.append({"variant": f"cuDNN {case['cudnn']}", "error": str(e).splitlines()[0]})
         # one read of the input, one write of an output of that size (a reduction's output: n x c)
-        nbytes = int(np.prod(case["shape"])) * 4 + (int(np.prod(case["shape"][:2])) if case.get("reduces") else int(np.prod(case["shape"]))) * 4
+        nbytes = case.get("nbytes") or int(np.prod(case["shape"])) * 4 + (int(np.prod(case["shape"][:2])) if case.get("reduces") else int(np.prod(case["shape"]))) * 4
         for r in results:
             if "us" in r:
                 r["GBps"] = nbytes / (r["us"] * 1e-6) / 1e9

@@ -29,6 +29,7 @@ from conftest import MODELS, REPO, conv_model, panel_models, residual_block_mode
 from convpass import cudnn  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 import test_cuda_fusion as fusion_cases  # noqa: E402
+import test_matmul_epilogues as matmul_cases  # noqa: E402
 
 SAMPLES = sorted(MODELS.glob("*.onnx"))
 PANEL = REPO / ".panel"
@@ -496,6 +497,30 @@ def test_fused_elementwise_kernels_match_the_cpu_executor(case, dtype):
         scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=1.0))
         np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), rtol=tol, atol=tol * scale, equal_nan=True,
                                    err_msg=f"{case} {np.dtype(dtype)} graph={graph}")
+
+
+@pytest.mark.parametrize("size", [(6, 8, 5), (2 * 56 * 56, 96, 384)], ids=["small", "convnext"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", sorted(n for n, c in matmul_cases.CASES.items() if c[2] is not None))
+def test_matmul_epilogues_run_as_one_cublaslt_call_and_match_the_cpu_executor(case, dtype, size, monkeypatch):
+    """Each case is one cublasLtMatmul with its epilogue, eagerly and in the captured graph; float16
+    against the float32 model on the CPU."""
+    from convpass.runtime.cuda import CudaBackend
+
+    for attr, value in zip("MKC", size):
+        monkeypatch.setattr(matmul_cases, attr, value)
+    feeds = matmul_cases.feeds(case, dtype)
+    (ref,) = Executor(matmul_cases.model(case, np.float32), device="cpu").run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
+    backend = CudaBackend()
+    ex = Executor(matmul_cases.model(case, dtype), device=backend)
+    outs = [ex.run(None, feeds)[0] for _ in range(3)]  # eager, capture, replay
+    assert ex.graph_status().captured, ex.graph_status().describe()
+    labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
+    assert matmul_cases.CASES[case][2] in labels, labels
+    assert backend.blas().lt_calls >= 2, backend.notes  # eager and capture ran cuBLASLt, not the fallback
+    tol = 1e-4 if dtype == np.float32 else 5e-3
+    for out in outs:
+        assert out.dtype == dtype and _rel(out, ref) < tol, (case, _rel(out, ref))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])

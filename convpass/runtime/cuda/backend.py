@@ -23,8 +23,10 @@ or ``CUBLAS_COMPUTE_32F``; for the ``cupy.matmul`` fallback CuPy's float32 compu
 math mode of CuPy's cuBLAS handle are set while the executor runs and restored after.
 
 Options: ``CudaBackend(device=0, cuda_graph=True, *, fuse=True, fuse_residual=True, kernels=True,
-concat_in_place=True, pooling="auto")``: ``fuse=False`` turns every fusion off (conv epilogues,
-element-wise groups); ``kernels=False`` leaves normalization, softmax, pooling and Resize to the op
+concat_in_place=True, pooling="auto", matmul_epilogues=True)``: ``fuse=False`` turns every fusion
+off (conv epilogues, element-wise groups, MatMul / Gemm epilogues); ``matmul_epilogues=False`` runs
+a MatMul's bias, residual and ReLU as element-wise ops instead of cuBLASLt epilogues
+(:mod:`.matmul`); ``kernels=False`` leaves normalization, softmax, pooling and Resize to the op
 library; ``concat_in_place=False`` makes every Concat copy; ``pooling`` is ``"auto"`` (the measured
 choice), ``"cudnn"`` or ``"kernel"``.
 """
@@ -111,6 +113,7 @@ class CudaBackend(Backend):
         kernels: bool = True,
         concat_in_place: bool = True,
         pooling: str = "auto",
+        matmul_epilogues: bool = True,
     ) -> None:
         reason = unavailable_reason()
         if reason is not None:
@@ -132,6 +135,7 @@ class CudaBackend(Backend):
         self.kernels = bool(kernels)
         self.concat_in_place = bool(concat_in_place)
         self.pooling = pooling
+        self.matmul_epilogues = bool(fuse and matmul_epilogues)
         self._mirror: dict[int, tuple[Any, np.ndarray]] = {}  # id(device array) -> (device array, host array)
         self._consts: dict[Any, tuple[Any, Any]] = {}
         self.capturing = False  # a CUDA graph is being captured: transfers are refused
@@ -409,7 +413,7 @@ class CudaBackend(Backend):
         """``xp.matmul``: cuBLAS by ctypes (capturable, explicit TF32 switch), else ``cupy.matmul``."""
         cp = self.cp
         if not args and not kwargs and isinstance(a, cp.ndarray) and isinstance(b, cp.ndarray):
-            blas = self._get_blas()
+            blas = self.blas()
             if blas:
                 try:
                     out = blas.matmul(a, b, self._tf32_now)
@@ -424,7 +428,9 @@ class CudaBackend(Backend):
             raise CaptureBreak(f"a matmul of shapes {getattr(a, 'shape', '?')} @ {getattr(b, 'shape', '?')} needs cupy.matmul, which cannot be captured")
         return cp.matmul(a, b, *args, **kwargs)
 
-    def _get_blas(self) -> Any:
+    def blas(self) -> Any:
+        """The backend's :class:`.blas.Blas` (created on first use, never during capture), or False
+        when cuBLAS cannot be called directly (noted once)."""
         if self._blas is None:
             if self.capturing:
                 raise CaptureBreak("cuBLAS handle created during capture")

@@ -14,6 +14,15 @@ broadcast batch or absent / all ones (stride 0); row-major or transposed (column
 operands are used in place, anything else is made contiguous first. Everything else (1-D
 operands, general broadcasting, other dtypes, a library that cannot be loaded) goes to
 ``cupy.matmul``, which is correct but cannot be captured: such a plan runs eagerly.
+
+Epilogues (:meth:`Blas.matmul_epilogue`): ``relu(a @ b + bias + residual)`` as one
+``cublasLtMatmul`` on ``libcublasLt`` (the library cuBLAS itself loads): ``CUBLASLT_EPILOGUE_BIAS``
+/ ``RELU`` / ``RELU_BIAS`` with the residual as matrix C (beta 1), so a Linear layer's bias, a
+transformer block's residual Add and a classifier's ReLU cost no pass over memory of their own.
+cuBLASLt's GELU epilogues compute the tanh approximation, not the erf GELU that ``torch.onnx``
+exports, so they are not used. One descriptor set and one heuristic algorithm (cuBLASLt's first
+choice for the shape, the epilogue and 16-byte aligned operands) per problem, found at the first
+(eager) run and reused by every later run and by capture.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from ctypes import POINTER, byref, c_float, c_int, c_longlong, c_size_t, c_void_p
+from ctypes import POINTER, byref, c_float, c_int, c_int32, c_longlong, c_size_t, c_uint32, c_uint64, c_void_p
 from typing import Any
 
 import numpy as np
@@ -34,13 +43,26 @@ CUDA_R_32F, CUDA_R_16F = 0, 2
 _DATA_TYPES = {np.dtype(np.float32): CUDA_R_32F, np.dtype(np.float16): CUDA_R_16F}
 WORKSPACE_BYTES = 32 << 20  # what cuBLAS recommends for Hopper
 
+# cuBLASLt (cublasLt.h): descriptor and preference attributes, epilogues
+LT_DESC_TRANSA, LT_DESC_TRANSB, LT_DESC_EPILOGUE, LT_DESC_BIAS_POINTER = 3, 4, 7, 8
+LT_PREF_MAX_WORKSPACE_BYTES = 1
+LT_PREF_MIN_ALIGNMENT = {"a": 5, "b": 6, "c": 7, "d": 8}  # CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES
+LT_EPILOGUE_DEFAULT, LT_EPILOGUE_RELU, LT_EPILOGUE_BIAS, LT_EPILOGUE_RELU_BIAS = 1, 2, 4, 6
+
+
+class _LtHeuristic(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t (96 bytes)."""
+
+    _fields_ = [("algo", c_uint64 * 8), ("workspace_size", c_size_t), ("state", c_int), ("waves", c_float), ("reserved", c_int * 4)]
+
 
 class BlasUnavailable(RuntimeError):
     pass
 
 
-def _library() -> ctypes.CDLL:
-    """CuPy's libcublas (found in this process's mappings), else the usual sonames."""
+def _library(stem: str = "libcublas", symbol: str = "cublasGemmStridedBatchedEx") -> ctypes.CDLL:
+    """CuPy's ``stem`` library (libcublas, or the libcublasLt it loads), found in this process's
+    mappings, else the usual sonames."""
     try:
         import cupy
 
@@ -53,19 +75,19 @@ def _library() -> ctypes.CDLL:
             for line in maps:
                 path = line.rsplit(None, 1)[-1] if "/" in line else ""
                 name = path.rsplit("/", 1)[-1]
-                if name.startswith("libcublas.so") and path not in paths:
+                if name.startswith(stem + ".so") and path not in paths:
                     paths.append(path)
     except OSError:
         pass
     errors = []
-    for candidate in paths + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]:
+    for candidate in paths + [f"{stem}.so.13", f"{stem}.so.12", f"{stem}.so"]:
         try:
             lib = ctypes.CDLL(candidate)
-            lib.cublasGemmStridedBatchedEx  # noqa: B018  (the symbols we need)
+            getattr(lib, symbol)  # the symbols we need
             return lib
         except (OSError, AttributeError) as e:
             errors.append(f"{candidate}: {e}")
-    raise BlasUnavailable("cannot load libcublas: " + "; ".join(errors))
+    raise BlasUnavailable(f"cannot load {stem}: " + "; ".join(errors))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -95,6 +117,94 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = c_int
 
 
+def _declare_lt(lib: ctypes.CDLL) -> None:
+    lib.cublasLtCreate.argtypes = [POINTER(c_void_p)]
+    lib.cublasLtDestroy.argtypes = [c_void_p]
+    lib.cublasLtMatmulDescCreate.argtypes = [POINTER(c_void_p), c_int, c_int]
+    lib.cublasLtMatmulDescDestroy.argtypes = [c_void_p]
+    lib.cublasLtMatmulDescSetAttribute.argtypes = [c_void_p, c_int, c_void_p, c_size_t]
+    lib.cublasLtMatrixLayoutCreate.argtypes = [POINTER(c_void_p), c_int, c_uint64, c_uint64, c_longlong]
+    lib.cublasLtMatrixLayoutDestroy.argtypes = [c_void_p]
+    lib.cublasLtMatmulPreferenceCreate.argtypes = [POINTER(c_void_p)]
+    lib.cublasLtMatmulPreferenceDestroy.argtypes = [c_void_p]
+    lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [c_void_p, c_int, c_void_p, c_size_t]
+    lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [
+        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # handle, op, A, B, C, D layouts, preference
+        c_int, POINTER(_LtHeuristic), POINTER(c_int),
+    ]
+    lib.cublasLtMatmul.argtypes = [
+        c_void_p, c_void_p, c_void_p,  # handle, op descriptor, alpha
+        c_void_p, c_void_p, c_void_p, c_void_p,  # A, Adesc, B, Bdesc
+        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # beta, C, Cdesc, D, Ddesc
+        c_void_p, c_void_p, c_size_t, c_void_p,  # algo, workspace, its size, stream
+    ]
+    for name in ("cublasLtCreate", "cublasLtDestroy", "cublasLtMatmulDescCreate", "cublasLtMatmulDescDestroy", "cublasLtMatmulDescSetAttribute",
+                 "cublasLtMatrixLayoutCreate", "cublasLtMatrixLayoutDestroy", "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceDestroy",
+                 "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic", "cublasLtMatmul"):
+        getattr(lib, name).restype = c_int
+
+
+# The alignment cuBLASLt's heuristic is told every operand has (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*):
+# one fixed value, so that the algorithm found at the first (eager) run is the one every later run
+# and the capture use, whatever addresses their buffers have; an operand less aligned is not given
+# to cuBLASLt. 16 bytes is what Hopper's TMA loads need, and every pool allocation has it.
+LT_ALIGNMENT = 16
+
+
+class _LtProblem:
+    """The descriptors and chosen algorithm of one cuBLASLt problem (shape, operand forms, dtype,
+    math, epilogue); ``algo`` None when cuBLASLt has none for it."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: c_void_p, key: tuple[Any, ...], workspace_bytes: int, bias_ptr: int) -> None:
+        (n, m, k, op_b, ldb, op_a, lda, dt, compute, epilogue, _) = key
+        self.lib = lib
+        self.desc = c_void_p()
+        self.layouts: list[c_void_p] = []
+        self.algo: _LtHeuristic | None = None
+        _check(lib.cublasLtMatmulDescCreate(byref(self.desc), compute, CUDA_R_32F), "cublasLtMatmulDescCreate")
+        for attr, value in ((LT_DESC_TRANSA, c_int32(op_b)), (LT_DESC_TRANSB, c_int32(op_a)), (LT_DESC_EPILOGUE, c_uint32(epilogue))):
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, byref(value), ctypes.sizeof(value)), "cublasLtMatmulDescSetAttribute")
+        if bias_ptr:
+            self.set_bias(bias_ptr)
+        # column-major: D^T (n x m) = op(B^T) (n x k) . op(A^T) (k x m); layouts describe the stored matrices
+        shapes = ((n, k) if op_b == CUBLAS_OP_N else (k, n), ldb), ((k, m) if op_a == CUBLAS_OP_N else (m, k), lda), ((n, m), n)
+        for (rows, cols), ld in shapes:
+            layout = c_void_p()
+            _check(lib.cublasLtMatrixLayoutCreate(byref(layout), dt, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+            self.layouts.append(layout)
+        pref = c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(byref(pref)), "cublasLtMatmulPreferenceCreate")
+        try:
+            limits = [(LT_PREF_MAX_WORKSPACE_BYTES, c_uint64(workspace_bytes))]
+            limits += [(attr, c_uint32(LT_ALIGNMENT)) for attr in LT_PREF_MIN_ALIGNMENT.values()]
+            for attr, value in limits:
+                _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, byref(value), ctypes.sizeof(value)), "cublasLtMatmulPreferenceSetAttribute")
+            found, count = _LtHeuristic(), c_int(0)
+            a_desc, b_desc, d_desc = self.layouts
+            status = lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, a_desc, b_desc, d_desc, d_desc, pref, 1, byref(found), byref(count))
+            if status == 0 and count.value > 0 and found.state == 0:
+                self.algo = found
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+
+    def set_bias(self, ptr: int) -> None:
+        value = c_void_p(ptr)
+        _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, LT_DESC_BIAS_POINTER, byref(value), ctypes.sizeof(value)), "cublasLtMatmulDescSetAttribute")
+
+    def close(self) -> None:
+        for layout in self.layouts:
+            self.lib.cublasLtMatrixLayoutDestroy(layout)
+        self.layouts = []
+        if self.desc.value:
+            self.lib.cublasLtMatmulDescDestroy(self.desc)
+            self.desc = c_void_p()
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed: cuBLAS status {status}")
+
+
 class Blas:
     """One cuBLAS handle with its own workspace, on the current CUDA device."""
 
@@ -110,13 +220,19 @@ class Blas:
         self._one = c_float(1.0)
         self._zero = c_float(0.0)
         self.calls = 0
+        self.lt_calls = 0
+        self._lt: Any = None  # (library, handle) once loaded; False when it cannot be
+        self._lt_problems: dict[tuple[Any, ...], _LtProblem] = {}
 
-    @staticmethod
-    def _check(status: int, call: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{call} failed: cuBLAS status {status}")
+    _check = staticmethod(_check)
 
     def close(self) -> None:
+        for problem in getattr(self, "_lt_problems", {}).values():
+            problem.close()
+        self._lt_problems = {}
+        lt, self._lt = getattr(self, "_lt", None), None
+        if lt:
+            lt[0].cublasLtDestroy(lt[1])
         h, self.handle = getattr(self, "handle", None), None
         if h is not None and h.value:
             try:
@@ -207,21 +323,20 @@ class Blas:
         self.calls += 1
         return out
 
+    def _operands(self, a: Any, b: Any) -> tuple[tuple[Any, int, int], tuple[Any, int, int]]:
+        """2-D ``a`` and ``b`` as (array, op, ld) each, made contiguous where cuBLAS cannot read them."""
+        out = []
+        for x in (a, b):
+            op = self._operand(x)
+            if op is None:
+                op = self._operand(self.cp.ascontiguousarray(x))
+            out.append(op)
+        return out[0], out[1]
+
     def _gemm(self, a: Any, b: Any, dt: int, compute: int) -> Any:
-        cp = self.cp
-        m, k = a.shape
-        n = b.shape[1]
-        opa = self._operand(a)
-        if opa is None:
-            a = cp.ascontiguousarray(a)
-            opa = self._operand(a)
-        opb = self._operand(b)
-        if opb is None:
-            b = cp.ascontiguousarray(b)
-            opb = self._operand(b)
-        a, op_a, lda = opa
-        b, op_b, ldb = opb
-        out = cp.empty((m, n), dtype=a.dtype)
+        m, n, k = a.shape[0], b.shape[1], a.shape[1]
+        (a, op_a, lda), (b, op_b, ldb) = self._operands(a, b)
+        out = self.cp.empty((m, n), dtype=a.dtype)
         self._bind_stream()
         status = self.lib.cublasGemmEx(
             self.handle, op_b, op_a, n, m, k,
@@ -235,3 +350,74 @@ class Blas:
         self._check(status, "cublasGemmEx")
         self.calls += 1
         return out
+
+    # ------------------------------------------------------------------ cuBLASLt epilogues
+
+    def _get_lt(self) -> Any:
+        if self._lt is None:
+            try:
+                lib = _library("libcublasLt", "cublasLtMatmul")
+                _declare_lt(lib)
+                h = c_void_p()
+                self._check(lib.cublasLtCreate(byref(h)), "cublasLtCreate")
+                self._lt = (lib, h)
+            except (BlasUnavailable, RuntimeError, AttributeError, OSError):
+                self._lt = False
+        return self._lt
+
+    def matmul_epilogue(self, a: Any, b: Any, allow_tf32: bool, *, bias: Any = None, residual: Any = None, relu: bool = False) -> Any | None:
+        """``relu?(a @ b + bias + residual)`` as one ``cublasLtMatmul`` (module docstring), or None
+        when this case is not covered here (the caller then runs the plain product and the ops).
+
+        ``a``: (..., m, k); ``b``: (k, n), any strides; ``bias``: (n,) contiguous; ``residual``: the
+        result's shape; all one float dtype."""
+        cp = self.cp
+        dtype = a.dtype
+        if a.ndim < 2 or b.ndim != 2 or dtype not in _DATA_TYPES or b.dtype != dtype or a.shape[-1] != b.shape[0] or 0 in a.shape or 0 in b.shape:
+            return None
+        k, n = b.shape
+        shape = (*a.shape[:-1], n)
+        if bias is not None and (bias.dtype != dtype or bias.shape != (n,) or not bias.flags.c_contiguous):
+            return None
+        if residual is not None and (residual.dtype != dtype or tuple(residual.shape) != shape):
+            return None
+        lt = self._get_lt()
+        if not lt:
+            return None
+        lib, handle = lt
+        if a.ndim > 2:
+            a = (a if a.flags.c_contiguous else cp.ascontiguousarray(a)).reshape(-1, k)
+        m = a.shape[0]
+        (a, op_a, lda), (b, op_b, ldb) = self._operands(a, b)
+        c = None
+        if residual is not None:
+            c = (residual if residual.flags.c_contiguous else cp.ascontiguousarray(residual)).reshape(m, n)
+        out = cp.empty((m, n), dtype=dtype)
+        dt = _DATA_TYPES[dtype]
+        compute = CUBLAS_COMPUTE_32F_FAST_TF32 if (allow_tf32 and dtype == np.float32) else CUBLAS_COMPUTE_32F
+        epilogue = (LT_EPILOGUE_RELU_BIAS if relu else LT_EPILOGUE_BIAS) if bias is not None else (LT_EPILOGUE_RELU if relu else LT_EPILOGUE_DEFAULT)
+        c_ptr = int((c if c is not None else out).data.ptr)
+        bias_ptr = int(bias.data.ptr) if bias is not None else 0
+        if any(int(x.data.ptr) % LT_ALIGNMENT for x in (a, b, out)) or c_ptr % LT_ALIGNMENT or bias_ptr % LT_ALIGNMENT:
+            return None
+        key = (n, m, k, op_b, ldb, op_a, lda, dt, compute, epilogue, c is not None)
+        problem = self._lt_problems.get(key)
+        if problem is None:
+            if cp.cuda.get_current_stream().is_capturing():
+                return None  # the heuristic is asked at the eager run, not inside a capture
+            problem = self._lt_problems[key] = _LtProblem(lib, handle, key, self.workspace.nbytes, bias_ptr)
+        elif bias_ptr:
+            problem.set_bias(bias_ptr)
+        if problem.algo is None:
+            return None
+        a_desc, b_desc, d_desc = problem.layouts
+        status = lib.cublasLtMatmul(
+            handle, problem.desc, byref(self._one),
+            c_void_p(int(b.data.ptr)), a_desc, c_void_p(int(a.data.ptr)), b_desc,
+            byref(self._one if c is not None else self._zero), c_void_p(c_ptr), d_desc, c_void_p(int(out.data.ptr)), d_desc,
+            byref(problem.algo.algo), c_void_p(int(self.workspace.data.ptr)), c_size_t(self.workspace.nbytes),
+            c_void_p(int(cp.cuda.get_current_stream().ptr)),
+        )  # fmt: skip
+        self._check(status, "cublasLtMatmul")
+        self.lt_calls += 1
+        return out.reshape(shape)

@@ -4,7 +4,8 @@
 :class:`~.runner.CompiledPlan`: one :class:`~.launch.Launch` per step that runs, in this order of
 preference (a step claimed by an earlier family is not offered to a later one):
 
-1. convolutions with their fused epilogues (:mod:`.convolution`);
+1. convolutions with their fused epilogues (:mod:`.convolution`), then MatMul / Gemm with their
+   bias, residual and ReLU as cuBLASLt epilogues (:mod:`.matmul`);
 2. kernel families, when ``kernels`` is on: normalizations and softmax (:mod:`.normalization`),
    window pooling (:mod:`.pooling`), Resize (:mod:`.tensor_ops`);
 3. fused element-wise groups, when ``fuse`` is on (:mod:`.elementwise`; BatchNormalization in
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from convpass.runtime.cuda import compiler, elementwise, memory, normalization, pooling, tensor_ops
+from convpass.runtime.cuda import compiler, elementwise, matmul, memory, normalization, pooling, tensor_ops
 from convpass.runtime.cuda.common import ELEMENTWISE, first_line
 from convpass.runtime.cuda.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
 from convpass.runtime.cuda.launch import Launch
@@ -126,6 +127,11 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
     # 1. convolutions
     for launch in lower_convs(plan, rt.convs, rt.fuse, rt.fuse_residual).values():
         take(launch)
+    if rt.matmul_epilogues:
+        for i in range(n):
+            launch = matmul.lower_matmul(plan, i, claimed, rt) if claimed[i] is None else None
+            if launch is not None:
+                take(launch)
     # 2. kernel families
     if rt.kernels:
         for i in range(n):
