@@ -8,7 +8,9 @@
 # interrupted SECONDS after the start; a test cut off runs again next call. Prints the totals, the
 # failures (their reports in .gpu-tests/done.failures) and how many are left; $OUT/gpu-tests.tar
 # has the logs. PANEL_MODELS=all (or a list) exports the panel first, fp32 and fp16, so that the
-# tests check those models too. Start again from nothing: rm -rf .gpu-tests
+# tests check those models too. CONVPASS_TUNE_CACHE (a tuning cache to start from, e.g. a carried
+# one: the panel tests tune into it) is copied once per GPU into .gpu-tests/, so no two workers
+# write one SQLite file. Start again from nothing: rm -rf .gpu-tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-tests-out}; mkdir -p "$out"
@@ -29,9 +31,14 @@ left=$((seconds - SECONDS - 30))  # install and export included; 30 s for the su
 [ "$left" -gt 30 ] || { echo "no time left for tests after set-up ($SECONDS s)"; exit 1; }
 export PYTHONPATH=scripts${PYTHONPATH:+:$PYTHONPATH} GPU_TESTS_LOG=$work/done
 for ((g = 0; g < gpus; g++)); do
-  CUDA_VISIBLE_DEVICES=$g GPU_TESTS_SHARD=$g/$gpus timeout --signal=INT --kill-after=20 "$left" \
+  cache=${CONVPASS_TUNE_CACHE:-}
+  if [ -n "$cache" ]; then
+    [ -f "$work/tune.gpu$g.db" ] || { [ -f "$cache" ] && cp "$cache" "$work/tune.gpu$g.db"; }
+    cache=$work/tune.gpu$g.db
+  fi
+  CONVPASS_TUNE_CACHE=$cache CUDA_VISIBLE_DEVICES=$g GPU_TESTS_SHARD=$g/$gpus timeout --signal=INT --kill-after=20 "$left" \
     python3 -m pytest -m gpu -q -p no:cacheprovider -p gpu_tests_progress "$@" >>"$work/gpu$g.log" 2>&1 &
 done
 wait
 python3 scripts/gpu_tests_progress.py summary "$work/done" | tee "$out/gpu-tests-summary.txt"
-tar cf "$out/gpu-tests.tar" -C "$work" .
+tar cf "$out/gpu-tests.tar" -C "$work" --exclude='tune.gpu*.db' .
