@@ -117,3 +117,24 @@ def test_strict_arrays_refuse_operator_comparisons():
     with pytest.raises(AssertionError, match="ufunc"):
         1 + _strict(_X)  # noqa: B018
     assert np.greater(_strict(_X), 0).any() and (_strict(_X) * _strict(_X)).shape == _X.shape
+
+
+def test_the_fused_kernels_folded_batchnorm_meets_scalars_in_ufuncs():
+    """A pre-activation BatchNormalization (DenseNet) is folded into scale and shift when its fused
+    group is built, at a fresh process's start-up: on the template's device arrays."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from convpass.runtime.cuda import elementwise
+    from convpass.runtime.executor import Executor
+
+    params = [numpy_helper.from_array(np.full((3,), v, np.float32), n) for n, v in zip("sbmv", (1.5, 0.1, 0.2, 2.0))]
+    graph = helper.make_graph([helper.make_node("BatchNormalization", ["x", *"sbmv"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])], params)
+    ex = Executor(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8), device="cpu")
+    (want,) = ex.run(None, {"x": _X})
+    plan = ex.last_plan
+    plan.template = [None if a is None else _strict(a) for a in plan.template]
+    x, scale, shift = elementwise._folded_batchnorm(plan, plan.steps[0])
+    got = _X * np.asarray(plan.template[scale]).reshape(3, 1) + np.asarray(plan.template[shift]).reshape(3, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

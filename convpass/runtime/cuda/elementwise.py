@@ -330,7 +330,9 @@ def _folded_batchnorm(plan: Any, step: Any) -> tuple[int, int, int] | None:
     if len(consts) < 4 or any(c is None for c in consts):
         return None
     gamma, beta, mean, var = (c.astype(np.float64).reshape(-1) for c in consts)
-    scale = gamma / (var + float(step.node.attr("epsilon", 1e-5))) ** 0.5
+    # the scalar meets the array in a ufunc, not an operator: CuPy's operator path with a scalar
+    # imports cupyx and SciPy at start-up (convpass/runtime/ops.py)
+    scale = np.divide(gamma, np.sqrt(np.add(var, float(step.node.attr("epsilon", 1e-5)))))
     shift = beta - mean * scale
     dtype = consts[0].dtype
     name = plan.slot_names[step.outputs[0]]
