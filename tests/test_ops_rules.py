@@ -119,9 +119,10 @@ def test_strict_arrays_refuse_operator_comparisons():
     assert np.greater(_strict(_X), 0).any() and (_strict(_X) * _strict(_X)).shape == _X.shape
 
 
-def test_the_fused_kernels_folded_batchnorm_meets_scalars_in_ufuncs():
+def test_the_fused_kernels_folded_batchnorm_computes_on_the_host():
     """A pre-activation BatchNormalization (DenseNet) is folded into scale and shift when its fused
-    group is built, at a fresh process's start-up: on the template's device arrays."""
+    group is built, at a fresh process's start-up: on host copies of the parameters, never with
+    arithmetic on the template's (device) arrays, and uploaded once each."""
     from onnx import TensorProto, helper, numpy_helper
 
     from convpass.runtime.cuda import elementwise
@@ -135,6 +136,8 @@ def test_the_fused_kernels_folded_batchnorm_meets_scalars_in_ufuncs():
     (want,) = ex.run(None, {"x": _X})
     plan = ex.last_plan
     plan.template = [None if a is None else _strict(a) for a in plan.template]
-    x, scale, shift = elementwise._folded_batchnorm(plan, plan.steps[0])
+    uploads = []
+    x, scale, shift = elementwise._folded_batchnorm(plan, plan.steps[0], lambda a: np.asarray(a).view(np.ndarray), lambda a: uploads.append(a) or a)
+    assert len(uploads) == 2
     got = _X * np.asarray(plan.template[scale]).reshape(3, 1) + np.asarray(plan.template[shift]).reshape(3, 1)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -21,8 +21,8 @@ Epilogues (:meth:`Blas.matmul_epilogue`): ``relu(a @ b + bias + residual)`` as o
 transformer block's residual Add and a classifier's ReLU cost no pass over memory of their own.
 cuBLASLt's GELU epilogues compute the tanh approximation, not the erf GELU that ``torch.onnx``
 exports, so they are not used. One descriptor set and one heuristic algorithm (cuBLASLt's first
-choice for the shape, the epilogue and 16-byte aligned operands) per problem, found at the first
-(eager) run and reused by every later run and by capture.
+choice for the shape, the epilogue and 16-byte aligned operands and rows) per problem, found at
+the first (eager) run and reused by every later run and by capture.
 """
 
 from __future__ import annotations
@@ -147,7 +147,11 @@ def _declare_lt(lib: ctypes.CDLL) -> None:
 # The alignment cuBLASLt's heuristic is told every operand has (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*):
 # one fixed value, so that the algorithm found at the first (eager) run is the one every later run
 # and the capture use, whatever addresses their buffers have; an operand less aligned is not given
-# to cuBLASLt. 16 bytes is what Hopper's TMA loads need, and every pool allocation has it.
+# to cuBLASLt. 16 bytes is what Hopper's TMA loads need, and every pool allocation has it. Leading
+# dimensions must be multiples of it too: with rows 20 bytes apart ((6 x 8) @ (8 x 5) float32, and a
+# float16 one), the algorithm that ran eagerly failed inside stream capture now and then on an H200
+# (cuBLAS status 13 / 14), while every 16-byte case ran and captured; real layers' widths are
+# multiples of 8, so only odd toy shapes go to cublasGemmEx and the element-wise ops instead.
 LT_ALIGNMENT = 16
 
 
@@ -400,6 +404,8 @@ class Blas:
         bias_ptr = int(bias.data.ptr) if bias is not None else 0
         if any(int(x.data.ptr) % LT_ALIGNMENT for x in (a, b, out)) or c_ptr % LT_ALIGNMENT or bias_ptr % LT_ALIGNMENT:
             return None
+        if any(ld * a.itemsize % LT_ALIGNMENT for ld in (lda, ldb, n)):
+            return None  # rows that do not start 16 bytes apart: see LT_ALIGNMENT
         key = (n, m, k, op_b, ldb, op_a, lda, dt, compute, epilogue, c is not None)
         problem = self._lt_problems.get(key)
         if problem is None:

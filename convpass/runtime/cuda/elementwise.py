@@ -266,8 +266,11 @@ def _fusible(plan: Any, step: Any) -> np.dtype | None:
     return dtype
 
 
-def plan_groups(plan: Any, claimed: Sequence[Any]) -> list[FusedGroup]:
-    """The fused groups of ``plan`` (module rules); ``claimed[i]`` not None: step i is taken."""
+def plan_groups(plan: Any, claimed: Sequence[Any], to_host: Callable[[Any], np.ndarray] = np.asarray,
+                upload: Callable[[np.ndarray], Any] = lambda a: a) -> list[FusedGroup]:
+    """The fused groups of ``plan`` (module rules); ``claimed[i]`` not None: step i is taken.
+    ``to_host`` / ``upload``: the backend's constant transfers (a folded BatchNormalization's
+    parameters are computed on the host)."""
     steps = plan.steps
     readers = plan.readers()
     dtypes = [None if claimed[i] is not None else _fusible(plan, st) for i, st in enumerate(steps)]
@@ -295,7 +298,7 @@ def plan_groups(plan: Any, claimed: Sequence[Any]) -> list[FusedGroup]:
         members = sorted(members_of[root])
         if len(members) == 1 and steps[root].node.op_type in _ONE_KERNEL and not _broadcasts(plan, steps[root]):
             continue
-        groups.append(_build(plan, members, dtypes[root]))
+        groups.append(_build(plan, members, dtypes[root], to_host, upload))
     return groups
 
 
@@ -319,31 +322,30 @@ def _channel_view(plan: Any, step: Any) -> tuple[int, ...] | None:
     return (int(x[0][1]),) + (1,) * (len(x[0]) - 2)
 
 
-def _folded_batchnorm(plan: Any, step: Any) -> tuple[int, int, int] | None:
+def _folded_batchnorm(plan: Any, step: Any, to_host: Callable[[Any], np.ndarray], upload: Callable[[np.ndarray], Any]) -> tuple[int, int, int] | None:
     """(x, scale, shift) slots of an inference BatchNormalization whose four parameters are
     constants: ``scale = gamma / sqrt(var + eps)`` and ``shift = beta - mean * scale``, computed
-    once in float64 (with the template's own array library) and added to the plan as constants.
+    once on the host in float64 and uploaded as constants of the plan (on the device arrays, CuPy's
+    arithmetic with a scalar would import cupyx and SciPy at start-up: convpass/runtime/ops.py).
     The kernel then reads two parameters per element instead of four and has no square root or
     division (x * scale + shift: within a rounding of the op-by-op formula, as a conv's folded
     BatchNormalization is)."""
     consts = [plan.template[s] if s >= 0 else None for s in step.inputs[1:5]]
     if len(consts) < 4 or any(c is None for c in consts):
         return None
-    gamma, beta, mean, var = (c.astype(np.float64).reshape(-1) for c in consts)
-    # the scalar meets the array in a ufunc, not an operator: CuPy's operator path with a scalar
-    # imports cupyx and SciPy at start-up (convpass/runtime/ops.py)
-    scale = np.divide(gamma, np.sqrt(np.add(var, float(step.node.attr("epsilon", 1e-5)))))
+    gamma, beta, mean, var = (np.asarray(to_host(c), dtype=np.float64).reshape(-1) for c in consts)
+    scale = gamma / np.sqrt(var + float(step.node.attr("epsilon", 1e-5)))
     shift = beta - mean * scale
     dtype = consts[0].dtype
     name = plan.slot_names[step.outputs[0]]
-    return (step.inputs[0], plan.add_constant(f"{name}::bn_scale", scale.astype(dtype)),
-            plan.add_constant(f"{name}::bn_shift", shift.astype(dtype)))
+    return (step.inputs[0], plan.add_constant(f"{name}::bn_scale", upload(scale.astype(dtype))),
+            plan.add_constant(f"{name}::bn_shift", upload(shift.astype(dtype))))
 
 
-def _build(plan: Any, members: list[int], dtype: np.dtype) -> FusedGroup:
+def _build(plan: Any, members: list[int], dtype: np.dtype, to_host: Callable[[Any], np.ndarray], upload: Callable[[np.ndarray], Any]) -> FusedGroup:
     steps = plan.steps
     computed = {steps[i].outputs[0] for i in members}
-    folded = {i: f for i in members if steps[i].node.op_type == "BatchNormalization" and (f := _folded_batchnorm(plan, steps[i]))}
+    folded = {i: f for i in members if steps[i].node.op_type == "BatchNormalization" and (f := _folded_batchnorm(plan, steps[i], to_host, upload))}
     inputs: list[tuple[int, tuple[int, ...] | None]] = []  # (slot, view)
     operands: dict[tuple[int, int], tuple[int, tuple[int, ...] | None]] = {}  # (step, input index) -> input
     for i in members:

@@ -149,7 +149,7 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
             take(launch)
     # 3. fused element-wise groups
     if rt.fuse:
-        for group in elementwise.plan_groups(plan, claimed):
+        for group in elementwise.plan_groups(plan, claimed, host, rt.upload_constant):
             launch = _fused_launch(rt, plan, group)
             if launch is not None:
                 take(launch)
