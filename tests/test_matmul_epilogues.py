@@ -217,3 +217,42 @@ def test_a_failing_cublaslt_call_is_noted_and_the_ops_run_one_by_one():
     rt.capturing, launch.refused = True, False  # inside a capture the error is the capture's to report
     with pytest.raises(RuntimeError, match="status 14"):
         _run(plan, launch, rt, f)
+
+
+class _Lib:
+    def __init__(self):
+        self.destroyed = []
+
+    def cublasDestroy_v2(self, h):
+        self.destroyed.append(("cublas", h.value))
+
+    def cublasLtDestroy(self, h):
+        self.destroyed.append(("cublasLt", h.value))
+
+
+def _blas_with_handles(lib):
+    from ctypes import c_void_p
+
+    from convpass.runtime.cuda import blas
+
+    b = blas.Blas.__new__(blas.Blas)  # the handles without a GPU: only their destruction is checked
+    b.lib, b.handle, b._lt, b._lt_problems = lib, c_void_p(7), (lib, c_void_p(8)), {}
+    return b
+
+
+def test_a_collected_blas_destroys_its_handles_later_never_inside_the_collection():
+    """A garbage collection may run inside another plan's stream capture: destroying cuBLAS
+    handles there would invalidate it, so __del__ only queues the destruction."""
+    from convpass.runtime.cuda import blas
+
+    lib = _Lib()
+    b = _blas_with_handles(lib)
+    b.__del__()
+    assert lib.destroyed == [] and len(blas._RETIRED) == 1
+    blas.reap()
+    assert lib.destroyed == [("cublasLt", 8), ("cublas", 7)] and blas._RETIRED == []
+    b.close()  # nothing left to destroy twice
+    assert len(lib.destroyed) == 2
+    explicit = _Lib()
+    _blas_with_handles(explicit).close()
+    assert explicit.destroyed == [("cublasLt", 8), ("cublas", 7)]

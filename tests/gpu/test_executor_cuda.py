@@ -503,9 +503,8 @@ def test_fused_elementwise_kernels_match_the_cpu_executor(case, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", sorted(n for n, c in matmul_cases.CASES.items() if c[2] is not None))
 def test_matmul_epilogues_run_as_one_cublaslt_call_and_match_the_cpu_executor(case, dtype, size, monkeypatch):
-    """Each case is one cublasLtMatmul with its epilogue, eagerly and in the captured graph (rows
-    whose stride is not a multiple of 16 bytes, "odd": cuBLAS and the ops, also captured); float16
-    against the float32 model on the CPU."""
+    """Each case is one cublasLtMatmul with its epilogue, eagerly and in the captured graph (also
+    with rows 20 bytes apart, "odd"); float16 against the float32 model on the CPU."""
     from convpass.runtime.cuda import CudaBackend
 
     for attr, value in zip("MKC", size):
@@ -518,10 +517,7 @@ def test_matmul_epilogues_run_as_one_cublaslt_call_and_match_the_cpu_executor(ca
     assert ex.graph_status().captured, ex.graph_status().describe()
     labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
     assert matmul_cases.CASES[case][2] in labels, labels
-    if size[2] * np.dtype(dtype).itemsize % 16 == 0:
-        assert backend.blas().lt_calls >= 2, backend.notes  # eager and capture ran cuBLASLt, not the fallback
-    else:
-        assert backend.blas().lt_calls == 0
+    assert backend.blas().lt_calls >= 2, backend.notes  # eager and capture ran cuBLASLt, not the fallback
     tol = 1e-4 if dtype == np.float32 else 5e-3
     for out in outs:
         assert out.dtype == dtype and _rel(out, ref) < tol, (case, _rel(out, ref))

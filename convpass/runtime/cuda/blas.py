@@ -21,8 +21,8 @@ Epilogues (:meth:`Blas.matmul_epilogue`): ``relu(a @ b + bias + residual)`` as o
 transformer block's residual Add and a classifier's ReLU cost no pass over memory of their own.
 cuBLASLt's GELU epilogues compute the tanh approximation, not the erf GELU that ``torch.onnx``
 exports, so they are not used. One descriptor set and one heuristic algorithm (cuBLASLt's first
-choice for the shape, the epilogue and 16-byte aligned operands and rows) per problem, found at
-the first (eager) run and reused by every later run and by capture.
+choice for the shape, the epilogue and 16-byte aligned operands) per problem, found at the first
+(eager) run and reused by every later run and by capture.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+from collections.abc import Callable
 from ctypes import POINTER, byref, c_float, c_int, c_int32, c_longlong, c_size_t, c_uint32, c_uint64, c_void_p
 from typing import Any
 
@@ -147,11 +148,7 @@ def _declare_lt(lib: ctypes.CDLL) -> None:
 # The alignment cuBLASLt's heuristic is told every operand has (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*):
 # one fixed value, so that the algorithm found at the first (eager) run is the one every later run
 # and the capture use, whatever addresses their buffers have; an operand less aligned is not given
-# to cuBLASLt. 16 bytes is what Hopper's TMA loads need, and every pool allocation has it. Leading
-# dimensions must be multiples of it too: with rows 20 bytes apart ((6 x 8) @ (8 x 5) float32, and a
-# float16 one), the algorithm that ran eagerly failed inside stream capture now and then on an H200
-# (cuBLAS status 13 / 14), while every 16-byte case ran and captured; real layers' widths are
-# multiples of 8, so only odd toy shapes go to cublasGemmEx and the element-wise ops instead.
+# to cuBLASLt. 16 bytes is what Hopper's TMA loads need, and every pool allocation has it.
 LT_ALIGNMENT = 16
 
 
@@ -209,10 +206,24 @@ def _check(status: int, call: str) -> None:
         raise RuntimeError(f"{call} failed: cuBLAS status {status}")
 
 
+_RETIRED: list[Callable[[], None]] = []  # destructions that a garbage collection put off (Blas.__del__)
+
+
+def reap() -> None:
+    """Destroy the handles of :class:`Blas` objects that were garbage-collected. Called when a
+    :class:`Blas` is created or closed, which never happens inside a stream capture."""
+    while _RETIRED:
+        try:
+            _RETIRED.pop()()
+        except Exception:  # noqa: BLE001  (a handle of a context already gone)
+            pass
+
+
 class Blas:
     """One cuBLAS handle with its own workspace, on the current CUDA device."""
 
     def __init__(self, cupy: Any) -> None:
+        reap()
         self.cp = cupy
         self.lib = _library()
         _declare(self.lib)
@@ -230,23 +241,35 @@ class Blas:
 
     _check = staticmethod(_check)
 
-    def close(self) -> None:
-        for problem in getattr(self, "_lt_problems", {}).values():
-            problem.close()
-        self._lt_problems = {}
+    def _detach(self) -> Callable[[], None]:
+        """Take the handles and descriptors off this object; returns what destroys them."""
+        problems, self._lt_problems = list(getattr(self, "_lt_problems", {}).values()), {}
         lt, self._lt = getattr(self, "_lt", None), None
-        if lt:
-            lt[0].cublasLtDestroy(lt[1])
         h, self.handle = getattr(self, "handle", None), None
-        if h is not None and h.value:
-            try:
-                self.lib.cublasDestroy_v2(h)
-            except Exception:  # noqa: BLE001
-                pass
+        lib = getattr(self, "lib", None)
+
+        def destroy() -> None:
+            for problem in problems:
+                problem.close()
+            if lt:
+                lt[0].cublasLtDestroy(lt[1])
+            if h is not None and h.value:
+                lib.cublasDestroy_v2(h)
+
+        return destroy
+
+    def close(self) -> None:
+        """Destroy the handles now (and any an earlier garbage collection left: :func:`reap`)."""
+        self._detach()()
+        reap()
 
     def __del__(self) -> None:
+        # A backend is freed by Python's cyclic garbage collector, which may run inside another
+        # plan's stream capture; destroying a cuBLAS handle frees device memory, which invalidates
+        # that capture (a later launch in it then fails: cuBLAS status 13 on an H200). So the
+        # handles are destroyed later, at a point that never captures (:func:`reap`).
         if not sys.is_finalizing():
-            self.close()
+            _RETIRED.append(self._detach())
 
     def _bind_stream(self) -> None:
         ptr = int(self.cp.cuda.get_current_stream().ptr)
@@ -404,8 +427,6 @@ class Blas:
         bias_ptr = int(bias.data.ptr) if bias is not None else 0
         if any(int(x.data.ptr) % LT_ALIGNMENT for x in (a, b, out)) or c_ptr % LT_ALIGNMENT or bias_ptr % LT_ALIGNMENT:
             return None
-        if any(ld * a.itemsize % LT_ALIGNMENT for ld in (lda, ldb, n)):
-            return None  # rows that do not start 16 bytes apart: see LT_ALIGNMENT
         key = (n, m, k, op_b, ldb, op_a, lda, dt, compute, epilogue, c is not None)
         problem = self._lt_problems.get(key)
         if problem is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from convpass.runtime.cuda import compiler, elementwise, matmul, memory, normalization, pooling, tensor_ops
+from convpass.runtime.cuda import blas, compiler, elementwise, matmul, memory, normalization, pooling, tensor_ops
 from convpass.runtime.cuda.common import ELEMENTWISE, first_line
 from convpass.runtime.cuda.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
 from convpass.runtime.cuda.launch import Launch
@@ -110,6 +110,7 @@ def _fused_launch(rt: Any, plan: Any, group: Any) -> Any:
 
 def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
     """Lower and prepare every step of ``plan`` (module docstring)."""
+    blas.reap()  # cuBLAS handles of collected backends: destroyed here, never inside a capture
     steps = plan.steps
     n = len(steps)
     launches: list[Launch | None] = [None] * n

@@ -21,8 +21,8 @@ Rules (:func:`lower_matmul`):
   have (ConvNeXt's erf GELU, a SiLU) joins the epilogue too, and the activation's fused group then
   runs over contiguous same-shape rows: on an H200, ConvNeXt's first MLP Linear at batch 32 took
   328 us against 375 us as cuBLAS + the bias-and-GELU kernel (benchmarks/op_kernels.py).
-* A case cuBLASLt does not take at run time (no algorithm for the shape, an operand or a row
-  stride not a multiple of 16 bytes, the library cannot be loaded) runs the product and the absorbed ops one by one, with
+* A case cuBLASLt does not take at run time (no algorithm for the shape, an operand not 16-byte
+  aligned, the library cannot be loaded) runs the product and the absorbed ops one by one, with
   the same result; a cuBLASLt call that fails in an eager run is noted once, and that launch runs
   its ops one by one from then on.
 
