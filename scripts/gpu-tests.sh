@@ -10,7 +10,7 @@
 # has the logs. PANEL_MODELS=all (or a list) exports the panel first, fp32 and fp16, so that the
 # tests check those models too. CONVPASS_TUNE_CACHE (a tuning cache to start from, e.g. a carried
 # one): with PANEL_MODELS, the exported models are first tuned into it on every GPU (convpass tune
-# --cluster local, batch 1, the tests' default options; over several calls if need be, and the
+# --cluster local, batch 1, the tests' PANEL_OPTIONS; over several calls if need be, and the
 # cache comes back as $OUT/tune.db.zst), then it is copied once per GPU into .gpu-tests/, so no two
 # workers write one SQLite file. Start again from nothing: rm -rf .gpu-tests
 set -uo pipefail
@@ -30,16 +30,21 @@ if [ -n "${PANEL_MODELS:-}" ] && [ ! -f .panel/panel.json ]; then
 fi
 gpus=$(nvidia-smi -L | wc -l)
 if [ -n "${PANEL_MODELS:-}" ] && [ -n "${CONVPASS_TUNE_CACHE:-}" ] && [ ! -f "$work/tuned" ]; then
-  # The panel tests optimize every exported model at batch 1 with the default options (TF32 auto:
-  # both math modes). Tuned one by one inside the tests that took 20-50 s per model (2026-11-23:
-  # 17 tests in 450 s on 2 H200s); tuned here first, on every GPU, the problems are measured once.
-  # A cut-off tune keeps what it measured (the driver writes the cache) and resumes next call.
-  budget=$((seconds - SECONDS - 60))
-  [ "$budget" -gt 60 ] || { echo "no time left to tune the panel ($SECONDS s)"; exit 1; }
+  # The panel tests optimize every exported model at batch 1 with PANEL_OPTIONS
+  # (tests/gpu/test_executor_cuda.py): float32 with TF32 on, float16 with the legacy candidates.
+  # Tuned one by one inside the tests that took 20-50 s per model (2026-11-23: 17 tests in 450 s on
+  # 2 H200s); tuned here first, on every GPU, the problems are measured once. A cut-off tune keeps
+  # what it measured (the driver writes the cache) and resumes next call.
+  fp32=() fp16=()
+  for f in .panel/*.onnx; do if [[ $f == *_fp16.onnx ]]; then fp16+=("$f"); else fp32+=("$f"); fi; done
+  tune_panel() {
+    local budget=$((seconds - SECONDS - 60))
+    [ "$budget" -gt 60 ] || { echo "no time left to tune the panel ($SECONDS s)" >>"$work/tune.log"; return 1; }
+    timeout --signal=INT --kill-after=30 "$budget" python3 -m convpass.cli tune "$@" --batch 1 --cluster local \
+        --cache "$CONVPASS_TUNE_CACHE" -o "$work/panel-tuned" --json >>"$work/tune.json" 2>>"$work/tune.log"
+  }
   mkdir -p "$work/panel-tuned"
-  timeout --signal=INT --kill-after=30 "$budget" python3 -m convpass.cli tune .panel/*.onnx --batch 1 --cluster local \
-      --cache "$CONVPASS_TUNE_CACHE" -o "$work/panel-tuned" --json >"$work/tune.json" 2>"$work/tune.log" \
-    && touch "$work/tuned"
+  tune_panel "${fp32[@]}" --tf32 on && tune_panel "${fp16[@]}" --engines legacy && touch "$work/tuned"
   z=$(command -v zstd || ls .cudnnfe/tool/zstd .ortgpu/tool/zstd 2>/dev/null | head -n 1)
   [ -n "$z" ] && [ -f "$CONVPASS_TUNE_CACHE" ] && "$z" -q -f -19 "$CONVPASS_TUNE_CACHE" -o "$out/tune.db.zst"  # carry it next time
   [ -f "$work/tuned" ] || { echo "panel tuning not finished in this call ($(tail -n 1 "$work/tune.log")); run again"; exit 0; }

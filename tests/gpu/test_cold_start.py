@@ -26,7 +26,7 @@ cp = pytest.importorskip("cupy")
 import convpass  # noqa: E402
 from conftest import MODELS, REPO, run_ort  # noqa: E402
 from convpass import kernel_file  # noqa: E402
-from test_executor_cuda import PANEL_BATCH, _feeds, _rel, _tolerance  # noqa: E402
+from test_executor_cuda import PANEL_BATCH, PANEL_OPTIONS, _feeds, _rel, _tolerance  # noqa: E402
 
 SAMPLES = sorted(MODELS.glob("*.onnx"))
 PANEL = REPO / ".panel"
@@ -85,12 +85,12 @@ def _check(outs, refs, tol, what):
         assert err <= tol, f"{what}: normwise relative error {err:.3g} > {tol:g}"
 
 
-def _optimized(path: Path, tmp: Path, batch: int = 2) -> tuple[Path, dict]:
+def _optimized(path: Path, tmp: Path, batch: int = 2, **options) -> tuple[Path, dict]:
     model = onnx.load(path)
     feeds, shapes = _feeds(model, batch=batch)
     out = tmp / f"{path.stem}.tuned.onnx"
     cache = os.environ.get("CONVPASS_TUNE_CACHE") or tmp / "tune.db"
-    convpass.optimize(path, out, cache=cache, shapes=shapes, quiet=True)
+    convpass.optimize(path, out, cache=cache, shapes=shapes, quiet=True, **options)
     assert kernel_file.sidecar_path(out).exists(), "optimize on a GPU writes the kernel side-car"
     return out, feeds
 
@@ -183,7 +183,7 @@ def test_panel_model_fresh_process_compiles_nothing(name, tmp_path):
     path = PANEL / f"{name}.onnx"
     if not path.exists():
         pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models {name})")
-    out, feeds = _optimized(path, tmp_path, batch=PANEL_BATCH)
+    out, feeds = _optimized(path, tmp_path, batch=PANEL_BATCH, **PANEL_OPTIONS["fp32"])
     info, outs = _fresh(out, feeds, tmp_path / "fresh")
     assert info["compilations"] == [] and info["cache_files"] == [], info
     assert info["graph"] and info["replay_equal"]

@@ -165,6 +165,46 @@ def test_a_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(tmp_path):
     assert ex._backend.counters["graph_api_calls"] >= 1
 
 
+def _as_float32(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model in float32 (its float16 weights widened exactly), for ONNX Runtime CPU."""
+    from onnx import TensorProto, numpy_helper
+
+    wide = onnx.ModelProto()
+    wide.CopyFrom(model)
+    for i, init in enumerate(wide.graph.initializer):
+        wide.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+    for value in [*wide.graph.input, *wide.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.FLOAT
+    return wide
+
+
+@pytest.mark.parametrize("case", ["dense3x3", "depthwise_s2"])
+def test_a_float16_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(case, tmp_path):
+    """The panel's float16 tests tune with the legacy candidates only (PANEL_OPTIONS in
+    test_executor_cuda.py, for device time); engines on float16 tensors are checked here."""
+    from onnx import TensorProto
+
+    x_shape, w_shape, attrs = CASES[case]
+    model = conv_model("Conv", x_shape, w_shape, elem_type=TensorProto.FLOAT16, seed=4, **attrs)
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, engines="graph")
+    records = convpass.inspect(tuned)
+    assert records and all(r["engine"] for r in records), records
+    x = np.random.default_rng(9).standard_normal(x_shape).astype(np.float16)
+    refs = [r.astype(np.float16) for r in run_ort(_as_float32(model), {"x": x.astype(np.float32)})]
+    from convpass.runtime.cuda import ExecutorWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExecutorWarning)  # no fallback anywhere
+        ex = Executor(tuned, device="cuda")
+        first = ex.run(None, {"x": x})
+    assert first[0].dtype == np.float16
+    _check(first, refs, 1e-2, f"{case} float16, first run")
+    for i in range(3):
+        _check(ex.run(None, {"x": x}), refs, 1e-2, f"{case} float16, replay {i}")
+    assert ex.graph_status().captured, ex.graph_status().describe()
+    assert ex._backend.counters["graph_api_calls"] >= 1
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_engine_convs_take_their_bias_residual_and_relu_in_one_pass(layout, tmp_path):
     """Conv + bias + Relu and Conv + bias + Add + Relu on engines only: each conv is one engine
