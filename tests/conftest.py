@@ -119,6 +119,30 @@ def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
+def as_float32(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same float16 model computing in float32: its float16 weights, constants, inputs, outputs
+    and Casts widened (exactly), intermediate types dropped. ONNX Runtime CPU runs it as the
+    reference of a float16 run: the weights are the ones the float16 model computes with, so what
+    is left is the float16 arithmetic's error alone."""
+    wide = onnx.ModelProto()
+    wide.CopyFrom(model)
+    graph = wide.graph
+    for i, init in enumerate(graph.initializer):
+        if init.data_type == TensorProto.FLOAT16:
+            graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+    for value in [*graph.input, *graph.output]:
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT16:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT
+    del graph.value_info[:]
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT16:
+                attr.i = TensorProto.FLOAT
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT16:
+                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
+    return wide
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     """Every test gets its own tuning cache; nobody's real cache is touched."""

@@ -16,10 +16,41 @@ import onnx
 import pytest
 
 import convpass
-from conftest import panel_models, run_ort
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import as_float32, panel_models, run_ort
 
 PANEL = Path(os.environ.get("CONVPASS_PANEL", "")) if os.environ.get("CONVPASS_PANEL") else None
 MODELS = panel_models()
+
+
+def test_a_float16_model_widened_to_float32_computes_with_its_own_weights():
+    """The GPU panel tests' float16 reference (conftest.as_float32): weights, constants, Casts and
+    the interface widened exactly; ONNX Runtime CPU runs it."""
+    w = np.array([[[[0.1, -1 / 3], [2.5, 1e-3]]]], np.float16)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["y"], name="conv"),
+        helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array([1 / 3], np.float16), "c")),
+        helper.make_node("Add", ["y", "c"], ["s"]),
+        helper.make_node("Cast", ["s"], ["h"], to=TensorProto.FLOAT16),
+        helper.make_node("Relu", ["h"], ["out"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 1, 3, 3])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [1, 1, 2, 2])],
+                              [numpy_helper.from_array(w, "w")],
+                              value_info=[helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 1, 2, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    wide = as_float32(model)
+    onnx.checker.check_model(wide, full_check=True)
+    assert numpy_helper.to_array(wide.graph.initializer[0]).dtype == np.float32
+    assert (numpy_helper.to_array(wide.graph.initializer[0]) == w.astype(np.float32)).all()
+    assert model.graph.initializer[0].data_type == TensorProto.FLOAT16  # the original is untouched
+    x = np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3) - 4
+    [got] = run_ort(wide, {"x": x})
+    wf, cf = w.astype(np.float64)[0, 0], float(np.float16(1 / 3))
+    want = np.array([[(x[0, 0, i:i + 2, j:j + 2] * wf).sum() for j in range(2)] for i in range(2)]) + cf
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got[0, 0], np.maximum(want, 0), rtol=1e-6)
 
 
 def test_panel_is_wide():

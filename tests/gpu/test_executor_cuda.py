@@ -25,7 +25,7 @@ cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
 from convpass import annotation  # noqa: E402
-from conftest import MODELS, REPO, conv_model, panel_models, residual_block_model, run_ort  # noqa: E402
+from conftest import MODELS, REPO, as_float32, conv_model, panel_models, residual_block_model, run_ort  # noqa: E402
 from convpass import cudnn  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 import test_cuda_fusion as fusion_cases  # noqa: E402
@@ -595,8 +595,8 @@ def test_fp16_tuned_models(op_type, x_shape, w_shape, attrs, tmp_path):
 
 
 def _fp16_probe(ref_model: onnx.ModelProto, model: onnx.ModelProto, feeds: dict) -> tuple[str | None, np.ndarray | None]:
-    """The deepest conv output of the fp32 model whose values are comfortably inside float16's
-    normal range (RMS >= 1e-2) and that the fp16 export also has, with its fp32 reference value.
+    """The deepest conv output of the float32 reference model whose values are comfortably inside
+    float16's normal range (RMS >= 1e-2) and that the fp16 export also has, with its reference value.
 
     Random-weight exports of deep nets shrink their signal layer by layer: the final logits of
     mobilenet_v3_large / efficientnet_b0 are ~1e-10, below float16's smallest subnormal, so they
@@ -632,19 +632,22 @@ def _check_panel_outputs(outs, refs, tol, what):
 @pytest.mark.parametrize("name", panel_models())
 def test_panel_model(name, precision, tmp_path):
     """fp16 exports (``export_panel.py --fp16``) are checked against ONNX Runtime CPU running the
-    fp32 export (same seeded weights) on the same, fp16-rounded, inputs, normwise 1e-2: the outputs
-    rounded to float16, and one inner conv output (:func:`_fp16_probe`) added as a model output.
+    same export widened to float32 (its own float16 weights: :func:`conftest.as_float32`) on the
+    same, fp16-rounded, inputs, normwise 1e-2: the outputs rounded to float16, and one inner conv
+    output (:func:`_fp16_probe`) added as a model output. So the tolerance judges float16
+    arithmetic alone. (Against the fp32 export, the rounding of the weights to float16 alone put
+    efficientnet_v2_s's probe 1.37% off: ONNX Runtime CPU in float32 with the fp16 export's
+    weights, measured 2026-11-24, exactly convpass's own float16 error there.)
     An output below float16's normal range (RMS < 2**-14) is only checked for shape and
     finiteness: it was computed through subnormal intermediates, where float16 keeps few bits
     (PyTorch's own fp16 run of efficientnet_v2_s, logits RMS ~1e-6: 20-87% error in the last
     blocks' outputs); the probe checks the computation where float16 has its full precision."""
     path = PANEL / (f"{name}_fp16.onnx" if precision == "fp16" else f"{name}.onnx")
-    ref_path = PANEL / f"{name}.onnx"
-    if not path.exists() or not ref_path.exists():
+    if not path.exists():
         flag = " --fp16" if precision == "fp16" else ""
         pytest.skip(f"{path} not exported (python3 models/export_panel.py --out .panel --models {name}{flag})")
     model = onnx.load(path)
-    ref_model = onnx.load(ref_path)
+    ref_model = as_float32(model) if precision == "fp16" else model
     feeds, shapes = _feeds(model, batch=PANEL_BATCH)
     refs = run_ort(ref_model, {k: v.astype(np.float32) for k, v in feeds.items()})
     tol = 1e-2 if precision == "fp16" else None
@@ -652,7 +655,7 @@ def test_panel_model(name, precision, tmp_path):
         refs = [r.astype(np.float16) for r in refs]
         if any(np.sqrt(np.mean(np.square(r, dtype=np.float64))) < 1e-2 for r in refs):
             probe, probe_ref = _fp16_probe(ref_model, model, feeds)
-            assert probe is not None, "no conv output of the fp32 model has RMS >= 1e-2"
+            assert probe is not None, "no conv output of the reference has RMS >= 1e-2"
             model.graph.output.append(helper.make_tensor_value_info(probe, TensorProto.FLOAT16, ["batch", *probe_ref.shape[1:]]))
             refs.append(probe_ref)
             path = tmp_path / path.name

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
-from conftest import MODELS, conv_model, residual_block_model, run_ort, silu_model  # noqa: E402
+from conftest import MODELS, as_float32, conv_model, residual_block_model, run_ort, silu_model  # noqa: E402
 from convpass import annotation  # noqa: E402
 from convpass.cudnn import as_layout, graph_api  # noqa: E402
 from convpass.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
@@ -165,19 +165,6 @@ def test_a_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(tmp_path):
     assert ex._backend.counters["graph_api_calls"] >= 1
 
 
-def _as_float32(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same model in float32 (its float16 weights widened exactly), for ONNX Runtime CPU."""
-    from onnx import TensorProto, numpy_helper
-
-    wide = onnx.ModelProto()
-    wide.CopyFrom(model)
-    for i, init in enumerate(wide.graph.initializer):
-        wide.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
-    for value in [*wide.graph.input, *wide.graph.output]:
-        value.type.tensor_type.elem_type = TensorProto.FLOAT
-    return wide
-
-
 @pytest.mark.parametrize("case", ["dense3x3", "depthwise_s2"])
 def test_a_float16_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(case, tmp_path):
     """The panel's float16 tests tune with the legacy candidates only (PANEL_OPTIONS in
@@ -190,7 +177,7 @@ def test_a_float16_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(ca
     records = convpass.inspect(tuned)
     assert records and all(r["engine"] for r in records), records
     x = np.random.default_rng(9).standard_normal(x_shape).astype(np.float16)
-    refs = [r.astype(np.float16) for r in run_ort(_as_float32(model), {"x": x.astype(np.float32)})]
+    refs = [r.astype(np.float16) for r in run_ort(as_float32(model), {"x": x.astype(np.float32)})]
     from convpass.runtime.cuda import ExecutorWarning
 
     with warnings.catch_warnings():
