@@ -1,10 +1,14 @@
-"""What the cuda backend's runner reports about a compiled plan (convpass.runtime.cuda.runner), on CPU.
+"""What the cuda backend's runner reports about a compiled plan (convpass.runtime.cuda.runner), and
+how it and the tuner's harness capture (no garbage collection inside), on CPU.
 
 The capture itself needs a GPU (tests/gpu/test_kernels.py); the report a user sees, and how the
 warm-up marks a launch that needs the host, are plain logic.
 """
 
 from __future__ import annotations
+
+import gc
+import types
 
 from convpass.runtime.cuda import runner
 from convpass.runtime.cuda.launch import Launch
@@ -46,3 +50,56 @@ def test_one_graph_is_captured_and_segments_are_not():
     assert state.graph_status(cuda_graph=True).describe() == "CUDA graph: yes (3 launch(es) in one CUDA graph)"
     state.segments = [object(), runner._EagerPart(1, [], []), object()]
     assert not state.captured and state.graph is None
+
+
+class _Stream:
+    def __init__(self):
+        self.calls = []
+
+    def begin_capture(self):
+        self.calls.append("begin")
+
+    def end_capture(self):
+        self.calls.append("end")
+        return types.SimpleNamespace()  # a graph (no upload)
+
+
+class _WatchedLaunch:
+    """Records whether Python's garbage collector could run while it was captured."""
+
+    def __init__(self, step: int):
+        self.node = NodeInfo(f"n{step}", "Relu", "", 17, {}, ["a"], ["b"])
+        self.label, self.outputs, self.collector = "Relu", (step + 1,), []
+
+    def run(self, env):
+        self.collector.append(gc.isenabled())
+        env[self.outputs[0]] = env[self.outputs[0] - 1]
+
+
+def test_no_garbage_collection_runs_inside_a_capture():
+    """A collection inside a capture may free an older plan's device memory or library handles,
+    which invalidates the capture: the collector is paused while the stream captures, and
+    restored after, also when a launch fails."""
+    launches = [_WatchedLaunch(0), _WatchedLaunch(1)]
+    state = runner.CompiledPlan(launches=launches, free=[(), ()], capturable=True, mode="graph")
+    plan = types.SimpleNamespace(template=[None, None, None], feed_slots={"x": 0}, output_slots=[2])
+    rt, stream = types.SimpleNamespace(capturing=False), _Stream()
+    assert gc.isenabled()
+    segments, outputs = runner._capture(rt, plan, state, {"x": "X"}, stream)
+    assert [launch.collector for launch in launches] == [[False], [False]]
+    assert gc.isenabled() and not rt.capturing and stream.calls == ["begin", "end"] and outputs == ["X"] and len(segments) == 1
+
+    def fail(env):
+        raise RuntimeError("cuBLAS status 14")
+
+    launches[1].run = fail
+    assert runner._capture(rt, plan, state, {"x": "X"}, _Stream()) == 1
+    assert gc.isenabled() and state.uncapturable == {1} and "status 14" in state.note
+
+
+def test_the_tuners_timing_graphs_are_captured_without_garbage_collection():
+    from convpass.tune import harness
+
+    seen = []
+    graph = harness._capture(lambda i: seen.append(gc.isenabled()), sets=2, count=3, stream=_Stream())
+    assert graph is not None and seen == [False, False, False] and gc.isenabled()

@@ -245,6 +245,7 @@ def test_a_collected_blas_destroys_its_handles_later_never_inside_the_collection
     handles there would invalidate it, so __del__ only queues the destruction."""
     from convpass.runtime.cuda import blas
 
+    blas.reap()  # what earlier tests' collected Blas objects left
     lib = _Lib()
     b = _blas_with_handles(lib)
     b.__del__()
@@ -256,3 +257,58 @@ def test_a_collected_blas_destroys_its_handles_later_never_inside_the_collection
     explicit = _Lib()
     _blas_with_handles(explicit).close()
     assert explicit.destroyed == [("cublasLt", 8), ("cublas", 7)]
+
+
+def test_an_add_with_legacy_broadcasting_is_not_taken_as_a_bias():
+    """Before opset 7, Add(m, b, broadcast=1, axis=0) adds b per row: not cuBLASLt's per-column bias."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
+    b = numpy_helper.from_array(np.arange(4, dtype=np.float32) * 10, "bias")
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["m"]), helper.make_node("Add", ["m", "bias"], ["a"], broadcast=1, axis=0),
+             helper.make_node("Relu", ["a"], ["Y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, (4, 4))],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, (4, 4))], [w, b])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 6)], ir_version=4)
+    f = {"X": rng.standard_normal((4, 4)).astype(np.float32)}
+    plan, ref = _plan(m, f)
+    assert _lower(plan) == []
+    np.testing.assert_allclose(ref, np.maximum(f["X"] @ numpy_helper.to_array(w) + np.arange(4)[:, None] * 10, 0), rtol=1e-5, atol=1e-5)
+
+
+class _DescLib:
+    """cuBLASLt's descriptor calls, the second matrix layout failing."""
+
+    def __init__(self):
+        self.made, self.destroyed = 0, []
+
+    def _make(self, ref):
+        self.made += 1
+        ref._obj.value = 100 + self.made
+        return 0
+
+    def cublasLtMatmulDescCreate(self, ref, compute, scale):
+        return self._make(ref)
+
+    def cublasLtMatmulDescSetAttribute(self, *args):
+        return 0
+
+    def cublasLtMatrixLayoutCreate(self, ref, *args):
+        return 15 if self.made == 2 else self._make(ref)
+
+    def cublasLtMatrixLayoutDestroy(self, layout):
+        self.destroyed.append(layout.value)
+
+    def cublasLtMatmulDescDestroy(self, desc):
+        self.destroyed.append(desc.value)
+
+
+def test_a_cublaslt_problem_that_fails_half_built_destroys_what_it_made():
+    from ctypes import c_void_p
+
+    from convpass.runtime.cuda import blas
+
+    lib = _DescLib()
+    key = (8, 4, 6, blas.CUBLAS_OP_N, 8, blas.CUBLAS_OP_N, 6, 0, 68, 1, None)
+    with pytest.raises(RuntimeError, match="cublasLtMatrixLayoutCreate failed: cuBLAS status 15"):
+        blas._LtProblem(lib, c_void_p(1), key, 0, 0)
+    assert sorted(lib.destroyed) == [101, 102]  # the descriptor and the one layout made

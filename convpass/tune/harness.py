@@ -177,13 +177,16 @@ def time_launches(
 
 def _capture(launch: Callable[[int], None], sets: int, count: int, stream):
     """A CUDA graph of ``count`` launches, or None when the calls cannot be captured."""
+    from convpass.runtime.cuda.common import collector_paused
+
     try:
-        stream.begin_capture()
-        try:
-            for i in range(count):
-                launch(i % sets)
-        finally:
-            graph = stream.end_capture()
+        with collector_paused():
+            stream.begin_capture()
+            try:
+                for i in range(count):
+                    launch(i % sets)
+            finally:
+                graph = stream.end_capture()
         return graph
     except Exception:  # noqa: BLE001  (capture unsupported for this call: time eagerly)
         stream.synchronize()

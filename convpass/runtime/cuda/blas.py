@@ -157,11 +157,19 @@ class _LtProblem:
     math, epilogue); ``algo`` None when cuBLASLt has none for it."""
 
     def __init__(self, lib: ctypes.CDLL, handle: c_void_p, key: tuple[Any, ...], workspace_bytes: int, bias_ptr: int) -> None:
-        (n, m, k, op_b, ldb, op_a, lda, dt, compute, epilogue, _) = key
         self.lib = lib
         self.desc = c_void_p()
         self.layouts: list[c_void_p] = []
         self.algo: _LtHeuristic | None = None
+        try:
+            self._build(handle, key, workspace_bytes, bias_ptr)
+        except BaseException:
+            self.close()  # the descriptors made before the failure
+            raise
+
+    def _build(self, handle: c_void_p, key: tuple[Any, ...], workspace_bytes: int, bias_ptr: int) -> None:
+        (n, m, k, op_b, ldb, op_a, lda, dt, compute, epilogue, _) = key
+        lib = self.lib
         _check(lib.cublasLtMatmulDescCreate(byref(self.desc), compute, CUDA_R_32F), "cublasLtMatmulDescCreate")
         for attr, value in ((LT_DESC_TRANSA, c_int32(op_b)), (LT_DESC_TRANSB, c_int32(op_a)), (LT_DESC_EPILOGUE, c_uint32(epilogue))):
             _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, byref(value), ctypes.sizeof(value)), "cublasLtMatmulDescSetAttribute")
@@ -267,7 +275,8 @@ class Blas:
         # A backend is freed by Python's cyclic garbage collector, which may run inside another
         # plan's stream capture; destroying a cuBLAS handle frees device memory, which invalidates
         # that capture (a later launch in it then fails: cuBLAS status 13 on an H200). So the
-        # handles are destroyed later, at a point that never captures (:func:`reap`).
+        # handles are destroyed later, at a point that never captures (:func:`reap`). (Captures
+        # also pause the collector, common.collector_paused; this covers the other ways in.)
         if not sys.is_finalizing():
             _RETIRED.append(self._detach())
 

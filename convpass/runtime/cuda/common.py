@@ -5,6 +5,9 @@ Importing this module imports neither CuPy nor cuDNN.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -114,3 +117,19 @@ def unavailable_reason() -> str | None:
     if not _reason_cache:
         _reason_cache.append(_probe())
     return _reason_cache[0]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a stream captures (the executor's plans,
+    the tuner's timing graphs). A collection there may free what an older plan or backend left
+    (its CuPy memory pool gives its blocks back to the device, a library handle frees device
+    memory), and freeing device memory inside a capture invalidates it: the capture's next launch
+    then fails (cuBLAS status 13 / 14 on an H200)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -130,7 +130,8 @@ def lower_matmul(plan: Any, index: int, claimed: list[Any], rt: Any) -> MatmulLa
             return None
         k = ks[0]
         s = steps[k]
-        ok = k > index and claimed[k] is None and s.node.op_type == op_type and s.node.domain == "" and s.outputs and s.outputs[0] >= 0
+        # before opset 7 an Add broadcasts by its ``broadcast`` / ``axis`` attributes, not numpy's rule
+        ok = k > index and claimed[k] is None and s.node.op_type == op_type and s.node.domain == "" and s.node.opset >= 7 and s.outputs and s.outputs[0] >= 0
         return k if ok and plan.info(s.outputs[0]) == y else None
 
     value, absorbs, residual, relu = st.outputs[0], [], -1, False

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from convpass.runtime.cuda.common import CaptureBreak, first_line
+from convpass.runtime.cuda.common import CaptureBreak, collector_paused, first_line
 from convpass.runtime.cuda.launch import Launch
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import GraphStatus, unshare_outputs
@@ -228,29 +228,10 @@ def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], st
         stop = i
         while stop < n and stop not in state.uncapturable:
             stop += 1
-        failed, error, graph = None, None, None
         rt.capturing = True
         try:
-            stream.begin_capture()
-            try:
-                for k in range(i, stop):
-                    launch = state.launches[k]
-                    if launch is not None:
-                        try:
-                            _run_launch(launch, env)
-                        except BaseException as e:  # noqa: BLE001  (end the capture whatever happened)
-                            failed, error = k, e
-                            break
-                    for s in state.free[k]:
-                        env[s] = None
-            finally:
-                rt.capturing = False
-                try:
-                    graph = stream.end_capture()
-                except Exception as e:  # noqa: BLE001
-                    graph = None
-                    if error is None:
-                        error = e
+            with collector_paused():
+                failed, error, graph = _capture_segment(rt, state, env, stream, i, stop)
         finally:
             rt.capturing = False
         if error is not None and not isinstance(error, Exception):
@@ -272,6 +253,32 @@ def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], st
         segments.append(graph)
         i = stop
     return segments, [env[s] for s in plan.output_slots]
+
+
+def _capture_segment(rt: Any, state: CompiledPlan, env: list[Any], stream: Any, start: int, stop: int) -> tuple[int | None, BaseException | None, Any]:
+    """Capture launches ``start`` to ``stop`` on ``stream``: (the step that failed, the error, the graph)."""
+    failed, error, graph = None, None, None
+    stream.begin_capture()
+    try:
+        for k in range(start, stop):
+            launch = state.launches[k]
+            if launch is not None:
+                try:
+                    _run_launch(launch, env)
+                except BaseException as e:  # noqa: BLE001  (end the capture whatever happened)
+                    failed, error = k, e
+                    break
+            for s in state.free[k]:
+                env[s] = None
+    finally:
+        rt.capturing = False
+        try:
+            graph = stream.end_capture()
+        except Exception as e:  # noqa: BLE001
+            graph = None
+            if error is None:
+                error = e
+    return failed, error, graph
 
 
 def _warm_up_and_capture(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> list[Any]:
