@@ -15,6 +15,7 @@ still exported). Weights are random (``weights=None`` / ``pretrained=False``) af
 ``batch``::
 
     python models/export_panel.py --out DIR [--models resnet50,r3d_18] [--opset 17] [--fp16]
+    python models/export_panel.py --out DIR --sweep      # the CPU sweep (SWEEP below), not the panel
 
 Writes ``DIR/<name>.onnx`` (``DIR/<name>_fp16.onnx`` with ``--fp16``) and ``DIR/panel.json``.
 ``panel.json`` is merged with an existing one: entries for other files are kept. Each entry
@@ -232,6 +233,40 @@ PANEL: Dict[str, Dict[str, Any]] = {
 }
 
 
+# Models a new user might bring, outside the benchmark panel: exported by ``--sweep`` and checked on
+# the CPU (models/check_panel_cpu.py: optimize, ONNX Runtime on the tuned model, the CPU executor
+# against it) to find unsupported ops and unresolved shapes before a user does. Not benchmarked.
+# Same keys as PANEL; every one takes a 224x224 image except wav2letter (a 1-s mono waveform).
+_SWEEP_TORCHVISION = {
+    "squeezenet1_1": {}, "googlenet": {"aux_logits": False, "init_weights": True}, "mnasnet0_5": {},
+    "mobilenet_v2": {}, "alexnet": {}, "vgg11_bn": {}, "resnet18": {}, "regnet_x_400mf": {},
+    "efficientnet_b1": {}, "shufflenet_v2_x0_5": {}, "swin_t": {}, "maxvit_t": {},
+}
+_SWEEP_TIMM = (
+    "repvgg_a0", "mobileone_s0", "poolformer_s12", "efficientformer_l1", "levit_128s", "resnest14d",
+    "hrnet_w18_small", "cspresnet50", "dla34", "rexnet_100", "lcnet_050", "mixnet_s", "edgenext_xx_small",
+    "res2net50_14w_8s", "dpn68", "selecsls42b", "ese_vovnet19b_dw", "fastvit_t8", "tiny_vit_5m_224",
+    "mobilevitv2_050", "efficientvit_b0", "ghostnetv2_100", "inception_next_tiny", "nf_resnet26", "xception41",
+)
+SWEEP: Dict[str, Dict[str, Any]] = {
+    **{name: {"builder": f"torchvision.models.{name}", "kwargs": {"weights": None, **kw}, "shape": (1, 3, 224, 224),
+              "input_kind": "image", "family": "sweep (torchvision)"} for name, kw in _SWEEP_TORCHVISION.items()},
+    **{name: {"builder": "timm.create_model", "kwargs": {"model_name": name, "pretrained": False}, "shape": (1, 3, 224, 224),
+              "input_kind": "image", "family": "sweep (timm)"} for name in _SWEEP_TIMM},
+    "wav2letter": {"builder": "torchaudio.models.Wav2Letter", "kwargs": {"num_classes": 40, "input_type": "waveform", "num_features": 1},
+                   "shape": (1, 1, 16000), "input_kind": "audio", "family": "sweep (torchaudio)"},
+}
+
+
+def _spec(name: str) -> Dict[str, Any]:
+    """The entry of a panel or sweep model."""
+    if name in PANEL:
+        return PANEL[name]
+    if name in SWEEP:
+        return SWEEP[name]
+    raise KeyError(f"unknown panel model {name!r}; known: {', '.join(PANEL)} (and the sweep: {', '.join(SWEEP)})")
+
+
 def panel_names() -> List[str]:
     """Every panel model, in panel order."""
     return list(PANEL)
@@ -239,7 +274,7 @@ def panel_names() -> List[str]:
 
 def bench_batches(name: str) -> Tuple[int, ...]:
     """The default benchmark batches of panel model ``name``."""
-    return tuple(PANEL[name].get("batches", DEFAULT_BATCHES))
+    return tuple(_spec(name).get("batches", DEFAULT_BATCHES))
 
 
 def _import_torch():
@@ -429,10 +464,8 @@ def build_torch_model(name: str) -> Tuple[Any, Tuple[int, ...]]:
     valid input for every model (``PANEL[name]["input_kind"]`` says what it stands for).
     Raises KeyError for an unknown name, ImportError when the model's library is missing.
     """
-    if name not in PANEL:
-        raise KeyError(f"unknown panel model {name!r}; known: {', '.join(PANEL)}")
+    spec = _spec(name)
     torch, _ = _import_torch()
-    spec = PANEL[name]
     torch.manual_seed(SEED)
     module = _resolve(spec["builder"])(**spec["kwargs"])
     key = spec.get("output_key")
@@ -528,7 +561,7 @@ def export_one(name: str, out_dir: str, opset: int, fp16: bool) -> Dict[str, Any
         out_shape = list(module(example).shape)
     _pin_output_dims(path, out_shape)
 
-    spec = PANEL[name]
+    spec = _spec(name)
     entry: Dict[str, Any] = {
         "name": name,
         "file": fname,
@@ -610,16 +643,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--models", default=None,
                     help="comma-separated subset (default: all): " + ",".join(PANEL))
+    ap.add_argument("--sweep", action="store_true",
+                    help="export the sweep (models outside the panel, checked on the CPU) instead: " + ",".join(SWEEP))
     ap.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     ap.add_argument("--fp16", action="store_true",
                     help="export model.half() with half inputs on CUDA (skipped without CUDA)")
     args = ap.parse_args(argv)
 
+    models = SWEEP if args.sweep else PANEL
     names = [n.strip() for n in args.models.split(",") if n.strip()] if args.models \
-        else list(PANEL)
-    unknown = [n for n in names if n not in PANEL]
+        else list(models)
+    unknown = [n for n in names if n not in models]
     if unknown:
-        ap.error(f"unknown model(s): {', '.join(unknown)}; known: {', '.join(PANEL)}")
+        ap.error(f"unknown model(s): {', '.join(unknown)}; known: {', '.join(models)}")
 
     try:
         torch, torchvision = _import_torch()

@@ -60,6 +60,23 @@ def test_panel_is_wide():
                           "fcn_resnet50", "deeplabv3_mobilenet_v3_large", "dcgan_generator"]
 
 
+def test_the_sweep_is_apart_from_the_panel():
+    """The CPU sweep (models a new user might bring, not benchmarked) shares no model with the
+    panel, names the same keys, and ``--sweep`` exports only its own models."""
+    from convpass.bench.contenders import load_export_panel
+
+    ep = load_export_panel()
+    assert len(ep.SWEEP) >= 30 and not set(ep.SWEEP) & set(ep.PANEL)
+    for name, spec in ep.SWEEP.items():
+        assert {"builder", "kwargs", "shape", "input_kind", "family"} <= set(spec), name
+        assert spec["input_kind"] in ep.INPUT_KINDS and spec["shape"][0] == 1, name
+        assert ep.bench_batches(name) == ep.DEFAULT_BATCHES
+    with pytest.raises(SystemExit):  # a panel model is not in the sweep
+        ep.main(["--out", "unused", "--sweep", "--models", "resnet50"])
+    with pytest.raises(KeyError, match="unknown panel model"):
+        ep.bench_batches("no_such_model")
+
+
 def test_pin_output_dims(tmp_path):
     """Symbolic non-batch output dims left by the exporter become the sizes torch produced; the
     batch dim is named ``batch``."""

@@ -664,6 +664,50 @@ def _gather_nd(ctx: OpContext, node: NodeInfo, x: Any, idx: Any) -> Any:
     return out.reshape(batch_shape + lead + x.shape[b + m :])
 
 
+_SCATTER_REDUCTIONS = {"add": "add", "mul": "multiply", "max": "maximum", "min": "minimum"}
+
+
+def _scatter(ctx: OpContext, node: NodeInfo, x: Any, keys: tuple[Any, ...], updates: Any) -> Any:
+    """A copy of ``x`` with ``updates`` written (or reduced, ``reduction``) at the index arrays
+    ``keys``. Duplicate keys: the last write wins without a reduction, as ONNX leaves it open."""
+    xp = ctx.xp
+    out = x.copy()
+    reduction = node.attr("reduction", "none")
+    if isinstance(reduction, bytes):
+        reduction = reduction.decode()
+    if reduction == "none":
+        out[keys] = updates
+        return out
+    if reduction not in _SCATTER_REDUCTIONS:
+        raise ExecutorError(f"{node.op_type} {node.name!r}: reduction {reduction!r} is not one of none, {', '.join(_SCATTER_REDUCTIONS)}")
+    ufunc = getattr(xp, _SCATTER_REDUCTIONS[reduction])
+    at = getattr(ufunc, "at", None)
+    if at is None:
+        raise ExecutorError(f"{node.op_type} {node.name!r}: reduction {reduction!r} needs {_SCATTER_REDUCTIONS[reduction]}.at, which this backend's array library lacks")
+    at(out, keys, updates)
+    return out
+
+
+@register("ScatterND", 11)
+def _scatter_nd(ctx: OpContext, node: NodeInfo, x: Any, idx: Any, updates: Any) -> Any:
+    ind = idx.astype(np.int64, copy=False)
+    keys = tuple(_normalize_indices(ctx.xp, ind[..., j], x.shape[j]) for j in range(ind.shape[-1]))
+    return _scatter(ctx, node, x, keys, updates)
+
+
+@register(["Scatter", "ScatterElements"], 9)
+def _scatter_elements(ctx: OpContext, node: NodeInfo, x: Any, idx: Any, updates: Any) -> Any:
+    xp = ctx.xp
+    axis = _axis(node.attr("axis", 0), x.ndim)
+    keys = []
+    for d in range(idx.ndim):
+        if d == axis:
+            keys.append(_normalize_indices(xp, idx, x.shape[axis]))
+        else:
+            keys.append(xp.arange(idx.shape[d]).reshape((1,) * d + (-1,) + (1,) * (idx.ndim - d - 1)))
+    return _scatter(ctx, node, x, tuple(keys), updates)
+
+
 @register("Expand", 8, value_inputs=(1,))
 def _expand(ctx: OpContext, node: NodeInfo, x: Any, shape: Any) -> Any:
     xp = ctx.xp
