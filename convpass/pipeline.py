@@ -166,7 +166,7 @@ def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
         return list(attr.value) if isinstance(attr.value, (list, tuple)) else [attr.value]
 
     for node in model.graph:
-        if node.domain == annotation.DOMAIN and node.op_type in annotation.CONV_OPS:
+        if node.domain == annotation.DOMAIN and node.op_type in annotation.ANNOTATED_OPS:
             report.decisions_recorded += len(values(node.attributes.get("algo")))
             report.engine_decisions += sum(1 for v in values(node.attributes.get("engine")) if v)
             report.fused_decisions += sum(1 for v in values(node.attributes.get("fusion")) if v)
@@ -440,7 +440,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
         wanted = devices
     records = []
     for node in proto.graph.node:
-        if node.op_type not in annotation.CONV_OPS:
+        if annotation.standard_op_type(node) not in annotation.CONV_OPS:
             continue
         name = node.name or node.output[0]
         if not annotation.is_annotated_conv(node):
@@ -456,7 +456,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
                 records.append(
                     {
                         "node": name,
-                        "op": node.op_type,
+                        "op": annotation.standard_op_type(node),
                         "device": dev or None,
                         "profile": profiles[i] if i < len(profiles) else str(i),
                         "problem_key": d.problem_key,

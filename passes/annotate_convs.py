@@ -123,6 +123,7 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
             for name, value in annotation.decision_attributes(decisions).items():
                 node.attributes[name] = _ir_attr(name, value)
             node.domain = annotation.DOMAIN
+            node.op_type = annotation.annotated_op_type(node.op_type, has_bias=len(node.inputs) > 2 and node.inputs[2] is not None)
             used_ops.add(node.op_type)
         for op_type in sorted(used_ops):
             function = ir.serde.deserialize_function(annotation.conv_function(op_type, opset))

@@ -178,7 +178,7 @@ def test_a_tuned_model_records_the_fused_engine_where_it_won(tmp_path):
     assert {n: (r["engine"], r["fusion"], r["algo"]) for n, r in records.items()} == {
         "expand": ("eng5_k2=1", SWISH, "implicit_gemm"), "dw": ("eng5_k2=1", SWISH, "implicit_gemm"), "project": (None, None, "implicit_gemm")}
     info, nodes = annotation.read_annotations(tuned)
-    assert info.schema_version == 5 and [n.decisions[0].fusion for n in nodes] == [SWISH, SWISH, ""]
+    assert info.schema_version == annotation.SCHEMA_VERSION and [n.decisions[0].fusion for n in nodes] == [SWISH, SWISH, ""]
     slow = {r["node"]: r["fusion"] for r in convpass.inspect(_tuned(tmp_path / "slow", 0.040))}
     assert slow == {"expand": None, "dw": None, "project": None}
     legacy = _tuned(tmp_path / "legacy", 0.025, engines="legacy")

@@ -265,7 +265,7 @@ def test_a_tuned_model_records_the_fused_call_where_it_won(tmp_path):
         "c0": ("implicit_gemm", RELU, None), "c1": ("implicit_gemm", None, None)}
     assert records["c0"]["time_ms"] == pytest.approx(0.010) and records["c1"]["time_ms"] == pytest.approx(0.028)  # conv + pass
     info, _ = annotation.read_annotations(tuned)
-    assert info.schema_version == 5
+    assert info.schema_version == annotation.SCHEMA_VERSION
 
 
 class _Rt:

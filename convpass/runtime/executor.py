@@ -139,8 +139,9 @@ def check_support(model: onnx.ModelProto) -> SupportReport:
         name = _node_name(node, i)
         domain = normalize_domain(node.domain)
         opset = opsets.get(domain, 1 if domain == annotation.DOMAIN else 0)
-        if lookup(node.op_type, domain, opset) is None:
-            report.unsupported_ops.setdefault((node.op_type, domain, opset), []).append(name)
+        op_type = annotation.standard_op_type(node)
+        if lookup(op_type, domain, opset) is None:
+            report.unsupported_ops.setdefault((op_type, domain, opset), []).append(name)
         for p in _node_type_problems(node):
             report.unsupported_types.setdefault(p, []).append(f"node {name}")
     g = model.graph
@@ -172,7 +173,7 @@ def _schema_function_ops(model: onnx.ModelProto, report: SupportReport) -> list[
 
 def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, SupportReport]:
     """Inline what can be inlined (local functions, schema functions of ops with no kernel) and check."""
-    keep = [(annotation.DOMAIN, op) for op in annotation.CONV_OPS]
+    keep = [(annotation.DOMAIN, op) for op in annotation.ANNOTATED_OPS]
     if any((f.domain, f.name) not in keep for f in model.functions):
         model = onnx.inliner.inline_selected_functions(model, keep, exclude=True)
     report = check_support(model)
@@ -340,14 +341,14 @@ class Executor:
             attrs = annotation.standard_attributes(n) if annotation.is_annotated_conv(n) else list(n.attribute)
             info = NodeInfo(
                 name=_node_name(n, i),
-                op_type=n.op_type,
+                op_type=annotation.standard_op_type(n),  # a bias-less tuned conv runs as its op
                 domain=domain,
                 opset=opset,
                 attrs=decode_attributes(attrs),
                 inputs=list(n.input),
                 outputs=list(n.output),
             )
-            info.impl = lookup(n.op_type, domain, opset)
+            info.impl = lookup(info.op_type, domain, opset)
             nodes.append(info)
         return _toposort(nodes, set(self._constants) | set(self._input_map))
 
