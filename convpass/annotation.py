@@ -15,8 +15,9 @@ Format (schema version 6)
   and ONNX Runtime runs it unchanged. The bias-less functions take ``X, W`` only: a function with a
   ``B`` input, called without one, inlines to a conv with an empty bias input, which ONNX
   Runtime's CPU layout optimizer (NCHWc, 1.32) leaves alone (measured: a torch.export ResNet-50,
-  whose convs have no bias, ran 30% slower in ONNX Runtime CPU once tuned under schema 5). The model imports ``ai.convpass`` version 1 and keeps an IR version that
-  allows model-local functions (>= 8).
+  whose convs have no bias, ran 20-30% slower in ONNX Runtime CPU once tuned under schema 5).
+  The model imports ``ai.convpass`` version 1 and keeps an IR version that allows model-local
+  functions (>= 8).
 * **Per-device tables.** A model holds one decision table per device fingerprint it was tuned for
   (``convpass.devices``, in table order; one table with no device when nothing could be measured
   or looked up, and then every decision is ``auto``). A table has one decision per shape profile

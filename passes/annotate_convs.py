@@ -2,7 +2,8 @@
 
 Rules:
 
-* Every canonicalized Conv / ConvTranspose moves to domain ``ai.convpass`` with its original
+* Every canonicalized Conv / ConvTranspose moves to domain ``ai.convpass`` (a bias-less one as
+  ``ConvNoBias`` / ``ConvTransposeNoBias``: ``annotation.annotated_op_type``) with its original
   attributes unchanged plus the decision attributes: one table of decisions per device (in the
   order of ``ModelInfo.devices``), one decision per shape profile in each; undecided problems are
   recorded as ``auto`` (chosen at run time), never as made-up measurements.
