@@ -16,6 +16,7 @@ still exported). Weights are random (``weights=None`` / ``pretrained=False``) af
 
     python models/export_panel.py --out DIR [--models resnet50,r3d_18] [--opset 17] [--fp16]
     python models/export_panel.py --out DIR --sweep      # the CPU sweep (SWEEP below), not the panel
+    python models/export_panel.py --out DIR --dynamo     # with torch.export (opset >= 18), not TorchScript
 
 Writes ``DIR/<name>.onnx`` (``DIR/<name>_fp16.onnx`` with ``--fp16``) and ``DIR/panel.json``.
 ``panel.json`` is merged with an existing one: entries for other files are kept. Each entry
@@ -528,7 +529,7 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def export_one(name: str, out_dir: str, opset: int, fp16: bool) -> Dict[str, Any]:
+def export_one(name: str, out_dir: str, opset: int, fp16: bool, dynamo: bool = False) -> Dict[str, Any]:
     torch, _ = _import_torch()
     module, shape = build_torch_model(name)
     device = "cuda" if fp16 else "cpu"
@@ -545,17 +546,29 @@ def export_one(name: str, out_dir: str, opset: int, fp16: bool) -> Dict[str, Any
         # Python-level shape arithmetic in ConvTasNet / UNet / timm is traced as constants for
         # the non-batch dims, which are static here; the warnings say so for every such line.
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        torch.onnx.export(
-            module,
-            (example,),
-            path,
-            input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            opset_version=opset,
-            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-            do_constant_folding=True,
-            dynamo=False,
-        )
+        if dynamo:  # torch.export's exporter, torch.onnx.export's default since torch 2.9
+            program = torch.onnx.export(
+                module,
+                (example,),
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                opset_version=max(opset, 18),  # the lowest it writes
+                dynamic_shapes=({0: torch.export.Dim("batch", max=1024)},),
+                dynamo=True,
+            )
+            program.save(path)
+        else:
+            torch.onnx.export(
+                module,
+                (example,),
+                path,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                opset_version=opset,
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                do_constant_folding=True,
+                dynamo=False,
+            )
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         out_shape = list(module(example).shape)
@@ -572,7 +585,8 @@ def export_one(name: str, out_dir: str, opset: int, fp16: bool) -> Dict[str, Any
         "input_shape": ["batch"] + list(shape[1:]),
         "outputs": [OUTPUT_NAME],
         "bench_batches": list(bench_batches(name)),
-        "opset": opset,
+        "opset": max(opset, 18) if dynamo else opset,
+        "exporter": "dynamo" if dynamo else "torchscript",
         "export_seconds": round(seconds, 3),
         "bytes": os.path.getsize(path),
         "sha256": _sha256(path),
@@ -646,6 +660,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="export the sweep (models outside the panel, checked on the CPU) instead: " + ",".join(SWEEP))
     ap.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    ap.add_argument("--dynamo", action="store_true",
+                    help="export with torch.export (dynamo=True, opset >= 18) instead of the TorchScript exporter")
     ap.add_argument("--fp16", action="store_true",
                     help="export model.half() with half inputs on CUDA (skipped without CUDA)")
     args = ap.parse_args(argv)
@@ -683,7 +699,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed: List[str] = []
     for name in names:
         try:
-            entry = export_one(name, args.out, args.opset, args.fp16)
+            entry = export_one(name, args.out, args.opset, args.fp16, args.dynamo)
         except Exception as e:  # keep going: one model's exporter failure is not fatal
             print(f"{name}: export FAILED: {type(e).__name__}: {e}", file=sys.stderr)
             failed.append(name)
