@@ -141,3 +141,22 @@ def test_the_fused_kernels_folded_batchnorm_computes_on_the_host():
     assert len(uploads) == 2
     got = _X * np.asarray(plan.template[scale]).reshape(3, 1) + np.asarray(plan.template[shift]).reshape(3, 1)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ufunc", [np.add, np.multiply, np.maximum, np.minimum])
+@pytest.mark.parametrize("index_rank", [1, 2, 3])
+def test_a_scatter_reduction_without_ufunc_at_reduces_duplicates_in_order(ufunc, index_rank):
+    """CuPy has ``ufunc.at`` for add, subtract, maximum and minimum only; ScatterND /
+    ScatterElements with ``reduction="mul"`` reduce in rounds there. The rounds give what NumPy's
+    ``ufunc.at`` gives, duplicate targets included, for index arrays over the leading dims
+    (ScatterND) and over all of them (ScatterElements)."""
+    from convpass.runtime.ops import _reduce_at_in_rounds
+
+    rng = np.random.default_rng(index_rank)
+    x = rng.uniform(0.5, 1.5, (4, 3, 5))
+    keys = tuple(rng.integers(0, x.shape[d], (7, 2)) for d in range(index_rank))  # many repeats
+    updates = rng.uniform(0.5, 1.5, (7, 2) + x.shape[index_rank:])
+    want, got = x.copy(), x.copy()
+    ufunc.at(want, keys, updates)
+    _reduce_at_in_rounds(np, ufunc, got, keys, updates)
+    np.testing.assert_allclose(got, want, rtol=1e-14)

@@ -681,11 +681,31 @@ def _scatter(ctx: OpContext, node: NodeInfo, x: Any, keys: tuple[Any, ...], upda
     if reduction not in _SCATTER_REDUCTIONS:
         raise ExecutorError(f"{node.op_type} {node.name!r}: reduction {reduction!r} is not one of none, {', '.join(_SCATTER_REDUCTIONS)}")
     ufunc = getattr(xp, _SCATTER_REDUCTIONS[reduction])
-    at = getattr(ufunc, "at", None)
-    if at is None:
-        raise ExecutorError(f"{node.op_type} {node.name!r}: reduction {reduction!r} needs {_SCATTER_REDUCTIONS[reduction]}.at, which this backend's array library lacks")
-    at(out, keys, updates)
+    try:
+        ufunc.at(out, keys, updates)
+    except NotImplementedError:  # CuPy has ufunc.at for add, subtract, maximum and minimum only
+        _reduce_at_in_rounds(xp, ufunc, out, keys, updates)
     return out
+
+
+def _reduce_at_in_rounds(xp: Any, ufunc: Any, out: Any, keys: tuple[Any, ...], updates: Any) -> None:
+    """``ufunc.at(out, keys, updates)`` for an array library without it: each round applies, for
+    every target still owed an update, the first of its updates left, so duplicate targets reduce in
+    order. As many rounds as the most repeated target; the round sizes are read on the host."""
+    keys = xp.broadcast_arrays(*keys)
+    m = len(keys)
+    lead = keys[0].shape
+    rows = xp.ravel_multi_index(tuple(k.ravel() for k in keys), out.shape[:m])
+    flat = out.reshape((int(np.prod(out.shape[:m], dtype=np.int64)), -1))  # out is a fresh copy: a view
+    upd = xp.broadcast_to(updates, lead + out.shape[m:]).reshape((rows.size, -1))
+    left = xp.arange(rows.size)
+    while left.size:
+        _, first = xp.unique(rows[left], return_index=True)
+        now = left[first]
+        flat[rows[now]] = ufunc(flat[rows[now]], upd[now])
+        rest = xp.ones(left.size, dtype=bool)
+        rest[first] = False
+        left = left[rest]
 
 
 @register("ScatterND", 11)
