@@ -124,7 +124,10 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
             for name, value in annotation.decision_attributes(decisions).items():
                 node.attributes[name] = _ir_attr(name, value)
             node.domain = annotation.DOMAIN
-            node.op_type = annotation.annotated_op_type(node.op_type, has_bias=len(node.inputs) > 2 and node.inputs[2] is not None)
+            has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+            if not has_bias:
+                node.resize_inputs(2)  # an empty bias name ("") too: the X, W function takes two inputs
+            node.op_type = annotation.annotated_op_type(annotation.ANNOTATED_OPS.get(node.op_type, node.op_type), has_bias)
             used_ops.add(node.op_type)
         for op_type in sorted(used_ops):
             function = ir.serde.deserialize_function(annotation.conv_function(op_type, opset))

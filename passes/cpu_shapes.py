@@ -50,6 +50,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from convpass import annotation
 from convpass.annotation import Profile
 from convpass.errors import ShapeError
 
@@ -110,7 +111,10 @@ class _OpTable:
     def impl(self, node: ir.Node) -> OpImpl | None:
         key = (_domain(node), node.op_type)
         if key not in self._cache:
-            self._cache[key] = self._lookup(node.op_type, key[0], self._opsets.get(key[0], 0))
+            if key[0] == annotation.DOMAIN and node.op_type in annotation.ANNOTATED_OPS:  # a tuned conv: the standard op's rules
+                self._cache[key] = self._lookup(annotation.ANNOTATED_OPS[node.op_type], "", self._opsets.get("", 0))
+            else:
+                self._cache[key] = self._lookup(node.op_type, key[0], self._opsets.get(key[0], 0))
         return self._cache[key]
 
     def input_kind(self, node: ir.Node, index: int, need: int) -> int:

@@ -669,7 +669,8 @@ _SCATTER_REDUCTIONS = {"add": "add", "mul": "multiply", "max": "maximum", "min":
 
 def _scatter(ctx: OpContext, node: NodeInfo, x: Any, keys: tuple[Any, ...], updates: Any) -> Any:
     """A copy of ``x`` with ``updates`` written (or reduced, ``reduction``) at the index arrays
-    ``keys``. Duplicate keys: the last write wins without a reduction, as ONNX leaves it open."""
+    ``keys``. Duplicate keys without a reduction: ONNX leaves the result open (NumPy keeps the last
+    write; on a GPU any one of them may win)."""
     xp = ctx.xp
     out = x.copy()
     reduction = node.attr("reduction", "none")
@@ -683,7 +684,7 @@ def _scatter(ctx: OpContext, node: NodeInfo, x: Any, keys: tuple[Any, ...], upda
     ufunc = getattr(xp, _SCATTER_REDUCTIONS[reduction])
     try:
         ufunc.at(out, keys, updates)
-    except NotImplementedError:  # CuPy has ufunc.at for add, subtract, maximum and minimum only
+    except (NotImplementedError, TypeError):  # CuPy: ufunc.at for add, subtract, maximum, minimum, on some dtypes only
         _reduce_at_in_rounds(xp, ufunc, out, keys, updates)
     return out
 
@@ -693,6 +694,8 @@ def _reduce_at_in_rounds(xp: Any, ufunc: Any, out: Any, keys: tuple[Any, ...], u
     every target still owed an update, the first of its updates left, so duplicate targets reduce in
     order. As many rounds as the most repeated target; the round sizes are read on the host."""
     keys = xp.broadcast_arrays(*keys)
+    if keys[0].size == 0 or out.size == 0:
+        return
     m = len(keys)
     lead = keys[0].shape
     rows = xp.ravel_multi_index(tuple(k.ravel() for k in keys), out.shape[:m])
