@@ -375,6 +375,13 @@ _SELECT = (
 _ORDER = " ORDER BY key, method, time_ms IS NULL, time_ms, algo"
 
 
+def _in_order(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``rows`` of :data:`_SELECT` sorted as :data:`_ORDER` sorts them. Sorted here, not in SQL:
+    with that ORDER BY, SQLite's planner reads the whole device through the primary key instead of
+    the (device, shape) index (72 ms against 3 ms per lookup in a 140,000-row cache)."""
+    return sorted(rows, key=lambda r: (r[1], r[3], r[5] is None, r[5] if r[5] is not None else 0.0, r[2]))
+
+
 def _row(device: str, m: Measurement) -> tuple[Any, ...]:
     return (
         device,
@@ -728,12 +735,10 @@ class TuningCache:
     def get(self, device: DeviceFingerprint, shape: ConvShape) -> list[Measurement]:
         """Every layout, math mode, algorithm and method measured for this geometry on ``device``."""
         rows = self._run(
-            lambda c: c.execute(
-                _SELECT + " WHERE device = ? AND shape = ?" + _ORDER, (str(device), str(shape))
-            ).fetchall(),
+            lambda c: c.execute(_SELECT + " WHERE device = ? AND shape = ?", (str(device), str(shape))).fetchall(),
             write=False,
         )
-        return [self._measurement(r) for r in rows]
+        return [self._measurement(r) for r in _in_order(rows)]
 
     def get_key(self, device: DeviceFingerprint, key: ProblemKey) -> list[Measurement]:
         """Every algorithm and method measured for exactly this problem key on ``device``."""

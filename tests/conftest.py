@@ -304,6 +304,20 @@ def frontend(monkeypatch):
     return fe
 
 
+def offer_configs(monkeypatch, configs) -> None:
+    """cuDNN's graph API stood in for: ``configs(key, fusion)`` gives the engine configurations
+    the tuner enumerates for a key (or raises as enumeration would)."""
+    import types
+
+    from convpass.cudnn import graph_api
+
+    def enumerate_configs(key, fusion=""):
+        found = configs(key, fusion)
+        return types.SimpleNamespace(key=key, fusion=fusion, configs=lambda: list(found))
+
+    monkeypatch.setattr(graph_api, "enumerate_configs", enumerate_configs)
+
+
 def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.0, **cupy_functions):
     """The tuner's ``_ShapeBench`` for ``shape`` over NumPy stand-ins for CuPy and the harness's
     arrays (no timing: a test sets ``harness.time_launches``). Inputs are filled with ``fill``, ``x``
@@ -327,6 +341,7 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
                         lambda out, ref: float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("inf"))
     x = np.full(shape.x_shape, x_value, np.float32)
     bench = object.__new__(tuner._ShapeBench)
+    bench._engine_biases = {}
     bench.shape = shape
     bench._base = {"x": x, "w": np.ones(shape.w_shape, np.float32), "y": np.empty(shape.y_shape, np.float32)}
     bench.reference = lambda: np.full(shape.y_shape, x.sum(), np.float32)

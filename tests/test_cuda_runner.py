@@ -103,3 +103,58 @@ def test_the_tuners_timing_graphs_are_captured_without_garbage_collection():
     seen = []
     graph = harness._capture(lambda i: seen.append(gc.isenabled()), sets=2, count=3, stream=_Stream())
     assert graph is not None and seen == [False, False, False] and gc.isenabled()
+
+
+class _FakeGpu:
+    """A GPU whose every launch takes ``ms``: events read its clock, captured graphs replay their launches."""
+
+    def __init__(self, ms: float):
+        self.ms, self.clock, self.capturing = ms, 0.0, None
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.t = gpu.clock
+
+            def synchronize(self):
+                pass
+
+        class Stream:
+            def begin_capture(self):
+                gpu.capturing = 0
+
+            def end_capture(self):
+                n, gpu.capturing = gpu.capturing, None
+                return types.SimpleNamespace(launch=lambda stream: setattr(gpu, "clock", gpu.clock + n * gpu.ms))
+
+            def synchronize(self):
+                pass
+
+        stream = Stream()
+        self.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+            Event=Event, get_current_stream=lambda: stream, get_elapsed_time=lambda a, b: b.t - a.t))
+
+    def launch(self, i: int) -> None:
+        if self.capturing is None:
+            self.clock += self.ms
+        else:
+            self.capturing += 1
+
+
+def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_estimate(monkeypatch):
+    """Over 1.5x the best and 2 us above it: stopped after the estimate (not a close call); within
+    1.5x, or a tiny kernel within 2 us, it is timed in full."""
+    from convpass.tune import harness
+
+    def timing(ms: float, best_ms: float) -> harness.Timing:
+        gpu = _FakeGpu(ms)
+        monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+        return harness.time_launches(gpu.launch, sets=4, best_ms=best_ms)
+
+    slow = timing(0.016, best_ms=0.010)
+    assert slow.early_stop and abs(slow.time_ms - 0.016) < 1e-9 and slow.launches == 5
+    close = timing(0.014, best_ms=0.010)
+    assert not close.early_stop and abs(close.time_ms - 0.014) < 1e-9 and close.launches > 5
+    tiny = timing(0.0025, best_ms=0.001)  # 2.5x, but 1.5 us: the estimate's own latency could be that
+    assert not tiny.early_stop
+    assert timing(0.0035, best_ms=0.001).early_stop

@@ -15,7 +15,7 @@ import pytest
 from onnx import helper
 
 import convpass
-from conftest import no_plan_side_car, numpy_shape_bench, silu_model
+from conftest import no_plan_side_car, numpy_shape_bench, offer_configs, silu_model
 from convpass import annotation
 from convpass.cache import Measurement, TuningCache
 from convpass.cudnn import graph_api
@@ -222,7 +222,7 @@ def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_e
 class _FusedPlan:
     """Fused configurations: 1 right, 2 wrong (forgets the activation), 3 not buildable."""
 
-    def __init__(self, key, config):
+    def __init__(self, key, config, enumerated=None):
         if config.engine_id == 3:
             raise graph_api.GraphApiError("cuDNN does not build eng3 (bias+swish): NOT_SUPPORTED")
         self.config, self.workspace_bytes = config, 0
@@ -238,7 +238,7 @@ def fused_bench(monkeypatch):
     from convpass.tune import harness
 
     monkeypatch.setattr(graph_api, "EnginePlan", _FusedPlan)
-    monkeypatch.setattr(graph_api, "configs", lambda key, fusion="": [EngineConfig(i, (), fusion) for i in (1, 2, 3)])
+    offer_configs(monkeypatch, lambda key, fusion="": [EngineConfig(i, (), fusion) for i in (1, 2, 3)])
     launched = []
     monkeypatch.setattr(tuner, "_activation_kernel", lambda fusion: lambda a, out: launched.append(fusion))
 
@@ -266,7 +266,7 @@ def test_no_fused_engine_at_all_is_recorded(fused_bench, monkeypatch):
     def refuse(key, fusion=""):
         raise graph_api.GraphApiError("cuDNN's graph API has no engine for this")
 
-    monkeypatch.setattr(graph_api, "configs", refuse)
+    offer_configs(monkeypatch, refuse)
     rows = fused_bench.measure_fused(SHAPE.key("nchw", "default"), SWISH, best_ms=None)
     assert [(r.algo, r.status) for r in rows] == [(SWISH, "ok"), ("engine:none+bias+swish", "unsupported")]
     assert fusion_of(rows[1].algo) == SWISH
@@ -288,14 +288,14 @@ def test_the_fused_graph_adds_a_bias_and_the_activation_and_its_plan_takes_the_b
     bare = graph_api.EnginePlan(KEY, EngineConfig.parse("eng5"))
     with pytest.raises(graph_api.GraphApiError, match="takes no bias"):
         bare.execute(arr(1), arr(2), arr(3), arr(9), bias=arr(4))
-    assert [c.algo for c in graph_api.configs(KEY, SWISH)][:2] == ["engine:eng5+bias+swish", "engine:eng67_k2=16_k13=0+bias+swish"]
+    assert [c.algo for c in graph_api.enumerate_configs(KEY, SWISH).configs()][:2] == ["engine:eng5+bias+swish", "engine:eng67_k2=16_k13=0+bias+swish"]
 
 
 # ---------------------------------------------------------------------------------------------
 # the executor's choice for a fused decision (cuDNN stood in for: no GPU)
 
 class _Plan:
-    def __init__(self, key, config):
+    def __init__(self, key, config, enumerated=None):
         self.config, self.workspace_bytes = config, 0
 
 

@@ -68,7 +68,7 @@ from convpass.epilogue import fusion_of  # noqa: F401  (the naming of fused rows
 from convpass.problem import ProblemKey
 
 __all__ = [
-    "ENGINE_PREFIX", "FUSIONS", "PLAN_FORMAT", "EngineConfig", "EnginePlan", "GraphApiError", "configs", "fusion_of", "is_engine",
+    "ENGINE_PREFIX", "FUSIONS", "PLAN_FORMAT", "EngineConfig", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs", "fusion_of", "is_engine",
     "plan_id", "unavailable",
 ]
 
@@ -244,23 +244,42 @@ def _enumerate(fe: Any, g: Any, key: ProblemKey, modes: tuple[str, ...] = ("A", 
     return [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
 
 
-def configs(key: ProblemKey, fusion: str = "") -> list[EngineConfig]:
+@dataclasses.dataclass
+class Enumerated:
+    """``key``'s operation graph (the bare conv, or ``fusion``'s) with cuDNN's configurations
+    enumerated on it: plans of any of them are built on this one graph (:class:`EnginePlan`), so a
+    tuner timing all of them enumerates once per key, not once per candidate (which was a third
+    of a ResNet-50's tuning time on an H200)."""
+
+    key: ProblemKey
+    fusion: str
+    graph: Any
+    tensors: dict[str, Any]
+    names: list[str]  # plan name per plan index
+
+    def configs(self) -> list[EngineConfig]:
+        """The configurations, duplicates once, in cuDNN's order."""
+        found = [EngineConfig.parse(name, self.fusion) for name in self.names]
+        return list(dict.fromkeys(c for c in found if c.engine_id < PYTHON_ENGINE_ID_BASE))
+
+
+def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
     """Every backend engine configuration cuDNN offers for ``key``'s graph, the bare conv or the
-    ``fusion`` of :data:`FUSIONS` (heuristic modes A and B, then the fallback list; duplicates
-    once, in that order). None for TF32 off (see the rules)."""
+    ``fusion`` of :data:`FUSIONS` (heuristic modes A and B, then the fallback list). None for
+    TF32 off (see the rules)."""
     fe = _require()
     import cupy as cp
 
     device, _ = _current(cp)
     what = f"{key} + {fusion}" if fusion else str(key)
     try:
-        g, _ = _graph(fe, key, _handle(fe, device), fusion)
-        found = [EngineConfig.parse(name, fusion) for name in _enumerate(fe, g, key)]
+        g, tensors = _graph(fe, key, _handle(fe, device), fusion)
+        names = _enumerate(fe, g, key)
     except GraphApiError:
         raise
     except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
         raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(e)}") from e
-    return list(dict.fromkeys(c for c in found if c.engine_id < PYTHON_ENGINE_ID_BASE))
+    return Enumerated(key, fusion, g, tensors, names)
 
 
 class EnginePlan:
@@ -272,7 +291,9 @@ class EnginePlan:
     synchronization, so it can be captured into a CUDA graph.
     """
 
-    def __init__(self, key: ProblemKey, config: EngineConfig) -> None:
+    def __init__(self, key: ProblemKey, config: EngineConfig, enumerated: Enumerated | None = None) -> None:
+        """``enumerated``: the key's graph with its configurations already enumerated on this
+        device (the tuner's), on which the plan is built; else a graph of the plan's own."""
         fe = _require()
         import cupy as cp
 
@@ -284,20 +305,24 @@ class EnginePlan:
         fusion = config.fusion
         what = f"{config.name} ({fusion})" if fusion else config.name
         try:
-            self._graph, t = _graph(fe, key, self._handle, fusion)
-            # The configuration is found again among cuDNN's own for this graph, by name: rebuilding
-            # it from (engine id, knobs) through the frontend's knob enum gave configurations that
-            # cuDNN refused to finalize (H200, frontend 1.32: its enum is not cuDNN's knob numbering).
-            # Mode A alone first (the instant heuristic: start-up time), the full list when needed.
-            try:
-                names = _enumerate(fe, self._graph, key, ("A",))
-            except GraphApiError:
-                raise
-            except Exception:  # noqa: BLE001  (mode A offers nothing for this graph: the full list below)
-                names = []
-            if config.name not in names:
+            if enumerated is not None and (enumerated.key, enumerated.fusion) == (key, fusion):
+                self._graph, t, names = enumerated.graph, enumerated.tensors, enumerated.names
+            else:
                 self._graph, t = _graph(fe, key, self._handle, fusion)
-                names = _enumerate(fe, self._graph, key)
+                # The configuration is found again among cuDNN's own for this graph, by name:
+                # rebuilding it from (engine id, knobs) through the frontend's knob enum gave
+                # configurations that cuDNN refused to finalize (H200, frontend 1.32: its enum is not
+                # cuDNN's knob numbering). Mode A alone first (the instant heuristic: start-up
+                # time), the full list when needed.
+                try:
+                    names = _enumerate(fe, self._graph, key, ("A",))
+                except GraphApiError:
+                    raise
+                except Exception:  # noqa: BLE001  (mode A offers nothing for this graph: the full list below)
+                    names = []
+                if config.name not in names:
+                    self._graph, t = _graph(fe, key, self._handle, fusion)
+                    names = _enumerate(fe, self._graph, key)
             if config.name not in names:
                 raise GraphApiError(f"cuDNN does not offer {what} for {key} here")
             self._index = names.index(config.name)
