@@ -60,12 +60,13 @@ def _reference(x, w, shape) -> np.ndarray:
     return y
 
 
-def _built(key, configs):
+def _built(key, configs, enumerated=None):
     """(config, plan) for each offered configuration that builds here (one that does not is
-    recorded as unsupported by the tuner)."""
+    recorded as unsupported by the tuner); ``enumerated``: built on that one graph, as the tuner
+    builds them."""
     for config in configs:
         try:
-            yield config, graph_api.EnginePlan(key, config)
+            yield config, graph_api.EnginePlan(key, config, enumerated)
         except graph_api.GraphApiError:
             continue
 
@@ -73,7 +74,7 @@ def _built(key, configs):
 def test_no_engine_is_offered_with_tf32_off():
     shape = canonicalize_conv("Conv", {}, (2, 8, 8, 8), (8, 8, 1, 1)).shapes[0]
     with pytest.raises(graph_api.GraphApiError, match="TF32 off"):
-        graph_api.configs(shape.key("nhwc", "fma"))
+        graph_api.enumerate_configs(shape.key("nhwc", "fma"))
 
 
 def _inputs(spec, layout: str, seed: int, bias: bool = False):
@@ -92,11 +93,11 @@ def _inputs(spec, layout: str, seed: int, bias: bool = False):
     return shape, shape.key(layout, "default"), want, as_layout(cp.asarray(xh), layout), as_layout(cp.asarray(wh), layout), b
 
 
-def _check_every_plan(key, configs, shape, want, x, w, b=None) -> int:
+def _check_every_plan(key, configs, shape, want, x, w, b=None, enumerated=None) -> int:
     """Run every configuration that builds into a NaN-filled output; each must match ``want``
     (TF32 tolerance). Returns how many built."""
     built = 0
-    for config, plan in _built(key, configs):
+    for config, plan in _built(key, configs, enumerated):
         built += 1
         y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), key.layout)
         plan.execute(x, w, y, cp.empty(max(plan.workspace_bytes, 1), cp.uint8), bias=b)
@@ -109,14 +110,19 @@ def _check_every_plan(key, configs, shape, want, x, w, b=None) -> int:
     return built
 
 
+@pytest.mark.parametrize("graph", ["own", "enumerated"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_offered_configuration_computes_the_conv(case, layout):
+def test_every_offered_configuration_computes_the_conv(case, layout, graph):
+    """Each plan on a graph of its own (the executor's), and all of them on the one graph they
+    were enumerated on (the tuner's)."""
     shape, key, want, x, w, _ = _inputs(CASES[case], layout, 3)
-    configs = graph_api.configs(key)
+    enumerated = graph_api.enumerate_configs(key)
+    configs = enumerated.configs()
     assert configs, f"cuDNN offers no engine for {key}"
     assert all(c.engine_id < graph_api.PYTHON_ENGINE_ID_BASE for c in configs)
-    assert _check_every_plan(key, configs, shape, want, x, w), f"no configuration of {key} builds"
+    built = _check_every_plan(key, configs, shape, want, x, w, enumerated=enumerated if graph == "enumerated" else None)
+    assert built, f"no configuration of {key} builds"
 
 
 def test_the_tuner_records_engines_beside_the_legacy_algorithms(tmp_path):
@@ -242,7 +248,7 @@ FUSED_CASES = {k: CASES[k] for k in ("dense3x3", "depthwise_s2", "grouped1x1")}
 def test_every_fused_configuration_computes_silu_of_conv_plus_bias(case, layout):
     shape, key, pre, x, w, b = _inputs(FUSED_CASES[case], layout, 4, bias=True)
     try:
-        configs = graph_api.configs(key, "bias+swish")
+        configs = graph_api.enumerate_configs(key, "bias+swish").configs()
     except graph_api.GraphApiError as e:
         pytest.skip(f"no fused engine here: {e}")  # the tuner records this as engine:none+bias+swish
     assert configs and all(c.fusion == "bias+swish" and c.algo.endswith("+bias+swish") for c in configs), configs
