@@ -1,0 +1,34 @@
+"""benchmarks/fusion_bound.py: the fastest bare conv of a geometry from recorded rows (no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from conftest import REPO
+from convpass.cache import Measurement
+from convpass.problem import ProblemKey
+
+_spec = importlib.util.spec_from_file_location("fusion_bound", REPO / "benchmarks" / "fusion_bound.py")
+fusion_bound = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fusion_bound)
+
+NCHW = ProblemKey.parse("fwd|n=32|c=64|k=64|in=56x56|ker=1x1|pad=0x0|str=1x1|dil=1x1|g=1|float32|nchw|default")
+NHWC = ProblemKey.parse("fwd|n=32|c=64|k=64|in=56x56|ker=1x1|pad=0x0|str=1x1|dil=1x1|g=1|float32|nhwc|default")
+
+
+def _row(key, algo, ms, method="measure", note=""):
+    return Measurement(key, algo, "ok", ms, 0, True, 1.0, method, note=note)
+
+
+def test_an_engine_row_counts_without_its_bias_pass_and_fused_or_stopped_rows_not_at_all():
+    rows = [
+        _row(NCHW, "implicit_gemm", 0.050),
+        _row(NCHW, "implicit_gemm+bias+relu", 0.030),  # a fused call: not a bare conv
+        _row(NCHW, "gemm", 0.010, note="early stop: estimate over 1.5x the best"),  # an estimate
+        _row(NHWC, "engine:eng1", 0.048),  # timed with its bias pass (0.010)
+        _row(NHWC, "bias", 0.010, method="epilogue"),
+        _row(NHWC, "bias+relu", 0.012, method="epilogue"),
+    ]
+    assert abs(fusion_bound.bare_best_ms(rows, NCHW) - 0.038) < 1e-12
+    # an engine row whose pass was not timed tells nothing about its bare conv
+    assert fusion_bound.bare_best_ms([rows[0], rows[3]], NCHW) == 0.050
