@@ -20,6 +20,7 @@ import argparse
 import collections
 import math
 import sys
+from pathlib import Path
 
 import convpass
 from convpass.cache import TuningCache
@@ -51,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", required=True)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="peak memory bandwidth, TB/s (H200: 4.8)")
     args = ap.parse_args(argv)
+    for what, path in (("model", args.model), ("tuning cache", args.cache)):
+        if not Path(path).is_file():  # a cache path that does not exist would be created empty
+            ap.error(f"{what} {path} does not exist")
+    records = [r for r in convpass.inspect(args.model) if r["time_ms"] is not None and r["algo"] not in (None, "auto")]
+    if not records:
+        ap.error(f"{args.model} records no timed conv decision (tune it first: convpass optimize ... --engines legacy)")
     cache = TuningCache(args.cache)
     sums: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
-    for r in convpass.inspect(args.model):
-        if r["time_ms"] is None or r["algo"] in (None, "auto"):
-            continue
+    for r in records:
         key = ProblemKey.parse(r["problem_key"])
         bare = bare_best_ms(cache.get(DeviceFingerprint.parse(r["device"]), key.shape), key) or r["time_ms"]
         y = key.shape.y_shape

@@ -32,3 +32,15 @@ def test_an_engine_row_counts_without_its_bias_pass_and_fused_or_stopped_rows_no
     assert abs(fusion_bound.bare_best_ms(rows, NCHW) - 0.038) < 1e-12
     # an engine row whose pass was not timed tells nothing about its bare conv
     assert fusion_bound.bare_best_ms([rows[0], rows[3]], NCHW) == 0.050
+
+
+def test_a_missing_cache_is_an_error_and_is_not_created(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        fusion_bound.main(["--model", str(REPO / "models" / "residual_cnn.onnx"), "--cache", str(tmp_path / "none.db")])
+    assert "none.db does not exist" in capsys.readouterr().err and not (tmp_path / "none.db").exists()
+    with pytest.raises(SystemExit):  # an untuned model: nothing to bound
+        (tmp_path / "c.db").write_bytes(b"")
+        fusion_bound.main(["--model", str(REPO / "models" / "residual_cnn.onnx"), "--cache", str(tmp_path / "c.db")])
+    assert "records no timed conv decision" in capsys.readouterr().err
