@@ -159,6 +159,7 @@ class Convolutions:
         self.rt = rt
         self.cp = rt.cp
         self._descs: dict[ProblemKey, Any] = {}
+        self._workspace_bytes: dict[tuple[ProblemKey, str], int] = {}
         self._execs: dict[Any, Any] = {}
         self._by_call: dict[int, tuple[Any, Any, Any]] = {}
         self._weights: dict[Any, tuple[Any, Any]] = {}
@@ -182,6 +183,17 @@ class Convolutions:
 
             d = self._descs[key] = cudnn.ConvDescriptors(key)
         return d
+
+    def workspace_bytes(self, key: ProblemKey, algo: str) -> int:
+        """The workspace ``algo`` needs for ``key``, asked of cuDNN once per problem and algorithm:
+        each query costs a fresh process 1-3 ms, and a plan resolves every conv twice (op by op,
+        then lowered) over problems that repeat. Raises as :func:`convpass.cudnn.workspace_size`."""
+        ws = self._workspace_bytes.get((key, algo))
+        if ws is None:
+            from convpass import cudnn
+
+            ws = self._workspace_bytes[(key, algo)] = cudnn.workspace_size(self.descriptors(key), None, algo)
+        return ws
 
     def resolve(self, call: ConvCall, dtype: Any, fusion: str | None = None) -> Any:
         """The :class:`ConvExec` (or :data:`REFERENCE`) ``call`` runs with for inputs of ``dtype``
@@ -246,7 +258,7 @@ class Convolutions:
 
             try:
                 descs = self.descriptors(key)
-                ws = cudnn.workspace_size(descs, None, d.algo)
+                ws = self.workspace_bytes(key, d.algo)
             except (cudnn.CudnnError, ValueError) as e:
                 why = f"recorded algorithm {d.algo!r} ({key.layout}, {key.math}) is not usable here: {first_line(e)}"
             else:
@@ -369,7 +381,7 @@ class Convolutions:
                 if not p.ok:
                     continue
                 try:
-                    ws = cudnn.workspace_size(descs, None, p.algo)
+                    ws = self.workspace_bytes(key, p.algo)
                 except (cudnn.CudnnError, ValueError):
                     continue
                 usable.append((p.algo, ws))
