@@ -88,17 +88,6 @@ class Backend:
         """Called once by the executor with the model's convpass metadata (None for untuned models)."""
         return None
 
-    def begin_open(self) -> None:
-        """Start the device's one-time set-up (for a GPU: context, libraries) in the background, so
-        that it overlaps the executor reading the model; :meth:`finish_open` waits for it. Nothing
-        to do on the host."""
-        return None
-
-    def finish_open(self) -> None:
-        """Wait for :meth:`begin_open`'s work. What failed there is not raised here: the same calls
-        are made again where they are needed and fail there with their own errors."""
-        return None
-
     def warm_up(self, plan: Plan, feeds: dict[str, Any]) -> None:
         """Do a compiled plan's first-run work now (e.g. warm-up and CUDA-graph capture), for
         :meth:`Executor.prepare`; nothing when the plan has none left."""

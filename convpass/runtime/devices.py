@@ -6,6 +6,7 @@ the dependencies run one way (executor -> devices -> backends / cuda -> backends
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from convpass.runtime.backends import Backend, host_backend
@@ -30,6 +31,22 @@ def cuda_available() -> bool:
 def default_device() -> str:
     """'cuda' when the cuda backend is usable here, else 'cpu'."""
     return "cuda" if cuda_available() else "cpu"
+
+
+def open_ahead(device: str | Backend) -> Callable[[], None]:
+    """Start the set-up of the GPU ``device`` names ('cuda', 'cuda:N', 'auto') on a helper thread,
+    before its backend is made (:func:`convpass.runtime.cuda.open_ahead`); returns the function
+    that waits for it (nothing to wait for on the host, or for a backend already made)."""
+    if isinstance(device, Backend):
+        return lambda: None
+    name = str(device).lower()
+    if not (name.startswith("cuda") or name in ("auto", "")):
+        return lambda: None
+    try:
+        from convpass.runtime import cuda
+    except ImportError:
+        return lambda: None
+    return cuda.open_ahead(name)
 
 
 def get_backend(device: str | Backend, **options: Any) -> Backend:

@@ -33,7 +33,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from onnx import numpy_helper
 from convpass import annotation, kernel_file
 from convpass.runtime.backends import Backend, host_backend
 from convpass.runtime.conv import ConvCall
-from convpass.runtime.devices import get_backend
+from convpass.runtime.devices import get_backend, open_ahead
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import ConvSummary, GraphStatus, Plan, PlanStep, store_outputs, unshare_outputs
 from convpass.runtime.registry import (
@@ -271,13 +271,21 @@ class Executor:
             raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
         self.output_kind = output_kind or "auto"
         self.cuda_graph = bool(cuda_graph)
+        # A fresh process's GPU set-up (CUDA, the context, cuDNN: 0.3-0.4 s) runs on a helper thread
+        # while the model is read; the initializers are converted while the file's hash is computed
+        # (hashlib lets go of the GIL). Nothing here touches the GPU before the wait.
+        gpu_ready = open_ahead(device)
+        try:
+            proto, pending_digest = _load(model)
+            try:
+                constants, constants_error = _read_initializers(proto), None
+            except ExecutorError as e:  # said after onnx.checker, whose message names the fault better
+                constants, constants_error = {}, e
+            digest = pending_digest()
+        finally:
+            gpu_ready()
         self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
         self.device = self._backend.name
-        self._backend.begin_open()  # the GPU's context and libraries load while the model is read
-        try:
-            proto, digest = _load(model)
-        finally:
-            self._backend.finish_open()
         self.kernel_file, why = _kernel_file(model, digest, kernels)
         self.trusted = self.kernel_file is not None and self.kernel_file.verified and digest is not None
         self._backend.use_kernels(self.kernel_file, why)
@@ -287,6 +295,8 @@ class Executor:
                 onnx.checker.check_model(os.fspath(model) if isinstance(model, (str, os.PathLike)) else proto)
             except (onnx.checker.ValidationError, ValueError) as e:
                 raise ExecutorError(f"model fails onnx.checker: {e}") from None
+        if constants_error is not None:
+            raise constants_error
         try:
             # a model tuned for several GPU types carries one decision table per device: this one's
             self.model_info, annotations = annotation.read_annotations(proto, device=self._backend.fingerprint())
@@ -301,7 +311,7 @@ class Executor:
         if not report.ok:
             raise ExecutorError(report.message())
         self.opsets = _opsets(proto)
-        self._init_io(proto)
+        self._init_io(proto, constants)
         self._nodes = self._init_nodes(proto)
         self.folded_batchnorms: list[str] = []
         # constants first, so BatchNormalization parameters given by Constant nodes fold too
@@ -318,15 +328,10 @@ class Executor:
 
     # ------------------------------------------------------------------ load
 
-    def _init_io(self, proto: onnx.ModelProto) -> None:
+    def _init_io(self, proto: onnx.ModelProto, constants: dict[str, np.ndarray]) -> None:
         g = proto.graph
         init_names = {t.name for t in g.initializer}
-        self._constants: dict[str, np.ndarray] = {}
-        for t in g.initializer:
-            try:
-                self._constants[t.name] = numpy_helper.to_array(t)
-            except Exception as e:  # noqa: BLE001
-                raise ExecutorError(f"cannot read initializer {t.name!r}: {e}") from None
+        self._constants = constants
         self._inputs: list[NodeArg] = [_node_arg(vi) for vi in g.input if vi.name not in init_names]
         self._overridable = [vi.name for vi in g.input if vi.name in init_names]
         self._outputs: list[NodeArg] = [_node_arg(vi) for vi in g.output]
@@ -919,13 +924,16 @@ def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
     return NodeArg(vi.name, shape, ort_type_string(tt.elem_type), tt.elem_type)
 
 
-def _load(model: Any) -> tuple[onnx.ModelProto, str | None]:
-    """The model and the SHA-256 of its file's bytes (None when it was given as a ModelProto)."""
+def _load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
+    """The model, and a function that returns the SHA-256 of its file's bytes (None when it was
+    given as a ModelProto). The hash is computed on a thread of its own (hashlib lets go of the GIL
+    on large buffers: 0.05-0.1 s for 100 MB), beside the parse and whatever the caller does before
+    it asks for it."""
     if isinstance(model, onnx.ModelProto):
-        return model, None
+        return model, lambda: None
     if isinstance(model, (bytes, bytearray)):
         try:
-            return onnx.load_from_string(bytes(model)), hashlib.sha256(model).hexdigest()
+            return onnx.load_from_string(bytes(model)), lambda: hashlib.sha256(model).hexdigest()
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot parse the model bytes: {e}") from None
     if isinstance(model, (str, os.PathLike)):
@@ -935,15 +943,25 @@ def _load(model: Any) -> tuple[onnx.ModelProto, str | None]:
         try:
             with open(path, "rb") as f:  # read once: parsed and hashed from the same bytes
                 data = f.read()
-            # hashlib lets go of the GIL on large buffers: the hash runs beside the parse
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256") as pool:
-                digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
-                proto = onnx.load_from_string(data)
-                onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
-                return proto, digest.result()
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256")
+            digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+            pool.shutdown(wait=False)  # its one job runs on
+            proto = onnx.load_from_string(data)
+            onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot load {path}: {e}") from None
+        return proto, digest.result
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
+
+
+def _read_initializers(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
+    constants: dict[str, np.ndarray] = {}
+    for t in proto.graph.initializer:
+        try:
+            constants[t.name] = numpy_helper.to_array(t)
+        except Exception as e:  # noqa: BLE001
+            raise ExecutorError(f"cannot read initializer {t.name!r}: {e}") from None
+    return constants
 
 
 def _kernel_file(model: Any, digest: str | None, kernels: Any) -> tuple[kernel_file.KernelFile | None, str]:

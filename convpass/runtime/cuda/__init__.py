@@ -2,7 +2,8 @@
 
 ``CudaBackend(device=0, cuda_graph=True, ...)`` implements
 :class:`convpass.runtime.backends.Backend` with ``xp = cupy``; :func:`unavailable_reason` says why
-it cannot run here (no CuPy, no GPU, no cuDNN), ``None`` when it can. Importing this package
+it cannot run here (no CuPy, no GPU, no cuDNN), ``None`` when it can; :func:`open_ahead` starts a
+GPU's set-up on a helper thread. Importing this package
 imports neither CuPy nor cuDNN.
 
 One module per concern, dependencies one way (:mod:`.backend` is the only one that knows them all):
@@ -19,7 +20,7 @@ One module per concern, dependencies one way (:mod:`.backend` is the only one th
   counts what still compiles; :mod:`.common` — shared helpers.
 """
 
-from convpass.runtime.cuda.common import ExecutorWarning, StartupCompileWarning, unavailable_reason
+from convpass.runtime.cuda.common import ExecutorWarning, StartupCompileWarning, open_ahead, unavailable_reason
 
 
 def __getattr__(name: str):  # CudaBackend without importing CuPy-facing modules at package import
@@ -30,4 +31,4 @@ def __getattr__(name: str):  # CudaBackend without importing CuPy-facing modules
     raise AttributeError(name)
 
 
-__all__ = ["CudaBackend", "ExecutorWarning", "StartupCompileWarning", "unavailable_reason"]
+__all__ = ["CudaBackend", "ExecutorWarning", "StartupCompileWarning", "open_ahead", "unavailable_reason"]

@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import threading
 import warnings
 from typing import Any
 
@@ -45,7 +44,7 @@ import numpy as np
 from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.cuda import lowering, prebuilt, runner
-from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, unavailable_reason
+from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, device_index, unavailable_reason
 from convpass.cudnn.graph_api import FUSIONS
 from convpass.runtime.cuda.convolution import ENGINE_BUILD_NOTE_S, Convolutions, fusion_counter
 from convpass.runtime.errors import ExecutorError
@@ -60,23 +59,6 @@ _CONTENT_KEY_BYTES = 1 << 16
 # DLPack device types of CUDA memory (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 3, 13)
 _POOLING = ("auto", "cudnn", "kernel")
-
-
-def _device_index(device: Any) -> int:
-    if device is None:
-        return 0
-    if isinstance(device, (int, np.integer)):
-        return int(device)
-    text = str(device).strip().lower()
-    if text in ("", "cuda", "gpu", "auto"):
-        return 0
-    for prefix in ("cuda:", "gpu:"):
-        if text.startswith(prefix):
-            text = text[len(prefix) :]
-    try:
-        return int(text)
-    except ValueError:
-        raise ExecutorError(f"cannot read a CUDA device from {device!r}; use 0, 1, 'cuda' or 'cuda:1'") from None
 
 
 class _Namespace:
@@ -124,7 +106,7 @@ class CudaBackend(Backend):
 
         self.cp = cupy
         self.xp = _Namespace(cupy, self)
-        self.device_id = _device_index(device)
+        self.device_id = device_index(device)
         count = int(cupy.cuda.runtime.getDeviceCount())
         if not 0 <= self.device_id < count:
             raise ExecutorError(f"CUDA device {self.device_id} does not exist ({count} visible)")
@@ -145,7 +127,6 @@ class CudaBackend(Backend):
         self._tf32_now = False
         self._blas: Any = None  # blas.Blas, False when it cannot be loaded
         self._erf_kernel: Any = None
-        self._opener: threading.Thread | None = None  # begin_open's thread
         self.recorded_device = ""
         self.current_device: Any = None
         self._warned: set[str] = set()
@@ -161,32 +142,9 @@ class CudaBackend(Backend):
             "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
             "own_kernel_calls": 0, **{fusion_counter(f): 0 for f in FUSIONS},
         })
-        with self._device:
-            self.convs = Convolutions(self)
+        self.convs = Convolutions(self)
 
     # ------------------------------------------------------------------ Backend interface
-
-    def begin_open(self) -> None:
-        if self._opener is None:
-            self._opener = threading.Thread(target=self._open, args=(threading.current_thread(),), name="convpass-cuda-open", daemon=True)
-            self._opener.start()
-
-    def _open(self, caller: threading.Thread) -> None:
-        # CUDA context creation, cuDNN's library loads and handle creation mostly run without the
-        # GIL: in a fresh process they overlap reading and parsing the model (0.1-0.2 s measured).
-        try:
-            from convpass import cudnn
-
-            with self._device:
-                self.cp.cuda.runtime.free(0)  # creates the primary context
-                cudnn.api.make_handle_for(caller, self.device_id)
-        except Exception as e:  # noqa: BLE001  (redone, and raised, where it is needed: finish_open)
-            logger.debug("CUDA set-up ahead of time failed (%s); it is done again when needed", e)
-
-    def finish_open(self) -> None:
-        opener = self._opener
-        if opener is not None and opener.is_alive():
-            opener.join()
 
     def describe(self) -> str:
         cp = self.cp
