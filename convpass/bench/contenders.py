@@ -715,13 +715,19 @@ def run_batch_sizes_in_one_executor(path: Path, batches: Sequence[int], tf32: st
 # fresh processes
 
 
+# the runtimes whose bytecode warm-up run (fresh.warm_bytecode) this process has done
+_BYTECODE_WARMED: set[str] = set()
+
+
 def run_fresh(case: dict[str, Any], path: Path, tuned_path: Path, feeds: Mapping[str, np.ndarray], ref: Sequence[np.ndarray] | None,
               *, panel_json: str | None, module_cache: Mapping[str, Any], timeout: float, workdir: Path,
               log: Callable[[str], None] = lambda s: None) -> None:
     """Every contender of ``case`` once more in a fresh process (:mod:`convpass.bench.fresh`), one
     after the other, on the same model (convpass: the tuned one and its kernel side-car) and inputs,
     its first output checked against the reference: the contender's ``fresh`` record. A contender
-    that could not run in this process (unavailable, skipped) is not started again."""
+    that could not run in this process (unavailable, skipped) is not started again. Each runtime's
+    first child in this process is preceded by an unmeasured one that writes the bytecode of what
+    it imports (:func:`fresh.warm_bytecode`)."""
     stem = f"{path.stem}.b{case['batch']}"
     inputs, out, weights = (workdir / f"{stem}.fresh-{what}" for what in ("inputs.npz", "out.npz", "weights.pt"))
 
@@ -742,6 +748,11 @@ def run_fresh(case: dict[str, Any], path: Path, tuned_path: Path, feeds: Mapping
     np.savez(inputs, **feeds)
     try:
         for c in case["contenders"]:
+            if c["family"] not in _BYTECODE_WARMED:
+                cmd, _ = _fresh_command(c, path, tuned_path, inputs, out, weights, panel_json, module_cache)
+                if cmd is not None:
+                    _BYTECODE_WARMED.add(c["family"])
+                    log(f"{c['family']}: {fresh.warm_bytecode(cmd, timeout, workdir)}")
             try:
                 c["fresh"] = one(c)
             except Exception as e:  # noqa: BLE001  (reported; the other contenders still run)

@@ -53,17 +53,18 @@ PARTS: tuple[tuple[str, str], ...] = (
 )
 PART_KEYS = tuple(k for k, _ in PARTS) + ("total_s",)
 # the stamps a runtime cannot take: the time between goes to the next part
-UNSEPARATED: dict[str, tuple[str, ...]] = {"convpass": (), "ort": ("context", "model_read"), "torch": ()}
+UNSEPARATED: dict[str, tuple[str, ...]] = {"convpass": ("context",), "ort": ("context", "model_read"), "torch": ()}
 RECORD_KEYS = ("status", "reason", "parts", "compilations", "compiled", "cache_files", "rel_err", "tolerance")
 
 LEGEND: dict[str, str] = {
     "all": "interpreter = spawn -> the child's main (Python start-up); inputs = reading the input .npz (the same "
            "file for every runtime); first run = host inputs in -> first result in host memory; total = spawn -> "
-           "first result; CUPY_CACHE_DIR and CUDA_CACHE_PATH are new empty folders in every child; '-' = a part the "
-           "runtime cannot separate, its time is in the next part",
-    "convpass": "import = numpy, convpass.runtime (and CuPy and convpass.cudnn on the GPU); context = CUDA context "
-                "(cudaFree(0)) + cuDNN loaded and its handle created; model read = Executor(tuned model, with its "
-                "kernel side-car); plan = Executor.prepare(inputs): lower, compile, warm up, capture; "
+           "first result; CUPY_CACHE_DIR and CUDA_CACHE_PATH are new empty folders in every child; each runtime's first "
+           "child is preceded by an unmeasured one that writes the bytecode of what it imports (as an installed "
+           "environment has it); '-' = a part the runtime cannot separate, its time is in the next part",
+    "convpass": "import = numpy, convpass.runtime (and CuPy and convpass.cudnn on the GPU); context: inside model read "
+                "= Executor(tuned model, with its kernel side-car), which creates the CUDA context (cudaFree(0)), loads "
+                "cuDNN and creates its handle on a helper thread while it reads the model; plan = Executor.prepare(inputs): lower, compile, warm up, capture; "
                 "compiled = run-time compilations / files in CuPy's kernel cache",
     "ort": "import = numpy, onnxruntime; context and model read: inside InferenceSession(), reported in plan = "
            "InferenceSession(original model) (CUDA context, cuDNN, model read, graph optimization); first run = "
@@ -112,16 +113,14 @@ def _run_convpass(args: argparse.Namespace, mark: Mark) -> list[Any]:
 
     cuda = args.device == "cuda"
     if cuda:
-        import cupy
+        import cupy  # noqa: F401  (what a deployment on the GPU imports)
 
-        from convpass.cudnn import get_handle
+        import convpass.cudnn  # noqa: F401
     mark("import")
     feeds = _read_inputs(np, args.inputs)
     mark("inputs")
-    if cuda:
-        cupy.cuda.runtime.free(0)  # creates the CUDA context
-        get_handle()  # loads cuDNN; the handle is the one the executor's kernels use (per thread and device)
-    mark("context")
+    # no context step of its own: the executor creates the CUDA context and loads cuDNN on a helper
+    # thread while it reads the model, as it does in a deployment (its time is in model read)
     ex = Executor(args.model, device=args.device)
     mark("model_read")
     ex.prepare(feeds)
@@ -301,6 +300,19 @@ def child_command(runtime: str, model: str | os.PathLike, inputs: str | os.PathL
     return cmd
 
 
+def warm_bytecode(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike) -> str:
+    """Run a child once, unmeasured, letting Python write the bytecode of what it imports: an
+    installed environment has it (``pip install`` byte-compiles every package), a source tree or an
+    image built with ``PYTHONDONTWRITEBYTECODE`` has none, and each fresh process there compiles
+    every module it imports from source (the device machine: numpy, CUDA's Python bindings, torch,
+    convpass; 0.2-0.5 s a process). The bench runs this once per runtime, before its first measured
+    child; what happened, for its log."""
+    rec = spawn(cmd, timeout, workdir, write_bytecode=True)
+    if rec["status"] != "ok":
+        return f"the bytecode warm-up run failed ({rec['reason']}); the measured processes may compile Python sources"
+    return "bytecode warm-up run done"
+
+
 def record(status: str, reason: str | None = None, **values: Any) -> dict[str, Any]:
     """A fresh-process record with every key of :data:`RECORD_KEYS` (None where it does not apply)."""
     out: dict[str, Any] = dict.fromkeys(RECORD_KEYS)
@@ -334,11 +346,15 @@ def _exit_text(code: int) -> str:
     return f"exit status {code}"
 
 
-def spawn(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike) -> dict[str, Any]:
+def spawn(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike, *, write_bytecode: bool = False) -> dict[str, Any]:
     """Run one child (``cmd`` + ``--spawn-time``) with new empty kernel-cache folders under
-    ``workdir``; the record of its result (status ``ok``) or of its failure (status ``failed``)."""
+    ``workdir``; the record of its result (status ``ok``) or of its failure (status ``failed``).
+    ``write_bytecode``: without ``PYTHONDONTWRITEBYTECODE``, so that Python writes the bytecode of
+    every module the child imports, where it can (see :func:`warm_bytecode`)."""
     caches = tempfile.mkdtemp(prefix="fresh-", dir=workdir)
     env = dict(os.environ)
+    if write_bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     for var, sub in (("CUPY_CACHE_DIR", "cupy"), ("CUDA_CACHE_PATH", "cuda")):
         env[var] = os.path.join(caches, sub)
         os.mkdir(env[var])
