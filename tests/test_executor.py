@@ -790,3 +790,35 @@ def test_a_plan_the_backend_replays_runs_outside_errstate():
     assert backend.scopes == 2 and backend.replayed == 0  # not replayable: run inside it
     backend.replays = True
     assert ex.run(None, {"x": x}) == ["replayed"] and backend.scopes == 2 and backend.replayed == 1
+
+
+def test_open_ahead_waits_for_nothing_on_the_host_and_never_raises(monkeypatch):
+    """The executor starts a GPU's set-up on a helper thread before it reads the model; on the host
+    there is nothing to start, and a GPU that cannot be set up is said where the backend is made."""
+    import threading
+
+    from convpass.runtime import cuda, devices
+    from convpass.runtime.backends import host_backend
+
+    before = threading.active_count()
+    assert devices.open_ahead("cpu")() is None and devices.open_ahead(host_backend())() is None
+    assert threading.active_count() == before
+    monkeypatch.setattr(cuda.common, "_probe", lambda: "no CUDA GPU is visible")
+    monkeypatch.setattr(cuda.common, "_reason_cache", [])
+    wait = devices.open_ahead("cuda:3")
+    assert wait() is None  # the helper found no GPU and stopped, saying nothing
+    with pytest.raises(ExecutorError, match="cuda backend not available: no CUDA GPU is visible"):
+        Executor(MODELS / "residual_cnn.onnx", device="cuda")
+
+
+def test_a_model_whose_initializer_cannot_be_read_is_refused_after_the_checker(tmp_path):
+    m = onnx.load(MODELS / "residual_cnn.onnx")
+    t = m.graph.initializer[0]
+    t.raw_data = t.raw_data[:-4]  # truncated
+    path = tmp_path / "bad.onnx"
+    onnx.save(m, path)
+    # the conversion (done while the file is hashed) fails first; the checker's message is the one said
+    with pytest.raises(ExecutorError, match="model fails onnx.checker: .*raw_data size"):
+        Executor(path)
+    with pytest.raises(ExecutorError, match=f"cannot read initializer {t.name!r}"):
+        Executor(path, check_model=False)

@@ -62,9 +62,9 @@ LEGEND: dict[str, str] = {
            "first result; CUPY_CACHE_DIR and CUDA_CACHE_PATH are new empty folders in every child; each runtime's first "
            "child is preceded by an unmeasured one that writes the bytecode of what it imports (as an installed "
            "environment has it); '-' = a part the runtime cannot separate, its time is in the next part",
-    "convpass": "import = numpy, convpass.runtime (and CuPy and convpass.cudnn on the GPU); context: inside model read "
-                "= Executor(tuned model, with its kernel side-car), which creates the CUDA context (cudaFree(0)), loads "
-                "cuDNN and creates its handle on a helper thread while it reads the model; plan = Executor.prepare(inputs): lower, compile, warm up, capture; "
+    "convpass": "import = numpy, convpass.runtime (what a deployment imports); context: inside model read = "
+                "Executor(tuned model, with its kernel side-car), which imports CuPy, creates the CUDA context "
+                "(cudaFree(0)), loads cuDNN and creates its handle on a helper thread while it reads the model; plan = Executor.prepare(inputs): lower, compile, warm up, capture; "
                 "compiled = run-time compilations / files in CuPy's kernel cache",
     "ort": "import = numpy, onnxruntime; context and model read: inside InferenceSession(), reported in plan = "
            "InferenceSession(original model) (CUDA context, cuDNN, model read, graph optimization); first run = "
@@ -109,18 +109,13 @@ def _pick(configs: Sequence[Mapping[str, Any]], label: Callable[[Mapping[str, An
 def _run_convpass(args: argparse.Namespace, mark: Mark) -> list[Any]:
     import numpy as np
 
-    from convpass.runtime import Executor
+    from convpass.runtime import Executor  # what a deployment imports
 
-    cuda = args.device == "cuda"
-    if cuda:
-        import cupy  # noqa: F401  (what a deployment on the GPU imports)
-
-        import convpass.cudnn  # noqa: F401
     mark("import")
     feeds = _read_inputs(np, args.inputs)
     mark("inputs")
-    # no context step of its own: the executor creates the CUDA context and loads cuDNN on a helper
-    # thread while it reads the model, as it does in a deployment (its time is in model read)
+    # no context step of its own: the executor imports CuPy, creates the CUDA context and loads
+    # cuDNN on a helper thread while it reads the model, as in a deployment (its time is in model read)
     ex = Executor(args.model, device=args.device)
     mark("model_read")
     ex.prepare(feeds)
