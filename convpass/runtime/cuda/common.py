@@ -148,12 +148,19 @@ def collector_paused() -> Iterator[None]:
 
 
 def open_ahead(device: Any) -> Callable[[], None]:
-    """Start a GPU's one-time set-up on a helper thread: CUDA's driver and the device's primary
-    context, cuDNN's libraries and the calling thread's cuDNN handle (0.3-0.4 s of a fresh process,
-    mostly outside the GIL), so that it overlaps what the caller does next (the executor: reading
-    the model). Returns the function that waits for it. Nothing fails here: what went wrong is met
-    again, and raised, where it is needed (making the backend, getting the handle)."""
+    """Start a GPU's one-time set-up on helper threads: CUDA's driver and the device's primary
+    context (:func:`retain_primary_context`, beside CuPy's import), then cuDNN's libraries and the
+    calling thread's cuDNN handle (0.3-0.5 s of a fresh process), so that it overlaps what the
+    caller does next (the executor: reading the model). Returns the function that waits for it.
+    Nothing fails here: what went wrong is met again, and raised, where it is needed (making the
+    backend, getting the handle)."""
     caller = threading.current_thread()
+
+    def open_context() -> None:
+        try:
+            retain_primary_context(device_index(device))
+        except Exception as e:  # noqa: BLE001
+            logger.debug("CUDA context ahead of time through the driver failed (%s); CuPy creates it", e)
 
     def open_device() -> None:
         try:
@@ -165,14 +172,34 @@ def open_ahead(device: Any) -> Callable[[], None]:
 
             index = device_index(device)
             with cupy.cuda.Device(index):
-                cupy.cuda.runtime.free(0)  # creates the primary context
+                context.join()
+                cupy.cuda.runtime.free(0)  # the primary context (made already, unless the driver API failed)
                 cudnn.api.make_handle_for(caller, index)
         except Exception as e:  # noqa: BLE001
             logger.debug("CUDA set-up ahead of time failed (%s); it is done again when needed", e)
 
+    context = threading.Thread(target=open_context, name="convpass-cuda-context", daemon=True)
     opener = threading.Thread(target=open_device, name="convpass-cuda-open", daemon=True)
+    context.start()
     opener.start()
     return opener.join
+
+
+def retain_primary_context(index: int) -> None:
+    """Initialize CUDA's driver and create device ``index``'s primary context through the driver
+    API (libcuda by ctypes, which lets go of the GIL): 0.2 s of a fresh process on an H200 that
+    then runs beside CuPy's import (0.2 s, which holds the GIL). The CUDA runtime, and so CuPy,
+    uses that same primary context; it stays retained for the life of the process, as the runtime
+    keeps it. Raises OSError without a driver, RuntimeError with the driver's error code."""
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), index)),
+                       ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev))):
+        status = getattr(libcuda, call)(*args)
+        if status != 0:
+            raise RuntimeError(f"{call} returned CUDA error {status}")
 
 
 def device_index(device: Any) -> int:

@@ -1,0 +1,136 @@
+"""A fresh process's GPU start-up work that runs beside the executor's own (CPU: fakes of the
+driver, cuDNN and CuPy). The GPU side is tests/gpu/test_cold_start.py."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import types
+
+import pytest
+
+from convpass import annotation, cudnn
+from convpass.cudnn.enums import CudnnError
+from convpass.problem import ConvShape, ProblemKey
+from convpass.runtime.cuda import common
+from convpass.runtime.cuda.convolution import Convolutions
+from convpass.runtime.executor import _by_profile
+
+
+class FakeDriver:
+    def __init__(self, fail: str | None = None) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.fail = fail
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            self.calls.append((name, args))
+            return 100 if name == self.fail else 0
+
+        return call
+
+
+def test_the_primary_context_is_made_through_the_driver_for_the_device_asked(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver if name == "libcuda.so.1" else pytest.fail(name))
+    common.retain_primary_context(2)
+    assert [c[0] for c in driver.calls] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain"]
+    assert driver.calls[0][1] == (0,) and driver.calls[1][1][1] == 2
+
+
+def test_a_driver_error_names_the_call_and_open_ahead_still_never_raises(monkeypatch):
+    driver = FakeDriver(fail="cuDeviceGet")
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver)
+    with pytest.raises(RuntimeError, match="cuDeviceGet returned CUDA error 100"):
+        common.retain_primary_context(0)
+    assert [c[0] for c in driver.calls] == ["cuInit", "cuDeviceGet"]  # stops at the failure
+    monkeypatch.setattr(common, "_probe", lambda: "no CUDA GPU is visible")
+    monkeypatch.setattr(common, "_reason_cache", [])
+    assert common.open_ahead("cuda")() is None
+
+
+def _key(c: int, layout: str = "nchw") -> str:
+    return str(ProblemKey(ConvShape("fwd", 1, c, 8, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1)), layout, "default"))
+
+
+def _convs(recorded_device: str = "", current_device: str = "") -> Convolutions:
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0), Device=lambda i: contextlib.nullcontext())
+    rt = types.SimpleNamespace(cp=types.SimpleNamespace(cuda=cuda), recorded_device=recorded_device, current_device=current_device)
+    return Convolutions(rt)
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    asked: list[tuple[str, str, int]] = []
+    handles: list[object] = []
+
+    class Handle:
+        def __init__(self, device):
+            self.thread = threading.current_thread()
+            handles.append(self)
+
+        def close(self):
+            self.closed = True
+
+    def workspace_size(descs, direction, algo, handle=None):
+        assert handle is handles[-1] and threading.current_thread() is handle.thread
+        asked.append((str(descs), algo, threading.get_ident()))
+        if algo == "winograd":
+            raise CudnnError(3000, "cudnnGetConvolutionForwardWorkspaceSize")
+        return 1000 + descs.shape.c
+
+    monkeypatch.setattr(cudnn.api, "Handle", Handle)
+    monkeypatch.setattr(cudnn, "workspace_size", workspace_size)
+    monkeypatch.setattr(cudnn, "ConvDescriptors", lambda key: key)
+    return asked, handles
+
+
+def test_prefetch_asks_each_recorded_legacy_algorithm_once_on_a_thread_of_its_own(fake_cudnn):
+    asked, handles = fake_cudnn
+    D = annotation.ConvDecision
+    convs = _convs()
+    known = ProblemKey.parse(_key(5))
+    convs._workspace_bytes[(known, "gemm")] = 7  # asked already: not again
+    decisions = [
+        D(algo="implicit_gemm", problem_key=_key(3)),
+        D(algo="implicit_gemm", problem_key=_key(3)),  # the same problem at another node
+        D(algo="implicit_gemm", problem_key=_key(3, "nhwc")),
+        D(algo="winograd", problem_key=_key(4)),  # refused by cuDNN: left for the plan to report
+        D(algo="gemm", problem_key=_key(5)),
+        D(algo="auto", problem_key=_key(6)),  # cuDNN's heuristic decides: nothing to ask
+        D(algo="convpass_depthwise_r4", problem_key=_key(7)),  # convpass's own kernel
+        D(algo="implicit_gemm", problem_key=""),  # no recorded problem
+        D(algo="implicit_gemm", problem_key="not a key"),
+    ]
+    convs.prefetch_workspaces(decisions)
+    convs.wait_prefetch()
+    assert [(k, a) for k, a, _ in asked] == [(_key(3), "implicit_gemm"), (_key(3, "nhwc"), "implicit_gemm"), (_key(4), "winograd")]
+    assert {t for _, _, t in asked} != {threading.get_ident()} and len(handles) == 1 and handles[0].closed
+    assert convs._workspace_bytes == {
+        (ProblemKey.parse(_key(3)), "implicit_gemm"): 1003,
+        (ProblemKey.parse(_key(3, "nhwc")), "implicit_gemm"): 1003,
+        (known, "gemm"): 7,
+    }
+    # what the plan asks later comes from the memo; the refused one is asked again and raises there
+    assert convs.workspace_bytes(ProblemKey.parse(_key(3)), "implicit_gemm") == 1003 and len(asked) == 3
+
+
+def test_no_prefetch_for_a_model_tuned_on_another_gpu_or_with_nothing_to_ask(fake_cudnn):
+    asked, handles = fake_cudnn
+    D = annotation.ConvDecision
+    convs = _convs(recorded_device="NVIDIA H100 80GB HBM3|sm_90", current_device="NVIDIA H200|sm_90")
+    convs.prefetch_workspaces([D(algo="implicit_gemm", problem_key=_key(3))])
+    convs.wait_prefetch()
+    convs = _convs()
+    convs.prefetch_workspaces([D(algo="auto", problem_key=_key(3))])
+    assert convs._prefetch is None and asked == [] and handles == []
+
+
+def test_the_first_profiles_decisions_come_first():
+    D = annotation.ConvDecision
+    a = (D(algo="a1"), D(algo="a2"))
+    b = (D(algo="b1"),)
+    c = (D(algo="c1"), D(algo="c2"), D(algo="c3"))
+    assert [d.algo for d in _by_profile([a, b, c])] == ["a1", "b1", "c1", "a2", "c2", "c3"]
+    assert _by_profile([]) == []
