@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,12 @@ class Backend:
 
     def bind_model(self, model_info: Any) -> None:
         """Called once by the executor with the model's convpass metadata (None for untuned models)."""
+        return None
+
+    def prefetch(self, decisions: Iterable[Any]) -> None:
+        """Called once by the executor with the recorded conv decisions its plans will run (the
+        first profile's first), before any plan: a backend may ready them meanwhile (the cuda one
+        asks cuDNN their workspaces on a helper thread)."""
         return None
 
     def warm_up(self, plan: Plan, feeds: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +310,7 @@ class Executor:
         proto, report = prepare_model(proto)
         if not report.ok:
             raise ExecutorError(report.message())
+        self._backend.prefetch(_by_profile(self._decisions.values()))
         self.opsets = _opsets(proto)
         self._init_io(proto, constants)
         self._nodes = self._init_nodes(proto)
@@ -922,6 +923,12 @@ def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
             else:
                 shape.append(None)
     return NodeArg(vi.name, shape, ort_type_string(tt.elem_type), tt.elem_type)
+
+
+def _by_profile(decisions: Iterable[Sequence[annotation.ConvDecision]]) -> list[annotation.ConvDecision]:
+    """Every node's decisions, the first profile's (in node order) first."""
+    columns = list(decisions)
+    return [ds[i] for i in range(max(map(len, columns), default=0)) for ds in columns if i < len(ds)]
 
 
 def _load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:

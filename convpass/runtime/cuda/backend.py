@@ -177,6 +177,9 @@ class CudaBackend(Backend):
         self.recorded_device = (model_info.device if model_info is not None else "") or ""
         self.fingerprint()
 
+    def prefetch(self, decisions: Any) -> None:
+        self.convs.prefetch_workspaces(decisions)
+
     def use_kernels(self, kernels: Any, why_none: str) -> None:
         """The model's kernel side-car: its binaries replace start-up compilation (:mod:`.prebuilt`).
         A refused side-car is warned about now; kernels built anyway are warned about at the first run."""
@@ -311,6 +314,7 @@ class CudaBackend(Backend):
             return
         mark = len(prebuilt.COMPILATIONS)
         engines_mark = len(self.convs.engine_builds)
+        self.convs.wait_prefetch()  # before anything is captured
         with self._device:
             plan.backend_state = lowering.compile_plan(self, plan)
         plan.backend_state.compilations_from = mark

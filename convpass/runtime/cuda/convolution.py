@@ -66,7 +66,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -160,6 +162,7 @@ class Convolutions:
         self.cp = rt.cp
         self._descs: dict[ProblemKey, Any] = {}
         self._workspace_bytes: dict[tuple[ProblemKey, str], int] = {}
+        self._prefetch: threading.Thread | None = None
         self._execs: dict[Any, Any] = {}
         self._by_call: dict[int, tuple[Any, Any, Any]] = {}
         self._weights: dict[Any, tuple[Any, Any]] = {}
@@ -194,6 +197,62 @@ class Convolutions:
 
             ws = self._workspace_bytes[(key, algo)] = cudnn.workspace_size(self.descriptors(key), None, algo)
         return ws
+
+    def prefetch_workspaces(self, decisions: Iterable[annotation.ConvDecision]) -> None:
+        """Ask cuDNN the workspace of every recorded legacy algorithm ahead of the plan, on a helper
+        thread with a cuDNN handle of its own. A fresh process's first query of an algorithm family
+        costs 0.05-0.13 s on an H200 (cuDNN readies its kernels then; ctypes lets go of the GIL),
+        so these run beside the plan's op-by-op Python instead of inside it. Answers fill the memo
+        :meth:`workspace_bytes` reads; one not there yet is asked by the plan itself (the same
+        answer), and one cuDNN refuses is left for the plan to meet and report. The plan waits for
+        the helper (:meth:`wait_prefetch`) before it captures: no CUDA call of another thread may
+        fall inside a capture."""
+        if self.device_mismatch:  # the heuristic runs instead of the recorded algorithms
+            return
+        wanted: dict[tuple[ProblemKey, str], None] = {}
+        for d in decisions:
+            if d.algo == annotation.AUTO or is_own(d.algo) or not d.problem_key:
+                continue
+            try:
+                key = ProblemKey.parse(d.problem_key)
+            except ValueError:
+                continue  # said by the plan, which cannot run it either
+            if (key, d.algo) not in self._workspace_bytes:
+                wanted[(key, d.algo)] = None
+        if not wanted:
+            return
+        device = int(self.cp.cuda.runtime.getDevice())
+        memo = self._workspace_bytes
+
+        def ask() -> None:
+            from convpass import cudnn
+
+            try:
+                with self.cp.cuda.Device(device):
+                    handle = cudnn.api.Handle(device)
+                    try:
+                        for key, algo in wanted:
+                            if (key, algo) in memo:
+                                continue
+                            try:
+                                ws = cudnn.workspace_size(cudnn.ConvDescriptors(key), None, algo, handle=handle)
+                            except (cudnn.CudnnError, ValueError):
+                                continue
+                            memo.setdefault((key, algo), ws)
+                    finally:
+                        handle.close()
+            except Exception as e:  # noqa: BLE001  (the plan asks for itself)
+                logger.debug("asking cuDNN's workspaces ahead of the plan failed: %s", e)
+
+        self.wait_prefetch()
+        self._prefetch = threading.Thread(target=ask, name="convpass-cudnn-prefetch", daemon=True)
+        self._prefetch.start()
+
+    def wait_prefetch(self) -> None:
+        """Wait for :meth:`prefetch_workspaces`' helper, if one runs."""
+        if self._prefetch is not None:
+            self._prefetch.join()
+            self._prefetch = None
 
     def resolve(self, call: ConvCall, dtype: Any, fusion: str | None = None) -> Any:
         """The :class:`ConvExec` (or :data:`REFERENCE`) ``call`` runs with for inputs of ``dtype``
