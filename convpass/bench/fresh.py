@@ -63,8 +63,9 @@ LEGEND: dict[str, str] = {
            "child is preceded by an unmeasured one that writes the bytecode of what it imports (as an installed "
            "environment has it); '-' = a part the runtime cannot separate, its time is in the next part",
     "convpass": "import = numpy, convpass.runtime (what a deployment imports); context: inside model read = "
-                "Executor(tuned model, with its kernel side-car), which imports CuPy, creates the CUDA context "
-                "(cudaFree(0)), loads cuDNN and creates its handle on a helper thread while it reads the model; plan = Executor.prepare(inputs): lower, compile, warm up, capture; "
+                "Executor(tuned model, with its kernel side-car), which, on helper threads while it reads the model, "
+                "creates the CUDA context through the driver API beside CuPy's import, loads cuDNN and creates its handle; "
+                "plan = Executor.prepare(inputs): lower, compile, warm up, capture (cuDNN's workspace queries on a helper thread); "
                 "compiled = run-time compilations / files in CuPy's kernel cache",
     "ort": "import = numpy, onnxruntime; context and model read: inside InferenceSession(), reported in plan = "
            "InferenceSession(original model) (CUDA context, cuDNN, model read, graph optimization); first run = "

@@ -271,7 +271,7 @@ class Executor:
             raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
         self.output_kind = output_kind or "auto"
         self.cuda_graph = bool(cuda_graph)
-        # A fresh process's GPU set-up (CUDA, the context, cuDNN: 0.3-0.4 s) runs on a helper thread
+        # A fresh process's GPU set-up (CUDA, the context, cuDNN: 0.3-0.5 s) runs on helper threads
         # while the model is read; the initializers are converted while the file's hash is computed
         # (hashlib lets go of the GIL). Nothing here touches the GPU before the wait.
         gpu_ready = open_ahead(device)
