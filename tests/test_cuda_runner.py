@@ -8,6 +8,7 @@ warm-up marks a launch that needs the host, are plain logic.
 from __future__ import annotations
 
 import gc
+import threading
 import types
 
 from convpass.runtime.cuda import runner
@@ -95,6 +96,26 @@ def test_no_garbage_collection_runs_inside_a_capture():
     launches[1].run = fail
     assert runner._capture(rt, plan, state, {"x": "X"}, _Stream()) == 1
     assert gc.isenabled() and state.uncapturable == {1} and "status 14" in state.note
+
+
+def test_a_capture_waits_for_the_helper_threads():
+    """A helper thread's CUDA calls (cuDNN queries ahead of a plan) must not fall inside a capture."""
+    from convpass.runtime.cuda import common
+
+    release, done = threading.Event(), []
+
+    def helper():
+        release.wait(5)
+        done.append(True)
+
+    common.start_helper(helper, "test-helper")
+    threading.Timer(0.05, release.set).start()
+    launch = _WatchedLaunch(0)
+    launch.run = lambda env: launch.collector.append(list(done))
+    state = runner.CompiledPlan(launches=[launch], free=[()], capturable=True, mode="graph")
+    plan = types.SimpleNamespace(template=[None, None], feed_slots={"x": 0}, output_slots=[1])
+    runner._capture(types.SimpleNamespace(capturing=False), plan, state, {"x": "X"}, _Stream())
+    assert launch.collector == [[True]]
 
 
 def test_the_tuners_timing_graphs_are_captured_without_garbage_collection():

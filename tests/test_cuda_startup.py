@@ -48,34 +48,41 @@ def test_a_driver_error_names_the_call_and_open_ahead_still_never_raises(monkeyp
     monkeypatch.setattr(common, "_probe", lambda: "no CUDA GPU is visible")
     monkeypatch.setattr(common, "_reason_cache", [])
     assert common.open_ahead("cuda")() is None
+    common.join_helpers()
 
 
 def _key(c: int, layout: str = "nchw") -> str:
     return str(ProblemKey(ConvShape("fwd", 1, c, 8, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1)), layout, "default"))
 
 
-def _convs(recorded_device: str = "", current_device: str = "") -> Convolutions:
-    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0), Device=lambda i: contextlib.nullcontext())
-    rt = types.SimpleNamespace(cp=types.SimpleNamespace(cuda=cuda), recorded_device=recorded_device, current_device=current_device)
+def _convs(recorded_device: str = "", current_device: str = "", device_id: int = 3) -> Convolutions:
+    used: list[int] = []
+
+    def device(i):
+        used.append(i)
+        return contextlib.nullcontext()
+
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0), Device=device)
+    rt = types.SimpleNamespace(cp=types.SimpleNamespace(cuda=cuda), device_id=device_id, recorded_device=recorded_device,
+                               current_device=current_device, devices_used=used)
     return Convolutions(rt)
 
 
 @pytest.fixture
 def fake_cudnn(monkeypatch):
-    asked: list[tuple[str, str, int]] = []
+    asked: list[tuple[str, str, object, object]] = []  # (problem, algo, handle, thread)
     handles: list[object] = []
 
     class Handle:
         def __init__(self, device):
-            self.thread = threading.current_thread()
+            self.device, self.closed = device, False
             handles.append(self)
 
         def close(self):
             self.closed = True
 
     def workspace_size(descs, direction, algo, handle=None):
-        assert handle is handles[-1] and threading.current_thread() is handle.thread
-        asked.append((str(descs), algo, threading.get_ident()))
+        asked.append((str(descs), algo, handle, threading.current_thread()))
         if algo == "winograd":
             raise CudnnError(3000, "cudnnGetConvolutionForwardWorkspaceSize")
         return 1000 + descs.shape.c
@@ -89,7 +96,7 @@ def fake_cudnn(monkeypatch):
 def test_prefetch_asks_each_recorded_legacy_algorithm_once_on_a_thread_of_its_own(fake_cudnn):
     asked, handles = fake_cudnn
     D = annotation.ConvDecision
-    convs = _convs()
+    convs = _convs(device_id=3)
     known = ProblemKey.parse(_key(5))
     convs._workspace_bytes[(known, "gemm")] = 7  # asked already: not again
     decisions = [
@@ -104,15 +111,17 @@ def test_prefetch_asks_each_recorded_legacy_algorithm_once_on_a_thread_of_its_ow
         D(algo="implicit_gemm", problem_key="not a key"),
     ]
     convs.prefetch_workspaces(decisions)
-    convs.wait_prefetch()
-    assert [(k, a) for k, a, _ in asked] == [(_key(3), "implicit_gemm"), (_key(3, "nhwc"), "implicit_gemm"), (_key(4), "winograd")]
-    assert {t for _, _, t in asked} != {threading.get_ident()} and len(handles) == 1 and handles[0].closed
+    common.join_helpers()
+    assert [(k, a) for k, a, _, _ in asked] == [(_key(3), "implicit_gemm"), (_key(3, "nhwc"), "implicit_gemm"), (_key(4), "winograd")]
+    # one handle of its own, on the backend's device (cuda:3), used and closed by the helper thread alone
+    assert len(handles) == 1 and handles[0].device == 3 and handles[0].closed and convs.rt.devices_used == [3]
+    assert {(h, t) for _, _, h, t in asked} == {(handles[0], convs._prefetch)} and convs._prefetch is not threading.current_thread()
     assert convs._workspace_bytes == {
         (ProblemKey.parse(_key(3)), "implicit_gemm"): 1003,
         (ProblemKey.parse(_key(3, "nhwc")), "implicit_gemm"): 1003,
         (known, "gemm"): 7,
     }
-    # what the plan asks later comes from the memo; the refused one is asked again and raises there
+    # what the plan asks later comes from the memo
     assert convs.workspace_bytes(ProblemKey.parse(_key(3)), "implicit_gemm") == 1003 and len(asked) == 3
 
 
@@ -121,10 +130,23 @@ def test_no_prefetch_for_a_model_tuned_on_another_gpu_or_with_nothing_to_ask(fak
     D = annotation.ConvDecision
     convs = _convs(recorded_device="NVIDIA H100 80GB HBM3|sm_90", current_device="NVIDIA H200|sm_90")
     convs.prefetch_workspaces([D(algo="implicit_gemm", problem_key=_key(3))])
-    convs.wait_prefetch()
+    assert convs._prefetch is None
     convs = _convs()
     convs.prefetch_workspaces([D(algo="auto", problem_key=_key(3))])
+    common.join_helpers()
     assert convs._prefetch is None and asked == [] and handles == []
+
+
+def test_a_context_made_ahead_is_released_when_the_gpu_cannot_be_used(monkeypatch):
+    """device='auto' on a machine with a driver but no CuPy or cuDNN runs on the host: the context
+    the driver made ahead must not stay (it holds device memory for the life of the process)."""
+    driver = FakeDriver()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver)
+    monkeypatch.setattr(common, "_probe", lambda: "CuPy is not installed")
+    monkeypatch.setattr(common, "_reason_cache", [])
+    assert common.open_ahead("cuda:1")() is None
+    assert [c[0] for c in driver.calls] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease"]
+    assert driver.calls[1][1][1] == 1
 
 
 def test_the_first_profiles_decisions_come_first():

@@ -192,10 +192,10 @@ def time_launches(
 
 def _capture(launch: Callable[[int], None], sets: int, count: int, stream):
     """A CUDA graph of ``count`` launches, or None when the calls cannot be captured."""
-    from convpass.runtime.cuda.common import collector_paused
+    from convpass.runtime.cuda.common import quiet_for_capture
 
     try:
-        with collector_paused():
+        with quiet_for_capture():
             stream.begin_capture()
             try:
                 for i in range(count):

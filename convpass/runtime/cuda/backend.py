@@ -314,7 +314,6 @@ class CudaBackend(Backend):
             return
         mark = len(prebuilt.COMPILATIONS)
         engines_mark = len(self.convs.engine_builds)
-        self.convs.wait_prefetch()  # before anything is captured
         with self._device:
             plan.backend_state = lowering.compile_plan(self, plan)
         plan.backend_state.compilations_from = mark

@@ -276,7 +276,7 @@ class Blas:
         # plan's stream capture; destroying a cuBLAS handle frees device memory, which invalidates
         # that capture (a later launch in it then fails: cuBLAS status 13 on an H200). So the
         # handles are destroyed later, at a point that never captures (:func:`reap`). (Captures
-        # also pause the collector, common.collector_paused; this covers the other ways in.)
+        # also pause the collector, common.quiet_for_capture; this covers the other ways in.)
         if not sys.is_finalizing():
             _RETIRED.append(self._detach())
 

@@ -5,6 +5,7 @@ Importing this module imports neither CuPy nor cuDNN.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -131,13 +132,51 @@ def unavailable_reason() -> str | None:
         return _reason_cache[0]
 
 
+_helpers: set[threading.Thread] = set()
+_helpers_lock = threading.Lock()
+
+
+def start_helper(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start a daemon thread that does CUDA work ahead of the caller (a fresh process's set-up,
+    cuDNN queries ahead of a plan). It is registered until it ends, so that every capture waits
+    for it (:func:`quiet_for_capture`), and so does the interpreter's exit (a thread left inside a
+    CUDA library while the process tears it down may crash it). ``target`` must not raise."""
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _helpers_lock:
+                _helpers.discard(thread)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _helpers_lock:
+        _helpers.add(thread)
+    thread.start()
+    return thread
+
+
+def join_helpers(timeout: float | None = None) -> None:
+    """Wait for every helper thread :func:`start_helper` started (each at most ``timeout`` s)."""
+    with _helpers_lock:
+        running = [t for t in _helpers if t is not threading.current_thread()]
+    for t in running:
+        t.join(timeout)
+
+
+atexit.register(join_helpers, 10.0)
+
+
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while a stream captures (the executor's plans,
-    the tuner's timing graphs). A collection there may free what an older plan or backend left
-    (its CuPy memory pool gives its blocks back to the device, a library handle frees device
-    memory), and freeing device memory inside a capture invalidates it: the capture's next launch
-    then fails (cuBLAS status 13 / 14 on an H200)."""
+def quiet_for_capture() -> Iterator[None]:
+    """What must not happen while a stream captures (the executor's plans, the tuner's timing
+    graphs) held off. Helper threads are waited for: their CUDA calls (a cuDNN handle made or
+    destroyed, kernels readied) would fall inside the capture. Python's cyclic garbage collector is
+    paused: a collection may free what an older plan or backend left (its CuPy memory pool gives
+    its blocks back to the device, a library handle frees device memory), and freeing device
+    memory inside a capture invalidates it: the capture's next launch then fails (cuBLAS status
+    13 / 14 on an H200)."""
+    join_helpers()
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -153,18 +192,23 @@ def open_ahead(device: Any) -> Callable[[], None]:
     calling thread's cuDNN handle (0.3-0.5 s of a fresh process), so that it overlaps what the
     caller does next (the executor: reading the model). Returns the function that waits for it.
     Nothing fails here: what went wrong is met again, and raised, where it is needed (making the
-    backend, getting the handle)."""
+    backend, getting the handle). When the GPU turns out unusable (no CuPy, no cuDNN), the context
+    made through the driver is released again."""
     caller = threading.current_thread()
+    retained: list[Callable[[], None]] = []
 
     def open_context() -> None:
         try:
-            retain_primary_context(device_index(device))
+            retained.append(retain_primary_context(device_index(device)))
         except Exception as e:  # noqa: BLE001
             logger.debug("CUDA context ahead of time through the driver failed (%s); CuPy creates it", e)
 
     def open_device() -> None:
         try:
             if unavailable_reason() is not None:  # imports CuPy, initializes CUDA, loads cuDNN
+                context.join()
+                for release in retained:  # no backend will use it: give its memory back
+                    release()
                 return
             import cupy
 
@@ -178,28 +222,32 @@ def open_ahead(device: Any) -> Callable[[], None]:
         except Exception as e:  # noqa: BLE001
             logger.debug("CUDA set-up ahead of time failed (%s); it is done again when needed", e)
 
-    context = threading.Thread(target=open_context, name="convpass-cuda-context", daemon=True)
-    opener = threading.Thread(target=open_device, name="convpass-cuda-open", daemon=True)
-    context.start()
-    opener.start()
+    context = start_helper(open_context, "convpass-cuda-context")
+    opener = start_helper(open_device, "convpass-cuda-open")
     return opener.join
 
 
-def retain_primary_context(index: int) -> None:
+def retain_primary_context(index: int) -> Callable[[], None]:
     """Initialize CUDA's driver and create device ``index``'s primary context through the driver
     API (libcuda by ctypes, which lets go of the GIL): 0.2 s of a fresh process on an H200 that
     then runs beside CuPy's import (0.2 s, which holds the GIL). The CUDA runtime, and so CuPy,
-    uses that same primary context; it stays retained for the life of the process, as the runtime
-    keeps it. Raises OSError without a driver, RuntimeError with the driver's error code."""
+    uses that same primary context, and keeps it for the life of the process. Returns the function
+    that releases this reference. Raises OSError without a driver, RuntimeError with the driver's
+    error code."""
     import ctypes
 
     libcuda = ctypes.CDLL("libcuda.so.1")
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), index)),
-                       ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev))):
-        status = getattr(libcuda, call)(*args)
+
+    def call(name: str, *args: Any) -> None:
+        status = getattr(libcuda, name)(*args)
         if status != 0:
-            raise RuntimeError(f"{call} returned CUDA error {status}")
+            raise RuntimeError(f"{name} returned CUDA error {status}")
+
+    call("cuInit", 0)
+    call("cuDeviceGet", ctypes.byref(dev), index)
+    call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+    return lambda: call("cuDevicePrimaryCtxRelease", dev)
 
 
 def device_index(device: Any) -> int:

@@ -78,7 +78,7 @@ from convpass.epilogue import LEGACY, is_legacy, legacy_name
 from convpass.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.runtime import conv as conv_kernels
 from convpass.runtime.conv import ConvCall, ConvGeometry
-from convpass.runtime.cuda.common import CaptureBreak, channels_last, copy_into, elements, first_line, storage
+from convpass.runtime.cuda.common import CaptureBreak, channels_last, copy_into, elements, first_line, start_helper, storage
 from convpass.runtime.cuda.depthwise import is_own
 from convpass.runtime.cuda.launch import Launch
 
@@ -153,7 +153,7 @@ def _same_device(recorded: str, current: Any) -> bool:
 
 class Convolutions:
     """The conv state of one backend: descriptors, resolved executions, converted weights, the
-    workspace arena. ``rt`` is the backend: ``cp``, ``fuse``, ``counters``, ``is_constant(a)``,
+    workspace arena. ``rt`` is the backend: ``cp``, ``device_id``, ``fuse``, ``counters``, ``is_constant(a)``,
     ``warn_node(node, message)``, ``note_once(tag, message)``, ``capturing``, and the device check (``recorded_device``,
     ``current_device``)."""
 
@@ -204,9 +204,9 @@ class Convolutions:
         costs 0.05-0.13 s on an H200 (cuDNN readies its kernels then; ctypes lets go of the GIL),
         so these run beside the plan's op-by-op Python instead of inside it. Answers fill the memo
         :meth:`workspace_bytes` reads; one not there yet is asked by the plan itself (the same
-        answer), and one cuDNN refuses is left for the plan to meet and report. The plan waits for
-        the helper (:meth:`wait_prefetch`) before it captures: no CUDA call of another thread may
-        fall inside a capture."""
+        answer), and one cuDNN refuses is left for the plan to meet and report. Every capture waits
+        for the helper (:func:`~.common.quiet_for_capture`: no CUDA call of another thread may fall
+        inside a capture)."""
         if self.device_mismatch:  # the heuristic runs instead of the recorded algorithms
             return
         wanted: dict[tuple[ProblemKey, str], None] = {}
@@ -221,7 +221,7 @@ class Convolutions:
                 wanted[(key, d.algo)] = None
         if not wanted:
             return
-        device = int(self.cp.cuda.runtime.getDevice())
+        device = self.rt.device_id
         memo = self._workspace_bytes
 
         def ask() -> None:
@@ -244,15 +244,7 @@ class Convolutions:
             except Exception as e:  # noqa: BLE001  (the plan asks for itself)
                 logger.debug("asking cuDNN's workspaces ahead of the plan failed: %s", e)
 
-        self.wait_prefetch()
-        self._prefetch = threading.Thread(target=ask, name="convpass-cudnn-prefetch", daemon=True)
-        self._prefetch.start()
-
-    def wait_prefetch(self) -> None:
-        """Wait for :meth:`prefetch_workspaces`' helper, if one runs."""
-        if self._prefetch is not None:
-            self._prefetch.join()
-            self._prefetch = None
+        self._prefetch = start_helper(ask, "convpass-cudnn-prefetch")
 
     def resolve(self, call: ConvCall, dtype: Any, fusion: str | None = None) -> Any:
         """The :class:`ConvExec` (or :data:`REFERENCE`) ``call`` runs with for inputs of ``dtype``

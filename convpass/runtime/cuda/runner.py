@@ -30,7 +30,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from convpass.runtime.cuda.common import CaptureBreak, collector_paused, first_line
+from convpass.runtime.cuda.common import CaptureBreak, quiet_for_capture, first_line
 from convpass.runtime.cuda.launch import Launch
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import GraphStatus, unshare_outputs
@@ -230,7 +230,7 @@ def _capture(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], st
             stop += 1
         rt.capturing = True
         try:
-            with collector_paused():
+            with quiet_for_capture():
                 failed, error, graph = _capture_segment(rt, state, env, stream, i, stop)
         finally:
             rt.capturing = False
