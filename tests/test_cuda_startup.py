@@ -145,7 +145,7 @@ def test_a_context_made_ahead_is_released_when_the_gpu_cannot_be_used(monkeypatc
     monkeypatch.setattr(common, "_probe", lambda: "CuPy is not installed")
     monkeypatch.setattr(common, "_reason_cache", [])
     assert common.open_ahead("cuda:1")() is None
-    assert [c[0] for c in driver.calls] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease"]
+    assert [c[0] for c in driver.calls] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2"]
     assert driver.calls[1][1][1] == 1
 
 

@@ -247,7 +247,7 @@ def retain_primary_context(index: int) -> Callable[[], None]:
     call("cuInit", 0)
     call("cuDeviceGet", ctypes.byref(dev), index)
     call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-    return lambda: call("cuDevicePrimaryCtxRelease", dev)
+    return lambda: call("cuDevicePrimaryCtxRelease_v2", dev)  # the name cuda.h maps the call to since CUDA 11
 
 
 def device_index(device: Any) -> int:

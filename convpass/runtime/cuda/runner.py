@@ -30,7 +30,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from convpass.runtime.cuda.common import CaptureBreak, quiet_for_capture, first_line
+from convpass.runtime.cuda.common import CaptureBreak, first_line, quiet_for_capture
 from convpass.runtime.cuda.launch import Launch
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import GraphStatus, unshare_outputs
