@@ -55,7 +55,9 @@ Format (schema version 6)
                       conv's step); NaN = not measured
   ``problem_key``     :class:`convpass.problem.ProblemKey` string of the decided problem, or ``""``
   ``source``          how the decision was taken: ``measure``, ``exhaustive``, ``heuristic``,
-                      ``forced``, ``cache`` or ``auto`` (not decided)
+                      ``forced`` (on the GPU, by that strategy: from timings of this run or of an
+                      earlier one in the tuning cache alike, so a re-run writes the same model),
+                      ``cache`` (looked up without the GPU, ``--device-name``) or ``auto`` (not decided)
 
 * Model metadata (``metadata_props``): ``convpass.schema_version``, ``convpass.version``,
   ``convpass.devices`` (JSON list of device fingerprints, one per table), ``convpass.mode``,

@@ -30,7 +30,7 @@ import numpy as np
 from convpass import kernel_file
 from convpass.errors import ConvpassError
 
-__all__ = ["KernelReport", "compile_kernels", "parse_archs"]
+__all__ = ["KernelReport", "compile_kernels", "current_sidecar", "parse_archs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,54 @@ class KernelReport:
         plans = f" and {self.plans} built cuDNN plan(s)" if self.plans else ""
         return (f"{self.path}: {self.kernels} kernel(s) compiled ahead of time ({per}){plans} for {len(self.profiles)} "
                 f"profile(s) in {self.seconds:.1f} s{extra}")
+
+
+def current_sidecar(model: str | os.PathLike[str]) -> str | None:
+    """Why the side-car beside ``model`` needs no rebuild, or None when :func:`compile_kernels`
+    must write it: kept only when it was written for this exact file (its SHA-256), verified on a
+    GPU, by this convpass and CuPy, holds binaries for this GPU's architecture, and every cuDNN
+    plan in it is of this cuDNN and frontend. A cached re-run of ``optimize`` writes the same
+    model again, and compiling its kernels again would take most of the run (9 s of a ResNet-50's)."""
+    path = kernel_file.sidecar_path(model)
+    if not path.is_file():
+        return None
+    try:
+        kf = kernel_file.read(path, model_sha256=kernel_file.file_sha256(model))
+    except kernel_file.KernelFileError:
+        return None
+    import cupy
+
+    from convpass import __version__
+    from convpass.runtime.cuda import prebuilt
+
+    arch = prebuilt.device_arch()
+    if not kf.verified or kf.convpass_version != __version__ or kf.cupy_version != cupy.__version__ or arch not in kf.archs:
+        return None
+    plans = [e for e in kf.entries.values() if e.is_plan]
+    if plans and not _plans_current(plans):
+        return None
+    kernels = len({e.key for e in kf.entries.values() if not e.is_plan})
+    with_plans = f" and {len(plans)} cuDNN plan(s)" if plans else ""
+    return (f"{path}: kept, written for this exact model by this convpass and CuPy "
+            f"({kernels} kernel(s){with_plans} for sm_{arch})")
+
+
+def _plans_current(plans: Sequence[kernel_file.KernelEntry]) -> bool:
+    """Whether every stored plan was built by this cuDNN and frontend (its header says)."""
+    from convpass.cudnn import graph_api
+
+    if graph_api.unavailable() is not None:
+        return False
+    want = graph_api.versions()
+    for e in plans:
+        head = e.payload.partition(b"\n")[0]
+        try:
+            header = json.loads(head)
+        except ValueError:
+            return False
+        if not isinstance(header, dict) or any(header.get(k) != v for k, v in want.items()):
+            return False
+    return True
 
 
 def parse_archs(text: str | Sequence[str] | None) -> list[str]:

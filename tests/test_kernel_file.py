@@ -263,3 +263,81 @@ def test_describe_says_what_the_executor_would_take(tmp_path, capsys):
     assert "kernels: m.onnx.kernels, 2 kernel(s)" in capsys.readouterr().out
     _write(kernel_file.sidecar_path(path), model_sha256="e" * 64)
     assert kernel_file.describe(path).startswith("kernels: refused, ") and "written for another model" in kernel_file.describe(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# a cached re-run of optimize keeps the side-car it would write again
+
+
+def _plan_entry(cudnn="91900", frontend="1.32.0"):
+    head = {"format": "convpass.engine-plan/1", "cudnn": cudnn, "frontend": frontend, "key": "k", "algo": "engine:eng0"}
+    import json
+
+    return KernelEntry("plan-" + "c" * 27, "90", kernel_file.PLAN_PREFIX + "engine:eng0", json.dumps(head).encode() + b"\n" + b"blob")
+
+
+@pytest.fixture
+def graph_api_here(monkeypatch):
+    from convpass.cudnn import graph_api
+
+    monkeypatch.setattr(graph_api, "unavailable", lambda: None)
+    monkeypatch.setattr(graph_api, "versions", lambda: {"cudnn": "91900", "frontend": "1.32.0"})
+
+
+def test_a_sidecar_is_kept_only_when_compiling_again_would_write_the_same(fake_cupy, graph_api_here, tmp_path):
+    from convpass.aot import current_sidecar
+
+    path = _model_file(tmp_path)
+    side = kernel_file.sidecar_path(path)
+    assert current_sidecar(path) is None  # none there
+    digest = kernel_file.file_sha256(path)
+    _write(side, ENTRIES + [_plan_entry()], model_sha256=digest)
+    assert current_sidecar(path) == f"{side}: kept, written for this exact model by this convpass and CuPy (2 kernel(s) and 1 cuDNN plan(s) for sm_90)"
+    refused = {
+        "another model": lambda: _write(side, model_sha256="e" * 64),
+        "not verified": lambda: _write(side, model_sha256=digest, verified=False),
+        "no binary for this GPU": lambda: _write(side, [ENTRIES[1]], model_sha256=digest),
+        "another CuPy": lambda: kernel_file.write(side, ENTRIES, model_sha256=digest, verified=True, cupy_version="13.6.0"),
+        "another cuDNN's plan": lambda: _write(side, ENTRIES + [_plan_entry(cudnn="91000")], model_sha256=digest),
+        "another frontend's plan": lambda: _write(side, ENTRIES + [_plan_entry(frontend="1.31.0")], model_sha256=digest),
+    }
+    for why, write in refused.items():
+        write()
+        assert current_sidecar(path) is None, why
+    version = convpass.__version__
+    try:
+        convpass.__version__ = "0.0.1"
+        _write(side, model_sha256=digest)
+    finally:
+        convpass.__version__ = version
+    assert current_sidecar(path) is None, "another convpass"
+    side.write_bytes(b"not a zip")
+    assert current_sidecar(path) is None, "damaged"
+
+
+def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, graph_api_here, tmp_path, monkeypatch):
+    import convpass.aot
+    import convpass.runtime.cuda
+    from rich.console import Console
+
+    from convpass.pipeline import _write_kernels
+
+    compiled = []
+
+    def compile_kernels(output):
+        compiled.append(output)
+        _write(kernel_file.sidecar_path(output), model_sha256=kernel_file.file_sha256(output))
+        return types.SimpleNamespace(line=lambda: "compiled")
+
+    monkeypatch.setattr(convpass.runtime.cuda, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(convpass.aot, "compile_kernels", compile_kernels)
+    path = _model_file(tmp_path)
+    console = Console(record=True, width=400)
+    _write_kernels(path, True, console)  # none there: compiled
+    _write_kernels(path, True, console)  # the same model again: kept
+    assert compiled == [path] and "kept, written for this exact model" in console.export_text()
+    path.write_bytes(path.read_bytes() + b" ")  # another model at that path: compiled again
+    _write_kernels(path, True, console)
+    assert compiled == [path, path]
+    _write_kernels(path, False, console)  # --no-kernels: no side-car left that could mismatch
+    assert not kernel_file.sidecar_path(path).exists()

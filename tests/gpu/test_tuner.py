@@ -55,9 +55,9 @@ def test_samples_are_measured_then_cached(path, tmp_path):
     second = load_model(path)
     again = optimize_model(second, TuneOptions(), shapes, cache=tmp_path / "c.db")
     assert again.measured == 0 and again.cached == again.problems
-    assert [(r["algo"], r["memory_format"]) for r in convpass.inspect(to_proto(second))] == [
-        (r["algo"], r["memory_format"]) for r in records
-    ]
+    # the same model, byte for byte: a decision names the strategy that took it, timed now or
+    # before (so the first run's kernel side-car still matches the re-run's model)
+    assert to_proto(second).SerializeToString() == tuned.SerializeToString()
     # the cache-only backend (a machine without this GPU) plans the same layouts: the transposes
     # the tuner timed are in the cache
     from convpass import device
