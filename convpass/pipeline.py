@@ -356,30 +356,10 @@ def build_options(kwargs: dict[str, Any]) -> TuneOptions:
         raise ConvpassError(f"unknown option: {e}") from None
 
 
-def optimize(
-    model: str | os.PathLike | onnx.ModelProto | bytes,
-    output: str | os.PathLike | None = None,
-    *,
-    shapes: Sequence[str | dict] = (),
-    cache: str | os.PathLike | None = None,
-    device_name: str | None = None,
-    quiet: bool = False,
-    kernels: bool = True,
-    **options: Any,
-) -> onnx.ModelProto:
-    """Tune every convolution of ``model`` and return the annotated model (see the README).
-
-    Options (as on the CLI): ``mode`` (heuristic | exhaustive | measure), ``fprop_algo`` /
-    ``dgrad_algo`` / ``wgrad_algo`` (normal | performance | an algorithm name), ``tf32``
-    (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
-    (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad"), ``engines``
-    (legacy | graph | all: cuDNN's legacy algorithms, its graph-API engine configurations, or both).
-    ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
-    ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
-    model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.aot`).
-    """
-    return to_proto(optimize_ir(model, output, shapes=shapes, cache=cache, device_name=device_name, quiet=quiet,
-                                kernels=kernels, **options))
+def optimize(model: str | os.PathLike | onnx.ModelProto | bytes, output: str | os.PathLike | None = None, **kwargs: Any) -> onnx.ModelProto:
+    """Tune every convolution of ``model`` and return the annotated model (see the README); takes
+    the arguments of :func:`optimize_ir`."""
+    return to_proto(optimize_ir(model, output, **kwargs))
 
 
 def optimize_ir(
@@ -393,8 +373,18 @@ def optimize_ir(
     kernels: bool = True,
     **options: Any,
 ) -> ir.Model:
-    """:func:`optimize`, returning the onnx-ir model: no protobuf copy of the tuned model is made
-    when the caller only wants the file (the CLI; 0.1 s for a 100 MB model)."""
+    """:func:`optimize`, returning the onnx-ir model: the CLI, which only wants the file, makes no
+    protobuf copy of it (0.1 s for a 100 MB model).
+
+    Options (as on the CLI): ``mode`` (heuristic | exhaustive | measure), ``fprop_algo`` /
+    ``dgrad_algo`` / ``wgrad_algo`` (normal | performance | an algorithm name), ``tf32``
+    (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
+    (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad"), ``engines``
+    (legacy | graph | all: cuDNN's legacy algorithms, its graph-API engine configurations, or both).
+    ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
+    ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
+    model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.aot`).
+    """
     tune_options = build_options(options)
     console = Console(stderr=True, quiet=quiet, soft_wrap=True)
     if output is not None and not Path(output).resolve().parent.is_dir():
