@@ -57,7 +57,8 @@ Format (schema version 6)
   ``source``          how the decision was taken: ``measure``, ``exhaustive``, ``heuristic``,
                       ``forced`` (on the GPU, by that strategy: from timings of this run or of an
                       earlier one in the tuning cache alike, so a re-run writes the same model),
-                      ``cache`` (looked up without the GPU, ``--device-name``) or ``auto`` (not decided)
+                      ``cache`` (looked up without that GPU: ``--device-name``, or a cache-only
+                      device of ``convpass tune``) or ``auto`` (not decided)
 
 * Model metadata (``metadata_props``): ``convpass.schema_version``, ``convpass.version``,
   ``convpass.devices`` (JSON list of device fingerprints, one per table), ``convpass.mode``,

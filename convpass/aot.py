@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -29,6 +30,8 @@ import numpy as np
 
 from convpass import kernel_file
 from convpass.errors import ConvpassError
+
+logger = logging.getLogger("convpass")
 
 __all__ = ["KernelReport", "compile_kernels", "current_sidecar", "parse_archs"]
 
@@ -56,10 +59,19 @@ class KernelReport:
 
 def current_sidecar(model: str | os.PathLike[str]) -> str | None:
     """Why the side-car beside ``model`` needs no rebuild, or None when :func:`compile_kernels`
-    must write it: kept only when it was written for this exact file (its SHA-256), verified on a
-    GPU, by this convpass and CuPy, holds binaries for this GPU's architecture, and every cuDNN
-    plan in it is of this cuDNN and frontend. A cached re-run of ``optimize`` writes the same
-    model again, and compiling its kernels again would take most of the run (9 s of a ResNet-50's)."""
+    must write it: kept only when it was written for this exact file (its SHA-256), built and
+    verified on a GPU of this architecture for the model's own profiles, by this convpass and
+    CuPy, and every cuDNN plan in it is of this cuDNN and frontend. A cached re-run of
+    ``optimize`` writes the same model again, and compiling its kernels again would take most of
+    the run (12 s of a ResNet-50's on an H200). Never raises: a side-car it cannot judge is None."""
+    try:
+        return _current_sidecar(model)
+    except Exception as e:  # noqa: BLE001  (compiled again: what was asked is still written)
+        logger.debug("the side-car beside %s could not be judged (%s): compiled again", model, e)
+        return None
+
+
+def _current_sidecar(model: str | os.PathLike[str]) -> str | None:
     path = kernel_file.sidecar_path(model)
     if not path.is_file():
         return None
@@ -73,7 +85,8 @@ def current_sidecar(model: str | os.PathLike[str]) -> str | None:
     from convpass.runtime.cuda import prebuilt
 
     arch = prebuilt.device_arch()
-    if not kf.verified or kf.convpass_version != __version__ or kf.cupy_version != cupy.__version__ or arch not in kf.archs:
+    if (not kf.verified or not kf.model_profiles or kf.recorded_arch != arch
+            or kf.convpass_version != __version__ or kf.cupy_version != cupy.__version__):
         return None
     plans = [e for e in kf.entries.values() if e.is_plan]
     if plans and not _plans_current(plans):
@@ -205,7 +218,8 @@ def _record(request: Mapping[str, Any]) -> dict[str, Any]:
     if kernel_file.file_sha256(path) != digest:
         raise ConvpassError(f"{path} changed while its kernels were compiled: not written")
     entries = list(recorder.entries.values())
-    out = kernel_file.write(kernel_file.sidecar_path(path), entries, model_sha256=digest, verified=True, cupy_version=cupy.__version__)
+    out = kernel_file.write(kernel_file.sidecar_path(path), entries, model_sha256=digest, verified=True, cupy_version=cupy.__version__,
+                            recorded_arch=local, model_profiles=not request["shapes"])
     kernels = [e for e in entries if not e.is_plan]
     archs: dict[str, int] = {}
     for e in kernels:

@@ -61,6 +61,10 @@ class Choice:
 
 class DecisionBackend(Protocol):
     device: DeviceFingerprint | None
+    # True: decisions rest on convpass's timings on this GPU type (made now or in an earlier run),
+    # and record the strategy that took them as their source; False: looked up in a tuning cache
+    # without that GPU (source "cache"). The same cache then writes the same model, byte for byte.
+    measures: bool
 
     def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
         """A choice per problem; None where nothing could be decided (recorded as auto)."""
@@ -182,6 +186,8 @@ def cached_rows(cache: "TuningCache", device: DeviceFingerprint, problem: ConvPr
 
 class CacheBackend:
     """Decides from the tuning cache only: for machines without a GPU (see the module docstring)."""
+
+    measures = False
 
     def __init__(self, cache: "TuningCache | None", device: DeviceFingerprint | None) -> None:
         self.cache = cache

@@ -81,6 +81,10 @@ class KernelFile:
     convpass_version: str
     cupy_version: str
     entries: Mapping[tuple[str, str], KernelEntry]
+    # the GPU architecture the plans were built and run on ("" when not recorded), and whether
+    # they were built for the model's own shape profiles (False: shapes given to `convpass compile`)
+    recorded_arch: str = ""
+    model_profiles: bool = False
 
     @property
     def archs(self) -> list[str]:
@@ -107,8 +111,11 @@ def write(
     model_sha256: str,
     verified: bool,
     cupy_version: str,
+    recorded_arch: str = "",
+    model_profiles: bool = False,
 ) -> Path:
-    """Write a side-car atomically (a temporary file in the same folder, then a rename)."""
+    """Write a side-car atomically (a temporary file in the same folder, then a rename).
+    ``recorded_arch``, ``model_profiles``: see :class:`KernelFile`."""
     from convpass import __version__
 
     out = Path(path)
@@ -119,6 +126,8 @@ def write(
         "cupy": cupy_version,
         "model_sha256": model_sha256,
         "verified": bool(verified),
+        "recorded_arch": str(recorded_arch),
+        "model_profiles": bool(model_profiles),
         "kernels": [
             {"key": e.key, "arch": e.arch, "name": e.name, "file": e.file, "sha256": hashlib.sha256(e.payload).hexdigest(), "size": len(e.payload)}
             for e in entries
@@ -165,6 +174,8 @@ def read(path: str | os.PathLike[str], *, model_sha256: str | None = None) -> Ke
         convpass_version=str(manifest.get("convpass", "")),
         cupy_version=str(manifest.get("cupy", "")),
         entries=entries,
+        recorded_arch=str(manifest.get("recorded_arch", "")),
+        model_profiles=manifest.get("model_profiles") is True,
     )
 
 

@@ -239,7 +239,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
         return {}
     overrides = {}
     missing: set[tuple] = set()
-    measuring = getattr(backend, "summary", None) is not None  # a GPU tuner's decisions name its strategy, as its own do
+    measures = getattr(backend, "measures", False)  # as the backend's own decisions (DecisionBackend.measures)
     value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
     for i, profile in enumerate(report.profiles):
         shapes = value_shapes[i] if i < len(value_shapes) else {}
@@ -280,7 +280,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             problem = own[node]
             pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
             if pick is not None:
-                source = options.strategy(problem.direction)[0] if measuring else "cache"
+                source = options.strategy(problem.direction)[0] if measures else "cache"
                 overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []), problem)
         if plan.layouts:
             report.layout_plans[profile.name] = plan

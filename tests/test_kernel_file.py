@@ -24,8 +24,11 @@ from convpass.runtime.cuda import prebuilt
 ENTRIES = [KernelEntry("a" * 32, "90", "cupy_copy", b"\x7fELF binary one"), KernelEntry("b" * 32, "80", "norm_block", b"another binary")]
 
 
-def _write(path, entries=ENTRIES, model_sha256="0" * 64, verified=True):
-    return kernel_file.write(path, entries, model_sha256=model_sha256, verified=verified, cupy_version="14.2.0")
+def _write(path, entries=ENTRIES, model_sha256="0" * 64, verified=True, **recorded):
+    return kernel_file.write(path, entries, model_sha256=model_sha256, verified=verified, cupy_version="14.2.0", **recorded)
+
+
+HERE = {"recorded_arch": "90", "model_profiles": True}  # what `optimize` records on the (fake) sm_90 GPU
 
 
 def test_round_trip(tmp_path):
@@ -291,15 +294,17 @@ def test_a_sidecar_is_kept_only_when_compiling_again_would_write_the_same(fake_c
     side = kernel_file.sidecar_path(path)
     assert current_sidecar(path) is None  # none there
     digest = kernel_file.file_sha256(path)
-    _write(side, ENTRIES + [_plan_entry()], model_sha256=digest)
+    _write(side, ENTRIES + [_plan_entry()], model_sha256=digest, **HERE)
     assert current_sidecar(path) == f"{side}: kept, written for this exact model by this convpass and CuPy (2 kernel(s) and 1 cuDNN plan(s) for sm_90)"
     refused = {
-        "another model": lambda: _write(side, model_sha256="e" * 64),
-        "not verified": lambda: _write(side, model_sha256=digest, verified=False),
-        "no binary for this GPU": lambda: _write(side, [ENTRIES[1]], model_sha256=digest),
-        "another CuPy": lambda: kernel_file.write(side, ENTRIES, model_sha256=digest, verified=True, cupy_version="13.6.0"),
-        "another cuDNN's plan": lambda: _write(side, ENTRIES + [_plan_entry(cudnn="91000")], model_sha256=digest),
-        "another frontend's plan": lambda: _write(side, ENTRIES + [_plan_entry(frontend="1.31.0")], model_sha256=digest),
+        "another model": lambda: _write(side, model_sha256="e" * 64, **HERE),
+        "not verified": lambda: _write(side, model_sha256=digest, verified=False, **HERE),
+        "built on another GPU, cross-compiled for this one": lambda: _write(side, model_sha256=digest, recorded_arch="80", model_profiles=True),
+        "no record of the GPU it was built on (an older side-car)": lambda: _write(side, model_sha256=digest, model_profiles=True),
+        "built for shapes given to convpass compile": lambda: _write(side, model_sha256=digest, recorded_arch="90"),
+        "another CuPy": lambda: kernel_file.write(side, ENTRIES, model_sha256=digest, verified=True, cupy_version="13.6.0", **HERE),
+        "another cuDNN's plan": lambda: _write(side, ENTRIES + [_plan_entry(cudnn="91000")], model_sha256=digest, **HERE),
+        "another frontend's plan": lambda: _write(side, ENTRIES + [_plan_entry(frontend="1.31.0")], model_sha256=digest, **HERE),
     }
     for why, write in refused.items():
         write()
@@ -307,12 +312,38 @@ def test_a_sidecar_is_kept_only_when_compiling_again_would_write_the_same(fake_c
     version = convpass.__version__
     try:
         convpass.__version__ = "0.0.1"
-        _write(side, model_sha256=digest)
+        _write(side, model_sha256=digest, **HERE)
     finally:
         convpass.__version__ = version
     assert current_sidecar(path) is None, "another convpass"
     side.write_bytes(b"not a zip")
     assert current_sidecar(path) is None, "damaged"
+
+
+def test_a_sidecar_with_plans_is_not_kept_without_the_graph_api(fake_cupy, tmp_path, monkeypatch):
+    from convpass.aot import current_sidecar
+    from convpass.cudnn import graph_api
+
+    monkeypatch.setattr(graph_api, "unavailable", lambda: "the nvidia-cudnn-frontend package is not installed")
+    path = _model_file(tmp_path)
+    _write(kernel_file.sidecar_path(path), ENTRIES + [_plan_entry()], model_sha256=kernel_file.file_sha256(path), **HERE)
+    assert current_sidecar(path) is None
+    _write(kernel_file.sidecar_path(path), ENTRIES, model_sha256=kernel_file.file_sha256(path), **HERE)
+    assert current_sidecar(path) is not None  # no plans: nothing needs the graph API
+
+
+def test_a_sidecar_that_cannot_be_judged_is_compiled_again(fake_cupy, graph_api_here, tmp_path, monkeypatch):
+    from convpass.aot import current_sidecar
+
+    path = _model_file(tmp_path)
+    _write(kernel_file.sidecar_path(path), model_sha256=kernel_file.file_sha256(path), **HERE)
+    assert current_sidecar(path) is not None
+
+    def gpu_error():
+        raise RuntimeError("cudaErrorInitializationError")
+
+    monkeypatch.setattr(prebuilt, "device_arch", gpu_error)
+    assert current_sidecar(path) is None
 
 
 def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, graph_api_here, tmp_path, monkeypatch):
@@ -326,7 +357,7 @@ def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, gr
 
     def compile_kernels(output):
         compiled.append(output)
-        _write(kernel_file.sidecar_path(output), model_sha256=kernel_file.file_sha256(output))
+        _write(kernel_file.sidecar_path(output), model_sha256=kernel_file.file_sha256(output), **HERE)
         return types.SimpleNamespace(line=lambda: "compiled")
 
     monkeypatch.setattr(convpass.runtime.cuda, "unavailable_reason", lambda: None)

@@ -335,6 +335,18 @@ def test_python_api_accepts_bytes_and_reports_errors_as_convpass_errors():
         convpass.optimize(b"garbage", quiet=True)
 
 
+def test_the_checker_refuses_an_invalid_model_however_it_comes(tmp_path):
+    """ONNX's checker reads a file's or bytes' own serialization (no copy made again): it must still
+    refuse what it refuses as a ModelProto."""
+    model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3))
+    for key in ("k", "k"):  # duplicate metadata keys: valid protobuf, invalid ONNX
+        model.metadata_props.add(key=key, value="v")
+    onnx.save(model, tmp_path / "dup.onnx")
+    for source in (model, model.SerializeToString(), tmp_path / "dup.onnx", str(tmp_path / "dup.onnx")):
+        with pytest.raises(ModelLoadError, match="invalid ONNX model"):
+            convpass.optimize(source, quiet=True)
+
+
 def test_large_model_paths(tmp_path, monkeypatch):
     """Past the protobuf limit, initializers go to shape inference as typed inputs and the output is
     written with external data; exercised here by lowering both thresholds to zero."""

@@ -354,8 +354,9 @@ NO_KERNELS = "not written (bench --no-kernels): the executor compiles them at st
 
 
 def write_kernels(tuned_path: Path) -> dict[str, Any]:
-    """The tuned model's kernel side-car, as ``convpass optimize`` writes it on a GPU
-    (:mod:`convpass.aot`), so that the executor starts as a deployment's does: ``kernels`` (what
+    """The tuned model's kernel side-car, compiled as ``convpass optimize`` compiles it on a GPU
+    (:mod:`convpass.aot`; always compiled here, never kept from an earlier run, so ``kernels_s``
+    is the compile time), so that the executor starts as a deployment's does: ``kernels`` (what
     was written, or why not) and ``kernels_s``."""
     from convpass.aot import compile_kernels
     from convpass.errors import ConvpassError

@@ -484,7 +484,6 @@ class _Stream:
         self.pending: set[tuple[DeviceFingerprint, ConvProblem]] = set()  # tasks not settled
         self.waiting: dict[tuple[DeviceFingerprint, ConvProblem], list[int]] = {}  # -> models waiting for it
         self.unsettled: dict[int, int] = {}
-        self.measured: dict[DeviceFingerprint, set[ConvProblem]] = {}
         self.failed: dict[DeviceFingerprint, set[ConvProblem]] = {}
         self.to_write: dict[int, WriteJob] = {}  # complete models not handed to a process yet, in order
         self.written_at: dict[int, float] = {}  # model index -> time.time() when it was written
@@ -492,7 +491,6 @@ class _Stream:
 
     def begin(self, db: "TuningCache", measured_here: list[DeviceFingerprint], measurer: Measurer) -> None:
         self.db, self.devices, self.measurer = db, measured_here, measurer
-        self.measured = {d: set() for d in self.report.devices}
         self.failed = {d: set() for d in self.report.devices}
 
     # -- the scheduler's feed ---------------------------------------------------------------------
@@ -514,7 +512,8 @@ class _Stream:
     def settled(self, task: sched.Task, finished: bool) -> None:
         key = (task.device, task.problem)
         self.pending.discard(key)
-        (self.measured if finished else self.failed)[task.device].add(task.problem)
+        if not finished:
+            self.failed[task.device].add(task.problem)
         for i in self.waiting.pop(key, ()):
             self.unsettled[i] -= 1
             if self.unsettled[i] == 0:
@@ -595,7 +594,7 @@ class _Stream:
         """A model collected with all of its tasks settled: to be written, with what this run did to its problems."""
         m = self.report.models[index]
         tables = [
-            (d, [p for p in m.problems if p in self.measured[d]], [p for p in m.problems if p in self.failed[d]])
+            (d, d in self.devices, [p for p in m.problems if p in self.failed[d]])
             for d in (self.report.devices if m.problems else ())  # no problems: one table of auto decisions
         ]
         self.to_write[index] = WriteJob(self.resolved[index], m.output, self.options, self.cwd, str(self.report.cache), tables)

@@ -86,20 +86,22 @@ class WriteJob:
     options: TuneOptions
     cwd: str
     cache: str  # the driver's tuning cache, read only
-    tables: list[tuple[DeviceFingerprint, list["ConvProblem"], list["ConvProblem"]]]  # device, measured here, failed here
+    # device, whether the fleet measures on it (not a cache-only device), problems failed here
+    tables: list[tuple[DeviceFingerprint, bool, list["ConvProblem"]]]
 
 
 class FleetBackend:
     """One target device's decisions from the driver's cache, by ``CacheBackend``'s rule; problems
-    measured in this run carry the strategy that measured them as their source, problems that
-    failed in this run stay undecided (``auto``)."""
+    that failed in this run stay undecided (``auto``). On a device the fleet measures on, a
+    decision names the strategy that took it, measured in this run or an earlier one, as the
+    tuner's do (``DecisionBackend.measures``); on a cache-only device, ``cache``."""
 
-    def __init__(self, cache: "TuningCache", device: DeviceFingerprint, measured: set["ConvProblem"], failed: set["ConvProblem"]) -> None:
+    def __init__(self, cache: "TuningCache", device: DeviceFingerprint, measures: bool, failed: set["ConvProblem"]) -> None:
         from convpass.decide import CacheBackend
 
         self.device = device
         self._from_cache = CacheBackend(cache, device)
-        self.measured = measured
+        self.measures = measures
         self.failed = failed
 
     def decide(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> dict["ConvProblem", "Choice | None"]:
@@ -108,7 +110,7 @@ class FleetBackend:
             choice = out.get(p)
             if p in self.failed:
                 out[p] = None
-            elif p in self.measured and choice is not None:
+            elif self.measures and choice is not None:
                 out[p] = dataclasses.replace(choice, source=options.strategy(p.direction)[0])
         return out
 
@@ -157,7 +159,7 @@ def write(job: WriteJob, prepared: tuple[Any, dict, "OptimizeReport"] | None, ca
         model, uses, report, _, _ = prepare(job.spec, job.options)  # counted again from the model written
     else:
         model, uses, report = prepared
-    backends = [FleetBackend(cache, device, set(measured), set(failed)) for device, measured, failed in job.tables]
+    backends = [FleetBackend(cache, device, measures, set(failed)) for device, measures, failed in job.tables]
     decide_and_annotate(model, job.options, uses, backends, report)
     save_model(model, job.output)
     return report

@@ -87,6 +87,8 @@ class TuningSummary:
 class CudnnTuner:
     """Decides problems by measuring them on the local GPU (see the module docstring)."""
 
+    measures = True  # a decision names the strategy that took it, timed now or before (DecisionBackend)
+
     def __init__(self, cache: TuningCache, device: DeviceFingerprint, console: Console | None = None) -> None:
         self.cache = cache
         self.device = device
@@ -133,9 +135,7 @@ class CudnnTuner:
             self.summary.failed += 1
             logger.warning("no %s configuration of %s passed the constraints and checks: left to run time", problem.direction, problem)
             return None
-        # the strategy that took the decision, whether its timings were made now or by an earlier
-        # run: the same cache gives the same tuned model, byte for byte (its kernel side-car stays valid)
-        choice = choice_from(chosen, strategy, rows, problem)
+        choice = choice_from(chosen, strategy, rows, problem)  # timed now or before: DecisionBackend.measures
         if choice.time_ms is not None and chosen.method == "measure":
             self.chosen_ms[problem] = choice.time_ms
         return choice
