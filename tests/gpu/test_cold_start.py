@@ -127,6 +127,15 @@ def test_graph_api_plans_are_loaded_from_the_side_car_not_built(tmp_path):
         pytest.skip("cuDNN kept no engine for these convs here")
     described = kernel_file.describe(out)
     assert "built cuDNN plan(s)" in described, described
+    # a cached re-run writes the same model: its side-car, built here for the model's profiles, is kept
+    from convpass.runtime.cuda import prebuilt
+
+    side = kernel_file.sidecar_path(out)
+    kf = kernel_file.read(side)
+    assert kf.recorded_arch == prebuilt.device_arch() and kf.model_profiles
+    before = (side.read_bytes(), side.stat().st_mtime_ns, out.read_bytes())
+    convpass.optimize(model, out, cache=tmp_path / "tune.db", quiet=True, tf32="on", engines="graph", layout="nhwc")
+    assert (side.read_bytes(), side.stat().st_mtime_ns, out.read_bytes()) == before
     feeds = {"x": np.random.default_rng(4).standard_normal((2, 16, 12, 12)).astype(np.float32)}
     refs = run_ort(model, feeds)
     info, outs = _fresh(out, feeds, tmp_path / "fresh")

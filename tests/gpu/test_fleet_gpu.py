@@ -3,6 +3,8 @@ visible GPU with its own CUDA_VISIBLE_DEVICES, a whole run and its cached re-run
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 import pytest
 from rich.console import Console
@@ -66,5 +68,7 @@ def test_a_fleet_run_uses_every_gpu_and_a_rerun_measures_nothing(tmp_path):
     info, nodes = annotation.read_annotations(tuned, device=device.detect())
     assert info.devices == (str(device.detect()),)
     assert all(d.source == "measure" and d.algo != "auto" for n in nodes for d in n.decisions)
+    written = Path(report.written[0]).read_bytes()
     again = driver.tune(specs, out, OPTIONS, cluster=LocalExecutor(), cache=tmp_path / "c.db", console=Console(quiet=True)).to_json()
     assert again["measured"] == 0 and again["cached"] == doc["problems"]
+    assert Path(report.written[0]).read_bytes() == written  # the same decisions, named the same: the same model
