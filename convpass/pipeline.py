@@ -241,6 +241,14 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
     missing: set[tuple] = set()
     measures = getattr(backend, "measures", False)  # as the backend's own decisions (DecisionBackend.measures)
     value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
+    picks: dict[tuple, Any] = {}
+
+    def pick_in(problem: Any, layout: str) -> Any:
+        """The problem's configuration in ``layout``, chosen once (convs share problems, and each
+        is asked for its costs and then for its pick: three times per conv and profile)."""
+        if (problem, layout) not in picks:
+            picks[(problem, layout)] = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
+        return picks[(problem, layout)]
     for i, profile in enumerate(report.profiles):
         shapes = value_shapes[i] if i < len(value_shapes) else {}
         own: dict = {}  # node -> its own-direction problem at this profile
@@ -253,7 +261,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             costs = {}
             epilogue = epilogue_ms(rows.get(problem, []), problem)
             for layout in ("nchw", "nhwc"):
-                pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
+                pick = pick_in(problem, layout)
                 if pick is not None and pick.time_ms is not None:
                     costs[layout] = cost_ms(pick, epilogue, problem.fusion)
             conv_costs[node] = costs
@@ -278,7 +286,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             continue  # not planned: the notes below
         for node, layout in plan.layouts.items():
             problem = own[node]
-            pick = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
+            pick = pick_in(problem, layout)
             if pick is not None:
                 source = options.strategy(problem.direction)[0] if measures else "cache"
                 overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []), problem)
