@@ -142,7 +142,8 @@ class CudnnTuner:
 
     def _stream(self) -> Any:
         """The non-blocking stream measurements run on, made at the first one: a run that finds
-        every problem in the cache creates no CUDA context (0.1-0.2 s)."""
+        every problem in the cache makes none (whether anything else then creates a CUDA context
+        was not checked on a GPU)."""
         if self._measure_stream is None:
             import cupy as cp
 
