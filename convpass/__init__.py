@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from convpass.deferred_imports import defer_sympy
+
+# before anything imports onnx-ir, which imports SymPy for arithmetic convpass never does
+defer_sympy()
+
 __version__ = "0.1.0"
 __all__ = ["optimize", "inspect", "Executor", "__version__"]
 
