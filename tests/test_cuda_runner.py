@@ -146,7 +146,8 @@ class _FakeGpu:
 
             def end_capture(self):
                 n, gpu.capturing = gpu.capturing, None
-                return types.SimpleNamespace(launch=lambda stream: setattr(gpu, "clock", gpu.clock + n * gpu.ms))
+                return types.SimpleNamespace(launch=lambda stream: setattr(gpu, "clock", gpu.clock + n * gpu.ms),
+                                             upload=lambda stream: None)
 
             def synchronize(self):
                 pass
@@ -163,19 +164,34 @@ class _FakeGpu:
 
 
 def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_estimate(monkeypatch):
-    """Over 1.5x the best and 2 us above it: stopped after the estimate (not a close call); within
-    1.5x, or a tiny kernel within 2 us, it is timed in full."""
+    """Over 1.5x the best and 2 us above it: stopped after the estimate (not a close call); over
+    1.15x, after its first two groups; within 1.15x, or a tiny kernel within 2 us, timed in full."""
     from convpass.tune import harness
 
-    def timing(ms: float, best_ms: float) -> harness.Timing:
+    def timing(ms: float, best_ms: float, **kwargs) -> harness.Timing:
         gpu = _FakeGpu(ms)
         monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
-        return harness.time_launches(gpu.launch, sets=4, best_ms=best_ms)
+        return harness.time_launches(gpu.launch, sets=4, best_ms=best_ms, **kwargs)
 
     slow = timing(0.016, best_ms=0.010)
     assert slow.early_stop and abs(slow.time_ms - 0.016) < 1e-9 and slow.launches == 5
-    close = timing(0.014, best_ms=0.010)
-    assert not close.early_stop and abs(close.time_ms - 0.014) < 1e-9 and close.launches > 5
+    assert slow.stopped_by == "estimate over 1.5x the best"
+    later = timing(0.014, best_ms=0.010)
+    assert later.early_stop and abs(later.time_ms - 0.014) < 1e-9 and later.stopped_by == "2 groups over 1.15x the best"
+    close = timing(0.011, best_ms=0.010)
+    assert not close.early_stop and abs(close.time_ms - 0.011) < 1e-9 and close.launches > later.launches
     tiny = timing(0.0025, best_ms=0.001)  # 2.5x, but 1.5 us: the estimate's own latency could be that
     assert not tiny.early_stop
     assert timing(0.0035, best_ms=0.001).early_stop
+    # the caller's own first launch of set 0 stands in for the warm-up: one launch fewer
+    assert timing(0.016, best_ms=0.010, first_ms=0.016).launches == slow.launches
+
+
+def test_a_slow_first_launch_gets_one_more_before_any_group(monkeypatch):
+    """A first launch over 4x the best (and 2 ms) is launched once more; still over 4x: stopped there."""
+    from convpass.tune import harness
+
+    gpu = _FakeGpu(10.0)
+    monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+    stopped = harness.time_launches(gpu.launch, sets=4, best_ms=1.0, first_ms=10.0)
+    assert stopped.early_stop and stopped.stopped_by == "a launch over 4x the best" and gpu.clock == 10.0

@@ -13,7 +13,12 @@
   its estimate (and says so): over :data:`EARLY_STOP_RATIO` times the best and :data:`EARLY_STOP_MIN_MS`
   above it. It will not be chosen, and timing it fully would only cost tuning time: on an H200 most
   of cuDNN's ~40 graph-API engine configurations per conv are 1.5-4x the best, and timing them in
-  full was most of a ResNet-50's tuning time.
+  full was most of a ResNet-50's tuning time. One that passes the estimate but whose first
+  :data:`LATE_STOP_GROUPS` groups both take over :data:`LATE_STOP_RATIO` times the best is stopped
+  there: groups are precise to a few percent, and half of the candidates timed in full in a
+  four-model tuning ended over 1.2x their problem's best.
+* The caller may have launched set 0 once already (the tuner's correctness check): its time
+  (``first_ms``) stands in for the warm-up launch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +44,10 @@ def cupy():
 # full timing; a candidate this far above the best is not a close call.
 EARLY_STOP_RATIO = 1.5
 EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs in a 4-launch estimate
+# After this many groups (each a full rotation, a millisecond or more), a candidate over this ratio of
+# the best is no close call either.
+LATE_STOP_GROUPS = 2
+LATE_STOP_RATIO = 1.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +57,7 @@ class Timing:
     spread: float  # (max - min) / median of the group times
     early_stop: bool = False
     eager: bool = False  # launches could not be captured: times include Python's launch cost
+    stopped_by: str = ""  # why an early stop came: what was over which ratio of the best (for the record)
 
 
 _clocks_warmed_at = 0.0
@@ -115,21 +126,51 @@ def to_storage(values, dtype: str):
 
 
 def to_float32(array, dtype: str):
-    """A float32 copy of device data stored in the convpass dtype ``dtype``."""
+    """Device data stored in the convpass dtype ``dtype`` as float32 (itself when float32 already)."""
     cp = cupy()
     if dtype == "bfloat16":
         return (cp.ascontiguousarray(array).astype(cp.uint32) << 16).view(cp.float32)
-    return array.astype(cp.float32)
+    return array.astype(cp.float32, copy=False)
+
+
+_error_sums: dict[int, Any] = {}
 
 
 def relative_error(out, ref) -> float:
-    """Normwise ||out - ref|| / ||ref||; inf when out has NaN or Inf (e.g. unwritten elements)."""
+    """Normwise ||out - ref|| / ||ref||; inf when out has NaN or Inf (e.g. unwritten elements).
+
+    ``out`` in its storage dtype (float32 or float16; bfloat16 through :func:`to_float32`), ``ref``
+    float32 of the same logical shape, in any memory order. Both sums of squares come from one
+    pass over the data and one transfer: this runs for every candidate a tuning checks (thousands),
+    and the eight CuPy calls it took before cost about 0.4 ms each time.
+    """
     cp = cupy()
-    # both norms in one transfer: each float() of a device value waits for the GPU
-    diff, norm = (float(v) for v in cp.stack((cp.linalg.norm((out - ref).ravel()), cp.linalg.norm(ref.ravel()))).get())
-    if not np.isfinite(diff):
+    device = cp.cuda.Device().id
+    if device not in _error_sums:
+        # double sums: a batch-32 output has tens of millions of elements
+        _error_sums[device] = cp.ReductionKernel(
+            "T x, float32 r", "complex128 s",
+            "complex<double>(((double)x - r) * ((double)x - r), (double)r * r)",
+            "a + b", "s = a", "complex<double>(0, 0)", "convpass_error_sums")
+    # Over all axes but the batch and the first spatial one: CuPy's reduction runs one block per
+    # output, and a scalar's single block took 5 ms over a batch-32 output (H200)
+    axes = tuple(a for a in range(ref.ndim) if a not in (0, 2))
+    sums = complex(_error_sums[device](out, ref, axis=axes).sum().get())
+    if not math.isfinite(sums.real):
         return math.inf
-    return diff / max(norm, 1e-30)
+    return math.sqrt(sums.real) / max(math.sqrt(sums.imag), 1e-30)
+
+
+def first_launch_ms(launch: Callable[[], None]) -> float:
+    """Run ``launch()`` once between CUDA events on the current stream and return its time (ms):
+    the first launch of a candidate, which :func:`time_launches` takes as its warm-up."""
+    cp = cupy()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    launch()
+    stop.record()
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop)
 
 
 def time_launches(
@@ -139,9 +180,12 @@ def time_launches(
     group_ms: float = 1.0,
     max_groups: int = 7,
     budget_ms: float = 40.0,
+    first_ms: float | None = None,
 ) -> Timing:
     """Median per-launch time of ``launch(set_index)`` (see the module docstring).
 
+    ``first_ms``: the time of a launch of set 0 the caller made just before (with
+    :func:`first_launch_ms`), in place of the warm-up launch.
     Must run with a non-default CuPy stream current (CUDA graphs cannot capture the legacy stream).
     """
     cp = cupy()
@@ -159,15 +203,12 @@ def time_launches(
         stop.synchronize()
         return cp.cuda.get_elapsed_time(start, stop) / count
 
-    start.record()
-    launch(0)  # warm-up (module load, lazy setup)
-    stop.record()
-    stop.synchronize()
-    if best_ms is not None and cp.cuda.get_elapsed_time(start, stop) > max(4 * best_ms, 2.0):
+    warm = first_launch_ms(lambda: launch(0)) if first_ms is None else first_ms  # module load, lazy setup
+    if best_ms is not None and warm > max(4 * best_ms, 2.0):
         # Slow, or slow only because of loading? One more launch tells, before any group of them.
         again = timed(None, 1)
         if again > 4 * best_ms:
-            return Timing(again, 2, 0.0, early_stop=True)
+            return Timing(again, 2, 0.0, early_stop=True, stopped_by="a launch over 4x the best")
     # First estimate from a short captured graph: eager launches would measure Python, not the GPU.
     probe = min(sets, 4)
     graph = _capture(launch, sets, probe, stream)
@@ -175,7 +216,7 @@ def time_launches(
         timed(graph, probe)  # first replay uploads the graph
     estimate = timed(graph, probe)
     if best_ms is not None and estimate > EARLY_STOP_RATIO * best_ms and estimate > best_ms + EARLY_STOP_MIN_MS:
-        return Timing(estimate, probe + 1, 0.0, early_stop=True)
+        return Timing(estimate, probe + 1, 0.0, early_stop=True, stopped_by=f"estimate over {EARLY_STOP_RATIO:g}x the best")
     per_group = max(1, min(200, round(group_ms / max(estimate, 1e-3))))
     # One graph covers every rotation set, so replays never re-read a set still in L2 (for slow
     # launches, only as many sets as a quarter of the budget allows: those are not cache-bound).
@@ -184,10 +225,20 @@ def time_launches(
     groups = max(3, min(max_groups, int(budget_ms / max(per_group * estimate, 1e-3))))
     replay = _capture(launch, sets, per_group, stream) if graph is not None else None
     if replay is not None:
-        timed(replay, per_group)
-    times = [timed(replay, per_group) for _ in range(groups)]
+        replay.upload(stream)  # outside the timed groups; their median leaves any first-replay cost out
+    times = []
+    for _ in range(groups):
+        times.append(timed(replay, per_group))
+        if (best_ms is not None and len(times) == LATE_STOP_GROUPS
+                and min(times) > LATE_STOP_RATIO * best_ms and min(times) > best_ms + EARLY_STOP_MIN_MS):
+            return Timing(statistics.median(times), probe + 1 + len(times) * per_group, _spread(times), early_stop=True,
+                          eager=replay is None, stopped_by=f"{len(times)} groups over {LATE_STOP_RATIO:g}x the best")
+    return Timing(statistics.median(times), probe + 1 + groups * per_group, _spread(times), eager=replay is None)
+
+
+def _spread(times: list[float]) -> float:
     median = statistics.median(times)
-    return Timing(median, probe + (groups + 1) * per_group, (max(times) - min(times)) / median if median > 0 else 0.0, eager=replay is None)
+    return (max(times) - min(times)) / median if median > 0 else 0.0
 
 
 def _capture(launch: Callable[[int], None], sets: int, count: int, stream):
