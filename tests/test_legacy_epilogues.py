@@ -172,6 +172,15 @@ def test_the_fused_calls_timed_are_the_fastest_bare_legacy_algorithms():
     assert tuner.fused_call_candidates(rows, KEY) == ["gemm", "implicit_gemm"][:epilogue.FUSED_CALL_CANDIDATES]
 
 
+def test_a_late_stop_is_a_measurement_and_its_algorithm_may_be_fused():
+    """A candidate stopped after two groups over 1.15x the best was measured (its fused call may
+    still win: it saves the epilogue's pass); one stopped after its estimate was not."""
+    late = row("implicit_gemm", 0.020, note="relative error 1e-04; 400 launches, spread 0.3%; stopped there, 2 groups over 1.15x the best (0.0100 ms)")
+    early = row("fft", 0.030, note="relative error 1e-04; 5 launches, spread 0.0%; early stop: estimate over 1.5x the best (0.0100 ms)")
+    assert tuner.was_measured(late) and not tuner.was_measured(early)
+    assert tuner.fused_call_candidates([row("gemm", 0.010), late, early], KEY) == ["gemm", "implicit_gemm"][:epilogue.FUSED_CALL_CANDIDATES]
+
+
 def test_the_cache_is_complete_for_a_legacy_epilogue_with_its_pass_and_a_fused_call_row():
     legacy = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
     check = lambda rows: tuner.complete(rows, [KEY], "measure", None, True, False, RELU)  # noqa: E731

@@ -15,8 +15,9 @@
   of cuDNN's ~40 graph-API engine configurations per conv are 1.5-4x the best, and timing them in
   full was most of a ResNet-50's tuning time. One that passes the estimate but whose first
   :data:`LATE_STOP_GROUPS` groups both take over :data:`LATE_STOP_RATIO` times the best is stopped
-  there: groups are precise to a few percent, and half of the candidates timed in full in a
-  four-model tuning ended over 1.2x their problem's best.
+  there (``Timing.stopped_by`` says so, ``early_stop`` stays False): groups are precise to a few
+  percent, so its time is a measurement like any other, from fewer groups; half of the candidates
+  timed in full in a four-model tuning ended over 1.2x their problem's best.
 * The caller may have launched set 0 once already (the tuner's correctness check): its time
   (``first_ms``) stands in for the warm-up launch.
 """
@@ -55,9 +56,9 @@ class Timing:
     time_ms: float
     launches: int
     spread: float  # (max - min) / median of the group times
-    early_stop: bool = False
+    early_stop: bool = False  # stopped after an estimate: time_ms is that estimate, not a measurement
     eager: bool = False  # launches could not be captured: times include Python's launch cost
-    stopped_by: str = ""  # why an early stop came: what was over which ratio of the best (for the record)
+    stopped_by: str = ""  # why timing stopped before every group ran (an early stop, or a late one: see the module docstring)
 
 
 _clocks_warmed_at = 0.0
@@ -231,8 +232,8 @@ def time_launches(
         times.append(timed(replay, per_group))
         if (best_ms is not None and len(times) == LATE_STOP_GROUPS
                 and min(times) > LATE_STOP_RATIO * best_ms and min(times) > best_ms + EARLY_STOP_MIN_MS):
-            return Timing(statistics.median(times), probe + 1 + len(times) * per_group, _spread(times), early_stop=True,
-                          eager=replay is None, stopped_by=f"{len(times)} groups over {LATE_STOP_RATIO:g}x the best")
+            return Timing(statistics.median(times), probe + 1 + len(times) * per_group, _spread(times), eager=replay is None,
+                          stopped_by=f"{len(times)} groups over {LATE_STOP_RATIO:g}x the best")
     return Timing(statistics.median(times), probe + 1 + groups * per_group, _spread(times), eager=replay is None)
 
 

@@ -251,13 +251,13 @@ def own_space(problem: ConvProblem, options: TuneOptions, legacy: bool = True) -
 
 def own_complete(rows: Sequence[Measurement], keys: Sequence[ProblemKey], fusion: str = "") -> bool:
     """Whether ``rows`` hold every own-kernel candidate of ``keys`` and, for a legacy epilogue
-    ``fusion``, the fastest one's fused row (where one of them was timed in full: the rule
+    ``fusion``, the fastest one's fused row (where one of them was measured, not only estimated: the rule
     :meth:`_ShapeBench.measure_own` follows, so a cached re-run times nothing)."""
     for key in keys:
         timed = {m.algo: m for m in rows if m.key == key and m.method == "measure"}
         if not set(depthwise.candidates(key.shape)) <= set(timed):
             return False
-        ran = any(depthwise.is_own(a) and not fusion_of(a) and timed_in_full(m) for a, m in timed.items())
+        ran = any(depthwise.is_own(a) and not fusion_of(a) and was_measured(m) for a, m in timed.items())
         if fusion and ran and not any(depthwise.is_own(a) and fusion_of(a) == fusion for a in timed):
             return False
     return True
@@ -356,21 +356,22 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
 
 def fused_call_candidates(rows: Sequence[Measurement], key: ProblemKey) -> list[str]:
     """The legacy algorithms of ``key`` whose fused call with an epilogue is timed: the
-    :data:`convpass.epilogue.FUSED_CALL_CANDIDATES` fastest bare ones timed in full."""
+    :data:`convpass.epilogue.FUSED_CALL_CANDIDATES` fastest bare ones measured (not early-stopped estimates)."""
     timed = {m.algo: m.time_ms for m in rows
-             if m.key == key and m.method == "measure" and timed_in_full(m)
+             if m.key == key and m.method == "measure" and was_measured(m)
              and not is_engine(m.algo) and not depthwise.is_own(m.algo) and not fusion_of(m.algo)}
     return sorted(timed, key=lambda a: (timed[a], a))[:epilogue.FUSED_CALL_CANDIDATES]
 
 
-def timed_in_full(row: Measurement) -> bool:
-    """Whether ``row`` ran and was timed to the end (an early-stopped estimate was not)."""
+def was_measured(row: Measurement) -> bool:
+    """Whether ``row`` ran and was measured (an early-stopped estimate was not; a late stop's
+    groups were: :mod:`convpass.tune.harness`)."""
     return row.status == "ok" and row.time_ms is not None and "early stop" not in row.note
 
 
 def _best_after(best: float | None, row: Measurement) -> float | None:
     """The best time so far after ``row`` (early-stopped estimates do not count)."""
-    if timed_in_full(row):
+    if was_measured(row):
         return row.time_ms if best is None else min(best, row.time_ms)
     return best
 
@@ -621,7 +622,7 @@ class _ShapeBench:
             if algo not in done:
                 rows.append(self._measure_own(key, algo, "", best_ms))
                 best_ms = _best_after(best_ms, rows[-1])
-        bare = [m for m in [*rows, *have] if m.key == key and m.method == "measure" and timed_in_full(m)
+        bare = [m for m in [*rows, *have] if m.key == key and m.method == "measure" and was_measured(m)
                 and depthwise.is_own(m.algo) and not fusion_of(m.algo)]
         if epilogue.is_legacy(fusion) and bare:
             fastest = min(bare, key=lambda m: (m.time_ms, m.algo)).algo
@@ -816,6 +817,8 @@ class _ShapeBench:
         note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
         if timing.early_stop:
             note += f"; early stop: {timing.stopped_by} ({best_ms:.4f} ms)"
+        elif timing.stopped_by:  # a late stop: a measurement from fewer groups, not an estimate
+            note += f"; stopped there, {timing.stopped_by} ({best_ms:.4f} ms)"
         if timing.eager:
             note += "; eager launches (not capturable): includes launch overhead"
         return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
