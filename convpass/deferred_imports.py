@@ -1,4 +1,4 @@
-"""SymPy, imported when something uses it rather than when onnx-ir is imported.
+"""onnx-ir imported without importing SymPy: SymPy loads when onnx-ir first uses it.
 
 onnx-ir (1.0 and 1.1) imports SymPy at its own import, for arithmetic on symbolic dimensions
 (``SymbolicDim("N") + 1``), and builds a table of SymPy functions when it imports its
@@ -6,64 +6,110 @@ onnx-ir (1.0 and 1.1) imports SymPy at its own import, for arithmetic on symboli
 ``inspect`` or ``tune`` paid for the import: 0.5 s on the development machine, 1.9 s on an H200
 device machine (2026-11-27: a third of a cached re-run there).
 
-:func:`defer_sympy` puts a stand-in module for each of the two into ``sys.modules`` before
-onnx-ir is imported. ``import sympy`` binds the stand-in; the first attribute anyone reads from it
-(``sympy.Expr``, ``sympy.Symbol``, a submodule import) imports the real module, puts it back in
-``sys.modules`` and answers from it; every read after that is answered from the real module's
-contents. So code that uses SymPy, onnx-ir's or a user's, behaves as with a plain import; only
-when the import happens moves. Nothing is stood in for when SymPy or onnx-ir is already imported,
-when either is not installed, or when onnx-ir has no ``_symbolic_shapes`` module (another layout:
-then SymPy loads at onnx-ir's import, as without this module).
+:func:`defer_sympy` (called by ``import convpass``, which stays cheap: it imports nothing) puts a
+one-shot finder first on ``sys.meta_path``. When something imports onnx-ir, the finder lets the
+import system load it as usual, with :class:`DeferredModule` stand-ins for ``sympy`` and
+``onnx_ir._symbolic_shapes`` in ``sys.modules`` while onnx-ir's own code runs, and takes them
+out again right after. So the stand-ins live only in onnx-ir's module globals: the first attribute
+onnx-ir reads from one imports the real module, and every read is answered by it. Anyone else who
+imports SymPy, before or after, gets the real module from the import system, untouched.
+
+Nothing is stood in for when SymPy is imported already, when onnx-ir was imported before convpass,
+when SymPy is not installed, or when onnx-ir has no ``_symbolic_shapes`` module (another layout):
+onnx-ir then imports SymPy as it always did.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import importlib.util
 import sys
 import threading
 import types
 from typing import Any
 
+SYMPY = "sympy"
 SYMBOLIC_SHAPES = "onnx_ir._symbolic_shapes"
-_lock = threading.RLock()  # reentrant: loading onnx-ir's module reads from SymPy's stand-in
+_lock = threading.Lock()
 
 
 class DeferredModule(types.ModuleType):
-    """A module that imports the real one of its name at the first read of a missing attribute."""
+    """Stands in for the module of its name: every read of an attribute it lacks is answered by the
+    real module, imported at the first such read."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.load(), name)
 
     def load(self) -> types.ModuleType:
-        """The real module, imported now if it was not yet (and put in ``sys.modules``)."""
-        with _lock:
-            real = self.__dict__.get("_convpass_real")
-            if real is None:
-                module_name = self.__dict__["__name__"]
+        """The real module (imported by the import system, which serializes concurrent imports)."""
+        real = self.__dict__.get("_convpass_real")
+        if real is None:
+            module_name = self.__dict__["__name__"]
+            with _lock:  # only while onnx-ir itself is being imported is a stand-in in sys.modules
                 if sys.modules.get(module_name) is self:
                     del sys.modules[module_name]
-                real = importlib.import_module(module_name)
-                self.__dict__.update(real.__dict__)
-                self.__dict__["_convpass_real"] = real
-            return real
+            real = importlib.import_module(module_name)
+            self.__dict__["_convpass_real"] = real
+        return real
+
+
+# The finder and loader are plain classes (the import system asks for their methods only):
+# importlib.abc imports importlib.resources, 10 ms of every `import convpass`.
+class _OnnxIrLoader:
+    """onnx-ir's own loader, run with the stand-ins in ``sys.modules`` (module docstring)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # the package's loader is its own from here on (resources, reloads)
+        module.__loader__ = self.real
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.real
+        with _lock:
+            stand_ins = {name: DeferredModule(name) for name in (SYMPY, SYMBOLIC_SHAPES) if name not in sys.modules}
+            sys.modules.update(stand_ins)
+        try:
+            self.real.exec_module(module)
+        finally:
+            with _lock:
+                for name, stand_in in stand_ins.items():
+                    if sys.modules.get(name) is stand_in:
+                        del sys.modules[name]
+
+
+class _OnnxIrFinder:
+    """Finds onnx-ir once, through the other finders, and hands it :class:`_OnnxIrLoader`."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "onnx_ir":
+            return None
+        import importlib.util
+
+        with _lock:
+            if self not in sys.meta_path:
+                return None
+            sys.meta_path.remove(self)  # one shot: onnx-ir is imported once
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or SYMPY in sys.modules or importlib.util.find_spec(SYMPY) is None:
+            return spec
+        locations = list(spec.submodule_search_locations or ())
+        if not locations or importlib.machinery.PathFinder.find_spec(SYMBOLIC_SHAPES, locations) is None:
+            return spec
+        spec.loader = _OnnxIrLoader(spec.loader)
+        return spec
 
 
 def defer_sympy() -> bool:
-    """Stand in for SymPy and onnx-ir's ``_symbolic_shapes`` until first used (module docstring).
-    True when the stand-ins are in place (now or from an earlier call)."""
+    """Have onnx-ir's coming import leave SymPy out (module docstring). True when it will: neither
+    onnx-ir nor SymPy is imported yet."""
     with _lock:
-        if isinstance(sys.modules.get("sympy"), DeferredModule):
+        if any(isinstance(f, _OnnxIrFinder) for f in sys.meta_path):
             return True
-        if "sympy" in sys.modules or "onnx_ir" in sys.modules:
+        if "onnx_ir" in sys.modules or SYMPY in sys.modules:
             return False
-        sympy_spec = importlib.util.find_spec("sympy")
-        ir_spec = importlib.util.find_spec("onnx_ir")  # a top-level spec: onnx-ir is not imported
-        if sympy_spec is None or ir_spec is None or not ir_spec.submodule_search_locations:
-            return False
-        if importlib.machinery.PathFinder.find_spec(SYMBOLIC_SHAPES, list(ir_spec.submodule_search_locations)) is None:
-            return False
-        for name in ("sympy", SYMBOLIC_SHAPES):
-            sys.modules[name] = DeferredModule(name)
+        sys.meta_path.insert(0, _OnnxIrFinder())
         return True

@@ -168,10 +168,12 @@ def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_esti
     1.15x, after its first two groups; within 1.15x, or a tiny kernel within 2 us, timed in full."""
     from convpass.tune import harness
 
+    gpus = []
+
     def timing(ms: float, best_ms: float, **kwargs) -> harness.Timing:
-        gpu = _FakeGpu(ms)
-        monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
-        return harness.time_launches(gpu.launch, sets=4, best_ms=best_ms, **kwargs)
+        gpus.append(_FakeGpu(ms))
+        monkeypatch.setattr(harness, "cupy", lambda: gpus[-1].cupy)
+        return harness.time_launches(gpus[-1].launch, sets=4, best_ms=best_ms, **kwargs)
 
     slow = timing(0.016, best_ms=0.010)
     assert slow.early_stop and abs(slow.time_ms - 0.016) < 1e-9 and slow.launches == 5
@@ -184,8 +186,11 @@ def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_esti
     tiny = timing(0.0025, best_ms=0.001)  # 2.5x, but 1.5 us: the estimate's own latency could be that
     assert not tiny.early_stop
     assert timing(0.0035, best_ms=0.001).early_stop
-    # the caller's own first launch of set 0 stands in for the warm-up: one launch fewer
-    assert timing(0.016, best_ms=0.010, first_ms=0.016).launches == slow.launches
+    # the caller's own first launch of set 0 stands in for the warm-up: the GPU runs one launch fewer
+    timing(0.016, best_ms=0.010)
+    warmed_here = gpus[-1].clock
+    timing(0.016, best_ms=0.010, first_ms=0.016)
+    assert abs(warmed_here - gpus[-1].clock - 0.016) < 1e-9
 
 
 def test_a_slow_first_launch_gets_one_more_before_any_group(monkeypatch):

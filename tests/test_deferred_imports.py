@@ -1,4 +1,4 @@
-"""SymPy is imported when used, not when onnx-ir is (convpass.deferred_imports).
+"""onnx-ir is imported without SymPy; SymPy loads when onnx-ir first uses it (convpass.deferred_imports).
 
 Each check runs in a Python process of its own: which modules are imported is process state.
 """
@@ -8,8 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,45 +33,68 @@ from convpass.cli import main
 code = main(["optimize", {str(model)!r}, "--shape", "input=1x64x56x56", "--shape", "input=32x64x56x56", "--device-name", "H200",
              "--cache", {str(tmp_path / 'tune.db')!r}, "-o", {str(tmp_path / 'tuned.onnx')!r}, "--no-kernels"])
 assert not code, code
-import onnx_ir
-print("sympy.core" in sys.modules, type(sys.modules["sympy"]).__name__)
+import onnx_ir._core as core
+print(sorted(m for m in sys.modules if m.split(".")[0] == "sympy"), type(core.sympy).__name__, type(core._symbolic_shapes).__name__)
 """)
-    assert out.splitlines()[-1] == "False DeferredModule"
+    assert out.splitlines()[-1] == "[] DeferredModule DeferredModule"
     assert (tmp_path / "tuned.onnx").exists()
 
 
-def test_symbolic_dimension_arithmetic_imports_it_then(tmp_path):
+def test_symbolic_dimension_arithmetic_imports_it_then():
     out = _run("""
 import sys
 import convpass.pipeline
 import onnx_ir as ir
-before = "sympy.core" in sys.modules
-print(before, ir.SymbolicDim("N") * 2 + 1, type(sys.modules["sympy"]).__name__)
+before = "sympy" in sys.modules
+print(before, ir.SymbolicDim("N") * 2 + 1, type(sys.modules["sympy"]).__name__, type(sys.modules["onnx_ir._symbolic_shapes"]).__name__)
 """)
-    assert out == "False 2*N + 1 module"
+    assert out == "False 2*N + 1 module module"
 
 
-def test_user_code_that_imports_sympy_after_convpass_gets_all_of_it():
+def test_others_who_import_sympy_get_the_real_module_from_the_import_system():
+    """After onnx-ir's import nothing of the stand-ins is in sys.modules: a submodule imported
+    first, availability checks, and onnx-ir's own later use all meet one real SymPy."""
+    out = _run("""
+import importlib.util, sys
+import convpass.model_io, onnx_ir
+import onnx_ir._core as core
+print(importlib.util.find_spec("sympy") is not None, "sympy" in sys.modules)
+import sympy.core.numbers
+import sympy
+print(type(sys.modules["sympy"]).__name__, sympy.core is sys.modules["sympy.core"], core.sympy.Expr is sympy.Expr)
+from sympy import Max, Symbol
+x = Symbol("x", positive=True)
+print(Max(x, 2).subs(x, 3), isinstance(x, core.sympy.Expr), onnx_ir.__loader__ is onnx_ir.__spec__.loader, type(onnx_ir.__loader__).__name__)
+""")
+    assert out.splitlines() == ["True False", "module True True", "3 True True SourceFileLoader"]
+
+
+def test_nothing_is_stood_in_for_when_sympy_was_imported_before():
+    out = _run("""
+import sympy
+import convpass.pipeline
+import onnx_ir._core as core
+from convpass.deferred_imports import defer_sympy
+print(defer_sympy(), core.sympy is sympy)
+""")
+    assert out == "False True"
+
+
+def test_nothing_is_stood_in_for_when_onnx_ir_was_imported_before_convpass():
     out = _run("""
 import sys
-import convpass.model_io
-import sympy
-from sympy import Max, Symbol
-import sympy.core.numbers
-x = Symbol("x", positive=True)
-print(Max(x, 2).subs(x, 3), isinstance(x, sympy.Expr), sympy.__version__ == sys.modules["sympy"].__version__)
-print(type(sys.modules["sympy"]).__name__)
-""")
-    assert out.splitlines() == ["3 True True", "module"]  # the real module is back in sys.modules
-
-
-@pytest.mark.parametrize("first", ["sympy", "onnx_ir"])
-def test_nothing_is_stood_in_for_when_it_was_imported_before(first):
-    out = _run(f"""
-import sys
-import {first}
+import onnx_ir
 import convpass.pipeline
-from convpass.deferred_imports import DeferredModule, defer_sympy
-print(defer_sympy(), any(isinstance(m, DeferredModule) for m in list(sys.modules.values())))
+from convpass.deferred_imports import _OnnxIrFinder, defer_sympy
+print(defer_sympy(), any(isinstance(f, _OnnxIrFinder) for f in sys.meta_path), type(sys.modules["sympy"]).__name__)
+""")
+    assert out == "False False module"
+
+
+def test_importing_convpass_alone_imports_neither():
+    out = _run("""
+import sys
+import convpass, convpass.runtime
+print("onnx_ir" in sys.modules, "sympy" in sys.modules)
 """)
     assert out == "False False"

@@ -15,7 +15,8 @@
   of cuDNN's ~40 graph-API engine configurations per conv are 1.5-4x the best, and timing them in
   full was most of a ResNet-50's tuning time. One that passes the estimate but whose first
   :data:`LATE_STOP_GROUPS` groups both take over :data:`LATE_STOP_RATIO` times the best is stopped
-  there (``Timing.stopped_by`` says so, ``early_stop`` stays False): groups are precise to a few
+  there, where it is also 2 µs above the best (``Timing.stopped_by`` says so, ``early_stop`` stays
+  False): groups are precise to a few
   percent, so its time is a measurement like any other, from fewer groups; half of the candidates
   timed in full in a four-model tuning ended over 1.2x their problem's best.
 * The caller may have launched set 0 once already (the tuner's correctness check): its time
@@ -31,8 +32,6 @@ import statistics
 import time
 from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 
 def cupy():
@@ -134,29 +133,29 @@ def to_float32(array, dtype: str):
     return array.astype(cp.float32, copy=False)
 
 
-_error_sums: dict[int, Any] = {}
+_error_sums: Any = None  # the kernel (CuPy compiles and caches it per device)
 
 
 def relative_error(out, ref) -> float:
     """Normwise ||out - ref|| / ||ref||; inf when out has NaN or Inf (e.g. unwritten elements).
 
     ``out`` in its storage dtype (float32 or float16; bfloat16 through :func:`to_float32`), ``ref``
-    float32 of the same logical shape, in any memory order. Both sums of squares come from one
-    pass over the data and one transfer: this runs for every candidate a tuning checks (thousands),
-    and the eight CuPy calls it took before cost about 0.4 ms each time.
+    of the same logical shape, in any memory order. Both sums of squares come from one pass over
+    the data and one transfer: this runs for every candidate a tuning checks (thousands), and the
+    eight CuPy calls it took before cost 0.3 ms each time on an H200 (0.1 ms now).
     """
+    global _error_sums
     cp = cupy()
-    device = cp.cuda.Device().id
-    if device not in _error_sums:
+    if _error_sums is None:
         # double sums: a batch-32 output has tens of millions of elements
-        _error_sums[device] = cp.ReductionKernel(
+        _error_sums = cp.ReductionKernel(
             "T x, float32 r", "complex128 s",
             "complex<double>(((double)x - r) * ((double)x - r), (double)r * r)",
             "a + b", "s = a", "complex<double>(0, 0)", "convpass_error_sums")
     # Over all axes but the batch and the first spatial one: CuPy's reduction runs one block per
     # output, and a scalar's single block took 5 ms over a batch-32 output (H200)
     axes = tuple(a for a in range(ref.ndim) if a not in (0, 2))
-    sums = complex(_error_sums[device](out, ref, axis=axes).sum().get())
+    sums = complex(_error_sums(out, ref.astype(cp.float32, copy=False), axis=axes).sum().get())
     if not math.isfinite(sums.real):
         return math.inf
     return math.sqrt(sums.real) / max(math.sqrt(sums.imag), 1e-30)
@@ -226,7 +225,7 @@ def time_launches(
     groups = max(3, min(max_groups, int(budget_ms / max(per_group * estimate, 1e-3))))
     replay = _capture(launch, sets, per_group, stream) if graph is not None else None
     if replay is not None:
-        replay.upload(stream)  # outside the timed groups; their median leaves any first-replay cost out
+        replay.upload(stream)  # outside the timed groups (whose median leaves a first replay's extra cost out; a late stop's two are averaged)
     times = []
     for _ in range(groups):
         times.append(timed(replay, per_group))
