@@ -16,9 +16,9 @@
   full was most of a ResNet-50's tuning time. One that passes the estimate but whose first
   :data:`LATE_STOP_GROUPS` groups both take over :data:`LATE_STOP_RATIO` times the best is stopped
   there, where it is also 2 µs above the best (``Timing.stopped_by`` says so, ``early_stop`` stays
-  False): groups are precise to a few
-  percent, so its time is a measurement like any other, from fewer groups; half of the candidates
-  timed in full in a four-model tuning ended over 1.2x their problem's best.
+  False): groups are precise to a few percent, so its time is a measurement like any other, from
+  fewer groups; half of the candidates timed in full in a four-model tuning ended over 1.2x their
+  problem's best.
 * The caller may have launched set 0 once already (the tuner's correctness check): its time
   (``first_ms``) stands in for the warm-up launch.
 """
@@ -225,7 +225,9 @@ def time_launches(
     groups = max(3, min(max_groups, int(budget_ms / max(per_group * estimate, 1e-3))))
     replay = _capture(launch, sets, per_group, stream) if graph is not None else None
     if replay is not None:
-        replay.upload(stream)  # outside the timed groups (whose median leaves a first replay's extra cost out; a late stop's two are averaged)
+        # uploaded outside the timed groups; any extra cost of a first replay is left out by their
+        # median (a late stop's two groups are averaged)
+        replay.upload(stream)
     times = []
     for _ in range(groups):
         times.append(timed(replay, per_group))
