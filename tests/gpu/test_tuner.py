@@ -125,3 +125,31 @@ def test_second_optimize_says_it_timed_nothing(tmp_path, capsys):
     assert "nothing was timed" in capsys.readouterr().err
     info = annotation.read_model_info(_tune(model, tmp_path))
     assert "cudnn" in info.device
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 5, 5), (32, 64, 14, 14), (1, 4, 3, 6, 6), (2, 16, 30), (2, 16)], ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float32-nhwc"])
+def test_the_correctness_check_matches_float64_numpy(shape, dtype):
+    """The tuner's check (one reduction over all axes but N and the first spatial one) against
+    NumPy's float64 norms, for each storage dtype, a channels-last view and ranks 2 to 5; NaN in the
+    output gives inf."""
+    from convpass.tune import harness
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal(shape).astype(np.float32)
+    out = ref + 1e-3 * rng.standard_normal(shape).astype(np.float32)
+    if dtype == "float32-nhwc" and len(shape) >= 3:
+        last = (0, *range(2, len(shape)), 1)
+        stored = cp.ascontiguousarray(cp.asarray(out).transpose(last))
+        device_out = stored.transpose(0, len(shape) - 1, *range(1, len(shape) - 1))
+        assert not device_out.flags.c_contiguous
+    elif dtype == "bfloat16":
+        device_out = harness.to_float32(harness.to_storage(cp.asarray(out), "bfloat16"), "bfloat16")
+    else:
+        device_out = cp.asarray(out).astype(dtype.split("-")[0])
+    host = cp.asnumpy(device_out).astype(np.float64)
+    want = np.linalg.norm(host - ref) / np.linalg.norm(ref.astype(np.float64))
+    got = harness.relative_error(device_out, cp.asarray(ref))
+    assert got == pytest.approx(want, rel=1e-5)
+    device_out[(0,) * len(shape)] = float("nan")
+    assert harness.relative_error(device_out, cp.asarray(ref)) == float("inf")
