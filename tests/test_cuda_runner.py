@@ -178,6 +178,8 @@ def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_esti
     slow = timing(0.016, best_ms=0.010)
     assert slow.early_stop and abs(slow.time_ms - 0.016) < 1e-9 and slow.launches == 5
     assert slow.stopped_by == "estimate over 1.5x the best"
+    # the GPU ran the warm-up and the estimate's 4 launches: that graph is uploaded, not replayed untimed first
+    assert abs(gpus[-1].clock - 5 * 0.016) < 1e-9
     later = timing(0.014, best_ms=0.010)
     # a measurement from two groups, not an estimate
     assert not later.early_stop and abs(later.time_ms - 0.014) < 1e-9 and later.stopped_by == "2 groups over 1.15x the best"
