@@ -393,6 +393,7 @@ def optimize_ir(
     ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
     model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.aot`).
     """
+    device_mod.start_driver()  # ready by the time the decisions need the GPU's fingerprint
     tune_options = build_options(options)
     console = Console(stderr=True, quiet=quiet, soft_wrap=True)
     if output is not None and not Path(output).resolve().parent.is_dir():

@@ -4,6 +4,7 @@ driver library: which device is current, what is read, and that any failure mean
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -115,3 +116,37 @@ def test_without_the_linux_driver_library_cupy_is_asked(driver, monkeypatch):
     monkeypatch.setattr(device.ctypes, "CDLL", no_library)
     monkeypatch.setattr(device, "_asked_of_cupy", lambda: ("NVIDIA H200", "9.0", 132))
     assert str(device.detect()) == "NVIDIA H200|sm_9.0|132sm|cudnn91900"
+
+
+def _driver_thread_done() -> None:
+    for t in threading.enumerate():
+        if t.name == "convpass-driver":
+            t.join(10)
+
+
+def test_the_driver_is_started_once_on_a_helper_thread(driver, monkeypatch):
+    monkeypatch.setattr(device, "_driver_started", threading.Event())
+    loaded = []
+    monkeypatch.setattr(library, "load", lambda: loaded.append(threading.current_thread().name))
+    device.start_driver()
+    device.start_driver()
+    _driver_thread_done()
+    assert driver.calls == ["cuInit"] and loaded == ["convpass-driver"]
+    assert str(device.detect()) == "NVIDIA H100 80GB HBM3|sm_9.0|132sm|cudnn91900"  # the device is still chosen here
+
+
+def test_a_driver_that_fails_to_start_is_left_to_detect(driver, monkeypatch):
+    monkeypatch.setattr(device, "_driver_started", threading.Event())
+    driver.fail = "cuInit"
+    device.start_driver()
+    _driver_thread_done()
+    assert device.detect() is None
+
+
+def test_without_cupy_no_driver_is_started(driver, monkeypatch):
+    monkeypatch.setattr(device, "_driver_started", threading.Event())
+    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    device.start_driver()
+    _driver_thread_done()
+    assert driver.calls == []
