@@ -7,6 +7,7 @@ when it runs somewhere else.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import importlib.util
@@ -58,14 +59,17 @@ def detect() -> DeviceFingerprint | None:
     for. CuPy must still be installed (the tuner and the executor run on it). The current device
     is CuPy's: the one whose context is current on this thread, else device 0.
 
+    CuPy's import is not tried here: a CuPy that cannot use this GPU (a broken install, a driver
+    older than its CUDA) fails at the first measurement, not as "no GPU".
+
     Never raises for a missing GPU stack: callers decide what to do without one.
     """
-    if "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None:
+    if not _cupy_installed():
         return None
     try:
         try:
             libcuda = ctypes.CDLL("libcuda.so.1")
-        except OSError:  # no Linux driver library (e.g. Windows): CuPy knows where its driver is
+        except OSError:  # no driver library by that name: CuPy's own answer (or its failure), as before
             name, cc, sms = _asked_of_cupy()
         else:
             name, cc, sms = _asked_of_driver(libcuda)
@@ -77,7 +81,12 @@ def detect() -> DeviceFingerprint | None:
     return DeviceFingerprint(name=name, compute_capability=cc, sm_count=sms, cudnn_version=int(cudnn_version))
 
 
-_driver_started = threading.Event()
+def _cupy_installed() -> bool:
+    return "cupy" in sys.modules or importlib.util.find_spec("cupy") is not None
+
+
+_driver_lock = threading.Lock()
+_driver_thread: threading.Thread | None = None
 
 
 def start_driver() -> None:
@@ -86,27 +95,32 @@ def start_driver() -> None:
     :func:`detect` finds both ready while the caller imports and reads its model meanwhile. Which
     device is current is still decided by :func:`detect`, on the caller's thread. A failure here
     is left for :func:`detect` to meet (it then answers None)."""
-    if _driver_started.is_set() or ("cupy" not in sys.modules and importlib.util.find_spec("cupy") is None):
-        return
-    _driver_started.set()
+    global _driver_thread
+    with _driver_lock:
+        if _driver_thread is not None or not _cupy_installed():
+            return
 
-    def start() -> None:
-        try:
-            ctypes.CDLL("libcuda.so.1").cuInit(0)
-            from convpass.cudnn import library
+        def start() -> None:
+            try:
+                ctypes.CDLL("libcuda.so.1").cuInit(0)
+                from convpass.cudnn import library
 
-            library.load()
-        except Exception:  # noqa: BLE001
-            pass
+                library.load()
+            except Exception:  # noqa: BLE001
+                pass
 
-    threading.Thread(target=start, name="convpass-driver", daemon=True).start()
+        _driver_thread = threading.Thread(target=start, name="convpass-driver", daemon=True)
+        _driver_thread.start()
+        # a run that fails in its first 0.2 s must not exit while the thread is inside the driver
+        # or a dlopen (the libraries' destructors would run beside it)
+        atexit.register(_driver_thread.join, 10)
 
 
 # CUdevice_attribute values (cuda.h)
 _MULTIPROCESSOR_COUNT, _CC_MAJOR, _CC_MINOR = 16, 75, 76
 
 
-def _asked_of_driver(libcuda: Any) -> tuple[str, str, int]:
+def _asked_of_driver(libcuda: ctypes.CDLL) -> tuple[str, str, int]:
     """(name, compute capability, SM count) of the current device through the driver API.
     Raises RuntimeError with the driver's status, or LookupError without a device."""
 

@@ -82,10 +82,13 @@ def test_the_device_of_the_current_context(driver):
     assert device.detect().name == "NVIDIA H200"
 
 
-@pytest.mark.parametrize("fail", ["cuInit", "cuDeviceGetCount", "cuCtxGetCurrent", "cuDeviceGetName", "cuDeviceGetAttribute"])
-def test_a_failing_driver_call_means_no_gpu(driver, fail):
+@pytest.mark.parametrize("fail, current", [("cuInit", None), ("cuDeviceGetCount", None), ("cuCtxGetCurrent", None), ("cuDeviceGet", None),
+                                           ("cuCtxGetDevice", 1), ("cuDeviceGetName", None), ("cuDeviceGetAttribute", 1)])
+def test_a_failing_driver_call_means_no_gpu(driver, fail, current):
+    driver.current = current
     driver.fail = fail
     assert device.detect() is None
+    assert driver.calls[-1] == fail  # no GPU because of that call, not some other error
 
 
 def test_no_device_means_no_gpu(driver):
@@ -125,7 +128,7 @@ def _driver_thread_done() -> None:
 
 
 def test_the_driver_is_started_once_on_a_helper_thread(driver, monkeypatch):
-    monkeypatch.setattr(device, "_driver_started", threading.Event())
+    monkeypatch.setattr(device, "_driver_thread", None)
     loaded = []
     monkeypatch.setattr(library, "load", lambda: loaded.append(threading.current_thread().name))
     device.start_driver()
@@ -136,7 +139,7 @@ def test_the_driver_is_started_once_on_a_helper_thread(driver, monkeypatch):
 
 
 def test_a_driver_that_fails_to_start_is_left_to_detect(driver, monkeypatch):
-    monkeypatch.setattr(device, "_driver_started", threading.Event())
+    monkeypatch.setattr(device, "_driver_thread", None)
     driver.fail = "cuInit"
     device.start_driver()
     _driver_thread_done()
@@ -144,7 +147,7 @@ def test_a_driver_that_fails_to_start_is_left_to_detect(driver, monkeypatch):
 
 
 def test_without_cupy_no_driver_is_started(driver, monkeypatch):
-    monkeypatch.setattr(device, "_driver_started", threading.Event())
+    monkeypatch.setattr(device, "_driver_thread", None)
     monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None)
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
     device.start_driver()

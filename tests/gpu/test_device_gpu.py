@@ -1,6 +1,8 @@
 """The device fingerprint on a real GPU: the driver's answer (``convpass.device.detect``) is
 CuPy's, for the current device, and a cached ``optimize`` on a GPU machine asks it without
-importing CuPy (each check that looks at ``sys.modules`` runs in a process of its own)."""
+importing CuPy (each check that looks at ``sys.modules`` runs in a process of its own). On a
+machine with one GPU only device 0 is compared: the choice of the current context's device is
+checked on a stand-in driver in ``tests/test_device.py``."""
 
 from __future__ import annotations
 
