@@ -2,10 +2,10 @@
 # Fleet tuning on the 2-GPU device machine (nvidia-h200-x2): the issue-11 targets in one call, or
 # phase by phase when one call would pass the 10-minute limit (the machine keeps .panel and
 # .fleet-check between back-to-back calls).
-#   bash scripts/fleet-check.sh all                      setup one two kill retime report
+#   bash scripts/fleet-check.sh all                      setup one two kill retime reclock report
 #   bash scripts/fleet-check.sh first, then second       the same in two calls of under 10 minutes
-#                                                        (first: setup one two; second: kill retime report)
-#   bash scripts/fleet-check.sh setup|one|two|ray|kill|retime|report
+#                                                        (first: setup one two; second: kill retime reclock report)
+#   bash scripts/fleet-check.sh PHASE...                 those phases in order (setup one two ray kill retime reclock report)
 # setup:  install convpass from this tree (no registry), export the panel to .panel, GPU tests of the fleet,
 #         then read the NVIDIA libraries (cuDNN's kernels) once, so that the first 1-GPU run does not
 #         meet a cold page cache that the later runs do not (a fresh H200's first tuning process ran
@@ -14,6 +14,7 @@
 # two:    the same on GPUs 0,1 (--cluster local)      ray: the same with --cluster ray (Ray importable)
 # kill:   the same on GPUs 0,1, one worker SIGKILLed mid-run; checks nothing is missing or written twice
 # retime: a third run on GPU 0: the clock the report re-times both runs' decisions on
+# reclock: the problems one and two decided differently, measured 3 more times on GPU 0 (the report's median clock)
 # report: the table (wall 2 GPUs / the faster 1-GPU run <= 0.55, decisions within 3%, noise, kill) and
 #         $OUT/fleet-check.json
 # Ray, staged as shared/device/README.md says (stage-wheels.sh .raywhl ray==2.60.0 jsonschema
@@ -59,6 +60,7 @@ PY
     ray)    bench run --name two-ray --gpus 0,1 --cluster ray --batch "$batch" ;;
     kill)   bench kill --name kill --gpus 0,1 --batch "$batch" ;;
     retime) bench run --name retime --gpus 0 --batch "$batch" ;;
+    reclock) python3 benchmarks/fleet_scaling.py reclock --gpus 0 --rounds 3 --work "$work" 2>&1 | tee "$out/reclock.log"; return "${PIPESTATUS[0]}" ;;
     report) python3 benchmarks/fleet_scaling.py report --work "$work" --out "$out" | tee "$out/report.txt" ;;
     *) sed -n 2,22p "$0"; return 2 ;;
   esac
@@ -66,16 +68,13 @@ PY
 
 rc=0
 case "${1:-}" in
-  all) phases="setup one two kill retime report" ;;
+  all) phases="setup one two kill retime reclock report" ;;
   first) phases="setup one two" ;;
-  second) phases="kill retime report" ;;
-  *) phases="" ;;
+  second) phases="kill retime reclock report" ;;
+  *) phases="$*" ;;
 esac
-if [ -n "$phases" ]; then
-  for p in $phases; do
-    echo "== $p"; phase "$p" || rc=1; keep
-  done
-else
-  phase "${1:-help}" || rc=$?; keep
-fi
+[ -n "$phases" ] || { phase help; exit 2; }
+for p in $phases; do
+  echo "== $p"; phase "$p" || rc=1; keep
+done
 exit "$rc"

@@ -109,6 +109,44 @@ def test_a_decision_is_retimed_as_the_step_it_runs(oracle_clock):
     assert result["b_vs_a"]["max"] == pytest.approx(0.0087 / 0.0081, abs=1e-4) and result["same_choice"] == 0
 
 
+def _clock(problem: ConvProblem, rows: list[Measurement], **times: float) -> dict:
+    """``rows`` as one clock, with the times of the rows named in ``times`` (``pass``: the epilogue)."""
+    import dataclasses
+
+    named = {("pass" if m.method == "epilogue" else m.algo): m for m in rows}
+    return {str(problem.primary): [dataclasses.replace(m, time_ms=times.get(n, m.time_ms)) for n, m in named.items()]}
+
+
+def test_the_median_clock_takes_each_configurations_median_time():
+    problem, rows = _bias_problem({"implicit_precomp_gemm": 0.0047, "implicit_precomp_gemm+bias": 0.0081, "gemm": 0.0050, "pass": 0.0040})
+    clocks = [_clock(problem, rows), _clock(problem, rows, gemm=0.0060), _clock(problem, rows[:1], implicit_precomp_gemm=0.0049)]
+    merged = {(m.algo, m.method): m for m in fleet_scaling.median_clock(clocks)[str(problem.primary)]}
+    assert len(merged) == 4
+    assert merged[("implicit_precomp_gemm", "measure")].time_ms == pytest.approx(0.0047)  # 0.0047, 0.0047, 0.0049
+    assert merged[("gemm", "measure")].time_ms == pytest.approx(0.0055)  # two clocks: their mean
+    assert merged[("implicit_precomp_gemm+bias", "measure")].time_ms == pytest.approx(0.0081)
+    assert merged[("gemm", "measure")].note == "median of 2 clocks: 0.00500, 0.00600"
+
+
+def test_one_clock_reading_high_flips_a_near_tie_and_the_median_clock_does_not():
+    """A fused call and the bare conv + its pass 1% apart: a single clock on which the fused call read
+    8% high (as r3d_18's 3-D convs did between two H200 runs) puts the fused decision 7% off; the
+    median of three clocks puts it where it is, and the spread says how far one clock was off."""
+    problem, rows = _bias_problem({"implicit_precomp_gemm": 0.0047, "implicit_precomp_gemm+bias": 0.0087, "pass": 0.0041})
+    key = str(rows[0].key)
+    fused = {"p": fleet_scaling.Decision(problem, key, "implicit_precomp_gemm+bias")}
+    bare = {"p": fleet_scaling.Decision(problem, key, "implicit_precomp_gemm")}
+    high = _clock(problem, rows, **{"implicit_precomp_gemm+bias": 0.0087 * 1.08})
+    clocks = [high, _clock(problem, rows), _clock(problem, rows, implicit_precomp_gemm=0.00475)]
+    assert fleet_scaling.compare(bare, fused, high, OPTIONS)["b_vs_a"]["max"] == pytest.approx(1.08 * 0.0087 / 0.0088, abs=1e-4)
+    median = fleet_scaling.compare(bare, fused, fleet_scaling.median_clock(clocks), OPTIONS)["b_vs_a"]
+    assert median["within_3pct"] == 1 and median["max"] == pytest.approx(0.0087 / 0.0088, abs=1e-4)
+    assert fleet_scaling.differing(bare, fused) == [bare["p"]] and fleet_scaling.differing(bare, bare) == []
+    spread = fleet_scaling.clock_spread([bare["p"], fused["p"]], clocks)
+    # the bare row (0.0047 / 0.00475), the fused call (1.08x) and the pass (1.0x)
+    assert spread["problems"] == 3 and spread["max"] == pytest.approx(1.08, abs=1e-4)
+
+
 def test_decisions_are_read_from_tuned_models():
     got = fleet_scaling.decisions_of([REPO / "tests" / "data" / "schema1-resnet-stem.tuned.onnx"], OPTIONS)
     assert len(got) == 4 and {device for device, _ in got} == {str(H200)}
@@ -149,4 +187,17 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     assert re.search(r"two: wall .* GPU busy in tuning: proc0 [0-9.]+ s \(\d+%\), proc1", printed)
     assert re.search(r"seconds of the problems' tasks, depthwise / others: one 0\.0 / [0-9.]+, two 0\.0 / [0-9.]+, retime", printed)
     assert len(doc["runs"]["one"]["summary"]["task_seconds"]) == 14 and printed.count("    one ") == 5
+    assert "decisions_median_clock" not in doc
+
+    # after a reclock phase (made here from the retime run's cache: no GPU), the median clock's line
+    import shutil
+
+    for r in range(2):
+        shutil.copy(work / "retime.db", work / f"reclock-{r}.db")
+    (work / "reclock.json").write_text(json.dumps({"rounds": 2, "problems": [], "seconds": 0.5}))
+    assert fleet_scaling.main(["report", "--work", str(work), "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "fleet-check.json").read_text())
+    median = doc["decisions_median_clock"]
+    assert median["clocks"] == 3 and median["b_vs_a"]["within_3pct"] == 14 and median["clock_spread"] == {"problems": 0}
+    assert "the same on the median of 3 clocks (the retime run and 2 re-measurements of the 0 problems" in capsys.readouterr().out
 
