@@ -11,6 +11,8 @@ import gc
 import threading
 import types
 
+import pytest
+
 from convpass.runtime.cuda import runner
 from convpass.runtime.cuda.launch import Launch
 from convpass.runtime.registry import NodeInfo
@@ -129,13 +131,15 @@ def test_the_tuners_timing_graphs_are_captured_without_garbage_collection():
 class _FakeGpu:
     """A GPU whose every launch takes ``ms``: events read its clock, captured graphs replay their launches."""
 
-    def __init__(self, ms: float):
-        self.ms, self.clock, self.capturing = ms, 0.0, None
+    def __init__(self, ms: float, latency: float = 0.0):
+        # latency: the time from an event to the first graph replay after it (a graph's launch latency)
+        self.ms, self.clock, self.capturing, self.latency, self.pending = ms, 0.0, None, latency, 0.0
         gpu = self
 
         class Event:
             def record(self):
                 self.t = gpu.clock
+                gpu.pending = gpu.latency
 
             def synchronize(self):
                 pass
@@ -146,8 +150,11 @@ class _FakeGpu:
 
             def end_capture(self):
                 n, gpu.capturing = gpu.capturing, None
-                return types.SimpleNamespace(launch=lambda stream: setattr(gpu, "clock", gpu.clock + n * gpu.ms),
-                                             upload=lambda stream: None)
+                def replay(stream):
+                    gpu.clock += gpu.pending + n * gpu.ms
+                    gpu.pending = 0.0
+
+                return types.SimpleNamespace(launch=replay, upload=lambda stream: None)
 
             def synchronize(self):
                 pass
@@ -176,10 +183,14 @@ def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_esti
         return harness.time_launches(gpus[-1].launch, sets=4, best_ms=best_ms, **kwargs)
 
     slow = timing(0.016, best_ms=0.010)
-    assert slow.early_stop and abs(slow.time_ms - 0.016) < 1e-9 and slow.launches == 5
+    # a small kernel's estimate is confirmed by 8 replays of its 4-launch graph
+    assert slow.early_stop and abs(slow.time_ms - 0.016) < 1e-9 and slow.launches == 5 + 32
     assert slow.stopped_by == "estimate over 1.5x the best"
-    # the GPU ran the warm-up and the estimate's 4 launches: that graph is uploaded, not replayed untimed first
-    assert abs(gpus[-1].clock - 5 * 0.016) < 1e-9
+    # the GPU ran the warm-up, the estimate's 4 launches and their confirmation: that graph is
+    # uploaded, not replayed untimed first
+    assert abs(gpus[-1].clock - 37 * 0.016) < 1e-9
+    big = timing(0.16, best_ms=0.10)  # over CONFIRM_BELOW_MS: one replay decides
+    assert big.early_stop and big.launches == 5 and abs(gpus[-1].clock - 5 * 0.16) < 1e-9
     later = timing(0.014, best_ms=0.010)
     # a measurement from two groups, not an estimate
     assert not later.early_stop and abs(later.time_ms - 0.014) < 1e-9 and later.stopped_by == "2 groups over 1.15x the best"
@@ -195,6 +206,23 @@ def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_esti
     assert abs(warmed_here - gpus[-1].clock - 0.016) < 1e-9
 
 
+def test_a_graphs_launch_latency_does_not_stop_a_tiny_kernel(monkeypatch):
+    """A 2.3 us kernel behind 8.5 us of graph launch latency reads 4.4 us from one replay of its
+    4-launch graph (as an H100 read one), over 1.5x the best (2.3 us) and 2 us above it; its
+    eight confirming replays read 2.6 us: it is timed in full. A kernel really that slow is still
+    stopped."""
+    from convpass.tune import harness
+
+    gpu = _FakeGpu(0.0023, latency=0.0085)
+    monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+    timing = harness.time_launches(gpu.launch, sets=4, best_ms=0.0023)
+    assert not timing.early_stop and not timing.stopped_by
+    gpu = _FakeGpu(0.0044, latency=0.0085)
+    monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+    timing = harness.time_launches(gpu.launch, sets=4, best_ms=0.0023)
+    assert timing.early_stop and timing.time_ms == pytest.approx(0.0044 + 0.0085 / 32)
+
+
 def test_a_slow_first_launch_gets_one_more_before_any_group(monkeypatch):
     """A first launch over 4x the best (and 2 ms) is launched once more; still over 4x: stopped there."""
     from convpass.tune import harness
@@ -203,3 +231,23 @@ def test_a_slow_first_launch_gets_one_more_before_any_group(monkeypatch):
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
     stopped = harness.time_launches(gpu.launch, sets=4, best_ms=1.0, first_ms=10.0)
     assert stopped.early_stop and stopped.stopped_by == "a launch over 4x the best" and gpu.clock == 10.0
+
+
+def test_a_second_launch_still_loading_does_not_stop_a_fast_kernel(monkeypatch):
+    """A 6.4 us kernel whose first launch took 3 ms and whose second still 0.39 ms (as an H100 timed
+    one, the best of its geometry: the best so far was 12.7 us) is judged by its graph estimate and
+    timed in full, not stopped as over 4x the best."""
+    from convpass.tune import harness
+
+    gpu = _FakeGpu(0.0064)
+    loading = [0.3855]
+
+    def launch(i: int) -> None:
+        if gpu.capturing is None and loading:
+            gpu.clock += loading.pop()
+        else:
+            gpu.launch(i)
+
+    monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+    timing = harness.time_launches(launch, sets=4, best_ms=0.0127, first_ms=3.0)
+    assert not timing.early_stop and not timing.stopped_by and abs(timing.time_ms - 0.0064) < 1e-9

@@ -19,6 +19,12 @@
   False): groups are precise to a few percent, so its time is a measurement like any other, from
   fewer groups; half of the candidates timed in full in a four-model tuning ended over 1.2x their
   problem's best.
+* An estimate under :data:`CONFIRM_BELOW_MS` that would stop a candidate is taken once more from
+  :data:`CONFIRM_REPLAYS` replays of its graph back to back, so that the graph's launch latency,
+  a large part of one replay of a few microsecond-kernels, does not stop it.
+* A first launch over 4x the best and :data:`SLOW_LAUNCH_MS` is launched once more, eagerly; when
+  that one is too, the candidate is stopped there (``a launch over 4x the best``): a slow
+  algorithm is not captured into any graph.
 * The caller may have launched set 0 once already (the tuner's correctness check): its time
   (``first_ms``) stands in for the warm-up launch.
 """
@@ -42,8 +48,19 @@ def cupy():
 
 # The first estimate (a captured graph of 4 launches, after a warm-up launch) is within ~20% of the
 # full timing; a candidate this far above the best is not a close call.
+# A launch slower than this (and 4x the best) twice in a row ends a candidate before its estimate.
+# The second launch is eager and may still be loading: on an H100, second launches of kernels that
+# run in 4-18 us took 0.25-1.07 ms, and a 4x-only rule dropped the best configuration of 8
+# geometries in one panel tuning (its decisions then 1.4-2x off). Below this the estimate decides.
+SLOW_LAUNCH_MS = 2.0
 EARLY_STOP_RATIO = 1.5
 EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs in a 4-launch estimate
+# An estimate under this that would stop a candidate is taken again over this many replays of its
+# graph. One replay read 2.3-7 us kernels (their full timings) as 4.2-14 us on an H100, and 23-53
+# candidates per panel tuning within 1.15x of their best were dropped, own kernels whose fused
+# epilogue then went untimed among them (a 2-GPU run's decision 1.48x off the 1-GPU run's).
+CONFIRM_BELOW_MS = 0.05
+CONFIRM_REPLAYS = 8
 # After this many groups (each a full rotation, a millisecond or more), a candidate over this ratio of
 # the best is no close call either.
 LATE_STOP_GROUPS = 2
@@ -192,22 +209,26 @@ def time_launches(
     stream = cp.cuda.get_current_stream()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
 
-    def timed(replay, count: int) -> float:
+    def timed(replay, count: int, replays: int = 1) -> float:
         start.record()
         if replay is not None:
-            replay.launch(stream)
+            for _ in range(replays):
+                replay.launch(stream)
         else:
             for i in range(count):
                 launch(i % sets)
         stop.record()
         stop.synchronize()
-        return cp.cuda.get_elapsed_time(start, stop) / count
+        return cp.cuda.get_elapsed_time(start, stop) / (count * (replays if replay is not None else 1))
+
+    def stops(estimate: float) -> bool:
+        return best_ms is not None and estimate > EARLY_STOP_RATIO * best_ms and estimate > best_ms + EARLY_STOP_MIN_MS
 
     warm = first_launch_ms(lambda: launch(0)) if first_ms is None else first_ms  # module load, lazy setup
-    if best_ms is not None and warm > max(4 * best_ms, 2.0):
+    if best_ms is not None and warm > max(4 * best_ms, SLOW_LAUNCH_MS):
         # Slow, or slow only because of loading? One more launch tells, before any group of them.
         again = timed(None, 1)
-        if again > 4 * best_ms:
+        if again > max(4 * best_ms, SLOW_LAUNCH_MS):
             return Timing(again, 2, 0.0, early_stop=True, stopped_by="a launch over 4x the best")
     # First estimate from a short captured graph: eager launches would measure Python, not the GPU.
     probe = min(sets, 4)
@@ -217,8 +238,14 @@ def time_launches(
         # of the full timing instead of 1.00-1.14x (H200), inside the early stop's 1.5x
         graph.upload(stream)
     estimate = timed(graph, probe)
-    if best_ms is not None and estimate > EARLY_STOP_RATIO * best_ms and estimate > best_ms + EARLY_STOP_MIN_MS:
-        return Timing(estimate, probe + 1, 0.0, early_stop=True, stopped_by=f"estimate over {EARLY_STOP_RATIO:g}x the best")
+    launched = probe + 1
+    if graph is not None and stops(estimate) and estimate < CONFIRM_BELOW_MS:
+        # One replay of a 4-launch graph carries the graph's own launch latency: confirmed by
+        # CONFIRM_REPLAYS replays back to back before a small kernel is dropped on it.
+        estimate = timed(graph, probe, CONFIRM_REPLAYS)
+        launched += probe * CONFIRM_REPLAYS
+    if stops(estimate):
+        return Timing(estimate, launched, 0.0, early_stop=True, stopped_by=f"estimate over {EARLY_STOP_RATIO:g}x the best")
     per_group = max(1, min(200, round(group_ms / max(estimate, 1e-3))))
     # One graph covers every rotation set, so replays never re-read a set still in L2 (for slow
     # launches, only as many sets as a quarter of the budget allows: those are not cache-bound).
@@ -235,9 +262,9 @@ def time_launches(
         times.append(timed(replay, per_group))
         if (best_ms is not None and len(times) == LATE_STOP_GROUPS
                 and min(times) > LATE_STOP_RATIO * best_ms and min(times) > best_ms + EARLY_STOP_MIN_MS):
-            return Timing(statistics.median(times), probe + 1 + len(times) * per_group, _spread(times), eager=replay is None,
+            return Timing(statistics.median(times), launched + len(times) * per_group, _spread(times), eager=replay is None,
                           stopped_by=f"{len(times)} groups over {LATE_STOP_RATIO:g}x the best")
-    return Timing(statistics.median(times), probe + 1 + groups * per_group, _spread(times), eager=replay is None)
+    return Timing(statistics.median(times), launched + groups * per_group, _spread(times), eager=replay is None)
 
 
 def _spread(times: list[float]) -> float:

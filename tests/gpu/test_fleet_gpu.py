@@ -16,6 +16,7 @@ cp = pytest.importorskip("cupy")
 from conftest import MODELS, conv_model  # noqa: E402
 from convpass import annotation, device  # noqa: E402
 from convpass.cache import TuningCache  # noqa: E402
+from convpass.epilogue import fusion_of  # noqa: E402
 from convpass.fleet import driver  # noqa: E402
 from convpass.fleet.local import LocalExecutor, visible_gpus  # noqa: E402
 from convpass.fleet.measurers import CudnnMeasurer  # noqa: E402
@@ -46,7 +47,18 @@ def test_the_worker_measures_what_the_tuner_measures(tmp_path):
     with TuningCache(tmp_path / "c.db") as cache:
         CudnnTuner(cache, device.detect(), console=Console(quiet=True)).decide([problem], OPTIONS)
         stored = [m for s in problem.candidates for m in cache.get(device.detect(), s)]
-    assert {(m.key, m.algo, m.method, m.status) for m in rows} == {(m.key, m.algo, m.method, m.status) for m in stored}
+    # Which algorithms' fused calls are timed follows from the bare timings (the fastest
+    # FUSED_CALL_CANDIDATES of each key), which differ by noise between two measurements: an H100
+    # timed implicit_precomp_gemm's +bias+relu call in one and not in the other. So the fused
+    # calls are compared by the keys that have them, everything else row by row.
+    def rows_of(ms):
+        return {(m.key, m.algo, m.method, m.status) for m in ms if not (m.method == "measure" and fusion_of(m.algo))}
+
+    def fused_calls(ms):
+        return {m.key for m in ms if m.method == "measure" and fusion_of(m.algo)}
+
+    assert rows_of(rows) == rows_of(stored)
+    assert fused_calls(rows) == fused_calls(stored) and fused_calls(rows)
 
 
 def test_a_fleet_run_uses_every_gpu_and_a_rerun_measures_nothing(tmp_path):
