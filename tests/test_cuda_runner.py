@@ -251,3 +251,31 @@ def test_a_second_launch_still_loading_does_not_stop_a_fast_kernel(monkeypatch):
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
     timing = harness.time_launches(launch, sets=4, best_ms=0.0127, first_ms=3.0)
     assert not timing.early_stop and not timing.stopped_by and abs(timing.time_ms - 0.0064) < 1e-9
+
+
+def test_a_full_timing_keeps_its_group_and_close_candidates_are_replayed_in_turn(monkeypatch):
+    """The group a full timing replayed comes back with it (an early stop has none); the
+    head-to-head replays each candidate's group in turn, round after round, and takes each one's
+    median per-launch time: a GPU drifting slower carries into the comparison only the drift between
+    two adjacent replays, not that of a whole timing."""
+    from convpass.tune import harness
+
+    gpu = _FakeGpu(0.010)
+    monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+    full = harness.time_launches(gpu.launch, sets=4, best_ms=0.010)
+    assert full.group is not None and full.group_launches >= 4
+    assert harness.time_launches(gpu.launch, sets=4, best_ms=0.001).group is None  # stopped early
+
+    order, slow = [], [1.0]
+
+    def group(name: str, ms: float, launches: int):
+        def launch(stream):
+            order.append(name)
+            gpu.clock += launches * ms * slow[0]
+            slow[0] *= 1.02  # the GPU drifts slower with every replay
+        return types.SimpleNamespace(launch=launch), launches
+
+    turns = harness.head_to_head([group("a", 0.0100, 50), group("b", 0.0102, 20)], rounds=5)
+    assert order == ["a", "b"] * 5
+    # each round's b follows its a by one replay: 2% slower, as b really is here, plus 2% drift
+    assert turns[1] / turns[0] == pytest.approx(1.02 * 1.02, rel=1e-9)

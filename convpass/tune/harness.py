@@ -22,6 +22,11 @@
 * An estimate under :data:`CONFIRM_BELOW_MS` that would stop a candidate is taken once more from
   :data:`CONFIRM_REPLAYS` replays of its graph back to back, so that the graph's launch latency,
   a large part of one replay of a few microsecond-kernels, does not stop it.
+* Candidates timed one after the other drift with the GPU's state between their timings (a few
+  percent on an H200, though each timing is precise to 1% over its groups), which flips choices
+  between near-equal ones from run to run. So the tuner replays the captured groups of the close
+  ones (:data:`HEAD_TO_HEAD_MARGIN`) in turn, round after round (:func:`head_to_head`), and
+  orders them by that.
 * A first launch over 4x the best and :data:`SLOW_LAUNCH_MS` is launched once more, eagerly; when
   that one is too, the candidate is stopped there (``a launch over 4x the best``): a slow
   algorithm is not captured into any graph.
@@ -61,6 +66,11 @@ EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs i
 # epilogue then went untimed among them (a 2-GPU run's decision 1.48x off the 1-GPU run's).
 CONFIRM_BELOW_MS = 0.05
 CONFIRM_REPLAYS = 8
+# Close candidates are timed again in turn (head_to_head): those within this margin of the best
+# (by the decision's cost), at most this many, this many rounds.
+HEAD_TO_HEAD_MARGIN = 0.05
+HEAD_TO_HEAD_MAX = 3
+HEAD_TO_HEAD_ROUNDS = 5
 # After this many groups (each a full rotation, a millisecond or more), a candidate over this ratio of
 # the best is no close call either.
 LATE_STOP_GROUPS = 2
@@ -75,6 +85,9 @@ class Timing:
     early_stop: bool = False  # stopped after an estimate: time_ms is that estimate, not a measurement
     eager: bool = False  # launches could not be captured: times include Python's launch cost
     stopped_by: str = ""  # why timing stopped before every group ran (an early stop, or a late one: see the module docstring)
+    # the captured group the groups replayed (None: early stop or eager), for a head-to-head later
+    group: Any = dataclasses.field(default=None, compare=False, repr=False)
+    group_launches: int = 0
 
 
 _clocks_warmed_at = 0.0
@@ -263,8 +276,29 @@ def time_launches(
         if (best_ms is not None and len(times) == LATE_STOP_GROUPS
                 and min(times) > LATE_STOP_RATIO * best_ms and min(times) > best_ms + EARLY_STOP_MIN_MS):
             return Timing(statistics.median(times), launched + len(times) * per_group, _spread(times), eager=replay is None,
-                          stopped_by=f"{len(times)} groups over {LATE_STOP_RATIO:g}x the best")
-    return Timing(statistics.median(times), launched + groups * per_group, _spread(times), eager=replay is None)
+                          stopped_by=f"{len(times)} groups over {LATE_STOP_RATIO:g}x the best", group=replay, group_launches=per_group)
+    return Timing(statistics.median(times), launched + groups * per_group, _spread(times), eager=replay is None,
+                  group=replay, group_launches=per_group)
+
+
+def head_to_head(groups: list[tuple[Any, int]], rounds: int = HEAD_TO_HEAD_ROUNDS) -> list[float]:
+    """Median per-launch time of each captured group (``(graph, launches)``, from
+    :attr:`Timing.group`), replayed in turn, ``rounds`` times round: candidates timed one after
+    the other drift apart with the GPU's state between their timings (an H200 timed one conv 65.6
+    and 68.8 us in two runs, each within 0.8% over its groups), candidates timed in turn share it.
+    Must run on the stream the groups were captured on."""
+    cp = cupy()
+    stream = cp.cuda.get_current_stream()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times: list[list[float]] = [[] for _ in groups]
+    for _ in range(rounds):
+        for i, (graph, launches) in enumerate(groups):
+            start.record()
+            graph.launch(stream)
+            stop.record()
+            stop.synchronize()
+            times[i].append(cp.cuda.get_elapsed_time(start, stop) / launches)
+    return [statistics.median(t) for t in times]
 
 
 def _spread(times: list[float]) -> float:

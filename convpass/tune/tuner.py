@@ -27,8 +27,10 @@ backend uses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,6 +74,9 @@ REFERENCE_ALGOS = {
 # cuDNN's legacy API runs FFT tiling once per group: on depthwise convs one launch takes seconds
 # (measured on an H200: 22 s for g=960 at 14x14). Above this many groups it is skipped unless forced.
 FFT_TILING_MAX_GROUPS = 8
+# Workspace kept alive for the head-to-head of close candidates, per geometry: candidates timed
+# after this much is held are not timed again in turn.
+HEAD_TO_HEAD_WORKSPACE_BYTES = 1 << 30
 # What each direction reads and writes.
 OUTPUT = {"fwd": "y", "dgrad": "x", "wgrad": "w"}
 
@@ -300,9 +305,11 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
     rows: list[Measurement] = []
     for shape in problem.candidates:
         bench = _ShapeBench(shape)
-        for key in (k for k in keys if k.shape == shape):
-            now = time.time()
-            with ConvDescriptors(key) as descs:
+        # descriptors stay until the close candidates' head-to-head has replayed their groups
+        with contextlib.ExitStack() as keep:
+            for key in (k for k in keys if k.shape == shape):
+                now = time.time()
+                descs = keep.enter_context(ConvDescriptors(key))
                 ranked = heuristic(descs)
                 ok_ranked = [p for p in ranked if p.ok]
                 for rank, perf in enumerate(ok_ranked):
@@ -340,16 +347,17 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
                 if epilogue.is_legacy(fusion):
                     algos = fused_call_candidates([*rows, *have], key)
                     rows.extend(bench.measure_legacy_epilogue(descs, key, fusion, algos, best))
-            if own:
-                for row in bench.measure_own(key, own_fusion, best, [*rows, *have]):
-                    rows.append(row)
-                    best = _best_after(best, row) if not fusion_of(row.algo) else best
-            if engines:
-                for row in bench.measure_engines(key, best):
-                    rows.append(row)
-                    best = _best_after(best, row)
-            if fusion and not epilogue.is_legacy(fusion):
-                rows.extend(bench.measure_fused(key, fusion, best))
+                if own:
+                    for row in bench.measure_own(key, own_fusion, best, [*rows, *have]):
+                        rows.append(row)
+                        best = _best_after(best, row) if not fusion_of(row.algo) else best
+                if engines:
+                    for row in bench.measure_engines(key, best):
+                        rows.append(row)
+                        best = _best_after(best, row)
+                if fusion and not epilogue.is_legacy(fusion):
+                    rows.extend(bench.measure_fused(key, fusion, best))
+            rows = bench.settle(rows, problem)
         bench.release()
     return rows
 
@@ -470,6 +478,10 @@ class _ShapeBench:
         self._sets: dict[str, list[dict]] = {}
         self._reference = None
         self._engine_biases: dict[str, tuple[Any, Any]] = {}
+        # (key, row) -> the captured group its timing replayed, and what that group needs kept
+        # alive (its workspace, its plan or kernel): for the close candidates' head-to-head
+        self._groups: dict[tuple[ProblemKey, str], tuple[Any, int, Any]] = {}
+        self._group_bytes = 0
         self._base = {
             name: harness.random_array(dims, shape.dtype, "nchw", seed, scale)
             for name, dims, seed, scale in (
@@ -815,6 +827,9 @@ class _ShapeBench:
         timing = harness.time_launches(lambda i: launch(sets[i], workspace), len(sets), best_ms, first_ms=first_ms)
         if capture_required and timing.eager:
             return _row(key, algo, "unsupported", None, ws, det, now, "measure", note="its launches cannot be captured into a CUDA graph")
+        if timing.group is not None and self._group_bytes + ws <= HEAD_TO_HEAD_WORKSPACE_BYTES:
+            self._groups[(key, algo)] = (timing.group, timing.group_launches, (workspace, launch))
+            self._group_bytes += ws
         note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
         if timing.early_stop:
             note += f"; early stop: {timing.stopped_by} ({best_ms:.4f} ms)"
@@ -824,7 +839,31 @@ class _ShapeBench:
             note += "; eager launches (not capturable): includes launch overhead"
         return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
 
+    def settle(self, rows: list[Measurement], problem: ConvProblem) -> list[Measurement]:
+        """``rows`` with this geometry's close candidates timed again in turn
+        (:func:`convpass.tune.harness.head_to_head`): those within ``HEAD_TO_HEAD_MARGIN`` of the
+        best by the decision's cost (:func:`convpass.decide.cost_ms`), at most ``HEAD_TO_HEAD_MAX``.
+        Their times take their order from the turns and keep their first timings' mean, so that
+        they stay comparable with the candidates not timed again."""
+        epilogue_of = epilogue_ms(rows, problem)
+        timed = sorted((cost, i) for i, m in enumerate(rows)
+                       if m.method == "measure" and m.key.shape == self.shape and (m.key, m.algo) in self._groups
+                       and (cost := cost_ms(m, epilogue_of, problem.fusion)) is not None)
+        close = [i for cost, i in timed if cost <= timed[0][0] * (1 + harness.HEAD_TO_HEAD_MARGIN)][:harness.HEAD_TO_HEAD_MAX] if timed else []
+        if len(close) < 2:
+            return rows
+        turns = harness.head_to_head([self._groups[(rows[i].key, rows[i].algo)][:2] for i in close])
+        level = statistics.fmean(rows[i].time_ms for i in close) / statistics.fmean(turns)
+        out = list(rows)
+        for i, t in zip(close, turns):
+            m = rows[i]
+            out[i] = dataclasses.replace(m, time_ms=t * level, note=f"{m.note}; timed again in turn with {len(close) - 1} close "
+                                                                       f"candidate(s): {t:.5f} ms, {m.time_ms:.5f} -> {t * level:.5f} ms at the first timings' level")
+        return out
+
     def release(self) -> None:
+        self._groups.clear()
+        self._group_bytes = 0
         self._sets.clear()
         self._base.clear()
         self._engine_biases.clear()
