@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import functools
 import importlib.util
 import re
 import sys
@@ -120,15 +121,17 @@ def start_driver() -> None:
 _MULTIPROCESSOR_COUNT, _CC_MAJOR, _CC_MINOR = 16, 75, 76
 
 
+def driver_call(libcuda: ctypes.CDLL, fn: str, *args: Any) -> None:
+    """Call the CUDA driver's ``fn`` (libcuda by ctypes); RuntimeError with its status on failure."""
+    status = getattr(libcuda, fn)(*args)
+    if status != 0:
+        raise RuntimeError(f"{fn} returned CUDA error {status}")
+
+
 def _asked_of_driver(libcuda: ctypes.CDLL) -> tuple[str, str, int]:
     """(name, compute capability, SM count) of the current device through the driver API.
     Raises RuntimeError with the driver's status, or LookupError without a device."""
-
-    def call(fn: str, *args: Any) -> None:
-        status = getattr(libcuda, fn)(*args)
-        if status != 0:
-            raise RuntimeError(f"{fn} returned CUDA error {status}")
-
+    call = functools.partial(driver_call, libcuda)
     call("cuInit", 0)
     count = ctypes.c_int()
     call("cuDeviceGetCount", ctypes.byref(count))

@@ -5,6 +5,11 @@
 # Expects $out (the calling script's log folder). Returns non-zero with the install log on failure.
 device_env() {
   export PYTHONUNBUFFERED=1
+  # measure as an installed environment runs: the device image sets PYTHONDONTWRITEBYTECODE and its
+  # site-packages hold no bytecode, so every process would compile what it imports (README, "Tuning
+  # time and the cached re-run as an installed environment runs them")
+  unset PYTHONDONTWRITEBYTECODE
+  export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
   if [ -f .cudnnfe/00/part ] && [ ! -d /tmp/cudnnfe-site ]; then
     mkdir -p /tmp/cudnnfe-wheels
     cat .cudnnfe/[0-9]*/part | .cudnnfe/tool/zstd -d -q | tar xf - -C /tmp/cudnnfe-wheels

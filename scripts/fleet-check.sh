@@ -27,6 +27,10 @@ out=${OUT:-fleet-check-out}; mkdir -p "$out"
 work=.fleet-check; mkdir -p "$work"
 batch=${BATCH:-1,32}
 export PYTHONUNBUFFERED=1
+# bytecode written as an installed environment has it (see scripts/device-env.sh); setup's GPU tests
+# write most of it before the first measured run
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 bench() { python3 benchmarks/fleet_scaling.py "$@" --work "$work"; }
 keep() { cp "$work"/*.json "$work"/*.log "$out"/ 2>/dev/null; true; }

@@ -235,15 +235,13 @@ def retain_primary_context(index: int) -> Callable[[], None]:
     that releases this reference. Raises OSError without a driver, RuntimeError with the driver's
     error code."""
     import ctypes
+    import functools
+
+    from convpass.device import driver_call
 
     libcuda = ctypes.CDLL("libcuda.so.1")
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-
-    def call(name: str, *args: Any) -> None:
-        status = getattr(libcuda, name)(*args)
-        if status != 0:
-            raise RuntimeError(f"{name} returned CUDA error {status}")
-
+    call = functools.partial(driver_call, libcuda)
     call("cuInit", 0)
     call("cuDeviceGet", ctypes.byref(dev), index)
     call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
