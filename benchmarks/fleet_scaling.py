@@ -177,25 +177,29 @@ def median_clock(clocks: Sequence[Clock]) -> dict[str, list["Measurement"]]:
                 times.setdefault(geometry, {}).setdefault((str(m.key), m.algo, m.method), []).append(m)
     out: dict[str, list["Measurement"]] = {}
     for geometry, configs in times.items():
-        out[geometry] = [
-            dataclasses.replace(rows[0], time_ms=statistics.median(m.time_ms for m in rows),
-                                note=f"median of {len(rows)} clocks: " + ", ".join(f"{m.time_ms:.5f}" for m in rows))
-            for rows in configs.values()]
+        out[geometry] = []
+        for rows in configs.values():
+            # an early-stopped estimate (over 1.5x its best) counts only where no clock measured it
+            rows = [m for m in rows if "early stop" not in m.note] or rows
+            out[geometry].append(dataclasses.replace(rows[0], time_ms=statistics.median(m.time_ms for m in rows),
+                                                     note=f"median of {len(rows)} clocks: " + ", ".join(f"{m.time_ms:.5f}" for m in rows)))
     return out
 
 
 def clock_spread(decisions: Sequence[Decision], clocks: Sequence[Clock]) -> dict[str, Any]:
     """How far apart the clocks time the same configuration: for each decision's row (and each
-    epilogue pass of its problem) timed by at least two clocks, its slowest time / its fastest."""
+    pass of its problem's epilogue) measured by at least two clocks, its slowest time / its
+    fastest (``problems`` in the result counts those rows)."""
     ratios = []
     seen = set()
     for d in decisions:
         for shape in d.problem.candidates:
-            for method, key, row in (("measure", d.key, d.row), ("epilogue", None, None)):
+            for method, key, row in (("measure", d.key, d.row), ("epilogue", None, d.problem.fusion)):
                 found: dict[tuple[str, str], list[float]] = {}
                 for clock in clocks:
                     for m in clock.get(str(shape), ()):
-                        if m.method == method and (key is None or (str(m.key) == key and m.algo == row)):
+                        if (m.method == method and m.algo == row and (key is None or str(m.key) == key)
+                                and "early stop" not in m.note):
                             found.setdefault((str(m.key), m.algo), []).append(m.time_ms)
                 for ident, ts in found.items():
                     if len(ts) >= 2 and (method, ident) not in seen:

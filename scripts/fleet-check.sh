@@ -66,7 +66,7 @@ PY
     retime) bench run --name retime --gpus 0 --batch "$batch" ;;
     reclock) python3 benchmarks/fleet_scaling.py reclock --gpus 0 --rounds 3 --work "$work" 2>&1 | tee "$out/reclock.log"; return "${PIPESTATUS[0]}" ;;
     report) python3 benchmarks/fleet_scaling.py report --work "$work" --out "$out" | tee "$out/report.txt" ;;
-    *) sed -n 2,22p "$0"; return 2 ;;
+    *) sed -n 2,23p "$0"; return 2 ;;
   esac
 }
 
@@ -78,6 +78,9 @@ case "${1:-}" in
   *) phases="$*" ;;
 esac
 [ -n "$phases" ] || { phase help; exit 2; }
+for p in $phases; do  # every name checked before minutes of the earlier phases are spent
+  case "$p" in setup|one|two|ray|kill|retime|reclock|report) ;; *) echo "fleet-check: unknown phase $p"; phase help; exit 2 ;; esac
+done
 for p in $phases; do
   echo "== $p"; phase "$p" || rc=1; keep
 done

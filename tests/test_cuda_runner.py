@@ -230,7 +230,8 @@ def test_a_slow_first_launch_gets_one_more_before_any_group(monkeypatch):
     gpu = _FakeGpu(10.0)
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
     stopped = harness.time_launches(gpu.launch, sets=4, best_ms=1.0, first_ms=10.0)
-    assert stopped.early_stop and stopped.stopped_by == "a launch over 4x the best" and gpu.clock == 10.0
+    assert stopped.early_stop and stopped.stopped_by == "a second launch over 4x the best and 2 ms" and gpu.clock == 10.0
+    assert stopped.launches == 2
 
 
 def test_a_second_launch_still_loading_does_not_stop_a_fast_kernel(monkeypatch):
@@ -263,7 +264,10 @@ def test_a_full_timing_keeps_its_group_and_close_candidates_are_replayed_in_turn
     gpu = _FakeGpu(0.010)
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
     full = harness.time_launches(gpu.launch, sets=4, best_ms=0.010)
-    assert full.group is not None and full.group_launches >= 4
+    assert full.group_launches == 100  # a group of about group_ms (1 ms), not the 4-launch estimate's
+    before = gpu.clock
+    full.group.launch(None)
+    assert gpu.clock - before == pytest.approx(100 * 0.010)
     assert harness.time_launches(gpu.launch, sets=4, best_ms=0.001).group is None  # stopped early
 
     order, slow = [], [1.0]

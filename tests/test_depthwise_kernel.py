@@ -246,7 +246,7 @@ def test_a_cache_without_own_rows_is_incomplete_and_gets_only_them_measured(monk
     assert not tuner.problem_complete(have, problem, OPTIONS)
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own:
+    monkeypatch.setattr(tuner, "_measure", lambda problem, options, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own:
                         seen.append((legacy, fusion, own)) or [])
     tuner.measure_problem(problem, OPTIONS, have)
     assert seen == [(False, "", {"own": True, "own_fusion": "bias+relu"})]

@@ -3,6 +3,7 @@ of one run re-timed on another run's clock (the tuner's run-to-run noise)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -126,6 +127,13 @@ def test_the_median_clock_takes_each_configurations_median_time():
     assert merged[("gemm", "measure")].time_ms == pytest.approx(0.0055)  # two clocks: their mean
     assert merged[("implicit_precomp_gemm+bias", "measure")].time_ms == pytest.approx(0.0081)
     assert merged[("gemm", "measure")].note == "median of 2 clocks: 0.00500, 0.00600"
+    # an early-stopped estimate counts only where no clock measured the configuration
+    import dataclasses
+
+    estimate = {str(problem.primary): [dataclasses.replace(m, time_ms=0.0100, note="early stop: estimate over 1.5x the best") for m in rows]}
+    merged = {(m.algo, m.method): m for m in fleet_scaling.median_clock([*clocks, estimate])[str(problem.primary)]}
+    assert merged[("gemm", "measure")].time_ms == pytest.approx(0.0055)
+    assert fleet_scaling.median_clock([estimate])[str(problem.primary)][0].time_ms == 0.0100
 
 
 def test_one_clock_reading_high_flips_a_near_tie_and_the_median_clock_does_not():
@@ -142,8 +150,11 @@ def test_one_clock_reading_high_flips_a_near_tie_and_the_median_clock_does_not()
     median = fleet_scaling.compare(bare, fused, fleet_scaling.median_clock(clocks), OPTIONS)["b_vs_a"]
     assert median["within_3pct"] == 1 and median["max"] == pytest.approx(0.0087 / 0.0088, abs=1e-4)
     assert fleet_scaling.differing(bare, fused) == [bare["p"]] and fleet_scaling.differing(bare, bare) == []
+    other_pass = Measurement(rows[0].key, "bias+relu", "ok", 0.0020, 0, True, 0.0, method="epilogue")  # another problem's pass
+    clocks[1][str(problem.primary)].append(other_pass)
+    clocks[2][str(problem.primary)].append(dataclasses.replace(other_pass, time_ms=0.0040))
     spread = fleet_scaling.clock_spread([bare["p"], fused["p"]], clocks)
-    # the bare row (0.0047 / 0.00475), the fused call (1.08x) and the pass (1.0x)
+    # the bare row (0.0047 / 0.00475), the fused call (1.08x) and its problem's pass (1.0x)
     assert spread["problems"] == 3 and spread["max"] == pytest.approx(1.08, abs=1e-4)
 
 

@@ -147,7 +147,7 @@ def test_a_cache_with_legacy_and_engine_rows_gets_only_the_fusion_measured(monke
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
     monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, engines, best, fusion)) or [])
+    monkeypatch.setattr(tuner, "_measure", lambda problem, options, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, engines, best, fusion)) or [])
     options = TuneOptions(tf32="on", layout="nhwc")
     have = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
     tuner.measure_problem(FUSED_PROBLEM, options, have + [row("engine:eng8", 0.005)])

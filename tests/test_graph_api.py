@@ -291,7 +291,7 @@ def test_a_cache_with_every_legacy_row_gets_only_its_engines_measured(monkeypatc
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
     monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, engines, best)) or [])
+    monkeypatch.setattr(tuner, "_measure", lambda problem, options, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, engines, best)) or [])
     options = TuneOptions(tf32="on", layout="nhwc")
     key = SHAPE.key("nhwc", "default")
     have = [Measurement(key, a, "ok", 0.01 * (i + 1), 0, True, 1.0, "measure") for i, a in enumerate(algo_names("fwd"))]

@@ -6,6 +6,7 @@ timing invented), the annotation (schema 5) and the executor's use of the record
 from __future__ import annotations
 
 
+import dataclasses
 import types
 
 import numpy as np
@@ -141,33 +142,108 @@ def test_the_fused_call_wins_only_when_faster_than_the_conv_plus_its_pass(fused_
     assert choice_from(chosen, "measure", rows, PROBLEM).time_ms == pytest.approx(min(fused_ms, 0.026))  # the step's time is recorded
 
 
-def test_close_candidates_are_ordered_by_their_head_to_head(monkeypatch):
-    """As on an H200: the bare conv read 4% low and its fused call 4% high in one timing each, so
-    the bare conv + pass (0.0656 + 0.0031) beat the fused call (0.0712); replayed in turn they take
-    0.0685 and 0.0682 ms. Their times take that order at their first timings' mean, and the fused
-    call wins. A candidate more than 5% off, or one without a kept group, is left as it was."""
+def _settling(monkeypatch, grouped, turns=(0.0685, 0.0682)):
+    """A NumPy stand-in bench whose ``grouped`` rows kept their groups, and the head-to-head it asks
+    for (each call's groups, in a list), answering ``turns``."""
     from convpass.tune import harness
 
     bench = numpy_shape_bench(monkeypatch, SHAPE)
-    turns_asked = []
-    monkeypatch.setattr(harness, "head_to_head", lambda groups: (turns_asked.append(groups), [0.0685, 0.0682])[1])
-    rows = [row("implicit_precomp_gemm", 0.0656), row("implicit_precomp_gemm+bias+relu", 0.0712), row(RELU, 0.0031, method=EPILOGUE_METHOD),
-            row("implicit_gemm", 0.0900), row("gemm", 0.0660)]
-    for algo in ("implicit_precomp_gemm", "implicit_precomp_gemm+bias+relu", "implicit_gemm"):
-        bench._groups[(KEY, algo)] = (algo, 10, None)
+    bench._groups.update({(KEY, algo): (algo, 10, None) for algo in grouped})
+    asked = []
+    monkeypatch.setattr(harness, "head_to_head", lambda groups: (asked.append(groups), list(turns[:len(groups)]))[1])
+    return bench, asked
+
+
+# As on an H200: the bare conv read 4% low and its fused call 4% high in one timing each, so the
+# bare conv + pass (0.0656 + 0.0031) beat the fused call (0.0712); in turn they take 0.0685 and 0.0682 ms.
+CLOSE = [row("implicit_precomp_gemm", 0.0656), row("implicit_precomp_gemm+bias+relu", 0.0712), row(RELU, 0.0031, method=EPILOGUE_METHOD),
+         row("implicit_gemm", 0.0900), row("gemm", 0.0800)]
+
+
+def test_close_candidates_are_ordered_by_their_head_to_head(monkeypatch):
+    """The two within 5% of the best by cost are replayed in turn; their times take that order at
+    their first timings' mean, and the fused call wins. The others are left as they were."""
+    bench, asked = _settling(monkeypatch, ["implicit_precomp_gemm", "implicit_precomp_gemm+bias+relu", "implicit_gemm", "gemm"])
+    other = row("gemm", 0.0100, key=canonicalize_conv("Conv", {}, X, (8, 8, 1, 1)).shapes[0].key("nhwc", "default"))
+    rows = CLOSE + [other]  # a row of another geometry: not this bench's
     assert select(rows, PROBLEM, OPTIONS).algo == "implicit_precomp_gemm"
-    settled = bench.settle(rows, PROBLEM)
-    assert turns_asked == [[("implicit_precomp_gemm", 10), ("implicit_precomp_gemm+bias+relu", 10)]]
-    by = {m.algo: m for m in settled}
+    settled = bench.settle(rows, PROBLEM, OPTIONS)
+    assert asked == [[("implicit_precomp_gemm", 10), ("implicit_precomp_gemm+bias+relu", 10)]]
+    by = {m.algo: m for m in settled[:5]}
     level = (0.0656 + 0.0712) / (0.0685 + 0.0682)
     assert by["implicit_precomp_gemm"].time_ms == pytest.approx(0.0685 * level)
     assert by["implicit_precomp_gemm+bias+relu"].time_ms == pytest.approx(0.0682 * level)
     assert "timed again in turn with 1 close candidate(s)" in by["implicit_precomp_gemm"].note
-    assert by["implicit_gemm"] == rows[3] and by["gemm"] == rows[4] and by[RELU] == rows[2]
+    assert settled[2:] == rows[2:]
     assert select(settled, PROBLEM, OPTIONS).algo == "implicit_precomp_gemm+bias+relu"
-    # one close candidate alone: nothing is replayed
-    del bench._groups[(KEY, "implicit_precomp_gemm+bias+relu")]
-    assert bench.settle(rows, PROBLEM) == rows and len(turns_asked) == 1
+
+
+def test_a_close_candidate_without_its_group_leaves_the_rows_as_they_are(monkeypatch):
+    """A close candidate not timed in turn could not be weighed against those that were: one that
+    kept no group (eager, over the workspace budget) or one read from the cache (``have``)."""
+    close_gemm = [*CLOSE[:4], row("gemm", 0.0660)]  # 0.0660 + 0.0031 is within 5% of 0.0687
+    bench, asked = _settling(monkeypatch, ["implicit_precomp_gemm", "implicit_precomp_gemm+bias+relu"])
+    assert bench.settle(close_gemm, PROBLEM, OPTIONS) == close_gemm
+    assert bench.settle(CLOSE[:4], PROBLEM, OPTIONS, have=[row("gemm", 0.0660)]) == CLOSE[:4]
+    assert asked == []
+    # alone within the margin: nothing to compare
+    bench, asked = _settling(monkeypatch, ["implicit_precomp_gemm"])
+    assert bench.settle(CLOSE, PROBLEM, OPTIONS) == CLOSE and asked == []
+
+
+def test_only_candidates_the_options_allow_are_compared_at_most_three(monkeypatch):
+    """With --deterministic a non-deterministic candidate is neither compared nor in the way; of
+    four close ones the three best are compared, and the fastest of them stays at or below the
+    fourth's first time."""
+    nondet = Measurement(KEY, "winograd_nonfused", "ok", 0.0650, 0, False, 1.0, "measure")
+    rows = [*CLOSE, nondet]
+    bench, asked = _settling(monkeypatch, ["implicit_precomp_gemm", "implicit_precomp_gemm+bias+relu", "winograd_nonfused"])
+    bench.settle(rows, PROBLEM, dataclasses.replace(OPTIONS, deterministic=True))
+    assert asked == [[("implicit_precomp_gemm", 10), ("implicit_precomp_gemm+bias+relu", 10)]]
+    four = [row("implicit_precomp_gemm", 0.0656), row("implicit_gemm", 0.0660), row("gemm", 0.0662), row("direct", 0.0664),
+            row(RELU, 0.0031, method=EPILOGUE_METHOD)]
+    bench, asked = _settling(monkeypatch, ["implicit_precomp_gemm", "implicit_gemm", "gemm", "direct"], turns=(0.070, 0.069, 0.068))
+    settled = bench.settle(four, PROBLEM, OPTIONS)
+    assert [a for a, _ in asked[0]] == ["implicit_precomp_gemm", "implicit_gemm", "gemm"] and settled[3] == four[3]
+    assert min(m.time_ms for m in settled[:3]) <= four[3].time_ms
+
+
+def test_a_full_timing_keeps_its_group_and_workspace_within_the_budget(monkeypatch):
+    """What the head-to-head replays: the group of each candidate timed in full, with its workspace
+    and launch kept alive; nothing for an early stop, nor past the geometry's workspace budget."""
+    from convpass.tune import harness
+
+    bench = numpy_shape_bench(monkeypatch, SHAPE)
+    bench._group_budget = 200
+    timings = iter([harness.Timing(0.01, 50, 0.0, group="group a", group_launches=10),
+                    harness.Timing(0.02, 5, 0.0, early_stop=True, stopped_by="estimate over 1.5x the best"),
+                    harness.Timing(0.01, 50, 0.0, group="group c", group_launches=10),
+                    harness.Timing(0.01, 50, 0.0, group="group d", group_launches=20)])
+    monkeypatch.setattr(harness, "time_launches", lambda *args, **kwargs: next(timings))
+
+    def launch(b, workspace):
+        b["y"][...] = bench.reference()
+
+    for algo, ws in (("a", 150), ("b", 0), ("c", 100), ("d", 50)):
+        assert bench._checked_and_timed(KEY, algo, ws, True, 0.0, 0.01, launch).status == "ok"
+    assert set(bench._groups) == {(KEY, "a"), (KEY, "d")} and bench._group_bytes == 200
+    group, launches, (workspace, kept_launch) = bench._groups[(KEY, "a")]
+    assert (group, launches, workspace.nbytes, kept_launch) == ("group a", 10, 150, launch)
+    bench.release()
+    assert bench._groups == {} and bench._group_bytes == 0
+
+
+def test_an_error_in_the_turns_keeps_the_first_timings(monkeypatch, caplog):
+    from convpass.tune import harness
+
+    bench, _ = _settling(monkeypatch, ["implicit_precomp_gemm", "implicit_precomp_gemm+bias+relu"])
+
+    def fails(groups):
+        raise RuntimeError("cudaErrorLaunchFailure")
+
+    monkeypatch.setattr(harness, "head_to_head", fails)
+    assert bench.settle(CLOSE, PROBLEM, OPTIONS) == CLOSE
+    assert "were not timed again in turn: cudaErrorLaunchFailure" in caplog.text
 
 
 def test_a_fused_call_needs_its_problem_and_the_pass_timing():
@@ -227,7 +303,7 @@ def test_a_cache_with_every_bare_row_gets_only_the_epilogue_measured(monkeypatch
 
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
-    monkeypatch.setattr(tuner, "_measure", lambda problem, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, fusion)) or [])
+    monkeypatch.setattr(tuner, "_measure", lambda problem, options, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, fusion)) or [])
     have = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
     tuner.measure_problem(PROBLEM, OPTIONS, have)  # bare rows cached: the epilogue only
     tuner.measure_problem(PROBLEM, OPTIONS, have + [row(RELU, 0.01, method=EPILOGUE_METHOD), row("gemm+bias+relu", 0.01)])

@@ -25,10 +25,10 @@
 * Candidates timed one after the other drift with the GPU's state between their timings (a few
   percent on an H200, though each timing is precise to 1% over its groups), which flips choices
   between near-equal ones from run to run. So the tuner replays the captured groups of the close
-  ones (:data:`HEAD_TO_HEAD_MARGIN`) in turn, round after round (:func:`head_to_head`), and
-  orders them by that.
+  ones in turn, round after round (:func:`head_to_head`; which ones: ``tuner._ShapeBench.settle``),
+  and orders them by that.
 * A first launch over 4x the best and :data:`SLOW_LAUNCH_MS` is launched once more, eagerly; when
-  that one is too, the candidate is stopped there (``a launch over 4x the best``): a slow
+  that one is too, the candidate is stopped there (``a second launch over 4x the best and 2 ms``): a slow
   algorithm is not captured into any graph.
 * The caller may have launched set 0 once already (the tuner's correctness check): its time
   (``first_ms``) stands in for the warm-up launch.
@@ -51,25 +51,22 @@ def cupy():
     return cp
 
 
+# A launch slower than this (and 4x the best) twice in a row ends a candidate before its estimate.
+# The second launch is eager and may still be loading: on an H100, second launches of kernels
+# measured at 4-18 us took 0.25-1.07 ms, and a 4x-only rule stopped 8 such candidates in one fleet
+# check, the best of a geometry among them (a decision 2x off). Below this the estimate decides.
+SLOW_LAUNCH_MS = 2.0
 # The first estimate (a captured graph of 4 launches, after a warm-up launch) is within ~20% of the
 # full timing; a candidate this far above the best is not a close call.
-# A launch slower than this (and 4x the best) twice in a row ends a candidate before its estimate.
-# The second launch is eager and may still be loading: on an H100, second launches of kernels that
-# run in 4-18 us took 0.25-1.07 ms, and a 4x-only rule dropped the best configuration of 8
-# geometries in one panel tuning (its decisions then 1.4-2x off). Below this the estimate decides.
-SLOW_LAUNCH_MS = 2.0
 EARLY_STOP_RATIO = 1.5
 EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs in a 4-launch estimate
 # An estimate under this that would stop a candidate is taken again over this many replays of its
-# graph. One replay read 2.3-7 us kernels (their full timings) as 4.2-14 us on an H100, and 23-53
-# candidates per panel tuning within 1.15x of their best were dropped, own kernels whose fused
-# epilogue then went untimed among them (a 2-GPU run's decision 1.48x off the 1-GPU run's).
+# graph. One replay read 2.2-7.5 us kernels (their full timings) as 4.1-12.3 us on an H100, and
+# 23-53 candidates per panel tuning within 1.15x of their best were dropped, own kernels whose
+# fused epilogue then went untimed among them (a 2-GPU run's decision 1.48x off the 1-GPU run's).
 CONFIRM_BELOW_MS = 0.05
 CONFIRM_REPLAYS = 8
-# Close candidates are timed again in turn (head_to_head): those within this margin of the best
-# (by the decision's cost), at most this many, this many rounds.
-HEAD_TO_HEAD_MARGIN = 0.05
-HEAD_TO_HEAD_MAX = 3
+# Rounds of head_to_head: close candidates' groups replayed in turn this many times.
 HEAD_TO_HEAD_ROUNDS = 5
 # After this many groups (each a full rotation, a millisecond or more), a candidate over this ratio of
 # the best is no close call either.
@@ -238,11 +235,14 @@ def time_launches(
         return best_ms is not None and estimate > EARLY_STOP_RATIO * best_ms and estimate > best_ms + EARLY_STOP_MIN_MS
 
     warm = first_launch_ms(lambda: launch(0)) if first_ms is None else first_ms  # module load, lazy setup
+    launched = 1
     if best_ms is not None and warm > max(4 * best_ms, SLOW_LAUNCH_MS):
         # Slow, or slow only because of loading? One more launch tells, before any group of them.
         again = timed(None, 1)
+        launched += 1
         if again > max(4 * best_ms, SLOW_LAUNCH_MS):
-            return Timing(again, 2, 0.0, early_stop=True, stopped_by="a launch over 4x the best")
+            return Timing(again, launched, 0.0, early_stop=True,
+                          stopped_by=f"a second launch over 4x the best and {SLOW_LAUNCH_MS:g} ms")
     # First estimate from a short captured graph: eager launches would measure Python, not the GPU.
     probe = min(sets, 4)
     graph = _capture(launch, sets, probe, stream)
@@ -251,7 +251,7 @@ def time_launches(
         # of the full timing instead of 1.00-1.14x (H200), inside the early stop's 1.5x
         graph.upload(stream)
     estimate = timed(graph, probe)
-    launched = probe + 1
+    launched += probe
     if graph is not None and stops(estimate) and estimate < CONFIRM_BELOW_MS:
         # One replay of a 4-launch graph carries the graph's own launch latency: confirmed by
         # CONFIRM_REPLAYS replays back to back before a small kernel is dropped on it.

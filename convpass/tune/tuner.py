@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from convpass.cache import Measurement, TuningCache
 from convpass import epilogue
-from convpass.decide import EPILOGUE_METHOD, Choice, cached_rows, choice_from, cost_ms, epilogue_ms, select
+from convpass.decide import EPILOGUE_METHOD, Choice, allowed, cached_rows, choice_from, cost_ms, epilogue_ms, select
 from convpass.cudnn.graph_api import ENGINE_PREFIX, is_engine
 from convpass.epilogue import fusion_of
 from convpass.device import DeviceFingerprint
@@ -74,8 +74,13 @@ REFERENCE_ALGOS = {
 # cuDNN's legacy API runs FFT tiling once per group: on depthwise convs one launch takes seconds
 # (measured on an H200: 22 s for g=960 at 14x14). Above this many groups it is skipped unless forced.
 FFT_TILING_MAX_GROUPS = 8
-# Workspace kept alive for the head-to-head of close candidates, per geometry: candidates timed
-# after this much is held are not timed again in turn.
+# Close candidates are timed again in turn (_ShapeBench.settle): those within this margin of the
+# best by the decision's cost, at most this many.
+HEAD_TO_HEAD_MARGIN = 0.05
+HEAD_TO_HEAD_MAX = 3
+# Workspace a geometry's kept groups may hold for that (at most 1/32 of the GPU's memory): a
+# candidate whose workspace would pass it keeps no group, and a decision it is close in is then not
+# settled in turn.
 HEAD_TO_HEAD_WORKSPACE_BYTES = 1 << 30
 # What each direction reads and writes.
 OUTPUT = {"fwd": "y", "dgrad": "x", "wgrad": "w"}
@@ -230,7 +235,7 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
         legacy_fusion = False
     if own and own_complete(have, keys, own_fusion):
         own = False
-    return _measure(problem, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have,
+    return _measure(problem, options, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have,
                     own=own, own_fusion=own_fusion)
 
 
@@ -292,7 +297,7 @@ def spaces(problem: ConvProblem, options: TuneOptions) -> tuple[bool, bool]:
     return legacy, engines
 
 
-def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
+def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
              engines: bool = False, best: float | None = None, fusion: str = "", have: Sequence[Measurement] = (),
              own: bool = False, own_fusion: str = "") -> list[Measurement]:
     """Every row of the problem's ``keys`` this call is asked for: the legacy algorithms, the
@@ -305,60 +310,62 @@ def _measure(problem: ConvProblem, keys: list[ProblemKey], strategy: str, forced
     rows: list[Measurement] = []
     for shape in problem.candidates:
         bench = _ShapeBench(shape)
-        # descriptors stay until the close candidates' head-to-head has replayed their groups
-        with contextlib.ExitStack() as keep:
-            for key in (k for k in keys if k.shape == shape):
-                now = time.time()
-                descs = keep.enter_context(ConvDescriptors(key))
-                ranked = heuristic(descs)
-                ok_ranked = [p for p in ranked if p.ok]
-                for rank, perf in enumerate(ok_ranked):
-                    rows.append(_row(key, perf.algo, "ok", None, perf.workspace_bytes, perf.deterministic, now, "heuristic", heuristic_rank=rank))
-                to_time: list[str]
-                if strategy == "measure" and not legacy:
-                    to_time = []
-                elif strategy == "measure":
-                    from convpass.cudnn import algo_names
+        try:
+            # descriptors stay until the close candidates' head-to-head has replayed their groups
+            with contextlib.ExitStack() as keep:
+                for key in (k for k in keys if k.shape == shape):
+                    now = time.time()
+                    descs = keep.enter_context(ConvDescriptors(key))
+                    ranked = heuristic(descs)
+                    ok_ranked = [p for p in ranked if p.ok]
+                    for rank, perf in enumerate(ok_ranked):
+                        rows.append(_row(key, perf.algo, "ok", None, perf.workspace_bytes, perf.deterministic, now, "heuristic", heuristic_rank=rank))
+                    to_time: list[str]
+                    if strategy == "measure" and not legacy:
+                        to_time = []
+                    elif strategy == "measure":
+                        from convpass.cudnn import algo_names
 
-                    to_time = list(algo_names(shape.direction))
-                elif strategy == "forced":
-                    to_time = [forced]
-                elif strategy == "heuristic":
-                    to_time = [ok_ranked[0].algo] if ok_ranked else []
-                else:
-                    buffers = bench.buffers(key.layout, 1)[0]
-                    found = [p for p in find(descs, None, buffers["x"], buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
-                    for rank, perf in enumerate(found):
-                        rows.append(_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
-                    to_time = [found[0].algo] if found else []
-                # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
-                if (strategy != "measure" or not legacy) and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
-                    to_time.append(ok_ranked[0].algo)
-                # cuDNN's own pick first: a good early "best" lets slow candidates stop early.
-                preferred = [p.algo for p in ok_ranked]
-                to_time.sort(key=lambda a: preferred.index(a) if a in preferred else len(preferred))
-                for algo in to_time:
-                    t0 = time.perf_counter()
-                    row = bench.measure(descs, key, algo, best, forced=strategy == "forced")
-                    logger.debug("%s %s %s: %s %s (%.0f ms) %s", shape, key.layout, key.math, algo, row.status,
-                                 (time.perf_counter() - t0) * 1e3, row.note)
-                    rows.append(row)
-                    best = _best_after(best, row)
-                if epilogue.is_legacy(fusion):
-                    algos = fused_call_candidates([*rows, *have], key)
-                    rows.extend(bench.measure_legacy_epilogue(descs, key, fusion, algos, best))
-                if own:
-                    for row in bench.measure_own(key, own_fusion, best, [*rows, *have]):
-                        rows.append(row)
-                        best = _best_after(best, row) if not fusion_of(row.algo) else best
-                if engines:
-                    for row in bench.measure_engines(key, best):
+                        to_time = list(algo_names(shape.direction))
+                    elif strategy == "forced":
+                        to_time = [forced]
+                    elif strategy == "heuristic":
+                        to_time = [ok_ranked[0].algo] if ok_ranked else []
+                    else:
+                        buffers = bench.buffers(key.layout, 1)[0]
+                        found = [p for p in find(descs, None, buffers["x"], buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
+                        for rank, perf in enumerate(found):
+                            rows.append(_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
+                        to_time = [found[0].algo] if found else []
+                    # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
+                    if (strategy != "measure" or not legacy) and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
+                        to_time.append(ok_ranked[0].algo)
+                    # cuDNN's own pick first: a good early "best" lets slow candidates stop early.
+                    preferred = [p.algo for p in ok_ranked]
+                    to_time.sort(key=lambda a: preferred.index(a) if a in preferred else len(preferred))
+                    for algo in to_time:
+                        t0 = time.perf_counter()
+                        row = bench.measure(descs, key, algo, best, forced=strategy == "forced")
+                        logger.debug("%s %s %s: %s %s (%.0f ms) %s", shape, key.layout, key.math, algo, row.status,
+                                     (time.perf_counter() - t0) * 1e3, row.note)
                         rows.append(row)
                         best = _best_after(best, row)
-                if fusion and not epilogue.is_legacy(fusion):
-                    rows.extend(bench.measure_fused(key, fusion, best))
-            rows = bench.settle(rows, problem)
-        bench.release()
+                    if epilogue.is_legacy(fusion):
+                        algos = fused_call_candidates([*rows, *have], key)
+                        rows.extend(bench.measure_legacy_epilogue(descs, key, fusion, algos, best))
+                    if own:
+                        for row in bench.measure_own(key, own_fusion, best, [*rows, *have]):
+                            rows.append(row)
+                            best = _best_after(best, row) if not fusion_of(row.algo) else best
+                    if engines:
+                        for row in bench.measure_engines(key, best):
+                            rows.append(row)
+                            best = _best_after(best, row)
+                    if fusion and not epilogue.is_legacy(fusion):
+                        rows.extend(bench.measure_fused(key, fusion, best))
+                rows = bench.settle(rows, problem, options, have)
+        finally:
+            bench.release()
     return rows
 
 
@@ -478,10 +485,11 @@ class _ShapeBench:
         self._sets: dict[str, list[dict]] = {}
         self._reference = None
         self._engine_biases: dict[str, tuple[Any, Any]] = {}
-        # (key, row) -> the captured group its timing replayed, and what that group needs kept
+        # (key, algo) -> the captured group its timing replayed, and what that group needs kept
         # alive (its workspace, its plan or kernel): for the close candidates' head-to-head
         self._groups: dict[tuple[ProblemKey, str], tuple[Any, int, Any]] = {}
         self._group_bytes = 0
+        self._group_budget: int | None = None
         self._base = {
             name: harness.random_array(dims, shape.dtype, "nchw", seed, scale)
             for name, dims, seed, scale in (
@@ -827,7 +835,7 @@ class _ShapeBench:
         timing = harness.time_launches(lambda i: launch(sets[i], workspace), len(sets), best_ms, first_ms=first_ms)
         if capture_required and timing.eager:
             return _row(key, algo, "unsupported", None, ws, det, now, "measure", note="its launches cannot be captured into a CUDA graph")
-        if timing.group is not None and self._group_bytes + ws <= HEAD_TO_HEAD_WORKSPACE_BYTES:
+        if timing.group is not None and self._group_bytes + ws <= self.group_budget():
             self._groups[(key, algo)] = (timing.group, timing.group_launches, (workspace, launch))
             self._group_bytes += ws
         note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
@@ -839,20 +847,41 @@ class _ShapeBench:
             note += "; eager launches (not capturable): includes launch overhead"
         return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
 
-    def settle(self, rows: list[Measurement], problem: ConvProblem) -> list[Measurement]:
+    def group_budget(self) -> int:
+        """Bytes of workspace the kept groups may hold (:data:`HEAD_TO_HEAD_WORKSPACE_BYTES`)."""
+        if self._group_budget is None:
+            import cupy as cp
+
+            self._group_budget = min(HEAD_TO_HEAD_WORKSPACE_BYTES, cp.cuda.runtime.memGetInfo()[1] // 32)
+        return self._group_budget
+
+    def settle(self, rows: list[Measurement], problem: ConvProblem, options: TuneOptions,
+               have: Sequence[Measurement] = ()) -> list[Measurement]:
         """``rows`` with this geometry's close candidates timed again in turn
-        (:func:`convpass.tune.harness.head_to_head`): those within ``HEAD_TO_HEAD_MARGIN`` of the
-        best by the decision's cost (:func:`convpass.decide.cost_ms`), at most ``HEAD_TO_HEAD_MAX``.
-        Their times take their order from the turns and keep their first timings' mean, so that
-        they stay comparable with the candidates not timed again."""
-        epilogue_of = epilogue_ms(rows, problem)
-        timed = sorted((cost, i) for i, m in enumerate(rows)
-                       if m.method == "measure" and m.key.shape == self.shape and (m.key, m.algo) in self._groups
-                       and (cost := cost_ms(m, epilogue_of, problem.fusion)) is not None)
-        close = [i for cost, i in timed if cost <= timed[0][0] * (1 + harness.HEAD_TO_HEAD_MARGIN)][:harness.HEAD_TO_HEAD_MAX] if timed else []
-        if len(close) < 2:
+        (:func:`convpass.tune.harness.head_to_head`). Close: allowed by ``options`` and within
+        :data:`HEAD_TO_HEAD_MARGIN` of the best of all the problem's rows (``have`` too) by the
+        decision's cost (:func:`convpass.decide.cost_ms`), the :data:`HEAD_TO_HEAD_MAX` best of
+        them. Only when every one of them kept its group here; else ``rows`` as they are, since a
+        candidate not timed in turn could not be weighed against the others. Their times take their
+        order from the turns and keep their first timings' mean, so that the fastest of them stays at
+        or below the first timing of any candidate left out. A CUDA or cuDNN error in the turns
+        leaves ``rows`` as they are, with a warning."""
+        strategy, _ = options.strategy(problem.direction)
+        if strategy not in ("measure", "forced") or len(self._groups) < 2:
             return rows
-        turns = harness.head_to_head([self._groups[(rows[i].key, rows[i].algo)][:2] for i in close])
+        considered = [*rows, *have]
+        epilogue_of = epilogue_ms(considered, problem)
+        ok = allowed(problem, options, epilogue_of)
+        timed = sorted((cost, i) for i, m in enumerate(considered) if m.method == "measure" and ok(m)
+                       and (cost := cost_ms(m, epilogue_of, problem.fusion)) is not None)
+        close = [i for cost, i in timed if cost <= timed[0][0] * (1 + HEAD_TO_HEAD_MARGIN)][:HEAD_TO_HEAD_MAX] if timed else []
+        if len(close) < 2 or any(i >= len(rows) or (rows[i].key, rows[i].algo) not in self._groups for i in close):
+            return rows
+        try:
+            turns = harness.head_to_head([self._groups[(rows[i].key, rows[i].algo)][:2] for i in close])
+        except Exception as e:  # noqa: BLE001  (a CUDA or cuDNN error: the first timings stand)
+            logger.warning("the close candidates of %s were not timed again in turn: %s", self.shape, e)
+            return rows
         level = statistics.fmean(rows[i].time_ms for i in close) / statistics.fmean(turns)
         out = list(rows)
         for i, t in zip(close, turns):

@@ -3,6 +3,7 @@ visible GPU with its own CUDA_VISIBLE_DEVICES, a whole run and its cached re-run
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import onnx
@@ -16,14 +17,15 @@ cp = pytest.importorskip("cupy")
 from conftest import MODELS, conv_model  # noqa: E402
 from convpass import annotation, device  # noqa: E402
 from convpass.cache import TuningCache  # noqa: E402
-from convpass.epilogue import fused_name, fusion_of  # noqa: E402
+from convpass.epilogue import FUSED_CALL_CANDIDATES, base_algo, fusion_of  # noqa: E402
 from convpass.fleet import driver  # noqa: E402
 from convpass.fleet.local import LocalExecutor, visible_gpus  # noqa: E402
 from convpass.fleet.measurers import CudnnMeasurer  # noqa: E402
 from convpass.model_io import load_model  # noqa: E402
 from convpass.options import TuneOptions  # noqa: E402
 from convpass.pipeline import OptimizeReport, prepare_model  # noqa: E402
-from convpass.tune.tuner import CudnnTuner, fused_call_candidates  # noqa: E402
+from convpass.runtime.cuda import depthwise  # noqa: E402
+from convpass.tune.tuner import CudnnTuner, was_measured  # noqa: E402
 
 OPTIONS = TuneOptions(layout="per-conv")
 
@@ -49,15 +51,20 @@ def test_the_worker_measures_what_the_tuner_measures(tmp_path):
         stored = [m for s in problem.candidates for m in cache.get(device.detect(), s)]
     # Which fused calls are timed follows from the bare timings (each key's FUSED_CALL_CANDIDATES
     # fastest measured, none where every bare one was stopped early), which differ by noise between
-    # two measurements: on H100 and H200 the two took fused calls of different algorithms and keys.
-    # So each is held to that rule, and everything else is compared row by row.
+    # two measurements: on H100 and H200 the two took fused calls of different algorithms and keys;
+    # and the head-to-head of close candidates may reorder the bare times after that choice. So
+    # each run's legacy fused calls are held to being of its own measured bare algorithms, at most
+    # FUSED_CALL_CANDIDATES per key (checked against an H200 panel run's 799 fused calls);
+    # everything else is compared row by row.
     def rows_of(ms):
         return {(m.key, m.algo, m.method, m.status) for m in ms if not (m.method == "measure" and fusion_of(m.algo))}
 
     assert rows_of(rows) == rows_of(stored)
     for ms in (rows, stored):
-        calls = {(m.key, m.algo) for m in ms if m.method == "measure" and fusion_of(m.algo)}
-        assert calls and calls == {(k, fused_name(a, problem.fusion)) for k in {m.key for m in ms} for a in fused_call_candidates(ms, k)}
+        calls = [m for m in ms if m.method == "measure" and fusion_of(m.algo) and not depthwise.is_own(base_algo(m.algo))]
+        measured = {(m.key, m.algo) for m in ms if m.method == "measure" and was_measured(m) and not fusion_of(m.algo)}
+        assert calls and all((m.key, base_algo(m.algo)) in measured for m in calls)
+        assert max(Counter(m.key for m in calls).values()) <= FUSED_CALL_CANDIDATES
 
 
 def test_a_fleet_run_uses_every_gpu_and_a_rerun_measures_nothing(tmp_path):
