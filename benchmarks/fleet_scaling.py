@@ -339,12 +339,25 @@ def differing(a: Mapping[Any, Decision], b: Mapping[Any, Decision]) -> list[Deci
     return [a[k] for k in sorted(set(a) & set(b), key=str) if (a[k].key, a[k].row) != (b[k].key, b[k].row)]
 
 
+def _run_doc(work: Path, name: str) -> dict[str, Any]:
+    """The record of phase ``name`` in ``work``; exits with one line when that phase has not run."""
+    path = work / f"{name}.json"
+    if not path.is_file():
+        sys.exit(f"fleet_scaling: {path} is missing: run the {name!r} phase first")
+    return json.loads(path.read_text())
+
+
 def _decisions_of_run(work: Path, name: str, options: "TuneOptions") -> dict[tuple[str, str], Decision]:
-    summary = json.loads((work / f"{name}.json").read_text())["summary"]
+    summary = _run_doc(work, name)["summary"]
     return decisions_of([m["output"] for m in summary["models"] if m["output"]], options)
 
 
 def reclock_phase(args: argparse.Namespace) -> int:
+    work = Path(args.work)
+    retimed_on = _run_doc(work, "retime")["summary"]["devices"][0]
+    options = tune_options()
+    todo = differing(_decisions_of_run(work, "one", options), _decisions_of_run(work, "two", options))
+
     os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus  # before anything starts CUDA in this process
     import cupy as cp
 
@@ -352,13 +365,9 @@ def reclock_phase(args: argparse.Namespace) -> int:
     from convpass.device import detect
     from convpass.tune.tuner import measure_problem
 
-    work = Path(args.work)
-    options = tune_options()
-    todo = differing(_decisions_of_run(work, "one", options), _decisions_of_run(work, "two", options))
     device = detect()
     if device is None:
         sys.exit("fleet_scaling reclock: no GPU (or no cuDNN) here")
-    retimed_on = json.loads((work / "retime.json").read_text())["summary"]["devices"][0]
     if str(device) != retimed_on:
         sys.exit(f"fleet_scaling reclock: this GPU is {device}, the retime run's was {retimed_on}")
     started = time.perf_counter()

@@ -343,7 +343,7 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     x = np.full(shape.x_shape, x_value, np.float32)
     bench = object.__new__(tuner._ShapeBench)
     bench._engine_biases = {}
-    bench._groups, bench._group_bytes, bench._sets = {}, 0, {}
+    bench._groups, bench._sets = {}, {}
     bench.shape = shape
     bench._base = {"x": x, "w": np.ones(shape.w_shape, np.float32), "y": np.empty(shape.y_shape, np.float32)}
     bench.reference = lambda: np.full(shape.y_shape, x.sum(), np.float32)

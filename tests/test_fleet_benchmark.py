@@ -212,3 +212,8 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     assert median["clocks"] == 3 and median["b_vs_a"]["within_3pct"] == 14 and median["clock_spread"] == {"problems": 0}
     assert "the same on the median of 3 clocks (the retime run and 2 re-measurements of the 0 problems" in capsys.readouterr().out
 
+
+
+def test_reclock_before_the_runs_it_needs_says_which(tmp_path):
+    with pytest.raises(SystemExit, match=r"retime\.json is missing: run the 'retime' phase first"):
+        fleet_scaling.main(["reclock", "--work", str(tmp_path)])

@@ -142,7 +142,7 @@ def test_the_fused_call_wins_only_when_faster_than_the_conv_plus_its_pass(fused_
     assert choice_from(chosen, "measure", rows, PROBLEM).time_ms == pytest.approx(min(fused_ms, 0.026))  # the step's time is recorded
 
 
-def _settling(monkeypatch, grouped, turns=(0.0685, 0.0682)):
+def _settling(monkeypatch, grouped, turns=(0.0685, 0.0682, 0.0690)):
     """A NumPy stand-in bench whose ``grouped`` rows kept their groups, and the head-to-head it asks
     for (each call's groups, in a list), answering ``turns``."""
     from convpass.tune import harness
@@ -186,6 +186,8 @@ def test_a_close_candidate_without_its_group_leaves_the_rows_as_they_are(monkeyp
     assert bench.settle(close_gemm, PROBLEM, OPTIONS) == close_gemm
     assert bench.settle(CLOSE[:4], PROBLEM, OPTIONS, have=[row("gemm", 0.0660)]) == CLOSE[:4]
     assert asked == []
+    bench._groups[(KEY, "gemm")] = ("gemm", 10, None)  # with its group, the same rows are settled
+    assert bench.settle(close_gemm, PROBLEM, OPTIONS) != close_gemm and len(asked[0]) == 3
     # alone within the margin: nothing to compare
     bench, asked = _settling(monkeypatch, ["implicit_precomp_gemm"])
     assert bench.settle(CLOSE, PROBLEM, OPTIONS) == CLOSE and asked == []
@@ -226,11 +228,11 @@ def test_a_full_timing_keeps_its_group_and_workspace_within_the_budget(monkeypat
 
     for algo, ws in (("a", 150), ("b", 0), ("c", 100), ("d", 50)):
         assert bench._checked_and_timed(KEY, algo, ws, True, 0.0, 0.01, launch).status == "ok"
-    assert set(bench._groups) == {(KEY, "a"), (KEY, "d")} and bench._group_bytes == 200
+    assert set(bench._groups) == {(KEY, "a"), (KEY, "d")} and bench.group_bytes() == 200
     group, launches, (workspace, kept_launch) = bench._groups[(KEY, "a")]
     assert (group, launches, workspace.nbytes, kept_launch) == ("group a", 10, 150, launch)
     bench.release()
-    assert bench._groups == {} and bench._group_bytes == 0
+    assert bench._groups == {} and bench.group_bytes() == 0
 
 
 def test_an_error_in_the_turns_keeps_the_first_timings(monkeypatch, caplog):

@@ -488,7 +488,6 @@ class _ShapeBench:
         # (key, algo) -> the captured group its timing replayed, and what that group needs kept
         # alive (its workspace, its plan or kernel): for the close candidates' head-to-head
         self._groups: dict[tuple[ProblemKey, str], tuple[Any, int, Any]] = {}
-        self._group_bytes = 0
         self._group_budget: int | None = None
         self._base = {
             name: harness.random_array(dims, shape.dtype, "nchw", seed, scale)
@@ -835,9 +834,8 @@ class _ShapeBench:
         timing = harness.time_launches(lambda i: launch(sets[i], workspace), len(sets), best_ms, first_ms=first_ms)
         if capture_required and timing.eager:
             return _row(key, algo, "unsupported", None, ws, det, now, "measure", note="its launches cannot be captured into a CUDA graph")
-        if timing.group is not None and self._group_bytes + ws <= self.group_budget():
+        if timing.group is not None and self.group_bytes() + ws <= self.group_budget():
             self._groups[(key, algo)] = (timing.group, timing.group_launches, (workspace, launch))
-            self._group_bytes += ws
         note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
         if timing.early_stop:
             note += f"; early stop: {timing.stopped_by} ({best_ms:.4f} ms)"
@@ -846,6 +844,10 @@ class _ShapeBench:
         if timing.eager:
             note += "; eager launches (not capturable): includes launch overhead"
         return _row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
+
+    def group_bytes(self) -> int:
+        """Workspace the kept groups hold."""
+        return sum(workspace.nbytes for _, _, (workspace, _) in self._groups.values())
 
     def group_budget(self) -> int:
         """Bytes of workspace the kept groups may hold (:data:`HEAD_TO_HEAD_WORKSPACE_BYTES`)."""
@@ -892,7 +894,6 @@ class _ShapeBench:
 
     def release(self) -> None:
         self._groups.clear()
-        self._group_bytes = 0
         self._sets.clear()
         self._base.clear()
         self._engine_biases.clear()
