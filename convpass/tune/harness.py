@@ -23,7 +23,7 @@
   :data:`CONFIRM_REPLAYS` replays of its graph back to back, so that the graph's launch latency,
   a large part of one replay of a few microsecond-kernels, does not stop it.
 * Candidates timed one after the other drift with the GPU's state between their timings (a few
-  percent on an H200, once 20%, though each timing is precise to 1% over its groups), which flips choices
+  percent on an H200, though each timing is precise to 1% over its groups), which flips choices
   between near-equal ones from run to run. So the tuner replays the captured groups of the close
   ones in turn, round after round (:func:`head_to_head`; which ones: ``tuner._ShapeBench.settle``),
   and orders them by that.

@@ -75,11 +75,8 @@ REFERENCE_ALGOS = {
 # (measured on an H200: 22 s for g=960 at 14x14). Above this many groups it is skipped unless forced.
 FFT_TILING_MAX_GROUPS = 8
 # Close candidates are timed again in turn (_ShapeBench.settle): those within this margin of the
-# best by the decision's cost, at most this many. The margin is the largest drift seen between two
-# candidates timed one after the other: in a 2-H200 fleet check one run read an r3d_18 conv's bare
-# algorithm 0.0274 ms and its fused bias+relu call 0.0328 ms, where every other run read both 0.033
-# (1.2x); with 5% the fused call was not compared, and that decision was 1.065x off.
-HEAD_TO_HEAD_MARGIN = 0.20
+# best by the decision's cost, at most this many.
+HEAD_TO_HEAD_MARGIN = 0.05
 HEAD_TO_HEAD_MAX = 3
 # Workspace a geometry's kept groups may hold for that (at most 1/32 of the GPU's memory): a
 # candidate whose workspace would pass it keeps no group, and a decision it is close in is then not
