@@ -189,8 +189,10 @@ def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_esti
     # the GPU ran the warm-up, the estimate's 4 launches and their confirmation: that graph is
     # uploaded, not replayed untimed first
     assert abs(gpus[-1].clock - 37 * 0.016) < 1e-9
-    big = timing(0.16, best_ms=0.10)  # over CONFIRM_BELOW_MS: one replay decides
-    assert big.early_stop and big.launches == 5 and abs(gpus[-1].clock - 5 * 0.16) < 1e-9
+    big = timing(0.16, best_ms=0.10)  # a graph over CONFIRM_GRAPH_MS: taken again from one more replay
+    assert big.early_stop and big.launches == 9 and abs(gpus[-1].clock - 9 * 0.16) < 1e-9
+    far = timing(0.04, best_ms=0.010)  # over CONFIRM_RATIO times the best: not taken again
+    assert far.early_stop and far.launches == 5
     later = timing(0.014, best_ms=0.010)
     # a measurement from two groups, not an estimate
     assert not later.early_stop and abs(later.time_ms - 0.014) < 1e-9 and later.stopped_by == "2 groups over 1.15x the best"
@@ -221,6 +223,24 @@ def test_a_graphs_launch_latency_does_not_stop_a_tiny_kernel(monkeypatch):
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
     timing = harness.time_launches(gpu.launch, sets=4, best_ms=0.0023)
     assert timing.early_stop and timing.time_ms == pytest.approx(0.0044 + 0.0085 / 32)
+
+
+def test_a_one_launch_estimate_is_confirmed_before_it_stops_a_candidate(monkeypatch):
+    """A batch-32 problem rotates one input set: its estimate is one replay of a one-launch graph.
+    An H200 read ResNet-50's fused 1x1 stride-2 conv with its residual (0.046 ms in full) as 0.171 ms
+    from that replay, over 1.5x the best (0.0957 ms: the bare conv and its pass), and stopped it;
+    eight replays back to back read 0.062 ms, and it is timed in full. A candidate that slow in
+    full is still stopped (after one more replay, its graph being longer)."""
+    from convpass.tune import harness
+
+    gpu = _FakeGpu(0.0464, latency=0.125)
+    monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+    timing = harness.time_launches(gpu.launch, sets=1, best_ms=0.0957)
+    assert not timing.early_stop and not timing.stopped_by  # (this stand-in GPU adds the latency to every group)
+    gpu = _FakeGpu(0.15, latency=0.125)  # a graph of 0.275 ms: taken again from one more replay
+    monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
+    timing = harness.time_launches(gpu.launch, sets=1, best_ms=0.0957)
+    assert timing.early_stop and timing.launches == 3 and timing.time_ms == pytest.approx(0.275)
 
 
 def test_a_slow_first_launch_gets_one_more_before_any_group(monkeypatch):

@@ -19,9 +19,11 @@
   False): groups are precise to a few percent, so its time is a measurement like any other, from
   fewer groups; half of the candidates timed in full in a four-model tuning ended over 1.2x their
   problem's best.
-* An estimate under :data:`CONFIRM_BELOW_MS` that would stop a candidate is taken once more from
-  :data:`CONFIRM_REPLAYS` replays of its graph back to back, so that the graph's launch latency,
-  a large part of one replay of a few microsecond-kernels, does not stop it.
+* An estimate under :data:`CONFIRM_RATIO` times the best that would stop a candidate is taken
+  once more, and the lower reading counts: what one replay carries besides the kernels (the
+  graph's launch latency, a large part of one replay of a few microsecond-kernels; once 0.125 ms
+  in a one-launch graph) must not stop it. From :data:`CONFIRM_REPLAYS` replays back to back
+  when its graph lasts under :data:`CONFIRM_GRAPH_MS`, else from one more replay.
 * Candidates timed one after the other drift with the GPU's state between their timings (a few
   percent on an H200, though each timing is precise to 1% over its groups), which flips choices
   between near-equal ones from run to run. So the tuner replays the captured groups of the close
@@ -60,11 +62,17 @@ SLOW_LAUNCH_MS = 2.0
 # full timing; a candidate this far above the best is not a close call.
 EARLY_STOP_RATIO = 1.5
 EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs in a 4-launch estimate
-# An estimate under this that would stop a candidate is taken again over this many replays of its
-# graph. One replay read 2.2-7.5 us kernels (their full timings) as 4.1-12.3 us on an H100, and
-# 23-53 candidates per panel tuning within 1.15x of their best were dropped, own kernels whose
+# An estimate under CONFIRM_RATIO times the best that would stop a candidate is taken again: over
+# CONFIRM_REPLAYS replays of its graph when the graph lasts under CONFIRM_GRAPH_MS, else over one.
+# One replay of 4 launches read 2.2-7.5 us kernels (their full timings) as 4.1-12.3 us on an H100,
+# and 23-53 candidates per panel tuning within 1.15x of their best were dropped, own kernels whose
 # fused epilogue then went untimed among them (a 2-GPU run's decision 1.48x off the 1-GPU run's).
-CONFIRM_BELOW_MS = 0.05
+# A batch-32 problem rotates one input set, so its estimate is one launch: an H200 read ResNet-50's
+# fused 1x1 stride-2 conv + residual (0.046 ms in full) as 0.171 ms (1.8x the best), stopped it,
+# and ran the bare conv and a separate pass instead (0.096 ms; the model's conv time 2.7% higher,
+# in one run of four). Taking them again costs 0.2 s of GPU time in a ResNet-50 tuning.
+CONFIRM_RATIO = 3.0
+CONFIRM_GRAPH_MS = 0.2
 CONFIRM_REPLAYS = 8
 # Rounds of head_to_head: close candidates' groups replayed in turn this many times.
 HEAD_TO_HEAD_ROUNDS = 5
@@ -252,11 +260,12 @@ def time_launches(
         graph.upload(stream)
     estimate = timed(graph, probe)
     launched += probe
-    if graph is not None and stops(estimate) and estimate < CONFIRM_BELOW_MS:
-        # One replay of a 4-launch graph carries the graph's own launch latency: confirmed by
-        # CONFIRM_REPLAYS replays back to back before a small kernel is dropped on it.
-        estimate = timed(graph, probe, CONFIRM_REPLAYS)
-        launched += probe * CONFIRM_REPLAYS
+    if graph is not None and stops(estimate) and estimate < CONFIRM_RATIO * best_ms:
+        # One replay carries more than its kernels (the graph's launch latency, at times more):
+        # taken again before the candidate is dropped on it; neither reading is below its kernels.
+        replays = CONFIRM_REPLAYS if estimate * probe < CONFIRM_GRAPH_MS else 1
+        estimate = min(estimate, timed(graph, probe, replays))
+        launched += probe * replays
     if stops(estimate):
         return Timing(estimate, launched, 0.0, early_stop=True, stopped_by=f"estimate over {EARLY_STOP_RATIO:g}x the best")
     per_group = max(1, min(200, round(group_ms / max(estimate, 1e-3))))
