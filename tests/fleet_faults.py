@@ -24,7 +24,7 @@ def _first(marker: Path) -> bool:
 
 
 class KilledMidTask(RecordedMeasurer):
-    """The first worker to reach its ``nth`` problem is killed (SIGKILL) in the middle of it."""
+    """The first worker to reach its ``nth`` task is killed (SIGKILL) in the middle of it."""
 
     def __init__(self, cache_path, device, marker: Path, nth: int = 2) -> None:
         super().__init__(cache_path, device)
@@ -37,16 +37,16 @@ class KilledMidTask(RecordedMeasurer):
         super().__setstate__(state)
         self.marker, self.nth, self.count = state["marker"], state["nth"], 0
 
-    def measure(self, problem, options):
+    def measure(self, problems, options):
         self.count += 1
-        rows = super().measure(problem, options)
+        rows = super().measure(problems, options)
         if self.count == self.nth and _first(self.marker):
             os.kill(os.getpid(), signal.SIGKILL)
         return rows
 
 
 class HangsOnce(RecordedMeasurer):
-    """The first worker to measure a problem of batch ``n`` hangs on it (a stuck GPU)."""
+    """The first worker to measure a task of batch ``n`` hangs on it (a stuck GPU)."""
 
     def __init__(self, cache_path, device, marker: Path, n: int) -> None:
         super().__init__(cache_path, device)
@@ -59,16 +59,16 @@ class HangsOnce(RecordedMeasurer):
         super().__setstate__(state)
         self.marker, self.n = state["marker"], state["n"]
 
-    def measure(self, problem, options):
-        if problem.primary.n == self.n and _first(self.marker):
+    def measure(self, problems, options):
+        if problems[0].primary.n == self.n and _first(self.marker):
             time.sleep(3600)
-        return super().measure(problem, options)
+        return super().measure(problems, options)
 
 
 class ReplayPerGpu(RecordedMeasurer):
     """A worker holding a GPU (``CUDA_VISIBLE_DEVICES`` set by the local executor) that replays the
     recorded run of the device its GPU stands for: a mixed cluster without GPUs. A GPU in ``broken``
-    kills every worker on it in its first problem."""
+    kills every worker on it in its first task."""
 
     needs_gpu = True
 
@@ -87,14 +87,14 @@ class ReplayPerGpu(RecordedMeasurer):
         self.device = self.devices[os.environ["CUDA_VISIBLE_DEVICES"]]
         return super().start()
 
-    def measure(self, problem, options):
+    def measure(self, problems, options):
         if os.environ["CUDA_VISIBLE_DEVICES"] in self.broken:
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().measure(problem, options)
+        return super().measure(problems, options)
 
 
 class SlowReplay(RecordedMeasurer):
-    """A replay that takes ``delay`` seconds per problem (a GPU takes about 0.26 s per problem)."""
+    """A replay that takes ``delay`` seconds per task (a GPU takes about 0.24 s per problem)."""
 
     def __init__(self, cache_path, device, delay: float) -> None:
         super().__init__(cache_path, device)
@@ -107,9 +107,9 @@ class SlowReplay(RecordedMeasurer):
         super().__setstate__(state)
         self.delay = state["delay"]
 
-    def measure(self, problem, options):
+    def measure(self, problems, options):
         time.sleep(self.delay)
-        return super().measure(problem, options)
+        return super().measure(problems, options)
 
 
 class NotStarting(RecordedMeasurer):

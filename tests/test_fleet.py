@@ -389,7 +389,7 @@ def test_models_are_tuned_while_later_ones_are_collected(lab, tmp_path, slow_mod
     assert (8, 8) in seen  # every task of the stem settled before anything else was known
     assert sorted({total for _, total in seen} - {0}) == [8, 16]  # then the rest at once: never the block's 2 before the slow model's 6
     assert doc["seconds"]["first_task"] < doc["seconds"]["collect"]
-    assert [t.problem for t in report.tasks] == driver.tuning_order(report.models)  # as if every model had been collected first
+    assert [p for t in report.tasks for p in t.problems] == driver.tuning_order(report.models)  # as if every model had been collected first
     assert doc["tasks"] == doc["measured"] == doc["problems"] == 16 and doc["cache_writes"]["max_per_task"] == 1
     assert [m["problems"] for m in doc["models"]] == [8, 6, 8, 8] and all(m["collected"] for m in doc["models"])
     assert len(report.written) == 4

@@ -17,7 +17,11 @@
    rows the cache does not already cover; the scheduler (:mod:`convpass.fleet.scheduler`) hands
    them out while later models are still being collected, so the progress bar's total grows as
    they come. A problem two models share is measured once. This is :func:`tuning_order`, taken
-   model by model. The driver writes every finished task's rows into its cache as they arrive, so
+   model by model. The problems of one geometry (the same conv with different epilogues) are one
+   task, measured one after the other by one worker (:class:`Geometries`; the scheduler's rules
+   say why): a later model's problem of a geometry already given comes as a task that measures the
+   geometry's earlier problems again with it, and replaces the earlier task where that has not
+   started. The driver writes every finished task's rows into its cache as they arrive, so
    an interrupted run keeps them and a re-run measures only the rest.
 4. **Write each model as soon as it is collected and all of its tasks are settled** (finished or
    failed), in a model process while the workers measure the other models' problems: atomically,
@@ -215,6 +219,30 @@ def group_order(problems: Sequence["ConvProblem"], seen: set["ConvProblem"]) -> 
     return sorted((p for p in dict.fromkeys(problems) if p not in seen), key=lambda p: -p.primary.flops)
 
 
+class Geometries:
+    """The problems given so far, grouped by geometry: problems whose candidate geometries meet are
+    one group, measured in one task (module docstring, step 3)."""
+
+    def __init__(self) -> None:
+        self.group_of: dict[Any, tuple[ConvProblem, ...]] = {}  # geometry -> its group (first-given order)
+
+    def add(self, problems: Sequence["ConvProblem"]) -> list[tuple[tuple["ConvProblem", ...], list[tuple["ConvProblem", ...]]]]:
+        """The groups that new ``problems`` make or join, in the order of their first new problem,
+        each with the earlier groups (given before this call) it takes in."""
+        before = dict(self.group_of)
+        for p in problems:
+            met = dict.fromkeys(self.group_of[s] for s in p.candidates if s in self.group_of)
+            group = tuple(dict.fromkeys([*(q for g in met for q in g), p]))
+            for q in group:
+                for shape in q.candidates:
+                    self.group_of[shape] = group
+        out = []
+        for group in dict.fromkeys(self.group_of[p.primary] for p in problems):
+            earlier = dict.fromkeys(before[s] for q in group for s in q.candidates if s in before)
+            out.append((group, list(earlier)))
+        return out
+
+
 def resolve_devices(
     names: Sequence[str], slots: Sequence[sched.Slot], not_started: Sequence[str], cache: "TuningCache"
 ) -> tuple[list[DeviceFingerprint], list[DeviceFingerprint]]:
@@ -275,9 +303,10 @@ class FleetReport:
 
         def task_json(task_id: int, reasons: list[str]) -> dict[str, Any]:
             t = by_id[task_id]
-            return {"device": str(t.device), "problem": str(t.problem), "attempts": s.attempts.get(task_id, 0) if s else 0, "reasons": reasons}
+            return {"device": str(t.device), "problem": str(t), "attempts": s.attempts.get(task_id, 0) if s else 0, "reasons": reasons}
 
         finished = s.finished if s else {}
+        superseded = s.superseded if s else {}
         return {
             "cluster": self.cluster,
             "cache": self.cache,
@@ -300,18 +329,21 @@ class FleetReport:
                 for m in self.models
             ],
             "problems": self.problems,
-            "tasks": len(self.tasks) + self.cached,  # (problem, cluster device) pairs
+            "tasks": len(self.tasks) - len(superseded) + self.cached,  # (geometry's problems, cluster device) pairs
             "cached": self.cached,
             "measured": len(finished),
+            "problems_measured": sum(len(by_id[i].problems) for i in finished),
+            "superseded": len(superseded),
             "failed": [task_json(i, r) for i, r in sorted(s.failed.items())] if s else [],
-            "missing": [str(by_id[t].problem) for t in sorted(set(by_id) - set(finished) - set(s.failed if s else {}))],
+            "missing": [str(by_id[t]) for t in sorted(set(by_id) - set(finished) - set(s.failed if s else {}) - set(superseded))],
             "retried": s.retried if s else 0,
             "retries": [task_json(i, r) for i, r in sorted(s.reasons.items()) if i in finished] if s else [],
             "workers_lost": [{"slot": sid, "reason": why} for sid, why in (s.lost if s else [])],
             "slots_retired": s.retired if s else {},
             "measured_by_slot": _count(finished.values()),
             "busy_s_by_slot": {sid: round(v, 3) for sid, v in sorted(s.busy.items())} if s else {},
-            "task_seconds": [{"device": str(by_id[i].device), "problem": str(by_id[i].problem), "depthwise": by_id[i].problem.primary.is_depthwise,
+            "task_seconds": [{"device": str(by_id[i].device), "problem": str(by_id[i]), "problems": len(by_id[i].problems),
+                              "depthwise": by_id[i].problems[0].primary.is_depthwise,
                               "slot": finished.get(i), "seconds": round(v, 6)} for i, v in sorted(s.task_seconds.items())] if s else [],
             "cache_writes": {"tasks": len(s.writes), "max_per_task": max(s.writes.values(), default=0)} if s else {},
             "written_during_tune": self.written_during_tune,
@@ -480,8 +512,12 @@ class _Stream:
         self.devices: list[DeviceFingerprint] = []  # measured here
         self.measurer: Measurer | None = None
         self.seen: set[ConvProblem] = set()
+        self.geometries = Geometries()
+        self.task_of: dict[tuple[DeviceFingerprint, tuple[ConvProblem, ...]], int] = {}  # (device, group) -> its task id
+        self.covering: dict[tuple[DeviceFingerprint, ConvProblem], set[int]] = {}  # -> unsettled tasks that measure it
+        self.finished: set[tuple[DeviceFingerprint, ConvProblem]] = set()
         self.next_id = 0
-        self.pending: set[tuple[DeviceFingerprint, ConvProblem]] = set()  # tasks not settled
+        self.pending: set[tuple[DeviceFingerprint, ConvProblem]] = set()  # problems not settled
         self.waiting: dict[tuple[DeviceFingerprint, ConvProblem], list[int]] = {}  # -> models waiting for it
         self.unsettled: dict[int, int] = {}
         self.failed: dict[DeviceFingerprint, set[ConvProblem]] = {}
@@ -509,15 +545,24 @@ class _Stream:
     def busy(self) -> bool:
         return bool(self.to_write or self.procs.in_flight())
 
-    def settled(self, task: sched.Task, finished: bool) -> None:
-        key = (task.device, task.problem)
-        self.pending.discard(key)
-        if not finished:
-            self.failed[task.device].add(task.problem)
-        for i in self.waiting.pop(key, ()):
-            self.unsettled[i] -= 1
-            if self.unsettled[i] == 0:
-                self._complete(i)
+    def settled(self, task: sched.Task, finished: bool | None) -> None:
+        """A problem is settled by the first task of it that finished, else, once no task of it is
+        left, as failed (a task replaced before it started, ``None``, leaves it to its replacement)."""
+        for problem in task.problems:
+            key = (task.device, problem)
+            covering = self.covering.get(key, set())
+            covering.discard(task.id)
+            if finished:
+                self.finished.add(key)
+            elif covering or key in self.finished:
+                continue
+            else:
+                self.failed[task.device].add(problem)
+            self.pending.discard(key)
+            for i in self.waiting.pop(key, ()):
+                self.unsettled[i] -= 1
+                if self.unsettled[i] == 0:
+                    self._complete(i)
 
     # -- the end ----------------------------------------------------------------------------------
 
@@ -573,14 +618,21 @@ class _Stream:
             new = group_order(got.problems, self.seen)
             self.seen.update(new)
             self.report.problems = len(self.seen)
-            for task in sched.make_tasks(new, self.devices, self.next_id):
-                if self.measurer.complete(task.device, cached_rows(self.db, task.device, task.problem), task.problem, self.options):
-                    self.report.cached += 1
-                else:
+            groups = self.geometries.add(new)
+            for device in self.devices:
+                for group, earlier in groups:
+                    if all(self.measurer.complete(device, cached_rows(self.db, device, p), p, self.options) for p in group):
+                        self.report.cached += 1
+                        continue
+                    replaces = tuple(self.task_of[(device, g)] for g in earlier if (device, g) in self.task_of)
+                    task = sched.Task(self.next_id, device, group, replaces)
+                    self.next_id += 1
+                    self.task_of[(device, group)] = task.id
                     self.report.tasks.append(task)
-                    self.pending.add((task.device, task.problem))
+                    for p in group:
+                        self.pending.add((device, p))
+                        self.covering.setdefault((device, p), set()).add(task.id)
                     tasks.append(task)
-            self.next_id += len(new) * len(self.devices)
             self.unsettled[i] = 0
             for key in ((d, p) for p in dict.fromkeys(got.problems) for d in self.devices):
                 if key in self.pending:
@@ -623,7 +675,7 @@ def _schedule(executor, db, options, retries, task_timeout, slots, not_started, 
     models = len(stream.report.models)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    columns = (TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
+    columns = (TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("tasks"),
                TextColumn("{task.fields[busy]}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         handle = bar.add_task("tuning", total=0, busy="")
@@ -663,8 +715,10 @@ def print_report(report: FleetReport, console: Console) -> None:
     for device in report.cache_only:
         console.print(f"  {device}: no worker of this type; decisions from the tuning cache only")
     console.print(
-        f"  {doc['tasks']} (problem, device) pairs: {doc['cached']} already in the tuning cache, {doc['measured']} measured, "
-        f"{len(doc['failed'])} failed" + (f", {doc['retried']} retries" if doc["retried"] else "")
+        f"  {doc['tasks']} tasks (a geometry's problems on one device type): {doc['cached']} already in the tuning cache, "
+        f"{doc['measured']} measured ({doc['problems_measured']} problems), {len(doc['failed'])} failed"
+        + (f", {doc['retried']} retries" if doc["retried"] else "")
+        + (f", {doc['superseded']} replaced by a later model's task of the same geometry" if doc["superseded"] else "")
     )
     console.print(f"  seconds: {seconds_line(report.seconds)}; {report.written_during_tune} of {len(report.models)} model(s) written while tuning")
     for lost in doc["workers_lost"]:

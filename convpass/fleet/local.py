@@ -94,7 +94,7 @@ class LocalExecutor:
     def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:
         w = self._procs[slot_id]
         try:
-            w.conn.send((task.id, task.problem, options))
+            w.conn.send((task.id, task.problems, options))
         except (BrokenPipeError, EOFError, OSError):
             pass  # the worker died: its sentinel reports it at the next wait()
 

@@ -1,8 +1,9 @@
 """What a fleet worker measures problems with.
 
 A :class:`Measurer` is created by the driver, pickled to every worker process and started there
-once. It measures one problem at a time and returns the rows; it never writes a tuning cache (only
-the driver does). The driver also asks it whether rows already stored cover a problem, so a re-run
+once. It measures one task at a time, a geometry's problems one after the other (as one GPU's
+tuner measures them: a later problem only adds what its epilogue needs to the rows of the earlier
+ones), and returns the rows; it never writes a tuning cache (only the driver does). The driver also asks it whether rows already stored cover a problem, so a re-run
 measures only what is missing.
 
 * :class:`CudnnMeasurer` times problems on the worker's GPU with the tuner
@@ -45,8 +46,8 @@ class Measurer(Protocol):
         """In the worker, once before its first problem: set up, warm up; the device it measures."""
         ...
 
-    def measure(self, problem: "ConvProblem", options: TuneOptions) -> list["Measurement"]:
-        """Every row measured for ``problem`` (raises :class:`MeasureError` when it cannot)."""
+    def measure(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> list["Measurement"]:
+        """Every row measured for ``problems``, one geometry's (raises :class:`MeasureError` when it cannot)."""
         ...
 
     def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
@@ -103,13 +104,18 @@ class CudnnMeasurer:
 
             logging.getLogger("convpass").debug("fleet worker warm-up: %s", e)
 
-    def measure(self, problem: "ConvProblem", options: TuneOptions) -> list["Measurement"]:
+    def measure(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> list["Measurement"]:
         from convpass.tune.tuner import measure_problem
 
         if self._stream is None:
             raise MeasureError("CudnnMeasurer.measure before start()")
+        rows: list[Measurement] = []
         with self._stream:
-            return measure_problem(problem, options)
+            for problem in problems:
+                # what the earlier problems measured stands, as the tuning cache's rows do for the tuner
+                have = [m for m in rows if m.key.shape in problem.candidates]
+                rows += measure_problem(problem, options, have)
+        return rows
 
     def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
         from convpass.tune.tuner import problem_complete
@@ -148,11 +154,14 @@ class RecordedMeasurer:
             raise MeasureError(f"recorded tuning cache {self.cache_path} does not exist")
         return self.device
 
-    def measure(self, problem: "ConvProblem", options: TuneOptions) -> list["Measurement"]:
-        rows = self._recorded(self.device, problem)
-        if not rows:
-            raise MeasureError(f"no measurement of {problem} for {self.device} recorded in {self.cache_path}")
-        return rows
+    def measure(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> list["Measurement"]:
+        rows: dict[tuple, Measurement] = {}
+        for problem in problems:
+            recorded = self._recorded(self.device, problem)
+            if not recorded:
+                raise MeasureError(f"no measurement of {problem} for {self.device} recorded in {self.cache_path}")
+            rows.update(((m.key, m.algo, m.method), m) for m in recorded)
+        return list(rows.values())
 
     def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
         recorded = {(m.key, m.algo, m.method) for m in self._recorded(device, problem)}

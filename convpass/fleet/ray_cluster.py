@@ -44,7 +44,7 @@ START_TIMEOUT_S = 300.0
 
 @ray.remote(max_restarts=0, max_task_retries=0)
 class FleetWorker:
-    """One worker: a measurer started once, then one problem per call."""
+    """One worker: a measurer started once, then one task (a geometry's problems) per call."""
 
     def __init__(self, measurer: Measurer) -> None:
         self.core = WorkerCore(measurer)
@@ -52,8 +52,8 @@ class FleetWorker:
     def start(self) -> tuple[Any, int, str]:
         return self.core.start(), os.getpid(), ray.util.get_node_ip_address()
 
-    def measure(self, task_id: int, problem: Any, options: TuneOptions) -> tuple[str, tuple[Any, ...], bool]:
-        return self.core.measure(task_id, problem, options)
+    def measure(self, task_id: int, problems: Any, options: TuneOptions) -> tuple[str, tuple[Any, ...], bool]:
+        return self.core.measure(task_id, problems, options)
 
 
 class RayExecutor:
@@ -112,7 +112,7 @@ class RayExecutor:
         return sorted(slots, key=lambda s: order.index(s.id)), problems
 
     def submit(self, slot_id: str, task: Task, options: TuneOptions) -> None:
-        ref = self._actors[slot_id].measure.remote(task.id, task.problem, options)
+        ref = self._actors[slot_id].measure.remote(task.id, task.problems, options)
         self._refs[ref] = (slot_id, "measure", float("inf"))
 
     def wait(self, timeout: float | None) -> list[Event]:

@@ -3,7 +3,16 @@ driver that runs it is the only writer of the tuning cache.
 
 Rules:
 
-* A task is one problem for one device type (a fingerprint). It runs only on a slot of that type;
+* A task is one geometry's problems for one device type (a fingerprint): the problems whose
+  candidate geometries meet (the same conv with different epilogues), measured one after the other
+  by one worker, as one GPU's tuner measures them. A decision compares rows of its geometry with
+  its own fused calls; rows measured on two GPUs of one type are not comparable (in a 2-H200 fleet
+  check one H200 ran an r3d_18 conv 20% faster than the other, and a problem decided from both
+  GPUs' rows was 1.08x off). A task may replace earlier ones (``replaces``): a later model's
+  problem of a geometry already given is measured with that geometry's earlier problems. A
+  replaced task not started yet, or one that would be tried again, is dropped
+  (``ScheduleResult.superseded``); the task replacing one that is running waits for it, so that
+  the geometry's last rows in the cache are the newer task's. It runs only on a slot of that type;
   a slot is one worker holding one GPU (or one process, for measurers that need none), running one
   task at a time. How slots exist is the executor's business (:mod:`convpass.fleet.local`,
   :mod:`convpass.fleet.ray_cluster`); the bookkeeping here is the same for all of them.
@@ -20,7 +29,8 @@ Rules:
 * A task that failed every attempt is recorded as failed with every attempt's reason; a task whose
   device type has no live slot (none in the cluster, or all retired) fails with that reason.
 * ``on_settled`` hears of every task once, as soon as it is settled: finished (its rows are in the
-  cache) or failed for good. The driver writes a model as soon as all of its tasks are.
+  cache), failed for good, or replaced before it started (``None``: the task that replaced it
+  measures its problems). The driver writes a model as soon as all of its tasks are.
 * Tasks may keep coming while the run goes on: a :class:`Feed` (the driver's, which collects models
   while the workers measure) is asked for new tasks at every turn of the loop; they queue after
   the tasks already given, in the order the feed gives them, and the run ends when every task is
@@ -54,11 +64,20 @@ FEED_POLL_S = 0.02  # how long the loop may wait on the workers before asking an
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One problem to measure for one device type."""
+    """One geometry's problems to measure, in this order, for one device type (module rules)."""
 
     id: int
     device: DeviceFingerprint
-    problem: "ConvProblem"
+    problems: tuple["ConvProblem", ...]
+    replaces: tuple[int, ...] = ()  # ids of earlier tasks whose problems this one measures again
+
+    @property
+    def shapes(self) -> set:
+        """The candidate geometries of its problems: what its rows may be of."""
+        return {shape for p in self.problems for shape in p.candidates}
+
+    def __str__(self) -> str:
+        return "; ".join(map(str, self.problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +212,7 @@ class ScheduleResult:
     reasons: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # task id -> failed attempts, also retried ones
     attempts: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> attempts started
     writes: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> cache writes of its rows
+    superseded: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> the task that replaced it before it started
     lost: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (slot id, reason) per lost worker
     retired: dict[str, str] = dataclasses.field(default_factory=dict)  # slot id -> why it was retired
     retried: int = 0
@@ -216,7 +236,7 @@ class Scheduler:
         retries: int = 2,
         task_timeout: float | None = None,
         on_progress: Callable[[Progress], None] | None = None,
-        on_settled: Callable[[Task, bool], None] | None = None,
+        on_settled: Callable[[Task, bool | None], None] | None = None,
     ) -> None:
         if retries < 0:
             raise ValueError("retries must be >= 0")
@@ -228,7 +248,9 @@ class Scheduler:
         self.retries = retries
         self.task_timeout = task_timeout
         self.on_progress = on_progress
-        self.on_settled = on_settled  # (task, finished): True when its rows are in the cache, False when it failed
+        # (task, finished): True when its rows are in the cache, False when it failed, None when it
+        # was replaced before it started
+        self.on_settled = on_settled
 
     def run(self, tasks: Sequence[Task], slots: Sequence[Slot], not_started: Sequence[str] = (), feed: Feed | None = None) -> ScheduleResult:
         """Run ``tasks`` (in this order of preference), and those ``feed`` gives meanwhile, on the
@@ -267,6 +289,7 @@ class _Run:
         self.failed_on: dict[int, set[str]] = {}
         self.rank: dict[int, int] = {}  # the order tasks are taken in
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
+        self.replaced_by: dict[int, int] = {}  # task id -> the task that replaces it
         self.received: list[tuple[Task, str, list["Measurement"]]] = []  # finished, rows not written yet
         self.add(tasks)
 
@@ -274,9 +297,17 @@ class _Run:
         for task in tasks:
             if task.id in self.tasks:
                 raise ValueError("task ids must be unique")
+            queue = self.pending.setdefault(task.device, [])
+            for old in task.replaces:
+                self.replaced_by[old] = task.id
+                waiting = next((t for t in queue if t.id == old), None)
+                if waiting is not None:  # not started: its problems are this task's
+                    queue.remove(waiting)
+                    self.result.superseded[old] = task.id
+                    self.settled(waiting, None)
             self.tasks[task.id] = task
             self.rank[task.id] = len(self.rank)
-            self.pending.setdefault(task.device, []).append(task)
+            queue.append(task)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -343,7 +374,7 @@ class _Run:
             by_device[slot.device.name] = (busy + (slot.id in self.running), live + 1)
         self.s.on_progress(
             Progress(
-                total=len(self.tasks),
+                total=len(self.tasks) - len(self.result.superseded),
                 finished=len(self.result.finished),
                 failed=len(self.result.failed),
                 retried=self.result.retried,
@@ -378,7 +409,10 @@ class _Run:
             if not queue:
                 continue
             live = self.live_slots(slot.device)
+            running = {t.id for t, _ in self.running.values()}
             for i, task in enumerate(queue):
+                if running.intersection(task.replaces):
+                    continue  # after the task it replaces: its rows must be the last written
                 tried = self.failed_on.get(task.id, set())
                 if sid not in tried or live <= tried:  # elsewhere while another slot of the type lives
                     del queue[i]
@@ -401,7 +435,8 @@ class _Run:
             self.retire(event.slot_id, f"its worker did not start again: {event.reason}")
         elif isinstance(event, Finished):
             task, held = self.took_back(event.slot_id, event.task_id)
-            wrong = [m for m in event.rows if m.key.shape not in task.problem.candidates]
+            shapes = task.shapes
+            wrong = [m for m in event.rows if m.key.shape not in shapes]
             if wrong:
                 self.retry(task, event.slot_id, f"worker returned rows of another problem ({wrong[0].key})")
             else:
@@ -429,7 +464,7 @@ class _Run:
             else:
                 self.result.last_settled_at = time.perf_counter()
 
-    def settled(self, task: Task, finished: bool) -> None:
+    def settled(self, task: Task, finished: bool | None) -> None:
         self.result.last_settled_at = time.perf_counter()
         if self.s.on_settled is not None:
             self.s.on_settled(task, finished)
@@ -470,6 +505,10 @@ class _Run:
         reasons = self.result.reasons.setdefault(task.id, [])
         reasons.append(reason)
         self.failed_on.setdefault(task.id, set()).add(sid)
+        if task.id in self.replaced_by:  # the task replacing it measures its problems
+            self.result.superseded[task.id] = self.replaced_by[task.id]
+            self.settled(task, None)
+            return
         if self.result.attempts.get(task.id, 0) > self.s.retries:
             self.result.failed[task.id] = list(reasons)
             self.settled(task, False)
@@ -488,10 +527,11 @@ class _Run:
         for sid, (task, started) in list(self.running.items()):
             if now - started > self.s.task_timeout:
                 self.s.executor.kill(sid)
-                self.lose(sid, f"task {task.id} ({task.problem}) ran over --task-timeout {self.s.task_timeout:g} s")
+                self.lose(sid, f"task {task.id} ({task}) ran over --task-timeout {self.s.task_timeout:g} s")
         self.progress()
 
 
-def make_tasks(problems: Iterable["ConvProblem"], devices: Sequence[DeviceFingerprint], first_id: int = 0) -> list[Task]:
-    """One task per (device, problem), numbered in that order from ``first_id``."""
-    return [Task(first_id + i, device, problem) for i, (device, problem) in enumerate((d, p) for d in devices for p in problems)]
+def make_tasks(groups: Iterable[Sequence["ConvProblem"]], devices: Sequence[DeviceFingerprint], first_id: int = 0) -> list[Task]:
+    """One task per (device, group of problems), numbered in that order from ``first_id``."""
+    pairs = [(d, tuple(g)) for d in devices for g in groups]
+    return [Task(first_id + i, device, problems) for i, (device, problems) in enumerate(pairs)]

@@ -1,7 +1,7 @@
 """What runs inside a fleet worker, for every executor: start the measurer once, then measure one
-problem per request and hand the rows back. Workers never open the driver's tuning cache.
+task (one geometry's problems) per request and hand the rows back. Workers never open the driver's tuning cache.
 
-A measurer that raises :class:`~convpass.fleet.measurers.MeasureError` failed on that problem
+A measurer that raises :class:`~convpass.fleet.measurers.MeasureError` failed on that task
 only: the worker goes on. Any other exception may have left the process unusable (a CUDA error
 poisons its context), so the worker reports the failure and exits; its executor starts a new one.
 """
@@ -41,12 +41,12 @@ class WorkerCore:
         self.device = self.measurer.start()
         return self.device
 
-    def measure(self, task_id: int, problem: Any, options: Any) -> tuple[str, tuple[Any, ...], bool]:
+    def measure(self, task_id: int, problems: Any, options: Any) -> tuple[str, tuple[Any, ...], bool]:
         """("finished", (task_id, rows, seconds)) or ("failed", (task_id, reason)), and whether the
         worker must exit (an unexpected exception)."""
         started = time.perf_counter()
         try:
-            rows = self.measurer.measure(problem, options)
+            rows = self.measurer.measure(problems, options)
         except MeasureError as e:
             return "failed", (task_id, describe(e)), False
         except Exception as e:  # noqa: BLE001  (reported to the driver, which retries elsewhere)
@@ -59,7 +59,7 @@ def local_main(conn: Any, measurer: Measurer, gpu: str | None) -> None:
 
     Messages sent: ("ready", fingerprint, pid) | ("start_failed", reason) once, then per request
     ("finished", task_id, rows, seconds) | ("failed", task_id, reason). A request is
-    (task_id, problem, options); None or a closed pipe ends the worker at once, without the
+    (task_id, problems, options); None or a closed pipe ends the worker at once, without the
     interpreter's clean-up (freeing CuPy's pools, destroying the CUDA context: the operating system
     releases all of it with the process), so that the driver does not wait on it.
     """

@@ -1,0 +1,162 @@
+"""A fleet task is one geometry's problems (the same conv with different epilogues), so that every
+decision compares rows that one GPU measured: in a 2-H200 fleet check (2026-11-27) one H200 ran an
+r3d_18 conv 20% faster than the other, and a problem whose bare conv came from one GPU's task and
+its fused call from the other's was decided 1.08x off. The grouping (driver.Geometries), the
+scheduler's rules for a task that replaces an earlier one, the driver's settling of problems that
+two tasks measure, and the measurer's one-after-the-other measuring with the earlier rows standing."""
+
+from __future__ import annotations
+
+from convpass.cache import Measurement
+from convpass.fleet import driver
+from convpass.fleet import scheduler as sched
+from convpass.fleet.measurers import CudnnMeasurer
+from convpass.options import TuneOptions
+from convpass.passes.collect_conv_problems import ConvProblem
+from convpass.problem import ConvShape
+from recorded import H200
+
+A = ConvShape("fwd", 1, 64, 64, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1))
+B = ConvShape("fwd", 32, 64, 64, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1))
+C = ConvShape("fwd", 1, 64, 128, (14, 14), (1, 1), (0, 0), (1, 1), (1, 1))
+
+
+def row(shape: ConvShape, algo: str = "implicit_gemm") -> Measurement:
+    return Measurement(shape.key("nhwc", "default"), algo, "ok", 0.01, 0, True, 1.0, "measure")
+
+
+def test_the_problems_of_one_geometry_are_one_group_and_a_later_one_takes_the_earlier_in():
+    g = driver.Geometries()
+    relu, plain, other = ConvProblem((A,), "bias+relu"), ConvProblem((A,), "bias"), ConvProblem((C,), "bias")
+    assert g.add([relu, other, plain]) == [((relu, plain), []), ((other,), [])]
+    add = ConvProblem((A,), "bias+add+relu")
+    assert g.add([add, ConvProblem((B,))]) == [((relu, plain, add), [(relu, plain)]), ((ConvProblem((B,)),), [])]
+    # a problem whose candidates (a mapping) meet two groups joins them
+    bridge = ConvProblem((C, B), "bias")
+    assert g.add([bridge]) == [((other, ConvProblem((B,)), bridge), [(other,), (ConvProblem((B,)),)])]
+
+
+class _Executor:
+    name = "stand-in"
+
+    def __init__(self):
+        self.submitted: list[tuple[str, int]] = []
+
+    def submit(self, slot_id, task, options):
+        self.submitted.append((slot_id, task.id))
+
+    def stop(self):
+        pass
+
+
+class _Cache:
+    def __init__(self):
+        self.puts: list[list[str]] = []
+
+    def put(self, device, rows):
+        self.puts.append([m.algo for m in rows])
+
+
+def _run():
+    executor, cache, settled = _Executor(), _Cache(), []
+    scheduler = sched.Scheduler(executor, cache, TuneOptions(), on_settled=lambda t, f: settled.append((t.id, f)))
+    slots = [sched.Slot("a", H200, "a"), sched.Slot("b", H200, "b")]
+    return sched._Run(scheduler, [], slots, [], None), executor, cache, settled
+
+
+def test_a_task_replacing_a_running_one_waits_for_it_and_its_rows_are_written_last():
+    run, executor, cache, settled = _run()
+    p, q, r = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu"), ConvProblem((C,))
+    run.add([sched.Task(0, H200, (r,)), sched.Task(1, H200, (p,))])
+    run.assign()
+    assert executor.submitted == [("a", 0), ("b", 1)]
+    run.add([sched.Task(2, H200, (p, q), replaces=(1,))])
+    run.handle(sched.Finished("a", 0, [row(C)], 0.1))
+    run.flush()
+    run.assign()
+    assert executor.submitted == [("a", 0), ("b", 1)]  # slot a is free, but task 1 still runs
+    run.handle(sched.Finished("b", 1, [row(A, "old")], 0.1))
+    run.flush()
+    run.assign()
+    assert executor.submitted[-1][1] == 2
+    run.handle(sched.Finished(executor.submitted[-1][0], 2, [row(A, "new")], 0.1))
+    run.flush()
+    assert cache.puts == [["implicit_gemm"], ["old"], ["new"]]
+    assert settled == [(0, True), (1, True), (2, True)] and run.result.superseded == {}
+
+
+def test_a_replaced_task_not_started_or_failing_is_dropped_for_its_replacement():
+    run, executor, cache, settled = _run()
+    p, q = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu")
+    busy = [sched.Task(0, H200, (ConvProblem((C,)),)), sched.Task(1, H200, (ConvProblem((B,)),))]
+    run.add([*busy, sched.Task(2, H200, (p,))])
+    run.assign()  # both slots busy: task 2 waits
+    run.add([sched.Task(3, H200, (p, q), replaces=(2,))])
+    assert run.result.superseded == {2: 3} and settled == [(2, None)]
+    assert [t.id for t in run.pending[H200]] == [3]
+    # a running task replaced meanwhile that fails is not tried again: its replacement measures it
+    run.add([sched.Task(4, H200, (ConvProblem((C,), "bias"),), replaces=(0,))])
+    run.handle(sched.Failed("a", 0, "MeasureError: boom"))
+    assert run.result.superseded[0] == 4 and settled[-1] == (0, None) and 0 not in run.result.failed
+    assert [t.id for t in run.pending[H200]] == [3, 4]
+
+
+def test_a_problem_two_tasks_measure_settles_with_the_first_that_finishes():
+    """The driver's side: a model waiting for a problem completes with the first task of it that
+    finished; a task that failed leaves the problem to another still measuring it; a replaced one
+    leaves it to its replacement; a problem no task finished is failed."""
+    report = driver.FleetReport("stand-in", "c.db", [])
+    stream = driver._Stream(report, TuneOptions(), procs=None, started=0.0)
+    stream.failed = {H200: set()}
+    completed = []
+    stream._complete = completed.append
+    p, q = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu")
+    t1, t2 = sched.Task(1, H200, (p,)), sched.Task(2, H200, (p, q), replaces=(1,))
+    for t in (t1, t2):
+        for x in t.problems:
+            stream.pending.add((H200, x))
+            stream.covering.setdefault((H200, x), set()).add(t.id)
+    stream.waiting = {(H200, p): [0], (H200, q): [1]}
+    stream.unsettled = {0: 1, 1: 1}
+    stream.settled(t1, False)  # task 2 still measures p
+    assert completed == [] and stream.failed[H200] == set()
+    stream.settled(t2, True)
+    assert completed == [0, 1] and stream.failed[H200] == set()
+    # replaced before it started: nothing settles; the replacement fails: the problem is failed
+    t3, t4 = sched.Task(3, H200, (q,)), sched.Task(4, H200, (q,), replaces=(3,))
+    stream.finished.clear()
+    for t in (t3, t4):
+        stream.covering.setdefault((H200, q), set()).add(t.id)
+    stream.waiting = {(H200, q): [2]}
+    stream.unsettled[2] = 1
+    stream.settled(t3, None)
+    assert 2 not in completed
+    stream.settled(t4, False)
+    assert completed[-1] == 2 and stream.failed[H200] == {q}
+
+
+def test_the_gpu_measurer_measures_a_geometrys_problems_one_after_the_other(monkeypatch):
+    """The later problem gets the earlier ones' rows as the tuner gets the cache's: it adds only
+    what its epilogue needs."""
+    from convpass.tune import tuner
+
+    calls = []
+
+    def measure_problem(problem, options, have=()):
+        calls.append((problem.fusion, [m.algo for m in have]))
+        return [row(A, f"conv for {problem.fusion}")]
+
+    monkeypatch.setattr(tuner, "measure_problem", measure_problem)
+    measurer = CudnnMeasurer()
+    measurer._stream = _NullStream()
+    rows = measurer.measure([ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu")], TuneOptions())
+    assert calls == [("bias", []), ("bias+relu", ["conv for bias"])]
+    assert [m.algo for m in rows] == ["conv for bias", "conv for bias+relu"]
+
+
+class _NullStream:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
