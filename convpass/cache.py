@@ -719,8 +719,10 @@ class TuningCache:
 
     # -- public API ------------------------------------------------------------------------------
 
-    def put(self, device: DeviceFingerprint, measurements: Iterable[Measurement]) -> None:
-        """Insert or overwrite measurements (one row per key, algo, method) in one transaction."""
+    def put(self, device: DeviceFingerprint, measurements: Iterable[Measurement], replace: Iterable[ConvShape] = ()) -> None:
+        """Insert or overwrite measurements (one row per key, algo, method) in one transaction;
+        ``replace``: geometries whose rows on ``device`` are deleted first, in the same transaction
+        (a new measurement of them replaces the old one whole, so that no old row is left beside it)."""
         if not isinstance(device, DeviceFingerprint):
             raise TypeError(f"device must be a DeviceFingerprint, got {_short(device)}")
         dev = str(device)
@@ -729,8 +731,14 @@ class TuningCache:
             if not isinstance(m, Measurement):
                 raise TypeError(f"expected Measurement, got {_short(m)}")
             rows.append(_row(dev, m))
-        if rows:
-            self._run(lambda c: c.executemany(_UPSERT, rows), write=True)
+        gone = [(dev, str(shape)) for shape in replace]
+
+        def write(c: sqlite3.Connection) -> None:
+            c.executemany("DELETE FROM measurements WHERE device = ? AND shape = ?", gone)
+            c.executemany(_UPSERT, rows)
+
+        if rows or gone:
+            self._run(write, write=True)
 
     def get(self, device: DeviceFingerprint, shape: ConvShape) -> list[Measurement]:
         """Every layout, math mode, algorithm and method measured for this geometry on ``device``."""

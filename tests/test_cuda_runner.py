@@ -191,7 +191,7 @@ def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_esti
     assert abs(gpus[-1].clock - 37 * 0.016) < 1e-9
     big = timing(0.16, best_ms=0.10)  # a graph over CONFIRM_GRAPH_MS: taken again from one more replay
     assert big.early_stop and big.launches == 9 and abs(gpus[-1].clock - 9 * 0.16) < 1e-9
-    far = timing(0.04, best_ms=0.010)  # over CONFIRM_RATIO times the best: not taken again
+    far = timing(0.04, best_ms=0.010)  # over CONFIRM_RATIO times the best and the latency: not taken again
     assert far.early_stop and far.launches == 5
     later = timing(0.014, best_ms=0.010)
     # a measurement from two groups, not an estimate

@@ -7,6 +7,8 @@ two tasks measure, and the measurer's one-after-the-other measuring with the ear
 
 from __future__ import annotations
 
+import types
+
 from convpass.cache import Measurement
 from convpass.fleet import driver
 from convpass.fleet import scheduler as sched
@@ -52,9 +54,11 @@ class _Executor:
 class _Cache:
     def __init__(self):
         self.puts: list[list[str]] = []
+        self.replaced: list[set] = []
 
-    def put(self, device, rows):
+    def put(self, device, rows, replace=()):
         self.puts.append([m.algo for m in rows])
+        self.replaced.append(set(replace))
 
 
 def _run():
@@ -82,7 +86,25 @@ def test_a_task_replacing_a_running_one_waits_for_it_and_its_rows_are_written_la
     run.handle(sched.Finished(executor.submitted[-1][0], 2, [row(A, "new")], 0.1))
     run.flush()
     assert cache.puts == [["implicit_gemm"], ["old"], ["new"]]
+    assert cache.replaced == [set(), set(), {A}]  # the geometry's rows of task 1 go, none is left beside task 2's
     assert settled == [(0, True), (1, True), (2, True)] and run.result.superseded == {}
+
+
+def test_a_task_waits_for_every_earlier_task_of_its_geometry_that_runs():
+    """Task 1 runs; task 2 replaces it and waits; task 3 replaces both (the driver names every
+    earlier task of the geometry): task 2 is dropped, task 3 still waits for task 1."""
+    run, executor, cache, settled = _run()
+    p, q, r = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu"), ConvProblem((A,), "bias+add+relu")
+    run.add([sched.Task(1, H200, (p,))])
+    run.assign()
+    run.add([sched.Task(2, H200, (p, q), replaces=(1,))])
+    run.add([sched.Task(3, H200, (p, q, r), replaces=(2, 1))])
+    run.assign()
+    assert executor.submitted == [("a", 1)] and run.result.superseded == {2: 3}
+    run.handle(sched.Finished("a", 1, [row(A)], 0.1))
+    run.flush()
+    run.assign()
+    assert executor.submitted[-1][1] == 3
 
 
 def test_a_replaced_task_not_started_or_failing_is_dropped_for_its_replacement():
@@ -133,6 +155,38 @@ def test_a_problem_two_tasks_measure_settles_with_the_first_that_finishes():
     assert 2 not in completed
     stream.settled(t4, False)
     assert completed[-1] == 2 and stream.failed[H200] == {q}
+    # failed, then measured by a later task: no longer failed
+    t5 = sched.Task(5, H200, (q,))
+    stream.covering[(H200, q)] = {5}
+    stream.settled(t5, True)
+    assert stream.failed[H200] == set()
+
+
+def test_a_later_model_adding_an_epilogue_to_a_finished_geometry_waits_only_for_what_is_new(tmp_path):
+    """Its task measures the geometry again and names every earlier task of it; a problem an earlier
+    task finished stays settled, so a failing new task cannot keep the model from being written."""
+    from convpass.cache import TuningCache
+
+    report = driver.FleetReport("stand-in", "c.db", [driver.ModelProblems(driver.ModelSpec(tmp_path / f"m{i}.onnx"), tmp_path / f"m{i}.tuned.onnx")
+                                                      for i in range(3)])
+    report.devices = [H200]
+    stream = driver._Stream(report, TuneOptions(), procs=None, started=0.0)
+    completed = []
+    stream._complete = completed.append
+    p, q, r = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu"), ConvProblem((A,), "bias+add+relu")
+    measurer = types.SimpleNamespace(complete=lambda *a: False)
+    with TuningCache(tmp_path / "c.db") as db:
+        stream.begin(db, [H200], measurer)
+        for i, problems in enumerate(([p], [p, q], [p, q, r])):
+            stream.arrived[i] = types.SimpleNamespace(problems=problems, report=None, shapes=(), notes=[])
+            (task,) = stream._release()
+            assert task.problems == (p, q, r)[:i + 1] and task.replaces == ((), (0,), (1, 0))[i]
+            if i == 0:
+                stream.settled(task, True)
+        assert completed == [0]
+        stream.settled(task, False)  # the last task (p, q, r) fails; task 1 (p, q) was replaced
+        stream.settled(sched.Task(1, H200, (p, q), replaces=(0,)), None)
+        assert completed == [0, 1, 2] and stream.failed[H200] == {q, r}
 
 
 def test_the_gpu_measurer_measures_a_geometrys_problems_one_after_the_other(monkeypatch):

@@ -45,9 +45,10 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--devices", default="", metavar="NAME[,NAME]",
                    help="device types to tune for, e.g. h100,h200 (default: every GPU type in the cluster); a name "
                    "no GPU of the cluster matches takes its decisions from the tuning cache only")
-    p.add_argument("--retries", type=int, default=2, help="tries after a problem's first failure (default 2)")
+    p.add_argument("--retries", type=int, default=2, help="tries after a task's first failure (default 2); a task is one geometry's problems")
     p.add_argument("--task-timeout", type=float, metavar="SECONDS",
-                   help="a problem still running after this long has its worker killed and runs again elsewhere")
+                   help="a task (one geometry's problems, measured one after the other) still running after this long "
+                   "has its worker killed and runs again elsewhere")
     add_decision_options(p, "per-conv", "memory format: per-conv (default: each conv its own best), nchw, nhwc")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout (progress stays on stderr)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no report on stderr")

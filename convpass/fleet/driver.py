@@ -81,6 +81,7 @@ if TYPE_CHECKING:
     from convpass.cache import TuningCache
     from convpass.passes.collect_conv_problems import ConvProblem, ProblemUse
     from convpass.pipeline import OptimizeReport
+    from convpass.problem import ConvShape
 
 OUTPUT_SUFFIX = ".tuned.onnx"
 
@@ -224,7 +225,7 @@ class Geometries:
     one group, measured in one task (module docstring, step 3)."""
 
     def __init__(self) -> None:
-        self.group_of: dict[Any, tuple[ConvProblem, ...]] = {}  # geometry -> its group (first-given order)
+        self.group_of: dict[ConvShape, tuple[ConvProblem, ...]] = {}  # geometry -> its group (first-given order)
 
     def add(self, problems: Sequence["ConvProblem"]) -> list[tuple[tuple["ConvProblem", ...], list[tuple["ConvProblem", ...]]]]:
         """The groups that new ``problems`` make or join, in the order of their first new problem,
@@ -307,6 +308,7 @@ class FleetReport:
 
         finished = s.finished if s else {}
         superseded = s.superseded if s else {}
+        measured_pairs = {(by_id[i].device, p) for i in finished for p in by_id[i].problems}
         return {
             "cluster": self.cluster,
             "cache": self.cache,
@@ -332,7 +334,8 @@ class FleetReport:
             "tasks": len(self.tasks) - len(superseded) + self.cached,  # (geometry's problems, cluster device) pairs
             "cached": self.cached,
             "measured": len(finished),
-            "problems_measured": sum(len(by_id[i].problems) for i in finished),
+            "problems_measured": len(measured_pairs),  # (problem, device) pairs
+            "problems_measured_again": sum(len(by_id[i].problems) for i in finished) - len(measured_pairs),
             "superseded": len(superseded),
             "failed": [task_json(i, r) for i, r in sorted(s.failed.items())] if s else [],
             "missing": [str(by_id[t]) for t in sorted(set(by_id) - set(finished) - set(s.failed if s else {}) - set(superseded))],
@@ -482,7 +485,7 @@ def _import_for_results() -> None:
 
 def _what_was_kept(error: Exception, report: FleetReport) -> Exception:
     """The error that stopped a run, saying what the run kept (when it kept anything)."""
-    measured = len(report.schedule.finished) if report.schedule else 0
+    measured = report.to_json()["problems_measured"]
     if not isinstance(error, ConvpassError) or not (measured or report.written):
         return error
     written = ", ".join(p.name for p in report.written)
@@ -514,6 +517,7 @@ class _Stream:
         self.seen: set[ConvProblem] = set()
         self.geometries = Geometries()
         self.task_of: dict[tuple[DeviceFingerprint, tuple[ConvProblem, ...]], int] = {}  # (device, group) -> its task id
+        self.replaces: dict[int, tuple[int, ...]] = {}  # task id -> the earlier tasks of its geometry
         self.covering: dict[tuple[DeviceFingerprint, ConvProblem], set[int]] = {}  # -> unsettled tasks that measure it
         self.finished: set[tuple[DeviceFingerprint, ConvProblem]] = set()
         self.next_id = 0
@@ -554,9 +558,10 @@ class _Stream:
             covering.discard(task.id)
             if finished:
                 self.finished.add(key)
-            elif covering or key in self.finished:
-                continue
-            else:
+                self.failed[task.device].discard(problem)
+            elif key not in self.finished:
+                if covering:
+                    continue
                 self.failed[task.device].add(problem)
             self.pending.discard(key)
             for i in self.waiting.pop(key, ()):
@@ -624,13 +629,16 @@ class _Stream:
                     if all(self.measurer.complete(device, cached_rows(self.db, device, p), p, self.options) for p in group):
                         self.report.cached += 1
                         continue
-                    replaces = tuple(self.task_of[(device, g)] for g in earlier if (device, g) in self.task_of)
+                    latest = [self.task_of[(device, g)] for g in earlier if (device, g) in self.task_of]
+                    replaces = tuple(dict.fromkeys(i for t in latest for i in (t, *self.replaces[t])))
                     task = sched.Task(self.next_id, device, group, replaces)
                     self.next_id += 1
                     self.task_of[(device, group)] = task.id
+                    self.replaces[task.id] = replaces
                     self.report.tasks.append(task)
                     for p in group:
-                        self.pending.add((device, p))
+                        if (device, p) not in self.finished:  # a problem finished stays settled
+                            self.pending.add((device, p))
                         self.covering.setdefault((device, p), set()).add(task.id)
                     tasks.append(task)
             self.unsettled[i] = 0
@@ -718,6 +726,8 @@ def print_report(report: FleetReport, console: Console) -> None:
         f"  {doc['tasks']} tasks (a geometry's problems on one device type): {doc['cached']} already in the tuning cache, "
         f"{doc['measured']} measured ({doc['problems_measured']} problems), {len(doc['failed'])} failed"
         + (f", {doc['retried']} retries" if doc["retried"] else "")
+        + (f", {doc['problems_measured_again']} problems measured again with a later model's problem of their geometry"
+           if doc["problems_measured_again"] else "")
         + (f", {doc['superseded']} replaced by a later model's task of the same geometry" if doc["superseded"] else "")
     )
     console.print(f"  seconds: {seconds_line(report.seconds)}; {report.written_during_tune} of {len(report.models)} model(s) written while tuning")
@@ -741,7 +751,7 @@ def print_report(report: FleetReport, console: Console) -> None:
             if report.written else "no model was written"
         )
         console.print(
-            f"  [yellow]interrupted[/]: {doc['measured']} measured problems are in {report.cache}; {written}; "
+            f"  [yellow]interrupted[/]: {doc['problems_measured']} measured problems are in {report.cache}; {written}; "
             "run the same command again to measure only the rest"
         )
 

@@ -3,8 +3,8 @@ pipeline's graph passes, :func:`prepare`) and writing a tuned model (:func:`writ
 
 Why not threads of the driver: reading a model, ONNX's shape inference and serializing a model are
 long calls into C++ that hold the interpreter lock, up to a second on a large model. A driver
-thread in one of them keeps the driver from handing the next problem to a worker that has just
-finished one: on a CPU, with stand-in workers that sleep 50 ms per problem, the workers of an
+thread in one of them keeps the driver from handing the next task to a worker that has just
+finished one: on a CPU, with stand-in workers that sleep 50 ms per task (then one problem each), the workers of an
 8-model panel run stood idle about 3 s each, in pauses of up to 0.7 s, while the driver's thread
 wrote the models (about 0.2 s once the writes moved here). In processes of their own, that work
 runs beside the scheduling, and several models are prepared at once.

@@ -4,15 +4,15 @@ Ray is an optional dependency (``pip install 'convpass[fleet]'``); this module i
 nothing else in convpass does, so convpass without Ray works.
 
 * **Workers.** For every alive node, one actor per GPU it offers, each holding one GPU
-  (``num_gpus=1``) and pinned to its node (node affinity, not soft). An actor, not a task per
-  problem: Ray runs each GPU task in a new worker process by default, and a fresh process would pay
-  CUDA start-up and cuDNN loading per problem; the actor starts and warms its GPU once.
+  (``num_gpus=1``) and pinned to its node (node affinity, not soft). An actor, not a Ray task per
+  fleet task: Ray runs each GPU task in a new worker process by default, and a fresh process would
+  pay CUDA start-up and cuDNN loading per task; the actor starts and warms its GPU once.
 * **Device types.** Each actor reports the fingerprint of its GPU (name, compute capability, SM
   count, cuDNN version) when it starts; that fingerprint is the slot's device, and the scheduler
-  gives a problem only to slots of the device type it is tuned for. No custom resources need to be
+  gives a task only to slots of the device type it is tuned for. No custom resources need to be
   declared when the cluster is started, and nodes with different GPUs or cuDNN versions mix.
 * **Faults.** An actor that dies (killed, out of memory, node lost) fails its pending call with a
-  Ray error: reported as lost, and the scheduler retries the problem elsewhere and asks for a new
+  Ray error: reported as lost, and the scheduler retries the task elsewhere and asks for a new
   actor on that node. Actors have ``max_restarts=0``: the scheduler, not Ray, restarts and counts.
 * **One writer.** Actors return rows to the driver; only the driver opens the tuning cache, so no
   SQLite file is shared between hosts. convpass must be installed on every node.

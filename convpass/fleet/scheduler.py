@@ -8,11 +8,12 @@ Rules:
   by one worker, as one GPU's tuner measures them. A decision compares rows of its geometry with
   its own fused calls; rows measured on two GPUs of one type are not comparable (in a 2-H200 fleet
   check one H200 ran an r3d_18 conv 20% faster than the other, and a problem decided from both
-  GPUs' rows was 1.08x off). A task may replace earlier ones (``replaces``): a later model's
-  problem of a geometry already given is measured with that geometry's earlier problems. A
-  replaced task not started yet, or one that would be tried again, is dropped
-  (``ScheduleResult.superseded``); the task replacing one that is running waits for it, so that
-  the geometry's last rows in the cache are the newer task's. It runs only on a slot of that type;
+  GPUs' rows was 1.08x off). A task may replace earlier ones (``replaces``, every earlier task of
+  its geometry): a later model's problem of a geometry already given is measured with that
+  geometry's earlier problems. A replaced task not started yet, or one that would be tried again,
+  is dropped (``ScheduleResult.superseded``); the task replacing one that is running waits for it;
+  and the rows of a task that replaces a finished one replace that geometry's rows whole. So a
+  geometry's rows in the cache are one task's. It runs only on a slot of that type;
   a slot is one worker holding one GPU (or one process, for measurers that need none), running one
   task at a time. How slots exist is the executor's business (:mod:`convpass.fleet.local`,
   :mod:`convpass.fleet.ray_cluster`); the bookkeeping here is the same for all of them.
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, Union
 
 from convpass.device import DeviceFingerprint
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # not at run time: this module is imported before the driver 
     from convpass.cache import Measurement, TuningCache
     from convpass.fleet.measurers import Measurer
     from convpass.passes.collect_conv_problems import ConvProblem
+    from convpass.problem import ConvShape
 
 SLOT_LOSSES = 3
 FEED_POLL_S = 0.02  # how long the loop may wait on the workers before asking an open or busy feed again
@@ -69,10 +71,10 @@ class Task:
     id: int
     device: DeviceFingerprint
     problems: tuple["ConvProblem", ...]
-    replaces: tuple[int, ...] = ()  # ids of earlier tasks whose problems this one measures again
+    replaces: tuple[int, ...] = ()  # ids of the earlier tasks of its geometry, whose problems this one measures again
 
     @property
-    def shapes(self) -> set:
+    def shapes(self) -> set["ConvShape"]:
         """The candidate geometries of its problems: what its rows may be of."""
         return {shape for p in self.problems for shape in p.candidates}
 
@@ -212,7 +214,7 @@ class ScheduleResult:
     reasons: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # task id -> failed attempts, also retried ones
     attempts: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> attempts started
     writes: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> cache writes of its rows
-    superseded: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> the task that replaced it before it started
+    superseded: dict[int, int] = dataclasses.field(default_factory=dict)  # task id -> the task that replaced it before it started or was tried again
     lost: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (slot id, reason) per lost worker
     retired: dict[str, str] = dataclasses.field(default_factory=dict)  # slot id -> why it was retired
     retried: int = 0
@@ -454,7 +456,9 @@ class _Run:
         ``hooks=False`` (the run is over) nobody else hears of it."""
         while self.received:
             task, sid, rows = self.received[0]
-            self.s.cache.put(task.device, rows)
+            # measured again after an earlier task of the geometry wrote: its rows replace those whole
+            again = any(old in self.result.finished for old in task.replaces)
+            self.s.cache.put(task.device, rows, replace=task.shapes if again else ())
             self.received.pop(0)
             self.result.writes[task.id] = self.result.writes.get(task.id, 0) + 1
             self.result.finished[task.id] = sid
@@ -529,9 +533,3 @@ class _Run:
                 self.s.executor.kill(sid)
                 self.lose(sid, f"task {task.id} ({task}) ran over --task-timeout {self.s.task_timeout:g} s")
         self.progress()
-
-
-def make_tasks(groups: Iterable[Sequence["ConvProblem"]], devices: Sequence[DeviceFingerprint], first_id: int = 0) -> list[Task]:
-    """One task per (device, group of problems), numbered in that order from ``first_id``."""
-    pairs = [(d, tuple(g)) for d in devices for g in groups]
-    return [Task(first_id + i, device, problems) for i, (device, problems) in enumerate(pairs)]

@@ -19,8 +19,8 @@
   False): groups are precise to a few percent, so its time is a measurement like any other, from
   fewer groups; half of the candidates timed in full in a four-model tuning ended over 1.2x their
   problem's best.
-* An estimate under :data:`CONFIRM_RATIO` times the best that would stop a candidate is taken
-  once more, and the lower reading counts: what one replay carries besides the kernels (the
+* An estimate under :data:`CONFIRM_RATIO` times the best (and :data:`CONFIRM_LATENCY_MS`) that
+  would stop a candidate is taken once more, and the lower reading counts: what one replay carries besides the kernels (the
   graph's launch latency, a large part of one replay of a few microsecond-kernels; once 0.125 ms
   in a one-launch graph) must not stop it. From :data:`CONFIRM_REPLAYS` replays back to back
   when its graph lasts under :data:`CONFIRM_GRAPH_MS`, else from one more replay.
@@ -62,7 +62,8 @@ SLOW_LAUNCH_MS = 2.0
 # full timing; a candidate this far above the best is not a close call.
 EARLY_STOP_RATIO = 1.5
 EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs in a 4-launch estimate
-# An estimate under CONFIRM_RATIO times the best that would stop a candidate is taken again: over
+# An estimate under CONFIRM_RATIO times the best, plus CONFIRM_LATENCY_MS (a graph's launch latency
+# spread over its launches reached 4.8 us a launch on an H100), that would stop a candidate is taken again: over
 # CONFIRM_REPLAYS replays of its graph when the graph lasts under CONFIRM_GRAPH_MS, else over one.
 # One replay of 4 launches read 2.2-7.5 us kernels (their full timings) as 4.1-12.3 us on an H100,
 # and 23-53 candidates per panel tuning within 1.15x of their best were dropped, own kernels whose
@@ -72,6 +73,7 @@ EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs i
 # and ran the bare conv and a separate pass instead (0.096 ms; the model's conv time 2.7% higher,
 # in one run of four). Taking them again costs 0.2 s of GPU time in a ResNet-50 tuning.
 CONFIRM_RATIO = 3.0
+CONFIRM_LATENCY_MS = 0.005
 CONFIRM_GRAPH_MS = 0.2
 CONFIRM_REPLAYS = 8
 # Rounds of head_to_head: close candidates' groups replayed in turn this many times.
@@ -260,7 +262,7 @@ def time_launches(
         graph.upload(stream)
     estimate = timed(graph, probe)
     launched += probe
-    if graph is not None and stops(estimate) and estimate < CONFIRM_RATIO * best_ms:
+    if graph is not None and stops(estimate) and estimate < CONFIRM_RATIO * best_ms + CONFIRM_LATENCY_MS:
         # One replay carries more than its kernels (the graph's launch latency, at times more):
         # taken again before the candidate is dropped on it; neither reading is below its kernels.
         replays = CONFIRM_REPLAYS if estimate * probe < CONFIRM_GRAPH_MS else 1

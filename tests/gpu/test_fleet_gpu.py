@@ -44,7 +44,7 @@ def test_the_worker_measures_what_the_tuner_measures(tmp_path):
     problem = _problems(conv_model("Conv", (2, 8, 16, 16), (16, 8, 3, 3), pads=[1, 1, 1, 1]))[0]
     measurer = CudnnMeasurer()
     assert measurer.start() == device.detect()
-    rows = measurer.measure(problem, OPTIONS)
+    rows = measurer.measure([problem], OPTIONS)
     assert measurer.complete(device.detect(), rows, problem, OPTIONS)
     with TuningCache(tmp_path / "c.db") as cache:
         CudnnTuner(cache, device.detect(), console=Console(quiet=True)).decide([problem], OPTIONS)
@@ -77,7 +77,7 @@ def test_a_fleet_run_uses_every_gpu_and_a_rerun_measures_nothing(tmp_path):
     gpus = visible_gpus()
     assert [s["id"] for s in doc["slots"]] == [f"gpu{g}" for g in gpus]
     assert {s["device"] for s in doc["slots"]} == {str(device.detect())}
-    assert doc["failed"] == [] and doc["missing"] == [] and doc["measured"] == doc["problems"]
+    assert doc["failed"] == [] and doc["missing"] == [] and doc["problems_measured"] == doc["problems"]
     assert doc["cache_writes"]["max_per_task"] == 1
     if len(gpus) > 1:
         assert len(doc["measured_by_slot"]) > 1  # the problems were shared out
@@ -88,5 +88,5 @@ def test_a_fleet_run_uses_every_gpu_and_a_rerun_measures_nothing(tmp_path):
     assert all(d.source == "measure" and d.algo != "auto" for n in nodes for d in n.decisions)
     written = Path(report.written[0]).read_bytes()
     again = driver.tune(specs, out, OPTIONS, cluster=LocalExecutor(), cache=tmp_path / "c.db", console=Console(quiet=True)).to_json()
-    assert again["measured"] == 0 and again["cached"] == doc["problems"]
+    assert again["measured"] == 0 and again["cached"] == doc["tasks"]
     assert Path(report.written[0]).read_bytes() == written  # the same decisions, named the same: the same model
