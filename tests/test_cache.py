@@ -115,6 +115,22 @@ def test_upsert_overwrites(cache: TuningCache) -> None:
     assert (m.time_ms, m.note, m.measured_at) == (0.5, "again", 1_800_000_000.0)
 
 
+def test_a_new_measurement_of_a_geometry_can_replace_its_rows_whole(cache: TuningCache) -> None:
+    """A fleet task measuring a geometry again: no row of the earlier measurement is left beside the
+    new ones (e.g. a fused call of an algorithm the new one did not time); other geometries, other
+    devices and the old rows themselves, on a failure, are untouched."""
+    s, other = shape(c=32, k=128), shape(c=16, k=16)
+    cache.put(H200, [meas(s.key("nhwc", "default"), a) for a in ("implicit_gemm", "gemm+bias+relu")])
+    cache.put(H200, [meas(other.key("nchw", "default"))])
+    cache.put(H100, [meas(s.key("nhwc", "default"))])
+    with pytest.raises(TypeError):
+        cache.put(H200, [meas(s.key("nhwc", "default"), "winograd"), "not a row"], replace=[s])  # type: ignore[list-item]
+    assert len(cache.get(H200, s)) == 2
+    cache.put(H200, [meas(s.key("nchw", "default"), "winograd")], replace=[s])
+    assert [(m.key.layout, m.algo) for m in cache.get(H200, s)] == [("nchw", "winograd")]
+    assert len(cache.get(H200, other)) == 1 and len(cache.get(H100, s)) == 1
+
+
 def test_devices_stats_clear(cache: TuningCache) -> None:
     k1, k2 = shape().key("nchw", "default"), shape(n=8).key("nchw", "default")
     cache.put(H200, [meas(k1, "a", measured_at=100.0), meas(k1, "b"), meas(k2, "a", measured_at=2e9)])

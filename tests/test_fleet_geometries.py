@@ -1,7 +1,7 @@
 """A fleet task is one geometry's problems (the same conv with different epilogues), so that every
-decision compares rows that one GPU measured: in a 2-H200 fleet check (2026-11-27) one H200 ran an
-r3d_18 conv 20% faster than the other, and a problem whose bare conv came from one GPU's task and
-its fused call from the other's was decided 1.08x off. The grouping (driver.Geometries), the
+decision compares rows that one worker measured: in two 2-H200 fleet checks (2026-11-27) an r3d_18
+conv read 20% faster in the tasks one GPU ran than in the other's, and a problem whose bare conv came
+from one GPU's task and its fused call from the other's was decided 1.065-1.08x off. The grouping (driver.Geometries), the
 scheduler's rules for a task that replaces an earlier one, the driver's settling of problems that
 two tasks measure, and the measurer's one-after-the-other measuring with the earlier rows standing."""
 

@@ -6,9 +6,10 @@ Rules:
 * A task is one geometry's problems for one device type (a fingerprint): the problems whose
   candidate geometries meet (the same conv with different epilogues), measured one after the other
   by one worker, as one GPU's tuner measures them. A decision compares rows of its geometry with
-  its own fused calls; rows measured on two GPUs of one type are not comparable (in a 2-H200 fleet
-  check one H200 ran an r3d_18 conv 20% faster than the other, and a problem decided from both
-  GPUs' rows was 1.08x off). A task may replace earlier ones (``replaces``, every earlier task of
+  its own fused calls; rows two workers measured are not comparable (in two 2-H200 fleet checks
+  an r3d_18 conv read 20% faster in the tasks one GPU ran than in the task the other ran, and a
+  problem decided from both tasks' rows was 1.065-1.08x off; why that GPU's tasks read faster was
+  not found). A task may replace earlier ones (``replaces``, every earlier task of
   its geometry): a later model's problem of a geometry already given is measured with that
   geometry's earlier problems. A replaced task not started yet, or one that would be tried again,
   is dropped (``ScheduleResult.superseded``); the task replacing one that is running waits for it;
