@@ -243,3 +243,34 @@ def test_the_problems_of_a_failed_task_are_tried_again_one_per_task():
     stream.settled(alone_p, True)
     stream.settled(alone_q, False)  # alone: no further split
     assert completed == [0] and stream.failed[H200] == {q} and len(stream.alone) == 2
+
+
+def test_tasks_a_failure_gives_back_are_run_before_the_scheduler_returns():
+    """A task failed for want of a live worker (fail_orphans) may come back from the feed as one task
+    per problem; the loop asks the feed again before it decides that nothing more can run."""
+
+    class Feed:
+        def __init__(self):
+            self.back: list[sched.Task] = []
+
+        def poll(self):
+            out, self.back = self.back, []
+            return out
+
+        def open(self):
+            return bool(self.back)
+
+        def busy(self):
+            return False
+
+    feed, executor = Feed(), _Executor()
+    executor.wait = lambda timeout: []
+    p, q = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu")
+
+    def settled(task, finished):
+        if finished is False and len(task.problems) > 1:
+            feed.back += [sched.Task(10 + i, H200, (x,)) for i, x in enumerate(task.problems)]
+
+    scheduler = sched.Scheduler(executor, _Cache(), TuneOptions(), on_settled=settled)
+    result = scheduler.run([sched.Task(0, H200, (p, q))], slots=[], feed=feed)
+    assert sorted(result.failed) == [0, 10, 11]

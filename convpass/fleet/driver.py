@@ -549,7 +549,7 @@ class _Stream:
         return tasks
 
     def open(self) -> bool:
-        return self.released < len(self.report.models)
+        return self.released < len(self.report.models) or bool(self.alone)
 
     def busy(self) -> bool:
         return bool(self.to_write or self.procs.in_flight())
