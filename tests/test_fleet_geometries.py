@@ -184,11 +184,8 @@ def test_a_later_model_adding_an_epilogue_to_a_finished_geometry_waits_only_for_
             if i == 0:
                 stream.settled(task, True)
         assert completed == [0]
-        stream.settled(sched.Task(1, H200, (p, q), replaces=(0,)), None)  # replaced before it started
-        stream.settled(task, False)  # the last task (p, q, r) fails: q and r are tried alone
-        assert completed == [0] and [t.problems for t in stream.alone] == [(q,), (r,)]
-        for alone in stream.alone:
-            stream.settled(alone, False)
+        stream.settled(task, False)  # the last task (p, q, r) fails; task 1 (p, q) was replaced
+        stream.settled(sched.Task(1, H200, (p, q), replaces=(0,)), None)
         assert completed == [0, 1, 2] and stream.failed[H200] == {q, r}
 
 
@@ -217,60 +214,3 @@ class _NullStream:
 
     def __exit__(self, *exc):
         return False
-
-
-def test_the_problems_of_a_failed_task_are_tried_again_one_per_task():
-    """One problem that cannot be measured must not take its geometry's others with it: a task of
-    several that failed every try comes back as one task per problem; only those fail."""
-    report = driver.FleetReport("stand-in", "c.db", [])
-    report.devices = [H200]
-    stream = driver._Stream(report, TuneOptions(), procs=None, started=0.0)
-    stream.failed = {H200: set()}
-    completed = []
-    stream._complete = completed.append
-    p, q = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu")
-    group = sched.Task(0, H200, (p, q))
-    stream.next_id = 1
-    for x in group.problems:
-        stream.pending.add((H200, x))
-        stream.covering[(H200, x)] = {0}
-    stream.waiting = {(H200, p): [0], (H200, q): [0]}
-    stream.unsettled = {0: 2}
-    stream.settled(group, False)
-    assert [t.problems for t in stream.alone] == [(p,), (q,)] and report.tried_alone == {0}
-    assert completed == [] and stream.failed[H200] == set()
-    alone_p, alone_q = stream.alone
-    stream.settled(alone_p, True)
-    stream.settled(alone_q, False)  # alone: no further split
-    assert completed == [0] and stream.failed[H200] == {q} and len(stream.alone) == 2
-
-
-def test_tasks_a_failure_gives_back_are_run_before_the_scheduler_returns():
-    """A task failed for want of a live worker (fail_orphans) may come back from the feed as one task
-    per problem; the loop asks the feed again before it decides that nothing more can run."""
-
-    class Feed:
-        def __init__(self):
-            self.back: list[sched.Task] = []
-
-        def poll(self):
-            out, self.back = self.back, []
-            return out
-
-        def open(self):
-            return bool(self.back)
-
-        def busy(self):
-            return False
-
-    feed, executor = Feed(), _Executor()
-    executor.wait = lambda timeout: []
-    p, q = ConvProblem((A,), "bias"), ConvProblem((A,), "bias+relu")
-
-    def settled(task, finished):
-        if finished is False and len(task.problems) > 1:
-            feed.back += [sched.Task(10 + i, H200, (x,)) for i, x in enumerate(task.problems)]
-
-    scheduler = sched.Scheduler(executor, _Cache(), TuneOptions(), on_settled=settled)
-    result = scheduler.run([sched.Task(0, H200, (p, q))], slots=[], feed=feed)
-    assert sorted(result.failed) == [0, 10, 11]

@@ -290,7 +290,6 @@ class FleetReport:
     schedule: sched.ScheduleResult | None = None
     written: list[Path] = dataclasses.field(default_factory=list)  # in the order they were written
     written_during_tune: int = 0  # of them, while tasks were still running
-    tried_alone: set[int] = dataclasses.field(default_factory=set)  # failed tasks whose problems were then tried one per task
     interrupted: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     # Seconds from the start of the run (they overlap): workers (all started), first_model (the
@@ -305,8 +304,7 @@ class FleetReport:
 
         def task_json(task_id: int, reasons: list[str]) -> dict[str, Any]:
             t = by_id[task_id]
-            return {"device": str(t.device), "problem": str(t), "attempts": s.attempts.get(task_id, 0) if s else 0, "reasons": reasons,
-                    "tried_alone": task_id in self.tried_alone}
+            return {"device": str(t.device), "problem": str(t), "attempts": s.attempts.get(task_id, 0) if s else 0, "reasons": reasons}
 
         finished = s.finished if s else {}
         superseded = s.superseded if s else {}
@@ -522,7 +520,6 @@ class _Stream:
         self.replaces: dict[int, tuple[int, ...]] = {}  # task id -> the earlier tasks of its geometry
         self.covering: dict[tuple[DeviceFingerprint, ConvProblem], set[int]] = {}  # -> unsettled tasks that measure it
         self.finished: set[tuple[DeviceFingerprint, ConvProblem]] = set()
-        self.alone: list[sched.Task] = []  # the problems of a failed task, one per task, for the next poll
         self.next_id = 0
         self.pending: set[tuple[DeviceFingerprint, ConvProblem]] = set()  # problems not settled
         self.waiting: dict[tuple[DeviceFingerprint, ConvProblem], list[int]] = {}  # -> models waiting for it
@@ -543,39 +540,27 @@ class _Stream:
         for answer in self.procs.receive():
             self._answer(*answer)
         tasks = self._release() if self.db is not None else []
-        tasks += self.alone
-        self.alone = []
         self._dispatch()
         return tasks
 
     def open(self) -> bool:
-        return self.released < len(self.report.models) or bool(self.alone)
+        return self.released < len(self.report.models)
 
     def busy(self) -> bool:
         return bool(self.to_write or self.procs.in_flight())
 
     def settled(self, task: sched.Task, finished: bool | None) -> None:
         """A problem is settled by the first task of it that finished, else, once no task of it is
-        left, as failed (a task replaced before it started, ``None``, leaves it to its replacement).
-        The problems of a failed task of several are first tried again one per task: one problem
-        that cannot be measured must not take its geometry's others with it."""
+        left, as failed (a task replaced before it started, ``None``, leaves it to its replacement)."""
         for problem in task.problems:
             key = (task.device, problem)
-            covering = self.covering.setdefault(key, set())
+            covering = self.covering.get(key, set())
             covering.discard(task.id)
             if finished:
                 self.finished.add(key)
                 self.failed[task.device].discard(problem)
             elif key not in self.finished:
                 if covering:
-                    continue
-                if finished is False and len(task.problems) > 1 and not self.stopped:
-                    alone = sched.Task(self.next_id, task.device, (problem,))
-                    self.next_id += 1
-                    covering.add(alone.id)
-                    self.report.tasks.append(alone)
-                    self.report.tried_alone.add(task.id)
-                    self.alone.append(alone)
                     continue
                 self.failed[task.device].add(problem)
             self.pending.discard(key)
@@ -751,8 +736,7 @@ def print_report(report: FleetReport, console: Console) -> None:
     for sid, why in doc["slots_retired"].items():
         console.print(f"  [yellow]retired[/] {sid}: {why}")
     for f in doc["failed"]:
-        then = "its problems tried again one per task" if f["tried_alone"] else "algo=auto"
-        console.print(f"  [red]failed[/] {f['problem']} on {f['device']} after {f['attempts']} attempt(s): {f['reasons'][-1]} -> {then}")
+        console.print(f"  [red]failed[/] {f['problem']} on {f['device']} after {f['attempts']} attempt(s): {f['reasons'][-1]} -> algo=auto")
     for note in report.notes:
         console.print(f"  [yellow]note[/]: {note}")
     for m in doc["models"]:

@@ -319,8 +319,6 @@ class _Run:
         while True:
             more = self.poll_feed()
             self.fail_orphans()
-            if self.feed is not None and self.stopping is None:
-                more = more or self.feed.open()  # a task failed just now may come back as several
             self.assign()
             self.flush()  # after assign: a worker that finished gets its next task before the rows are written
             if self.stopping is not None and not self.running:
