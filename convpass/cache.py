@@ -719,10 +719,12 @@ class TuningCache:
 
     # -- public API ------------------------------------------------------------------------------
 
-    def put(self, device: DeviceFingerprint, measurements: Iterable[Measurement], replace: Iterable[ConvShape] = ()) -> None:
+    def put(self, device: DeviceFingerprint, measurements: Iterable[Measurement],
+            forget: Iterable[tuple[ProblemKey, str, str]] = ()) -> None:
         """Insert or overwrite measurements (one row per key, algo, method) in one transaction;
-        ``replace``: geometries whose rows on ``device`` are deleted first, in the same transaction
-        (a new measurement of them replaces the old one whole, so that no old row is left beside it)."""
+        ``forget``: rows (key, algo, method) on ``device`` deleted first, in the same transaction
+        (those of an earlier measurement that a new one replaces and did not take again, so that no
+        old row is left beside the new ones)."""
         if not isinstance(device, DeviceFingerprint):
             raise TypeError(f"device must be a DeviceFingerprint, got {_short(device)}")
         dev = str(device)
@@ -731,10 +733,10 @@ class TuningCache:
             if not isinstance(m, Measurement):
                 raise TypeError(f"expected Measurement, got {_short(m)}")
             rows.append(_row(dev, m))
-        gone = [(dev, str(shape)) for shape in replace]
+        gone = [(dev, str(key), algo, method) for key, algo, method in forget]
 
         def write(c: sqlite3.Connection) -> None:
-            c.executemany("DELETE FROM measurements WHERE device = ? AND shape = ?", gone)
+            c.executemany("DELETE FROM measurements WHERE device = ? AND key = ? AND algo = ? AND method = ?", gone)
             c.executemany(_UPSERT, rows)
 
         if rows or gone:

@@ -115,20 +115,20 @@ def test_upsert_overwrites(cache: TuningCache) -> None:
     assert (m.time_ms, m.note, m.measured_at) == (0.5, "again", 1_800_000_000.0)
 
 
-def test_a_new_measurement_of_a_geometry_can_replace_its_rows_whole(cache: TuningCache) -> None:
-    """A fleet task measuring a geometry again: no row of the earlier measurement is left beside the
-    new ones (e.g. a fused call of an algorithm the new one did not time); other geometries, other
-    devices and the old rows themselves, on a failure, are untouched."""
-    s, other = shape(c=32, k=128), shape(c=16, k=16)
-    cache.put(H200, [meas(s.key("nhwc", "default"), a) for a in ("implicit_gemm", "gemm+bias+relu")])
-    cache.put(H200, [meas(other.key("nchw", "default"))])
-    cache.put(H100, [meas(s.key("nhwc", "default"))])
+def test_a_new_measurement_can_forget_rows_of_the_one_it_replaces(cache: TuningCache) -> None:
+    """A fleet task measuring a geometry again: the earlier task's rows it did not take again (e.g.
+    a fused call of an algorithm it did not time) go in the same transaction; other rows of the
+    geometry (another run's epilogue), other devices, and everything on a failure, stay."""
+    s = shape(c=32, k=128)
+    key = s.key("nhwc", "default")
+    cache.put(H200, [meas(key, a) for a in ("implicit_gemm", "gemm+bias+relu", "gemm+bias+sigmoid")])
+    cache.put(H100, [meas(key, "gemm+bias+relu")])
     with pytest.raises(TypeError):
-        cache.put(H200, [meas(s.key("nhwc", "default"), "winograd"), "not a row"], replace=[s])  # type: ignore[list-item]
-    assert len(cache.get(H200, s)) == 2
-    cache.put(H200, [meas(s.key("nchw", "default"), "winograd")], replace=[s])
-    assert [(m.key.layout, m.algo) for m in cache.get(H200, s)] == [("nchw", "winograd")]
-    assert len(cache.get(H200, other)) == 1 and len(cache.get(H100, s)) == 1
+        cache.put(H200, [meas(key, "winograd"), "not a row"], forget=[(key, "gemm+bias+relu", "measure")])  # type: ignore[list-item]
+    assert len(cache.get(H200, s)) == 3
+    cache.put(H200, [meas(key, "implicit_gemm", time_ms=0.2)], forget=[(key, "gemm+bias+relu", "measure")])
+    assert sorted((m.algo, m.time_ms) for m in cache.get(H200, s)) == [("gemm+bias+sigmoid", 0.125), ("implicit_gemm", 0.2)]
+    assert len(cache.get(H100, s)) == 1
 
 
 def test_devices_stats_clear(cache: TuningCache) -> None:

@@ -56,9 +56,9 @@ class _Cache:
         self.puts: list[list[str]] = []
         self.replaced: list[set] = []
 
-    def put(self, device, rows, replace=()):
+    def put(self, device, rows, forget=()):
         self.puts.append([m.algo for m in rows])
-        self.replaced.append(set(replace))
+        self.replaced.append({algo for _, algo, _ in forget})
 
 
 def _run():
@@ -86,7 +86,7 @@ def test_a_task_replacing_a_running_one_waits_for_it_and_its_rows_are_written_la
     run.handle(sched.Finished(executor.submitted[-1][0], 2, [row(A, "new")], 0.1))
     run.flush()
     assert cache.puts == [["implicit_gemm"], ["old"], ["new"]]
-    assert cache.replaced == [set(), set(), {A}]  # the geometry's rows of task 1 go, none is left beside task 2's
+    assert cache.replaced == [set(), set(), {"old"}]  # task 1's rows that task 2 did not take again go
     assert settled == [(0, True), (1, True), (2, True)] and run.result.superseded == {}
 
 

@@ -13,8 +13,9 @@ Rules:
   its geometry): a later model's problem of a geometry already given is measured with that
   geometry's earlier problems. A replaced task not started yet, or one that would be tried again,
   is dropped (``ScheduleResult.superseded``); the task replacing one that is running waits for it;
-  and the rows of a task that replaces a finished one replace that geometry's rows whole. So a
-  geometry's rows in the cache are one task's. It runs only on a slot of that type;
+  and when a task that replaces finished ones is written, their rows it did not measure again are
+  deleted (rows of other runs stay). So the rows this run wrote of a geometry are one task's. It
+  runs only on a slot of that type;
   a slot is one worker holding one GPU (or one process, for measurers that need none), running one
   task at a time. How slots exist is the executor's business (:mod:`convpass.fleet.local`,
   :mod:`convpass.fleet.ray_cluster`); the bookkeeping here is the same for all of them.
@@ -293,6 +294,7 @@ class _Run:
         self.rank: dict[int, int] = {}  # the order tasks are taken in
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
         self.replaced_by: dict[int, int] = {}  # task id -> the task that replaces it
+        self.wrote: dict[int, set[tuple]] = {}  # task id -> the rows (key, algo, method) it wrote
         self.received: list[tuple[Task, str, list["Measurement"]]] = []  # finished, rows not written yet
         self.add(tasks)
 
@@ -457,9 +459,11 @@ class _Run:
         ``hooks=False`` (the run is over) nobody else hears of it."""
         while self.received:
             task, sid, rows = self.received[0]
-            # measured again after an earlier task of the geometry wrote: its rows replace those whole
-            again = any(old in self.result.finished for old in task.replaces)
-            self.s.cache.put(task.device, rows, replace=task.shapes if again else ())
+            # measured again after earlier tasks of the geometry wrote: none of their rows stays beside these
+            ids = {(m.key, m.algo, m.method) for m in rows}
+            stale = set().union(*(self.wrote.get(old, ()) for old in task.replaces)) - ids
+            self.s.cache.put(task.device, rows, forget=sorted(stale, key=str))
+            self.wrote[task.id] = ids
             self.received.pop(0)
             self.result.writes[task.id] = self.result.writes.get(task.id, 0) + 1
             self.result.finished[task.id] = sid
