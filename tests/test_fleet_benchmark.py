@@ -112,8 +112,6 @@ def test_a_decision_is_retimed_as_the_step_it_runs(oracle_clock):
 
 def _clock(problem: ConvProblem, rows: list[Measurement], **times: float) -> dict:
     """``rows`` as one clock, with the times of the rows named in ``times`` (``pass``: the epilogue)."""
-    import dataclasses
-
     named = {("pass" if m.method == "epilogue" else m.algo): m for m in rows}
     return {str(problem.primary): [dataclasses.replace(m, time_ms=times.get(n, m.time_ms)) for n, m in named.items()]}
 
@@ -128,8 +126,6 @@ def test_the_median_clock_takes_each_configurations_median_time():
     assert merged[("implicit_precomp_gemm+bias", "measure")].time_ms == pytest.approx(0.0081)
     assert merged[("gemm", "measure")].note == "median of 2 clocks: 0.00500, 0.00600"
     # an early-stopped estimate counts only where no clock measured the configuration
-    import dataclasses
-
     estimate = {str(problem.primary): [dataclasses.replace(m, time_ms=0.0100, note="early stop: estimate over 1.5x the best") for m in rows]}
     merged = {(m.algo, m.method): m for m in fleet_scaling.median_clock([*clocks, estimate])[str(problem.primary)]}
     assert merged[("gemm", "measure")].time_ms == pytest.approx(0.0055)
@@ -211,7 +207,6 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     median = doc["decisions_median_clock"]
     assert median["clocks"] == 3 and median["b_vs_a"]["within_3pct"] == 14 and median["clock_spread"] == {"problems": 0}
     assert "the same on the median of 3 clocks (the retime run and 2 re-measurements of the 0 problems" in capsys.readouterr().out
-
 
 
 def test_reclock_before_the_runs_it_needs_says_which(tmp_path):

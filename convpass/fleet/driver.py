@@ -516,8 +516,7 @@ class _Stream:
         self.measurer: Measurer | None = None
         self.seen: set[ConvProblem] = set()
         self.geometries = Geometries()
-        self.task_of: dict[tuple[DeviceFingerprint, tuple[ConvProblem, ...]], int] = {}  # (device, group) -> its task id
-        self.replaces: dict[int, tuple[int, ...]] = {}  # task id -> the earlier tasks of its geometry
+        self.task_of: dict[tuple[DeviceFingerprint, tuple[ConvProblem, ...]], sched.Task] = {}  # (device, group) -> its task
         self.covering: dict[tuple[DeviceFingerprint, ConvProblem], set[int]] = {}  # -> unsettled tasks that measure it
         self.finished: set[tuple[DeviceFingerprint, ConvProblem]] = set()
         self.next_id = 0
@@ -630,11 +629,10 @@ class _Stream:
                         self.report.cached += 1
                         continue
                     latest = [self.task_of[(device, g)] for g in earlier if (device, g) in self.task_of]
-                    replaces = tuple(dict.fromkeys(i for t in latest for i in (t, *self.replaces[t])))
+                    replaces = tuple(dict.fromkeys(i for t in latest for i in (t.id, *t.replaces)))
                     task = sched.Task(self.next_id, device, group, replaces)
                     self.next_id += 1
-                    self.task_of[(device, group)] = task.id
-                    self.replaces[task.id] = replaces
+                    self.task_of[(device, group)] = task
                     self.report.tasks.append(task)
                     for p in group:
                         if (device, p) not in self.finished:  # a problem finished stays settled

@@ -20,10 +20,11 @@
   fewer groups; half of the candidates timed in full in a four-model tuning ended over 1.2x their
   problem's best.
 * An estimate under :data:`CONFIRM_RATIO` times the best (and :data:`CONFIRM_LATENCY_MS`) that
-  would stop a candidate is taken once more, and the lower reading counts: what one replay carries besides the kernels (the
-  graph's launch latency, a large part of one replay of a few microsecond-kernels; once 0.125 ms
-  in a one-launch graph) must not stop it. From :data:`CONFIRM_REPLAYS` replays back to back
-  when its graph lasts under :data:`CONFIRM_GRAPH_MS`, else from one more replay.
+  would stop a candidate is taken once more, and the lower reading counts: what one replay carries
+  besides the kernels (the graph's launch latency, a large part of one replay of a few
+  microsecond-kernels; once 0.125 ms in a one-launch graph) must not stop it. From
+  :data:`CONFIRM_REPLAYS` replays back to back when its graph lasts under :data:`CONFIRM_GRAPH_MS`,
+  else from one more replay.
 * Candidates timed one after the other drift with the GPU's state between their timings (a few
   percent on an H200, though each timing is precise to 1% over its groups), which flips choices
   between near-equal ones from run to run. So the tuner replays the captured groups of the close
@@ -63,8 +64,9 @@ SLOW_LAUNCH_MS = 2.0
 EARLY_STOP_RATIO = 1.5
 EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs in a 4-launch estimate
 # An estimate under CONFIRM_RATIO times the best, plus CONFIRM_LATENCY_MS (a graph's launch latency
-# spread over its launches reached 4.8 us a launch on an H100), that would stop a candidate is taken again: over
-# CONFIRM_REPLAYS replays of its graph when the graph lasts under CONFIRM_GRAPH_MS, else over one.
+# spread over its launches reached 4.8 us a launch on an H100), that would stop a candidate is taken
+# again: over CONFIRM_REPLAYS replays of its graph when the graph lasts under CONFIRM_GRAPH_MS, else
+# over one.
 # One replay of 4 launches read 2.2-7.5 us kernels (their full timings) as 4.1-12.3 us on an H100,
 # and 23-53 candidates per panel tuning within 1.15x of their best were dropped, own kernels whose
 # fused epilogue then went untimed among them (a 2-GPU run's decision 1.48x off the 1-GPU run's).
