@@ -1,7 +1,8 @@
 """The executor: runs an ONNX model (tuned by convpass or not) with a static plan per input shape.
 
 Load (once per model)
-    read the file once; find its kernel side-car (``<model>.kernels``, :mod:`convpass.kernel_file`:
+    read the file once (initializers stored as external data are memory-mapped, copy on write,
+    not read: :func:`_read_initializers`); find its kernel side-car (``<model>.kernels``, :mod:`convpass.kernel_file`:
     the GPU kernels its plans need, compiled ahead of time) and hand it to the backend; validate
     (``onnx.checker``) unless the side-car vouches for this exact file (``convpass optimize`` /
     ``compile`` ran it before writing, and the SHA-256 of the bytes matches); inline model-local functions (except the ``ai.convpass`` convs,
@@ -278,7 +279,8 @@ class Executor:
         try:
             proto, pending_digest = _load(model)
             try:
-                constants, constants_error = _read_initializers(proto), None
+                base_dir = os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
+                constants, constants_error = _read_initializers(proto, base_dir), None
             except ExecutorError as e:  # said after onnx.checker, whose message names the fault better
                 constants, constants_error = {}, e
             digest = pending_digest()
@@ -953,22 +955,65 @@ def _load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256")
             digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
             pool.shutdown(wait=False)  # its one job runs on
-            proto = onnx.load_from_string(data)
-            onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+            proto = onnx.load_from_string(data)  # external data stays where it is (_read_initializers)
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot load {path}: {e}") from None
         return proto, digest.result
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
 
 
-def _read_initializers(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
+# element types whose external data is mapped as it lies on disk (little-endian, one element per
+# item); the rest (strings, packed 4-bit / 2-bit / 6-bit, ml_dtypes' floats) are read by onnx
+_MAPPABLE = frozenset({
+    onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BOOL,
+    onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
+    onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
+})
+
+
+def _read_initializers(proto: onnx.ModelProto, base_dir: str | None = None) -> dict[str, np.ndarray]:
+    """The initializers as arrays. One stored as external data (the file beside the model,
+    ``base_dir``) is memory-mapped copy on write (:func:`_map_external`): no copy of the weights
+    is made in host memory before they go where they are used, and nothing the executor does to an
+    array reaches the file."""
     constants: dict[str, np.ndarray] = {}
     for t in proto.graph.initializer:
         try:
-            constants[t.name] = numpy_helper.to_array(t)
+            if onnx.external_data_helper.uses_external_data(t):
+                if base_dir is None:
+                    raise ValueError("its data is in an external file, and the model was not given as a path to find it by")
+                constants[t.name] = _map_external(t, base_dir)
+            else:
+                constants[t.name] = numpy_helper.to_array(t)
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot read initializer {t.name!r}: {e}") from None
     return constants
+
+
+def _map_external(t: onnx.TensorProto, base_dir: str) -> np.ndarray:
+    """``t``'s external data as a copy-on-write memory map (what onnx reads for the types it
+    cannot map). The file must lie under ``base_dir`` (as onnx requires: no absolute location, no
+    way out through ``..`` or a link) and hold the bytes the tensor's shape needs."""
+    if t.data_type not in _MAPPABLE or not np.little_endian:
+        return numpy_helper.to_array(t, base_dir)
+    info = onnx.external_data_helper.ExternalDataInfo(t)
+    root = os.path.realpath(base_dir)
+    path = os.path.realpath(os.path.join(root, info.location))
+    if not info.location or os.path.isabs(info.location) or os.path.commonpath([root, path]) != root:
+        raise ValueError(f"external data location {info.location!r} is outside the model's folder")
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
+    dims = tuple(int(d) for d in t.dims)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    offset = info.offset or 0
+    if info.length is not None and info.length != nbytes:
+        raise ValueError(f"external data length {info.length} is not the {nbytes} bytes of shape {list(dims)} {dtype.name}")
+    size = os.path.getsize(path)
+    if offset + nbytes > size:
+        raise ValueError(f"external data file {info.location!r} holds {size} bytes, fewer than offset {offset} + {nbytes}")
+    if nbytes == 0:
+        return np.empty(dims, dtype)
+    # a plain array over the map (which it keeps open): results computed from it are plain arrays too
+    return np.memmap(path, dtype=dtype, mode="c", offset=offset, shape=dims or (1,)).view(np.ndarray).reshape(dims)
 
 
 def _kernel_file(model: Any, digest: str | None, kernels: Any) -> tuple[kernel_file.KernelFile | None, str]:

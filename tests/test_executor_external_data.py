@@ -1,0 +1,99 @@
+"""Initializers stored as external data: memory-mapped by the executor, not read into memory
+(issue 10: no whole-model copies at start-up), with clear errors for a file that cannot serve."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import conv_model, random_input, run_ort
+from convpass.runtime import Executor, ExecutorError
+
+
+def _external(model: onnx.ModelProto, folder: Path, location: str = "m.weights") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "m.onnx"
+    onnx.save(onnx.ModelProto.FromString(model.SerializeToString()), path, save_as_external_data=True,
+              all_tensors_to_one_file=True, location=location, size_threshold=0)
+    return path
+
+
+def _mapped(a: np.ndarray) -> bool:
+    base = a
+    while base is not None:
+        if isinstance(base, mmap.mmap):
+            return True
+        base = getattr(base, "base", None)
+    return False
+
+
+def test_external_initializers_are_mapped_and_compute_what_onnx_runtime_does(tmp_path):
+    model = conv_model("Conv", (1, 16, 8, 8), (32, 16, 3, 3), pads=[1, 1, 1, 1], bias=True)
+    path = _external(model, tmp_path)
+    feeds = {"x": random_input((1, 16, 8, 8))}
+    ex = Executor(path, fold_batchnorm=False)
+    weights = ex._constants
+    assert weights and all(_mapped(a) for a in weights.values())
+    assert all(type(a) is np.ndarray for a in weights.values())  # a plain array over the map
+    np.testing.assert_allclose(ex.run(None, feeds)[0], run_ort(model, feeds)[0], rtol=1e-4, atol=1e-5)
+    # copy on write: what the executor would write into an array never reaches the file
+    before = (tmp_path / "m.weights").read_bytes()
+    next(iter(weights.values()))[...] = 0
+    assert (tmp_path / "m.weights").read_bytes() == before
+
+
+def _edit_external(path: Path, **changes: str) -> None:
+    proto = onnx.load(path, load_external_data=False)
+    for t in proto.graph.initializer:
+        for e in t.external_data:
+            if e.key in changes:
+                e.value = changes[e.key]
+    onnx.save(proto, path)
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path):
+    path = _external(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), tmp_path / "a")
+    (tmp_path / "a" / "m.weights").rename(tmp_path / "m.weights")
+    _edit_external(path, location="../m.weights")
+    with pytest.raises(ExecutorError, match=r"cannot read initializer .*outside the model's folder"):
+        Executor(path, check_model=False)
+
+
+def test_a_truncated_external_data_file_is_a_clear_error(tmp_path):
+    path = _external(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), tmp_path)
+    data = tmp_path / "m.weights"
+    data.write_bytes(data.read_bytes()[:-8])
+    with pytest.raises(ExecutorError, match=r"cannot read initializer .*holds \d+ bytes, fewer than"):
+        Executor(path, check_model=False)
+
+
+def test_a_length_that_does_not_fit_the_shape_is_refused(tmp_path):
+    path = _external(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), tmp_path)
+    _edit_external(path, length="12")
+    with pytest.raises(ExecutorError, match=r"external data length 12 is not the \d+ bytes"):
+        Executor(path, check_model=False)
+
+
+def test_external_data_needs_the_model_s_path(tmp_path):
+    path = _external(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), tmp_path)
+    with pytest.raises(ExecutorError, match="model was not given as a path"):
+        Executor(path.read_bytes(), check_model=False)
+
+
+def test_types_it_does_not_map_are_read_by_onnx(tmp_path):
+    # bfloat16 (ml_dtypes) is read by onnx, not mapped: the values onnx gives
+    from convpass.runtime.executor import _read_initializers
+
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = helper.make_tensor("c", TensorProto.BFLOAT16, [2, 3], values.tolist())
+    graph = helper.make_graph([helper.make_node("Cast", ["c"], ["y"], to=TensorProto.FLOAT)], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [t])
+    path = _external(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
+    read = _read_initializers(onnx.load(path, load_external_data=False), str(tmp_path))["c"]
+    assert not _mapped(read)
+    np.testing.assert_array_equal(read.astype(np.float32), values)
