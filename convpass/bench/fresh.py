@@ -54,7 +54,7 @@ PARTS: tuple[tuple[str, str], ...] = (
 PART_KEYS = tuple(k for k, _ in PARTS) + ("total_s",)
 # the stamps a runtime cannot take: the time between goes to the next part
 UNSEPARATED: dict[str, tuple[str, ...]] = {"convpass": ("context",), "ort": ("context", "model_read"), "torch": ()}
-RECORD_KEYS = ("status", "reason", "parts", "compilations", "compiled", "cache_files", "rel_err", "tolerance")
+RECORD_KEYS = ("status", "reason", "parts", "compilations", "compiled", "cache_files", "module", "rel_err", "tolerance")
 
 LEGEND: dict[str, str] = {
     "all": "interpreter = spawn -> the child's main (Python start-up); inputs = reading the input .npz (the same "
@@ -220,6 +220,12 @@ def _compilations() -> list[str] | None:
     return list(compiler.COMPILATIONS) + list(getattr(convolution, "ENGINE_COMPILATIONS", ()))
 
 
+def _convpass_folder() -> str | None:
+    """The folder of the convpass package this child imported (which tree ran: benchmarks/fresh_ab.py)."""
+    module = sys.modules.get("convpass")
+    return os.path.dirname(os.path.abspath(module.__file__)) if module is not None and module.__file__ else None
+
+
 def _cache_files() -> int | None:
     """Files in ``$CUPY_CACHE_DIR`` (CuPy writes every kernel it compiles there); None when it is not set."""
     folder = os.environ.get("CUPY_CACHE_DIR")
@@ -275,7 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     record.update(stamps=stamps, parts=parts(stamps), error=error)
     if args.runtime == "convpass":
         compiled = _compilations()
-        record.update(compilations=None if compiled is None else len(compiled), compiled=compiled, cache_files=_cache_files())
+        record.update(compilations=None if compiled is None else len(compiled), compiled=compiled, cache_files=_cache_files(),
+                      module=_convpass_folder())
     print(json.dumps(record), flush=True)
     return 1 if error else 0
 
@@ -342,13 +349,16 @@ def _exit_text(code: int) -> str:
     return f"exit status {code}"
 
 
-def spawn(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike, *, write_bytecode: bool = False) -> dict[str, Any]:
+def spawn(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike, *, write_bytecode: bool = False,
+          env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run one child (``cmd`` + ``--spawn-time``) with new empty kernel-cache folders under
     ``workdir``; the record of its result (status ``ok``) or of its failure (status ``failed``).
     ``write_bytecode``: without ``PYTHONDONTWRITEBYTECODE``, so that Python writes the bytecode of
-    every module the child imports, where it can (see :func:`warm_bytecode`)."""
+    every module the child imports, where it can (see :func:`warm_bytecode`). ``env``: variables
+    set for the child over this process's; ``cwd``: its working folder (``python -m`` looks there
+    first)."""
     caches = tempfile.mkdtemp(prefix="fresh-", dir=workdir)
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if write_bytecode:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
     for var, sub in (("CUPY_CACHE_DIR", "cupy"), ("CUDA_CACHE_PATH", "cuda")):
@@ -356,7 +366,7 @@ def spawn(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike, *, wri
         os.mkdir(env[var])
     try:
         spawned = time.time()
-        done = subprocess.run([*cmd, "--spawn-time", repr(spawned)], capture_output=True, text=True, env=env, timeout=timeout)
+        done = subprocess.run([*cmd, "--spawn-time", repr(spawned)], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         tail = _last_line(err)
@@ -375,7 +385,7 @@ def spawn(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike, *, wri
         tail = _last_line(done.stderr)
         return record("failed", "no result line on stdout" + (f" (stderr: {tail})" if tail else ""))
     return record("ok", parts=doc["parts"], compilations=doc.get("compilations"), compiled=doc.get("compiled"),
-                  cache_files=doc.get("cache_files"))
+                  cache_files=doc.get("cache_files"), module=doc.get("module"))
 
 
 if __name__ == "__main__":

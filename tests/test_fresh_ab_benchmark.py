@@ -1,0 +1,54 @@
+"""benchmarks/fresh_ab.py: fresh processes of convpass under two source trees, interleaved (CPU
+children, real processes), and the check that each child imported its own tree."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import REPO, conv_model, random_input
+from convpass.bench import fresh
+
+_spec = importlib.util.spec_from_file_location("fresh_ab", REPO / "benchmarks" / "fresh_ab.py")
+fresh_ab = importlib.util.module_from_spec(_spec)
+sys.modules["fresh_ab"] = fresh_ab
+_spec.loader.exec_module(fresh_ab)
+
+
+@pytest.fixture
+def case(tmp_path):
+    model = tmp_path / "m.onnx"
+    onnx.save(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), model)
+    np.savez(tmp_path / "in.npz", x=random_input((1, 3, 8, 8)))
+    return ("m.b1", model, tmp_path / "in.npz")
+
+
+def test_each_tree_s_children_import_that_tree_round_robin(tmp_path, case):
+    other = tmp_path / "other"
+    shutil.copytree(REPO / "convpass", other / "convpass", ignore=shutil.ignore_patterns("__pycache__"))
+    seen: list[str] = []
+    records = fresh_ab.run([("old", other), ("new", REPO)], [case], runs=2, device="cpu", timeout=120, log=seen.append)
+    assert [len(records["m.b1"][t]) for t in ("old", "new")] == [2, 2]
+    assert {r["module"] for r in records["m.b1"]["old"]} == {str(other / "convpass")}
+    assert {r["module"] for r in records["m.b1"]["new"]} == {str(REPO / "convpass")}
+    assert [s.split(":")[0] for s in seen if s.startswith("run")] == ["run 1/2 m.b1 old", "run 1/2 m.b1 new", "run 2/2 m.b1 old", "run 2/2 m.b1 new"]
+    lines = fresh_ab.table(records)
+    assert len(lines) == 2 and lines[0].startswith("m.b1") and "total median" in lines[0] and "runs [" in lines[0]
+
+
+def test_a_child_that_imported_another_tree_fails_the_run(monkeypatch, tmp_path, case):
+    elsewhere = {"parts": {"total_s": 1.0}, "module": str(tmp_path / "elsewhere" / "convpass")}
+    monkeypatch.setattr(fresh, "spawn", lambda *a, **k: fresh.record("ok", **elsewhere))
+    with pytest.raises(RuntimeError, match="imported convpass from .*elsewhere"):
+        fresh_ab.run([("a", REPO), ("b", tmp_path)], [case], runs=1, device="cpu", timeout=10, log=lambda s: None)
+
+
+def test_a_failed_child_fails_the_run(monkeypatch, case):
+    monkeypatch.setattr(fresh, "spawn", lambda *a, **k: fresh.record("failed", "exit status 1: boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        fresh_ab.run([("a", REPO), ("b", REPO)], [case], runs=1, device="cpu", timeout=10, log=lambda s: None)
