@@ -28,7 +28,8 @@ inputs once more in a fresh Python process of its own (:mod:`convpass.bench.fres
 (as above; its first output checked against the reference), ``reason``, ``parts`` (seconds:
 interpreter, import, inputs, context, model read, plan, first run, total; ``None`` for a part the
 runtime cannot separate from the next), and for convpass the run-time ``compilations`` (with the
-kernel names in ``compiled``) and the ``cache_files`` CuPy wrote. A case records ``model_order``:
+kernel names in ``compiled``), the ``cache_files`` CuPy wrote and the ``module`` folder of the
+convpass package the child imported. A case records ``model_order``:
 1 for the first case of its model in the bench process, 2 for the next batch size, and so on.
 The convpass contender also records ``cuda_graph``: the executor's
 :class:`~convpass.runtime.plan.GraphStatus` after its steady-state runs (``captured`` true / false /
@@ -617,6 +618,7 @@ CONTENDER_SCHEMA = {
         "compilations": Opt(int),
         "compiled": Opt([str]),
         "cache_files": Opt(int),
+        "module": Opt(str),
         "rel_err": Opt(NUM),
         "tolerance": Opt(NUM),
     }),
