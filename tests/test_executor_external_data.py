@@ -97,3 +97,58 @@ def test_types_it_does_not_map_are_read_by_onnx(tmp_path):
     read = _read_initializers(onnx.load(path, load_external_data=False), str(tmp_path))["c"]
     assert not _mapped(read)
     np.testing.assert_array_equal(read.astype(np.float32), values)
+
+
+def test_a_constant_s_value_stored_outside_is_read_from_the_model_s_folder(tmp_path, monkeypatch):
+    # onnx.save(convert_attribute=True) moves Constant values out too; they are read from the
+    # model's folder, never from the working one (which holds a decoy file of the same name)
+    w = np.full((4, 3, 3, 3), 2, np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["w"], value=onnx.numpy_helper.from_array(w, "wv")), helper.make_node("Conv", ["x", "w"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    folder = tmp_path / "model"
+    folder.mkdir()
+    x = {"x": np.ones((1, 3, 8, 8), np.float32)}
+    want = run_ort(model, x)[0]
+    onnx.save(model, folder / "m.onnx", save_as_external_data=True, location="m.w", size_threshold=0, convert_attribute=True)
+    stored = onnx.load(folder / "m.onnx", load_external_data=False)
+    assert stored.graph.node[0].attribute[0].t.data_location == TensorProto.EXTERNAL
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    (elsewhere / "m.w").write_bytes(np.zeros(w.size, np.float32).tobytes())
+    monkeypatch.chdir(elsewhere)
+    np.testing.assert_allclose(Executor(folder / "m.onnx").run(None, x)[0], want, rtol=1e-5)
+
+
+def test_a_model_with_external_weights_still_inlines_schema_functions(tmp_path, monkeypatch):
+    # Attention (opset 23) has no kernel here: its schema function is inlined, and the inlined
+    # model is checked in memory while the weight stays in the external file
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    x = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["q"]), helper.make_node("Attention", ["q", "x", "x"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 8])], [onnx.numpy_helper.from_array(w, "w")])
+    path = _external(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), tmp_path / "model")
+    monkeypatch.chdir(tmp_path)  # no weights file here
+    q = x @ w
+    scores = q @ x.transpose(0, 1, 3, 2) / np.sqrt(8)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ x
+    np.testing.assert_allclose(Executor(path).run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_unaligned_external_tensor_is_copied_aligned(tmp_path):
+    from convpass.runtime.executor import _read_initializers
+
+    inits = [onnx.numpy_helper.from_array(np.arange(3, dtype=np.int8), "pad"), onnx.numpy_helper.from_array(np.arange(8, dtype=np.float32), "f")]
+    graph = helper.make_graph([helper.make_node("Identity", ["f"], ["y"])], "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])], inits)
+    path = _external(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
+    proto = onnx.load(path, load_external_data=False)
+    offsets = {t.name: int(next((e.value for e in t.external_data if e.key == "offset"), 0)) for t in proto.graph.initializer}
+    assert offsets["f"] % 4  # onnx put it unaligned after the 3 int8s
+    read = _read_initializers(proto, str(tmp_path))
+    assert read["f"].flags.aligned and not _mapped(read["f"]) and _mapped(read["pad"])
+    np.testing.assert_array_equal(read["f"], np.arange(8, dtype=np.float32))

@@ -34,7 +34,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +187,7 @@ def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, SupportRepor
         try:
             inlined = onnx.inliner.inline_selected_functions(model, ids, exclude=False, inline_schema_functions=True)
             # the inliner can leave references to unset attributes with defaults behind: keep only valid results
-            onnx.checker.check_model(inlined)
+            onnx.checker.check_model(_checkable(inlined))
         except Exception:  # noqa: BLE001  (inliner failure: report the ops as unsupported)
             break
         new_report = check_support(inlined)
@@ -197,6 +197,23 @@ def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, SupportRepor
             break
         model, report = inlined, new_report
     return model, report
+
+
+def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as onnx.checker can take it in memory: the main graph's initializers stored
+    outside (the executor maps them; the checker, with no folder, would look in the working one)
+    become graph inputs of their type and shape. A copy only when there are such initializers."""
+    external = [t for t in model.graph.initializer if onnx.external_data_helper.uses_external_data(t)]
+    if not external:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [t for t in copy.graph.initializer if not onnx.external_data_helper.uses_external_data(t)]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    inputs = {i.name for i in copy.graph.input}
+    copy.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external if t.name not in inputs)
+    return copy
 
 
 def is_supported(model: onnx.ModelProto) -> bool:
@@ -955,11 +972,37 @@ def _load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256")
             digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
             pool.shutdown(wait=False)  # its one job runs on
-            proto = onnx.load_from_string(data)  # external data stays where it is (_read_initializers)
+            proto = onnx.load_from_string(data)
+            # the graph's initializers stay in their external file (_read_initializers maps them);
+            # every other tensor stored outside (a Constant's value, a sub-graph's initializer) is
+            # read in, as onnx.load does, so the model's other readers never meet a file reference
+            base_dir = os.path.dirname(os.path.abspath(path))
+            for t in _tensors_besides_initializers(proto):
+                if onnx.external_data_helper.uses_external_data(t):
+                    onnx.external_data_helper.load_external_data_for_tensor(t, base_dir)
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot load {path}: {e}") from None
         return proto, digest.result
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
+
+
+def _tensors_besides_initializers(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of the model but the main graph's initializers: node attributes' tensors and
+    sub-graphs' initializers, at any depth, in the graph and in the model's functions."""
+
+    def in_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
+        for node in nodes:
+            for a in node.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from g.initializer
+                    yield from in_nodes(g.node)
+
+    yield from in_nodes(proto.graph.node)
+    for f in proto.functions:
+        yield from in_nodes(f.node)
 
 
 # element types whose external data is mapped as it lies on disk (little-endian, one element per
@@ -975,7 +1018,9 @@ def _read_initializers(proto: onnx.ModelProto, base_dir: str | None = None) -> d
     """The initializers as arrays. One stored as external data (the file beside the model,
     ``base_dir``) is memory-mapped copy on write (:func:`_map_external`): no copy of the weights
     is made in host memory before they go where they are used, and nothing the executor does to an
-    array reaches the file."""
+    array reaches the file. The file stays mapped while the executor (or an array of it) lives:
+    replace it by a new file (as convpass writes models: a rename), never cut it short in place,
+    which makes a later read of the lost pages end the process (SIGBUS)."""
     constants: dict[str, np.ndarray] = {}
     for t in proto.graph.initializer:
         try:
@@ -1012,6 +1057,10 @@ def _map_external(t: onnx.TensorProto, base_dir: str) -> np.ndarray:
         raise ValueError(f"external data file {info.location!r} holds {size} bytes, fewer than offset {offset} + {nbytes}")
     if nbytes == 0:
         return np.empty(dims, dtype)
+    if offset % dtype.alignment:  # onnx packs small tensors unaligned: a copy, aligned for whoever reads it
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return np.frombuffer(f.read(nbytes), dtype=dtype).reshape(dims).copy()
     # a plain array over the map (which it keeps open): results computed from it are plain arrays too
     return np.memmap(path, dtype=dtype, mode="c", offset=offset, shape=dims or (1,)).view(np.ndarray).reshape(dims)
 
