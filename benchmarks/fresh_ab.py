@@ -6,15 +6,19 @@ Each tree's child is the bench's own (``python -m convpass.bench.fresh --runtime
 empty kernel-cache folders, :func:`convpass.bench.fresh.spawn`), with the tree first on
 ``PYTHONPATH`` and a working folder outside every tree (``python -m`` looks in its working folder
 before ``PYTHONPATH``: a child started in the repository root imports the repository's convpass
-whatever the path says). Every child reports the convpass folder it imported, and a child that
-imported another tree's fails the run. One unmeasured child per tree first writes its bytecode.
+whatever the path says). Before any timing, a probe process per tree, started the same way,
+imports what the child imports and lists every ``convpass`` module it loaded: one from outside
+the tree (e.g. an editable install's mapping of a sub-package) fails the run. Children of trees
+since 6c2f103 also report the convpass folder they imported, checked the same way. One unmeasured
+child per tree first writes its bytecode. A child that fails is recorded and the runs go on.
 
     git archive REV convpass passes | tar x -C /tmp/old          # the tree before the change
     python benchmarks/fresh_ab.py --tree old=/tmp/old --tree new=. \\
         --case resnet50.b1=tuned/resnet50.tuned.onnx,in1.npz [--case ...] [--runs 6] [--device cuda] [--json ab.json]
 
 Prints per case and tree the median of each part and the total, with every run's total; the
-runs go round-robin (run 1 of every case and tree, then run 2, ...), so drift falls on all alike.
+runs go round-robin (run 1 of every case and tree, then run 2, ...), the trees' order reversed
+every other run (A B, B A, ...), so drift falls on all alike.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -52,34 +57,57 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _same_folder(a: str | None, b: Path) -> bool:
-    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+# what the probe imports: the child's imports (convpass.bench.fresh, then the executor)
+_PROBE = ("import json, sys, convpass.bench.fresh, convpass.runtime.executor; "
+          "print(json.dumps({n: m.__file__ for n, m in list(sys.modules.items()) if n.split('.')[0] == 'convpass' and getattr(m, '__file__', None)}))")
+
+
+def _under(path: str | None, folder: Path) -> bool:
+    if path is None:
+        return False
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([real, root]) == root
+
+
+def _check_tree(tree: Path, work: str, timeout: float) -> None:
+    """RuntimeError unless a process started as the children are imports every convpass module
+    from ``tree``."""
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, cwd=work, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": _pythonpath(tree)})
+    if done.returncode != 0:
+        raise RuntimeError(f"importing convpass from {tree} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    outside = {n: f for n, f in json.loads(done.stdout.strip().splitlines()[-1]).items() if not _under(f, tree)}
+    if outside:
+        raise RuntimeError(f"a process for {tree} imported convpass modules from elsewhere: "
+                           + ", ".join(f"{n} ({f})" for n, f in sorted(outside.items())))
 
 
 def run(trees: Sequence[tuple[str, Path]], cases: Sequence[tuple[str, Path, Path]], runs: int, device: str,
         timeout: float, log=print) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every case under every tree ``runs`` times, round-robin; ``{case: {tree: [record, ...]}}``.
-    Raises RuntimeError when a child fails or imported a convpass other than its tree's."""
+    """Every case under every tree ``runs`` times, round-robin, the trees' order reversed every
+    other run; ``{case: {tree: [record, ...]}}`` (a failed child's record has status "failed").
+    Raises RuntimeError when a tree's processes import convpass from elsewhere."""
+    trees = [(name, Path(tree).resolve()) for name, tree in trees]
     records: dict[str, dict[str, list[dict[str, Any]]]] = {c: {t: [] for t, _ in trees} for c, _, _ in cases}
     with tempfile.TemporaryDirectory(prefix="fresh-ab-") as work:
         def child(tree: Path, model: Path, inputs: Path, write_bytecode: bool = False) -> dict[str, Any]:
             cmd = fresh.child_command("convpass", model, inputs, device=device)
             rec = fresh.spawn(cmd, timeout, work, write_bytecode=write_bytecode, env={"PYTHONPATH": _pythonpath(tree)}, cwd=work)
-            if rec["status"] != "ok":
-                raise RuntimeError(f"{model.name} under {tree}: {rec['reason']}")
-            if not _same_folder(rec["module"], tree / "convpass"):
-                raise RuntimeError(f"the child for {tree} imported convpass from {rec['module']}, not {tree / 'convpass'}")
+            if rec["status"] == "ok" and rec.get("module") is not None and not _under(rec["module"], tree):
+                raise RuntimeError(f"the child for {tree} imported convpass from {rec['module']}, not from {tree}")
             return rec
 
         for name, tree in trees:
-            child(tree, cases[0][1], cases[0][2], write_bytecode=True)
-            log(f"{name}: bytecode written ({tree})")
+            _check_tree(tree, work, timeout)
+            rec = child(tree, cases[0][1], cases[0][2], write_bytecode=True)
+            log(f"{name}: imports checked, bytecode written ({tree})" + ("" if rec["status"] == "ok" else f"; the run failed: {rec['reason']}"))
         for i in range(runs):
             for case, model, inputs in cases:
-                for name, tree in trees:
+                for name, tree in (trees if i % 2 == 0 else trees[::-1]):
                     rec = child(tree, model, inputs)
                     records[case][name].append(rec)
-                    log(f"run {i + 1}/{runs} {case} {name}: {rec['parts']['total_s']:.3f} s")
+                    said = f"{rec['parts']['total_s']:.3f} s" if rec["status"] == "ok" else f"failed: {rec['reason']}"
+                    log(f"run {i + 1}/{runs} {case} {name}: {said}")
     return records
 
 
@@ -93,16 +121,23 @@ def table(records: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
     lines = []
     for case, by_tree in records.items():
         for tree, recs in by_tree.items():
-            parts = [r["parts"] for r in recs]
-            med = {k: statistics.median(p[k] for p in parts) for k in fresh.PART_KEYS if all(p.get(k) is not None for p in parts)}
+            parts = [r["parts"] for r in recs if r["status"] == "ok"]
+            failed = len(recs) - len(parts)
+            tail = f"  {failed} failed" if failed else ""
+            if not parts:
+                lines.append(f"{case:24s} {tree:8s} no run succeeded{tail}")
+                continue
+            med = {k: statistics.median(vals) for k in fresh.PART_KEYS if (vals := [p[k] for p in parts if p.get(k) is not None])}
             shown = " ".join(f"{k[:-2]}={v:.3f}" for k, v in med.items() if k != "total_s")
             totals = ", ".join(f"{p['total_s']:.3f}" for p in parts)
-            lines.append(f"{case:24s} {tree:8s} total median {med['total_s']:.3f} s  ({shown})  runs [{totals}]")
+            lines.append(f"{case:24s} {tree:8s} total median {med['total_s']:.3f} s  ({shown})  runs [{totals}]{tail}")
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.runs < 1:
+        raise SystemExit("fresh_ab.py: --runs must be at least 1")
     trees = [(name, Path(folder).resolve()) for name, folder in args.tree]
     if len(trees) < 2 or len({n for n, _ in trees}) != len(trees):
         raise SystemExit("fresh_ab.py: give two or more --tree, each with its own name")
@@ -123,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(table(records)))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
-    return 0
+    return 1 if any(r["status"] != "ok" for by_tree in records.values() for recs in by_tree.values() for r in recs) else 0
 
 
 if __name__ == "__main__":

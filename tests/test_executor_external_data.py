@@ -152,3 +152,26 @@ def test_an_unaligned_external_tensor_is_copied_aligned(tmp_path):
     read = _read_initializers(proto, str(tmp_path))
     assert read["f"].flags.aligned and not _mapped(read["f"]) and _mapped(read["pad"])
     np.testing.assert_array_equal(read["f"], np.arange(8, dtype=np.float32))
+
+
+def test_a_model_given_without_a_path_with_an_external_constant_is_refused(tmp_path):
+    w = onnx.numpy_helper.from_array(np.full((4, 3, 3, 3), 2, np.float32), "wv")
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["w"], value=w), helper.make_node("Conv", ["x", "w"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx",
+              save_as_external_data=True, location="m.w", size_threshold=0, convert_attribute=True)
+    data = (tmp_path / "m.onnx").read_bytes()
+    for given in (data, onnx.load_from_string(data)):
+        with pytest.raises(ExecutorError, match="'wv' is stored in an external file, and the model was not given as a path"):
+            Executor(given, check_model=False)
+
+
+def test_the_in_memory_check_puts_the_external_initializers_back(tmp_path):
+    from convpass.runtime.executor import _check_in_memory
+
+    path = _external(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), bias=True), tmp_path)
+    proto = onnx.load(path, load_external_data=False)
+    before = (sorted(t.SerializeToString() for t in proto.graph.initializer), [i.SerializeToString() for i in proto.graph.input])
+    _check_in_memory(proto)  # the checker would look for m.weights in the working folder
+    assert (sorted(t.SerializeToString() for t in proto.graph.initializer), [i.SerializeToString() for i in proto.graph.input]) == before

@@ -4,6 +4,7 @@ children, real processes), and the check that each child imported its own tree."
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 
@@ -36,19 +37,44 @@ def test_each_tree_s_children_import_that_tree_round_robin(tmp_path, case):
     assert [len(records["m.b1"][t]) for t in ("old", "new")] == [2, 2]
     assert {r["module"] for r in records["m.b1"]["old"]} == {str(other / "convpass")}
     assert {r["module"] for r in records["m.b1"]["new"]} == {str(REPO / "convpass")}
-    assert [s.split(":")[0] for s in seen if s.startswith("run")] == ["run 1/2 m.b1 old", "run 1/2 m.b1 new", "run 2/2 m.b1 old", "run 2/2 m.b1 new"]
+    # round-robin, the trees' order reversed every other run
+    assert [s.split(":")[0] for s in seen if s.startswith("run")] == ["run 1/2 m.b1 old", "run 1/2 m.b1 new", "run 2/2 m.b1 new", "run 2/2 m.b1 old"]
     lines = fresh_ab.table(records)
     assert len(lines) == 2 and lines[0].startswith("m.b1") and "total median" in lines[0] and "runs [" in lines[0]
 
 
-def test_a_child_that_imported_another_tree_fails_the_run(monkeypatch, tmp_path, case):
+def test_a_tree_from_before_the_module_key_is_checked_by_its_probe(tmp_path, case):
+    # children of trees before 6c2f103 report no module: the probe process vouches for the tree
+    old = tmp_path / "old"
+    shutil.copytree(REPO / "convpass", old / "convpass", ignore=shutil.ignore_patterns("__pycache__"))
+    child = old / "convpass" / "bench" / "fresh.py"
+    text = child.read_text()
+    assert ",\n                      module=_convpass_folder())" in text
+    child.write_text(text.replace(",\n                      module=_convpass_folder())", ")"))
+    records = fresh_ab.run([("old", old), ("new", REPO)], [case], runs=1, device="cpu", timeout=120, log=lambda s: None)
+    assert records["m.b1"]["old"][0]["status"] == "ok" and records["m.b1"]["old"][0]["module"] is None
+
+
+def test_a_tree_whose_processes_import_convpass_from_elsewhere_fails_the_run(monkeypatch, tmp_path, case):
+    import subprocess
+
+    found = json.dumps({"convpass": str(tmp_path / "t" / "convpass" / "__init__.py"), "convpass.passes": "/elsewhere/passes/__init__.py"})
+    monkeypatch.setattr(fresh_ab.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, found + "\n", ""))
+    with pytest.raises(RuntimeError, match=r"imported convpass modules from elsewhere: convpass.passes \(/elsewhere"):
+        fresh_ab.run([("a", tmp_path / "t"), ("b", REPO)], [case], runs=1, device="cpu", timeout=10, log=lambda s: None)
+
+
+def test_a_child_that_reports_another_tree_fails_the_run(monkeypatch, tmp_path, case):
+    monkeypatch.setattr(fresh_ab, "_check_tree", lambda *a: None)
     elsewhere = {"parts": {"total_s": 1.0}, "module": str(tmp_path / "elsewhere" / "convpass")}
     monkeypatch.setattr(fresh, "spawn", lambda *a, **k: fresh.record("ok", **elsewhere))
     with pytest.raises(RuntimeError, match="imported convpass from .*elsewhere"):
         fresh_ab.run([("a", REPO), ("b", tmp_path)], [case], runs=1, device="cpu", timeout=10, log=lambda s: None)
 
 
-def test_a_failed_child_fails_the_run(monkeypatch, case):
+def test_a_failed_child_is_recorded_and_the_runs_go_on(monkeypatch, case):
+    monkeypatch.setattr(fresh_ab, "_check_tree", lambda *a: None)
     monkeypatch.setattr(fresh, "spawn", lambda *a, **k: fresh.record("failed", "exit status 1: boom"))
-    with pytest.raises(RuntimeError, match="boom"):
-        fresh_ab.run([("a", REPO), ("b", REPO)], [case], runs=1, device="cpu", timeout=10, log=lambda s: None)
+    records = fresh_ab.run([("a", REPO), ("b", REPO / "convpass")], [case], runs=2, device="cpu", timeout=10, log=lambda s: None)
+    assert [r["reason"] for r in records["m.b1"]["a"]] == ["exit status 1: boom"] * 2
+    assert fresh_ab.table(records)[0].endswith("no run succeeded  2 failed")

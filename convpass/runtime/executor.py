@@ -187,7 +187,7 @@ def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, SupportRepor
         try:
             inlined = onnx.inliner.inline_selected_functions(model, ids, exclude=False, inline_schema_functions=True)
             # the inliner can leave references to unset attributes with defaults behind: keep only valid results
-            onnx.checker.check_model(_checkable(inlined))
+            _check_in_memory(inlined)
         except Exception:  # noqa: BLE001  (inliner failure: report the ops as unsupported)
             break
         new_report = check_support(inlined)
@@ -199,21 +199,27 @@ def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, SupportRepor
     return model, report
 
 
-def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` as onnx.checker can take it in memory: the main graph's initializers stored
+def _check_in_memory(model: onnx.ModelProto) -> None:
+    """``onnx.checker.check_model`` of ``model`` in memory. The main graph's initializers stored
     outside (the executor maps them; the checker, with no folder, would look in the working one)
-    become graph inputs of their type and shape. A copy only when there are such initializers."""
-    external = [t for t in model.graph.initializer if onnx.external_data_helper.uses_external_data(t)]
-    if not external:
-        return model
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    kept = [t for t in copy.graph.initializer if not onnx.external_data_helper.uses_external_data(t)]
-    del copy.graph.initializer[:]
-    copy.graph.initializer.extend(kept)
-    inputs = {i.name for i in copy.graph.input}
-    copy.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external if t.name not in inputs)
-    return copy
+    are checked as graph inputs of their type and shape: taken off for the check (they hold no
+    data, so this copies nothing large), then put back at the end of the list."""
+    g = model.graph
+    at = [i for i, t in enumerate(g.initializer) if onnx.external_data_helper.uses_external_data(t)]
+    if not at:
+        onnx.checker.check_model(model)
+        return
+    external = [onnx.TensorProto.FromString(g.initializer[i].SerializeToString()) for i in at]
+    inputs = {i.name for i in g.input}
+    added = [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external if t.name not in inputs]
+    for i in reversed(at):
+        del g.initializer[i]
+    g.input.extend(added)
+    try:
+        onnx.checker.check_model(model)
+    finally:
+        del g.input[len(g.input) - len(added):]
+        g.initializer.extend(external)
 
 
 def is_supported(model: onnx.ModelProto) -> bool:
@@ -956,12 +962,13 @@ def _load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
     on large buffers: 0.05-0.1 s for 100 MB), beside the parse and whatever the caller does before
     it asks for it."""
     if isinstance(model, onnx.ModelProto):
-        return model, lambda: None
+        return _no_external_tensors(model), lambda: None
     if isinstance(model, (bytes, bytearray)):
         try:
-            return onnx.load_from_string(bytes(model)), lambda: hashlib.sha256(model).hexdigest()
+            proto = onnx.load_from_string(bytes(model))
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot parse the model bytes: {e}") from None
+        return _no_external_tensors(proto), lambda: hashlib.sha256(model).hexdigest()
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.exists(path):
@@ -980,10 +987,22 @@ def _load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
             for t in _tensors_besides_initializers(proto):
                 if onnx.external_data_helper.uses_external_data(t):
                     onnx.external_data_helper.load_external_data_for_tensor(t, base_dir)
+                    t.data_location = onnx.TensorProto.DEFAULT  # onnx before 1.23 left these to its caller
+                    del t.external_data[:]
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot load {path}: {e}") from None
         return proto, digest.result
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
+
+
+def _no_external_tensors(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto``, given without a path: a tensor besides the initializers (which
+    :func:`_read_initializers` refuses with its name) stored in an external file has no folder to
+    be found in (onnx would look in the working one)."""
+    for t in _tensors_besides_initializers(proto):
+        if onnx.external_data_helper.uses_external_data(t):
+            raise ExecutorError(f"tensor {t.name!r} is stored in an external file, and the model was not given as a path to find it by")
+    return proto
 
 
 def _tensors_besides_initializers(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
