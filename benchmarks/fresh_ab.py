@@ -7,7 +7,8 @@ empty kernel-cache folders, :func:`convpass.bench.fresh.spawn`), with the tree f
 ``PYTHONPATH`` and a working folder outside every tree (``python -m`` looks in its working folder
 before ``PYTHONPATH``: a child started in the repository root imports the repository's convpass
 whatever the path says). Before any timing, a probe process per tree, started the same way,
-imports what the child imports and lists every ``convpass`` module it loaded: one from outside
+imports the modules the child imports at its start and lists every ``convpass`` module then
+loaded (the GPU path's later imports are not seen): one from outside
 the tree (e.g. an editable install's mapping of a sub-package) fails the run. Children of trees
 since 6c2f103 also report the convpass folder they imported, checked the same way. One unmeasured
 child per tree first writes its bytecode. A child that fails is recorded and the runs go on.
@@ -72,8 +73,11 @@ def _under(path: str | None, folder: Path) -> bool:
 def _check_tree(tree: Path, work: str, timeout: float) -> None:
     """RuntimeError unless a process started as the children are imports every convpass module
     from ``tree``."""
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, cwd=work, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": _pythonpath(tree)})
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, cwd=work, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": _pythonpath(tree)})
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"importing convpass from {tree} took over {timeout:g} s") from None
     if done.returncode != 0:
         raise RuntimeError(f"importing convpass from {tree} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     outside = {n: f for n, f in json.loads(done.stdout.strip().splitlines()[-1]).items() if not _under(f, tree)}

@@ -1,10 +1,12 @@
 """The floor of a fresh process's start on this machine: what Python, numpy, CuPy, a CUDA context
 and cuDNN cost before any model is read (issue 10: convpass's fresh start against ONNX Runtime's).
 
-Each step is a fresh ``python -c`` process, timed from just before it is started to its exit,
-``--runs`` times (round-robin), with new empty CuPy and CUDA kernel-cache folders; the medians and
-every run are printed. A step whose process fails (no GPU, no CuPy, no cuDNN) is reported with its
-last line of error, never with a time.
+Each step is a fresh ``python -c`` process, timed from just before it is started to its exit
+(which includes tearing a CUDA context down), ``--runs`` times (round-robin) after one unmeasured
+run of each (bytecode written, files read once), with new empty CuPy and CUDA kernel-cache folders;
+the medians and every run are printed. A step whose process fails (no GPU, no CuPy, no cuDNN) is
+reported with its last line of error, never with a time. The cuDNN step loads ``libcudnn`` alone;
+convpass also preloads its sub-libraries (``convpass.cudnn.library``), which this leaves out.
 
     python benchmarks/fresh_floor.py [--runs 3] [--cudnn PATH/libcudnn.so.9] [--json FILE]
 
@@ -49,8 +51,11 @@ def steps(cudnn_path: str | None) -> list[tuple[str, str]]:
 def cudnn_library() -> str | None:
     """The libcudnn path convpass would load here, or None (asked in a helper process, so that this
     one stays light)."""
-    done = subprocess.run([sys.executable, "-c", "from convpass.cudnn import library; print(library.path())"],
-                          capture_output=True, text=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", "from convpass.cudnn import library; print(library.path())"],
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return None
     lines = done.stdout.strip().splitlines()
     return lines[-1] if done.returncode == 0 and lines else None
 
@@ -78,6 +83,8 @@ def measure(runs: int, cudnn_path: str | None, log=print) -> list[dict[str, Any]
     """Every step ``runs`` times, round-robin; one record per step: ``what``, ``runs`` (seconds of
     each run that succeeded), ``median`` (None when none did) and ``failed`` (reasons)."""
     table = [{"what": what, "code": code, "runs": [], "failed": []} for what, code in steps(cudnn_path)]
+    for row in table:  # unmeasured: bytecode written, the files read once
+        time_step(row["code"])
     for i in range(runs):
         for row in table:
             rec = time_step(row["code"])

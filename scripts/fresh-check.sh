@@ -5,52 +5,62 @@
 # 1. the floor of a fresh process here (benchmarks/fresh_floor.py: Python, numpy, CuPy and a CUDA
 #    context, cuDNN and its handle);
 # 2. $MODELS (default resnet50,convnext_tiny,efficientnet_b0) exported and tuned for batch 1 and 32
-#    with their kernel side-car;
+#    with their kernel side-car (a model that fails to export or tune is said and left out);
 # 3. with OLD_TREE (a folder holding another tree's convpass package, made here with
-#    `git archive REV convpass passes | tar x -C devab/REV`: an untracked folder travels with the
-#    working tree), convpass's fresh-process start under OLD_TREE and this tree, interleaved, $RUNS
-#    (default 5) each per model and batch (benchmarks/fresh_ab.py); without it, this tree alone;
+#    `mkdir -p devab/REV && git archive REV convpass passes | tar x -C devab/REV` and sent with the
+#    device call's carry ["devab/REV"]), convpass's fresh-process start under OLD_TREE and this
+#    tree, interleaved, $RUNS (default 5) each per model and batch (benchmarks/fresh_ab.py);
+#    without it, this tree alone (twice the runs, under two names);
 # 4. each model's second batch size in the same executor (32 after 1), three executors each.
-# Logs and JSON in $OUT (or ./fresh-check-out).
+# Logs and JSON in $OUT (or ./fresh-check-out). Exit status: non-zero if a step failed.
 set -uo pipefail
+old=""  # the caller's folder resolves OLD_TREE, before the cd below
+if [ $# -ge 1 ]; then old=$(cd "$1" 2>/dev/null && pwd) || { echo "fresh-check: no folder $1"; exit 2; }; fi
 cd "$(dirname "$0")/.."
 out=${OUT:-fresh-check-out}; mkdir -p "$out"
 work=.fresh-check; mkdir -p "$work"
 models=${MODELS:-resnet50,convnext_tiny,efficientnet_b0}
+failed=0
 # shellcheck source=device-env.sh
 . scripts/device-env.sh
 device_env || exit 1
 echo "== floor"
 python3 benchmarks/fresh_floor.py --runs 3 --json "$out/floor.json" 2>"$out/floor.log" | tee "$out/floor.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 echo "== export and tune ($models, batch 1 and 32)"
-[ -f .panel/panel.json ] || python3 models/export_panel.py --out .panel --models "$models" >"$out/export.log" 2>&1 || { tail -5 "$out/export.log"; exit 1; }
+missing=()
+for m in ${models//,/ }; do [ -f ".panel/$m.onnx" ] || missing+=("$m"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  missing_list=$(IFS=,; echo "${missing[*]}")
+  python3 models/export_panel.py --out .panel --models "$missing_list" >"$out/export.log" 2>&1 \
+    || { echo "export: not every model exported (log: export.log):"; tail -3 "$out/export.log"; failed=1; }
+fi
 python3 - "$work" <<'PY'
 import sys, numpy as np
 for b in (1, 32):
     np.savez(f"{sys.argv[1]}/in{b}.npz", input=np.random.default_rng(0).standard_normal((b, 3, 224, 224)).astype(np.float32))
 PY
 cases=()
+tuned=()
 for m in ${models//,/ }; do
+  rm -f "$work/$m.tuned.onnx" "$work/$m.tuned.onnx.kernels"
+  [ -f ".panel/$m.onnx" ] || { echo "$m: not exported, left out"; continue; }
   t0=$(date +%s)
-  convpass optimize ".panel/$m.onnx" -o "$work/$m.tuned.onnx" --shape input=1x3x224x224 --shape input=32x3x224x224 \
-    >"$out/optimize-$m.log" 2>&1 || { echo "optimize $m failed:"; tail -3 "$out/optimize-$m.log"; continue; }
+  python3 -m convpass.cli optimize ".panel/$m.onnx" -o "$work/$m.tuned.onnx" --shape input=1x3x224x224 --shape input=32x3x224x224 \
+    >"$out/optimize-$m.log" 2>&1 || { echo "optimize $m failed, left out:"; tail -3 "$out/optimize-$m.log"; failed=1; continue; }
   echo "tuned $m in $(( $(date +%s) - t0 )) s"
+  tuned+=("$m")
   cases+=(--case "$m.b1=$work/$m.tuned.onnx,$work/in1.npz" --case "$m.b32=$work/$m.tuned.onnx,$work/in32.npz")
 done
-[ ${#cases[@]} -gt 0 ] || exit 1
+[ ${#tuned[@]} -gt 0 ] || { echo "fresh-check: no model tuned"; exit 1; }
 echo "== fresh processes"
-trees=(--tree "new=.")
-[ $# -ge 1 ] && trees=(--tree "old=$1" --tree "new=.")
-if [ $# -ge 1 ]; then
-  python3 benchmarks/fresh_ab.py "${trees[@]}" "${cases[@]}" --runs "${RUNS:-5}" --json "$out/fresh-ab.json" 2>"$out/fresh-ab.log" | tee "$out/fresh-ab.txt"
-else  # one tree: fresh_ab.py wants two; the same tree twice under two names gives twice the runs
-  python3 benchmarks/fresh_ab.py --tree a=. --tree b=. "${cases[@]}" --runs "${RUNS:-5}" --json "$out/fresh-ab.json" 2>"$out/fresh-ab.log" | tee "$out/fresh-ab.txt"
-fi
+if [ -n "$old" ]; then trees=(--tree "old=$old" --tree "new=."); else trees=(--tree "a=." --tree "b=."); fi
+python3 benchmarks/fresh_ab.py "${trees[@]}" "${cases[@]}" --runs "${RUNS:-5}" --json "$out/fresh-ab.json" 2>"$out/fresh-ab.log" | tee "$out/fresh-ab.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "fresh_ab failed (log: fresh-ab.log):"; tail -3 "$out/fresh-ab.log"; failed=1; }
 echo "== second batch size in the same executor"
-for m in ${models//,/ }; do
-  [ -f "$work/$m.tuned.onnx" ] || continue
+{ for m in "${tuned[@]}"; do
   for i in 1 2 3; do
-    python3 - "$work" "$m" <<'PY'
+    python3 - "$work" "$m" <<'PY' || failed=1
 import sys, time, numpy as np, cupy as cp
 from convpass.runtime.executor import Executor
 work, m = sys.argv[1], sys.argv[2]
@@ -61,7 +71,9 @@ cp.cuda.runtime.deviceSynchronize()
 t0 = time.perf_counter()
 ex.run(None, {"input": x})
 cp.cuda.runtime.deviceSynchronize()
-print(f"{m}: batch 32 after 1 in the same executor {time.perf_counter() - t0:.3f} s")
+print(f"{m}: batch 32 after 1 in the same executor {time.perf_counter() - t0:.3f} s", flush=True)
 PY
   done
-done 2>&1 | tee "$out/second-batch.txt"
+done; } >"$out/second-batch.txt" 2>&1  # in this shell, so that a failure counts
+cat "$out/second-batch.txt"
+exit "$failed"
