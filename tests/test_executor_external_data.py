@@ -87,14 +87,14 @@ def test_external_data_needs_the_model_s_path(tmp_path):
 
 def test_types_it_does_not_map_are_read_by_onnx(tmp_path):
     # bfloat16 (ml_dtypes) is read by onnx, not mapped: the values onnx gives
-    from convpass.runtime.executor import _read_initializers
+    from convpass.runtime.model_file import read_initializers
 
     values = np.arange(6, dtype=np.float32).reshape(2, 3)
     t = helper.make_tensor("c", TensorProto.BFLOAT16, [2, 3], values.tolist())
     graph = helper.make_graph([helper.make_node("Cast", ["c"], ["y"], to=TensorProto.FLOAT)], "g", [],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [t])
     path = _external(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path)
-    read = _read_initializers(onnx.load(path, load_external_data=False), str(tmp_path))["c"]
+    read = read_initializers(onnx.load(path, load_external_data=False), str(tmp_path))["c"]
     assert not _mapped(read)
     np.testing.assert_array_equal(read.astype(np.float32), values)
 
@@ -141,7 +141,7 @@ def test_a_model_with_external_weights_still_inlines_schema_functions(tmp_path, 
 
 
 def test_an_unaligned_external_tensor_is_copied_aligned(tmp_path):
-    from convpass.runtime.executor import _read_initializers
+    from convpass.runtime.model_file import read_initializers
 
     inits = [onnx.numpy_helper.from_array(np.arange(3, dtype=np.int8), "pad"), onnx.numpy_helper.from_array(np.arange(8, dtype=np.float32), "f")]
     graph = helper.make_graph([helper.make_node("Identity", ["f"], ["y"])], "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])], inits)
@@ -149,7 +149,7 @@ def test_an_unaligned_external_tensor_is_copied_aligned(tmp_path):
     proto = onnx.load(path, load_external_data=False)
     offsets = {t.name: int(next((e.value for e in t.external_data if e.key == "offset"), 0)) for t in proto.graph.initializer}
     assert offsets["f"] % 4  # onnx put it unaligned after the 3 int8s
-    read = _read_initializers(proto, str(tmp_path))
+    read = read_initializers(proto, str(tmp_path))
     assert read["f"].flags.aligned and not _mapped(read["f"]) and _mapped(read["pad"])
     np.testing.assert_array_equal(read["f"], np.arange(8, dtype=np.float32))
 

@@ -2,7 +2,7 @@
 
 Load (once per model)
     read the file once (initializers stored as external data are memory-mapped, copy on write,
-    not read: :func:`_read_initializers`); find its kernel side-car (``<model>.kernels``, :mod:`convpass.kernel_file`:
+    not read: :mod:`convpass.runtime.model_file`); find its kernel side-car (``<model>.kernels``, :mod:`convpass.kernel_file`:
     the GPU kernels its plans need, compiled ahead of time) and hand it to the backend; validate
     (``onnx.checker``) unless the side-car vouches for this exact file (``convpass optimize`` /
     ``compile`` ran it before writing, and the SHA-256 of the bytes matches); inline model-local functions (except the ``ai.convpass`` convs,
@@ -30,11 +30,9 @@ Run
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +40,12 @@ import numpy as np
 import onnx
 import onnx.external_data_helper
 import onnx.inliner
-from onnx import numpy_helper
 
 from convpass import annotation, kernel_file
 from convpass.runtime.backends import Backend, host_backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.devices import get_backend, open_ahead
+from convpass.runtime import model_file
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import ConvSummary, GraphStatus, Plan, PlanStep, store_outputs, unshare_outputs
 from convpass.runtime.registry import (
@@ -300,10 +298,10 @@ class Executor:
         # (hashlib lets go of the GIL). Nothing here touches the GPU before the wait.
         gpu_ready = open_ahead(device)
         try:
-            proto, pending_digest = _load(model)
+            proto, pending_digest = model_file.load(model)
             try:
                 base_dir = os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
-                constants, constants_error = _read_initializers(proto, base_dir), None
+                constants, constants_error = model_file.read_initializers(proto, base_dir), None
             except ExecutorError as e:  # said after onnx.checker, whose message names the fault better
                 constants, constants_error = {}, e
             digest = pending_digest()
@@ -954,134 +952,6 @@ def _by_profile(decisions: Iterable[Sequence[annotation.ConvDecision]]) -> list[
     """Every node's decisions, the first profile's (in node order) first."""
     columns = list(decisions)
     return [ds[i] for i in range(max(map(len, columns), default=0)) for ds in columns if i < len(ds)]
-
-
-def _load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
-    """The model, and a function that returns the SHA-256 of its file's bytes (None when it was
-    given as a ModelProto). The hash is computed on a thread of its own (hashlib lets go of the GIL
-    on large buffers: 0.05-0.1 s for 100 MB), beside the parse and whatever the caller does before
-    it asks for it."""
-    if isinstance(model, onnx.ModelProto):
-        return _no_external_tensors(model), lambda: None
-    if isinstance(model, (bytes, bytearray)):
-        try:
-            proto = onnx.load_from_string(bytes(model))
-        except Exception as e:  # noqa: BLE001
-            raise ExecutorError(f"cannot parse the model bytes: {e}") from None
-        return _no_external_tensors(proto), lambda: hashlib.sha256(model).hexdigest()
-    if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        if not os.path.exists(path):
-            raise ExecutorError(f"model file not found: {path}")
-        try:
-            with open(path, "rb") as f:  # read once: parsed and hashed from the same bytes
-                data = f.read()
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256")
-            digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
-            pool.shutdown(wait=False)  # its one job runs on
-            proto = onnx.load_from_string(data)
-            # the graph's initializers stay in their external file (_read_initializers maps them);
-            # every other tensor stored outside (a Constant's value, a sub-graph's initializer) is
-            # read in, as onnx.load does, so the model's other readers never meet a file reference
-            base_dir = os.path.dirname(os.path.abspath(path))
-            for t in _tensors_besides_initializers(proto):
-                if onnx.external_data_helper.uses_external_data(t):
-                    onnx.external_data_helper.load_external_data_for_tensor(t, base_dir)
-                    t.data_location = onnx.TensorProto.DEFAULT  # onnx before 1.23 left these to its caller
-                    del t.external_data[:]
-        except Exception as e:  # noqa: BLE001
-            raise ExecutorError(f"cannot load {path}: {e}") from None
-        return proto, digest.result
-    raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
-
-
-def _no_external_tensors(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """``proto``, given without a path: a tensor besides the initializers (which
-    :func:`_read_initializers` refuses with its name) stored in an external file has no folder to
-    be found in (onnx would look in the working one)."""
-    for t in _tensors_besides_initializers(proto):
-        if onnx.external_data_helper.uses_external_data(t):
-            raise ExecutorError(f"tensor {t.name!r} is stored in an external file, and the model was not given as a path to find it by")
-    return proto
-
-
-def _tensors_besides_initializers(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor of the model but the main graph's initializers: node attributes' tensors and
-    sub-graphs' initializers, at any depth, in the graph and in the model's functions."""
-
-    def in_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
-        for node in nodes:
-            for a in node.attribute:
-                if a.HasField("t"):
-                    yield a.t
-                yield from a.tensors
-                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    yield from g.initializer
-                    yield from in_nodes(g.node)
-
-    yield from in_nodes(proto.graph.node)
-    for f in proto.functions:
-        yield from in_nodes(f.node)
-
-
-# element types whose external data is mapped as it lies on disk (little-endian, one element per
-# item); the rest (strings, packed 4-bit / 2-bit / 6-bit, ml_dtypes' floats) are read by onnx
-_MAPPABLE = frozenset({
-    onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BOOL,
-    onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
-    onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
-})
-
-
-def _read_initializers(proto: onnx.ModelProto, base_dir: str | None = None) -> dict[str, np.ndarray]:
-    """The initializers as arrays. One stored as external data (the file beside the model,
-    ``base_dir``) is memory-mapped copy on write (:func:`_map_external`): no copy of the weights
-    is made in host memory before they go where they are used, and nothing the executor does to an
-    array reaches the file. The file stays mapped while the executor (or an array of it) lives:
-    replace it by a new file (as convpass writes models: a rename), never cut it short in place,
-    which makes a later read of the lost pages end the process (SIGBUS)."""
-    constants: dict[str, np.ndarray] = {}
-    for t in proto.graph.initializer:
-        try:
-            if onnx.external_data_helper.uses_external_data(t):
-                if base_dir is None:
-                    raise ValueError("its data is in an external file, and the model was not given as a path to find it by")
-                constants[t.name] = _map_external(t, base_dir)
-            else:
-                constants[t.name] = numpy_helper.to_array(t)
-        except Exception as e:  # noqa: BLE001
-            raise ExecutorError(f"cannot read initializer {t.name!r}: {e}") from None
-    return constants
-
-
-def _map_external(t: onnx.TensorProto, base_dir: str) -> np.ndarray:
-    """``t``'s external data as a copy-on-write memory map (what onnx reads for the types it
-    cannot map). The file must lie under ``base_dir`` (as onnx requires: no absolute location, no
-    way out through ``..`` or a link) and hold the bytes the tensor's shape needs."""
-    if t.data_type not in _MAPPABLE or not np.little_endian:
-        return numpy_helper.to_array(t, base_dir)
-    info = onnx.external_data_helper.ExternalDataInfo(t)
-    root = os.path.realpath(base_dir)
-    path = os.path.realpath(os.path.join(root, info.location))
-    if not info.location or os.path.isabs(info.location) or os.path.commonpath([root, path]) != root:
-        raise ValueError(f"external data location {info.location!r} is outside the model's folder")
-    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
-    dims = tuple(int(d) for d in t.dims)
-    nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    offset = info.offset or 0
-    if info.length is not None and info.length != nbytes:
-        raise ValueError(f"external data length {info.length} is not the {nbytes} bytes of shape {list(dims)} {dtype.name}")
-    size = os.path.getsize(path)
-    if offset + nbytes > size:
-        raise ValueError(f"external data file {info.location!r} holds {size} bytes, fewer than offset {offset} + {nbytes}")
-    if nbytes == 0:
-        return np.empty(dims, dtype)
-    if offset % dtype.alignment:  # onnx packs small tensors unaligned: a copy, aligned for whoever reads it
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return np.frombuffer(f.read(nbytes), dtype=dtype).reshape(dims).copy()
-    # a plain array over the map (which it keeps open): results computed from it are plain arrays too
-    return np.memmap(path, dtype=dtype, mode="c", offset=offset, shape=dims or (1,)).view(np.ndarray).reshape(dims)
 
 
 def _kernel_file(model: Any, digest: str | None, kernels: Any) -> tuple[kernel_file.KernelFile | None, str]:
