@@ -42,10 +42,10 @@ import onnx.external_data_helper
 import onnx.inliner
 
 from convpass import annotation, kernel_file
+from convpass.runtime import model_file
 from convpass.runtime.backends import Backend, host_backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.devices import get_backend, open_ahead
-from convpass.runtime import model_file
 from convpass.runtime.errors import ExecutorError
 from convpass.runtime.plan import ConvSummary, GraphStatus, Plan, PlanStep, store_outputs, unshare_outputs
 from convpass.runtime.registry import (
@@ -300,8 +300,7 @@ class Executor:
         try:
             proto, pending_digest = model_file.load(model)
             try:
-                base_dir = os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
-                constants, constants_error = model_file.read_initializers(proto, base_dir), None
+                constants, constants_error = model_file.read_initializers(proto, model_file.folder(model)), None
             except ExecutorError as e:  # said after onnx.checker, whose message names the fault better
                 constants, constants_error = {}, e
             digest = pending_digest()

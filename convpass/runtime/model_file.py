@@ -26,7 +26,12 @@ from onnx import numpy_helper
 
 from convpass.runtime.errors import ExecutorError
 
-__all__ = ["load", "read_initializers"]
+__all__ = ["folder", "load", "read_initializers"]
+
+
+def folder(model: Any) -> str | None:
+    """The folder external data is found in: the model file's, or None for a model not given as a path."""
+    return os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
 
 
 def load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
@@ -56,10 +61,9 @@ def load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
             # the graph's initializers stay in their external file (read_initializers maps them);
             # every other tensor stored outside (a Constant's value, a sub-graph's initializer) is
             # read in, as onnx.load does, so the model's other readers never meet a file reference
-            base_dir = os.path.dirname(os.path.abspath(path))
             for t in _tensors_besides_initializers(proto):
                 if onnx.external_data_helper.uses_external_data(t):
-                    onnx.external_data_helper.load_external_data_for_tensor(t, base_dir)
+                    onnx.external_data_helper.load_external_data_for_tensor(t, folder(path))
                     t.data_location = onnx.TensorProto.DEFAULT  # onnx before 1.23 left these to its caller
                     del t.external_data[:]
         except Exception as e:  # noqa: BLE001
