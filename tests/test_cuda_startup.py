@@ -125,28 +125,6 @@ def test_prefetch_asks_each_recorded_legacy_algorithm_once_on_a_thread_of_its_ow
     assert convs.workspace_bytes(ProblemKey.parse(_key(3)), "implicit_gemm") == 1003 and len(asked) == 3
 
 
-def test_a_measured_decision_s_recorded_workspace_is_read_not_asked(fake_cudnn):
-    asked, handles = fake_cudnn
-    D = annotation.ConvDecision
-    convs = _convs()
-    convs.prefetch_workspaces([
-        D(algo="implicit_gemm", problem_key=_key(3), source="measure", workspace_bytes=4096),
-        D(algo="gemm", problem_key=_key(3), source="forced", workspace_bytes=0),
-        D(algo="implicit_gemm", problem_key=_key(4), source="heuristic", workspace_bytes=4096),  # cuDNN's perf field, not the query
-        D(algo="implicit_gemm", problem_key=_key(5), source="measure", workspace_bytes=None),  # not recorded
-        D(algo="implicit_gemm", problem_key=_key(6), source="measure", workspace_bytes=8192, engine="eng0"),  # the engine's workspace
-    ])
-    common.join_helpers()
-    assert sorted((k, a) for k, a, _, _ in asked) == [(_key(4), "implicit_gemm"), (_key(5), "implicit_gemm"), (_key(6), "implicit_gemm")]
-    assert convs.workspace_bytes(ProblemKey.parse(_key(3)), "implicit_gemm") == 4096
-    assert convs.workspace_bytes(ProblemKey.parse(_key(3)), "gemm") == 0
-    assert convs.workspace_bytes(ProblemKey.parse(_key(6)), "implicit_gemm") == 1006 and len(asked) == 3
-    # on another GPU the heuristic runs: nothing is read or asked
-    convs = _convs(recorded_device="NVIDIA H100 80GB HBM3|sm_90", current_device="NVIDIA H200|sm_90")
-    convs.prefetch_workspaces([D(algo="implicit_gemm", problem_key=_key(3), source="measure", workspace_bytes=4096)])
-    assert convs._workspace_bytes == {} and convs._prefetch is None
-
-
 def test_no_prefetch_for_a_model_tuned_on_another_gpu_or_with_nothing_to_ask(fake_cudnn):
     asked, handles = fake_cudnn
     D = annotation.ConvDecision

@@ -95,10 +95,6 @@ ENGINE_COMPILATIONS: list[str] = []
 HEURISTIC_WORKSPACE_LIMIT = 512 << 20
 
 REFERENCE = "reference"  # exec marker: run the CuPy reference kernel
-# Decisions whose recorded workspace is cuDNN's own answer to the workspace query for that problem
-# and legacy algorithm, asked by the tuner (its "measure" rows) on the GPU and cuDNN the model's
-# table is for: on that device the executor reads it instead of asking again.
-RECORDED_WORKSPACE_SOURCES = ("measure", "forced")
 
 
 @dataclasses.dataclass
@@ -155,15 +151,6 @@ def _same_device(recorded: str, current: Any) -> bool:
         return recorded.strip() == str(current)
 
 
-def _recorded_workspace(d: annotation.ConvDecision) -> int | None:
-    """The workspace ``d`` records for its legacy algorithm when that is cuDNN's answer to the
-    tuner's query, else None. A decision that chose a graph-API engine records the engine's
-    workspace: its legacy algorithm (the fallback) is asked."""
-    if d.engine or d.source not in RECORDED_WORKSPACE_SOURCES or d.workspace_bytes is None or d.workspace_bytes < 0:
-        return None
-    return int(d.workspace_bytes)
-
-
 class Convolutions:
     """The conv state of one backend: descriptors, resolved executions, converted weights, the
     workspace arena. ``rt`` is the backend: ``cp``, ``device_id``, ``fuse``, ``counters``, ``is_constant(a)``,
@@ -212,17 +199,14 @@ class Convolutions:
         return ws
 
     def prefetch_workspaces(self, decisions: Iterable[annotation.ConvDecision]) -> None:
-        """The workspace of every recorded legacy algorithm, ahead of the plan, into the memo
-        :meth:`workspace_bytes` reads. A decision that records the tuner's own answer
-        (:data:`RECORDED_WORKSPACE_SOURCES`; this is the GPU and cuDNN it was tuned on, else the
-        heuristic runs instead) is read, not asked: sampled in a fresh ResNet-50 process on an
-        H200, the plan's thread spent 0.23 s in these queries while the helper asked the same
-        ones (cuDNN readies an algorithm family on its first query). The rest are asked on a
-        helper thread with a cuDNN handle of its own (ctypes lets go of the GIL), beside the plan's
-        op-by-op Python; one not answered yet is asked by the plan itself (the same answer), and
-        one cuDNN refuses is left for the plan to meet and report. Every capture waits for the
-        helper (:func:`~.common.quiet_for_capture`: no CUDA call of another thread may fall inside
-        a capture)."""
+        """Ask cuDNN the workspace of every recorded legacy algorithm ahead of the plan, on a helper
+        thread with a cuDNN handle of its own. A fresh process's first query of an algorithm family
+        costs 0.05-0.13 s on an H200 (cuDNN readies its kernels then; ctypes lets go of the GIL),
+        so these run beside the plan's op-by-op Python instead of inside it. Answers fill the memo
+        :meth:`workspace_bytes` reads; one not there yet is asked by the plan itself (the same
+        answer), and one cuDNN refuses is left for the plan to meet and report. Every capture waits
+        for the helper (:func:`~.common.quiet_for_capture`: no CUDA call of another thread may fall
+        inside a capture)."""
         if self.device_mismatch:  # the heuristic runs instead of the recorded algorithms
             return
         wanted: dict[tuple[ProblemKey, str], None] = {}
@@ -233,12 +217,7 @@ class Convolutions:
                 key = ProblemKey.parse(d.problem_key)
             except ValueError:
                 continue  # said by the plan, which cannot run it either
-            if (key, d.algo) in self._workspace_bytes:
-                continue
-            recorded = _recorded_workspace(d)
-            if recorded is not None:
-                self._workspace_bytes[(key, d.algo)] = recorded
-            else:
+            if (key, d.algo) not in self._workspace_bytes:
                 wanted[(key, d.algo)] = None
         if not wanted:
             return
