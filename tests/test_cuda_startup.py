@@ -156,3 +156,60 @@ def test_the_first_profiles_decisions_come_first():
     c = (D(algo="c1"), D(algo="c2"), D(algo="c3"))
     assert [d.algo for d in _by_profile([a, b, c])] == ["a1", "b1", "c1", "a2", "c2", "c3"]
     assert _by_profile([]) == []
+
+
+def _bare_backend(allow_tf32: bool = True, epilogues: bool = True):
+    from convpass.runtime.cuda.backend import CudaBackend
+
+    rt = object.__new__(CudaBackend)  # no GPU here: only what ready_libraries and blas() read
+    rt.cp, rt._device = types.SimpleNamespace(), contextlib.nullcontext()
+    rt._blas, rt._blas_ahead, rt.capturing = None, None, False
+    rt._allow_tf32, rt.matmul_epilogues, rt._warned, rt.notes = allow_tf32, epilogues, set(), []
+    return rt
+
+
+class _FakeBlas:
+    made: list[tuple[str, object]] = []
+    fail_warm = False
+
+    def __init__(self, cupy) -> None:
+        self.thread = threading.current_thread().name
+        _FakeBlas.made.append(("made", self.thread))
+
+    def warm(self, allow_tf32: bool, epilogues: bool) -> None:
+        _FakeBlas.made.append(("warm", (allow_tf32, epilogues, threading.current_thread().name)))
+        if _FakeBlas.fail_warm:
+            raise RuntimeError("cuBLAS status 3")
+
+
+@pytest.fixture
+def fake_blas(monkeypatch):
+    from convpass.runtime.cuda import blas
+
+    monkeypatch.setattr(blas, "Blas", _FakeBlas)
+    _FakeBlas.made, _FakeBlas.fail_warm = [], False
+    yield _FakeBlas
+    common.join_helpers()
+
+
+def test_cublas_is_made_and_warmed_on_a_helper_thread_for_a_model_with_matmul(fake_blas):
+    rt = _bare_backend(allow_tf32=False, epilogues=True)
+    rt.ready_libraries({"Conv", "Relu", "Gemm"})
+    made = rt.blas()  # waits for the helper
+    assert isinstance(made, _FakeBlas) and made.thread == "convpass-cublas"
+    assert fake_blas.made == [("made", "convpass-cublas"), ("warm", (False, True, "convpass-cublas"))]
+    rt.ready_libraries({"MatMul"})  # made already: nothing more
+    assert rt.blas() is made and len(fake_blas.made) == 2
+
+
+def test_no_cublas_ahead_for_a_model_without_matmul_and_a_failure_ahead_is_met_again_by_the_plan(fake_blas):
+    rt = _bare_backend()
+    rt.ready_libraries({"Conv", "Relu", "GlobalAveragePool"})
+    assert rt._blas_ahead is None and fake_blas.made == []
+    fake_blas.fail_warm = True
+    rt.ready_libraries({"MatMul"})
+    rt._blas_ahead.join()
+    assert rt._blas is None  # the helper's failure is not kept: blas() makes it again and says so
+    fake_blas.fail_warm = False
+    made = rt.blas()
+    assert made.thread == threading.current_thread().name

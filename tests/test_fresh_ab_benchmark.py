@@ -78,3 +78,43 @@ def test_a_failed_child_is_recorded_and_the_runs_go_on(monkeypatch, case):
     records = fresh_ab.run([("a", REPO), ("b", REPO / "convpass")], [case], runs=2, device="cpu", timeout=10, log=lambda s: None)
     assert [r["reason"] for r in records["m.b1"]["a"]] == ["exit status 1: boom"] * 2
     assert fresh_ab.table(records)[0].endswith("no run succeeded  2 failed")
+
+
+def test_onnx_runtime_configurations_run_in_the_rotation_on_the_original_model(tmp_path, case):
+    seen: list[str] = []
+    name, model, inputs = case
+    records = fresh_ab.run([("new", REPO)], [fresh_ab.Case(name, model, inputs, model)], runs=2, device="cpu", timeout=120,
+                           log=seen.append, ort=["HEURISTIC-nchw"])
+    ort = records["m.b1"]["ort:HEURISTIC-nchw"]
+    assert [r["status"] for r in ort] == ["ok", "ok"] and all(r["parts"]["total_s"] > 0 for r in ort)
+    assert [s.split(":")[0] for s in seen if s.startswith("run")] == [
+        "run 1/2 m.b1 new", "run 1/2 m.b1 ort", "run 2/2 m.b1 ort", "run 2/2 m.b1 new"]
+    with pytest.raises(ValueError, match="original model"):
+        fresh_ab.run([("new", REPO)], [case], runs=1, device="cpu", timeout=10, log=lambda s: None, ort=["HEURISTIC-nchw"])
+
+
+def _records(totals: dict[str, list[float | None]]) -> dict[str, list[dict]]:
+    return {name: [fresh.record("ok", parts={"total_s": t}) if t is not None else fresh.record("failed", "boom") for t in ts]
+            for name, ts in totals.items()}
+
+
+def test_the_targets_are_judged_on_medians_against_onnx_runtime_s_fastest_configuration():
+    records = {
+        "a.b1": _records({"new": [0.9, 1.0, 0.8], "ort:HEURISTIC-nchw": [1.2, 1.0, 1.1], "ort:HEURISTIC-nhwc": [0.95, 0.95, 0.95],
+                          "ort:EXHAUSTIVE-nchw": [2.0, 2.0, 2.0]}),
+        "b.b1": _records({"new": [0.6, 0.6, 0.6], "ort:HEURISTIC-nchw": [1.0, 1.0, 1.0], "ort:HEURISTIC-nhwc": [1.0, 1.0, 1.0],
+                          "ort:EXHAUSTIVE-nchw": [1.5, 1.5, 1.5]}),
+    }
+    lines = fresh_ab.targets(records)
+    assert lines[0].startswith("a.b1") and "0.95x ONNX Runtime HEURISTIC (0.950 s, HEURISTIC-nhwc)" in lines[0]
+    assert "0.45x EXHAUSTIVE (2.000 s, EXHAUSTIVE-nchw)" in lines[0]
+    # 0.45x and 0.40x: geometric mean 0.42x
+    assert lines[-1] == ("new: at or below ONNX Runtime HEURISTIC in every case: met (2 of 2); "
+                         "at most 0.5x EXHAUSTIVE, geometric mean: met (0.42x)")
+    records["b.b1"]["new"] = _records({"x": [1.1, 1.1, None]})["x"]  # above HEURISTIC, one failure
+    assert fresh_ab.targets(records)[-1] == ("new: at or below ONNX Runtime HEURISTIC in every case: not met (1 of 2); "
+                                             "at most 0.5x EXHAUSTIVE, geometric mean: not met (0.57x)")
+    records["b.b1"]["ort:EXHAUSTIVE-nchw"] = _records({"x": [None]})["x"]
+    lines = fresh_ab.targets(records)
+    assert "not measured" in lines[1] and lines[-1].startswith("new: at or below ONNX Runtime HEURISTIC in every case: not met (1 of 1, 1 case(s) not measured)")
+    assert fresh_ab.targets({"a.b1": _records({"old": [1.0], "new": [1.0]})}) == []  # no ONNX Runtime: no verdicts

@@ -372,3 +372,17 @@ def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, gr
     assert compiled == [path, path]
     _write_kernels(path, False, console)  # --no-kernels: no side-car left that could mismatch
     assert not kernel_file.sidecar_path(path).exists()
+
+
+def test_kernel_key_hashes_cupy_s_header_source_once(monkeypatch):
+    import hashlib
+
+    headers = "// CuPy's headers\n" * 20000  # the same string with every kernel
+    key = prebuilt.kernel_key("src", (), {"extra_source": headers}, "14.2.0")
+    hashed: list[int] = []
+    real = hashlib.sha256
+    monkeypatch.setattr(prebuilt.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real(data))
+    again = [prebuilt.kernel_key(f"src{i}", (), {"extra_source": headers}, "14.2.0") for i in range(3)]
+    assert max(hashed) < len(headers)  # the sources and the key document, never the headers again
+    assert prebuilt.kernel_key("src", (), {"extra_source": headers}, "14.2.0") == key and len(set(again)) == 3
+    assert key != prebuilt.kernel_key("src", (), {"extra_source": headers + " "}, "14.2.0")

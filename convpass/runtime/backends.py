@@ -95,6 +95,12 @@ class Backend:
         asks cuDNN their workspaces on a helper thread)."""
         return None
 
+    def ready_libraries(self, op_types: Iterable[str]) -> None:
+        """Called once by the executor with the op types of the model's graph, before any plan: a
+        backend may ready the libraries they need meanwhile (the cuda one makes cuBLAS ready on a
+        helper thread for MatMul / Gemm)."""
+        return None
+
     def warm_up(self, plan: Plan, feeds: dict[str, Any]) -> None:
         """Do a compiled plan's first-run work now (e.g. warm-up and CUDA-graph capture), for
         :meth:`Executor.prepare`; nothing when the plan has none left."""

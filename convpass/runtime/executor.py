@@ -294,8 +294,9 @@ class Executor:
         self.output_kind = output_kind or "auto"
         self.cuda_graph = bool(cuda_graph)
         # A fresh process's GPU set-up (CUDA, the context, cuDNN: 0.3-0.5 s) runs on helper threads
-        # while the model is read; the initializers are converted while the file's hash is computed
-        # (hashlib lets go of the GIL). Nothing here touches the GPU before the wait.
+        # while the model and its kernel side-car are read; the initializers are converted while the
+        # file's hash is computed (hashlib and zlib let go of the GIL). Nothing here touches the GPU
+        # before the wait.
         gpu_ready = open_ahead(device)
         try:
             proto, pending_digest = model_file.load(model)
@@ -304,11 +305,11 @@ class Executor:
             except ExecutorError as e:  # said after onnx.checker, whose message names the fault better
                 constants, constants_error = {}, e
             digest = pending_digest()
+            self.kernel_file, why = _kernel_file(model, digest, kernels)
         finally:
             gpu_ready()
         self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
         self.device = self._backend.name
-        self.kernel_file, why = _kernel_file(model, digest, kernels)
         self.trusted = self.kernel_file is not None and self.kernel_file.verified and digest is not None
         self._backend.use_kernels(self.kernel_file, why)
         if check_model and not self.trusted:
@@ -325,6 +326,7 @@ class Executor:
         except annotation.AnnotationError as e:
             raise ExecutorError(str(e)) from None
         self._backend.bind_model(self.model_info)
+        self._backend.ready_libraries({n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")})
         # decisions by node name (the key annotation.read_node uses)
         self._decisions: dict[str, tuple[annotation.ConvDecision, ...]] = {
             ann.node_name: ann.decisions for ann in annotations

@@ -44,7 +44,7 @@ import numpy as np
 from convpass.runtime.backends import Backend
 from convpass.runtime.conv import ConvCall
 from convpass.runtime.cuda import lowering, prebuilt, runner
-from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, device_index, unavailable_reason
+from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, device_index, start_helper, unavailable_reason
 from convpass.cudnn.graph_api import FUSIONS
 from convpass.runtime.cuda.convolution import ENGINE_BUILD_NOTE_S, Convolutions, fusion_counter
 from convpass.runtime.errors import ExecutorError
@@ -126,6 +126,7 @@ class CudaBackend(Backend):
         self._allow_tf32 = False
         self._tf32_now = False
         self._blas: Any = None  # blas.Blas, False when it cannot be loaded
+        self._blas_ahead: Any = None  # the helper thread that makes it ahead (ready_libraries)
         self._erf_kernel: Any = None
         self.recorded_device = ""
         self.current_device: Any = None
@@ -389,9 +390,33 @@ class CudaBackend(Backend):
             raise CaptureBreak(f"a matmul of shapes {getattr(a, 'shape', '?')} @ {getattr(b, 'shape', '?')} needs cupy.matmul, which cannot be captured")
         return cp.matmul(a, b, *args, **kwargs)
 
+    def ready_libraries(self, op_types: Any) -> None:
+        """cuBLAS made ahead, on a helper thread, for a model with MatMul or Gemm: the handle, its
+        workspace and a first small product (:meth:`.blas.Blas.warm`) cost a fresh process about
+        0.1 s of ctypes calls, which let go of the GIL while the executor goes on reading the model
+        and building its plan. A failure there is left for :meth:`blas` to meet and report."""
+        if self._blas is not None or self._blas_ahead is not None or not {"MatMul", "Gemm"} & set(op_types):
+            return
+        from convpass.runtime.cuda import blas
+
+        def make() -> None:
+            try:
+                with self._device:
+                    made = blas.Blas(self.cp)
+                    made.warm(self._allow_tf32, self.matmul_epilogues)
+                self._blas = made
+            except Exception as e:  # noqa: BLE001
+                logger.debug("cuBLAS ahead of time failed (%s); it is made again when needed", e)
+
+        self._blas_ahead = start_helper(make, "convpass-cublas")
+
     def blas(self) -> Any:
-        """The backend's :class:`.blas.Blas` (created on first use, never during capture), or False
-        when cuBLAS cannot be called directly (noted once)."""
+        """The backend's :class:`.blas.Blas` (created on first use, or ahead by
+        :meth:`ready_libraries`; never during capture), or False when cuBLAS cannot be called
+        directly (noted once)."""
+        if self._blas_ahead is not None:
+            self._blas_ahead.join()
+            self._blas_ahead = None
         if self._blas is None:
             if self.capturing:
                 raise CaptureBreak("cuBLAS handle created during capture")

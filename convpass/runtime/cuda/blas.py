@@ -387,6 +387,16 @@ class Blas:
         self.calls += 1
         return out
 
+    def warm(self, allow_tf32: bool, epilogues: bool) -> None:
+        """One small product through each path the plans will take (cuBLAS, and cuBLASLt with a
+        bias epilogue), finished: a fresh process's first cuBLAS call readies the library (about
+        0.05 s on an H200), which a helper thread then pays instead of the plan's."""
+        a = self.cp.zeros((64, 64), dtype=np.float32)
+        self.matmul(a, a, allow_tf32)
+        if epilogues:
+            self.matmul_epilogue(a, a, allow_tf32, bias=self.cp.zeros((64,), dtype=np.float32))
+        self.cp.cuda.get_current_stream().synchronize()
+
     # ------------------------------------------------------------------ cuBLASLt epilogues
 
     def _get_lt(self) -> Any:
