@@ -1,4 +1,5 @@
-"""convpass's fresh-process start under two (or more) source trees, interleaved on one machine.
+"""convpass's fresh-process start under two (or more) source trees, interleaved on one machine,
+and beside it ONNX Runtime's configurations on the original models.
 
 A change to start-up is judged against the tree before it, in the same call on the same machine:
 single fresh processes vary by about +-0.15 s on an H200, more than most start-up changes move.
@@ -17,15 +18,27 @@ child per tree first writes its bytecode. A child that fails is recorded and the
     python benchmarks/fresh_ab.py --tree old=/tmp/old --tree new=. \\
         --case resnet50.b1=tuned/resnet50.tuned.onnx,in1.npz [--case ...] [--runs 6] [--device cuda] [--json ab.json]
 
-Prints per case and tree the median of each part and the total, with every run's total; the
-runs go round-robin (run 1 of every case and tree, then run 2, ...), the trees' order reversed
-every other run (A B, B A, ...), so drift falls on all alike.
+With ``--ort CONFIG`` (``HEURISTIC-nchw``, ``HEURISTIC-nhwc``, ``EXHAUSTIVE-nchw``,
+``EXHAUSTIVE-nhwc``; repeatable) ONNX Runtime's fresh child (the bench's, its CUDA EP in that
+configuration) runs each case's original model, given as the case's third path, as one more
+contender in the same rotation; it imports the bench's child module from the last tree. Issue 10's
+two start-up targets are then judged for each tree, on the medians: at or below ONNX Runtime
+HEURISTIC's fastest configuration in every case, and at most 0.5x EXHAUSTIVE's fastest, geometric
+mean over the cases.
+
+    python benchmarks/fresh_ab.py --tree old=/tmp/old --tree new=. --ort HEURISTIC-nchw --ort EXHAUSTIVE-nchw \\
+        --case resnet50.b1=tuned/resnet50.tuned.onnx,in1.npz,panel/resnet50.onnx [...]
+
+Prints per case and contender the median of each part and the total, with every run's total; the
+runs go round-robin (run 1 of every case and contender, then run 2, ...), the contenders' order
+reversed every other run (A B, B A, ...), so drift falls on all alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,9 +46,19 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from convpass.bench import fresh
+from convpass.bench import fresh, peers
+
+ORT_LABELS = tuple(peers.ort_label(c) for c in peers.ort_configs(True))
+ORT_PREFIX = "ort:"
+
+
+class Case(NamedTuple):
+    name: str
+    model: Path  # the tuned model (its .kernels side-car beside it)
+    inputs: Path
+    original: Path | None = None  # the model before tuning: what ONNX Runtime runs
 
 
 def _pair(text: str, what: str) -> tuple[str, str]:
@@ -49,8 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fresh_ab.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", action="append", required=True, type=lambda t: _pair(t, "--tree"), metavar="NAME=FOLDER",
                    help="a source tree: the folder that holds its convpass package (twice or more)")
-    p.add_argument("--case", action="append", required=True, type=lambda t: _pair(t, "--case"), metavar="NAME=MODEL,INPUTS.npz",
-                   help="a tuned model (its .kernels side-car beside it) and its inputs")
+    p.add_argument("--case", action="append", required=True, type=lambda t: _pair(t, "--case"), metavar="NAME=MODEL,INPUTS.npz[,ORIGINAL]",
+                   help="a tuned model (its .kernels side-car beside it), its inputs, and for --ort the original model")
+    p.add_argument("--ort", action="append", default=[], choices=ORT_LABELS, metavar="CONFIG",
+                   help="an ONNX Runtime CUDA EP configuration to run on each case's original model: " + ", ".join(ORT_LABELS))
     p.add_argument("--runs", type=int, default=6, help="measured children per case and tree (default 6)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a child may take (default 300)")
@@ -86,32 +111,43 @@ def _check_tree(tree: Path, work: str, timeout: float) -> None:
                            + ", ".join(f"{n} ({f})" for n, f in sorted(outside.items())))
 
 
-def run(trees: Sequence[tuple[str, Path]], cases: Sequence[tuple[str, Path, Path]], runs: int, device: str,
-        timeout: float, log=print) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every case under every tree ``runs`` times, round-robin, the trees' order reversed every
-    other run; ``{case: {tree: [record, ...]}}`` (a failed child's record has status "failed").
-    Raises RuntimeError when a tree's processes import convpass from elsewhere."""
+def run(trees: Sequence[tuple[str, Path]], cases: Sequence[Sequence[Any]], runs: int, device: str,
+        timeout: float, log=print, ort: Sequence[str] = ()) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every case under every tree (and every ONNX Runtime configuration of ``ort``, on the case's
+    original model) ``runs`` times, round-robin, the contenders' order reversed every other run;
+    ``{case: {contender: [record, ...]}}``, ONNX Runtime's contenders named ``ort:CONFIG`` (a
+    failed child's record has status "failed"). ``cases``: :class:`Case` or its fields. Raises
+    RuntimeError when a tree's processes import convpass from elsewhere."""
     trees = [(name, Path(tree).resolve()) for name, tree in trees]
-    records: dict[str, dict[str, list[dict[str, Any]]]] = {c: {t: [] for t, _ in trees} for c, _, _ in cases}
+    cases = [Case(*c) for c in cases]
+    if ort and any(c.original is None for c in cases):
+        raise ValueError("ONNX Runtime's contenders need every case's original model")
+    contenders = [(name, tree, None) for name, tree in trees] + [(ORT_PREFIX + config, trees[-1][1], config) for config in ort]
+    records: dict[str, dict[str, list[dict[str, Any]]]] = {c.name: {name: [] for name, _, _ in contenders} for c in cases}
     with tempfile.TemporaryDirectory(prefix="fresh-ab-") as work:
-        def child(tree: Path, model: Path, inputs: Path, write_bytecode: bool = False) -> dict[str, Any]:
-            cmd = fresh.child_command("convpass", model, inputs, device=device)
+        def child(tree: Path, config: str | None, case: Case, write_bytecode: bool = False) -> dict[str, Any]:
+            if config is None:
+                cmd = fresh.child_command("convpass", case.model, case.inputs, device=device)
+            else:
+                cmd = fresh.child_command("ort", case.original, case.inputs, device=device, config=config)
             rec = fresh.spawn(cmd, timeout, work, write_bytecode=write_bytecode, env={"PYTHONPATH": _pythonpath(tree)}, cwd=work)
-            if rec["status"] == "ok" and rec.get("module") is not None and not _under(rec["module"], tree):
+            if config is None and rec["status"] == "ok" and rec.get("module") is not None and not _under(rec["module"], tree):
                 raise RuntimeError(f"the child for {tree} imported convpass from {rec['module']}, not from {tree}")
             return rec
 
         for name, tree in trees:
             _check_tree(tree, work, timeout)
-            rec = child(tree, cases[0][1], cases[0][2], write_bytecode=True)
-            log(f"{name}: imports checked, bytecode written ({tree})" + ("" if rec["status"] == "ok" else f"; the run failed: {rec['reason']}"))
+        for name, tree, config in contenders[: len(trees) + min(len(ort), 1)]:  # ONNX Runtime's Python: once
+            rec = child(tree, config, cases[0], write_bytecode=True)
+            done = "imports checked, bytecode written" if config is None else "bytecode written"
+            log(f"{name}: {done} ({tree})" + ("" if rec["status"] == "ok" else f"; the run failed: {rec['reason']}"))
         for i in range(runs):
-            for case, model, inputs in cases:
-                for name, tree in (trees if i % 2 == 0 else trees[::-1]):
-                    rec = child(tree, model, inputs)
-                    records[case][name].append(rec)
+            for case in cases:
+                for name, tree, config in (contenders if i % 2 == 0 else contenders[::-1]):
+                    rec = child(tree, config, case)
+                    records[case.name][name].append(rec)
                     said = f"{rec['parts']['total_s']:.3f} s" if rec["status"] == "ok" else f"failed: {rec['reason']}"
-                    log(f"run {i + 1}/{runs} {case} {name}: {said}")
+                    log(f"run {i + 1}/{runs} {case.name} {name}: {said}")
     return records
 
 
@@ -129,12 +165,58 @@ def table(records: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
             failed = len(recs) - len(parts)
             tail = f"  {failed} failed" if failed else ""
             if not parts:
-                lines.append(f"{case:24s} {tree:8s} no run succeeded{tail}")
+                lines.append(f"{case:24s} {tree:19s} no run succeeded{tail}")
                 continue
             med = {k: statistics.median(vals) for k in fresh.PART_KEYS if (vals := [p[k] for p in parts if p.get(k) is not None])}
             shown = " ".join(f"{k[:-2]}={v:.3f}" for k, v in med.items() if k != "total_s")
             totals = ", ".join(f"{p['total_s']:.3f}" for p in parts)
-            lines.append(f"{case:24s} {tree:8s} total median {med['total_s']:.3f} s  ({shown})  runs [{totals}]{tail}")
+            lines.append(f"{case:24s} {tree:19s} total median {med['total_s']:.3f} s  ({shown})  runs [{totals}]{tail}")
+    return lines
+
+
+def _median_total(recs: Sequence[dict[str, Any]]) -> float | None:
+    totals = [r["parts"]["total_s"] for r in recs if r["status"] == "ok"]
+    return statistics.median(totals) if totals else None
+
+
+def _fastest(by_contender: dict[str, list[dict[str, Any]]], search: str) -> tuple[float, str] | None:
+    """The fastest median of ONNX Runtime's configurations of ``search``, and its name."""
+    found = [(m, name) for name, recs in by_contender.items()
+             if name.startswith(ORT_PREFIX + search + "-") and (m := _median_total(recs)) is not None]
+    return min(found) if found else None
+
+
+def targets(records: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    """Issue 10's two start-up targets for each tree against ONNX Runtime's contenders, on the
+    medians: per case the ratios to HEURISTIC's and EXHAUSTIVE's fastest configuration, then the
+    verdicts (a case without a median on either side is "not measured" there)."""
+    some = next(iter(records.values()), {})
+    trees = [name for name in some if not name.startswith(ORT_PREFIX)]
+    if len(trees) == len(some):
+        return []
+    lines = []
+    for tree in trees:
+        vs_heuristic: list[float] = []
+        vs_exhaustive: list[float] = []
+        missing = 0
+        for case, by_contender in records.items():
+            mine, heuristic, exhaustive = _median_total(by_contender[tree]), _fastest(by_contender, "HEURISTIC"), _fastest(by_contender, "EXHAUSTIVE")
+            if mine is None or heuristic is None or exhaustive is None:
+                missing += 1
+                lines.append(f"{case:24s} {tree:19s} not measured (a contender has no successful run)")
+                continue
+            vs_heuristic.append(mine / heuristic[0])
+            vs_exhaustive.append(mine / exhaustive[0])
+            lines.append(f"{case:24s} {tree:19s} {mine:.3f} s: {vs_heuristic[-1]:.2f}x ONNX Runtime HEURISTIC ({heuristic[0]:.3f} s, "
+                         f"{heuristic[1][len(ORT_PREFIX):]}), {vs_exhaustive[-1]:.2f}x EXHAUSTIVE ({exhaustive[0]:.3f} s, {exhaustive[1][len(ORT_PREFIX):]})")
+        if not vs_heuristic:
+            continue
+        above = sum(r > 1.0 for r in vs_heuristic)
+        geomean = math.exp(statistics.fmean(math.log(r) for r in vs_exhaustive))
+        gap = f", {missing} case(s) not measured" if missing else ""
+        lines.append(f"{tree}: at or below ONNX Runtime HEURISTIC in every case: {'met' if not above and not missing else 'not met'} "
+                     f"({len(vs_heuristic) - above} of {len(vs_heuristic)}{gap}); at most 0.5x EXHAUSTIVE, geometric mean: "
+                     f"{'met' if geomean <= 0.5 and not missing else 'not met'} ({geomean:.2f}x)")
     return lines
 
 
@@ -143,23 +225,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1:
         raise SystemExit("fresh_ab.py: --runs must be at least 1")
     trees = [(name, Path(folder).resolve()) for name, folder in args.tree]
-    if len(trees) < 2 or len({n for n, _ in trees}) != len(trees):
-        raise SystemExit("fresh_ab.py: give two or more --tree, each with its own name")
+    if len(trees) < (1 if args.ort else 2) or len({n for n, _ in trees}) != len(trees):
+        raise SystemExit("fresh_ab.py: give two or more --tree (one is enough beside --ort), each with its own name")
     for name, tree in trees:
         if not (tree / "convpass" / "__init__.py").is_file():
             raise SystemExit(f"fresh_ab.py: tree {name!r}: {tree} holds no convpass package")
     cases = []
     for name, spec in args.case:
-        model, sep, inputs = spec.partition(",")
-        if not sep:
-            raise SystemExit(f"fresh_ab.py: --case {name}={spec}: give MODEL,INPUTS.npz")
-        cases.append((name, Path(model).resolve(), Path(inputs).resolve()))
+        paths = spec.split(",")
+        if len(paths) not in (2, 3) or not all(paths):
+            raise SystemExit(f"fresh_ab.py: --case {name}={spec}: give MODEL,INPUTS.npz or MODEL,INPUTS.npz,ORIGINAL")
+        if args.ort and len(paths) < 3:
+            raise SystemExit(f"fresh_ab.py: --case {name}={spec}: --ort needs the original model (MODEL,INPUTS.npz,ORIGINAL)")
+        cases.append(Case(name, *(Path(p).resolve() for p in paths)))
     try:
-        records = run(trees, cases, args.runs, args.device, args.timeout, log=lambda s: print(s, file=sys.stderr, flush=True))
+        records = run(trees, cases, args.runs, args.device, args.timeout, log=lambda s: print(s, file=sys.stderr, flush=True), ort=args.ort)
     except RuntimeError as e:
         print(f"fresh_ab.py: {e}", file=sys.stderr)
         return 1
-    print("\n".join(table(records)))
+    print("\n".join(table(records) + targets(records)))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 1 if any(r["status"] != "ok" for by_tree in records.values() for recs in by_tree.values() for r in recs) else 0

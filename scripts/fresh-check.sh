@@ -10,9 +10,13 @@
 #    `mkdir -p devab/REV && git archive REV convpass passes | tar x -C devab/REV` and sent with the
 #    device call's carry ["devab/REV"]), convpass's fresh-process start under OLD_TREE and this
 #    tree, interleaved, $RUNS (default 5) each per model and batch (benchmarks/fresh_ab.py);
-#    without it, this tree alone (twice the runs, under two names);
+#    without it, this tree alone (twice the runs, under two names); where onnxruntime-gpu is staged
+#    (shared/device/README.md), ONNX Runtime's configurations $ORT (default all four, comma-separated;
+#    empty: none) on the original models in the same rotation, and issue 10's two targets judged;
 # 4. each model's second batch size in the same executor (32 after 1), three executors each.
-# Logs and JSON in $OUT (or ./fresh-check-out). Exit status: non-zero if a step failed.
+# KEEP_TUNED=1 keeps the tuned models an earlier call on the same machine left in .fresh-check/
+# (tuning efficientnet_b0 takes about 4 minutes on a fresh H200). Logs and JSON in $OUT (or
+# ./fresh-check-out). Exit status: non-zero if a step failed.
 set -uo pipefail
 old=""  # the caller's folder resolves OLD_TREE, before the cd below
 if [ $# -ge 1 ]; then old=$(cd "$1" 2>/dev/null && pwd) || { echo "fresh-check: no folder $1"; exit 2; }; fi
@@ -43,18 +47,30 @@ PY
 cases=()
 tuned=()
 for m in ${models//,/ }; do
-  rm -f "$work/$m.tuned.onnx" "$work/$m.tuned.onnx.kernels"
   [ -f ".panel/$m.onnx" ] || { echo "$m: not exported, left out"; continue; }
-  t0=$(date +%s)
-  python3 -m convpass.cli optimize ".panel/$m.onnx" -o "$work/$m.tuned.onnx" --shape input=1x3x224x224 --shape input=32x3x224x224 \
-    >"$out/optimize-$m.log" 2>&1 || { echo "optimize $m failed, left out:"; tail -3 "$out/optimize-$m.log"; failed=1; continue; }
-  echo "tuned $m in $(( $(date +%s) - t0 )) s"
+  if [ -n "${KEEP_TUNED:-}" ] && [ -f "$work/$m.tuned.onnx" ] && [ -f "$work/$m.tuned.onnx.kernels" ]; then
+    echo "tuned $m: kept from an earlier call on this machine (KEEP_TUNED)"
+  else
+    rm -f "$work/$m.tuned.onnx" "$work/$m.tuned.onnx.kernels"
+    t0=$(date +%s)
+    python3 -m convpass.cli optimize ".panel/$m.onnx" -o "$work/$m.tuned.onnx" --shape input=1x3x224x224 --shape input=32x3x224x224 \
+      >"$out/optimize-$m.log" 2>&1 || { echo "optimize $m failed, left out:"; tail -3 "$out/optimize-$m.log"; failed=1; continue; }
+    echo "tuned $m in $(( $(date +%s) - t0 )) s"
+  fi
   tuned+=("$m")
-  cases+=(--case "$m.b1=$work/$m.tuned.onnx,$work/in1.npz" --case "$m.b32=$work/$m.tuned.onnx,$work/in32.npz")
+  cases+=(--case "$m.b1=$work/$m.tuned.onnx,$work/in1.npz,.panel/$m.onnx" --case "$m.b32=$work/$m.tuned.onnx,$work/in32.npz,.panel/$m.onnx")
 done
 [ ${#tuned[@]} -gt 0 ] || { echo "fresh-check: no model tuned"; exit 1; }
 echo "== fresh processes"
 if [ -n "$old" ]; then trees=(--tree "old=$old" --tree "new=."); else trees=(--tree "a=." --tree "b=."); fi
+ort=${ORT-HEURISTIC-nchw,HEURISTIC-nhwc,EXHAUSTIVE-nchw,EXHAUSTIVE-nhwc}
+if [ -n "$ort" ]; then
+  if python3 -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
+    for c in ${ort//,/ }; do trees+=(--ort "$c"); done
+  else
+    echo "ONNX Runtime's CUDA EP is not available here (shared/device/README.md stages it): convpass alone"
+  fi
+fi
 python3 benchmarks/fresh_ab.py "${trees[@]}" "${cases[@]}" --runs "${RUNS:-5}" --json "$out/fresh-ab.json" 2>"$out/fresh-ab.log" | tee "$out/fresh-ab.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "fresh_ab failed (log: fresh-ab.log):"; tail -3 "$out/fresh-ab.log"; failed=1; }
 echo "== second batch size in the same executor"
