@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Issue 10's start-up figures of convpass on one GPU, in one device call (about 6-8 minutes on an
-# H200 for the three default models; ONNX Runtime's are the bench's: `convpass bench --fresh-process`).
+# Issue 10's start-up figures of convpass (and ONNX Runtime's, where it is staged) on one GPU.
+# Device time on an H200: tuning the three default models about 5 minutes (efficientnet_b0 3-4 of
+# them); the fresh processes about 1.4 s each, (2 trees + the ORT configurations) x 2 batches x
+# models x $RUNS: with three ORT configurations, 3 models and RUNS=4, about 3.5 minutes. So tune in
+# one call and measure in the next (KEEP_TUNED=1), or lower MODELS / RUNS / ORT, to stay within a
+# call's 10 minutes (2026-11-27: 3 models, RUNS=4, three ORT configurations took 228 s with the
+# models tuned already).
 #   bash scripts/fresh-check.sh [OLD_TREE]
 # 1. the floor of a fresh process here (benchmarks/fresh_floor.py: Python, numpy, CuPy and a CUDA
 #    context, cuDNN and its handle);
@@ -11,11 +16,13 @@
 #    device call's carry ["devab/REV"]), convpass's fresh-process start under OLD_TREE and this
 #    tree, interleaved, $RUNS (default 5) each per model and batch (benchmarks/fresh_ab.py);
 #    without it, this tree alone (twice the runs, under two names); where onnxruntime-gpu is staged
-#    (shared/device/README.md), ONNX Runtime's configurations $ORT (default all four, comma-separated;
-#    empty: none) on the original models in the same rotation, and issue 10's two targets judged;
+#    (shared/device/README.md), ONNX Runtime's configurations $ORT (comma-separated; default
+#    HEURISTIC-nchw, HEURISTIC-nhwc and EXHAUSTIVE-nchw: EXHAUSTIVE-nhwc was the slower EXHAUSTIVE in
+#    all 8 cases of 2026-11-27 and takes 4-5 s a process; empty: none) on the original models in the
+#    same rotation, and issue 10's two targets judged;
 # 4. each model's second batch size in the same executor (32 after 1), three executors each.
 # KEEP_TUNED=1 keeps the tuned models an earlier call on the same machine left in .fresh-check/
-# (tuning efficientnet_b0 takes about 4 minutes on a fresh H200). Logs and JSON in $OUT (or
+# (a stale side-car shows as run-time compilations in the fresh processes' table). Logs and JSON in $OUT (or
 # ./fresh-check-out). Exit status: non-zero if a step failed.
 set -uo pipefail
 old=""  # the caller's folder resolves OLD_TREE, before the cd below
@@ -48,7 +55,7 @@ cases=()
 tuned=()
 for m in ${models//,/ }; do
   [ -f ".panel/$m.onnx" ] || { echo "$m: not exported, left out"; continue; }
-  if [ -n "${KEEP_TUNED:-}" ] && [ -f "$work/$m.tuned.onnx" ] && [ -f "$work/$m.tuned.onnx.kernels" ]; then
+  if [ "${KEEP_TUNED:-0}" = 1 ] && [ -f "$work/$m.tuned.onnx" ] && [ -f "$work/$m.tuned.onnx.kernels" ]; then
     echo "tuned $m: kept from an earlier call on this machine (KEEP_TUNED)"
   else
     rm -f "$work/$m.tuned.onnx" "$work/$m.tuned.onnx.kernels"
@@ -63,7 +70,7 @@ done
 [ ${#tuned[@]} -gt 0 ] || { echo "fresh-check: no model tuned"; exit 1; }
 echo "== fresh processes"
 if [ -n "$old" ]; then trees=(--tree "old=$old" --tree "new=."); else trees=(--tree "a=." --tree "b=."); fi
-ort=${ORT-HEURISTIC-nchw,HEURISTIC-nhwc,EXHAUSTIVE-nchw,EXHAUSTIVE-nhwc}
+ort=${ORT-HEURISTIC-nchw,HEURISTIC-nhwc,EXHAUSTIVE-nchw}
 if [ -n "$ort" ]; then
   if python3 -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
     for c in ${ort//,/ }; do trees+=(--ort "$c"); done

@@ -209,7 +209,33 @@ def test_no_cublas_ahead_for_a_model_without_matmul_and_a_failure_ahead_is_met_a
     fake_blas.fail_warm = True
     rt.ready_libraries({"MatMul"})
     rt._blas_ahead.join()
-    assert rt._blas is None  # the helper's failure is not kept: blas() makes it again and says so
+    assert rt._blas is None  # the helper's failure is not kept: blas() makes the handle again, on its own thread
     fake_blas.fail_warm = False
     made = rt.blas()
     assert made.thread == threading.current_thread().name
+
+
+def test_the_executor_tells_its_backend_the_graph_s_op_types_before_any_plan():
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from convpass.runtime.backends import CpuBackend
+    from convpass.runtime.executor import Executor
+
+    class Recording(CpuBackend):
+        told: list[set[str]] = []
+
+        def ready_libraries(self, op_types):
+            self.told.append(set(op_types))
+
+    w = helper.make_tensor("w", TensorProto.FLOAT, (4, 2), np.ones(8, np.float32))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (3, 4))], [helper.make_tensor_value_info("z", TensorProto.FLOAT, (3, 2))], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    backend = Recording()
+    ex = Executor(model, device=backend)
+    assert Recording.told == [{"MatMul", "Relu"}]
+    assert ex.run(None, {"x": np.ones((3, 4), np.float32)})[0].tolist() == [[4.0, 4.0]] * 3

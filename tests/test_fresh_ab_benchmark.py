@@ -107,14 +107,45 @@ def test_the_targets_are_judged_on_medians_against_onnx_runtime_s_fastest_config
     }
     lines = fresh_ab.targets(records)
     assert lines[0].startswith("a.b1") and "0.95x ONNX Runtime HEURISTIC (0.950 s, HEURISTIC-nhwc)" in lines[0]
-    assert "0.45x EXHAUSTIVE (2.000 s, EXHAUSTIVE-nchw)" in lines[0]
+    assert "0.45x ONNX Runtime EXHAUSTIVE (2.000 s, EXHAUSTIVE-nchw)" in lines[0]
     # 0.45x and 0.40x: geometric mean 0.42x
     assert lines[-1] == ("new: at or below ONNX Runtime HEURISTIC in every case: met (2 of 2); "
                          "at most 0.5x EXHAUSTIVE, geometric mean: met (0.42x)")
     records["b.b1"]["new"] = _records({"x": [1.1, 1.1, None]})["x"]  # above HEURISTIC, one failure
     assert fresh_ab.targets(records)[-1] == ("new: at or below ONNX Runtime HEURISTIC in every case: not met (1 of 2); "
                                              "at most 0.5x EXHAUSTIVE, geometric mean: not met (0.57x)")
-    records["b.b1"]["ort:EXHAUSTIVE-nchw"] = _records({"x": [None]})["x"]
+    records["b.b1"]["ort:EXHAUSTIVE-nchw"] = _records({"x": [None]})["x"]  # EXHAUSTIVE failed there: HEURISTIC still judged
     lines = fresh_ab.targets(records)
-    assert "not measured" in lines[1] and lines[-1].startswith("new: at or below ONNX Runtime HEURISTIC in every case: not met (1 of 1, 1 case(s) not measured)")
+    assert "1.10x ONNX Runtime HEURISTIC" in lines[1] and "EXHAUSTIVE not measured (no successful run of EXHAUSTIVE)" in lines[1]
+    assert lines[-1] == ("new: at or below ONNX Runtime HEURISTIC in every case: not met (1 of 2); "
+                         "at most 0.5x EXHAUSTIVE, geometric mean: not met (0.45x, 1 case(s) not measured)")
     assert fresh_ab.targets({"a.b1": _records({"old": [1.0], "new": [1.0]})}) == []  # no ONNX Runtime: no verdicts
+
+
+def test_only_the_searches_that_ran_are_judged_and_a_tree_without_a_run_still_gets_its_verdict():
+    records = {"a.b1": _records({"old": [None], "new": [0.9], "ort:HEURISTIC-nchw": [1.0]})}
+    lines = fresh_ab.targets(records)
+    assert lines == [
+        "a.b1                     old                 no successful run: HEURISTIC not measured (no successful run of this tree)",
+        "old: at or below ONNX Runtime HEURISTIC in every case: not met (0 of 0, 1 case(s) not measured)",
+        "a.b1                     new                 0.900 s: 0.90x ONNX Runtime HEURISTIC (1.000 s, HEURISTIC-nchw)",
+        "new: at or below ONNX Runtime HEURISTIC in every case: met (1 of 1)",
+    ]
+
+
+def test_the_command_line_refuses_a_tree_named_like_onnx_runtime_and_a_repeated_configuration(tmp_path, case):
+    name, model, inputs = case
+    spec = f"{name}={model},{inputs},{model}"
+    for argv in (["--tree", f"ort:x={REPO}", "--ort", "HEURISTIC-nchw", "--case", spec],
+                 ["--tree", f"new={REPO}", "--ort", "HEURISTIC-nchw", "--ort", "HEURISTIC-nchw", "--case", spec]):
+        with pytest.raises(SystemExit, match="each --ort is given once"):
+            fresh_ab.main(argv)
+    with pytest.raises(SystemExit, match="--ort needs the original model"):
+        fresh_ab.main(["--tree", f"new={REPO}", "--ort", "HEURISTIC-nchw", "--case", f"{name}={model},{inputs}"])
+
+
+def test_the_table_says_when_a_child_compiled_kernels_at_start_up():
+    records = {"a.b1": {"new": [fresh.record("ok", parts={"total_s": 1.0}, compilations=3), fresh.record("ok", parts={"total_s": 1.2}, compilations=0)]}}
+    assert fresh_ab.table(records)[0].endswith("runs [1.000, 1.200]  3 run-time compilation(s)")
+    records["a.b1"]["new"][0]["compilations"] = 0
+    assert fresh_ab.table(records)[0].endswith("runs [1.000, 1.200]")

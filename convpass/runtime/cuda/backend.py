@@ -391,10 +391,12 @@ class CudaBackend(Backend):
         return cp.matmul(a, b, *args, **kwargs)
 
     def ready_libraries(self, op_types: Any) -> None:
-        """cuBLAS made ahead, on a helper thread, for a model with MatMul or Gemm: the handle, its
-        workspace and a first small product (:meth:`.blas.Blas.warm`) cost a fresh process about
-        0.1 s of ctypes calls, which let go of the GIL while the executor goes on reading the model
-        and building its plan. A failure there is left for :meth:`blas` to meet and report."""
+        """cuBLAS made ahead, on a helper thread, for a model with MatMul or Gemm (top-level nodes):
+        the handle, its workspace and a first small product (:meth:`.blas.Blas.warm`). A fresh
+        ConvNeXt process's plan was sampled about 0.15 s in its first GEMM calls on an H200; these
+        are ctypes calls, which let go of the GIL while the executor goes on reading the model and
+        building its plan. A failure there is only logged (debug): :meth:`blas` then makes the
+        handle on the calling thread, as without this, and reports what fails there."""
         if self._blas is not None or self._blas_ahead is not None or not {"MatMul", "Gemm"} & set(op_types):
             return
         from convpass.runtime.cuda import blas
