@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
     import numpy as np
 
-    from convpass import cudnn
-    from convpass.problem import ConvShape
-    from convpass.runtime.cuda.depthwise import DepthwiseKernel, candidates, strip_of
-    from convpass.tune import harness
+    from convpass.native import cudnn
+    from convpass.core.problem import ConvShape
+    from convpass.kernels.depthwise import DepthwiseKernel, candidates, strip_of
+    from convpass.tuning import harness
 
     harness.warm_clocks()
     cp.cuda.Stream(non_blocking=True).use()  # captured timing needs a non-default stream

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                    "and per launch label (convpass bench --profile-ops's measurement)")
     args = p.parse_args(argv)
 
-    from convpass import device as device_mod
+    from convpass.native import device as device_mod
     from convpass.runtime import cuda_available
 
     if not cuda_available():

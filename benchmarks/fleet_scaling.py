@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from convpass.cache import Measurement
-    from convpass.options import TuneOptions
-    from convpass.passes.collect_conv_problems import ConvProblem
+    from convpass.tuning.cache import Measurement
+    from convpass.core.options import TuneOptions
+    from convpass.core.problem import ConvProblem
 
 Clock = Mapping[str, Sequence["Measurement"]]  # geometry -> the clock run's ok rows (timed configurations, epilogue passes)
 
@@ -73,8 +73,8 @@ class Decision:
 
 def tune_options() -> "TuneOptions":
     """The decision options the phases' ``convpass tune`` runs with (its defaults)."""
-    from convpass.cli import build_parser, decision_options
-    from convpass.pipeline import build_options
+    from convpass.cli.main import build_parser, decision_options
+    from convpass.compiler.pipeline import build_options
 
     return build_options(decision_options(build_parser().parse_args(["tune", "m.onnx", "-o", "."])))
 
@@ -85,11 +85,11 @@ def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> 
     it as, with its epilogue, which the row's time alone does not say (an unfused configuration
     costs its time plus the epilogue's pass)."""
     import convpass
-    from convpass import annotation
-    from convpass.cudnn.graph_api import ENGINE_PREFIX
-    from convpass.epilogue import fused_name
-    from convpass.model_io import load_model, to_proto
-    from convpass.pipeline import OptimizeReport, prepare_model
+    from convpass.core import annotation
+    from convpass.native.cudnn.graph_api import ENGINE_PREFIX
+    from convpass.core.fusion import fused_name
+    from convpass.core.model_io import load_model, to_proto
+    from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
     out: dict[tuple[str, str], Decision] = {}
     for path in tuned_models:
@@ -114,11 +114,11 @@ def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> 
 
 def retimed(decisions: Mapping[Any, Decision], clock: Clock, options: "TuneOptions") -> dict[Any, dict[str, float]]:
     """Each decision's time on the clock run and the time of what the tuner decides from the clock,
-    by decision key. Both are the conv's step by the tuner's own rule (:func:`convpass.decide.cost_ms`:
+    by decision key. Both are the conv's step by the tuner's own rule (:func:`convpass.tuning.decide.cost_ms`:
     a fused call its own time, an unfused configuration its time plus its epilogue's pass), and
-    the clock's choice is :func:`convpass.decide.select`'s under ``options``. Decisions whose
+    the clock's choice is :func:`convpass.tuning.decide.select`'s under ``options``. Decisions whose
     configuration the clock did not time are left out."""
-    from convpass.decide import cost_ms, epilogue_ms, select
+    from convpass.tuning.decide import cost_ms, epilogue_ms, select
 
     out = {}
     for k, d in decisions.items():
@@ -228,9 +228,9 @@ def problem_time_lines(runs: Mapping[str, Any]) -> list[str]:
 
 def clock_of(cache_path: Path, device: str) -> dict[str, list["Measurement"]]:
     """geometry -> a tuning cache's ok rows with a time (``measure`` and epilogue passes) on ``device``."""
-    from convpass.cache import TuningCache
-    from convpass.device import DeviceFingerprint
-    from convpass.problem import ProblemKey
+    from convpass.tuning.cache import TuningCache
+    from convpass.core.device import DeviceFingerprint
+    from convpass.core.problem import ProblemKey
 
     with sqlite3.connect(f"file:{cache_path}?mode=ro", uri=True) as c:
         keys = [k for (k,) in c.execute("SELECT DISTINCT key FROM measurements WHERE device = ?", (device,))]
@@ -256,7 +256,7 @@ def _tune_command(args: argparse.Namespace, name: str) -> tuple[list[str], Path,
     models = sorted(str(p) for p in Path(args.panel).glob("*.onnx") if not p.stem.endswith("_fp16"))
     if not models:
         sys.exit(f"fleet_scaling: no models in {args.panel} (run models/export_panel.py --out {args.panel})")
-    cmd = [sys.executable, "-m", "convpass.cli", "tune", *models, "-o", str(work / name), "--cache", str(cache),
+    cmd = [sys.executable, "-m", "convpass.cli.main", "tune", *models, "-o", str(work / name), "--cache", str(cache),
            "--cluster", args.cluster, "--json", *sum((["--batch", b] for b in args.batch), [])]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus, "PYTHONUNBUFFERED": "1"}
     return cmd, cache, env
@@ -363,9 +363,9 @@ def reclock_phase(args: argparse.Namespace) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus  # before anything starts CUDA in this process
     import cupy as cp
 
-    from convpass.cache import TuningCache
-    from convpass.device import detect
-    from convpass.tune.tuner import measure_problem
+    from convpass.tuning.cache import TuningCache
+    from convpass.native.device import detect
+    from convpass.tuning.tuner import measure_problem
 
     device = detect()
     if device is None:

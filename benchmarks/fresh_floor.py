@@ -6,11 +6,11 @@ Each step is a fresh ``python -c`` process, timed from just before it is started
 run of each (bytecode written, files read once), with new empty CuPy and CUDA kernel-cache folders;
 the medians and every run are printed. A step whose process fails (no GPU, no CuPy, no cuDNN) is
 reported with its last line of error, never with a time. The cuDNN step loads ``libcudnn`` alone;
-convpass also preloads its sub-libraries (``convpass.cudnn.library``), which this leaves out.
+convpass also preloads its sub-libraries (``convpass.native.cudnn.library``), which this leaves out.
 
     python benchmarks/fresh_floor.py [--runs 3] [--cudnn PATH/libcudnn.so.9] [--json FILE]
 
-``--cudnn`` defaults to the library convpass itself would load (``convpass.cudnn.library.path()``
+``--cudnn`` defaults to the library convpass itself would load (``convpass.native.cudnn.library.path()``
 in a helper process).
 """
 
@@ -52,7 +52,7 @@ def cudnn_library() -> str | None:
     """The libcudnn path convpass would load here, or None (asked in a helper process, so that this
     one stays light)."""
     try:
-        done = subprocess.run([sys.executable, "-c", "from convpass.cudnn import library; print(library.path())"],
+        done = subprocess.run([sys.executable, "-c", "from convpass.native.cudnn import library; print(library.path())"],
                               capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         return None

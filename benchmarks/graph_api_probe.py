@@ -10,7 +10,7 @@ it times
   ``nvidia-cudnn-frontend``, for the bare conv (NCHW and NHWC) and for ``conv + bias + swish`` and
   ``conv + bias + relu`` (NHWC), each checked against the legacy result,
 
-all with convpass's timing harness (``convpass.tune.harness``: captured groups, inputs rotating
+all with convpass's timing harness (``convpass.tuning.harness``: captured groups, inputs rotating
 past the L2 cache; TF32 on), plus each engine's plan-build time and host time per call. One JSON
 line per conv problem goes to ``--out``; a line per problem to stdout.
 
@@ -27,9 +27,9 @@ import traceback
 
 import numpy as np
 
-from convpass.cudnn import ConvDescriptors, CudnnError, run, workspace_size
-from convpass.problem import ConvShape
-from convpass.tune import harness
+from convpass.native.cudnn import ConvDescriptors, CudnnError, run, workspace_size
+from convpass.core.problem import ConvShape
+from convpass.tuning import harness
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
 ap.add_argument("--oracle", required=True, help="an anchors oracle_detail.jsonl (the conv problems of each model)")

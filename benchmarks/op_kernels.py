@@ -81,7 +81,7 @@ CUPY_FUSED = "cupy_fused"  # variant option: fused groups run CuPy's Elementwise
 @contextlib.contextmanager
 def _cupy_fused_groups() -> Iterator[None]:
     """Plans compiled inside run their fused groups with CuPy's kernel, not the broadcasting one."""
-    from convpass.runtime.cuda import elementwise
+    from convpass.kernels import elementwise
 
     saved = elementwise.BroadcastKernel.__call__, elementwise.needs_fallback
     elementwise.BroadcastKernel.__call__ = lambda self, args, out=None: None
@@ -238,8 +238,8 @@ def _cudnn_instance_norm(case: dict[str, Any], x: np.ndarray, reps: int, batches
     """The library baseline of InstanceNormalization: cuDNN's batch norm over n * c channels."""
     import cupy as cp
 
-    from convpass.cudnn import get_handle
-    from convpass.cudnn.rowwise import instance_norm_rows
+    from convpass.native.cudnn import get_handle
+    from convpass.native.cudnn.rowwise import instance_norm_rows
 
     xd = cp.asarray(x)
     y = cp.empty_like(xd)

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from convpass.deferred_imports import defer_sympy
+from convpass.core.deferred_imports import defer_sympy
 
 # before anything imports onnx-ir, which imports SymPy for arithmetic convpass never does
 defer_sympy()
 
-__version__ = "0.1.0"
+from convpass.core.version import __version__
 __all__ = ["optimize", "inspect", "Executor", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import convpass` stays cheap and never pulls in GPU libraries.
     if name in ("optimize", "inspect"):
-        from convpass import pipeline
+        from convpass.compiler import pipeline
 
         return getattr(pipeline, name)
     if name == "Executor":

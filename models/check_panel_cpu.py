@@ -198,7 +198,7 @@ def check_model(path: Path, workdir: Path) -> Dict[str, Any]:
     name, dims, dtype = _input_dims(model)
     profiles = [[b, *dims[1:]] for b in PROFILE_BATCHES]
     tuned_path = workdir / f"{path.stem}.tuned.onnx"
-    cmd = [sys.executable, "-c", "import sys; from convpass.cli import main; sys.exit(main())",
+    cmd = [sys.executable, "-c", "import sys; from convpass.cli.main import main; sys.exit(main())",
            "optimize", str(path), "-o", str(tuned_path)]
     for p in profiles:
         cmd += ["--shape", f"{name}={'x'.join(map(str, p))}"]

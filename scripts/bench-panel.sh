@@ -65,7 +65,7 @@ worker() {  # GPU, CPU list, deadline (in $SECONDS), bench options...
     echo "[gpu $gpu] $m (${left} s left)"
     local started=$SECONDS
     CUDA_VISIBLE_DEVICES=$gpu timeout --signal=INT --kill-after=20 $((left - 25)) "${pin[@]}" \
-      python3 -m convpass.cli bench ".panel/$m.onnx" "${bench_defaults[@]}" --cache "$wcache" \
+      python3 -m convpass.cli.main bench ".panel/$m.onnx" "${bench_defaults[@]}" --cache "$wcache" \
         --json "$work/bench-$m.json.part" "$@" >"$work/bench-$m.txt" 2>&1
     rc=$?
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] || [ ! -s "$work/bench-$m.json.part" ]; then
@@ -90,7 +90,7 @@ phase() {
       nvidia-smi -L | tee "$out/gpus.txt"
       python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())" 2>&1 | tee "$out/ort.txt"
       grep -q CUDAExecutionProvider "$out/ort.txt" || echo "onnxruntime-gpu is not staged in /tmp/ortgpu: the bench will have no ONNX Runtime GPU peer" | tee -a "$out/ort.txt"
-      python3 -c "from convpass.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
+      python3 -c "from convpass.native.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
       export_panel || return 1
       if [ ! -f "$work/queue" ]; then
         local all
@@ -105,7 +105,7 @@ phase() {
       mkdir -p "$work/tuned"
       # interrupted (SIGINT) after TUNE_SECONDS, tune keeps what it measured in the cache
       timeout --signal=INT --kill-after=30 "${TUNE_SECONDS:-420}" \
-        python3 -m convpass.cli tune "${models[@]}" --batch 1,32 --tf32 on --cluster local --cache "$cache" \
+        python3 -m convpass.cli.main tune "${models[@]}" --batch 1,32 --tf32 on --cluster local --cache "$cache" \
           -o "$work/tuned" --json >"$work/tune.json" 2>"$work/tune.log"
       local rc=$?
       [ "$rc" -eq 124 ] && echo "tune: stopped after ${TUNE_SECONDS:-420} s; the benches measure what is missing"
@@ -124,7 +124,7 @@ phase() {
       n=$(wc -l <"$work/queue")
       echo "still queued: $n model(s) $(tr '\n' ' ' <"$work/queue")" ;;
     report)
-      python3 -m convpass.cli bench --from-json "$work"/bench-*.json --json "$out/bench.json" --plot "$out/bench.png" \
+      python3 -m convpass.cli.main bench --from-json "$work"/bench-*.json --json "$out/bench.json" --plot "$out/bench.png" \
         >"$out/bench.txt" 2>&1
       local rc=$?
       sed -n '/^Summary over/,/^$/p' "$out/bench.txt"
@@ -157,5 +157,5 @@ tag=$1; models=${2:?models}; shift 2
 export_panel || exit 1
 paths=()
 for m in ${models//,/ }; do paths+=(".panel/$m.onnx"); done
-python3 -m convpass.cli bench "${paths[@]}" --runs 20 --warmup 5 --tf32 on --profile-ops \
+python3 -m convpass.cli.main bench "${paths[@]}" --runs 20 --warmup 5 --tf32 on --profile-ops \
     --cache "$cache" --json "$out/bench-$tag.json" "$@" 2>&1 | tee "$out/bench-$tag.txt"

@@ -23,7 +23,7 @@ device_env() {
   local sp=/opt/torch/.venv/lib/python3.12/site-packages
   export LD_LIBRARY_PATH=$sp/nvidia/cu13/lib:$sp/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   # always: run from the repository root, "import convpass" finds the folder even when uninstalled,
-  # and convpass.passes exists only through the install's package mapping
+  # and convpass.compiler.passes exists only through the install's package mapping
   python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 \
     || { cat "$out/install.log"; return 1; }
 }

@@ -47,7 +47,7 @@ phase() {
       local rc="${PIPESTATUS[0]}"
       python3 - <<'PY' | tee "$out/page-cache.txt"
 import pathlib, time
-from convpass.cudnn import library
+from convpass.native.cudnn import library
 lib = pathlib.Path(library.path()).resolve().parent
 nvidia = lib.parent.parent  # .../site-packages/nvidia/<package>/lib: the wheels' libraries, cuDNN's beside CUDA's
 libs = sorted(nvidia.glob("*/lib/*.so*")) if nvidia.name == "nvidia" else sorted(lib.glob("libcudnn*.so*"))

@@ -60,7 +60,7 @@ for m in ${models//,/ }; do
   else
     rm -f "$work/$m.tuned.onnx" "$work/$m.tuned.onnx.kernels"
     t0=$(date +%s)
-    python3 -m convpass.cli optimize ".panel/$m.onnx" -o "$work/$m.tuned.onnx" --shape input=1x3x224x224 --shape input=32x3x224x224 \
+    python3 -m convpass.cli.main optimize ".panel/$m.onnx" -o "$work/$m.tuned.onnx" --shape input=1x3x224x224 --shape input=32x3x224x224 \
       >"$out/optimize-$m.log" 2>&1 || { echo "optimize $m failed, left out:"; tail -3 "$out/optimize-$m.log"; failed=1; continue; }
     echo "tuned $m in $(( $(date +%s) - t0 )) s"
   fi

@@ -40,7 +40,7 @@ if [ -n "${PANEL_MODELS:-}" ] && [ -n "${CONVPASS_TUNE_CACHE:-}" ] && [ ! -f "$w
   tune_panel() {
     local budget=$((seconds - SECONDS - 60))
     [ "$budget" -gt 60 ] || { echo "no time left to tune the panel ($SECONDS s)" >>"$work/tune.log"; return 1; }
-    timeout --signal=INT --kill-after=30 "$budget" python3 -m convpass.cli tune "$@" --batch 1 --cluster local \
+    timeout --signal=INT --kill-after=30 "$budget" python3 -m convpass.cli.main tune "$@" --batch 1 --cluster local \
         --cache "$CONVPASS_TUNE_CACHE" -o "$work/panel-tuned" --json >>"$work/tune.json" 2>>"$work/tune.log"
   }
   mkdir -p "$work/panel-tuned"

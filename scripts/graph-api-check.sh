@@ -20,7 +20,7 @@ batches=${2:-32}
 # shellcheck source=device-env.sh
 . scripts/device-env.sh
 device_env || exit 1
-python3 -c "from convpass.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
+python3 -c "from convpass.native.cudnn import graph_api; print('graph API:', graph_api.unavailable() or 'available')"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: the benchmark only
     python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_graph_api_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -12
@@ -32,7 +32,7 @@ batch_args=(); for b in $batches; do batch_args+=(--batch "$b"); done
 vs=ort; [ -d /tmp/ortgpu ] || vs=none
 for engines in ${ENGINES:-all}; do
     echo "== --engines $engines"
-    python3 -m convpass.cli bench "${paths[@]}" "${batch_args[@]}" --vs "$vs" --runs 15 --warmup 3 --tf32 on --profile-ops \
+    python3 -m convpass.cli.main bench "${paths[@]}" "${batch_args[@]}" --vs "$vs" --runs 15 --warmup 3 --tf32 on --profile-ops \
         --no-roofline --engines "$engines" --cache "${CONVPASS_TUNE_CACHE:-/tmp/tune.db}" --json "$out/bench-$engines.json" 2>&1 \
         | tee "$out/bench-$engines.txt" | grep -E "^\||convpass optimize|CUDA graph" | tail -30
     vs=none  # the peers once

@@ -275,8 +275,8 @@ class _FakeTensor:
 def no_plan_side_car(monkeypatch, stored=None, recorded=None):
     """The executor's stored cuDNN plans stood in for: ``stored`` (plan id -> KernelEntry) is the
     side-car in use, ``recorded`` (a list) collects what a recording side-car would store."""
-    from convpass.cudnn import graph_api
-    from convpass.runtime.cuda import prebuilt
+    from convpass.native.cudnn import graph_api
+    from convpass.native import prebuilt
 
     monkeypatch.setattr(graph_api, "plan_id", lambda key, config: f"plan-{config.algo}")
     monkeypatch.setattr(prebuilt, "stored", lambda ident: (stored or {}).get(ident))
@@ -290,7 +290,7 @@ def frontend(monkeypatch):
     import sys
     import types
 
-    from convpass.cudnn import graph_api
+    from convpass.native.cudnn import graph_api
 
     fe = _FakeFrontend({"A": ["eng5", "eng67_k2=16_k13=0"], "B": ["eng67_k2=16_k13=0", "eng20001", "eng13_k3=1"],
                         "FALLBACK": ["eng0", "eng28_k2=4_k3=0"]})
@@ -309,7 +309,7 @@ def offer_configs(monkeypatch, configs) -> None:
     the tuner enumerates for a key (or raises as enumeration would)."""
     import types
 
-    from convpass.cudnn import graph_api
+    from convpass.native.cudnn import graph_api
 
     def enumerate_configs(key, fusion=""):
         found = configs(key, fusion)
@@ -326,7 +326,7 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     import sys
     import types
 
-    from convpass.tune import harness, tuner
+    from convpass.tuning import harness, tuner
 
     fake_cp = types.ModuleType("cupy")
     fake_cp.empty, fake_cp.uint8 = np.empty, np.uint8

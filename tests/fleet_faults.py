@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from convpass.device import DeviceFingerprint
+from convpass.core.device import DeviceFingerprint
 from convpass.fleet.measurers import RecordedMeasurer
 
 

@@ -9,9 +9,9 @@ import pytest
 from onnx import helper
 
 from conftest import REPO
-from convpass import annotation
-from convpass.annotation import AnnotationError, ConvDecision, ModelInfo, Profile
-from convpass.problem import ConvShape, ProblemKey
+from convpass.core import annotation
+from convpass.core.annotation import AnnotationError, ConvDecision, ModelInfo, Profile
+from convpass.core.problem import ConvShape, ProblemKey
 
 KEY = ConvShape("fwd", 1, 3, 8, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1)).key("nhwc", "fma")
 MEASURED = ConvDecision("implicit_gemm", "NHWC", "fma", 1024, 0.0123, str(KEY), "measure", dgrad_algo="algo_1", wgrad_algo="algo_0")
@@ -134,7 +134,7 @@ def test_each_device_reads_its_own_table():
     assert (info.device, info.cudnn_version, info.devices) == (H100, "91000", (H200, H100))
     assert [d.algo for d in node.decisions] == ["implicit_precomp_gemm"] * 2
     assert [[d.algo for d in t] for t in node.tables] == [["implicit_gemm", "auto"], ["implicit_precomp_gemm"] * 2]
-    from convpass.device import DeviceFingerprint
+    from convpass.core.device import DeviceFingerprint
 
     info, (node,) = annotation.read_annotations(model, device=DeviceFingerprint.parse(H200))
     assert info.device == H200 and node.decisions[0].algo == MEASURED.algo and node.decisions[1].algo == "auto"

@@ -28,7 +28,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from convpass.backend import ConvpassBackend
+from convpass.runtime.onnx_backend import ConvpassBackend
 from convpass.runtime import prepare_model
 
 # case name (fnmatch pattern) -> why we deliberately don't pass it

@@ -19,10 +19,10 @@ import sys
 
 import pytest
 
-from convpass.bench import cli as bench_cli
+from convpass.cli import bench as bench_cli
 from convpass.bench import contenders, opprofile, report, roofline
-from convpass.problem import ProblemKey
-from convpass.runtime.plan import GraphStatus
+from convpass.core.problem import ProblemKey
+from convpass.kernels.plan import GraphStatus
 
 from conftest import MODELS, REPO
 
@@ -796,7 +796,7 @@ def test_option_parsing():
     assert bench_cli.parse_batches(["1,8", "r3d_18=1,4"]) == ((1, 8), {"r3d_18": (1, 4)})
     assert bench_cli.parse_vs("ort,torch") == ("ort", "torch")
     assert bench_cli.parse_vs("none") == () and bench_cli.parse_vs("TORCH") == ("torch",)
-    from convpass.errors import ConvpassError
+    from convpass.core.errors import ConvpassError
 
     for bad in (["0"], ["a,b"], ["=1"]):
         with pytest.raises(ConvpassError):
@@ -905,7 +905,7 @@ def test_from_json_rerenders_a_recorded_v1_document(tmp_path, capsys):
 
 
 def test_from_json_refuses_other_documents(tmp_path):
-    from convpass.errors import ConvpassError
+    from convpass.core.errors import ConvpassError
 
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"hello": 1}))
@@ -944,7 +944,7 @@ def test_plot_with_a_fake_pyplot(tmp_path):
 def test_bench_package_imports_no_gpu_libraries():
     import subprocess
 
-    code = ("import sys, convpass.bench.cli, convpass.bench.contenders, convpass.bench.report, convpass.bench.roofline;"
+    code = ("import sys, convpass.cli.bench, convpass.bench.contenders, convpass.bench.report, convpass.bench.roofline;"
             "bad=[m for m in ('cupy','torch','onnxruntime','matplotlib') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -1128,7 +1128,7 @@ def test_bench_no_kernels_skips_the_sidecar_and_says_what_the_cold_start_then_ho
         tuning = report.find(case, "convpass")["tuning"]
         assert (tuning["kernels"], tuning["kernels_s"]) == (contenders.NO_KERNELS, None)
     assert f"; kernels: {contenders.NO_KERNELS}" in out
-    from convpass.errors import ConvpassError
+    from convpass.core.errors import ConvpassError
 
     both = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--no-kernels", "--fresh-process"])
     with pytest.raises(ConvpassError, match="not with --no-kernels"):

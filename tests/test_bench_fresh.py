@@ -20,7 +20,7 @@ import onnx
 import pytest
 
 from convpass.bench import contenders, fresh, peers, report
-from convpass.errors import ConvpassError
+from convpass.core.errors import ConvpassError
 
 from conftest import MODELS, REPO, run_ort
 
@@ -487,9 +487,9 @@ def test_bench_fresh_process_end_to_end_with_stand_ins(monkeypatch, tmp_path, ca
 def test_a_fresh_process_counts_cudnn_plans_it_compiled_as_compilations(monkeypatch):
     import types
 
-    monkeypatch.delitem(sys.modules, "convpass.runtime.cuda.compiler", raising=False)
+    monkeypatch.delitem(sys.modules, "convpass.native.nvrtc", raising=False)
     assert fresh._compilations() is None  # nothing of the cuda backend was imported
-    monkeypatch.setitem(sys.modules, "convpass.runtime.cuda.compiler", types.SimpleNamespace(COMPILATIONS=["convpass_ew_1"]))
-    monkeypatch.setitem(sys.modules, "convpass.runtime.cuda.convolution",
+    monkeypatch.setitem(sys.modules, "convpass.native.nvrtc", types.SimpleNamespace(COMPILATIONS=["convpass_ew_1"]))
+    monkeypatch.setitem(sys.modules, "convpass.kernels.convolution",
                         types.SimpleNamespace(ENGINE_COMPILATIONS=["cuDNN plan eng5 of 'dw1' (0.18 s)"]))
     assert fresh._compilations() == ["convpass_ew_1", "cuDNN plan eng5 of 'dw1' (0.18 s)"]

@@ -13,17 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from convpass.cache import (
-    CacheError,
-    CacheWarning,
-    Measurement,
-    TuningCache,
-    add_cache_parser,
-    cache_command,
-    default_cache_path,
-)
-from convpass.device import DeviceFingerprint
-from convpass.problem import ConvShape, ProblemKey
+from convpass.tuning.cache import CacheError, CacheWarning, Measurement, TuningCache, add_cache_parser, cache_command, default_cache_path
+from convpass.core.device import DeviceFingerprint
+from convpass.core.problem import ConvShape, ProblemKey
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 H100 = DeviceFingerprint("NVIDIA H100 80GB HBM3", "9.0", 132, 91000)

@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto
 
 from conftest import conv_model, random_input, run_ort
-from convpass.errors import ConvAttributeError
-from convpass.passes.canonicalize_convs import canonicalize_conv
+from convpass.core.errors import ConvAttributeError
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 
 
 def _windows(spatial_out, kernel, strides, dilations):
@@ -164,7 +164,7 @@ def test_oversized_conv_transpose_output_is_left_untuned(caplog):
     import onnx
 
     from conftest import conv_model
-    from convpass.errors import UnsupportedConvError
+    from convpass.core.errors import UnsupportedConvError
 
     with pytest.raises(UnsupportedConvError, match="larger than"):
         canonicalize_conv("ConvTranspose", {"output_shape": [9, 9]}, (1, 4, 5, 5), (4, 3, 3, 3))

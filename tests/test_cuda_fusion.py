@@ -1,4 +1,4 @@
-"""Element-wise fusion of the cuda backend (convpass.runtime.cuda.elementwise), checked on the CPU.
+"""Element-wise fusion of the cuda backend (convpass.kernels.elementwise), checked on the CPU.
 
 The grouping rules run on plans the CPU executor builds. The generated kernel bodies are plain
 C++ over ``float`` / ``double``: here they are compiled with the host C++ compiler (``__device__``
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from convpass.runtime.cuda import elementwise as cuda_fusion
+from convpass.kernels import elementwise as cuda_fusion
 from convpass.runtime.executor import Executor
 
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

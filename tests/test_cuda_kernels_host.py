@@ -22,10 +22,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import channels_last_array, host_library
-from convpass.runtime.cuda import pooling, tensor_ops
+from convpass.kernels import pooling, tensor_ops
 from convpass.runtime.executor import Executor
-from convpass.runtime.ops_nn import _pool_geometry, resize_arguments, resize_geometry
-from convpass.runtime.registry import NodeInfo, decode_attributes, lookup
+from convpass.ops.nn import _pool_geometry, resize_arguments, resize_geometry
+from convpass.ops.registry import NodeInfo, decode_attributes, lookup
 
 @pytest.fixture(scope="module")
 def pool_lib(tmp_path_factory):
@@ -251,7 +251,7 @@ def test_kernel_sources_compile_for_hopper(family, tmp_path):
     with the cuda_fp16 header; float32 is the same code with plain floats)."""
     import importlib
 
-    src = importlib.import_module(f"convpass.runtime.cuda.{family}").source(np.float16)
+    src = importlib.import_module(f"convpass.kernels.{family}").source(np.float16)
     path = tmp_path / f"{src.name}.cu"
     path.write_text(src.code)
     done = subprocess.run([NVCC, "-std=c++17", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(path)],

@@ -12,7 +12,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from convpass.runtime.cuda import memory
-from convpass.runtime.cuda.launch import Launch
+from convpass.kernels.launch import Launch
 from convpass.runtime.executor import Executor
 
 N = helper.make_node
@@ -41,8 +41,8 @@ class _Producer(Launch):
         self.ctx = None
 
     def run(self, env):
-        from convpass.runtime.backends import host_backend
-        from convpass.runtime.registry import OpContext
+        from convpass.kernels.backends import host_backend
+        from convpass.ops.registry import OpContext
 
         out = self.st.fn(OpContext(host_backend()), self.st.node, *[env[s] if s >= 0 else None for s in self.st.inputs])
         dst = self.destination(env)

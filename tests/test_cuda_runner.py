@@ -14,8 +14,8 @@ import types
 import pytest
 
 from convpass.runtime.cuda import runner
-from convpass.runtime.cuda.launch import Launch
-from convpass.runtime.registry import NodeInfo
+from convpass.kernels.launch import Launch
+from convpass.ops.registry import NodeInfo
 
 
 def _launch(name: str, op: str, step: int) -> Launch:
@@ -102,7 +102,7 @@ def test_no_garbage_collection_runs_inside_a_capture():
 
 def test_a_capture_waits_for_the_helper_threads():
     """A helper thread's CUDA calls (cuDNN queries ahead of a plan) must not fall inside a capture."""
-    from convpass.runtime.cuda import common
+    from convpass.native import cuda as common
 
     release, done = threading.Event(), []
 
@@ -121,7 +121,7 @@ def test_a_capture_waits_for_the_helper_threads():
 
 
 def test_the_tuners_timing_graphs_are_captured_without_garbage_collection():
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     seen = []
     graph = harness._capture(lambda i: seen.append(gc.isenabled()), sets=2, count=3, stream=_Stream())
@@ -173,7 +173,7 @@ class _FakeGpu:
 def test_the_tuner_stops_a_candidate_clearly_slower_than_the_best_after_its_estimate(monkeypatch):
     """Over 1.5x the best and 2 us above it: stopped after the estimate (not a close call); over
     1.15x, after its first two groups; within 1.15x, or a tiny kernel within 2 us, timed in full."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     gpus = []
 
@@ -213,7 +213,7 @@ def test_a_graphs_launch_latency_does_not_stop_a_tiny_kernel(monkeypatch):
     4-launch graph (as an H100 read one), over 1.5x the best (2.3 us) and 2 us above it; its
     eight confirming replays read 2.6 us: it is timed in full. A kernel really that slow is still
     stopped."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     gpu = _FakeGpu(0.0023, latency=0.0085)
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
@@ -231,7 +231,7 @@ def test_a_one_launch_estimate_is_confirmed_before_it_stops_a_candidate(monkeypa
     from that replay, over 1.5x the best (0.0957 ms: the bare conv and its pass), and stopped it;
     eight replays back to back read 0.062 ms, and it is timed in full. A candidate that slow in
     full is still stopped (after one more replay, its graph being longer)."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     gpu = _FakeGpu(0.0464, latency=0.125)
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
@@ -245,7 +245,7 @@ def test_a_one_launch_estimate_is_confirmed_before_it_stops_a_candidate(monkeypa
 
 def test_a_slow_first_launch_gets_one_more_before_any_group(monkeypatch):
     """A first launch over 4x the best (and 2 ms) is launched once more; still over 4x: stopped there."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     gpu = _FakeGpu(10.0)
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)
@@ -258,7 +258,7 @@ def test_a_second_launch_still_loading_does_not_stop_a_fast_kernel(monkeypatch):
     """A 6.4 us kernel whose first launch took 3 ms and whose second still 0.39 ms (as an H100 timed
     one, the best of its geometry: the best so far was 12.7 us) is judged by its graph estimate and
     timed in full, not stopped as over 4x the best."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     gpu = _FakeGpu(0.0064)
     loading = [0.3855]
@@ -279,7 +279,7 @@ def test_a_full_timing_keeps_its_group_and_close_candidates_are_replayed_in_turn
     head-to-head replays each candidate's group in turn, round after round, and takes each one's
     median per-launch time: a GPU drifting slower carries into the comparison only the drift between
     two adjacent replays, not that of a whole timing."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     gpu = _FakeGpu(0.010)
     monkeypatch.setattr(harness, "cupy", lambda: gpu.cupy)

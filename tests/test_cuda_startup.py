@@ -10,11 +10,12 @@ import types
 
 import pytest
 
-from convpass import annotation, cudnn
-from convpass.cudnn.enums import CudnnError
-from convpass.problem import ConvShape, ProblemKey
-from convpass.runtime.cuda import common
-from convpass.runtime.cuda.convolution import Convolutions
+from convpass.core import annotation
+from convpass.native import cudnn
+from convpass.core.cudnn_enums import CudnnError
+from convpass.core.problem import ConvShape, ProblemKey
+from convpass.native import cuda as common
+from convpass.kernels.convolution import Convolutions
 from convpass.runtime.executor import _by_profile
 
 
@@ -184,7 +185,7 @@ class _FakeBlas:
 
 @pytest.fixture
 def fake_blas(monkeypatch):
-    from convpass.runtime.cuda import blas
+    from convpass.native import cublas as blas
 
     monkeypatch.setattr(blas, "Blas", _FakeBlas)
     _FakeBlas.made, _FakeBlas.fail_warm = [], False
@@ -220,7 +221,7 @@ def test_the_executor_tells_its_backend_the_graph_s_op_types_before_any_plan():
     import onnx
     from onnx import TensorProto, helper
 
-    from convpass.runtime.backends import CpuBackend
+    from convpass.kernels.backends import CpuBackend
     from convpass.runtime.executor import Executor
 
     class Recording(CpuBackend):

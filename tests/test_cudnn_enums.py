@@ -10,17 +10,18 @@ import sys
 
 import pytest
 
-from convpass.cudnn import enums, library
-from convpass.cudnn.descriptors import descriptor_params, strides_for
-from convpass.cudnn.enums import CudnnError, CudnnNotFound
-from convpass.problem import ConvShape, ProblemKey
+from convpass.core import cudnn_enums as enums
+from convpass.native.cudnn import library
+from convpass.native.cudnn.descriptors import descriptor_params, strides_for
+from convpass.core.cudnn_enums import CudnnError, CudnnNotFound
+from convpass.core.problem import ConvShape, ProblemKey
 
 
 def test_import_does_not_need_cupy_or_cudnn():
     import subprocess
 
     code = (
-        "import sys, convpass.cudnn as c; from convpass.cudnn import library; "
+        "import sys, convpass.native.cudnn as c; from convpass.native.cudnn import library; "
         "assert 'cupy' not in sys.modules, 'cupy imported'; assert library._state is None, 'cuDNN loaded'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -114,7 +115,7 @@ def test_unknown_direction():
 
 def test_math_types():
     assert enums.MATH_TYPES == {"default": 0, "tensor_op": 1, "tensor_op_allow_conversion": 2, "fma": 3}
-    from convpass.problem import MATH_MODES
+    from convpass.core.problem import MATH_MODES
 
     for m in MATH_MODES:  # every convpass math mode maps to a cuDNN math type
         assert enums.math_name(enums.math_type(m)) == m

@@ -8,15 +8,15 @@ import pytest
 
 import convpass
 from conftest import conv_model, random_input, run_ort
-from convpass import annotation
-from convpass.cache import Measurement, TuningCache
-from convpass.decide import select
-from convpass.device import DeviceFingerprint
-from convpass.errors import ConvpassError
-from convpass.options import TuneOptions
-from convpass.passes.canonicalize_convs import canonicalize_conv
-from convpass.passes.collect_conv_problems import ConvProblem
-from convpass.tune.tuner import candidate_keys, complete, skip_reason
+from convpass.core import annotation
+from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.decide import select
+from convpass.core.device import DeviceFingerprint
+from convpass.core.errors import ConvpassError
+from convpass.core.options import TuneOptions
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
+from convpass.core.problem import ConvProblem
+from convpass.tuning.tuner import candidate_keys, complete, skip_reason
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (1, 3, 8, 8), (4, 3, 3, 3)).shapes[0]
@@ -85,7 +85,7 @@ def test_candidate_keys_cover_mappings_layouts_and_math():
 
 
 def test_complete_knows_what_each_strategy_needs():
-    from convpass.cudnn.enums import algo_names
+    from convpass.core.cudnn_enums import algo_names
 
     keys = [SHAPE.key("nchw", "default")]
     heur = [m("nchw", "default", "implicit_gemm", None, method="heuristic", hr=0)]
@@ -134,8 +134,8 @@ def test_cache_only_optimize_leaves_unknown_problems_auto(tmp_path):
 
 
 def test_nothing_decided_from_the_cache_says_nothing_about_layouts(tmp_path):
-    from convpass.model_io import load_model
-    from convpass.pipeline import optimize_model
+    from convpass.core.model_io import load_model
+    from convpass.compiler.pipeline import optimize_model
 
     _fill_cache(tmp_path / "c.db", ROWS)
     model = load_model(conv_model("Conv", (1, 3, 16, 16), (4, 3, 3, 3)))  # a problem the cache has not seen
@@ -166,8 +166,8 @@ def test_fft_tiling_is_skipped_on_many_groups_unless_forced():
 
 
 def test_cache_only_layout_auto_says_it_cannot_plan(tmp_path):
-    from convpass.model_io import load_model
-    from convpass.pipeline import optimize_model
+    from convpass.core.model_io import load_model
+    from convpass.compiler.pipeline import optimize_model
 
     _fill_cache(tmp_path / "c.db", ROWS)
     model = load_model(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1]))
@@ -183,15 +183,15 @@ def _layout_model():
 
 
 def _decisions(report_model, source=False):
-    from convpass.model_io import to_proto
+    from convpass.core.model_io import to_proto
 
     return [(r["algo"], r["memory_format"], r["math_mode"], *((r["source"],) if source else ()))
             for r in convpass.inspect(to_proto(report_model))]
 
 
 def test_cache_only_plans_layouts_with_recorded_transposes(tmp_path):
-    from convpass.model_io import load_model
-    from convpass.pipeline import optimize_model
+    from convpass.core.model_io import load_model
+    from convpass.compiler.pipeline import optimize_model
 
     _fill_cache(tmp_path / "c.db", ROWS)
     with TuningCache(tmp_path / "c.db") as cache:
@@ -213,9 +213,9 @@ def test_measured_and_cached_runs_plan_the_same_layouts(tmp_path, monkeypatch):
     import sys
     import types
 
-    from convpass.model_io import load_model
-    from convpass.pipeline import optimize_model
-    from convpass.tune import tuner
+    from convpass.core.model_io import load_model
+    from convpass.compiler.pipeline import optimize_model
+    from convpass.tuning import tuner
 
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=lambda **_: contextlib.nullcontext())))
     measured: list = []
@@ -224,7 +224,7 @@ def test_measured_and_cached_runs_plan_the_same_layouts(tmp_path, monkeypatch):
     transposes: list = []
     monkeypatch.setattr(tuner, "measure_transpose", lambda dims, dtype: transposes.append(dims) or 0.05)
 
-    from convpass.model_io import to_proto
+    from convpass.core.model_io import to_proto
 
     def run(backend=None, **kw):
         model = load_model(_layout_model())

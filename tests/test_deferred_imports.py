@@ -1,4 +1,4 @@
-"""onnx-ir is imported without SymPy; SymPy loads when onnx-ir first uses it (convpass.deferred_imports).
+"""onnx-ir is imported without SymPy; SymPy loads when onnx-ir first uses it (convpass.core.deferred_imports).
 
 Each check runs in a Python process of its own: which modules are imported is process state.
 """
@@ -22,14 +22,14 @@ def test_a_whole_optimize_never_imports_sympy(tmp_path):
     """A cached optimize, as a deployment pipeline re-runs it (recorded H200 rows, --device-name)."""
     import recorded
 
-    from convpass.cache import TuningCache
+    from convpass.tuning.cache import TuningCache
 
     with TuningCache(tmp_path / "tune.db") as cache:
         cache.put(recorded.H200, [m for rows in recorded.recorded_rows("oracle").values() for m in rows])
     model = recorded.save(recorded.resnet_block(), tmp_path, "resnet_block")
     out = _run(f"""
 import sys
-from convpass.cli import main
+from convpass.cli.main import main
 code = main(["optimize", {str(model)!r}, "--shape", "input=1x64x56x56", "--shape", "input=32x64x56x56", "--device-name", "H200",
              "--cache", {str(tmp_path / 'tune.db')!r}, "-o", {str(tmp_path / 'tuned.onnx')!r}, "--no-kernels"])
 assert not code, code
@@ -43,7 +43,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "sympy"), type(core.sy
 def test_symbolic_dimension_arithmetic_imports_it_then():
     out = _run("""
 import sys
-import convpass.pipeline
+import convpass.compiler.pipeline
 import onnx_ir as ir
 before = "sympy" in sys.modules
 print(before, ir.SymbolicDim("N") * 2 + 1, type(sys.modules["sympy"]).__name__, type(sys.modules["onnx_ir._symbolic_shapes"]).__name__)
@@ -56,7 +56,7 @@ def test_others_who_import_sympy_get_the_real_module_from_the_import_system():
     first, availability checks, and onnx-ir's own later use all meet one real SymPy."""
     out = _run("""
 import importlib.util, sys
-import convpass.model_io, onnx_ir
+import convpass.core.model_io, onnx_ir
 import onnx_ir._core as core
 print(importlib.util.find_spec("sympy") is not None, "sympy" in sys.modules)
 import sympy.core.numbers
@@ -72,9 +72,9 @@ print(Max(x, 2).subs(x, 3), isinstance(x, core.sympy.Expr), onnx_ir.__loader__ i
 def test_nothing_is_stood_in_for_when_sympy_was_imported_before():
     out = _run("""
 import sympy
-import convpass.pipeline
+import convpass.compiler.pipeline
 import onnx_ir._core as core
-from convpass.deferred_imports import defer_sympy
+from convpass.core.deferred_imports import defer_sympy
 print(defer_sympy(), core.sympy is sympy)
 """)
     assert out == "False True"
@@ -84,8 +84,8 @@ def test_nothing_is_stood_in_for_when_onnx_ir_was_imported_before_convpass():
     out = _run("""
 import sys
 import onnx_ir
-import convpass.pipeline
-from convpass.deferred_imports import _OnnxIrFinder, defer_sympy
+import convpass.compiler.pipeline
+from convpass.core.deferred_imports import _OnnxIrFinder, defer_sympy
 print(defer_sympy(), any(isinstance(f, _OnnxIrFinder) for f in sys.meta_path), type(sys.modules["sympy"]).__name__)
 """)
     assert out == "False False module"

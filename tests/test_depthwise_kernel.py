@@ -1,4 +1,4 @@
-"""convpass's depthwise conv kernel (:mod:`convpass.runtime.cuda.depthwise`), checked on the CPU.
+"""convpass's depthwise conv kernel (:mod:`convpass.kernels.depthwise`), checked on the CPU.
 
 The kernel uses no warp or block cooperation, so its generated CUDA source compiles as host C++
 (conftest's ``host_library``) and runs here against a float64 NumPy convolution: strides,
@@ -19,16 +19,16 @@ from onnx import helper, numpy_helper
 
 import convpass
 from conftest import channels_last_array, host_library, numpy_shape_bench
-from convpass import annotation
-from convpass.cache import Measurement, TuningCache
-from convpass.cudnn.enums import algo_names
-from convpass.decide import EPILOGUE_METHOD, legacy_fallback, select
-from convpass.device import DeviceFingerprint
-from convpass.options import TuneOptions
-from convpass.passes.collect_conv_problems import ConvProblem
-from convpass.problem import ConvShape
-from convpass.runtime.cuda import depthwise
-from convpass.tune import tuner
+from convpass.core import annotation
+from convpass.tuning.cache import Measurement, TuningCache
+from convpass.core.cudnn_enums import algo_names
+from convpass.tuning.decide import EPILOGUE_METHOD, legacy_fallback, select
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ConvProblem
+from convpass.core.problem import ConvShape
+from convpass.kernels import depthwise
+from convpass.tuning import tuner
 
 
 def _shape(c=6, hw=(9, 11), ker=(3, 3), pads=(1, 1), strides=(1, 1), dil=(1, 1), n=2, dtype="float32") -> ConvShape:
@@ -239,7 +239,7 @@ def test_own_kernels_are_timed_by_the_measure_strategy_for_depthwise_problems():
 
 
 def test_a_cache_without_own_rows_is_incomplete_and_gets_only_them_measured(monkeypatch):
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     problem = ConvProblem((DW,), "bias+relu")
     have = _cudnn_rows() + [_row("bias+relu", 0.01, EPILOGUE_METHOD), _row("implicit_gemm+bias+relu", 0.07), _row("gemm+bias+relu", 0.08)]
@@ -264,7 +264,7 @@ def test_a_cache_without_own_rows_is_incomplete_and_gets_only_them_measured(monk
 
 @pytest.fixture
 def own_bench(monkeypatch):
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     timings: list[float] = []
     calls: list[tuple] = []
@@ -361,8 +361,8 @@ class _Rt:
 
 @pytest.mark.parametrize("algo,usable", [(R8, True), ("convpass_depthwise_r99", False), ("convpass_depthwise_rx", False)])
 def test_the_executor_builds_a_recorded_kernel_or_says_why_not(monkeypatch, algo, usable):
-    from convpass.runtime.conv import ConvCall
-    from convpass.runtime.cuda.convolution import Convolutions
+    from convpass.ops.conv import ConvCall
+    from convpass.kernels.convolution import Convolutions
 
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: None)
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)

@@ -1,4 +1,4 @@
-"""The device fingerprint asked of the CUDA driver (``convpass.device.detect``), on a stand-in
+"""The device fingerprint asked of the CUDA driver (``convpass.core.device.detect``), on a stand-in
 driver library: which device is current, what is read, and that any failure means no GPU."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from convpass import device
-from convpass.cudnn import library
+from convpass.native import device
+from convpass.native.cudnn import library
 
 DEVICES = [("NVIDIA H100 80GB HBM3", 9, 0, 132), ("NVIDIA H200", 9, 0, 132), ("NVIDIA L4", 8, 9, 58)]
 

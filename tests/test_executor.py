@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import MODELS, conv_model, random_input, run_ort
-from convpass import annotation
+from convpass.core import annotation
 from convpass.runtime import Executor, ExecutorError, check_support
 
 FP32 = dict(rtol=1e-4, atol=1e-5)
@@ -98,7 +98,7 @@ def test_conv_transpose_matches_ort(case):
 @pytest.mark.parametrize("case", ["3d_strided_grouped", "dilation", "1d_dilated_asym", "plain"])
 def test_conv_large_image_path(case, monkeypatch):
     """Images whose im2col columns exceed the chunk budget accumulate per kernel offset instead."""
-    from convpass.runtime import conv
+    from convpass.ops import conv
 
     monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
     x_shape, w_shape, attrs = CONV_CASES[case]
@@ -193,7 +193,7 @@ def test_batchnorm_fold_can_be_disabled():
 
 
 def _annotate(model: onnx.ModelProto, decisions: dict[str, list[annotation.ConvDecision]], profiles=()) -> onnx.ModelProto:
-    """Annotate conv nodes by hand, the way the annotate pass does, through convpass.annotation."""
+    """Annotate conv nodes by hand, the way the annotate pass does, through convpass.core.annotation."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     used = set()
@@ -650,7 +650,7 @@ def test_runtime_shape_error_names_the_node():
 def _run_cli(argv):
     import argparse
 
-    from convpass.runtime.cli import add_run_parser
+    from convpass.cli.run import add_run_parser
 
     parser = argparse.ArgumentParser(prog="convpass")
     add_run_parser(parser.add_subparsers(dest="command"))
@@ -699,7 +699,7 @@ def test_graph_status_before_and_after_a_run():
 
 
 def test_cli_run_errors(tmp_path):
-    from convpass.errors import ConvpassError
+    from convpass.core.errors import ConvpassError
 
     model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3))
     path = tmp_path / "m.onnx"
@@ -718,7 +718,7 @@ def test_cli_run_errors(tmp_path):
 
 
 def test_onnx_backend_api():
-    from convpass.backend import ConvpassBackend
+    from convpass.runtime.onnx_backend import ConvpassBackend
 
     assert ConvpassBackend.supports_device("CPU")
     model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1])
@@ -762,7 +762,7 @@ def test_a_plan_the_backend_replays_runs_outside_errstate():
     ``Backend.replay`` and never enters ``errstate`` (on the cuda backend: the matmul math switch, a
     host cost larger than a batch-1 replay); the plan's first run, and any plan the backend does not
     replay, runs inside it."""
-    from convpass.runtime.backends import CpuBackend
+    from convpass.kernels.backends import CpuBackend
 
     class Replaying(CpuBackend):
         def __init__(self):
@@ -797,14 +797,15 @@ def test_open_ahead_waits_for_nothing_on_the_host_and_never_raises(monkeypatch):
     there is nothing to start, and a GPU that cannot be set up is said where the backend is made."""
     import threading
 
-    from convpass.runtime import cuda, devices
-    from convpass.runtime.backends import host_backend
+    from convpass.native import cuda as native_cuda
+    from convpass.runtime import devices
+    from convpass.kernels.backends import host_backend
 
     before = threading.active_count()
     assert devices.open_ahead("cpu")() is None and devices.open_ahead(host_backend())() is None
     assert threading.active_count() == before
-    monkeypatch.setattr(cuda.common, "_probe", lambda: "no CUDA GPU is visible")
-    monkeypatch.setattr(cuda.common, "_reason_cache", [])
+    monkeypatch.setattr(native_cuda, "_probe", lambda: "no CUDA GPU is visible")
+    monkeypatch.setattr(native_cuda, "_reason_cache", [])
     wait = devices.open_ahead("cuda:3")
     assert wait() is None  # the helper found no GPU and stopped, saying nothing
     with pytest.raises(ExecutorError, match="cuda backend not available: no CUDA GPU is visible"):

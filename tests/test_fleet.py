@@ -25,16 +25,16 @@ from rich.console import Console
 import convpass
 import recorded
 from conftest import REPO, conv_model
-from convpass import annotation
-from convpass.cache import TuningCache
-from convpass.cli import main
-from convpass.decide import select
+from convpass.core import annotation
+from convpass.tuning.cache import TuningCache
+from convpass.cli.main import main
+from convpass.tuning.decide import select
 from convpass.fleet import driver
 from convpass.fleet.local import LocalExecutor
 from convpass.fleet.measurers import RecordedMeasurer
 from convpass.fleet.model_procs import ModelProcesses, ModelProcessError, prepare
-from convpass.options import TuneOptions
-from convpass.problem import ProblemKey
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ProblemKey
 from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu, SlowReplay, SlowStart
 from recorded import H200, H200_TUNING_RUN
 
@@ -83,7 +83,7 @@ def _decisions(paths, device=None):
 def _recorded_choice(problem_key: str, run: str):
     """The configuration select() picks from one recorded run for the problem of a decision."""
     shape = ProblemKey.parse(problem_key).shape
-    from convpass.passes.collect_conv_problems import ConvProblem
+    from convpass.core.problem import ConvProblem
 
     chosen = select(recorded.recorded_rows(run)[shape], ConvProblem((shape,)), OPTIONS)
     return str(chosen.key), chosen.algo
@@ -161,17 +161,17 @@ def test_batches_follow_each_models_inputs(tmp_path):
     specs, notes = driver.specs_from_batches([dynamic, fixed], ["1,32", "dyn=2"])
     assert [s.shapes for s in specs] == [("x=2x3x8x8",), ("x=1x3x8x8",)]
     assert notes == ["fixed.onnx: batch 32 left out: input 'x' has a fixed batch of 1, not 32"]
-    with pytest.raises(convpass.errors.ConvpassError, match="none of the batch sizes"):
+    with pytest.raises(convpass.core.errors.ConvpassError, match="none of the batch sizes"):
         driver.specs_from_batches([fixed], ["8"])
-    with pytest.raises(convpass.errors.ConvpassError, match="not given: other"):
+    with pytest.raises(convpass.core.errors.ConvpassError, match="not given: other"):
         driver.specs_from_batches([fixed], ["other=1"])
     # tune resolves them when it collects each model (in a model process), with the same result
     lazy = driver.specs_with_batches([dynamic, fixed], ["1,32", "dyn=2"])
     assert [(s.shapes, s.batches) for s in lazy] == [((), (2,)), ((), (1, 32))]
     assert [prepare(s, OPTIONS)[3:] for s in lazy] == [(("x=2x3x8x8",), []), (("x=1x3x8x8",), notes)]
-    with pytest.raises(convpass.errors.ConvpassError, match="none of the batch sizes"):
+    with pytest.raises(convpass.core.errors.ConvpassError, match="none of the batch sizes"):
         prepare(driver.specs_with_batches([fixed], ["8"])[0], OPTIONS)
-    with pytest.raises(convpass.errors.ConvpassError, match="nowhere.onnx: no such file"):
+    with pytest.raises(convpass.core.errors.ConvpassError, match="nowhere.onnx: no such file"):
         driver.specs_with_batches([tmp_path / "nowhere.onnx"], ["1"])
 
 
@@ -333,7 +333,7 @@ def test_a_model_that_cannot_be_written_stops_the_run(lab, tmp_path):
         if progress.finished == 1:
             shutil.rmtree(tmp_path / "out", ignore_errors=True)
 
-    with pytest.raises(convpass.errors.ConvpassError, match="output directory .* does not exist"):
+    with pytest.raises(convpass.core.errors.ConvpassError, match="output directory .* does not exist"):
         _tune(lab, tmp_path, workers=1, on_progress=remove_the_output_dir)
     assert multiprocessing.active_children() == []
     assert len(_stored(tmp_path / "driver.db")) >= 8  # what was measured stays
@@ -345,7 +345,7 @@ def test_a_model_that_cannot_be_prepared_stops_the_workers_while_they_start(lab,
     (tmp_path / "out").mkdir()
     executor = LocalExecutor(workers=2)
     started = time.monotonic()
-    with pytest.raises(convpass.errors.ShapeError, match=f"^{bad}: Conv 'conv': dim 0 of its input 'x' is 'N'"):
+    with pytest.raises(convpass.core.errors.ShapeError, match=f"^{bad}: Conv 'conv': dim 0 of its input 'x' is 'N'"):
         driver.tune([*lab["specs"], driver.ModelSpec(bad)], tmp_path / "out", OPTIONS, cluster=executor,
                     cache=tmp_path / "driver.db", measurer=SlowStart(lab["recorded"], H200), console=Console(quiet=True))
     assert time.monotonic() - started < 30  # the workers were stopped while starting (their start takes 60 s)
@@ -354,7 +354,7 @@ def test_a_model_that_cannot_be_prepared_stops_the_workers_while_they_start(lab,
 
 
 def test_workers_that_do_not_start_are_reported(lab, tmp_path):
-    with pytest.raises(convpass.errors.ConvpassError, match="no worker started.*CUDA_ERROR_NO_DEVICE"):
+    with pytest.raises(convpass.core.errors.ConvpassError, match="no worker started.*CUDA_ERROR_NO_DEVICE"):
         _tune(lab, tmp_path, NotStarting(lab["recorded"], H200))
 
 
@@ -401,7 +401,7 @@ def test_a_model_that_cannot_be_prepared_while_others_are_tuned_loses_nothing(la
     bad = tmp_path / "dynamic.onnx"
     onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), bad)
     specs = [lab["specs"][0], driver.ModelSpec(slow_model, batches=(1, 32)), driver.ModelSpec(bad)]
-    with pytest.raises(convpass.errors.ShapeError) as raised:
+    with pytest.raises(convpass.core.errors.ShapeError) as raised:
         _tune(lab, tmp_path, specs=specs, model_processes=1)
     message = str(raised.value)
     assert message.startswith(f"{bad}: Conv 'conv': dim 0 of its input 'x' is 'N'"), message
@@ -569,9 +569,9 @@ def test_convpass_imports_and_runs_without_ray(tmp_path):
     code = """
 import sys
 sys.modules["ray"] = None  # importing ray now fails, as where it is not installed
-import convpass, convpass.cli, convpass.fleet, convpass.fleet.driver, convpass.fleet.local
-convpass.cli.build_parser().parse_args(["tune", "m.onnx", "-o", "out"])
-from convpass.errors import OptionError
+import convpass, convpass.cli.main, convpass.fleet, convpass.fleet.driver, convpass.fleet.local
+convpass.cli.main.build_parser().parse_args(["tune", "m.onnx", "-o", "out"])
+from convpass.core.errors import OptionError
 try:
     convpass.fleet.driver.make_executor("ray")
 except OptionError as e:

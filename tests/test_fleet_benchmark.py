@@ -13,9 +13,9 @@ import pytest
 
 import recorded
 from conftest import REPO
-from convpass.cache import Measurement, TuningCache
-from convpass.passes.collect_conv_problems import ConvProblem
-from convpass.problem import ProblemKey
+from convpass.tuning.cache import Measurement, TuningCache
+from convpass.core.problem import ConvProblem
+from convpass.core.problem import ProblemKey
 from recorded import H200
 
 _spec = importlib.util.spec_from_file_location("fleet_scaling", REPO / "benchmarks" / "fleet_scaling.py")
@@ -169,7 +169,7 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     from convpass.fleet import driver
     from convpass.fleet.local import LocalExecutor
     from convpass.fleet.measurers import RecordedMeasurer
-    from convpass.options import TuneOptions
+    from convpass.core.options import TuneOptions
 
     source = tmp_path / "recorded.db"
     with TuningCache(source) as c:

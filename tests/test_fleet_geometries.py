@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import types
 
-from convpass.cache import Measurement
+from convpass.tuning.cache import Measurement
 from convpass.fleet import driver
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer
-from convpass.options import TuneOptions
-from convpass.passes.collect_conv_problems import ConvProblem
-from convpass.problem import ConvShape
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ConvProblem
+from convpass.core.problem import ConvShape
 from recorded import H200
 
 A = ConvShape("fwd", 1, 64, 64, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1))
@@ -165,7 +165,7 @@ def test_a_problem_two_tasks_measure_settles_with_the_first_that_finishes():
 def test_a_later_model_adding_an_epilogue_to_a_finished_geometry_waits_only_for_what_is_new(tmp_path):
     """Its task measures the geometry again and names every earlier task of it; a problem an earlier
     task finished stays settled, so a failing new task cannot keep the model from being written."""
-    from convpass.cache import TuningCache
+    from convpass.tuning.cache import TuningCache
 
     report = driver.FleetReport("stand-in", "c.db", [driver.ModelProblems(driver.ModelSpec(tmp_path / f"m{i}.onnx"), tmp_path / f"m{i}.tuned.onnx")
                                                       for i in range(3)])
@@ -192,7 +192,7 @@ def test_a_later_model_adding_an_epilogue_to_a_finished_geometry_waits_only_for_
 def test_the_gpu_measurer_measures_a_geometrys_problems_one_after_the_other(monkeypatch):
     """The later problem gets the earlier ones' rows as the tuner gets the cache's: it adds only
     what its epilogue needs."""
-    from convpass.tune import tuner
+    from convpass.tuning import tuner
 
     calls = []
 

@@ -58,9 +58,9 @@ def test_a_tree_from_before_the_module_key_is_checked_by_its_probe(tmp_path, cas
 def test_a_tree_whose_processes_import_convpass_from_elsewhere_fails_the_run(monkeypatch, tmp_path, case):
     import subprocess
 
-    found = json.dumps({"convpass": str(tmp_path / "t" / "convpass" / "__init__.py"), "convpass.passes": "/elsewhere/passes/__init__.py"})
+    found = json.dumps({"convpass": str(tmp_path / "t" / "convpass" / "__init__.py"), "convpass.compiler.passes": "/elsewhere/passes/__init__.py"})
     monkeypatch.setattr(fresh_ab.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, found + "\n", ""))
-    with pytest.raises(RuntimeError, match=r"imported convpass modules from elsewhere: convpass.passes \(/elsewhere"):
+    with pytest.raises(RuntimeError, match=r"imported convpass modules from elsewhere: convpass.compiler.passes \(/elsewhere"):
         fresh_ab.run([("a", tmp_path / "t"), ("b", REPO)], [case], runs=1, device="cpu", timeout=10, log=lambda s: None)
 
 

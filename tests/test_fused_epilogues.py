@@ -16,16 +16,16 @@ from onnx import helper
 
 import convpass
 from conftest import no_plan_side_car, numpy_shape_bench, offer_configs, silu_model
-from convpass import annotation
-from convpass.cache import Measurement, TuningCache
-from convpass.cudnn import graph_api
-from convpass.cudnn.graph_api import EngineConfig, fusion_of
-from convpass.decide import EPILOGUE_METHOD, cost_ms, epilogue_ms, select
-from convpass.device import DeviceFingerprint
-from convpass.options import TuneOptions
-from convpass.passes.canonicalize_convs import canonicalize_conv
-from convpass.passes.collect_conv_problems import ConvProblem, conv_fusion
-from convpass.tune import tuner
+from convpass.core import annotation
+from convpass.tuning.cache import Measurement, TuningCache
+from convpass.native.cudnn import graph_api
+from convpass.native.cudnn.graph_api import EngineConfig, fusion_of
+from convpass.tuning.decide import EPILOGUE_METHOD, cost_ms, epilogue_ms, select
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
+from convpass.compiler.passes.collect_conv_problems import ConvProblem, conv_fusion
+from convpass.tuning import tuner
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 SWISH = "bias+swish"
@@ -89,7 +89,7 @@ def test_anything_else_after_the_conv_is_no_swish_fusion(why, edit, expected):
 
 
 def test_fused_problems_are_collected_only_when_engines_are_candidates(tmp_path):
-    from convpass.pipeline import OptimizeReport, prepare_model
+    from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
     for engines, expected in (("all", {SWISH: 2, "": 1}), ("legacy", {"bias": 2, "": 1})):
         model = ir.serde.deserialize_model(silu_model())
@@ -128,7 +128,7 @@ def test_a_fused_graph_needs_its_own_problem_and_the_epilogue_timing():
 
 
 def test_the_cache_is_complete_for_a_fused_problem_with_its_pass_and_a_fused_row_per_key():
-    from convpass.cudnn.enums import algo_names
+    from convpass.core.cudnn_enums import algo_names
 
     legacy = [row(a, 0.01 * (i + 1)) for i, a in enumerate(algo_names("fwd"))] + [row("implicit_gemm", None, method="heuristic", hr=0)]
     have = legacy + [row("engine:eng8", 0.02)]
@@ -141,8 +141,8 @@ def test_the_cache_is_complete_for_a_fused_problem_with_its_pass_and_a_fused_row
 
 
 def test_a_cache_with_legacy_and_engine_rows_gets_only_the_fusion_measured(monkeypatch):
-    from convpass.cudnn.enums import algo_names
-    from convpass.tune import harness
+    from convpass.core.cudnn_enums import algo_names
+    from convpass.tuning import harness
 
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
@@ -198,7 +198,7 @@ def test_the_fusion_attribute_round_trips_and_older_schemas_read_without_it():
 
 def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_engine(tmp_path):
     from convpass.runtime import Executor
-    from convpass.runtime.cuda.convolution import _graph_epilogue
+    from convpass.kernels.convolution import _graph_epilogue
 
     tuned = _tuned(tmp_path, 0.025)
     ex = Executor(tuned, device="cpu")
@@ -235,7 +235,7 @@ class _FusedPlan:
 
 @pytest.fixture
 def fused_bench(monkeypatch):
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     monkeypatch.setattr(graph_api, "EnginePlan", _FusedPlan)
     offer_configs(monkeypatch, lambda key, fusion="": [EngineConfig(i, (), fusion) for i in (1, 2, 3)])
@@ -301,8 +301,8 @@ class _Plan:
 
 @pytest.fixture
 def convs(monkeypatch):
-    from convpass import cudnn
-    from convpass.runtime.cuda import convolution
+    from convpass.native import cudnn
+    from convpass.kernels import convolution
 
     warned = []
     rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))
@@ -323,7 +323,7 @@ class _Geometry:  # what the executor reads of a ConvGeometry here
 
 
 def _call(fusion=SWISH):
-    from convpass.runtime.conv import ConvCall
+    from convpass.ops.conv import ConvCall
 
     geometry = _Geometry("Conv", 2, (SHAPE,))
     d = annotation.ConvDecision(algo="implicit_gemm", engine="eng5_k2=1", fusion=fusion, memory_format="NHWC",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 from conftest import REPO
-from convpass.cache import Measurement
-from convpass.problem import ProblemKey
+from convpass.tuning.cache import Measurement
+from convpass.core.problem import ProblemKey
 
 _spec = importlib.util.spec_from_file_location("fusion_bound", REPO / "benchmarks" / "fusion_bound.py")
 fusion_bound = importlib.util.module_from_spec(_spec)

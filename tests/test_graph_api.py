@@ -13,17 +13,17 @@ import pytest
 
 import convpass
 from conftest import conv_model, no_plan_side_car, numpy_shape_bench, offer_configs
-from convpass import annotation
-from convpass.cache import Measurement, TuningCache
-from convpass.cudnn import graph_api
-from convpass.cudnn.graph_api import EngineConfig, is_engine
-from convpass.decide import CacheBackend, choice_from, legacy_fallback, select
-from convpass.device import DeviceFingerprint
-from convpass.errors import OptionError
-from convpass.options import TuneOptions
-from convpass.passes.canonicalize_convs import canonicalize_conv
-from convpass.passes.collect_conv_problems import ConvProblem
-from convpass.tune import tuner
+from convpass.core import annotation
+from convpass.tuning.cache import Measurement, TuningCache
+from convpass.native.cudnn import graph_api
+from convpass.native.cudnn.graph_api import EngineConfig, is_engine
+from convpass.tuning.decide import CacheBackend, choice_from, legacy_fallback, select
+from convpass.core.device import DeviceFingerprint
+from convpass.core.errors import OptionError
+from convpass.core.options import TuneOptions
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
+from convpass.core.problem import ConvProblem
+from convpass.tuning import tuner
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 3, 8, 8), (4, 3, 3, 3)).shapes[0]
@@ -113,7 +113,7 @@ def test_an_engine_choice_carries_the_nearest_legacy_algorithm():
 
 def test_cache_completeness_needs_an_engine_row_per_key():
     keys = [SHAPE.key("nchw", "default"), SHAPE.key("nhwc", "default")]
-    from convpass.cudnn.enums import algo_names
+    from convpass.core.cudnn_enums import algo_names
 
     legacy = [m(layout, a, 0.1) for layout in ("nchw", "nhwc") for a in algo_names("fwd")]
     legacy += [m(layout, "implicit_gemm", None, method="heuristic", hr=0) for layout in ("nchw", "nhwc")]
@@ -203,7 +203,7 @@ class _Notes:
 
 def test_plans_built_at_start_up_are_reported_once_they_take_time():
     from convpass.runtime.cuda.backend import CudaBackend
-    from convpass.runtime.cuda.common import StartupCompileWarning
+    from convpass.native.cuda import StartupCompileWarning
 
     quick = _Notes()
     why = "the model's kernel side-car does not store it"
@@ -239,7 +239,7 @@ class _FakePlan:
 
 
 def _fake_timing(launch, sets, best_ms=None, **_):
-    from convpass.tune.harness import Timing
+    from convpass.tuning.harness import Timing
 
     launch(0)
     ms = _FakePlan.ms[_FakePlan.last.config.engine_id]
@@ -248,7 +248,7 @@ def _fake_timing(launch, sets, best_ms=None, **_):
 
 @pytest.fixture
 def engine_bench(monkeypatch):
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     monkeypatch.setattr(graph_api, "EnginePlan", _FakePlan)
     monkeypatch.setattr(harness, "time_launches", _fake_timing)
@@ -285,8 +285,8 @@ def test_no_engine_at_all_is_recorded_so_the_cache_counts_as_complete(engine_ben
 
 
 def test_a_cache_with_every_legacy_row_gets_only_its_engines_measured(monkeypatch):
-    from convpass.cudnn.enums import algo_names
-    from convpass.tune import harness
+    from convpass.core.cudnn_enums import algo_names
+    from convpass.tuning import harness
 
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
@@ -317,9 +317,9 @@ def test_the_plan_summary_names_the_engine_that_runs(tmp_path):
 def test_legacy_algorithms_go_through_the_same_check_and_timing(engine_bench, monkeypatch):
     """The legacy path shares the check-and-time core: statuses by cuDNN's answer, an eager timing
     kept (with a note) rather than refused, as before engines existed."""
-    import convpass.cudnn as cudnn_pkg
-    from convpass.cudnn.enums import STATUS, CudnnError
-    from convpass.tune import harness
+    import convpass.native.cudnn as cudnn_pkg
+    from convpass.core.cudnn_enums import STATUS, CudnnError
+    from convpass.tuning import harness
 
     def workspace_size(descs, direction, algo):
         if algo == "gemm":
@@ -346,7 +346,7 @@ def test_legacy_algorithms_go_through_the_same_check_and_timing(engine_bench, mo
 
 
 def test_optimize_says_how_many_decisions_run_an_engine(tmp_path, capsys):
-    from convpass.cli import main
+    from convpass.cli.main import main
 
     model = conv_model("Conv", (2, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1])
     onnx.save(model, tmp_path / "m.onnx")
@@ -426,7 +426,7 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
     import time as time_mod
     import types
 
-    from convpass.runtime.cuda import convolution
+    from convpass.kernels import convolution
 
     class SlowPlan:
         def __init__(self, key, config, enumerated=None):
@@ -516,8 +516,8 @@ def _engine_execs(convs, engines):
 
 
 def test_the_executor_loads_stored_plans_builds_the_rest_and_says_why(monkeypatch):
-    from convpass.kernel_file import KernelEntry
-    from convpass.runtime.cuda import convolution
+    from convpass.core.kernel_file import KernelEntry
+    from convpass.kernels import convolution
 
     stored = {"plan-engine:eng5": KernelEntry("plan-engine:eng5", "90", "cudnn plan engine:eng5", b"stored engine:eng5"),
               "plan-engine:eng7": KernelEntry("plan-engine:eng7", "90", "cudnn plan engine:eng7", b"stored by another cuDNN")}
@@ -535,8 +535,8 @@ def test_the_executor_loads_stored_plans_builds_the_rest_and_says_why(monkeypatc
 
 
 def test_plans_are_stored_while_a_side_car_is_recorded(monkeypatch):
-    from convpass.kernel_file import PLAN_PREFIX, KernelEntry
-    from convpass.runtime.cuda import convolution
+    from convpass.core.kernel_file import PLAN_PREFIX, KernelEntry
+    from convpass.kernels import convolution
 
     recorded = []
     stored = {"plan-engine:eng5": KernelEntry("plan-engine:eng5", "90", PLAN_PREFIX + "engine:eng5", b"stored engine:eng5")}

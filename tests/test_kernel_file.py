@@ -1,4 +1,4 @@
-"""The kernel side-car (convpass.kernel_file), the seam under CuPy's compiler (prebuilt, with a
+"""The kernel side-car (convpass.core.kernel_file), the seam under CuPy's compiler (prebuilt, with a
 stand-in CuPy: no GPU here), and how the executor, ``optimize`` and ``convpass compile`` use them."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import convpass
 
 from conftest import conv_model, random_input
-from convpass import kernel_file
-from convpass.aot import parse_archs
-from convpass.errors import ConvpassError
-from convpass.kernel_file import KernelEntry, KernelFileError
+from convpass.core import kernel_file
+from convpass.compiler.aot import parse_archs
+from convpass.core.errors import ConvpassError
+from convpass.core.kernel_file import KernelEntry, KernelFileError
 from convpass.runtime import Executor
-from convpass.runtime.cuda import prebuilt
+from convpass.native import prebuilt
 
 ENTRIES = [KernelEntry("a" * 32, "90", "cupy_copy", b"\x7fELF binary one"), KernelEntry("b" * 32, "80", "norm_block", b"another binary")]
 
@@ -245,7 +245,7 @@ def test_executor_refuses_a_sidecar_of_another_model_and_checks_the_model(tmp_pa
 
 
 def test_compile_without_a_gpu_says_why(tmp_path, capsys):
-    from convpass.cli import main
+    from convpass.cli.main import main
 
     path = _model_file(tmp_path)
     assert main(["compile", str(path), "--arch", "90"]) == 1
@@ -255,7 +255,7 @@ def test_compile_without_a_gpu_says_why(tmp_path, capsys):
 
 
 def test_describe_says_what_the_executor_would_take(tmp_path, capsys):
-    from convpass.cli import main
+    from convpass.cli.main import main
 
     path = _model_file(tmp_path)
     assert "no m.onnx.kernels beside the model" in kernel_file.describe(path)
@@ -281,14 +281,14 @@ def _plan_entry(cudnn="91900", frontend="1.32.0"):
 
 @pytest.fixture
 def graph_api_here(monkeypatch):
-    from convpass.cudnn import graph_api
+    from convpass.native.cudnn import graph_api
 
     monkeypatch.setattr(graph_api, "unavailable", lambda: None)
     monkeypatch.setattr(graph_api, "versions", lambda: {"cudnn": "91900", "frontend": "1.32.0"})
 
 
 def test_a_sidecar_is_kept_only_when_compiling_again_would_write_the_same(fake_cupy, graph_api_here, tmp_path):
-    from convpass.aot import current_sidecar
+    from convpass.compiler.aot import current_sidecar
 
     path = _model_file(tmp_path)
     side = kernel_file.sidecar_path(path)
@@ -309,20 +309,22 @@ def test_a_sidecar_is_kept_only_when_compiling_again_would_write_the_same(fake_c
     for why, write in refused.items():
         write()
         assert current_sidecar(path) is None, why
-    version = convpass.__version__
+    from convpass.core import version as version_module
+
+    saved = version_module.__version__
     try:
-        convpass.__version__ = "0.0.1"
+        version_module.__version__ = "0.0.1"
         _write(side, model_sha256=digest, **HERE)
     finally:
-        convpass.__version__ = version
+        version_module.__version__ = saved
     assert current_sidecar(path) is None, "another convpass"
     side.write_bytes(b"not a zip")
     assert current_sidecar(path) is None, "damaged"
 
 
 def test_a_sidecar_with_plans_is_not_kept_without_the_graph_api(fake_cupy, tmp_path, monkeypatch):
-    from convpass.aot import current_sidecar
-    from convpass.cudnn import graph_api
+    from convpass.compiler.aot import current_sidecar
+    from convpass.native.cudnn import graph_api
 
     monkeypatch.setattr(graph_api, "unavailable", lambda: "the nvidia-cudnn-frontend package is not installed")
     path = _model_file(tmp_path)
@@ -333,7 +335,7 @@ def test_a_sidecar_with_plans_is_not_kept_without_the_graph_api(fake_cupy, tmp_p
 
 
 def test_a_sidecar_that_cannot_be_judged_is_compiled_again(fake_cupy, graph_api_here, tmp_path, monkeypatch):
-    from convpass.aot import current_sidecar
+    from convpass.compiler.aot import current_sidecar
 
     path = _model_file(tmp_path)
     _write(kernel_file.sidecar_path(path), model_sha256=kernel_file.file_sha256(path), **HERE)
@@ -347,11 +349,11 @@ def test_a_sidecar_that_cannot_be_judged_is_compiled_again(fake_cupy, graph_api_
 
 
 def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, graph_api_here, tmp_path, monkeypatch):
-    import convpass.aot
+    import convpass.compiler.aot
     import convpass.runtime.cuda
     from rich.console import Console
 
-    from convpass.pipeline import _write_kernels
+    from convpass.compiler.pipeline import _write_kernels
 
     compiled = []
 
@@ -361,7 +363,7 @@ def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, gr
         return types.SimpleNamespace(line=lambda: "compiled")
 
     monkeypatch.setattr(convpass.runtime.cuda, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(convpass.aot, "compile_kernels", compile_kernels)
+    monkeypatch.setattr(convpass.compiler.aot, "compile_kernels", compile_kernels)
     path = _model_file(tmp_path)
     console = Console(record=True, width=400)
     _write_kernels(path, True, console)  # none there: compiled

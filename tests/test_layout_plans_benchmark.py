@@ -9,7 +9,7 @@ import shutil
 
 import recorded
 from conftest import REPO
-from convpass.cache import TuningCache
+from convpass.tuning.cache import TuningCache
 from recorded import H200
 
 _spec = importlib.util.spec_from_file_location("layout_plans", REPO / "benchmarks" / "layout_plans.py")
@@ -73,8 +73,8 @@ def test_a_cache_with_both_layouts_and_transposes_gives_the_plan(tmp_path, capsy
     from onnx import TensorProto, helper, numpy_helper
 
     import numpy as np
-    from convpass.cache import Measurement
-    from convpass.pipeline import OptimizeReport, build_options, prepare_model
+    from convpass.tuning.cache import Measurement
+    from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
 
     w = numpy_helper.from_array(np.ones((4, 4, 3, 3), np.float32), "w")
     nodes = [helper.make_node("Conv", ["input", "w"], ["a"], pads=[1, 1, 1, 1], name="c0"),

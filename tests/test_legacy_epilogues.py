@@ -1,4 +1,4 @@
-"""Legacy conv epilogues on the CPU (:mod:`convpass.epilogue`): which epilogue a conv's step runs
+"""Legacy conv epilogues on the CPU (:mod:`convpass.core.fusion`): which epilogue a conv's step runs
 (the collect pass reads the executor's lowering rules), selection between the fused cuDNN call and
 the conv plus one pass, cache completeness, the tuner's rows (NumPy stand-ins for CuPy and cuDNN: no
 timing invented), the annotation (schema 5) and the executor's use of the recorded choice."""
@@ -17,15 +17,15 @@ from onnx import helper, numpy_helper
 
 import convpass
 from conftest import numpy_shape_bench
-from convpass import annotation, epilogue
-from convpass.cache import Measurement, TuningCache
-from convpass.cudnn.enums import algo_names
-from convpass.decide import EPILOGUE_METHOD, choice_from, cost_ms, epilogue_ms, select
-from convpass.device import DeviceFingerprint
-from convpass.options import TuneOptions
-from convpass.passes.canonicalize_convs import canonicalize_conv
-from convpass.passes.collect_conv_problems import ConvProblem, conv_fusion
-from convpass.tune import tuner
+from convpass.core import annotation, fusion as epilogue
+from convpass.tuning.cache import Measurement, TuningCache
+from convpass.core.cudnn_enums import algo_names
+from convpass.tuning.decide import EPILOGUE_METHOD, choice_from, cost_ms, epilogue_ms, select
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
+from convpass.compiler.passes.collect_conv_problems import ConvProblem, conv_fusion
+from convpass.tuning import tuner
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 X = (2, 8, 6, 6)
@@ -113,7 +113,7 @@ def test_the_pipeline_collects_each_convs_epilogue():
     """conftest's residual block as torch exports it (no shapes inside the graph; the residual is the
     graph input): the problems carry bias+relu and bias+add+relu."""
     from conftest import residual_block_model
-    from convpass.pipeline import OptimizeReport, prepare_model
+    from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
     model = ir.serde.deserialize_model(residual_block_model())
     problems = prepare_model(model, TuneOptions(engines="legacy"), [], OptimizeReport())
@@ -145,7 +145,7 @@ def test_the_fused_call_wins_only_when_faster_than_the_conv_plus_its_pass(fused_
 def _settling(monkeypatch, grouped, turns=(0.0685, 0.0682, 0.0690)):
     """A NumPy stand-in bench whose ``grouped`` rows kept their groups, and the head-to-head it asks
     for (each call's groups, in a list), answering ``turns``."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     bench = numpy_shape_bench(monkeypatch, SHAPE)
     bench._groups.update({(KEY, algo): (algo, 10, None) for algo in grouped})
@@ -213,7 +213,7 @@ def test_only_candidates_the_options_allow_are_compared_at_most_three(monkeypatc
 def test_a_full_timing_keeps_its_group_and_workspace_within_the_budget(monkeypatch):
     """What the head-to-head replays: the group of each candidate timed in full, with its workspace
     and launch kept alive; nothing for an early stop, nor past the geometry's workspace budget."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     bench = numpy_shape_bench(monkeypatch, SHAPE)
     bench._group_budget = 200
@@ -236,7 +236,7 @@ def test_a_full_timing_keeps_its_group_and_workspace_within_the_budget(monkeypat
 
 
 def test_an_error_in_the_turns_keeps_the_first_timings(monkeypatch, caplog):
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     bench, _ = _settling(monkeypatch, ["implicit_precomp_gemm", "implicit_precomp_gemm+bias+relu"])
 
@@ -301,7 +301,7 @@ def test_the_cache_is_complete_for_a_legacy_epilogue_with_its_pass_and_a_fused_c
 
 
 def test_a_cache_with_every_bare_row_gets_only_the_epilogue_measured(monkeypatch):
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
@@ -317,9 +317,9 @@ def test_a_cache_with_every_bare_row_gets_only_the_epilogue_measured(monkeypatch
 
 @pytest.fixture
 def bench(monkeypatch):
-    from convpass import cudnn
-    from convpass.runtime.cuda import convolution
-    from convpass.tune import harness
+    from convpass.native import cudnn
+    from convpass.kernels import convolution
+    from convpass.tuning import harness
 
     timings: list[float] = []
 
@@ -393,7 +393,7 @@ class _Rt:
 
 
 def _exec(fused_call, algo="implicit_gemm"):
-    from convpass.runtime.cuda.convolution import ConvExec
+    from convpass.kernels.convolution import ConvExec
 
     return ConvExec("c1", "Conv", None, KEY, None, algo, 0, None, "recorded", fused_call=fused_call)
 
@@ -408,7 +408,7 @@ def _exec(fused_call, algo="implicit_gemm"):
     (None, False, False, None, False),  # untuned: identity only with implicit_precomp_gemm
 ])
 def test_the_executor_runs_the_epilogue_the_way_the_decision_recorded(fused_call, relu, residual, activation, warns):
-    from convpass.runtime.cuda.convolution import Convolutions
+    from convpass.kernels.convolution import Convolutions
 
     rt = _Rt()
     convs = Convolutions(rt)
@@ -421,8 +421,8 @@ def test_the_executor_runs_the_epilogue_the_way_the_decision_recorded(fused_call
 def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
     """A legacy epilogue belongs to the legacy call: an engine recorded beside one (an edited model)
     is the bare conv's configuration, not a fused graph cuDNN's graph API has no name for."""
-    from convpass.runtime.conv import ConvCall
-    from convpass.runtime.cuda.convolution import Convolutions
+    from convpass.ops.conv import ConvCall
+    from convpass.kernels.convolution import Convolutions
 
     seen = []
     monkeypatch.setattr(Convolutions, "_engine_plan",
@@ -440,7 +440,7 @@ def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
 ])
 def test_a_recorded_fusion_that_cannot_be_run_is_said(engine, fusion, complaint):
     """The executor warns (naming the node) about a fusion it cannot run as recorded; see odd_fusion."""
-    from convpass.runtime.cuda.convolution import odd_fusion
+    from convpass.kernels.convolution import odd_fusion
 
     got = odd_fusion(annotation.ConvDecision(algo="implicit_gemm", engine=engine, fusion=fusion))
     assert (got is None) if complaint is None else (complaint in got), got
@@ -450,7 +450,7 @@ def test_a_recorded_fusion_that_cannot_be_run_is_said(engine, fusion, complaint)
 def test_a_convtranspose_takes_its_only_reader_relu_into_its_bias_pass(second_reader):
     """cuDNN's backward data has no fused bias call: the bias is one element-wise pass after it, and
     a Relu that is the only reader of the ConvTranspose joins that pass (its step is absorbed)."""
-    from convpass.runtime.cuda.convolution import lower_convs
+    from convpass.kernels.convolution import lower_convs
     from convpass.runtime.executor import Executor
 
     n = helper.make_node

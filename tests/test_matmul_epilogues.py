@@ -1,4 +1,4 @@
-"""MatMul / Gemm epilogues of the cuda backend (convpass.runtime.cuda.matmul), checked on the CPU.
+"""MatMul / Gemm epilogues of the cuda backend (convpass.kernels.matmul), checked on the CPU.
 
 The lowering rules run on plans the CPU executor builds; the launch runs with a NumPy stand-in
 for the backend, both through a stand-in of cuBLASLt's fused call (``relu(a @ b + bias + z)``:
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from convpass.runtime.cuda import matmul as cuda_matmul
+from convpass.kernels import matmul as cuda_matmul
 from convpass.runtime.executor import Executor
-from convpass.runtime.registry import OpContext
+from convpass.ops.registry import OpContext
 
 N = helper.make_node
 M, K, C = 6, 8, 5  # rows, inner size, output features
@@ -233,7 +233,7 @@ class _Lib:
 def _blas_with_handles(lib):
     from ctypes import c_void_p
 
-    from convpass.runtime.cuda import blas
+    from convpass.native import cublas as blas
 
     b = blas.Blas.__new__(blas.Blas)  # the handles without a GPU: only their destruction is checked
     b.lib, b.handle, b._lt, b._lt_problems = lib, c_void_p(7), (lib, c_void_p(8)), {}
@@ -243,7 +243,7 @@ def _blas_with_handles(lib):
 def test_a_collected_blas_destroys_its_handles_later_never_inside_the_collection():
     """A garbage collection may run inside another plan's stream capture: destroying cuBLAS
     handles there would invalidate it, so __del__ only queues the destruction."""
-    from convpass.runtime.cuda import blas
+    from convpass.native import cublas as blas
 
     blas.reap()  # what earlier tests' collected Blas objects left
     lib = _Lib()
@@ -305,7 +305,7 @@ class _DescLib:
 def test_a_cublaslt_problem_that_fails_half_built_destroys_what_it_made():
     from ctypes import c_void_p
 
-    from convpass.runtime.cuda import blas
+    from convpass.native import cublas as blas
 
     lib = _DescLib()
     key = (8, 4, 6, blas.CUBLAS_OP_N, 8, blas.CUBLAS_OP_N, 6, 0, 68, 1, None)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convpass.runtime.backends import host_backend
-from convpass.runtime.ops import storage_order
-from convpass.runtime.registry import NodeInfo, OpContext, lookup
+from convpass.kernels.backends import host_backend
+from convpass.core.layout import storage_order
+from convpass.ops.registry import NodeInfo, OpContext, lookup
 
 _RNG = np.random.default_rng(7)
 
@@ -83,7 +83,7 @@ def test_concat_keeps_channels_last_when_every_input_has_it():
 def test_copy_into_a_channels_last_concat_slice(src_channels_last):
     """copy_into writes exactly the slice, whatever the source's format (channels-last pairs are
     copied in their channels-last view)."""
-    from convpass.runtime.cuda.common import copy_into
+    from convpass.native.cuda import copy_into
 
     rng = np.random.default_rng(7)
     buf = np.ascontiguousarray(rng.standard_normal((2, 5, 6, 7)).astype(np.float32)).transpose(0, 3, 1, 2)  # (2, 7, 5, 6) NHWC

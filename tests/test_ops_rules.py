@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convpass.runtime.backends import host_backend
-from convpass.runtime.registry import NodeInfo, OpContext, lookup
+from convpass.kernels.backends import host_backend
+from convpass.ops.registry import NodeInfo, OpContext, lookup
 
 
 def _refuse_scalar(op):  # noqa: ANN001, ANN202
@@ -125,7 +125,7 @@ def test_the_fused_kernels_folded_batchnorm_computes_on_the_host():
     arithmetic on the template's (device) arrays, and uploaded once each."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from convpass.runtime.cuda import elementwise
+    from convpass.kernels import elementwise
     from convpass.runtime.executor import Executor
 
     params = [numpy_helper.from_array(np.full((3,), v, np.float32), n) for n, v in zip("sbmv", (1.5, 0.1, 0.2, 2.0))]
@@ -150,7 +150,7 @@ def test_a_scatter_reduction_without_ufunc_at_reduces_duplicates_in_order(ufunc,
     ScatterElements with ``reduction="mul"`` reduce in rounds there. The rounds give what NumPy's
     ``ufunc.at`` gives, duplicate targets included, for index arrays over the leading dims
     (ScatterND) and over all of them (ScatterElements)."""
-    from convpass.runtime.ops import _reduce_at_in_rounds
+    from convpass.ops.tensor import _reduce_at_in_rounds
 
     rng = np.random.default_rng(index_rank)
     x = rng.uniform(0.5, 1.5, (4, 3, 5))

@@ -14,8 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import convpass
 from conftest import MODELS, conv_model, random_input, run_ort
-from convpass import annotation
-from convpass.errors import ConvpassError, ModelLoadError, OptionError, ShapeError
+from convpass.core import annotation
+from convpass.core.errors import ConvpassError, ModelLoadError, OptionError, ShapeError
 from test_canonicalize import CASES
 
 
@@ -76,10 +76,10 @@ def test_dynamic_batch_with_two_profiles(tmp_path):
 
 
 def test_identical_problems_are_listed_once():
-    from convpass.model_io import load_model
-    from convpass.passes.canonicalize_convs import CanonicalizeConvsPass
-    from convpass.passes.collect_conv_problems import CollectConvProblemsPass
-    from convpass.passes.resolve_shapes import ResolveShapesPass
+    from convpass.core.model_io import load_model
+    from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
+    from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass
+    from convpass.compiler.passes.resolve_shapes import ResolveShapesPass
 
     w = numpy_helper.from_array(np.ones((3, 3, 3, 3), np.float32), "w")
     nodes = [helper.make_node("Conv", [a, "w"], [b], name=f"c{i}", pads=[1, 1, 1, 1]) for i, (a, b) in enumerate([("x", "y1"), ("y1", "y2"), ("y2", "y3")])]
@@ -219,7 +219,7 @@ def test_unknown_option_values(options, message):
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "convpass.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "convpass.cli.main", *map(str, args)], capture_output=True, text=True, cwd=cwd)
 
 
 def _bad_files(tmp_path):
@@ -350,8 +350,8 @@ def test_the_checker_refuses_an_invalid_model_however_it_comes(tmp_path):
 def test_large_model_paths(tmp_path, monkeypatch):
     """Past the protobuf limit, initializers go to shape inference as typed inputs and the output is
     written with external data; exercised here by lowering both thresholds to zero."""
-    from convpass import model_io
-    from convpass.passes import resolve_shapes
+    from convpass.core import model_io
+    from convpass.compiler.passes import resolve_shapes
 
     monkeypatch.setattr(resolve_shapes, "_INLINE_LIMIT", 0)
     monkeypatch.setattr(model_io, "_EXTERNAL_DATA_THRESHOLD", 0)
@@ -364,7 +364,7 @@ def test_large_model_paths(tmp_path, monkeypatch):
 
 
 def test_optimize_replaces_the_old_kernel_sidecar_and_says_where_kernels_come_from(tmp_path, capsys):
-    from convpass.kernel_file import sidecar_path
+    from convpass.core.kernel_file import sidecar_path
 
     out = tmp_path / "t.onnx"
     stale = sidecar_path(out)
@@ -388,14 +388,14 @@ def test_executor_reads_a_model_with_external_data_by_path(tmp_path):
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_kernels_that_do_not_build_are_said_even_when_quiet(tmp_path, monkeypatch, capsys, caplog, quiet):
-    import convpass.aot
+    import convpass.compiler.aot
     import convpass.runtime.cuda
 
     def fail(path, **kw):
         raise ConvpassError(f"compiling the kernels of {path} failed (nothing was written):\nboom")
 
     monkeypatch.setattr(convpass.runtime.cuda, "unavailable_reason", lambda: None)  # "a GPU is here"
-    monkeypatch.setattr(convpass.aot, "compile_kernels", fail)
+    monkeypatch.setattr(convpass.compiler.aot, "compile_kernels", fail)
     out = tmp_path / "t.onnx"
     convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), out, quiet=quiet)
     said = capsys.readouterr().err + caplog.text
@@ -471,8 +471,8 @@ def test_re_optimizing_a_tuned_model_resolves_shapes_through_its_tuned_convs():
     """A tuned model edited and optimized again: a conv downstream whose input shape ONNX cannot
     infer (a Reshape to a computed shape) is resolved by the CPU run, which takes the tuned convs
     by their standard op's rules (shapes only), not as ops it does not know."""
-    from convpass.model_io import load_model
-    from convpass.pipeline import build_options, optimize_model
+    from convpass.core.model_io import load_model
+    from convpass.compiler.pipeline import build_options, optimize_model
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((4, 4, 3, 3)) * 0.1).astype(np.float32), n) for n in ("w1", "w2")]

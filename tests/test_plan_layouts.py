@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import pytest
 
-from convpass.passes.plan_layouts import plan_layouts
+from convpass.compiler.passes.plan_layouts import plan_layouts
 
 
 def _chain(*ops):
@@ -93,7 +93,7 @@ def _random_case(seed):
 def _brute_force_ms(graph, nodes, conv_costs, transpose_ms):
     import itertools
 
-    from convpass.passes.plan_layouts import _evaluate, movable_nodes
+    from convpass.compiler.passes.plan_layouts import _evaluate, movable_nodes
 
     movable = [n for n in nodes if n in movable_nodes(graph, conv_costs)]
     return min(_evaluate(graph, dict(zip(movable, f)), conv_costs, transpose_ms).cost_ms
@@ -151,7 +151,7 @@ def test_a_standalone_concat_and_a_pad_pass_nhwc_through():
 def test_nested_concats_stay_nchw():
     # DenseNet: cat([x0, f1]) is a contiguous run of cat([x0, f1, f2]); both stay NCHW, so NHWC convs
     # that read them pay a transpose each
-    from convpass.passes.plan_layouts import standalone_concats
+    from convpass.compiler.passes.plan_layouts import standalone_concats
 
     x = ir.Value(name="x")
     f1 = _node("Conv", x, name="f1")
@@ -176,7 +176,7 @@ def test_nested_concats_stay_nchw():
 
 def test_concats_that_feed_each_other_do_not_stand_alone():
     # Inception's inner cat is an input of the block's cat; a cat of two values stands alone
-    from convpass.passes.plan_layouts import standalone_concats
+    from convpass.compiler.passes.plan_layouts import standalone_concats
 
     x, y = ir.Value(name="x"), ir.Value(name="y")
     inner = _node("Concat", x, y, name="inner", axis=1)
@@ -222,7 +222,7 @@ def _convnext_block():
 
 
 def test_channel_moving_transposes_are_free_in_nhwc():
-    from convpass.passes.plan_layouts import channel_moves
+    from convpass.compiler.passes.plan_layouts import channel_moves
 
     graph, convs = _convnext_block()
     moves = channel_moves(graph)
@@ -244,7 +244,7 @@ def test_channel_moving_transposes_are_free_in_nhwc():
 
 
 def test_rank_3_and_5_channel_moves():
-    from convpass.passes.plan_layouts import channel_moves
+    from convpass.compiler.passes.plan_layouts import channel_moves
 
     x = ir.Value(name="x")
     nodes = [ir.Node("", "Transpose", [x], attributes=[ir.AttrInt64s("perm", p)], name=str(p))

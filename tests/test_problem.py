@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from convpass.device import DeviceFingerprint
-from convpass.problem import ConvShape, ProblemKey, layout_from_memory_format, memory_format_name
+from convpass.core.device import DeviceFingerprint
+from convpass.core.problem import ConvShape, ProblemKey, layout_from_memory_format, memory_format_name
 
 SHAPE = ConvShape("fwd", 32, 64, 128, (56, 56), (3, 3), (1, 1), (2, 2), (1, 1), 1, "float16")
 

@@ -10,14 +10,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 import convpass
 from conftest import random_input, run_ort
-from convpass import annotation
-from convpass.errors import ShapeError
-from convpass.model_io import load_model, to_proto
-from convpass.options import TuneOptions
-from convpass.passes.cpu_shapes import value_dependence
-from convpass.passes.fold_conv_weights import FoldConvWeightsPass
-from convpass.passes.resolve_shapes import SHAPES_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
-from convpass.pipeline import optimize_model
+from convpass.core import annotation
+from convpass.core.errors import ShapeError
+from convpass.core.model_io import load_model, to_proto
+from convpass.core.options import TuneOptions
+from convpass.compiler.passes.cpu_shapes import value_dependence
+from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
+from convpass.compiler.passes.resolve_shapes import SHAPES_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
+from convpass.compiler.pipeline import optimize_model
 from shufflenet_like import shufflenet_like
 
 
@@ -167,7 +167,7 @@ def test_symbolic_batch_without_a_profile_still_asks_for_shape(shufflenet):
 
 
 def test_shufflenet_cli(shufflenet, tmp_path, capsys):
-    from convpass.cli import main
+    from convpass.cli.main import main
 
     onnx.save(shufflenet, tmp_path / "m.onnx")
     assert main(["optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "t.onnx"), "--shape", "input=2x3x32x32"]) == 0

@@ -16,18 +16,8 @@
 * :mod:`convpass.bench.fresh` — cold start in a fresh process (``--fresh-process``): the child
   (``python -m convpass.bench.fresh``: one runtime, one model and batch, process start -> first
   result in host memory, in parts) and the harness that spawns it with empty kernel caches.
-* :mod:`convpass.bench.cli` — ``add_bench_parser(subparsers)`` and the command.
+The command itself (``convpass bench``) is :mod:`convpass.cli.bench`.
 
 Importing any of these imports neither CuPy, nor PyTorch, nor ONNX Runtime: those are imported when
 a benchmark runs, and a missing one is reported as ``unavailable: <reason>``.
 """
-
-from __future__ import annotations
-
-__all__ = ["add_bench_parser"]
-
-
-def add_bench_parser(subparsers):  # noqa: ANN001, ANN201  (thin lazy re-export)
-    from convpass.bench.cli import add_bench_parser as add
-
-    return add(subparsers)

@@ -77,58 +77,13 @@ from convpass.bench.peers import (  # noqa: F401  (ORT_CONFIGS, ort_name, export
 )
 from convpass.bench.peers import first_line as _first_line
 from convpass.bench.roofline import conv_roofline
+from convpass.core.profiles import CaseSkipped, input_shapes, model_inputs, shape_spec  # noqa: F401  (this module's API too)
 
 TIMING = "host perf_counter around each run + cudaDeviceSynchronize; device-resident input and output"
 
 
-class CaseSkipped(Exception):
-    """This model cannot run at this batch (e.g. a fixed batch dimension)."""
-
-
 # ---------------------------------------------------------------------------------------------
 # inputs
-
-
-def model_inputs(model: onnx.ModelProto) -> list[tuple[str, list[int | str | None], np.dtype]]:
-    """(name, dims, dtype) of every graph input that is not an initializer."""
-    inits = {t.name for t in model.graph.initializer}
-    out = []
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        dims: list[int | str | None] = []
-        for d in tt.shape.dim:
-            dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
-        out.append((vi.name, dims, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))))
-    return out
-
-
-def input_shapes(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]:
-    """Concrete input shapes at ``batch``: a symbolic first dim becomes the batch.
-
-    Raises :class:`CaseSkipped` for a fixed first dim other than ``batch``, ValueError for other
-    symbolic dims (the benchmark only sets the batch axis).
-    """
-    shapes = {}
-    for name, dims, _ in model_inputs(model):
-        if not dims:
-            raise ValueError(f"input {name!r} has no shape; the benchmark needs ranked inputs")
-        first = dims[0]
-        if isinstance(first, int) and first > 0 and first != batch:
-            raise CaseSkipped(f"input {name!r} has a fixed batch of {first}, not {batch}")
-        rest = []
-        for i, d in enumerate(dims[1:], start=1):
-            if not isinstance(d, int) or d <= 0:
-                raise ValueError(f"input {name!r} dim {i} is symbolic ({d!r}); the benchmark only sets the batch axis")
-            rest.append(d)
-        shapes[name] = (batch, *rest)
-    return shapes
-
-
-def shape_spec(shapes: Mapping[str, Sequence[int]]) -> str:
-    """The ``--shape`` profile string for ``optimize``: ``input=32x3x224x224``."""
-    return ",".join(f"{n}={'x'.join(map(str, s))}" for n, s in shapes.items())
 
 
 def make_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]], seed: int = 0) -> dict[str, np.ndarray]:
@@ -315,10 +270,9 @@ def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | 
     side-car unless ``kernels`` is false; (tuning record, inspect records)."""
     from rich.console import Console
 
-    import convpass
-    from convpass.model_io import load_model, save_model
-    from convpass.options import TuneOptions
-    from convpass.pipeline import optimize_model
+    from convpass.compiler.pipeline import inspect, optimize_model
+    from convpass.core.model_io import load_model, save_model
+    from convpass.core.options import TuneOptions
 
     # Gemm / MatMul TF32 as the peers get it (ONNX Runtime's use_tf32, torch's allow_tf32): on
     # unless --tf32 off; convpass optimize's own default (--matmul-tf32 off) is MindSpore's.
@@ -328,7 +282,7 @@ def run_optimize(path: Path, spec: str | Sequence[str], tf32: str, cache: str | 
     rep = optimize_model(model, options, [spec] if isinstance(spec, str) else list(spec), cache, None, Console(stderr=True, quiet=True))
     save_model(model, out_path)
     wall = time.perf_counter() - t0
-    records = convpass.inspect(out_path)
+    records = inspect(out_path)
     tuning = {
         "optimize_s": wall,
         "tuning_s": rep.tuning_seconds,
@@ -355,11 +309,11 @@ NO_KERNELS = "not written (bench --no-kernels): the executor compiles them at st
 
 def write_kernels(tuned_path: Path) -> dict[str, Any]:
     """The tuned model's kernel side-car, compiled as ``convpass optimize`` compiles it on a GPU
-    (:mod:`convpass.aot`; always compiled here, never kept from an earlier run, so ``kernels_s``
+    (:mod:`convpass.compiler.aot`; always compiled here, never kept from an earlier run, so ``kernels_s``
     is the compile time), so that the executor starts as a deployment's does: ``kernels`` (what
     was written, or why not) and ``kernels_s``."""
-    from convpass.aot import compile_kernels
-    from convpass.errors import ConvpassError
+    from convpass.compiler.aot import compile_kernels
+    from convpass.core.errors import ConvpassError
 
     t0 = time.perf_counter()
     try:
@@ -375,7 +329,7 @@ def run_convpass(tuned_path: Path, tuning: dict[str, Any], records: Sequence[Map
     tf32 = uses_tf32(records, tuning.get("matmul_tf32", False)) if dtype == "float32" else None
     config = {"device": "cuda", "cuda_graph": True, "tf32_option": tuning.get("tf32_option"), "matmul_tf32": tuning.get("matmul_tf32", False)}
     try:
-        from convpass.runtime.errors import ExecutorError
+        from convpass.core.errors import ExecutorError
         from convpass.runtime.executor import Executor
     except ImportError as e:
         return report.unavailable("convpass", "convpass", f"convpass executor cannot be imported: {_first_line(e)}", config)
@@ -808,11 +762,11 @@ def _module_version(name: str) -> str | None:
 
 def package_versions() -> dict[str, str | None]:
     """Versions of everything the numbers depend on (None: not installed)."""
-    import convpass
+    from convpass.core.version import __version__
 
     out = {
         "python": platform.python_version(),
-        "convpass": convpass.__version__,
+        "convpass": __version__,
         "numpy": np.__version__,
         "onnx": onnx.__version__,
         "onnx-ir": _dist_version("onnx-ir", "onnx_ir"),
@@ -883,8 +837,8 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
     }
     try:
-        from convpass.cudnn import library
-        from convpass.device import cudnn_version_string
+        from convpass.native.cudnn import library
+        from convpass.core.device import cudnn_version_string
 
         env["cudnn"] = cudnn_version_string(library.version())
         env["cudnn_path"] = library.path()

@@ -9,7 +9,7 @@ The child (``python -m convpass.bench.fresh``)::
 
 runs the case and prints one JSON line: the wall-clock stamps (``time.time()``, comparable between
 processes), the parts between them (:func:`parts`), for convpass the run-time compilations
-(``convpass.runtime.cuda.compiler.COMPILATIONS``) and the files in ``$CUPY_CACHE_DIR``, or the
+(``convpass.native.nvrtc.COMPILATIONS``) and the files in ``$CUPY_CACHE_DIR``, or the
 error and the phase it happened in (exit status 1). ``--spawn-time`` is when the parent asked for
 the process; without it there is no interpreter part and no total. ``--out`` writes the outputs
 (after the last stamp) for the parent's output check.
@@ -213,10 +213,10 @@ def _compilations() -> list[str] | None:
     """The kernels compiled at run time in this process, and the cuDNN graph-API plans whose build
     took long enough to be a compilation (``convolution.ENGINE_COMPILATIONS``); None when convpass's
     compiler was never imported."""
-    compiler = sys.modules.get("convpass.runtime.cuda.compiler")
+    compiler = sys.modules.get("convpass.native.nvrtc")
     if compiler is None:
         return None
-    convolution = sys.modules.get("convpass.runtime.cuda.convolution")
+    convolution = sys.modules.get("convpass.kernels.convolution")
     return list(compiler.COMPILATIONS) + list(getattr(convolution, "ENGINE_COMPILATIONS", ()))
 
 

@@ -138,9 +138,7 @@ def panel_entry(model_path: str | os.PathLike, panel_json: str | os.PathLike | N
 
 
 def export_panel_candidates() -> list[Path]:
-    import convpass
-
-    here = Path(convpass.__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]
     return [here / "models" / "export_panel.py", Path.cwd() / "models" / "export_panel.py"]
 
 

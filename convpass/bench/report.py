@@ -32,7 +32,7 @@ kernel names in ``compiled``), the ``cache_files`` CuPy wrote and the ``module``
 convpass package the child imported. A case records ``model_order``:
 1 for the first case of its model in the bench process, 2 for the next batch size, and so on.
 The convpass contender also records ``cuda_graph``: the executor's
-:class:`~convpass.runtime.plan.GraphStatus` after its steady-state runs (``captured`` true / false /
+:class:`~convpass.kernels.plan.GraphStatus` after its steady-state runs (``captured`` true / false /
 null, ``reason``, ``node``, and its ``text``, "CUDA graph: yes (...)" / "CUDA graph: no (...)").
 The *document* adds the environment, the settings, the measured peaks and the ``summary`` against
 the targets.
@@ -330,7 +330,7 @@ def batch_group(batch: Any) -> str:
 
 
 def graph_status_record(status: Any) -> dict[str, Any]:
-    """The JSON form of the executor's :class:`~convpass.runtime.plan.GraphStatus` (duck-typed)."""
+    """The JSON form of the executor's :class:`~convpass.kernels.plan.GraphStatus` (duck-typed)."""
     return {"captured": status.captured, "reason": status.reason or "", "node": status.node or "", "text": status.describe()}
 
 

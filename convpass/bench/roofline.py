@@ -5,7 +5,7 @@ time::
 
     bound = max(FLOPs / peak matmul rate, bytes / device copy bandwidth)
 
-with FLOPs from :attr:`convpass.problem.ConvShape.flops` and bytes = (x + w + y elements) x the
+with FLOPs from :attr:`convpass.core.problem.ConvShape.flops` and bytes = (x + w + y elements) x the
 element size, i.e. each tensor read or written once, which no algorithm can beat. The peak rate is
 the measured TF32 matmul rate for convs that may use TF32 (math ``default`` / ``tensor_op``) and
 for half types (so for those the "bound" is not a true lower bound: their tensor-core rate is
@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from convpass.problem import ProblemKey
+from convpass.core.problem import ProblemKey
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 

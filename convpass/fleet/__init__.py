@@ -12,7 +12,7 @@
 * :mod:`convpass.fleet.ray_cluster` - the Ray executor (optional: ``pip install 'convpass[fleet]'``);
 * :mod:`convpass.fleet.worker` - what runs in a worker; :mod:`convpass.fleet.measurers` - what it
   measures with (the GPU tuner, or a recorded cache replayed without a GPU);
-* :mod:`convpass.fleet.cli` - the ``tune`` subcommand.
+* :mod:`convpass.cli.tune` - the ``tune`` subcommand.
 
 Nothing here imports Ray, CuPy or cuDNN at import time.
 """

@@ -4,7 +4,7 @@
    :mod:`convpass.fleet.ray_cluster`: spawn, load cuDNN, warm the GPU; each reports the fingerprint
    of the device it measures on) and, beside them, model processes
    (:mod:`convpass.fleet.model_procs`) run the optimize pipeline's graph passes
-   (:func:`convpass.pipeline.prepare_model`) on the models in the order given, several at once
+   (:func:`convpass.compiler.pipeline.prepare_model`) on the models in the order given, several at once
    with several processes. The driver launches both before it imports anything heavy, and it
    never runs graph passes itself: they would hold its interpreter while it hands out tasks.
 2. **Target devices,** once every worker started or failed to: every device type in the cluster, or
@@ -58,8 +58,9 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from convpass.device import DeviceFingerprint
-from convpass.errors import ConvpassError, OptionError
+from convpass.core.device import DeviceFingerprint
+from convpass.core.errors import ConvpassError, OptionError
+from convpass.core.profiles import parse_batches, profiles_for_batches
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer, Measurer
 from convpass.fleet.model_procs import (  # noqa: F401  (FleetBackend: part of this module's interface)
@@ -73,15 +74,16 @@ from convpass.fleet.model_procs import (  # noqa: F401  (FleetBackend: part of t
     default_count,
     prepare,
 )
-from convpass.options import TuneOptions
+from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from convpass.cache import TuningCache
-    from convpass.passes.collect_conv_problems import ConvProblem, ProblemUse
-    from convpass.pipeline import OptimizeReport
-    from convpass.problem import ConvShape
+    from convpass.tuning.cache import TuningCache
+    from convpass.compiler.passes.collect_conv_problems import ProblemUse
+    from convpass.core.problem import ConvProblem
+    from convpass.compiler.pipeline import OptimizeReport
+    from convpass.core.problem import ConvShape
 
 OUTPUT_SUFFIX = ".tuned.onnx"
 
@@ -90,8 +92,6 @@ def specs_with_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
     """Models with one profile per batch size (``--batch 1,32 --batch r3d_18=1,8``, as ``convpass
     bench``), resolved when each model is collected (see :class:`ModelSpec`): nothing is read here
     but the file names."""
-    from convpass.bench.cli import parse_batches
-
     default, per_model = parse_batches(list(batch_specs))
     stems = {Path(p).stem for p in paths}
     unknown = sorted(set(per_model) - stems)
@@ -111,7 +111,7 @@ def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
     their ``--shape`` profiles, and notes on the batches left out."""
     import onnx
 
-    from convpass.model_io import load_model
+    from convpass.core.model_io import load_model
 
     specs, notes = [], []
     for lazy in specs_with_batches(paths, batch_specs):
@@ -125,24 +125,6 @@ def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
         notes += left_out
         specs.append(ModelSpec(path, shapes))
     return specs, notes
-
-
-def profiles_for_batches(path: Path, proto: Any, batches: Sequence[int]) -> tuple[tuple[str, ...], list[str]]:
-    """The ``--shape`` profiles of ``--batch`` sizes for a model whose graph inputs ``proto`` holds, by
-    ``convpass bench``'s rule, and notes on the sizes left out (a fixed batch dim of another size)."""
-    from convpass.bench.contenders import CaseSkipped, input_shapes, shape_spec
-
-    shapes, notes = [], []
-    for batch in batches:
-        try:
-            shapes.append(shape_spec(input_shapes(proto, batch)))
-        except CaseSkipped as e:
-            notes.append(f"{path.name}: batch {batch} left out: {e}")
-        except ValueError as e:
-            raise ConvpassError(f"{path}: --batch: {e}") from None
-    if not shapes:
-        raise ConvpassError(f"{path}: none of the batch sizes {list(batches)} fits the model")
-    return tuple(shapes), notes
 
 
 Prepared = tuple["ir.Model", "dict[ConvProblem, list[ProblemUse]]"]
@@ -249,7 +231,7 @@ def resolve_devices(
 ) -> tuple[list[DeviceFingerprint], list[DeviceFingerprint]]:
     """The target devices (module docstring, step 3), in the order named, and which of them are
     cache-only (no worker measures them)."""
-    from convpass.cache import CacheError
+    from convpass.tuning.cache import CacheError
 
     cluster = list(dict.fromkeys(s.device for s in slots))
     if not names:
@@ -427,14 +409,14 @@ def tune(
         procs.start()  # first: they read the first model while the workers start
         executor.launch(measurer)  # on this thread: ray.init installs signal handlers
         if not isinstance(options, TuneOptions):
-            from convpass.pipeline import build_options
+            from convpass.compiler.pipeline import build_options
 
             options = build_options(dict(options))
         _import_for_results()
         stream = _Stream(report, options, procs, started)
         slots, not_started = executor.wait_started(stream.poll)  # a model that cannot be prepared ends the wait
         report.seconds["workers"] = time.perf_counter() - started
-        from convpass.cache import TuningCache
+        from convpass.tuning.cache import TuningCache
 
         db = TuningCache(cache)
     except BaseException:
@@ -476,11 +458,11 @@ def _import_for_results() -> None:
     """What unpickling the model processes' answers and checking the cache for each new problem
     import (the tuner's completeness rule: no GPU library), imported now, while the workers start,
     rather than in the middle of handing out tasks."""
-    import convpass.cache  # noqa: F401
-    import convpass.decide  # noqa: F401
-    import convpass.passes.collect_conv_problems  # noqa: F401
-    import convpass.pipeline  # noqa: F401
-    import convpass.tune.tuner  # noqa: F401
+    import convpass.tuning.cache  # noqa: F401
+    import convpass.tuning.decide  # noqa: F401
+    import convpass.core.problem  # noqa: F401
+    import convpass.compiler.pipeline  # noqa: F401
+    import convpass.tuning.tuner  # noqa: F401
 
 
 def _what_was_kept(error: Exception, report: FleetReport) -> Exception:
@@ -607,7 +589,7 @@ class _Stream:
 
     def _release(self) -> list[sched.Task]:
         """The tasks of the models collected next in order (module docstring, step 3)."""
-        from convpass.decide import cached_rows
+        from convpass.tuning.decide import cached_rows
 
         assert self.db is not None and self.measurer is not None
         tasks: list[sched.Task] = []

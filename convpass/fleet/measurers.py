@@ -7,12 +7,12 @@ ones), and returns the rows; it never writes a tuning cache (only the driver doe
 measures only what is missing.
 
 * :class:`CudnnMeasurer` times problems on the worker's GPU with the tuner
-  (:func:`convpass.tune.tuner.measure_problem`). Everything a first problem would otherwise pay
+  (:func:`convpass.tuning.tuner.measure_problem`). Everything a first problem would otherwise pay
   for is done when the worker starts, while the driver still collects problems: the CUDA context,
   cuDNN's handle, the tuner's imports, one small convolution through the tuner's own path (cuDNN
   loads its sub-libraries and CuPy its kernels on first use), and the GPU's clocks warmed.
 * :class:`RecordedMeasurer` replays measurements recorded in a tuning cache for one device, through
-  the cache-only decision path's own read (:func:`convpass.decide.cached_rows`): no GPU, nothing
+  the cache-only decision path's own read (:func:`convpass.tuning.decide.cached_rows`): no GPU, nothing
   timed. It rehearses a fleet run (scheduling, faults, models written) on machines without GPUs,
   and it is what the CPU tests run. Its cache file must be readable at the same path by every
   worker (a local cluster, or a file system the Ray nodes share).
@@ -25,12 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from convpass.device import DeviceFingerprint
-from convpass.options import TuneOptions
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:  # not at run time: the driver imports this module before launching its workers
-    from convpass.cache import Measurement, TuningCache
-    from convpass.passes.collect_conv_problems import ConvProblem
+    from convpass.tuning.cache import Measurement, TuningCache
+    from convpass.core.problem import ConvProblem
 
 
 class MeasureError(Exception):
@@ -70,7 +70,7 @@ class CudnnMeasurer:
         self._stream = None
 
     def start(self) -> DeviceFingerprint:
-        from convpass import device as device_mod
+        from convpass.native import device as device_mod
 
         fingerprint = device_mod.detect()
         if fingerprint is None:
@@ -78,8 +78,8 @@ class CudnnMeasurer:
             raise MeasureError(f"no usable GPU, CuPy or cuDNN in this worker (CUDA_VISIBLE_DEVICES={visible})")
         import cupy as cp
 
-        from convpass.cudnn import get_handle
-        from convpass.tune import harness, tuner
+        from convpass.native.cudnn import get_handle
+        from convpass.tuning import harness, tuner
 
         self._stream = cp.cuda.Stream(non_blocking=True)
         with self._stream:
@@ -93,8 +93,8 @@ class CudnnMeasurer:
         """One small convolution through the tuner (heuristic, reference, check, timing), rows
         dropped: what cuDNN and CuPy load or compile on first use is loaded now, not in the first
         problem. Best effort: a problem it shows would show in the first task as well."""
-        from convpass.passes.collect_conv_problems import ConvProblem
-        from convpass.problem import ConvShape
+        from convpass.core.problem import ConvProblem
+        from convpass.core.problem import ConvShape
 
         shape = ConvShape("fwd", 1, 8, 8, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1))
         try:
@@ -105,7 +105,7 @@ class CudnnMeasurer:
             logging.getLogger("convpass").debug("fleet worker warm-up: %s", e)
 
     def measure(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> list["Measurement"]:
-        from convpass.tune.tuner import measure_problem
+        from convpass.tuning.tuner import measure_problem
 
         if self._stream is None:
             raise MeasureError("CudnnMeasurer.measure before start()")
@@ -118,7 +118,7 @@ class CudnnMeasurer:
         return rows
 
     def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
-        from convpass.tune.tuner import problem_complete
+        from convpass.tuning.tuner import problem_complete
 
         return problem_complete(list(rows), problem, options)
 
@@ -140,8 +140,8 @@ class RecordedMeasurer:
         self.cache_path, self.device, self._cache = state["cache_path"], state["device"], None
 
     def _recorded(self, device: DeviceFingerprint, problem: "ConvProblem") -> list["Measurement"]:
-        from convpass.cache import TuningCache
-        from convpass.decide import cached_rows
+        from convpass.tuning.cache import TuningCache
+        from convpass.tuning.decide import cached_rows
 
         if self._cache is None:
             if not self.cache_path.is_file():

@@ -37,18 +37,18 @@ from multiprocessing.connection import wait as wait_any
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convpass.device import DeviceFingerprint
-from convpass.errors import ConvpassError
-from convpass.options import TuneOptions
+from convpass.core.device import DeviceFingerprint
+from convpass.core.errors import ConvpassError
+from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:
-    from convpass.cache import TuningCache
-    from convpass.decide import Choice
-    from convpass.passes.collect_conv_problems import ConvProblem
-    from convpass.pipeline import OptimizeReport
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.decide import Choice
+    from convpass.core.problem import ConvProblem
+    from convpass.compiler.pipeline import OptimizeReport
 
 # What a model process imports before its first job (the forkserver imports it once for all).
-PRELOAD = ["convpass.pipeline", "convpass.cache", "convpass.model_io", "convpass.bench.contenders"]
+PRELOAD = ["convpass.compiler.pipeline", "convpass.tuning.cache", "convpass.core.model_io", "convpass.bench.contenders"]
 WRITE_STOP_S = 120.0  # how long stopping waits for a model being written (it is never left half-written)
 
 
@@ -97,7 +97,7 @@ class FleetBackend:
     tuner's do (``DecisionBackend.measures``); on a cache-only device, ``cache``."""
 
     def __init__(self, cache: "TuningCache", device: DeviceFingerprint, measures: bool, failed: set["ConvProblem"]) -> None:
-        from convpass.decide import CacheBackend
+        from convpass.tuning.decide import CacheBackend
 
         self.device = device
         self._from_cache = CacheBackend(cache, device)
@@ -121,8 +121,8 @@ class FleetBackend:
 def prepare(spec: ModelSpec, options: TuneOptions) -> tuple[Any, dict, "OptimizeReport", tuple[str, ...], list[str]]:
     """Read a model and run the graph passes for its profiles: (model, problems with their uses,
     report, the profiles, notes on batches left out)."""
-    from convpass.model_io import load_model
-    from convpass.pipeline import OptimizeReport, prepare_model
+    from convpass.core.model_io import load_model
+    from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
     model = load_model(spec.path)
     shapes, notes = spec.shapes, []
@@ -142,7 +142,7 @@ def batch_profiles(model: Any, spec: ModelSpec) -> tuple[tuple[str, ...], list[s
     import onnx
     import onnx_ir as ir
 
-    from convpass.fleet.driver import profiles_for_batches
+    from convpass.core.profiles import profiles_for_batches
 
     inputs = onnx.ModelProto()
     inputs.graph.input.extend(ir.serde.serialize_value(v) for v in model.graph.inputs if v.name not in model.graph.initializers)
@@ -152,8 +152,8 @@ def batch_profiles(model: Any, spec: ModelSpec) -> tuple[tuple[str, ...], list[s
 def write(job: WriteJob, prepared: tuple[Any, dict, "OptimizeReport"] | None, cache: "TuningCache") -> "OptimizeReport":
     """Decide the model's problems from the cache, one table per device, and write it (atomically).
     ``prepared``: the model as collect left it, else it is prepared again."""
-    from convpass.model_io import save_model
-    from convpass.pipeline import decide_and_annotate
+    from convpass.core.model_io import save_model
+    from convpass.compiler.pipeline import decide_and_annotate
 
     if prepared is None:
         model, uses, report, _, _ = prepare(job.spec, job.options)  # counted again from the model written
@@ -174,7 +174,7 @@ def process_main(conn: Any, stopping: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the driver decides
     for name in PRELOAD:
         __import__(name)
-    from convpass.cache import TuningCache
+    from convpass.tuning.cache import TuningCache
 
     held: tuple[int, Any, dict, Any] | None = None  # (index, model, uses, report) of the last model collected
     caches: dict[str, TuningCache] = {}

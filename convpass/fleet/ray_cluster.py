@@ -33,11 +33,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from convpass.errors import ConvpassError
+from convpass.core.errors import ConvpassError
 from convpass.fleet.measurers import Measurer
 from convpass.fleet.scheduler import FEED_POLL_S, Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
 from convpass.fleet.worker import WorkerCore, describe
-from convpass.options import TuneOptions
+from convpass.core.options import TuneOptions
 
 START_TIMEOUT_S = 300.0
 

@@ -53,14 +53,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, Union
 
-from convpass.device import DeviceFingerprint
-from convpass.options import TuneOptions
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:  # not at run time: this module is imported before the driver launches its workers
-    from convpass.cache import Measurement, TuningCache
+    from convpass.tuning.cache import Measurement, TuningCache
     from convpass.fleet.measurers import Measurer
-    from convpass.passes.collect_conv_problems import ConvProblem
-    from convpass.problem import ConvShape
+    from convpass.core.problem import ConvProblem
+    from convpass.core.problem import ConvShape
 
 SLOT_LOSSES = 3
 FEED_POLL_S = 0.02  # how long the loop may wait on the workers before asking an open or busy feed again

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from convpass.device import DeviceFingerprint
+from convpass.core.device import DeviceFingerprint
 from convpass.fleet.measurers import MeasureError, Measurer
 
 
@@ -36,7 +36,7 @@ class WorkerCore:
 
     def start(self) -> DeviceFingerprint:
         # What every task's request unpickles (problems: onnx-ir), loaded now rather than in the first task.
-        import convpass.passes.collect_conv_problems  # noqa: F401
+        import convpass.core.problem  # noqa: F401
 
         self.device = self.measurer.start()
         return self.device

@@ -4,12 +4,12 @@
 ``supported_ops()`` lists the op table. See :mod:`convpass.runtime.executor`.
 """
 
-from convpass.runtime.backends import Backend, CpuBackend
+from convpass.kernels.backends import Backend, CpuBackend
 from convpass.runtime.devices import cuda_available, default_device, get_backend
-from convpass.runtime.errors import ExecutorError
+from convpass.core.errors import ExecutorError
 from convpass.runtime.executor import Executor, NodeArg, SupportReport, check_support, is_supported, prepare_model
-from convpass.runtime.plan import ConvSummary, GraphStatus, Plan
-from convpass.runtime.registry import supported_ops
+from convpass.kernels.plan import ConvSummary, GraphStatus, Plan
+from convpass.ops.registry import supported_ops
 
 __all__ = [
     "Backend",

@@ -2,7 +2,7 @@
 
 Load (once per model)
     read the file once (initializers stored as external data are memory-mapped, copy on write,
-    not read: :mod:`convpass.runtime.model_file`); find its kernel side-car (``<model>.kernels``, :mod:`convpass.kernel_file`:
+    not read: :mod:`convpass.runtime.model_file`); find its kernel side-car (``<model>.kernels``, :mod:`convpass.core.kernel_file`:
     the GPU kernels its plans need, compiled ahead of time) and hand it to the backend; validate
     (``onnx.checker``) unless the side-car vouches for this exact file (``convpass optimize`` /
     ``compile`` ran it before writing, and the SHA-256 of the bytes matches); inline model-local functions (except the ``ai.convpass`` convs,
@@ -10,7 +10,7 @@ Load (once per model)
     op implementation — listing *all* unsupported ops and element types in one
     :class:`ExecutorError` — decode attributes, fold inference BatchNormalization into the
     preceding Conv / ConvTranspose weights where exact, fold constant subgraphs, and read the
-    recorded conv decisions (:func:`convpass.annotation.read_annotations`).
+    recorded conv decisions (:func:`convpass.core.annotation.read_annotations`).
 
 Plan (once per input-shape signature: the feeds' names, shapes and dtypes, and the requested outputs)
     the nodes the outputs need, in topological order. Shape computations (``Shape`` of a tensor
@@ -41,23 +41,14 @@ import onnx
 import onnx.external_data_helper
 import onnx.inliner
 
-from convpass import annotation, kernel_file
+from convpass.core import annotation, kernel_file
 from convpass.runtime import model_file
-from convpass.runtime.backends import Backend, host_backend
-from convpass.runtime.conv import ConvCall
+from convpass.kernels.backends import Backend, host_backend
+from convpass.ops.conv import ConvCall
 from convpass.runtime.devices import get_backend, open_ahead
-from convpass.runtime.errors import ExecutorError
-from convpass.runtime.plan import ConvSummary, GraphStatus, Plan, PlanStep, store_outputs, unshare_outputs
-from convpass.runtime.registry import (
-    SUPPORTED_ELEM_TYPES,
-    NodeInfo,
-    OpContext,
-    decode_attributes,
-    elem_type_name,
-    lookup,
-    normalize_domain,
-    ort_type_string,
-)
+from convpass.core.errors import ExecutorError
+from convpass.kernels.plan import ConvSummary, GraphStatus, Plan, PlanStep, store_outputs, unshare_outputs
+from convpass.ops.registry import SUPPORTED_ELEM_TYPES, NodeInfo, OpContext, decode_attributes, elem_type_name, lookup, normalize_domain, ort_type_string
 
 # ---------------------------------------------------------------------------------------------
 # support check
@@ -543,7 +534,7 @@ class Executor:
 
     def graph_status(self) -> GraphStatus:
         """Whether the last plan runs as one captured CUDA graph, and if not, which node stopped it
-        and why (:class:`~convpass.runtime.plan.GraphStatus`). Known from the second run of a plan on
+        and why (:class:`~convpass.kernels.plan.GraphStatus`). Known from the second run of a plan on
         (the first builds it, the second warms it up and captures it)."""
         if self._last_plan is None:
             return GraphStatus(None, "no plan has run yet")
@@ -895,7 +886,7 @@ def _engine_algo(engine: str, fusion: str = "") -> str:
     """The recorded engine's algorithm name; ``fusion`` counts only when it is a graph-API fusion (a
     legacy epilogue beside an engine is the conv's business, not the name's). An engine that does
     not parse is shown as recorded: building the conv warns about it and runs the legacy algorithm."""
-    from convpass.cudnn.graph_api import FUSIONS, EngineConfig  # not at import: the CPU executor needs no cuDNN package
+    from convpass.native.cudnn.graph_api import FUSIONS, EngineConfig
 
     try:
         return EngineConfig.parse(engine, fusion if fusion in FUSIONS else "").algo

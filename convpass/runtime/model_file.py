@@ -24,7 +24,7 @@ import onnx
 import onnx.external_data_helper
 from onnx import numpy_helper
 
-from convpass.runtime.errors import ExecutorError
+from convpass.core.errors import ExecutorError
 
 __all__ = ["folder", "load", "read_initializers"]
 

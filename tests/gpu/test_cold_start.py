@@ -25,7 +25,7 @@ cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
 from conftest import MODELS, REPO, run_ort  # noqa: E402
-from convpass import kernel_file  # noqa: E402
+from convpass.core import kernel_file  # noqa: E402
 from test_executor_cuda import PANEL_BATCH, PANEL_OPTIONS, _feeds, _rel, _tolerance  # noqa: E402
 
 SAMPLES = sorted(MODELS.glob("*.onnx"))
@@ -115,7 +115,7 @@ def test_graph_api_plans_are_loaded_from_the_side_car_not_built(tmp_path):
     compiled, no warning) and computes what ONNX Runtime does. Without the side-car the same
     process builds them and says why once."""
     from conftest import silu_model
-    from convpass.cudnn import graph_api
+    from convpass.native.cudnn import graph_api
 
     if graph_api.unavailable():
         pytest.skip(graph_api.unavailable())
@@ -128,7 +128,7 @@ def test_graph_api_plans_are_loaded_from_the_side_car_not_built(tmp_path):
     described = kernel_file.describe(out)
     assert "built cuDNN plan(s)" in described, described
     # a cached re-run writes the same model: its side-car, built here for the model's profiles, is kept
-    from convpass.runtime.cuda import prebuilt
+    from convpass.native import prebuilt
 
     side = kernel_file.sidecar_path(out)
     kf = kernel_file.read(side)
@@ -161,7 +161,7 @@ def test_a_sidecar_for_another_architecture_or_model_falls_back_with_one_warning
     out, feeds = _optimized(path, tmp_path)
     refs = run_ort(onnx.load(path), feeds)
     tol = _tolerance(onnx.load(out))
-    assert subprocess.run([sys.executable, "-m", "convpass.cli", "compile", str(out), "--arch", "80"], capture_output=True).returncode == 0
+    assert subprocess.run([sys.executable, "-m", "convpass.cli.main", "compile", str(out), "--arch", "80"], capture_output=True).returncode == 0
     side = kernel_file.sidecar_path(out)
     kf = kernel_file.read(side)
     local = [a for a in kf.archs if a != "80"]

@@ -1,4 +1,4 @@
-"""GPU tests of the cuDNN binding (convpass.cudnn) against a float64 NumPy reference.
+"""GPU tests of the cuDNN binding (convpass.native.cudnn) against a float64 NumPy reference.
 
 Run on the device machine: ``python3 -m pytest -m gpu tests/gpu/test_cudnn_binding.py -q``.
 Set ``CONVPASS_GPU_REPORT=/path/report.json`` to get, per problem / direction / algorithm, the
@@ -21,9 +21,10 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'convpass[gpu]')")
 
-from convpass.cudnn import api, enums, library  # noqa: E402
-from convpass.cudnn.enums import CudnnError, CudnnNotFound  # noqa: E402
-from convpass.problem import ConvShape, ProblemKey  # noqa: E402
+from convpass.native.cudnn import api, library
+from convpass.core import cudnn_enums as enums  # noqa: E402
+from convpass.core.cudnn_enums import CudnnError, CudnnNotFound  # noqa: E402
+from convpass.core.problem import ConvShape, ProblemKey  # noqa: E402
 
 try:
     if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -1,4 +1,4 @@
-"""The device fingerprint on a real GPU: the driver's answer (``convpass.device.detect``) is
+"""The device fingerprint on a real GPU: the driver's answer (``convpass.core.device.detect``) is
 CuPy's, for the current device, and a cached ``optimize`` on a GPU machine asks it without
 importing CuPy (each check that looks at ``sys.modules`` runs in a process of its own). On a
 machine with one GPU only device 0 is compared: the choice of the current context's device is
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from conftest import MODELS, REPO  # noqa: E402
-from convpass import device  # noqa: E402
+from convpass.native import device  # noqa: E402
 
 
 def test_the_driver_fingerprint_is_cupys_for_the_current_device():
@@ -33,7 +33,7 @@ def test_a_cached_optimize_does_not_import_cupy(tmp_path):
     args = [str(model), "--cache", str(tmp_path / "tune.db"), "--no-kernels", "-q"]
     code = """
 import sys
-from convpass.cli import main
+from convpass.cli.main import main
 code = main(["optimize", *sys.argv[2:], "-o", sys.argv[1]])
 assert not code, code
 print("cupy" in sys.modules)

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
-from convpass import annotation  # noqa: E402
+from convpass.core import annotation  # noqa: E402
 from conftest import MODELS, REPO, as_float32, conv_model, panel_models, residual_block_model, run_ort  # noqa: E402
-from convpass import cudnn  # noqa: E402
+from convpass.native import cudnn  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 import test_cuda_fusion as fusion_cases  # noqa: E402
 import test_matmul_epilogues as matmul_cases  # noqa: E402
@@ -162,7 +162,7 @@ def _check_recorded_calls(calls, tuned, ex) -> None:
     op-by-op run that records the plan runs that). Engine decisions make no legacy call: they are
     counted as graph-API calls (tests/gpu/test_graph_api_gpu.py checks them against references);
     decisions for convpass's own depthwise kernel neither: the backend counts its launches."""
-    from convpass.runtime.cuda.depthwise import is_own
+    from convpass.kernels.depthwise import is_own
 
     records = convpass.inspect(tuned)
     legacy = {(r["algo"], r["problem_key"]) for r in records if not r["engine"] and not is_own(r["algo"])}
@@ -413,11 +413,11 @@ def test_conv_epilogues_are_tuned_and_run_the_way_they_were_timed(engines, tmp_p
     each epilogue timed as one pass after the conv and as cuDNN's fused call of the fastest legacy
     algorithms (checked against the reference first); the executor then makes the fused call
     exactly where the decision recorded one, and otherwise the conv and one pass."""
-    from convpass.cache import TuningCache
-    from convpass.decide import EPILOGUE_METHOD
-    from convpass.device import detect
-    from convpass.epilogue import fusion_of
-    from convpass.problem import ProblemKey
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.decide import EPILOGUE_METHOD
+    from convpass.native.device import detect
+    from convpass.core.fusion import fusion_of
+    from convpass.core.problem import ProblemKey
     from convpass.runtime.cuda import CudaBackend
 
     model = residual_block_model()
@@ -455,7 +455,7 @@ def test_conv_epilogues_are_tuned_and_run_the_way_they_were_timed(engines, tmp_p
 def test_the_conv_epilogue_pass_matches_numpy(bias, residual, relu, layouts, dtype):
     """act(y + z + b) in one pass, in place, over the storage order of y (a residual in another
     memory order takes the logical path); NaN passes the ReLU as NaN."""
-    from convpass.runtime.cuda.convolution import apply_epilogue
+    from convpass.kernels.convolution import apply_epilogue
 
     rng = np.random.default_rng(3)
     shape = (2, 6, 5, 7)
@@ -555,7 +555,7 @@ def test_layer_norm_kernel_matches_the_cpu_executor(shape, bias, dtype):
         ex = Executor(model, device=backend)
         ex.run(None, {"x": x})
         (out,) = ex.run(None, {"x": x})
-        from convpass.runtime.cuda.normalization import NormLaunch
+        from convpass.kernels.normalization import NormLaunch
 
         assert isinstance(ex.last_plan.backend_state.launches[0], NormLaunch), backend.notes
         assert out.dtype == dtype
@@ -713,12 +713,12 @@ def test_own_depthwise_kernels_are_tuned_checked_and_run_as_recorded(layout, tmp
     epilogues where they were recorded, and matches ONNX Runtime."""
     import dataclasses
 
-    from convpass.cache import TuningCache
-    from convpass.device import detect
-    from convpass.epilogue import fusion_of
-    from convpass.problem import ProblemKey
+    from convpass.tuning.cache import TuningCache
+    from convpass.native.device import detect
+    from convpass.core.fusion import fusion_of
+    from convpass.core.problem import ProblemKey
     from convpass.runtime.cuda import CudaBackend
-    from convpass.runtime.cuda.depthwise import is_own
+    from convpass.kernels.depthwise import is_own
 
     model = _depthwise_model()
     db = tmp_path / "c.db"

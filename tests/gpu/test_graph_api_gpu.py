@@ -17,9 +17,9 @@ cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
 from conftest import MODELS, as_float32, conv_model, residual_block_model, run_ort, silu_model  # noqa: E402
-from convpass import annotation  # noqa: E402
-from convpass.cudnn import as_layout, graph_api  # noqa: E402
-from convpass.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
+from convpass.core import annotation  # noqa: E402
+from convpass.native.cudnn import as_layout, graph_api  # noqa: E402
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 
 
@@ -128,7 +128,7 @@ def test_every_offered_configuration_computes_the_conv(case, layout, graph):
 def test_the_tuner_records_engines_beside_the_legacy_algorithms(tmp_path):
     model = conv_model("Conv", (2, 32, 15, 15), (32, 1, 3, 3), pads=[1, 1, 1, 1], group=32)
     convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on")
-    from convpass.cache import TuningCache
+    from convpass.tuning.cache import TuningCache
 
     shape = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1], "group": 32}, (2, 32, 15, 15), (32, 1, 3, 3)).shapes[0]
     cache = TuningCache(tmp_path / "c.db")
@@ -259,7 +259,7 @@ def test_a_silu_model_runs_fused_engines_in_its_cuda_graph(tmp_path):
     """Tuned with every space in NHWC, then each SiLU conv forced onto its fastest fused configuration the
     tuner kept (so the fused path runs whatever won): outputs match ONNX Runtime CPU, the Sigmoid
     and Mul steps are absorbed, and the plan is captured."""
-    from convpass.cache import TuningCache
+    from convpass.tuning.cache import TuningCache
     from convpass.runtime.cuda import ExecutorWarning
 
     model = silu_model((2, 16, 12, 12))
@@ -272,7 +272,7 @@ def test_a_silu_model_runs_fused_engines_in_its_cuda_graph(tmp_path):
         if not annotation.is_annotated_conv(node) or node.name == "project":
             continue
         d = annotation.read_node(node, n_profiles=1).decisions[0]
-        from convpass.problem import ProblemKey
+        from convpass.core.problem import ProblemKey
 
         key = ProblemKey.parse(d.problem_key)
         rows = [r for r in cache.get(device, key.shape) if r.key == key]

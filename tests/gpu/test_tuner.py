@@ -13,15 +13,15 @@ cp = pytest.importorskip("cupy")
 
 import convpass  # noqa: E402
 from conftest import MODELS, conv_model, random_input, run_ort  # noqa: E402
-from convpass import annotation  # noqa: E402
-from convpass.model_io import load_model, to_proto  # noqa: E402
-from convpass.options import TuneOptions  # noqa: E402
-from convpass.pipeline import optimize_model  # noqa: E402
+from convpass.core import annotation  # noqa: E402
+from convpass.core.model_io import load_model, to_proto  # noqa: E402
+from convpass.core.options import TuneOptions  # noqa: E402
+from convpass.compiler.pipeline import optimize_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _need_gpu():
-    from convpass import device
+    from convpass.native import device
 
     if device.detect() is None:
         pytest.skip("no usable GPU / cuDNN")
@@ -60,7 +60,7 @@ def test_samples_are_measured_then_cached(path, tmp_path):
     assert to_proto(second).SerializeToString() == tuned.SerializeToString()
     # the cache-only backend (a machine without this GPU) plans the same layouts: the transposes
     # the tuner timed are in the cache
-    from convpass import device
+    from convpass.native import device
 
     third = load_model(path)
     replay = optimize_model(third, TuneOptions(), shapes, cache=tmp_path / "c.db", device_name=str(device.detect()))
@@ -101,7 +101,7 @@ def test_training_directions_and_tf32_off(tmp_path):
 
 
 def test_deterministic_and_workspace_limit(tmp_path):
-    from convpass.cudnn import is_deterministic
+    from convpass.native.cudnn import is_deterministic
 
     model = conv_model("Conv", (1, 16, 14, 14), (16, 16, 3, 3), pads=[1, 1, 1, 1])
     (record,) = convpass.inspect(_tune(model, tmp_path, directions="fwd,dgrad,wgrad", deterministic=True, workspace_limit=0))
@@ -133,7 +133,7 @@ def test_the_correctness_check_matches_float64_numpy(shape, dtype):
     """The tuner's check (one reduction over all axes but N and the first spatial one) against
     NumPy's float64 norms, for each storage dtype, a channels-last view and ranks 2 to 5; NaN in the
     output gives inf."""
-    from convpass.tune import harness
+    from convpass.tuning import harness
 
     rng = np.random.default_rng(0)
     ref = rng.standard_normal(shape).astype(np.float32)

@@ -1,22 +1,22 @@
-"""The cuda backend: CuPy arrays on one GPU, the executor's :class:`~convpass.runtime.backends.Backend`.
+"""The cuda backend: CuPy arrays on one GPU, the executor's :class:`~convpass.kernels.backends.Backend`.
 
 This module holds what is about arrays and the device: transfers (uploads with a host mirror so
 constants never need a device sync, feeds adopted from DLPack), the matmul path that CUDA graphs
-can capture (cuBLAS by ctypes, :mod:`.blas`), the model's TF32 switch for Gemm / MatMul, and the
+can capture (cuBLAS by ctypes, :mod:`convpass.native.cublas`), the model's TF32 switch for Gemm / MatMul, and the
 notes and warnings. What runs how is decided elsewhere, in layers that depend one way:
 
-    lowering (:mod:`.lowering`: per step, which kernel — :mod:`.convolution`, :mod:`.elementwise`,
-    :mod:`.normalization`, :mod:`.pooling`, :mod:`.tensor_ops`, or the op library)
-    -> memory plan (:mod:`.memory`: Concat buffers that producers write into)
+    lowering (:mod:`convpass.runtime.cuda.lowering`: per step, which kernel — :mod:`convpass.kernels.convolution`, :mod:`convpass.kernels.elementwise`,
+    :mod:`convpass.kernels.normalization`, :mod:`convpass.kernels.pooling`, :mod:`convpass.kernels.tensor_ops`, or the op library)
+    -> memory plan (:mod:`convpass.runtime.cuda.memory`: Concat buffers that producers write into)
     -> compiled plan (every launch prepared: kernels built, descriptors, workspaces, tables)
-    -> runner (:mod:`.runner`: warm-up, capture as CUDA graphs, replay)
+    -> runner (:mod:`convpass.runtime.cuda.runner`: warm-up, capture as CUDA graphs, replay)
 
 Memory formats: arrays keep their logical ONNX (channels-first) shapes; an NHWC conv stores its
-output channels-last (a transposed view, :func:`convpass.cudnn.empty_like_layout`), element-wise
+output channels-last (a transposed view, :func:`convpass.native.cudnn.empty_like_layout`), element-wise
 ops, pooling, Resize and the fused groups run on that storage and keep it, so a chain of NHWC
 convs never transposes (the layout planner's assumption). Other ops work on the logical view.
 
-Gemm / MatMul: cuBLAS through :mod:`.blas` because CuPy refuses cuBLAS calls during stream
+Gemm / MatMul: cuBLAS through :mod:`convpass.native.cublas` because CuPy refuses cuBLAS calls during stream
 capture; cases it does not cover go to ``cupy.matmul`` (and that launch then runs eagerly between
 graphs). TF32 follows the model's ``convpass.matmul_allow_tf32``: ``CUBLAS_COMPUTE_32F_FAST_TF32``
 or ``CUBLAS_COMPUTE_32F``; for the ``cupy.matmul`` fallback CuPy's float32 compute type and the
@@ -26,7 +26,7 @@ Options: ``CudaBackend(device=0, cuda_graph=True, *, fuse=True, fuse_residual=Tr
 concat_in_place=True, pooling="auto", matmul_epilogues=True)``: ``fuse=False`` turns every fusion
 off (conv epilogues, element-wise groups, MatMul / Gemm epilogues); ``matmul_epilogues=False`` runs
 a MatMul's bias, residual and ReLU as element-wise ops instead of cuBLASLt epilogues
-(:mod:`.matmul`); ``kernels=False`` leaves normalization, softmax, pooling and Resize to the op
+(:mod:`convpass.kernels.matmul`); ``kernels=False`` leaves normalization, softmax, pooling and Resize to the op
 library; ``concat_in_place=False`` makes every Concat copy; ``pooling`` is ``"auto"`` (the measured
 choice), ``"cudnn"`` or ``"kernel"``.
 """
@@ -41,14 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from convpass.runtime.backends import Backend
-from convpass.runtime.conv import ConvCall
-from convpass.runtime.cuda import lowering, prebuilt, runner
-from convpass.runtime.cuda.common import CaptureBreak, ExecutorWarning, StartupCompileWarning, device_index, start_helper, unavailable_reason
-from convpass.cudnn.graph_api import FUSIONS
-from convpass.runtime.cuda.convolution import ENGINE_BUILD_NOTE_S, Convolutions, fusion_counter
-from convpass.runtime.errors import ExecutorError
-from convpass.runtime.plan import GraphStatus, Plan
+from convpass.kernels.backends import Backend
+from convpass.ops.conv import ConvCall
+from convpass.runtime.cuda import lowering, runner
+from convpass.native import prebuilt
+from convpass.native.cuda import CaptureBreak, ExecutorWarning, StartupCompileWarning, device_index, start_helper, unavailable_reason
+from convpass.native.cudnn.graph_api import FUSIONS
+from convpass.kernels.convolution import ENGINE_BUILD_NOTE_S, Convolutions, fusion_counter
+from convpass.core.errors import ExecutorError
+from convpass.kernels.plan import GraphStatus, Plan
 
 logger = logging.getLogger("convpass")
 
@@ -132,7 +133,7 @@ class CudaBackend(Backend):
         self.current_device: Any = None
         self._warned: set[str] = set()
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
-        self.kernel_file: Any = None  # the model's kernel side-car in use (convpass.kernel_file.KernelFile)
+        self.kernel_file: Any = None  # the model's kernel side-car in use (convpass.core.kernel_file.KernelFile)
         self._kernels_why = "no model was bound"
         # Set to a list to profile eager runs: (launch label, op type of its node, start event, end event)
         # per launch run; the label says which kernel ran ("fused Sigmoid+Mul", "MaxPool (kernel)", ...).
@@ -150,7 +151,7 @@ class CudaBackend(Backend):
     def describe(self) -> str:
         cp = self.cp
         try:
-            from convpass.cudnn import library
+            from convpass.native.cudnn import library
 
             props = cp.cuda.runtime.getDeviceProperties(self.device_id)
             name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -164,7 +165,7 @@ class CudaBackend(Backend):
     def fingerprint(self) -> Any:
         """This GPU's device fingerprint (detected once, on this backend's device)."""
         if self.current_device is None:
-            from convpass import device as device_mod
+            from convpass.native import device as device_mod
 
             with self._device:
                 self.current_device = device_mod.detect()
@@ -182,7 +183,7 @@ class CudaBackend(Backend):
         self.convs.prefetch_workspaces(decisions)
 
     def use_kernels(self, kernels: Any, why_none: str) -> None:
-        """The model's kernel side-car: its binaries replace start-up compilation (:mod:`.prebuilt`).
+        """The model's kernel side-car: its binaries replace start-up compilation (:mod:`convpass.native.prebuilt`).
         A refused side-car is warned about now; kernels built anyway are warned about at the first run."""
         reason = prebuilt.install()
         if reason is not None:
@@ -310,7 +311,7 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------ plans
 
     def compile_plan(self, plan: Plan) -> None:
-        """Lower, plan memory and prepare every launch (:mod:`.lowering`); take over execution."""
+        """Lower, plan memory and prepare every launch (:mod:`convpass.runtime.cuda.lowering`); take over execution."""
         if not plan.steps:
             return
         mark = len(prebuilt.COMPILATIONS)
@@ -359,8 +360,8 @@ class CudaBackend(Backend):
         return state.graph_status(self.cuda_graph)
 
     def concat_allocator(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """The function that allocates a Concat family's buffer in a memory format (:mod:`.memory`)."""
-        from convpass import cudnn
+        """The function that allocates a Concat family's buffer in a memory format (:mod:`convpass.runtime.cuda.memory`)."""
+        from convpass.native import cudnn
 
         def allocate(layout: str) -> Any:
             if len(shape) >= 3:
@@ -392,14 +393,14 @@ class CudaBackend(Backend):
 
     def ready_libraries(self, op_types: Any) -> None:
         """cuBLAS made ahead, on a helper thread, for a model with MatMul or Gemm (top-level nodes):
-        the handle, its workspace and a first small product (:meth:`.blas.Blas.warm`). A fresh
+        the handle, its workspace and a first small product (:meth:`convpass.native.cublas.Blas.warm`). A fresh
         ConvNeXt process's plan was sampled about 0.15 s in its first GEMM calls on an H200; these
         are ctypes calls, which let go of the GIL while the executor goes on reading the model and
         building its plan. A failure there is only logged (debug): :meth:`blas` then makes the
         handle on the calling thread, as without this, and reports what fails there."""
         if self._blas is not None or self._blas_ahead is not None or not {"MatMul", "Gemm"} & set(op_types):
             return
-        from convpass.runtime.cuda import blas
+        from convpass.native import cublas as blas
 
         def make() -> None:
             try:
@@ -413,7 +414,7 @@ class CudaBackend(Backend):
         self._blas_ahead = start_helper(make, "convpass-cublas")
 
     def blas(self) -> Any:
-        """The backend's :class:`.blas.Blas` (created on first use, or ahead by
+        """The backend's :class:`convpass.native.cublas.Blas` (created on first use, or ahead by
         :meth:`ready_libraries`; never during capture), or False when cuBLAS cannot be called
         directly (noted once)."""
         if self._blas_ahead is not None:
@@ -422,7 +423,7 @@ class CudaBackend(Backend):
         if self._blas is None:
             if self.capturing:
                 raise CaptureBreak("cuBLAS handle created during capture")
-            from convpass.runtime.cuda import blas
+            from convpass.native import cublas as blas
 
             try:
                 with self._device:

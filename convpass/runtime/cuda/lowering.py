@@ -1,18 +1,18 @@
 """Lowering: which kernel runs every step of a plan on the GPU.
 
-:func:`compile_plan` turns a :class:`~convpass.runtime.plan.Plan` into a
-:class:`~.runner.CompiledPlan`: one :class:`~.launch.Launch` per step that runs, in this order of
+:func:`compile_plan` turns a :class:`~convpass.kernels.plan.Plan` into a
+:class:`~convpass.runtime.cuda.runner.CompiledPlan`: one :class:`~convpass.kernels.launch.Launch` per step that runs, in this order of
 preference (a step claimed by an earlier family is not offered to a later one):
 
-1. convolutions with their fused epilogues (:mod:`.convolution`), then MatMul / Gemm with their
-   bias, residual and ReLU as cuBLASLt epilogues (:mod:`.matmul`);
-2. kernel families, when ``kernels`` is on: normalizations and softmax (:mod:`.normalization`),
-   window pooling (:mod:`.pooling`), Resize (:mod:`.tensor_ops`);
-3. fused element-wise groups, when ``fuse`` is on (:mod:`.elementwise`; BatchNormalization in
+1. convolutions with their fused epilogues (:mod:`convpass.kernels.convolution`), then MatMul / Gemm with their
+   bias, residual and ReLU as cuBLASLt epilogues (:mod:`convpass.kernels.matmul`);
+2. kernel families, when ``kernels`` is on: normalizations and softmax (:mod:`convpass.kernels.normalization`),
+   window pooling (:mod:`convpass.kernels.pooling`), Resize (:mod:`convpass.kernels.tensor_ops`);
+3. fused element-wise groups, when ``fuse`` is on (:mod:`convpass.kernels.elementwise`; BatchNormalization in
    inference mode joins them);
 4. every other step: the op library over CuPy (:class:`OpLaunch`; element-wise ops on the
    channels-last storage of channels-last inputs, so their outputs keep that format);
-5. then the memory plan (:mod:`.memory`): Concats share buffers and producers write into them.
+5. then the memory plan (:mod:`convpass.runtime.cuda.memory`): Concats share buffers and producers write into them.
 
 Every launch is prepared here — kernels compiled, conv algorithms resolved, weights converted,
 tables uploaded, workspaces sized — so that running the plan needs none of that and can be
@@ -23,13 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from convpass.runtime.cuda import blas, compiler, elementwise, matmul, memory, normalization, pooling, tensor_ops
-from convpass.runtime.cuda.common import ELEMENTWISE, first_line
-from convpass.runtime.cuda.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
-from convpass.runtime.cuda.launch import Launch
+from convpass.native import cublas as blas, nvrtc as compiler
+from convpass.kernels import elementwise, matmul, normalization, pooling, tensor_ops
+from convpass.runtime.cuda import memory
+from convpass.native.cuda import ELEMENTWISE, first_line
+from convpass.kernels.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
+from convpass.kernels.launch import Launch
 from convpass.runtime.cuda.runner import CompiledPlan
-from convpass.runtime.plan import store_outputs
-from convpass.runtime.registry import OpContext
+from convpass.kernels.plan import store_outputs
+from convpass.ops.registry import OpContext
 
 __all__ = ["OpLaunch", "compile_plan"]
 

@@ -21,7 +21,7 @@ Rules:
 * An input ``v`` of a root is *placed* — its producer writes into the root's slice — when ``v``
   appears once among the root's inputs and in no other family, is neither a graph input, a
   constant nor a graph output, and its producer is a launch that can write into a given array
-  (:attr:`~.launch.Launch.supports_placement`), computes only ``v``, and has no placement yet.
+  (:attr:`~convpass.kernels.launch.Launch.supports_placement`), computes only ``v``, and has no placement yet.
   A Concat that is itself an input of another family (Inception's inner ``cat``) can be placed
   that way; its own inputs are then copied.
 * Every other input is copied once, by the first Concat of its family (in plan order) that
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from convpass.runtime.cuda.launch import Launch, Placement
-from convpass.runtime.cuda.tensor_ops import ConcatLaunch
+from convpass.kernels.launch import Launch, Placement
+from convpass.kernels.tensor_ops import ConcatLaunch
 
 __all__ = ["ConcatFamily", "plan_concats"]
 

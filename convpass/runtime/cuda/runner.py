@@ -17,7 +17,7 @@ replay the segments on CuPy's current stream, and return copies of the outputs.
 
 Nothing is silent: :meth:`CompiledPlan.graph_status` says "yes" only when the whole plan is one
 graph; otherwise which node stopped it and why, and the backend warns once
-(:class:`~.common.ExecutorWarning`). A plan with a data-dependent output shape (NonZero) runs
+(:class:`~convpass.native.cuda.ExecutorWarning`). A plan with a data-dependent output shape (NonZero) runs
 eagerly as a whole: its shapes change between runs, so no graph can hold it.
 
 ``cuda_graph=False``: always eager (same launches). Eager runs are bound by host time: cuDNN 9's
@@ -30,10 +30,10 @@ import dataclasses
 import logging
 from typing import Any
 
-from convpass.runtime.cuda.common import CaptureBreak, first_line, quiet_for_capture
-from convpass.runtime.cuda.launch import Launch
-from convpass.runtime.errors import ExecutorError
-from convpass.runtime.plan import GraphStatus, unshare_outputs
+from convpass.native.cuda import CaptureBreak, first_line, quiet_for_capture
+from convpass.kernels.launch import Launch
+from convpass.core.errors import ExecutorError
+from convpass.kernels.plan import GraphStatus, unshare_outputs
 
 logger = logging.getLogger("convpass")
 

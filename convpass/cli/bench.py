@@ -1,0 +1,326 @@
+"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs ort,torch] [--runs N] [--profile-ops] [--fresh-process] [--json FILE] [--plot FILE.png]``.
+
+One process, one run per model and batch: convpass (optimize, then the executor) against ONNX
+Runtime's CUDA EP in four configurations and PyTorch eager in two, every output checked against
+ONNX Runtime CPU; prints a table per case (with whether convpass ran as one captured CUDA graph),
+the roofline, the summary against the targets and a Markdown table; ``--profile-ops`` adds, per
+case, the tuned model's GPU time by op family in eager runs (:mod:`convpass.bench.opprofile`);
+``--fresh-process`` runs every contender of every case once more in a fresh Python process of its
+own and splits its time to the first result into parts (:mod:`convpass.bench.fresh`); ``--json``
+writes everything (device, driver, CUDA, cuDNN, versions, every timing), ``--plot`` a bar chart.
+``--from-json A.json B.json`` re-renders (and merges) recorded runs without a GPU,
+``convpass.bench/2`` and ``/1`` documents included.
+
+Exit status: 0 when the benchmark ran (whatever the verdicts); 2 with one line when there is no
+usable GPU; 1 for bad input (``convpass: error: ...``); argparse usage errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from convpass.bench import opprofile, report
+from convpass.core.errors import ConvpassError
+from convpass.core.profiles import DEFAULT_BATCHES, parse_batches  # noqa: F401  (parse_batches: used by tests as this module's)
+
+DEFAULT_FRESH_TIMEOUT = 600.0
+VS_CHOICES = ("ort", "torch")
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark the tuned executor against ONNX Runtime CUDA EP and PyTorch (GPU)",
+        description="Tune each model, run it with the convpass executor and compare cold start and steady-state "
+        "latency with ONNX Runtime's CUDA EP (EXHAUSTIVE / HEURISTIC x NCHW / NHWC) and PyTorch eager "
+        "(cudnn.benchmark, channels_last off / on), every output checked against ONNX Runtime CPU.",
+    )
+    p.add_argument("models", nargs="*", metavar="MODEL.onnx", help="models with a symbolic (or matching) batch axis")
+    p.add_argument("--batch", action="append", default=[], metavar="N[,N] | NAME=N[,N]",
+                   help="batch sizes (default: the model's bench_batches in panel.json, else 1,32); "
+                   "NAME=N[,N] overrides them for the model whose file stem is NAME")
+    p.add_argument("--vs", default="ort,torch", help="peers: ort, torch, both (default) or none")
+    p.add_argument("--runs", type=int, default=50, help="timed steady-state runs per contender (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs before them (default 10)")
+    p.add_argument("--tf32", default="auto", choices=["auto", "on", "off"],
+                   help="convpass --tf32; ONNX Runtime's use_tf32 and torch's allow_tf32 are 1 unless this is off")
+    p.add_argument("--engines", default="all", choices=["legacy", "graph", "all"],
+                   help="convpass --engines: the cuDNN tuning space (default all; legacy = the legacy algorithms only)")
+    p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or the XDG cache dir)")
+    p.add_argument("--panel-json", help="panel.json of models/export_panel.py (default: the one next to each model)")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
+    p.add_argument("--no-roofline", action="store_true", help="do not measure the GPU peaks (no roofline)")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="do not compile the tuned models' kernels ahead of time (faster runs of many cases; convpass's "
+                   "cold start then includes the compilation; steady state is unaffected)")
+    p.add_argument("--profile-ops", action="store_true",
+                   help=f"after each case's timed runs, run the tuned model eagerly {opprofile.PROFILE_RUNS} times with CUDA "
+                   "events around every launch: GPU time outside convolutions and per op family")
+    p.add_argument("--fresh-process", action="store_true",
+                   help="after each case's in-process runs, run every contender again in a fresh Python process (empty "
+                   "kernel caches): process start -> first result in host memory, in parts (seconds per contender and case)")
+    p.add_argument("--fresh-timeout", type=float, default=DEFAULT_FRESH_TIMEOUT, metavar="SECONDS",
+                   help=f"give each fresh process this long before it is killed and reported as failed (default {DEFAULT_FRESH_TIMEOUT:g})")
+    p.add_argument("--from-json", nargs="+", metavar="FILE.json",
+                   help="no benchmark: print (and with --json / --plot, write) the report of recorded runs, merged")
+    p.set_defaults(func=bench_command)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# option parsing (pure)
+
+
+def model_batches(paths: list[Path], specs: list[str], panel_json: str | None = None) -> dict[str, tuple[int, ...]]:
+    """The batches of each model (by file stem), first rule that applies: ``--batch NAME=N[,N]``;
+    a plain ``--batch N[,N]``; the model's ``bench_batches`` in its ``panel.json`` (written by
+    ``models/export_panel.py``, which owns the panel's per-model defaults); 1,32."""
+    default, per_model = parse_batches(specs)
+    explicit = any("=" not in spec for spec in specs)
+    out: dict[str, tuple[int, ...]] = {}
+    for path in paths:
+        batches = per_model.get(path.stem)
+        if batches is None and not explicit:
+            from convpass.bench.contenders import panel_entry
+
+            entry, _ = panel_entry(path, panel_json)
+            listed = (entry or {}).get("bench_batches")
+            if isinstance(listed, list) and listed and all(type(b) is int and b >= 1 for b in listed):
+                batches = tuple(dict.fromkeys(listed))
+        out[path.stem] = batches or default
+    return out
+
+
+def parse_vs(text: str) -> tuple[str, ...]:
+    items = [t.strip().lower() for t in (text or "").split(",") if t.strip()]
+    if items in (["none"], []):
+        return ()
+    bad = [t for t in items if t not in VS_CHOICES]
+    if bad:
+        raise ConvpassError(f"--vs {text!r}: expected a comma-separated subset of {', '.join(VS_CHOICES)}, or none")
+    return tuple(dict.fromkeys(items))
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when there is a CUDA GPU CuPy and cuDNN can use, else why not (one line)."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 'convpass[gpu]')"
+    except Exception as e:  # noqa: BLE001
+        return f"CuPy cannot be imported: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    try:
+        if int(cupy.cuda.runtime.getDeviceCount()) < 1:
+            return "no CUDA GPU is visible"
+    except Exception as e:  # noqa: BLE001
+        return f"no usable CUDA driver or GPU ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    try:
+        from convpass.native.cudnn import library
+
+        library.version()
+    except Exception as e:  # noqa: BLE001
+        return f"cuDNN cannot be loaded ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    """Atomically: a reader (or an interrupted run) never sees half a document."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(report.to_json(doc))
+    os.replace(tmp, target)
+
+
+def _out(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    errors = report.validate_document(doc)
+    if errors:  # a bug in this module, not the user's: say so, still write what we have
+        print(f"convpass bench: warning: the JSON document does not match its schema: {errors[0]}", file=sys.stderr)
+    if args.json_path:
+        _write_json(args.json_path, doc)
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        try:
+            report.write_plot(doc, args.plot)
+            print(f"wrote {args.plot}")
+        except report.PlotUnavailable as e:
+            print(f"convpass bench: {e}", file=sys.stderr)
+
+
+def _from_json(args: argparse.Namespace) -> int:
+    docs = []
+    for f in args.from_json:
+        try:
+            docs.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConvpassError(f"--from-json {f}: cannot read a bench JSON document ({e})") from None
+        errors = report.validate_document(docs[-1], recorded=True)
+        if errors:
+            raise ConvpassError(f"--from-json {f}: not a convpass bench document ({errors[0]})")
+    doc = report.merge_documents(docs)
+    print(report.format_report(doc))
+    _out(doc, args)
+    return 0
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if args.from_json:
+        return _from_json(args)
+    if not args.models:
+        raise ConvpassError("give one or more MODEL.onnx files (or --from-json FILE.json)")
+    if args.no_kernels and args.fresh_process:
+        raise ConvpassError("--fresh-process measures a deployment's start, which has the kernel side-car: not with --no-kernels")
+    if args.runs < 1 or args.warmup < 0:
+        raise ConvpassError("--runs must be >= 1 and --warmup >= 0")
+    if args.fresh_timeout <= 0:
+        raise ConvpassError("--fresh-timeout must be > 0")
+    _, per_model = parse_batches(list(args.batch))
+    vs = parse_vs(args.vs)
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        print(f"convpass bench: no usable GPU here: {reason}; nothing was benchmarked", file=sys.stderr)
+        return 2
+    paths = [Path(m) for m in args.models]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ConvpassError(f"no such model file(s): {', '.join(missing)}")
+    unknown = sorted(set(per_model) - {p.stem for p in paths})
+    if unknown:
+        raise ConvpassError(f"--batch names model(s) not given: {', '.join(unknown)}")
+    batches = model_batches(paths, list(args.batch), args.panel_json)
+
+    from convpass.bench import contenders
+    from convpass.bench.roofline import measure_peaks
+
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    env = contenders.environment()
+    notes = [
+        "convpass's executor replays a CUDA graph after its first run; ONNX Runtime runs with enable_cuda_graph=0 "
+        "(its default and the issue's four configurations); PyTorch eager launches op by op.",
+        "cold start: convpass = Executor construction (model read, checks, plan) -> first result; ONNX Runtime = "
+        "session creation + first run (incl. its algorithm search); PyTorch = module.to(cuda) + first forward. "
+        "All in one process whose CUDA context already exists; convpass's tuning is ahead of time and reported apart.",
+    ]
+    if args.fresh_process:
+        notes.append(report.fresh_note())
+    if args.no_kernels:
+        notes.append("--no-kernels: the tuned models carry no kernel side-car, so convpass's cold start (and the second batch "
+                     "size's start) includes compiling its kernels, unlike a deployment's; steady state is unaffected.")
+    if args.profile_ops:
+        notes.append("--profile-ops: GPU time per launch of the tuned model in eager runs (cuda_graph=False, the launches "
+                     "a graph replays), each run queued whole behind a hold kernel so that host launch overhead is not "
+                     "timed; after the case's timed runs, so the steady-state figures are not affected.")
+    peaks = None
+    if not args.no_roofline:
+        log("measuring peaks (TF32 / FP32 matmul, device copy)")
+        try:
+            peaks = measure_peaks()
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"peaks not measured ({type(e).__name__}: {e}); no roofline")
+    settings = {
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "batches": {p.stem: list(batches[p.stem]) for p in paths},
+        "vs": list(vs),
+        "tf32": args.tf32,
+        "engines": args.engines,
+        "kernels": not args.no_kernels,
+        "timing": contenders.TIMING,
+        "cache": args.cache,
+        "tolerances": {"tf32": report.TOL_TF32, "fp32": report.TOL_FP32, "half": report.TOL_HALF},
+        "targets": dict(report.TARGETS),
+        "profile_ops": opprofile.PROFILE_RUNS if args.profile_ops else 0,
+        "fresh_process": {"timeout_s": args.fresh_timeout} if args.fresh_process else None,
+        "argv": sys.argv[1:],
+    }
+    print(report.format_environment(env, settings, peaks), flush=True)
+    cases: list[dict[str, Any]] = []
+    module_cache: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="convpass-bench-") as tmp:
+        for path in paths:
+            for batch in batches[path.stem]:
+                try:
+                    case = contenders.bench_case(
+                        path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache, engines=args.engines,
+                        panel_json=args.panel_json, peaks=peaks, workdir=Path(tmp), module_cache=module_cache, log=log,
+                        profile_runs=settings["profile_ops"], fresh_timeout=args.fresh_timeout if args.fresh_process else None,
+                        kernels=not args.no_kernels,
+                    )
+                except contenders.CaseSkipped as e:
+                    notes.append(f"{path.stem} b{batch} skipped: {e}")
+                    log(f"{path.stem} b{batch}: skipped ({e})")
+                    continue
+                except ValueError as e:
+                    raise ConvpassError(f"{path}: {e}") from None
+                # the bench runs a model's batches one after the other in this process: issue 10's
+                # "second batch size" target reads the convpass cold start of the cases after the first
+                case["model_order"] = 1 + sum(c["model"] == case["model"] for c in cases)
+                report.annotate_case(case)
+                cases.append(case)
+                print("\n" + report.format_case(case), flush=True)
+                if args.json_path:  # every finished case is kept, should a later one be interrupted
+                    _write_json(args.json_path, report.build_document(env, settings, peaks, cases, created, notes))
+            _same_executor(path, [c for c in cases if c["model"] == path.stem], args, Path(tmp), log)
+            if args.json_path:
+                _write_json(args.json_path, report.build_document(env, settings, peaks, cases, created, notes))
+    module_cache.clear()
+    doc = report.build_document(env, settings, peaks, cases, created, notes)
+    print("\n" + report.format_summary(doc["summary"]))
+    if cases:
+        print("\n" + report.format_markdown(cases))
+    if report.has_fresh(cases):
+        print("\n" + report.format_fresh_markdown(cases))
+    for n in notes:
+        print(f"note: {n}")
+    _out(doc, args)
+    return 0
+
+
+def _same_executor(path: Path, model_cases: list[dict[str, Any]], args: argparse.Namespace, workdir: Path,
+                   log: Callable[[str], None]) -> None:
+    """Issue 10's second-batch-size figure for a model whose cases ran: one executor, its batch sizes
+    in the order the cases ran; recorded in the later cases (which are annotated again)."""
+    from convpass.bench import contenders
+
+    ran = [c["batch"] for c in model_cases if (report.find(c, "convpass") or {}).get("status") in ("ok", "unchecked")]
+    if len(ran) < 2:
+        return
+    log(f"{path.stem}: batch sizes {', '.join(map(str, ran))} in one executor")
+    records = contenders.run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir, args.engines, not args.no_kernels)
+    for case in model_cases:
+        if case["batch"] in records:
+            case["same_executor"] = records[case["batch"]]
+            report.annotate_case(case)
+            print("  " + (report.same_executor_line(case) or ""), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m convpass.cli.bench MODEL.onnx ...``: the same command without the ``convpass`` entry point."""
+    parser = argparse.ArgumentParser(prog="convpass")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ConvpassError as e:
+        print(f"convpass: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

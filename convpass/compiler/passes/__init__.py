@@ -1,0 +1,1 @@
+"""convpass graph passes (installed as ``convpass.compiler.passes``), one pass per module."""

@@ -1,0 +1,140 @@
+"""Write the decisions into the model, in the annotation format of ``convpass.core.annotation``.
+
+Rules:
+
+* Every canonicalized Conv / ConvTranspose moves to domain ``ai.convpass`` (a bias-less one as
+  ``ConvNoBias`` / ``ConvTransposeNoBias``: ``annotation.annotated_op_type``) with its original
+  attributes unchanged plus the decision attributes: one table of decisions per device (in the
+  order of ``ModelInfo.devices``), one decision per shape profile in each; undecided problems are
+  recorded as ``auto`` (chosen at run time), never as made-up measurements.
+* Convs marked ``convpass.skip`` (dynamic weights, untunable data types) stay standard ops.
+* Unnamed conv nodes get a name (``<op>_<n>``) so reports and warnings can point at them.
+* The model gets the ``ai.convpass`` opset import, one model-local function per annotated op type
+  (the standard op at the model's opset), an IR version that allows functions (at least 8, never
+  above what ONNX Runtime reads), and the convpass metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import onnx_ir as ir
+
+from convpass.core import annotation
+from convpass.core.annotation import ConvDecision, ModelInfo
+from convpass.native.cudnn.graph_api import ENGINE_PREFIX, is_engine
+from convpass.core.fusion import base_algo, fusion_of
+from convpass.tuning.decide import Choice
+from convpass.compiler.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
+from convpass.compiler.passes.collect_conv_problems import ConvProblem, node_problems
+from convpass.compiler.passes.resolve_shapes import VALUE_SHAPES_KEY
+from convpass.core.problem import memory_format_name
+
+
+def _ir_attr(name: str, value: Any) -> ir.Attr:
+    if isinstance(value, str):
+        return ir.AttrString(name, value)
+    if isinstance(value, bool) or isinstance(value, int):
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, float):
+        return ir.AttrFloat32(name, value)
+    values = list(value)
+    if all(isinstance(v, str) for v in values):
+        return ir.AttrStrings(name, values)
+    if all(isinstance(v, int) for v in values):
+        return ir.AttrInt64s(name, values)
+    return ir.AttrFloat32s(name, [float(v) for v in values])
+
+
+def decision_for(
+    node: ir.Node,
+    profile: int,
+    choices: Mapping[ConvProblem, Choice | None],
+    directions,
+    overrides: Mapping[tuple[ir.Node, int], Choice] | None = None,
+    fusions: bool = False,
+    value_shapes: Sequence[Mapping[str, Sequence[int]]] = (),
+) -> ConvDecision:
+    """The ConvDecision of a node at a profile: the layout plan's choice for this node if there is
+    one (``overrides``), else the backend's choice for its problem (``fusions``, ``value_shapes``:
+    as collected)."""
+    canonical = node.meta[CANONICAL_KEY][profile]
+    own, *training = node_problems(node, profile, directions, fusions, value_shapes)
+    chosen = (overrides or {}).get((node, profile)) or choices.get(own)
+    extra = {}
+    for problem in training:
+        c = choices.get(problem)
+        extra[f"{problem.direction}_algo"] = annotation.AUTO if c is None else c.algo
+    if chosen is None:
+        return ConvDecision(problem_key=str(own.primary), **extra)
+    engine = chosen.algo[len(ENGINE_PREFIX):] if is_engine(chosen.algo) else ""
+    fusion = fusion_of(chosen.algo)
+    return ConvDecision(
+        algo=(chosen.fallback or annotation.AUTO) if engine else base_algo(chosen.algo),
+        engine=engine.split("+", 1)[0],
+        fusion=fusion,
+        memory_format=memory_format_name(canonical.spatial_rank, chosen.key.layout),
+        math_mode=chosen.key.math,
+        workspace_bytes=chosen.workspace_bytes,
+        time_ms=chosen.time_ms,
+        problem_key=str(chosen.key),
+        source=chosen.source,
+        **extra,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceChoices:
+    """One device's decisions: the backend's choice per problem, and the layout plan's choice per
+    (node, profile) where the plan overrides it."""
+
+    choices: Mapping[ConvProblem, Choice | None]
+    overrides: Mapping[tuple[ir.Node, int], Choice] = dataclasses.field(default_factory=dict)
+
+
+class AnnotateConvsPass(ir.passes.InPlacePass):
+    """Records the choices on the conv nodes and makes the model self-describing (module rules)."""
+
+    def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",), fusions: bool = False) -> None:
+        super().__init__()
+        self.fusions = fusions
+        if len(tables) != info.tables:
+            raise ValueError(f"{len(tables)} decision tables for {info.tables} device table(s) {list(info.devices)}")
+        self.tables = tuple(tables)
+        self.info = info
+        self.directions = tuple(directions)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+        used_ops: set[str] = set()
+        counters: dict[str, int] = {}
+        for node in model.graph:
+            if CANONICAL_KEY not in node.meta:
+                continue
+            counters[node.op_type] = counters.get(node.op_type, 0) + 1
+            if not node.name:
+                node.name = f"{node.op_type}_{counters[node.op_type]}"
+            decisions = [
+                decision_for(node, p, table.choices, self.directions, table.overrides, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ()))
+                for table in self.tables
+                for p in range(len(node.meta[CANONICAL_KEY]))
+            ]
+            for name, value in annotation.decision_attributes(decisions).items():
+                node.attributes[name] = _ir_attr(name, value)
+            node.domain = annotation.DOMAIN
+            has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+            if not has_bias:
+                node.resize_inputs(2)  # an empty bias name ("") too: the X, W function takes two inputs
+            node.op_type = annotation.annotated_op_type(annotation.ANNOTATED_OPS.get(node.op_type, node.op_type), has_bias)
+            used_ops.add(node.op_type)
+        for op_type in sorted(used_ops):
+            function = ir.serde.deserialize_function(annotation.conv_function(op_type, opset))
+            model.functions[function.identifier()] = function
+        if used_ops:
+            model.opset_imports[annotation.DOMAIN] = annotation.DOMAIN_VERSION
+            model.ir_version = max(model.ir_version, annotation.MIN_IR_VERSION)
+        for key, value in annotation.metadata_entries(self.info).items():
+            model.metadata_props[key] = value
+        return ir.passes.PassResult(model, modified=True)

@@ -1,0 +1,71 @@
+"""Canonicalize every Conv / ConvTranspose into cuDNN problems.
+
+Rules (per conv node and per shape profile; results in ``node.meta["convpass.canonical"]``):
+
+* ``auto_pad`` becomes explicit pads: SAME_UPPER puts the odd extra pad at the end, SAME_LOWER at the
+  beginning (with the dilated kernel extent), VALID is zero padding. The node's attributes are not
+  changed: the canonical form is an analysis result, the ONNX semantics stay as written.
+* Pads that differ between begin and end are split into a symmetric part that cuDNN takes and an
+  explicit remainder (``extra_pads``): for Conv a zero pre-pad of the input (trimmed to what a
+  window actually reads), for ConvTranspose a crop of the output.
+* ConvTranspose is the backward-data pass of a forward conv from its output to its input:
+  ``output_shape`` and ``output_padding`` are resolved to pads, and its problem has direction
+  ``dgrad``, with ``c`` = its output channels and ``k`` = its input channels.
+* 1-D convs map to two 2-D candidates, N x C x 1 x W and N x C x W x 1, both kept for measuring;
+  3-D stays 3-D; groups (depthwise included) and dilations are preserved.
+* Invalid attributes (negative pads, wrong lengths, stride or dilation < 1, kernel larger than the
+  padded input, group not dividing channels, output_padding >= stride) raise ConvAttributeError
+  naming the node. Valid convs that are no cuDNN problem (a ConvTranspose ``output_shape`` larger
+  than its natural output, which ONNX fills with zeros) raise UnsupportedConvError in
+  ``canonicalize_conv``; the pass marks those nodes ``convpass.skip`` with a warning instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import onnx_ir as ir
+
+from convpass.core.geometry import CONV_OPS, CanonicalConv, canonicalize_conv
+from convpass.core.errors import UnsupportedConvError
+
+logger = logging.getLogger("convpass")
+
+__all__ = ["CONV_OPS", "META_KEY", "CanonicalConv", "CanonicalizeConvsPass", "canonicalize_conv"]
+
+META_KEY = "convpass.canonical"
+
+
+def node_label(node: ir.Node) -> str:
+    """A node's name, or its first output's name when it has none."""
+    return node.name or (node.outputs[0].name if node.outputs and node.outputs[0].name else f"<{node.op_type}>")
+
+
+def attribute_values(node: ir.Node) -> dict[str, Any]:
+    return {name: attr.value for name, attr in node.attributes.items()}
+
+
+class CanonicalizeConvsPass(ir.passes.InPlacePass):
+    """Computes the canonical cuDNN form of every conv for every profile (see the module rules).
+
+    Needs ``ResolveShapesPass`` to have run. Nodes marked to skip (``convpass.skip`` in their meta,
+    e.g. dynamic weights) are left alone. The graph is not modified.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from convpass.compiler.passes.resolve_shapes import SHAPES_KEY, SKIP_KEY
+
+        for node in model.graph:
+            if node.op_type not in CONV_OPS or node.domain not in ("", "ai.onnx") or SKIP_KEY in node.meta:
+                continue
+            attrs = attribute_values(node)
+            try:
+                node.meta[META_KEY] = tuple(
+                    canonicalize_conv(node.op_type, attrs, x, w, dtype, node_label(node))
+                    for x, w, dtype in node.meta[SHAPES_KEY]
+                )
+            except UnsupportedConvError as e:
+                node.meta[SKIP_KEY] = str(e).split(": ", 1)[1]
+                logger.warning("%s is left untuned: %s", node_label(node), node.meta[SKIP_KEY])
+        return ir.passes.PassResult(model, modified=False)

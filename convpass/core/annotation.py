@@ -1,0 +1,505 @@
+"""The annotation schema: how a tuned model records its convolution decisions.
+
+This module is the only place that knows the format; the annotate pass writes through it, and
+``inspect``, the executor and everything else read through it.
+
+Format (schema version 6)
+-------------------------
+* Every tuned ``Conv`` / ``ConvTranspose`` node is the same op in domain ``ai.convpass``, with all
+  its original attributes unchanged, plus the decision attributes below. (schema 6) A node without
+  a bias input is ``ConvNoBias`` / ``ConvTransposeNoBias`` there (:func:`standard_op_type` maps
+  back).
+* The model carries one model-local function per such op (``ai.convpass.Conv``,
+  ``ai.convpass.ConvNoBias``, ...) whose body is the standard op with every standard attribute
+  passed through by reference, so ``onnx.checker.check_model(full_check=True)`` accepts the model
+  and ONNX Runtime runs it unchanged. The bias-less functions take ``X, W`` only: a function with a
+  ``B`` input, called without one, inlines to a conv with an empty bias input, which ONNX
+  Runtime's CPU layout optimizer (NCHWc, 1.32) leaves alone (measured: a torch.export ResNet-50,
+  whose convs have no bias, ran 20-30% slower in ONNX Runtime CPU once tuned under schema 5).
+  The model imports ``ai.convpass`` version 1 and keeps an IR version that allows model-local
+  functions (>= 8).
+* **Per-device tables.** A model holds one decision table per device fingerprint it was tuned for
+  (``convpass.devices``, in table order; one table with no device when nothing could be measured
+  or looked up, and then every decision is ``auto``). A table has one decision per shape profile
+  (``convpass.profiles``). Each decision attribute holds one value per (table, profile), device-major:
+  entry ``t * n_profiles + p`` is table ``t``'s decision for profile ``p``; a single entry is
+  written as a scalar.
+
+  ``algo``            legacy algorithm that runs the node: the forward algorithm of a Conv, the
+                      backward-data algorithm of a ConvTranspose; ``"auto"`` = chosen at run time.
+                      When ``engine`` is set, the legacy algorithm nearest to that engine (the
+                      fastest measured for the same key, else cuDNN's heuristic first choice), which
+                      runs where the graph API cannot. It may also name convpass's own kernel
+                      (``convpass_depthwise_r8``: :mod:`convpass.kernels.depthwise`), which
+                      runs like a legacy algorithm, its ``fusion`` in the kernel
+  ``engine``          (optional, schema 3) the cuDNN graph-API engine configuration that runs the
+                      node, as cuDNN names its plans (``eng67_k2=16_k13=0``: engine id, then knob
+                      id = value), of the graph ``y = conv(x, w)`` (the bias follows as its own
+                      pass; :mod:`convpass.native.cudnn.graph_api`); ``""`` = the legacy ``algo`` runs. The
+                      device fingerprint of the table names the cuDNN version it was measured with
+  ``fusion``          (optional, schema 4) the epilogue fused into ``engine``'s graph, named by what
+                      follows the conv: ``bias+swish`` = ``y = silu(conv(x, w) + b)``, the graph the
+                      engine configuration belongs to (the executor runs the node's bias and its
+                      SiLU readers in that one call); ``""`` = the bare conv. (schema 5) With no
+                      ``engine``: the legacy epilogue (:mod:`convpass.core.fusion`: ``bias``,
+                      ``bias+relu``, ``bias+add``, ``bias+add+relu``) fused into ``algo``'s call,
+                      cuDNN's ``cudnnConvolutionBiasActivationForward``; ``""`` = the conv runs
+                      alone and its epilogue as one element-wise pass
+  ``dgrad_algo``      (optional, Conv only) backward-data algorithm for training
+  ``wgrad_algo``      (optional, Conv only) backward-filter algorithm for training
+  ``memory_format``   NCHW / NHWC (NCW / NWC, NCDHW / NDHWC by rank) or ``"auto"``
+  ``math_mode``       cuDNN math type: ``default`` (TF32 allowed for fp32), ``tensor_op``, ``fma``
+                      (TF32 off), or ``"auto"``
+  ``workspace_bytes`` workspace the algorithm needs; -1 = unknown
+  ``time_ms``         measured time of the chosen configuration, with its epilogue (schema 5: the
+                      conv's step); NaN = not measured
+  ``problem_key``     :class:`convpass.core.problem.ProblemKey` string of the decided problem, or ``""``
+  ``source``          how the decision was taken: ``measure``, ``exhaustive``, ``heuristic``,
+                      ``forced`` (on the GPU, by that strategy: from timings of this run or of an
+                      earlier one in the tuning cache alike, so a re-run writes the same model),
+                      ``cache`` (looked up without that GPU: ``--device-name``, or a cache-only
+                      device of ``convpass tune``) or ``auto`` (not decided)
+
+* Model metadata (``metadata_props``): ``convpass.schema_version``, ``convpass.version``,
+  ``convpass.devices`` (JSON list of device fingerprints, one per table), ``convpass.mode``,
+  ``convpass.profiles`` (JSON), ``convpass.matmul_allow_tf32`` (``0``/``1``: MindSpore's
+  ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.core.options`` (JSON of the options used).
+
+Schema 5 (still read) is schema 6 with every conv named by its standard op, bias or not.
+Schema 4 (still read) is schema 5 with ``fusion`` for engines only and times of the bare conv: its
+legacy decisions run the conv alone and the epilogue as one pass, as they were timed. Schema 3 is
+schema 4 without ``fusion``; schema 2 is schema 3 without ``engine``. Schema 1 (still read): one device, named by ``convpass.device`` (empty when none) with its cuDNN
+version in ``convpass.cudnn_version``; one value per profile. It reads as one table.
+
+Reading for a device
+--------------------
+:func:`read_annotations` with ``device=`` returns that device's table. For a device the model has
+no table for it returns the first table and a :class:`ModelInfo` whose ``device`` names the device
+that table belongs to, so a caller that compares ``ModelInfo.device`` with its own GPU (the CUDA
+executor does) sees the mismatch and runs cuDNN's heuristic with one warning, as it does for any
+model tuned elsewhere. ``device=None`` reads the first table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import onnx
+from onnx import helper
+
+from convpass.core.device import DeviceFingerprint
+
+DOMAIN = "ai.convpass"
+DOMAIN_VERSION = 1
+SCHEMA_VERSION = 6
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+CONV_OPS = ("Conv", "ConvTranspose")
+BIASLESS_SUFFIX = "NoBias"
+# the op types of annotated convs in DOMAIN -> the standard op each one runs
+ANNOTATED_OPS = {**{op: op for op in CONV_OPS}, **{op + BIASLESS_SUFFIX: op for op in CONV_OPS}}
+
+# Lowest IR version with model-local functions; and the highest ONNX Runtime 1.31 reads.
+MIN_IR_VERSION = 8
+MAX_IR_VERSION = 13
+
+AUTO = "auto"
+SOURCES = ("measure", "exhaustive", "heuristic", "forced", "cache", AUTO)
+
+_A = onnx.AttributeProto
+STANDARD_ATTRIBUTES: dict[str, dict[str, int]] = {
+    "Conv": {
+        "auto_pad": _A.STRING,
+        "dilations": _A.INTS,
+        "group": _A.INT,
+        "kernel_shape": _A.INTS,
+        "pads": _A.INTS,
+        "strides": _A.INTS,
+    },
+    "ConvTranspose": {
+        "auto_pad": _A.STRING,
+        "dilations": _A.INTS,
+        "group": _A.INT,
+        "kernel_shape": _A.INTS,
+        "output_padding": _A.INTS,
+        "output_shape": _A.INTS,
+        "pads": _A.INTS,
+        "strides": _A.INTS,
+    },
+}
+DECISION_ATTRIBUTES = (
+    "algo",
+    "engine",
+    "fusion",
+    "dgrad_algo",
+    "wgrad_algo",
+    "memory_format",
+    "math_mode",
+    "workspace_bytes",
+    "time_ms",
+    "problem_key",
+    "source",
+)
+
+META_PREFIX = "convpass."
+
+
+class AnnotationError(ValueError):
+    """A tuned model whose convpass annotations cannot be read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvDecision:
+    """How one convolution runs for one shape profile."""
+
+    algo: str = AUTO
+    memory_format: str = AUTO
+    math_mode: str = AUTO
+    workspace_bytes: int | None = None
+    time_ms: float | None = None
+    problem_key: str = ""
+    source: str = AUTO
+    dgrad_algo: str | None = None
+    wgrad_algo: str | None = None
+    engine: str = ""
+    fusion: str = ""  # the epilogue fused into the engine's graph (schema 4) or the legacy call (5); "" = none
+
+    @property
+    def is_auto(self) -> bool:
+        return self.algo == AUTO and not self.engine
+
+    @property
+    def tf32(self) -> bool | None:
+        """TF32 on / off for float32 convs, None when not decided."""
+        if self.math_mode == AUTO:
+            return None
+        return self.math_mode != "fma"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A shape profile: concrete shapes for the model's inputs."""
+
+    name: str
+    inputs: Mapping[str, tuple[int, ...]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "inputs": {k: list(v) for k, v in self.inputs.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Profile":
+        return cls(str(data["name"]), {k: tuple(int(d) for d in v) for k, v in data["inputs"].items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Model-level convpass metadata.
+
+    ``devices`` lists the fingerprint of every decision table, in table order; ``device`` is the
+    one whose table was read (the first by default, "" when the model has no device) and
+    ``cudnn_version`` its cuDNN version. Given only ``device``, ``devices`` is ``(device,)``.
+    """
+
+    schema_version: int
+    convpass_version: str
+    device: str
+    cudnn_version: str
+    mode: str
+    profiles: tuple[Profile, ...]
+    matmul_allow_tf32: bool
+    options: Mapping[str, Any]
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.devices and self.device:
+            object.__setattr__(self, "devices", (self.device,))
+        if self.device not in self.devices and (self.device or self.devices):
+            raise ValueError(f"ModelInfo.device {self.device!r} is not one of its devices {list(self.devices)}")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"ModelInfo.devices lists a device twice: {list(self.devices)}")
+
+    @property
+    def tables(self) -> int:
+        """How many decision tables each annotated node holds."""
+        return max(1, len(self.devices))
+
+    def table_of(self, device: DeviceFingerprint | str) -> int | None:
+        """The index of ``device``'s table (fingerprints compared exactly), or None."""
+        wanted = _canonical_device(str(device))
+        for i, d in enumerate(self.devices):
+            if _canonical_device(d) == wanted:
+                return i
+        return None
+
+    def for_table(self, table: int) -> "ModelInfo":
+        """This metadata with ``device`` (and its cuDNN version) naming table ``table``'s device."""
+        device = self.devices[table] if self.devices else ""
+        return dataclasses.replace(self, device=device, cudnn_version=_cudnn_of(device))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeAnnotation:
+    """The decisions recorded on one conv node: ``decisions`` is the read table (one per profile),
+    ``tables`` every table, in ``ModelInfo.devices`` order."""
+
+    node_name: str
+    op_type: str
+    decisions: tuple[ConvDecision, ...]
+    tables: tuple[tuple[ConvDecision, ...], ...] = ()
+
+
+def _canonical_device(text: str) -> str:
+    try:
+        return str(DeviceFingerprint.parse(text))
+    except ValueError:
+        return text
+
+
+def _cudnn_of(device: str) -> str:
+    """The cuDNN version of a fingerprint as written in metadata (``91900``), "" without one."""
+    try:
+        return str(DeviceFingerprint.parse(device).cudnn_version)
+    except ValueError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+def decision_attributes(decisions: Sequence[ConvDecision]) -> dict[str, Any]:
+    """The decision attributes (name -> Python value) encoding one node's decisions: one per
+    (table, profile), device-major (a single table: one per profile)."""
+    if not decisions:
+        raise ValueError("a conv needs at least one decision (one per table and profile)")
+    for d in decisions:
+        if d.source not in SOURCES:
+            raise ValueError(f"unknown decision source {d.source!r}")
+    many = len(decisions) > 1
+    pack = (lambda values: list(values)) if many else (lambda values: values[0])
+    attrs: dict[str, Any] = {
+        "algo": pack([d.algo for d in decisions]),
+        "memory_format": pack([d.memory_format for d in decisions]),
+        "math_mode": pack([d.math_mode for d in decisions]),
+        "workspace_bytes": pack([-1 if d.workspace_bytes is None else int(d.workspace_bytes) for d in decisions]),
+        "problem_key": pack([d.problem_key for d in decisions]),
+        "source": pack([d.source for d in decisions]),
+    }
+    if any(d.time_ms is not None for d in decisions):
+        attrs["time_ms"] = pack([math.nan if d.time_ms is None else float(d.time_ms) for d in decisions])
+    if any(d.engine for d in decisions):
+        attrs["engine"] = pack([d.engine for d in decisions])
+    if any(d.fusion for d in decisions):
+        attrs["fusion"] = pack([d.fusion for d in decisions])
+    for name in ("dgrad_algo", "wgrad_algo"):
+        values = [getattr(d, name) for d in decisions]
+        if any(v is not None for v in values):
+            attrs[name] = pack([AUTO if v is None else v for v in values])
+    return attrs
+
+
+def annotated_op_type(op_type: str, has_bias: bool) -> str:
+    """The op type in DOMAIN of a tuned ``Conv`` / ``ConvTranspose`` with or without a bias."""
+    return op_type if has_bias else op_type + BIASLESS_SUFFIX
+
+
+def standard_op_type(node: onnx.NodeProto) -> str:
+    """The standard op an annotated conv runs (its own op type for any other node)."""
+    return ANNOTATED_OPS[node.op_type] if is_annotated_conv(node) else node.op_type
+
+
+def conv_function(annotated_op: str, opset_version: int) -> onnx.FunctionProto:
+    """The model-local function ``ai.convpass.<annotated_op>``: the standard op, attributes by
+    reference; ``X, W`` only for a bias-less op type."""
+    op_type = ANNOTATED_OPS[annotated_op]
+    standard = STANDARD_ATTRIBUTES[op_type]
+    inputs = ["X", "W"] if annotated_op != op_type else ["X", "W", "B"]
+    body = helper.make_node(op_type, inputs, ["Y"])
+    for name, attr_type in standard.items():
+        ref = onnx.AttributeProto()
+        ref.name = name
+        ref.ref_attr_name = name
+        ref.type = attr_type
+        body.attribute.append(ref)
+    return helper.make_function(
+        DOMAIN,
+        annotated_op,
+        inputs,
+        ["Y"],
+        [body],
+        [helper.make_opsetid("", opset_version)],
+        attributes=[*standard, *DECISION_ATTRIBUTES],
+        doc_string=f"convpass-tuned {op_type}: runs as the standard {op_type}; decisions are attributes.",
+    )
+
+
+def metadata_entries(info: ModelInfo) -> dict[str, str]:
+    """Model metadata (key -> value) for a tuned model, in the current schema."""
+    return {
+        f"{META_PREFIX}schema_version": str(SCHEMA_VERSION),
+        f"{META_PREFIX}version": info.convpass_version,
+        f"{META_PREFIX}devices": json.dumps(list(info.devices)),
+        f"{META_PREFIX}mode": info.mode,
+        f"{META_PREFIX}profiles": json.dumps([p.to_json() for p in info.profiles]),
+        f"{META_PREFIX}matmul_allow_tf32": "1" if info.matmul_allow_tf32 else "0",
+        f"{META_PREFIX}options": json.dumps(dict(info.options), sort_keys=True),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+def is_annotated_conv(node: onnx.NodeProto) -> bool:
+    return node.domain == DOMAIN and node.op_type in ANNOTATED_OPS
+
+
+def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
+    """The convpass metadata of a model (``device`` = its first table's), or None if it was never
+    tuned by convpass.
+
+    Raises AnnotationError for a schema this version cannot read.
+    """
+    meta = {p.key: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
+    if not meta:
+        return None
+    raw = meta.get(f"{META_PREFIX}schema_version", "")
+    try:
+        version = int(raw)
+    except ValueError:
+        raise AnnotationError(f"convpass.schema_version is {raw!r}, not a number: the model's annotations are damaged") from None
+    if version > SCHEMA_VERSION:
+        raise AnnotationError(
+            f"model was tuned by a newer convpass (annotation schema {version}; this convpass reads up to "
+            f"{SCHEMA_VERSION}): upgrade convpass or re-run `convpass optimize` on the original model"
+        )
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise AnnotationError(
+            f"model was tuned with annotation schema {version}, which this convpass no longer reads: "
+            "re-run `convpass optimize` on the original model"
+        )
+    try:
+        profiles = tuple(Profile.from_json(p) for p in json.loads(meta.get(f"{META_PREFIX}profiles", "[]")))
+        options = json.loads(meta.get(f"{META_PREFIX}options", "{}"))
+        if version == 1:
+            one = meta.get(f"{META_PREFIX}device", "")
+            devices: tuple[str, ...] = (one,) if one else ()
+        else:
+            listed = json.loads(meta.get(f"{META_PREFIX}devices", "[]"))
+            if not isinstance(listed, list) or not all(isinstance(d, str) and d for d in listed):
+                raise ValueError(f"convpass.devices must be a list of fingerprints, got {listed!r}")
+            devices = tuple(listed)
+        info = ModelInfo(
+            schema_version=version,
+            convpass_version=meta.get(f"{META_PREFIX}version", ""),
+            device=devices[0] if devices else "",
+            cudnn_version=_cudnn_of(devices[0] if devices else ""),
+            mode=meta.get(f"{META_PREFIX}mode", ""),
+            profiles=profiles,
+            matmul_allow_tf32=meta.get(f"{META_PREFIX}matmul_allow_tf32", "0") == "1",
+            options=options,
+            devices=devices,
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise AnnotationError(f"convpass metadata is damaged: {e}") from None
+    return info
+
+
+def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: int = 0) -> NodeAnnotation:
+    """The decisions recorded on an annotated conv node: table ``table`` of ``n_tables``, one
+    decision per profile, in ``decisions``; every table in ``tables``."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in DECISION_ATTRIBUTES}
+    name = node.name or node.output[0]
+    entries = n_tables * n_profiles
+
+    def per_entry(key: str, default: Any) -> list[Any]:
+        if key not in attrs:
+            return [default] * entries
+        value = attrs[key]
+        if isinstance(value, (list, tuple)):
+            if len(value) != entries:
+                shape = f"{n_profiles} profiles" if n_tables == 1 else f"{n_tables} device tables x {n_profiles} profiles"
+                raise AnnotationError(f"node {name!r}: {key} has {len(value)} entries for {shape}")
+            values = list(value)
+        else:
+            values = [value] * entries
+        return [v.decode() if isinstance(v, bytes) else v for v in values]
+
+    if "algo" not in attrs:
+        raise AnnotationError(f"node {name!r} is in domain {DOMAIN} but has no 'algo' attribute")
+    if not 0 <= table < n_tables:
+        raise ValueError(f"table {table} of {n_tables}")
+    cols = {
+        key: per_entry(key, default)
+        for key, default in [
+            ("algo", AUTO),
+            ("memory_format", AUTO),
+            ("math_mode", AUTO),
+            ("workspace_bytes", -1),
+            ("time_ms", math.nan),
+            ("problem_key", ""),
+            ("source", AUTO),
+            ("dgrad_algo", None),
+            ("wgrad_algo", None),
+            ("engine", ""),
+            ("fusion", ""),
+        ]
+    }
+    decisions = [
+        ConvDecision(
+            algo=cols["algo"][i],
+            memory_format=cols["memory_format"][i],
+            math_mode=cols["math_mode"][i],
+            workspace_bytes=None if cols["workspace_bytes"][i] < 0 else int(cols["workspace_bytes"][i]),
+            time_ms=None if math.isnan(cols["time_ms"][i]) else float(cols["time_ms"][i]),
+            problem_key=cols["problem_key"][i],
+            source=cols["source"][i],
+            dgrad_algo=cols["dgrad_algo"][i],
+            wgrad_algo=cols["wgrad_algo"][i],
+            engine=cols["engine"][i],
+            fusion=cols["fusion"][i],
+        )
+        for i in range(entries)
+    ]
+    tables = tuple(tuple(decisions[t * n_profiles:(t + 1) * n_profiles]) for t in range(n_tables))
+    return NodeAnnotation(node_name=name, op_type=standard_op_type(node), decisions=tables[table], tables=tables)
+
+
+def read_annotations(
+    model: onnx.ModelProto, device: DeviceFingerprint | str | None = None
+) -> tuple[ModelInfo | None, list[NodeAnnotation]]:
+    """Model metadata and every annotated conv node of the main graph, in graph order, with the
+    decisions of ``device``'s table (see "Reading for a device" in the module docstring)."""
+    info = read_model_info(model)
+    annotated = [n for n in model.graph.node if is_annotated_conv(n)]
+    if annotated and info is None:
+        raise AnnotationError(f"model has {DOMAIN} convolutions but no convpass metadata")
+    if info is None:
+        return None, []
+    table = (info.table_of(device) if device is not None else None) or 0
+    info = info.for_table(table)
+    n_profiles = max(1, len(info.profiles))
+    return info, [read_node(n, n_profiles, info.tables, table) for n in annotated]
+
+
+def standard_attributes(node: onnx.NodeProto) -> list[onnx.AttributeProto]:
+    """The node's attributes less the decision attributes: what the standard op takes."""
+    return [a for a in node.attribute if a.name not in DECISION_ATTRIBUTES]
+
+
+def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a tuned model with every annotated conv back in the standard domain with its
+    standard attributes: the model the graph passes collected the problems of."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if is_annotated_conv(node):
+            keep = standard_attributes(node)
+            del node.attribute[:]
+            node.attribute.extend(keep)
+            node.op_type = standard_op_type(node)
+            node.domain = ""
+    return out

@@ -1,0 +1,232 @@
+"""The convolution problem key: one normalized, hashable description of a cuDNN convolution.
+
+A :class:`ConvShape` is the geometry of a convolution as cuDNN sees it, after canonicalization
+(symmetric pads, 1-D mapped to 2-D). It is always phrased as the *forward* convolution
+``y = conv(x, w)``:
+
+* ``x``: ``n x c x spatial``        (the forward input)
+* ``w``: ``k x (c / groups) x kernel``
+* ``y``: ``n x k x output_spatial``
+
+and ``direction`` says which of the three computations over that geometry is run:
+``fwd`` computes y from x and w (ONNX ``Conv``), ``dgrad`` computes x from y and w (the
+backward-data pass; ONNX ``ConvTranspose`` is exactly this, with its input as ``y``), ``wgrad``
+computes w from x and y (backward filter, for training).
+
+A :class:`ProblemKey` adds what the tuner chooses besides the algorithm: the memory format
+(channels first or channels last) and the cuDNN math type. It is what the tuning cache is indexed by
+and what a tuned model records per convolution. Its string form is stable and parseable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+Direction = Literal["fwd", "dgrad", "wgrad"]
+DIRECTIONS: tuple[Direction, ...] = ("fwd", "dgrad", "wgrad")
+
+# Data types a convolution can have; compute is float32 for all of them (fp16 / bf16 use cuDNN's
+# "pseudo" configuration with float accumulation, as PyTorch does).
+DTYPES = ("float32", "float16", "bfloat16")
+
+Layout = Literal["nchw", "nhwc"]
+LAYOUTS: tuple[Layout, ...] = ("nchw", "nhwc")
+
+# cuDNN math types. "default" lets cuDNN use TF32 tensor cores for float32 data on Ampere and
+# later; "fma" forbids tensor cores, which is the only way to turn TF32 off per convolution.
+MathMode = Literal["default", "tensor_op", "fma"]
+MATH_MODES: tuple[MathMode, ...] = ("default", "tensor_op", "fma")
+
+_LAYOUT_NAMES = {
+    # (spatial rank, channels_last) -> user-facing memory-format name
+    (1, False): "NCW",
+    (1, True): "NWC",
+    (2, False): "NCHW",
+    (2, True): "NHWC",
+    (3, False): "NCDHW",
+    (3, True): "NDHWC",
+}
+
+
+def memory_format_name(spatial_rank: int, layout: Layout) -> str:
+    """The user-facing memory-format name (NCW, NHWC, NDHWC, ...) for a layout at a rank."""
+    return _LAYOUT_NAMES[(spatial_rank, layout == "nhwc")]
+
+
+def layout_from_memory_format(name: str) -> tuple[int, Layout]:
+    """Inverse of :func:`memory_format_name`: ``"NDHWC"`` -> ``(3, "nhwc")``."""
+    for (rank, last), fmt in _LAYOUT_NAMES.items():
+        if fmt == name.upper():
+            return rank, ("nhwc" if last else "nchw")
+    raise ValueError(f"unknown memory format {name!r}; expected one of {sorted(set(_LAYOUT_NAMES.values()))}")
+
+
+def conv_output_size(size: int, kernel: int, pad_total: int, stride: int, dilation: int) -> int:
+    """Forward convolution output length along one axis (pads already summed)."""
+    return (size + pad_total - dilation * (kernel - 1) - 1) // stride + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvShape:
+    """Geometry of one convolution, in forward-convolution terms (see the module docstring)."""
+
+    direction: Direction
+    n: int
+    c: int
+    k: int
+    spatial: tuple[int, ...]
+    kernel: tuple[int, ...]
+    pads: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    groups: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        rank = len(self.spatial)
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if rank not in (2, 3):
+            raise ValueError(f"cuDNN problems are 2-D or 3-D (1-D is mapped to 2-D); got rank {rank}")
+        for name in ("kernel", "pads", "strides", "dilations"):
+            if len(getattr(self, name)) != rank:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {rank} spatial dims")
+        if min(self.n, self.c, self.k, self.groups, *self.spatial, *self.kernel) < 1:
+            raise ValueError(f"sizes must be positive: {self}")
+        if min(self.strides + self.dilations) < 1 or min(self.pads) < 0:
+            raise ValueError(f"strides/dilations must be >= 1 and pads >= 0: {self}")
+        if self.c % self.groups or self.k % self.groups:
+            raise ValueError(f"groups={self.groups} does not divide C={self.c} and K={self.k}")
+        if min(self.output_spatial) < 1:
+            raise ValueError(f"kernel larger than padded input: {self}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.spatial)
+
+    @property
+    def output_spatial(self) -> tuple[int, ...]:
+        return tuple(
+            conv_output_size(s, k, 2 * p, st, d)
+            for s, k, p, st, d in zip(self.spatial, self.kernel, self.pads, self.strides, self.dilations)
+        )
+
+    @property
+    def x_shape(self) -> tuple[int, ...]:
+        return (self.n, self.c, *self.spatial)
+
+    @property
+    def w_shape(self) -> tuple[int, ...]:
+        return (self.k, self.c // self.groups, *self.kernel)
+
+    @property
+    def y_shape(self) -> tuple[int, ...]:
+        return (self.n, self.k, *self.output_spatial)
+
+    @property
+    def is_depthwise(self) -> bool:
+        return self.groups > 1 and self.groups == self.c
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds x 2 of the computation (the same for all three directions)."""
+        out = 1
+        for s in self.output_spatial:
+            out *= s
+        ker = 1
+        for s in self.kernel:
+            ker *= s
+        return 2 * self.n * self.k * out * (self.c // self.groups) * ker
+
+    def with_direction(self, direction: Direction) -> "ConvShape":
+        return dataclasses.replace(self, direction=direction)
+
+    def key(self, layout: Layout, math: MathMode) -> "ProblemKey":
+        return ProblemKey(self, layout, math)
+
+    def __str__(self) -> str:
+        x = lambda t: "x".join(map(str, t))  # noqa: E731
+        return (
+            f"{self.direction}|n={self.n}|c={self.c}|k={self.k}|in={x(self.spatial)}|ker={x(self.kernel)}"
+            f"|pad={x(self.pads)}|str={x(self.strides)}|dil={x(self.dilations)}|g={self.groups}|{self.dtype}"
+        )
+
+
+_KEY_RE = re.compile(
+    r"^(?P<direction>fwd|dgrad|wgrad)\|n=(?P<n>\d+)\|c=(?P<c>\d+)\|k=(?P<k>\d+)\|in=(?P<spatial>[\dx]+)"
+    r"\|ker=(?P<kernel>[\dx]+)\|pad=(?P<pads>[\dx]+)\|str=(?P<strides>[\dx]+)\|dil=(?P<dilations>[\dx]+)"
+    r"\|g=(?P<groups>\d+)\|(?P<dtype>float32|float16|bfloat16)\|(?P<layout>nchw|nhwc)\|(?P<math>default|tensor_op|fma)$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemKey:
+    """A :class:`ConvShape` plus the memory format and math type it runs in.
+
+    ``str(key)`` is the stable form stored in tuned models and in the tuning cache, e.g.
+    ``fwd|n=1|c=3|k=64|in=224x224|ker=7x7|pad=3x3|str=2x2|dil=1x1|g=1|float32|nchw|default``;
+    :meth:`parse` reads it back.
+    """
+
+    shape: ConvShape
+    layout: Layout
+    math: MathMode
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.math not in MATH_MODES:
+            raise ValueError(f"math must be one of {MATH_MODES}, got {self.math!r}")
+
+    @property
+    def tf32(self) -> bool:
+        """Whether float32 data may be computed with TF32 tensor cores under this math type."""
+        return self.shape.dtype == "float32" and self.math != "fma"
+
+    def __str__(self) -> str:
+        return f"{self.shape}|{self.layout}|{self.math}"
+
+    @classmethod
+    def parse(cls, text: str) -> "ProblemKey":
+        m = _KEY_RE.match(text.strip())
+        if not m:
+            raise ValueError(f"not a convpass problem key: {text!r}")
+        dims = lambda s: tuple(int(v) for v in m[s].split("x"))  # noqa: E731
+        shape = ConvShape(
+            direction=m["direction"],  # type: ignore[arg-type]
+            n=int(m["n"]),
+            c=int(m["c"]),
+            k=int(m["k"]),
+            spatial=dims("spatial"),
+            kernel=dims("kernel"),
+            pads=dims("pads"),
+            strides=dims("strides"),
+            dilations=dims("dilations"),
+            groups=int(m["groups"]),
+            dtype=m["dtype"],
+        )
+        return cls(shape, m["layout"], m["math"])  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvProblem:
+    """What must be decided once: the candidate geometries of one convolution computation."""
+
+    candidates: tuple[ConvShape, ...]
+    fusion: str = ""  # the epilogue run in its conv's step (:mod:`convpass.core.fusion`), or ""
+
+    @property
+    def direction(self) -> Direction:
+        return self.candidates[0].direction
+
+    @property
+    def primary(self) -> ConvShape:
+        return self.candidates[0]
+
+    def __str__(self) -> str:
+        mapping = f" (+{len(self.candidates) - 1} mapping)" if len(self.candidates) > 1 else ""
+        return str(self.primary) + mapping + (f" + {self.fusion}" if self.fusion else "")

@@ -1,0 +1,437 @@
+"""cuDNN's graph API as a second tuning space: engine configurations of ``y = conv(x, w)``, and
+of fused graphs ``y = act(conv(x, w) + b)``.
+
+The legacy API offers 8 forward algorithms; cuDNN 9's graph API offers the engine configurations
+its heuristics (modes A and B) and fallback list return for an operation graph, with their knobs
+(tile sizes, split-K, ...). On an H200 the depthwise convolutions of EfficientNet-B0 at batch 32
+ran 2-3x faster on graph-API engines in NHWC than on any legacy algorithm. This module reaches
+that API through NVIDIA's own Python binding, the ``nvidia-cudnn-frontend`` package (imported as
+``cudnn``; in ``pip install convpass[gpu]``, or ``convpass[graph]`` alone), and is the one place that knows it.
+
+Rules
+-----
+* **One operation graph per problem key.** Every engine candidate is an engine configuration of
+  the graph ``y = conv_fprop(x, w)``: the forward direction only, over the key's shapes, memory
+  format and data type, compute in float32. The bias is not part of the graph: on an H200
+  (cuDNN 9.19) the fast depthwise engine offered for the bare conv was not offered once a bias add
+  was in the graph (the tuner then found only generic engines, 2-8x slower), so the executor adds
+  the bias after the conv, and the tuner times an engine with that pass (a legacy algorithm often
+  has its bias fused into its call: timed by the bare conv, engines won where they lost in the
+  network).
+* **Fused epilogues** (:data:`FUSIONS`). Where a conv's only readers are an activation cuDNN's
+  graph API can fuse, the tuner also measures the graph ``y = act(conv(x, w) + b)``: conv, bias
+  and activation in one engine, named by the part after the conv (``bias+swish``: SiLU, read in
+  ONNX as ``Mul(y, Sigmoid(y))``). On an H200 the fused depthwise convs of EfficientNet-B0 cost
+  about what the bare conv does (0.038 against 0.036 ms), which removes two passes over the
+  output (the bias and the SiLU kernel). A ``bias + relu`` graph was not offered the fast
+  depthwise engine there (10-15x slower) and the legacy API already fuses a ReLU, so it is not a
+  candidate.
+* **Math modes.** Engines are candidates with TF32 allowed (``default``, ``tensor_op``). For
+  ``fma`` (TF32 off) none is offered: the frontend's numerical-note filter does not remove the
+  tensor-core engines from the list it enumerates (an H200 test measured TF32-sized errors on
+  "filtered" configurations), so TF32-off convolutions keep the legacy algorithms, whose math type
+  is exact.
+* **Names.** A configuration is named as cuDNN names its plans: ``eng<id>`` followed by
+  ``_k<knob id>=<value>`` per knob, in knob-id order (``eng67_k2=16_k13=0``). The tuning cache
+  records ``engine:<name>`` as the algorithm (:attr:`EngineConfig.algo`), with ``+<fusion>`` for
+  a fused graph (``engine:eng5_k2=1+bias+swish``); the annotation writes the name in its
+  ``engine`` attribute and the fusion in ``fusion``; :meth:`EngineConfig.parse` reads either back.
+  Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
+  version, keeps a decision from being replayed on another.
+* **Stored plans.** A built plan serializes (:meth:`EnginePlan.serialize`: the frontend's own
+  form behind a JSON header naming the problem key, the configuration, the tensor uids and the
+  cuDNN and frontend versions) and loads back in another process in milliseconds
+  (:meth:`EnginePlan.load`), against 0.15-0.4 s to build one that cuDNN compiles (H200, cuDNN
+  9.19). A stored plan is only loaded by the cuDNN and frontend versions that wrote it, for the
+  same key and configuration: anything else raises :class:`GraphApiError`, and the caller builds
+  the plan instead. It runs through the frontend's ``execute`` (a loaded graph has no plan list
+  to index). :func:`plan_id` names a stored plan in the kernel side-car.
+* **Only backend engines.** The frontend's own Python-implemented engines (ids from 20000, CUTLASS
+  DSL kernels compiled at plan build) are not candidates: they compile at start-up, which the
+  executor must not do.
+* **No silent fallback.** :func:`unavailable` says why the package cannot be used (not installed,
+  no cuDNN); callers report it. A configuration cuDNN will not build raises :class:`GraphApiError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from convpass.core.fusion import fusion_of  # noqa: F401  (the naming of fused rows is shared: re-exported)
+from convpass.core.problem import ProblemKey
+
+__all__ = [
+    "ENGINE_PREFIX", "FUSIONS", "PLAN_FORMAT", "EngineConfig", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs", "fusion_of", "is_engine",
+    "plan_id", "unavailable",
+]
+
+ENGINE_PREFIX = "engine:"
+PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
+PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """A fused epilogue: what follows the conv in the graph, the frontend op of its activation,
+    and the activation itself over an array module (NumPy or CuPy: the tuner's reference)."""
+
+    name: str
+    frontend_op: str
+    apply: Callable[[Any, Any], Any]  # (xp, float32 array) -> the activation of it
+    cuda: str  # the activation of a float ``v`` in CUDA C (the tuner times it as its own pass)
+
+
+FUSIONS: dict[str, Fusion] = {
+    f.name: f
+    for f in (
+        Fusion("bias+swish", "swish", lambda xp, a: a / (1.0 + xp.exp(-a)), "v / (1.0f + expf(-v))"),
+    )
+}
+_NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)(?:\+(" + "|".join(re.escape(f) for f in FUSIONS) + r"))?")
+
+
+class GraphApiError(RuntimeError):
+    """The graph API cannot do what was asked (package missing, graph or plan refused)."""
+
+
+def is_engine(algo: str | None) -> bool:
+    """Whether a recorded algorithm is a graph-API engine configuration."""
+    return bool(algo) and algo.startswith(ENGINE_PREFIX)  # type: ignore[union-attr]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class EngineConfig:
+    """An engine id and its knob values (knob id -> value), as cuDNN numbers them, of the bare
+    conv graph or of a fused one (``fusion``: a key of :data:`FUSIONS`)."""
+
+    engine_id: int
+    knobs: tuple[tuple[int, int], ...] = ()
+    fusion: str = ""
+
+    @property
+    def name(self) -> str:
+        """cuDNN's plan name (the fusion is not part of it)."""
+        return f"eng{self.engine_id}" + "".join(f"_k{k}={v}" for k, v in self.knobs)
+
+    @property
+    def algo(self) -> str:
+        return ENGINE_PREFIX + self.name + (f"+{self.fusion}" if self.fusion else "")
+
+    @classmethod
+    def parse(cls, text: str, fusion: str = "") -> "EngineConfig":
+        """From ``eng67_k2=16_k13=0`` or ``engine:eng67_k2=16_k13=0`` (``+bias+swish`` or
+        ``fusion`` for a fused graph)."""
+        body = text[len(ENGINE_PREFIX):] if text.startswith(ENGINE_PREFIX) else text
+        m = _NAME.fullmatch(body)
+        if not m:
+            raise ValueError(f"{text!r} is not a cuDNN engine configuration (expected e.g. 'engine:eng67_k2=16_k13=0')")
+        if fusion and fusion not in FUSIONS:
+            raise ValueError(f"{fusion!r} is not a fused epilogue convpass knows ({', '.join(FUSIONS)})")
+        if fusion and m[3] and fusion != m[3]:
+            raise ValueError(f"{text!r} names the fusion {m[3]!r}, not {fusion!r}")
+        knobs = tuple(sorted((int(k), int(v)) for k, v in re.findall(r"_k(\d+)=(-?\d+)", m[2])))
+        return cls(int(m[1]), knobs, m[3] or fusion)
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@functools.lru_cache(maxsize=1)
+def _frontend() -> Any:
+    import cudnn as fe  # nvidia-cudnn-frontend
+
+    fe.backend_version()  # loads libcudnn: fails here, not at the first graph
+    return fe
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """Why the graph API cannot be used here, or None when it can (asked once per process: the
+    tuner asks per problem, and a failed import is not cached by Python)."""
+    try:
+        _frontend()
+    except ImportError as e:
+        return f"the nvidia-cudnn-frontend package is not installed ({e}; pip install convpass[gpu], or convpass[graph])"
+    except Exception as e:  # noqa: BLE001  (no libcudnn, wrong CUDA: the package's own error)
+        return f"the nvidia-cudnn-frontend package cannot load cuDNN: {type(e).__name__}: {str(e).strip()[:200]}"
+    return None
+
+
+def _require() -> Any:
+    why = unavailable()
+    if why is not None:
+        raise GraphApiError(why)
+    return _frontend()
+
+
+def versions() -> dict[str, str]:
+    """The cuDNN library and frontend package versions a stored plan is bound to."""
+    fe = _require()
+    return {"cudnn": str(fe.backend_version()), "frontend": str(getattr(fe, "__version__", ""))}
+
+
+def plan_id(key: ProblemKey, config: "EngineConfig") -> str:
+    """The name of ``config``'s stored plan for ``key`` under this cuDNN and frontend (a hash: the
+    kernel side-car keys entries by it)."""
+    doc = {"format": PLAN_FORMAT, **versions(), "key": str(key), "algo": config.algo}
+    return "plan-" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:27]
+
+
+_DATA_TYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16"}
+_handles = threading.local()
+
+
+def _handle(fe: Any, device: int) -> Any:
+    """The frontend's cuDNN handle of this thread on ``device`` (made once)."""
+    have = getattr(_handles, "by_device", None)
+    if have is None:
+        have = _handles.by_device = {}
+    if device not in have:
+        have[device] = fe.create_handle()
+    return have[device]
+
+
+def _current(cp: Any) -> tuple[int, int]:
+    return cp.cuda.Device().id, cp.cuda.get_current_stream().ptr
+
+
+def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any, dict[str, Any]]:
+    """The operation graph ``y = conv(x, w)`` of ``key`` (forward only), or with ``fusion``
+    ``y = act(conv(x, w) + b)``."""
+    from convpass.native.cudnn.descriptors import descriptor_params
+
+    if key.shape.direction != "fwd":
+        raise GraphApiError(f"graph-API engines are tuned for forward convolutions only, not {key.shape.direction}")
+    p = descriptor_params(key)
+    dt = getattr(fe.data_type, _DATA_TYPES[key.shape.dtype])
+    g = fe.pygraph(io_data_type=dt, intermediate_data_type=fe.data_type.FLOAT, compute_data_type=fe.data_type.FLOAT, handle=handle)
+    x = g.tensor(name="x", dim=list(p.x.dims), stride=list(p.x.strides), data_type=dt)
+    w = g.tensor(name="w", dim=list(p.w.dims), stride=list(p.w.strides), data_type=dt)
+    y = g.conv_fprop(image=x, weight=w, padding=list(p.pads), stride=list(p.strides), dilation=list(p.dilations),
+                     compute_data_type=fe.data_type.FLOAT, name="conv")
+    tensors = {"x": x, "w": w}
+    if fusion:
+        rank = len(p.y.dims)
+        k = p.y.dims[1]
+        # a [1, K, 1, ...] tensor; its strides are packed whichever way the spatial ones of 1 go
+        b = g.tensor(name="b", dim=[1, k] + [1] * (rank - 2), stride=[k, 1] + [k] * (rank - 2), data_type=dt)
+        y = g.bias(input=y, bias=b, name="bias")
+        y = getattr(g, FUSIONS[fusion].frontend_op)(input=y, name="act")
+        tensors["b"] = b
+    tensors["y"] = y
+    y.set_output(True).set_dim(list(p.y.dims)).set_stride(list(p.y.strides)).set_data_type(dt)
+    g.validate()
+    g.build_operation_graph()
+    return g, tensors
+
+
+def _enumerate(fe: Any, g: Any, key: ProblemKey, modes: tuple[str, ...] = ("A", "B", "FALLBACK")) -> list[str]:
+    """cuDNN's configurations for ``g`` from heuristic ``modes``, by plan name (list index = plan
+    index). Names, not ``get_engine_and_knobs_at_index``: the frontend's Python knob enum maps knob
+    ids it does not list (3 and 5 in frontend 1.32) to NOT_SET, which loses them."""
+    if key.math == "fma":
+        raise GraphApiError(f"no graph-API engines with TF32 off ({key}): only the legacy algorithms run with FMA math")
+    g.create_execution_plans([getattr(fe.heur_mode, m) for m in modes])
+    return [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+
+
+@dataclasses.dataclass
+class Enumerated:
+    """``key``'s operation graph (the bare conv, or ``fusion``'s) with cuDNN's configurations
+    enumerated on it: plans of any of them are built on this one graph (:class:`EnginePlan`), so a
+    tuner timing all of them enumerates once per key, not once per candidate (which was a third
+    of a ResNet-50's tuning time on an H200)."""
+
+    key: ProblemKey
+    fusion: str
+    graph: Any
+    tensors: dict[str, Any]
+    names: list[str]  # plan name per plan index
+
+    def configs(self) -> list[EngineConfig]:
+        """The configurations, duplicates once, in cuDNN's order."""
+        found = [EngineConfig.parse(name, self.fusion) for name in self.names]
+        return list(dict.fromkeys(c for c in found if c.engine_id < PYTHON_ENGINE_ID_BASE))
+
+
+def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
+    """Every backend engine configuration cuDNN offers for ``key``'s graph, the bare conv or the
+    ``fusion`` of :data:`FUSIONS` (heuristic modes A and B, then the fallback list). None for
+    TF32 off (see the rules)."""
+    fe = _require()
+    import cupy as cp
+
+    device, _ = _current(cp)
+    what = f"{key} + {fusion}" if fusion else str(key)
+    try:
+        g, tensors = _graph(fe, key, _handle(fe, device), fusion)
+        names = _enumerate(fe, g, key)
+    except GraphApiError:
+        raise
+    except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
+        raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(e)}") from e
+    return Enumerated(key, fusion, g, tensors, names)
+
+
+class EnginePlan:
+    """A built execution plan of one engine configuration for one problem key (its graph: the
+    bare conv, or the configuration's fusion).
+
+    Built once (plan-compile time in the executor, once per candidate in the tuner), then
+    :meth:`execute` enqueues the conv on CuPy's current stream: no allocation, no
+    synchronization, so it can be captured into a CUDA graph.
+    """
+
+    def __init__(self, key: ProblemKey, config: EngineConfig, enumerated: Enumerated | None = None) -> None:
+        """``enumerated``: the key's graph with its configurations already enumerated on this
+        device (the tuner's), on which the plan is built; else a graph of the plan's own."""
+        fe = _require()
+        import cupy as cp
+
+        self.key = key
+        self.config = config
+        self._fe = fe
+        self._device, _ = _current(cp)
+        self._handle = _handle(fe, self._device)
+        fusion = config.fusion
+        what = f"{config.name} ({fusion})" if fusion else config.name
+        try:
+            if enumerated is not None and (enumerated.key, enumerated.fusion) == (key, fusion):
+                self._graph, t, names = enumerated.graph, enumerated.tensors, enumerated.names
+            else:
+                self._graph, t = _graph(fe, key, self._handle, fusion)
+                # The configuration is found again among cuDNN's own for this graph, by name:
+                # rebuilding it from (engine id, knobs) through the frontend's knob enum gave
+                # configurations that cuDNN refused to finalize (H200, frontend 1.32: its enum is not
+                # cuDNN's knob numbering). Mode A alone first (the instant heuristic: start-up
+                # time), the full list when needed.
+                try:
+                    names = _enumerate(fe, self._graph, key, ("A",))
+                except GraphApiError:
+                    raise
+                except Exception:  # noqa: BLE001  (mode A offers nothing for this graph: the full list below)
+                    names = []
+                if config.name not in names:
+                    self._graph, t = _graph(fe, key, self._handle, fusion)
+                    names = _enumerate(fe, self._graph, key)
+            if config.name not in names:
+                raise GraphApiError(f"cuDNN does not offer {what} for {key} here")
+            self._index = names.index(config.name)
+            self._graph.build_plan_at_index(self._index)
+            self.workspace_bytes = int(self._graph.get_workspace_size_plan_at_index(self._index))
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"cuDNN does not build {what} for {key}: {_why(e)}") from e
+        self._uids = (t["x"], t["w"], t["y"])
+        self._bias_uid = t.get("b")
+
+    def serialize(self, verify: bool = True) -> bytes:
+        """The built plan as bytes :meth:`load` reads back (module rules). ``verify``: load it here
+        and require the loaded plan to compute bit for bit what this one does on random inputs
+        (the frontend stores its current candidate plan: this proves it is the one built)."""
+        if self._index is None:
+            raise GraphApiError(f"{self.config.algo} was loaded, not built: store the bytes it was loaded from")
+        try:
+            blob = bytes(self._graph.serialize())
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"cuDNN does not serialize {self.config.algo} for {self.key}: {_why(e)}") from e
+        uids = [int(t.get_uid()) for t in self._uids] + ([int(self._bias_uid.get_uid())] if self._bias_uid is not None else [])
+        header = {"format": PLAN_FORMAT, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
+                  "workspace": self.workspace_bytes}
+        data = json.dumps(header, sort_keys=True).encode() + b"\n" + blob
+        if verify:
+            _same_results(self, EnginePlan.load(self.key, self.config, data))
+        return data
+
+    @classmethod
+    def load(cls, key: ProblemKey, config: EngineConfig, data: bytes) -> "EnginePlan":
+        """A plan from :meth:`serialize`'s bytes, for exactly ``key`` and ``config`` under the
+        cuDNN and frontend versions that wrote it (else :class:`GraphApiError`, nothing loaded)."""
+        fe = _require()
+        import cupy as cp
+
+        head, sep, blob = bytes(data).partition(b"\n")
+        try:
+            header = json.loads(head) if sep else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != PLAN_FORMAT:
+            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT})")
+        here = {**versions(), "key": str(key), "algo": config.algo}
+        for field, want in here.items():
+            if header.get(field) != want:
+                raise GraphApiError(f"the stored plan is for {field} {header.get(field)!r}, not {want!r}")
+        self = cls.__new__(cls)
+        self.key, self.config, self._fe = key, config, fe
+        self._device, _ = _current(cp)
+        self._handle = _handle(fe, self._device)
+        try:
+            # the handle's stream may be one that is gone (an earlier executor's): cuDNN asks it
+            # whether it is capturing while it loads the plan
+            fe.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
+            self._graph = fe.pygraph(handle=self._handle)
+            self._graph.deserialize(self._handle, blob)
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"cuDNN does not load the stored plan {config.algo} for {key}: {_why(e)}") from e
+        self._index = None
+        uids = [int(u) for u in header["uids"]]
+        self._uids, self._bias_uid = tuple(uids[:3]), (uids[3] if len(uids) > 3 else None)
+        if (self._bias_uid is not None) != bool(config.fusion):
+            raise GraphApiError(f"the stored plan of {config.algo} has {'a' if self._bias_uid is not None else 'no'} bias tensor")
+        self.workspace_bytes = int(header["workspace"])
+        return self
+
+    def execute(self, x: Any, w: Any, y: Any, workspace: Any = None, bias: Any = None) -> None:
+        """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format); for a
+        fused configuration ``y = act(conv(x, w) + bias)`` (``bias``: K contiguous values)."""
+        import cupy as cp
+
+        if (self._bias_uid is None) != (bias is None):
+            raise GraphApiError(f"{self.config.algo} takes {'a' if self._bias_uid is not None else 'no'} bias")
+        self._fe.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
+        pack = dict(zip(self._uids, (x.data.ptr, w.data.ptr, y.data.ptr)))
+        if bias is not None:
+            pack[self._bias_uid] = bias.data.ptr
+        ws = 0 if workspace is None or getattr(workspace, "nbytes", 0) == 0 else workspace.data.ptr
+        try:
+            if self._index is None:  # loaded: the graph holds this one plan
+                self._graph.execute(pack, ws, handle=self._handle)
+            else:
+                self._graph.execute_plan_at_index(pack, ws, index=self._index, handle=self._handle)
+        except Exception as e:  # noqa: BLE001
+            raise GraphApiError(f"{self.config.algo} failed to execute for {self.key}: {_why(e)}") from e
+
+
+def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
+    """Run both plans on the same random inputs; :class:`GraphApiError` unless bit for bit equal."""
+    import cupy as cp
+
+    from convpass.native.cudnn.api import empty_like_layout
+
+    shape, layout = built.key.shape, built.key.layout
+
+    def values(dims: tuple[int, ...], phase: float) -> Any:  # cheap, deterministic, varied in sign and size
+        a = empty_like_layout(dims, shape.dtype, layout)
+        a[...] = cp.sin(cp.arange(a.size, dtype=cp.float32) * 0.7 + phase).reshape(dims)
+        return a
+
+    x, w = values(shape.x_shape, 0.0), values(shape.w_shape, 1.0)
+    bias = cp.sin(cp.arange(shape.k, dtype=cp.float32) + 2.0).astype(shape.dtype) if built.config.fusion else None
+    ws = cp.empty(max(built.workspace_bytes, loaded.workspace_bytes, 1), dtype=cp.uint8)
+    outs = []
+    for plan in (built, loaded):
+        y = empty_like_layout(shape.y_shape, shape.dtype, layout)
+        y.fill(0)
+        plan.execute(x, w, y, ws, bias=bias)
+        outs.append(y)
+    cp.cuda.get_current_stream().synchronize()
+    if not bool(cp.array_equal(outs[0], outs[1], equal_nan=True)):
+        raise GraphApiError(f"the stored plan of {built.config.algo} does not compute what the built one does for {built.key}")

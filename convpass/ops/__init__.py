@@ -1,0 +1,10 @@
+"""The op library: one implementation per ONNX op, written over an array namespace (NumPy or CuPy).
+
+Importing the package fills the op table (:mod:`.registry`) with the ops of :mod:`.tensor`,
+:mod:`.nn` and the reference convolutions of :mod:`.conv`; Python imports the package before any
+of its modules, so every lookup sees the whole table.
+"""
+
+from convpass.ops import nn, tensor  # noqa: F401  (registration)
+
+__all__ = ["nn", "tensor"]

@@ -1,1 +1,0 @@
-"""convpass.tune"""

@@ -1,0 +1,212 @@
+"""The decision seam: who decides each convolution problem.
+
+``optimize`` hands the model's distinct problems to a :class:`DecisionBackend` and records what
+comes back. Two backends exist:
+
+* :class:`CacheBackend` - no GPU needed: takes decisions from the tuning cache for a named device
+  (``--device-name``); a problem with no usable measurement stays ``auto`` (chosen at run time).
+  With the cache's transpose timings it plans layouts over the whole graph as the tuner does.
+* ``convpass.tuning.tuner.CudnnTuner`` - measures on the local GPU (and fills the cache).
+
+:func:`select` is the one rule for picking a configuration from measurements; both backends use it.
+
+Epilogues: a problem with a ``fusion`` (what its conv's step runs after the conv: a legacy
+epilogue of :mod:`convpass.core.fusion`, or an activation cuDNN's graph API fuses) compares every
+configuration by what its conv and epilogue cost together, on one clock: a fused call's or fused
+graph's own time, against an unfused configuration's time plus the measured time of the epilogue
+as its own pass (the ``epilogue`` row of the same key: :data:`EPILOGUE_METHOD`). A fused
+configuration is a candidate only where that row exists. An unfused graph-API engine was timed
+with its bias pass, the pass the executor runs a legacy epilogue in: for a legacy epilogue it
+costs its own time (a residual read by that pass is not in it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from convpass.native.cudnn.graph_api import is_engine
+from convpass.core.fusion import base_algo, fused_name, fusion_of, is_legacy
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ConvProblem
+from convpass.core.problem import ProblemKey
+from convpass.kernels.depthwise import is_own
+
+if TYPE_CHECKING:
+    from convpass.tuning.cache import Measurement, TuningCache
+
+logger = logging.getLogger("convpass")
+
+# The method of a tuning-cache row that times a fused epilogue's activation as its own pass over a
+# key's output (algo: the fusion's name): what an unfused configuration adds.
+EPILOGUE_METHOD = "epilogue"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The decided configuration of one problem."""
+
+    key: ProblemKey
+    algo: str
+    time_ms: float | None  # of the conv's step: the conv with its problem's epilogue (cost_ms)
+    workspace_bytes: int | None
+    source: str  # measure | exhaustive | heuristic | forced | cache
+    # when ``algo`` is a graph-API engine: the legacy algorithm nearest to it (the fastest measured,
+    # else cuDNN's heuristic first choice, for the same key), what runs where the engine cannot
+    fallback: str | None = None
+
+
+class DecisionBackend(Protocol):
+    device: DeviceFingerprint | None
+    # True: decisions rest on convpass's timings on this GPU type (made now or in an earlier run),
+    # and record the strategy that took them as their source; False: looked up in a tuning cache
+    # without that GPU (source "cache"). The same cache then writes the same model, byte for byte.
+    measures: bool
+
+    def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
+        """A choice per problem; None where nothing could be decided (recorded as auto)."""
+        ...
+
+
+def epilogue_ms(measurements: Iterable["Measurement"], problem: ConvProblem) -> dict[ProblemKey, float]:
+    """Per key, the measured time of ``problem``'s fused epilogue run as its own pass (module
+    docstring); empty for a problem without a fusion."""
+    if not problem.fusion:
+        return {}
+    return {m.key: m.time_ms for m in measurements
+            if m.method == EPILOGUE_METHOD and m.algo == problem.fusion and m.status == "ok" and m.time_ms is not None}
+
+
+def cost_ms(m: "Measurement", epilogue: dict[ProblemKey, float], fusion: str = "") -> float | None:
+    """What a timed configuration costs with its problem's epilogue ``fusion`` (``epilogue``: from
+    :func:`epilogue_ms`): a fused call or graph its own time, an unfused one its time plus the pass
+    (module docstring: an unfused engine under a legacy epilogue, its own time)."""
+    if m.time_ms is None:
+        return None
+    if fusion_of(m.algo) or (is_engine(m.algo) and is_legacy(fusion)):
+        return m.time_ms
+    return m.time_ms + epilogue.get(m.key, 0.0)
+
+
+def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKey, float] | None = None) -> Callable[["Measurement"], bool]:
+    """Whether a measured configuration satisfies the user's constraints for this problem (a fused
+    call or graph: only the problem's own fusion, where ``epilogue`` has its key). The options are
+    read once per problem: a cached re-run asks this of every cached row (50,000 for a ResNet-50)."""
+    direction = problem.direction
+    strategy, forced = options.strategy(direction)
+    legacy_ok, engines_ok = options.engine_space(direction)
+    layouts = options.layouts
+    math_modes = {shape.dtype: options.math_modes(shape.dtype) for shape in problem.candidates}
+    epilogue = epilogue or {}
+
+    def ok(m: "Measurement") -> bool:
+        fusion = fusion_of(m.algo)
+        return (
+            m.status == "ok"
+            and (engines_ok if is_engine(m.algo) else legacy_ok)
+            and (not fusion or (fusion == problem.fusion and m.key in epilogue))
+            and m.key.shape in problem.candidates
+            and m.key.layout in layouts
+            and m.key.math in math_modes[m.key.shape.dtype]
+            and (options.workspace_limit is None or m.workspace_bytes <= options.workspace_limit)
+            and (not options.deterministic or m.deterministic)
+            and (strategy != "forced" or base_algo(m.algo) == forced)
+        )
+
+    return ok
+
+
+def select(measurements: Iterable["Measurement"], problem: ConvProblem, options: TuneOptions) -> "Measurement | None":
+    """The configuration to run, by the strategy of the problem's direction.
+
+    measure / forced: the fastest configuration convpass timed itself (with the problem's epilogue:
+    :func:`cost_ms`); heuristic: cuDNN's first
+    heuristic choice (per layout and math type its ranking differs; ties go to NCHW and default
+    math, cuDNN's conventional setting); exhaustive: the fastest by cuDNN Find's own timing. For
+    heuristic and exhaustive picks, the returned record is convpass's own timing of that choice when
+    there is one (so recorded times are always comparable), else the ranking record; where the pick's
+    fused call with the problem's epilogue was timed too, the cheaper of the two.
+    """
+    strategy, _ = options.strategy(problem.direction)
+    measurements = list(measurements)
+    epilogue = epilogue_ms(measurements, problem)
+    ok = list(filter(allowed(problem, options, epilogue), measurements))
+    timed = {(m.key, m.algo): m for m in ok if m.method == "measure" and m.time_ms is not None}
+    if strategy == "heuristic":
+        ranked = [m for m in ok if m.method == "heuristic" and m.heuristic_rank is not None]
+        best = min(ranked, key=lambda m: (m.heuristic_rank, _layout_pref(m), m.key.math != "default"), default=None)
+    elif strategy == "exhaustive":
+        found = [m for m in ok if m.method == "find" and m.time_ms is not None]
+        best = min(found, key=lambda m: (m.time_ms, _layout_pref(m), m.key.math != "default", m.algo), default=None)
+    else:
+        # equal times (event-resolution ties on tiny convs) break the same way whatever order the
+        # rows came in (live measurements or the cache's ORDER BY): the cached re-run reproduces the choice
+        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue, problem.fusion), _layout_pref(m), m.key.math != "default", m.algo),
+                   default=None)
+    if best is None:
+        return None
+    # the algorithm is the strategy's pick; how its epilogue runs is measured like any other choice
+    variants = [m for m in (timed.get((best.key, best.algo)), timed.get((best.key, fused_name(best.algo, problem.fusion)))) if m is not None]
+    return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion), m.algo), default=best)
+
+
+def _layout_pref(m: "Measurement") -> int:
+    return 0 if m.key.layout == "nchw" else 1
+
+
+def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = (), problem: ConvProblem | None = None) -> Choice:
+    """The Choice of a selected measurement; ``rows`` (the problem's measurements) give an engine's
+    legacy fallback and, with ``problem``, the epilogue its time includes (:func:`cost_ms`: the
+    recorded time is what the conv's step costs)."""
+    rows = list(rows)
+    time_ms = m.time_ms if problem is None else cost_ms(m, epilogue_ms(rows, problem), problem.fusion)
+    return Choice(key=m.key, algo=m.algo, time_ms=time_ms, workspace_bytes=m.workspace_bytes, source=source,
+                  fallback=legacy_fallback(rows, m.key) if is_engine(m.algo) else None)
+
+
+def legacy_fallback(rows: Iterable["Measurement"], key: ProblemKey) -> str | None:
+    """The legacy algorithm nearest to a graph-API engine chosen for ``key``: the fastest cuDNN
+    legacy algorithm measured for the same key, else cuDNN's heuristic first choice; None without
+    either."""
+    same = [m for m in rows if m.key == key and m.status == "ok" and not is_engine(m.algo) and not is_own(m.algo) and not fusion_of(m.algo)]
+    timed = [m for m in same if m.method == "measure" and m.time_ms is not None]
+    if timed:
+        return min(timed, key=lambda m: (m.time_ms, m.algo)).algo
+    ranked = [m for m in same if m.method == "heuristic" and m.heuristic_rank is not None]
+    return min(ranked, key=lambda m: m.heuristic_rank).algo if ranked else None
+
+
+def cached_rows(cache: "TuningCache", device: DeviceFingerprint, problem: ConvProblem) -> list["Measurement"]:
+    """Every measurement the cache holds for a problem on a device (all its candidate geometries)."""
+    return [m for shape in problem.candidates for m in cache.get(device, shape)]
+
+
+class CacheBackend:
+    """Decides from the tuning cache only: for machines without a GPU (see the module docstring)."""
+
+    measures = False
+
+    def __init__(self, cache: "TuningCache | None", device: DeviceFingerprint | None) -> None:
+        self.cache = cache
+        self.device = device
+        # every cached measurement of every decided problem: the layout planner chooses among them
+        self.rows: dict[ConvProblem, list["Measurement"]] = {}
+
+    def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
+        out: dict[ConvProblem, Choice | None] = {}
+        for problem in problems:
+            rows = cached_rows(self.cache, self.device, problem) if self.cache is not None and self.device is not None else []
+            self.rows[problem] = rows
+            chosen = select(rows, problem, options)
+            out[problem] = None if chosen is None else choice_from(chosen, "cache", rows, problem)
+        return out
+
+    def transpose_ms(self, dims: tuple[int, ...], dtype: str) -> float | None:
+        """The cache's transpose time of a rank 3-5 tensor for the layout planner; None where the
+        cache has none (the tuner records one for every tensor it planned on a GPU)."""
+        if self.cache is None or self.device is None:
+            return None
+        return self.cache.get_transpose(self.device, dims, dtype)

@@ -1,1 +1,0 @@
-"""convpass graph passes (installed as ``convpass.passes``), one pass per module."""
