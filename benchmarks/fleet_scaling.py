@@ -86,8 +86,7 @@ def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> 
     costs its time plus the epilogue's pass)."""
     import convpass
     from convpass.core import annotation
-    from convpass.native.cudnn.graph_api import ENGINE_PREFIX
-    from convpass.core.fusion import fused_name
+    from convpass.core.algo import Algo
     from convpass.core.model_io import load_model, to_proto
     from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
@@ -107,8 +106,8 @@ def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> 
             if problem is None:
                 raise SystemExit(f"fleet_scaling: {path}: conv {r['node']!r} at profile {r['profile']} has a decision but no "
                                  "problem when collected with convpass tune's default options (was it tuned with others?)")
-            row = ENGINE_PREFIX + r["engine"] if r["engine"] else r["algo"]
-            out[(r["device"], str(problem))] = Decision(problem, r["problem_key"], fused_name(row, r["fusion"]) if r["fusion"] else row)
+            row = Algo("engine", r["engine"]) if r["engine"] else Algo.parse(r["algo"])
+            out[(r["device"], str(problem))] = Decision(problem, r["problem_key"], str(row.fused(r["fusion"] or "")))
     return out
 
 

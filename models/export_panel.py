@@ -231,6 +231,65 @@ PANEL: Dict[str, Dict[str, Any]] = {
         "family": "UNet: DoubleConv (conv-BN-ReLU x2) encoder with MaxPool, ConvTranspose 2x2 "
                   "stride-2 decoder, skip Concat, widths 64-1024",
     },
+    # --- compute-bound classes: generative decoders, super-resolution, attention backbones ------
+    "vae_decoder": {
+        "builder": "export_panel.vae_decoder",
+        "kwargs": {},
+        "shape": (1, 4, 32, 32),
+        "input_kind": "latent",
+        "family": "diffusion-VAE-style decoder: GroupNorm(32) + SiLU residual blocks of 3x3 convs, "
+                  "one self-attention block, nearest upsampling, 256 -> 64 channels, 32x32 -> 256x256",
+        "batches": (1, 16),
+    },
+    "rrdb_sr": {
+        "builder": "export_panel.rrdbnet",
+        "kwargs": {"nb": 6},
+        "shape": (1, 3, 64, 64),
+        "input_kind": "image",
+        "family": "ESRGAN-style RRDB super-resolution: dense blocks of 3x3 convs on 64 + 32k "
+                  "channels, LeakyReLU, Concat, nearest upsampling x4 (64x64 -> 256x256)",
+        "batches": (1, 16),
+    },
+    "ecaresnet50d": {
+        "builder": "timm.create_model",
+        "kwargs": {"model_name": "ecaresnet50d", "pretrained": False},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "ResNet-D with efficient channel attention (global pool -> 1-D conv -> sigmoid gate)",
+        "batches": (1, 16),
+    },
+    "cspdarknet53": {
+        "builder": "timm.create_model",
+        "kwargs": {"model_name": "cspdarknet53", "pretrained": False},
+        "shape": (1, 3, 256, 256),
+        "input_kind": "image",
+        "family": "YOLO-style CSP backbone: cross-stage partial blocks (split, Concat), LeakyReLU / Mish",
+        "batches": (1, 16),
+    },
+    "hgnetv2_b0": {
+        "builder": "timm.create_model",
+        "kwargs": {"model_name": "hgnetv2_b0", "pretrained": False},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "HGNetV2: light conv blocks with aggregation Concat, ESE attention",
+        "batches": (1, 16),
+    },
+    "skresnet18": {
+        "builder": "timm.create_model",
+        "kwargs": {"model_name": "skresnet18", "pretrained": False},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "selective-kernel attention: parallel 3x3 / dilated branches fused by a softmax gate",
+        "batches": (1, 16),
+    },
+    "bit_resnetv2_50": {
+        "builder": "timm.create_model",
+        "kwargs": {"model_name": "resnetv2_50x1_bit", "pretrained": False},
+        "shape": (1, 3, 224, 224),
+        "input_kind": "image",
+        "family": "BiT ResNet-v2: weight-standardized convs (the weight computed in the graph), GroupNorm",
+        "batches": (1, 16),
+    },
 }
 
 
@@ -441,6 +500,124 @@ def unet(n_channels: int = 3, n_classes: int = 2):
             return self.outc(x)
 
     return UNet(n_channels, n_classes)
+
+
+def vae_decoder(latent_channels: int = 4, widths: Sequence[int] = (256, 256, 128, 64), blocks: int = 3):
+    """A diffusion-VAE-style decoder (the structure of Stable Diffusion's ``AutoencoderKL`` decoder,
+    narrower): latent [N, 4, H, W] -> image [N, 3, 8H, 8W].
+
+    conv_in 3x3 -> mid block (ResnetBlock, single-head self-attention over H*W, ResnetBlock) -> one
+    up block per width (``blocks`` ResnetBlocks, then nearest x2 upsampling + 3x3 conv, but after the
+    last) -> GroupNorm(32) + SiLU -> conv_out 3x3. ResnetBlock = GroupNorm(32), SiLU, conv 3x3,
+    GroupNorm(32), SiLU, conv 3x3, plus the input (through a 1x1 conv where the width changes).
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    def norm(c):
+        return nn.GroupNorm(32, c, eps=1e-6)
+
+    class ResnetBlock(nn.Module):
+        def __init__(self, cin, cout):
+            super().__init__()
+            self.norm1, self.conv1 = norm(cin), nn.Conv2d(cin, cout, 3, padding=1)
+            self.norm2, self.conv2 = norm(cout), nn.Conv2d(cout, cout, 3, padding=1)
+            self.shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+        def forward(self, x):
+            h = self.conv1(F.silu(self.norm1(x)))
+            h = self.conv2(F.silu(self.norm2(h)))
+            return self.shortcut(x) + h
+
+    class Attention(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.norm = norm(c)
+            self.q, self.k, self.v, self.proj = (nn.Conv2d(c, c, 1) for _ in range(4))
+
+        def forward(self, x):
+            n, c, h, w = x.shape
+            y = self.norm(x)
+            q = self.q(y).reshape(n, c, h * w).transpose(1, 2)
+            k = self.k(y).reshape(n, c, h * w)
+            v = self.v(y).reshape(n, c, h * w).transpose(1, 2)
+            a = torch.softmax(torch.bmm(q, k) * c ** -0.5, dim=-1)
+            return x + self.proj(torch.bmm(a, v).transpose(1, 2).reshape(n, c, h, w))
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            c = widths[0]
+            self.conv_in = nn.Conv2d(latent_channels, c, 3, padding=1)
+            self.mid = nn.Sequential(ResnetBlock(c, c), Attention(c), ResnetBlock(c, c))
+            ups = []
+            for i, width in enumerate(widths):
+                layers = [ResnetBlock(c if j == 0 else width, width) for j in range(blocks)]
+                c = width
+                if i < len(widths) - 1:
+                    layers += [nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(c, c, 3, padding=1)]
+                ups.append(nn.Sequential(*layers))
+            self.up = nn.Sequential(*ups)
+            self.norm_out, self.conv_out = norm(c), nn.Conv2d(c, 3, 3, padding=1)
+
+        def forward(self, z):
+            h = self.up(self.mid(self.conv_in(z)))
+            return self.conv_out(F.silu(self.norm_out(h)))
+
+    return Decoder()
+
+
+def rrdbnet(in_nc: int = 3, out_nc: int = 3, nf: int = 64, nb: int = 23, gc: int = 32):
+    """ESRGAN's RRDBNet (Wang et al. 2018, ``RRDBNet_arch.py``), x4: [N, 3, H, W] -> [N, 3, 4H, 4W].
+
+    conv_first -> ``nb`` RRDBs (each three ResidualDenseBlocks of five 3x3 convs over the Concat of
+    the block input and every earlier conv's output, growth ``gc``, LeakyReLU 0.2, residual scaled
+    by 0.2) -> trunk conv + skip -> two (nearest x2, conv, LeakyReLU) -> HR conv, LeakyReLU ->
+    conv_last.
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class DenseBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = nn.ModuleList(nn.Conv2d(nf + i * gc, gc if i < 4 else nf, 3, padding=1) for i in range(5))
+
+        def forward(self, x):
+            feats = [x]
+            for i, conv in enumerate(self.convs):
+                y = conv(torch.cat(feats, 1))
+                if i < 4:
+                    feats.append(F.leaky_relu(y, 0.2))
+            return x + 0.2 * y
+
+    class RRDB(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(DenseBlock(), DenseBlock(), DenseBlock())
+
+        def forward(self, x):
+            return x + 0.2 * self.blocks(x)
+
+    class RRDBNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv_first = nn.Conv2d(in_nc, nf, 3, padding=1)
+            self.trunk = nn.Sequential(*(RRDB() for _ in range(nb)))
+            self.trunk_conv = nn.Conv2d(nf, nf, 3, padding=1)
+            self.up1, self.up2 = nn.Conv2d(nf, nf, 3, padding=1), nn.Conv2d(nf, nf, 3, padding=1)
+            self.hr, self.last = nn.Conv2d(nf, nf, 3, padding=1), nn.Conv2d(nf, out_nc, 3, padding=1)
+
+        def forward(self, x):
+            fea = self.conv_first(x)
+            fea = fea + self.trunk_conv(self.trunk(fea))
+            fea = F.leaky_relu(self.up1(F.interpolate(fea, scale_factor=2, mode="nearest")), 0.2)
+            fea = F.leaky_relu(self.up2(F.interpolate(fea, scale_factor=2, mode="nearest")), 0.2)
+            return self.last(F.leaky_relu(self.hr(fea), 0.2))
+
+    return RRDBNet()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.core.cudnn_enums import algo_names
 from convpass.tuning.decide import EPILOGUE_METHOD, legacy_fallback, select
+from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem
@@ -207,8 +208,9 @@ def test_one_source_per_geometry_and_order():
     assert a.name != b.name and a.code != b.code and r8.name != a.name
     assert (a.name, a.code) == (c.name, c.code)
     assert "__half" in half.code and half.name.endswith("float16")
-    assert depthwise.is_own("convpass_depthwise_r4") and depthwise.is_own("convpass_depthwise_r8+bias+relu")
-    assert not depthwise.is_own("implicit_gemm") and not depthwise.is_own("engine:eng5")
+    own = lambda text: Algo.parse(text).is_own  # noqa: E731
+    assert own(depthwise.algo_name(4)) and own(depthwise.algo_name(8) + "+bias+relu")
+    assert not own("implicit_gemm") and not own("engine:eng5")
 
 
 # ---------------------------------------------------------------------------------------------

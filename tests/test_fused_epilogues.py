@@ -19,7 +19,12 @@ from conftest import no_plan_side_car, numpy_shape_bench, offer_configs, silu_mo
 from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.native.cudnn import graph_api
-from convpass.native.cudnn.graph_api import EngineConfig, fusion_of
+from convpass.core.algo import Algo
+from convpass.native.cudnn.graph_api import EngineConfig
+
+
+def fusion_of(text):
+    return Algo.parse(text).fusion if text else ""
 from convpass.tuning.decide import EPILOGUE_METHOD, cost_ms, epilogue_ms, select
 from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions

@@ -16,7 +16,12 @@ from conftest import conv_model, no_plan_side_car, numpy_shape_bench, offer_conf
 from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.native.cudnn import graph_api
-from convpass.native.cudnn.graph_api import EngineConfig, is_engine
+from convpass.core.algo import Algo
+from convpass.native.cudnn.graph_api import EngineConfig
+
+
+def is_engine(text):
+    return bool(text) and Algo.parse(text).is_engine
 from convpass.tuning.decide import CacheBackend, choice_from, legacy_fallback, select
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import OptionError

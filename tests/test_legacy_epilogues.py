@@ -25,6 +25,7 @@ from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions
 from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.compiler.passes.collect_conv_problems import ConvProblem, conv_fusion
+from convpass.core.algo import Algo
 from convpass.tuning import tuner
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
@@ -46,9 +47,10 @@ def row(algo, time_ms, method="measure", status="ok", key=KEY, hr=None, note="")
 def test_epilogue_names_and_parts():
     assert [epilogue.legacy_name(z, r) for z in (False, True) for r in (False, True)] == list(epilogue.LEGACY)
     assert [epilogue.parts(n) for n in epilogue.LEGACY] == [(False, False), (False, True), (True, False), (True, True)]
-    assert epilogue.fused_name("implicit_gemm", RELU) == "implicit_gemm+bias+relu"
-    assert (epilogue.fusion_of("implicit_gemm+bias+relu"), epilogue.base_algo("implicit_gemm+bias+relu")) == (RELU, "implicit_gemm")
-    assert (epilogue.fusion_of("implicit_gemm"), epilogue.fusion_of(None), epilogue.fusion_of("engine:eng5+bias+swish")) == ("", "", "bias+swish")
+    assert str(Algo.parse("implicit_gemm").fused(RELU)) == "implicit_gemm+bias+relu"
+    fused = Algo.parse("implicit_gemm+bias+relu")
+    assert (fused.fusion, str(fused.bare)) == (RELU, "implicit_gemm")
+    assert (Algo.parse("implicit_gemm").fusion, Algo.parse("engine:eng5+bias+swish").fusion) == ("", "bias+swish")
     assert epilogue.is_legacy("bias+add") and not epilogue.is_legacy("bias+swish") and not epilogue.is_legacy("")
     with pytest.raises(ValueError, match="not a legacy conv epilogue"):
         epilogue.parts("bias+swish")
@@ -353,12 +355,12 @@ def test_a_legacy_epilogue_gets_its_pass_row_and_a_checked_row_per_fused_call(be
     assert not bench.timings
     by = {r.algo: r for r in rows}
     assert by[name].method == EPILOGUE_METHOD and by[name].time_ms == 0.004
-    gemm_row = by[epilogue.fused_name("gemm", name)]
+    gemm_row = by[str(Algo.parse("gemm").fused(name))]
     assert gemm_row.status == "unsupported" and gemm_row.algo.endswith(name)
-    assert by[epilogue.fused_name("fft", name)].status == ("wrong_result" if relu else "unsupported")
-    precomp = by[epilogue.fused_name("implicit_precomp_gemm", name)]
+    assert by[str(Algo.parse("fft").fused(name))].status == ("wrong_result" if relu else "unsupported")
+    precomp = by[str(Algo.parse("implicit_precomp_gemm").fused(name))]
     assert precomp.status == "ok" and precomp.time_ms == 0.012 and "in one cuDNN call" in precomp.note and precomp.workspace_bytes == 128
-    implicit = by[epilogue.fused_name("implicit_gemm", name)]
+    implicit = by[str(Algo.parse("implicit_gemm").fused(name))]
     assert implicit.status == ("ok" if relu else "unsupported")  # cuDNN's identity needs implicit_precomp_gemm
     assert ("z" in bench.buffers(KEY.layout, 1)[0]) == residual
 

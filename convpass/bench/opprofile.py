@@ -256,7 +256,7 @@ def profile_executor(executor: Any, feeds: Mapping[str, Any], runs: int = PROFIL
     finally:
         backend.step_events = None
     kept = whole if whole else other[:runs]
-    samples = [(label, op_type, clock.elapsed_ms(a, b)) for run in kept for label, op_type, a, b in run]
+    samples = [(label, op_type, clock.elapsed_ms(a, b)) for run in kept for label, op_type, a, b, *_ in run]
     head = f"eager (cuda_graph=False), CUDA events around each launch, mean of {len(kept)} run(s)"
     if whole:
         method = f"{head}; each run queued whole behind a hold kernel: GPU time, host launch overhead excluded"

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from convpass.native import device as device_mod
 from convpass.core import annotation
+from convpass.core.algo import Algo
 from convpass.core.version import __version__
 from convpass.core.annotation import ModelInfo, Profile, SCHEMA_VERSION
 from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
@@ -32,7 +33,6 @@ from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPa
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
 from convpass.compiler.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
-from convpass.kernels.depthwise import is_own
 
 logger = logging.getLogger("convpass")
 
@@ -170,7 +170,7 @@ def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
             report.decisions_recorded += len(values(node.attributes.get("algo")))
             report.engine_decisions += sum(1 for v in values(node.attributes.get("engine")) if v)
             report.fused_decisions += sum(1 for v in values(node.attributes.get("fusion")) if v)
-            report.own_kernel_decisions += sum(1 for v in values(node.attributes.get("algo")) if is_own(v))
+            report.own_kernel_decisions += sum(1 for v in values(node.attributes.get("algo")) if Algo.parse(v).is_own)
 
 
 def optimize_model(
@@ -444,7 +444,6 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
 
     Convolutions that were not tuned (plain standard ops) are listed once with ``source="untuned"``.
     """
-    from convpass.core import annotation
 
     proto = model if isinstance(model, onnx.ModelProto) else to_proto(load_model(model))
     info, nodes = annotation.read_annotations(proto)

@@ -27,7 +27,7 @@ Rules
 * **Two ways to run a legacy epilogue, both timed.** (a) the conv, then one element-wise pass
   over its output (the ``epilogue`` row of the tuning cache: :data:`convpass.tuning.decide.EPILOGUE_METHOD`);
   (b) the fused call, per legacy algorithm (a row whose algorithm is ``<algo>+<epilogue>``,
-  :func:`fused_name`). The tuner times (b) for the :data:`FUSED_CALL_CANDIDATES` fastest legacy
+  :class:`convpass.core.algo.Algo` with its ``fusion``). The tuner times (b) for the :data:`FUSED_CALL_CANDIDATES` fastest legacy
   algorithms of each key only: the fused call reuses the algorithm's kernels or falls back to
   slower ones, and it never ran faster than the bare conv in the H200 profiles.
 * **Recorded.** A decision whose ``fusion`` names a legacy epilogue and that has no graph-API
@@ -37,7 +37,7 @@ Rules
 
 from __future__ import annotations
 
-__all__ = ["FUSED_CALL_CANDIDATES", "LEGACY", "base_algo", "fused_name", "fusion_of", "is_legacy", "legacy_name", "parts"]
+__all__ = ["FUSED_CALL_CANDIDATES", "LEGACY", "is_legacy", "legacy_name", "parts"]
 
 LEGACY: tuple[str, ...] = ("bias", "bias+relu", "bias+add", "bias+add+relu")
 FUSED_CALL_CANDIDATES = 2  # legacy algorithms per key whose fused call the tuner times
@@ -58,21 +58,3 @@ def parts(name: str) -> tuple[bool, bool]:
     if name not in LEGACY:
         raise ValueError(f"{name!r} is not a legacy conv epilogue ({', '.join(LEGACY)})")
     return "+add" in name, name.endswith("+relu")
-
-
-def fused_name(algo: str, epilogue: str) -> str:
-    """The tuning-cache algorithm of ``algo`` running ``epilogue`` fused into its call."""
-    return f"{algo}+{epilogue}"
-
-
-def fusion_of(algo: str | None) -> str:
-    """The epilogue fused into a recorded algorithm's call (``""``: none): ``bias+relu`` for
-    ``implicit_precomp_gemm+bias+relu``, ``bias+swish`` for ``engine:eng5+bias+swish``."""
-    if not algo or "+" not in algo:
-        return ""
-    return algo.split("+", 1)[1]
-
-
-def base_algo(algo: str) -> str:
-    """A recorded algorithm without its fused epilogue."""
-    return algo.split("+", 1)[0]

@@ -74,12 +74,12 @@ from typing import Any
 import numpy as np
 
 from convpass.core import annotation, kernel_file
+from convpass.core.algo import Algo
 from convpass.core.fusion import LEGACY, is_legacy, legacy_name
 from convpass.core.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
 from convpass.native.cuda import CaptureBreak, channels_last, copy_into, elements, first_line, start_helper, storage
-from convpass.kernels.depthwise import is_own
 from convpass.kernels.launch import Launch
 
 logger = logging.getLogger("convpass")
@@ -211,7 +211,7 @@ class Convolutions:
             return
         wanted: dict[tuple[ProblemKey, str], None] = {}
         for d in decisions:
-            if d.algo == annotation.AUTO or is_own(d.algo) or not d.problem_key:
+            if d.algo == annotation.AUTO or Algo.parse(d.algo).is_own or not d.problem_key:
                 continue
             try:
                 key = ProblemKey.parse(d.problem_key)
@@ -300,7 +300,7 @@ class Convolutions:
                 return ex
             if d.algo == annotation.AUTO:
                 return self.heuristic_exec(call, "fallback", f"recorded engine {d.engine!r} not usable here", math)
-        if key is not None and is_own(d.algo):
+        if key is not None and Algo.parse(d.algo).is_own:
             ex, why = self._own_exec(call, d, key, fusion)
             if ex is not None:
                 return ex

@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
+from convpass.core.algo import Algo
 from convpass.core.problem import ConvShape
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import elements
 
-__all__ = ["ALGO", "MAX_SPAN", "MAX_TAPS", "THREAD_ORDERS", "DepthwiseKernel", "algo_name", "candidates", "is_own", "strip_of", "unsupported"]
+__all__ = ["ALGO", "MAX_SPAN", "MAX_TAPS", "THREAD_ORDERS", "DepthwiseKernel", "algo_name", "candidates", "strip_of", "unsupported"]
 
 ALGO = "convpass_depthwise"  # the family's name; a candidate is ALGO + "_r<R>" (:func:`algo_name`)
 MAX_TAPS = 121  # 11x11: the unrolled body stays small
@@ -64,11 +65,6 @@ _DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 _NAME = re.compile(re.escape(ALGO) + r"_r(\d+)")
 
 
-def is_own(algo: str | None) -> bool:
-    """Whether a recorded algorithm (bare or with its fused epilogue) is convpass's own kernel."""
-    return bool(algo) and algo.split("+", 1)[0].startswith(ALGO + "_r")  # type: ignore[union-attr]
-
-
 def algo_name(r: int) -> str:
     """The algorithm name of the kernel computing ``r`` outputs per thread."""
     return f"{ALGO}_r{r}"
@@ -76,7 +72,7 @@ def algo_name(r: int) -> str:
 
 def strip_of(algo: str) -> int:
     """``R`` of a candidate's name (``convpass_depthwise_r8+bias`` -> 8); ValueError otherwise."""
-    m = _NAME.fullmatch(algo.split("+", 1)[0])
+    m = _NAME.fullmatch(Algo.parse(algo).name)
     if not m or int(m[1]) < 1:
         raise ValueError(f"{algo!r} is not a convpass depthwise kernel (expected e.g. {algo_name(4)!r})")
     return int(m[1])

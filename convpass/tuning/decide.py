@@ -27,13 +27,11 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from convpass.native.cudnn.graph_api import is_engine
-from convpass.core.fusion import base_algo, fused_name, fusion_of, is_legacy
+from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
+from convpass.core.fusion import is_legacy
 from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem
-from convpass.core.problem import ProblemKey
-from convpass.kernels.depthwise import is_own
+from convpass.core.problem import ConvProblem, ProblemKey
 
 if TYPE_CHECKING:
     from convpass.tuning.cache import Measurement, TuningCache
@@ -86,7 +84,8 @@ def cost_ms(m: "Measurement", epilogue: dict[ProblemKey, float], fusion: str = "
     (module docstring: an unfused engine under a legacy epilogue, its own time)."""
     if m.time_ms is None:
         return None
-    if fusion_of(m.algo) or (is_engine(m.algo) and is_legacy(fusion)):
+    algo = Algo.parse(m.algo)
+    if algo.fusion or (algo.is_engine and is_legacy(fusion)):
         return m.time_ms
     return m.time_ms + epilogue.get(m.key, 0.0)
 
@@ -103,17 +102,17 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
     epilogue = epilogue or {}
 
     def ok(m: "Measurement") -> bool:
-        fusion = fusion_of(m.algo)
+        algo = Algo.parse(m.algo)
         return (
             m.status == "ok"
-            and (engines_ok if is_engine(m.algo) else legacy_ok)
-            and (not fusion or (fusion == problem.fusion and m.key in epilogue))
+            and (engines_ok if algo.is_engine else legacy_ok)
+            and (not algo.fusion or (algo.fusion == problem.fusion and m.key in epilogue))
             and m.key.shape in problem.candidates
             and m.key.layout in layouts
             and m.key.math in math_modes[m.key.shape.dtype]
             and (options.workspace_limit is None or m.workspace_bytes <= options.workspace_limit)
             and (not options.deterministic or m.deterministic)
-            and (strategy != "forced" or base_algo(m.algo) == forced)
+            and (strategy != "forced" or str(algo.bare) == forced)
         )
 
     return ok
@@ -149,7 +148,8 @@ def select(measurements: Iterable["Measurement"], problem: ConvProblem, options:
     if best is None:
         return None
     # the algorithm is the strategy's pick; how its epilogue runs is measured like any other choice
-    variants = [m for m in (timed.get((best.key, best.algo)), timed.get((best.key, fused_name(best.algo, problem.fusion)))) if m is not None]
+    fused = str(Algo.parse(best.algo).fused(problem.fusion))
+    variants = [m for m in (timed.get((best.key, best.algo)), timed.get((best.key, fused))) if m is not None]
     return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion), m.algo), default=best)
 
 
@@ -164,14 +164,14 @@ def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = (
     rows = list(rows)
     time_ms = m.time_ms if problem is None else cost_ms(m, epilogue_ms(rows, problem), problem.fusion)
     return Choice(key=m.key, algo=m.algo, time_ms=time_ms, workspace_bytes=m.workspace_bytes, source=source,
-                  fallback=legacy_fallback(rows, m.key) if is_engine(m.algo) else None)
+                  fallback=legacy_fallback(rows, m.key) if Algo.parse(m.algo).is_engine else None)
 
 
 def legacy_fallback(rows: Iterable["Measurement"], key: ProblemKey) -> str | None:
     """The legacy algorithm nearest to a graph-API engine chosen for ``key``: the fastest cuDNN
     legacy algorithm measured for the same key, else cuDNN's heuristic first choice; None without
     either."""
-    same = [m for m in rows if m.key == key and m.status == "ok" and not is_engine(m.algo) and not is_own(m.algo) and not fusion_of(m.algo)]
+    same = [m for m in rows if m.key == key and m.status == "ok" and Algo.parse(m.algo).bare_of("legacy")]
     timed = [m for m in same if m.method == "measure" and m.time_ms is not None]
     if timed:
         return min(timed, key=lambda m: (m.time_ms, m.algo)).algo

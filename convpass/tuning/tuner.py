@@ -41,8 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.core import fusion as epilogue
 from convpass.tuning.decide import EPILOGUE_METHOD, Choice, allowed, cached_rows, choice_from, cost_ms, epilogue_ms, select
-from convpass.native.cudnn.graph_api import ENGINE_PREFIX, is_engine
-from convpass.core.fusion import fusion_of
+from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import OptionError
 from convpass.core.options import TuneOptions
@@ -267,8 +266,8 @@ def own_complete(rows: Sequence[Measurement], keys: Sequence[ProblemKey], fusion
         timed = {m.algo: m for m in rows if m.key == key and m.method == "measure"}
         if not set(depthwise.candidates(key.shape)) <= set(timed):
             return False
-        ran = any(depthwise.is_own(a) and not fusion_of(a) and was_measured(m) for a, m in timed.items())
-        if fusion and ran and not any(depthwise.is_own(a) and fusion_of(a) == fusion for a in timed):
+        ran = any(Algo.parse(a).bare_of('own') and was_measured(m) for a, m in timed.items())
+        if fusion and ran and not any(Algo.parse(a).is_own and Algo.parse(a).fusion == fusion for a in timed):
             return False
     return True
 
@@ -356,7 +355,7 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                     if own:
                         for row in bench.measure_own(key, own_fusion, best, [*rows, *have]):
                             rows.append(row)
-                            best = _best_after(best, row) if not fusion_of(row.algo) else best
+                            best = _best_after(best, row) if not Algo.parse(row.algo).fusion else best
                     if engines:
                         for row in bench.measure_engines(key, best):
                             rows.append(row)
@@ -374,7 +373,7 @@ def fused_call_candidates(rows: Sequence[Measurement], key: ProblemKey) -> list[
     :data:`convpass.core.fusion.FUSED_CALL_CANDIDATES` fastest bare ones measured (not early-stopped estimates)."""
     timed = {m.algo: m.time_ms for m in rows
              if m.key == key and m.method == "measure" and was_measured(m)
-             and not is_engine(m.algo) and not depthwise.is_own(m.algo) and not fusion_of(m.algo)}
+             and Algo.parse(m.algo).bare_of('legacy')}
     return sorted(timed, key=lambda a: (timed[a], a))[:epilogue.FUSED_CALL_CANDIDATES]
 
 
@@ -424,11 +423,11 @@ def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, for
         timed = {m.algo for m in mine if m.method == "measure"}
         if strategy == "measure" and legacy and not set(algo_names(key.shape.direction)) <= timed:
             return False
-        if engines and not any(is_engine(a) and not fusion_of(a) for a in timed):
+        if engines and not any(Algo.parse(a).is_engine and not Algo.parse(a).fusion for a in timed):
             return False
         if fusion and not any(m.method == EPILOGUE_METHOD and m.algo == fusion for m in mine):
             return False
-        fused_rows = any(fusion_of(a) == fusion for a in timed)
+        fused_rows = any(Algo.parse(a).fusion == fusion for a in timed)
         if fusion and not epilogue.is_legacy(fusion) and not fused_rows:
             return False
         if epilogue.is_legacy(fusion) and fused_call_candidates(mine, key) and not fused_rows:
@@ -577,7 +576,7 @@ class _ShapeBench:
         from convpass.native.cudnn import graph_api
 
         now = time.time()
-        none = ENGINE_PREFIX + "none" + (f"+{fusion}" if fusion else "")
+        none = str(Algo("engine", "none", fusion))
         try:
             enumerated = graph_api.enumerate_configs(key, fusion)
         except graph_api.GraphApiError as e:
@@ -642,10 +641,10 @@ class _ShapeBench:
                 rows.append(self._measure_own(key, algo, "", best_ms))
                 best_ms = _best_after(best_ms, rows[-1])
         bare = [m for m in [*rows, *have] if m.key == key and m.method == "measure" and was_measured(m)
-                and depthwise.is_own(m.algo) and not fusion_of(m.algo)]
+                and Algo.parse(m.algo).bare_of('own')]
         if epilogue.is_legacy(fusion) and bare:
             fastest = min(bare, key=lambda m: (m.time_ms, m.algo)).algo
-            if epilogue.fused_name(fastest, fusion) not in done:
+            if str(Algo.parse(fastest).fused(fusion)) not in done:
                 rows.append(self._measure_own(key, fastest, fusion, None))
         return rows
 
@@ -654,7 +653,7 @@ class _ShapeBench:
         import cupy as cp
 
         now = time.time()
-        name = epilogue.fused_name(algo, fusion) if fusion else algo
+        name = str(Algo.parse(algo).fused(fusion))
         try:
             kernel = depthwise.DepthwiseKernel.of(algo, key.shape, key.layout)
         except ValueError as e:  # a shape or name it refuses
@@ -725,7 +724,7 @@ class _ShapeBench:
         from convpass.native.cudnn import CudnnError, conv_bias_activation_forward, is_deterministic, workspace_size
 
         now = time.time()
-        fused = epilogue.fused_name(algo, name)
+        fused = str(Algo.parse(algo).fused(name))
         det = is_deterministic("fwd", algo)
         residual, relu = epilogue.parts(name)
         activation = "relu" if relu else "identity"

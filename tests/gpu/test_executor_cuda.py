@@ -162,7 +162,10 @@ def _check_recorded_calls(calls, tuned, ex) -> None:
     op-by-op run that records the plan runs that). Engine decisions make no legacy call: they are
     counted as graph-API calls (tests/gpu/test_graph_api_gpu.py checks them against references);
     decisions for convpass's own depthwise kernel neither: the backend counts its launches."""
-    from convpass.kernels.depthwise import is_own
+    from convpass.core.algo import Algo
+
+    def is_own(text):
+        return Algo.parse(text).is_own
 
     records = convpass.inspect(tuned)
     legacy = {(r["algo"], r["problem_key"]) for r in records if not r["engine"] and not is_own(r["algo"])}
@@ -416,7 +419,7 @@ def test_conv_epilogues_are_tuned_and_run_the_way_they_were_timed(engines, tmp_p
     from convpass.tuning.cache import TuningCache
     from convpass.tuning.decide import EPILOGUE_METHOD
     from convpass.native.device import detect
-    from convpass.core.fusion import fusion_of
+    from convpass.core.algo import Algo
     from convpass.core.problem import ProblemKey
     from convpass.runtime.cuda import CudaBackend
 
@@ -428,7 +431,7 @@ def test_conv_epilogues_are_tuned_and_run_the_way_they_were_timed(engines, tmp_p
         rows = cache.get(detect(), shape)
     for name in ("bias+relu", "bias+add+relu"):
         assert any(m.method == EPILOGUE_METHOD and m.algo == name and m.status == "ok" for m in rows), name
-        fused = [m for m in rows if fusion_of(m.algo) == name and not m.algo.startswith("engine:")]
+        fused = [m for m in rows if Algo.parse(m.algo).fusion == name and not m.algo.startswith("engine:")]
         assert fused and all(m.status in ("ok", "unsupported") for m in fused), [(m.algo, m.status, m.note) for m in fused]
         assert any(m.status == "ok" for m in fused), [(m.algo, m.note) for m in fused]
     x = np.random.default_rng(8).standard_normal((2, 16, 14, 14)).astype(np.float32)
@@ -715,10 +718,12 @@ def test_own_depthwise_kernels_are_tuned_checked_and_run_as_recorded(layout, tmp
 
     from convpass.tuning.cache import TuningCache
     from convpass.native.device import detect
-    from convpass.core.fusion import fusion_of
+    from convpass.core.algo import Algo
     from convpass.core.problem import ProblemKey
     from convpass.runtime.cuda import CudaBackend
-    from convpass.kernels.depthwise import is_own
+
+    def is_own(text):
+        return Algo.parse(text).is_own
 
     model = _depthwise_model()
     db = tmp_path / "c.db"
@@ -730,7 +735,7 @@ def test_own_depthwise_kernels_are_tuned_checked_and_run_as_recorded(layout, tmp
         own = [m for m in rows if is_own(m.algo)]
         assert {m.key.shape for m in own} == shapes
         assert all(m.status == "ok" for m in own), [(m.algo, m.status, m.note) for m in own if m.status != "ok"]
-        assert {fusion_of(m.algo) for m in own} >= {"", "bias+relu", "bias", "bias+add+relu"}
+        assert {Algo.parse(m.algo).fusion for m in own} >= {"", "bias+relu", "bias", "bias+add+relu"}
         cache.put(device, [dataclasses.replace(m, time_ms=1e-6) for m in own])  # now the fastest everywhere
     tuned = convpass.optimize(model, cache=db, quiet=True, tf32="on", engines="legacy", layout=layout)
     records = {r["node"]: r for r in convpass.inspect(tuned)}

@@ -17,7 +17,8 @@ cp = pytest.importorskip("cupy")
 from conftest import MODELS, conv_model  # noqa: E402
 from convpass.core import annotation, device  # noqa: E402
 from convpass.tuning.cache import TuningCache  # noqa: E402
-from convpass.core.fusion import FUSED_CALL_CANDIDATES, base_algo, fusion_of  # noqa: E402
+from convpass.core.algo import Algo  # noqa: E402
+from convpass.core.fusion import FUSED_CALL_CANDIDATES  # noqa: E402
 from convpass.fleet import driver  # noqa: E402
 from convpass.fleet.local import LocalExecutor, visible_gpus  # noqa: E402
 from convpass.fleet.measurers import CudnnMeasurer  # noqa: E402
@@ -57,13 +58,13 @@ def test_the_worker_measures_what_the_tuner_measures(tmp_path):
     # FUSED_CALL_CANDIDATES per key (checked against an H200 panel run's 799 fused calls);
     # everything else is compared row by row.
     def rows_of(ms):
-        return {(m.key, m.algo, m.method, m.status) for m in ms if not (m.method == "measure" and fusion_of(m.algo))}
+        return {(m.key, m.algo, m.method, m.status) for m in ms if not (m.method == "measure" and Algo.parse(m.algo).fusion)}
 
     assert rows_of(rows) == rows_of(stored)
     for ms in (rows, stored):
         calls = [m for m in ms if m.method == "measure" and fusion_of(m.algo) and not depthwise.is_own(base_algo(m.algo))]
-        measured = {(m.key, m.algo) for m in ms if m.method == "measure" and was_measured(m) and not fusion_of(m.algo)}
-        assert calls and all((m.key, base_algo(m.algo)) in measured for m in calls)
+        measured = {(m.key, m.algo) for m in ms if m.method == "measure" and was_measured(m) and not Algo.parse(m.algo).fusion}
+        assert calls and all((m.key, str(Algo.parse(m.algo).bare)) in measured for m in calls)
         assert max(Counter(m.key for m in calls).values()) <= FUSED_CALL_CANDIDATES
 
 

@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 import pytest
 
+from convpass.core.algo import Algo
+
 pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
@@ -277,7 +279,7 @@ def test_a_silu_model_runs_fused_engines_in_its_cuda_graph(tmp_path):
         key = ProblemKey.parse(d.problem_key)
         rows = [r for r in cache.get(device, key.shape) if r.key == key]
         assert any(r.method == "epilogue" and r.algo == "bias+swish" and r.status == "ok" for r in rows), [(r.algo, r.method, r.status) for r in rows]
-        fused = sorted((r for r in rows if graph_api.fusion_of(r.algo) == "bias+swish" and r.status == "ok"), key=lambda r: r.time_ms)
+        fused = sorted((r for r in rows if Algo.parse(r.algo).fusion == "bias+swish" and r.status == "ok"), key=lambda r: r.time_ms)
         if not fused:
             continue
         config = graph_api.EngineConfig.parse(fused[0].algo)

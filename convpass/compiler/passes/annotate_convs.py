@@ -24,8 +24,7 @@ import onnx_ir as ir
 
 from convpass.core import annotation
 from convpass.core.annotation import ConvDecision, ModelInfo
-from convpass.native.cudnn.graph_api import ENGINE_PREFIX, is_engine
-from convpass.core.fusion import base_algo, fusion_of
+from convpass.core.algo import Algo
 from convpass.tuning.decide import Choice
 from convpass.compiler.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
 from convpass.compiler.passes.collect_conv_problems import ConvProblem, node_problems
@@ -69,12 +68,11 @@ def decision_for(
         extra[f"{problem.direction}_algo"] = annotation.AUTO if c is None else c.algo
     if chosen is None:
         return ConvDecision(problem_key=str(own.primary), **extra)
-    engine = chosen.algo[len(ENGINE_PREFIX):] if is_engine(chosen.algo) else ""
-    fusion = fusion_of(chosen.algo)
+    algo = Algo.parse(chosen.algo)
     return ConvDecision(
-        algo=(chosen.fallback or annotation.AUTO) if engine else base_algo(chosen.algo),
-        engine=engine.split("+", 1)[0],
-        fusion=fusion,
+        algo=(chosen.fallback or annotation.AUTO) if algo.is_engine else str(algo.bare),
+        engine=algo.name if algo.is_engine else "",
+        fusion=algo.fusion,
         memory_format=memory_format_name(canonical.spatial_rank, chosen.key.layout),
         math_mode=chosen.key.math,
         workspace_bytes=chosen.workspace_bytes,

@@ -64,15 +64,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from convpass.core.fusion import fusion_of  # noqa: F401  (the naming of fused rows is shared: re-exported)
+from convpass.core.algo import ENGINE_PREFIX, Algo
 from convpass.core.problem import ProblemKey
 
 __all__ = [
-    "ENGINE_PREFIX", "FUSIONS", "PLAN_FORMAT", "EngineConfig", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs", "fusion_of", "is_engine",
+    "FUSIONS", "PLAN_FORMAT", "EngineConfig", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs",
     "plan_id", "unavailable",
 ]
 
-ENGINE_PREFIX = "engine:"
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
 PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
 
@@ -94,16 +93,11 @@ FUSIONS: dict[str, Fusion] = {
         Fusion("bias+swish", "swish", lambda xp, a: a / (1.0 + xp.exp(-a)), "v / (1.0f + expf(-v))"),
     )
 }
-_NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)(?:\+(" + "|".join(re.escape(f) for f in FUSIONS) + r"))?")
+_NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
 
 
 class GraphApiError(RuntimeError):
     """The graph API cannot do what was asked (package missing, graph or plan refused)."""
-
-
-def is_engine(algo: str | None) -> bool:
-    """Whether a recorded algorithm is a graph-API engine configuration."""
-    return bool(algo) and algo.startswith(ENGINE_PREFIX)  # type: ignore[union-attr]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -122,22 +116,26 @@ class EngineConfig:
 
     @property
     def algo(self) -> str:
-        return ENGINE_PREFIX + self.name + (f"+{self.fusion}" if self.fusion else "")
+        return str(Algo("engine", self.name, self.fusion))
 
     @classmethod
     def parse(cls, text: str, fusion: str = "") -> "EngineConfig":
         """From ``eng67_k2=16_k13=0`` or ``engine:eng67_k2=16_k13=0`` (``+bias+swish`` or
         ``fusion`` for a fused graph)."""
-        body = text[len(ENGINE_PREFIX):] if text.startswith(ENGINE_PREFIX) else text
-        m = _NAME.fullmatch(body)
-        if not m:
-            raise ValueError(f"{text!r} is not a cuDNN engine configuration (expected e.g. 'engine:eng67_k2=16_k13=0')")
+        bad = f"{text!r} is not a cuDNN engine configuration (expected e.g. 'engine:eng67_k2=16_k13=0')"
+        try:
+            algo = Algo.parse(text if text.startswith(ENGINE_PREFIX) else ENGINE_PREFIX + text)
+        except ValueError:
+            raise ValueError(bad) from None
+        m = _NAME.fullmatch(algo.name)
+        if not m or (algo.fusion and algo.fusion not in FUSIONS):
+            raise ValueError(bad)
         if fusion and fusion not in FUSIONS:
             raise ValueError(f"{fusion!r} is not a fused epilogue convpass knows ({', '.join(FUSIONS)})")
-        if fusion and m[3] and fusion != m[3]:
-            raise ValueError(f"{text!r} names the fusion {m[3]!r}, not {fusion!r}")
+        if fusion and algo.fusion and fusion != algo.fusion:
+            raise ValueError(f"{text!r} names the fusion {algo.fusion!r}, not {fusion!r}")
         knobs = tuple(sorted((int(k), int(v)) for k, v in re.findall(r"_k(\d+)=(-?\d+)", m[2])))
-        return cls(int(m[1]), knobs, m[3] or fusion)
+        return cls(int(m[1]), knobs, algo.fusion or fusion)
 
 
 def _why(e: BaseException) -> str:

@@ -114,7 +114,7 @@ def _run_eager(rt: Any, state: CompiledPlan, env: list[Any]) -> None:
             if timing is not None:
                 end = cp.cuda.Event()
                 end.record()
-                timing.append((launch.label, launch.node.op_type, begin, end))
+                timing.append((launch.label, launch.node.op_type, begin, end, launch.node.name))
         for s in state.free[i]:
             env[s] = None
 
