@@ -2,7 +2,9 @@
 
 Importing the package fills the op table (:mod:`.registry`) with the ops of :mod:`.tensor`,
 :mod:`.nn` and the reference convolutions of :mod:`.conv`; Python imports the package before any
-of its modules, so every lookup sees the whole table.
+of its modules, so every lookup sees the whole table. The host-side folding rules that the
+compiler and the executor share live here too: :mod:`.constant_folding` and
+:mod:`.batchnorm_folding`.
 """
 
 from convpass.ops import nn, tensor  # noqa: F401  (registration)
