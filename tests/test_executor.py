@@ -183,6 +183,51 @@ def test_batchnorm_fold_fp16():
     assert ex.folded_batchnorms == ["bn"]
 
 
+@pytest.mark.parametrize("op", ["Conv", "ConvTranspose"])
+def test_batchnorm_fold_is_the_float64_formula_rounded_once(op):
+    """The folded weights are W * gamma / sqrt(var + eps) per output channel and
+    (b - mean) * that + beta, computed in float64 and rounded once; the outputs match ONNX Runtime
+    CPU on the unfolded model within float32 rounding."""
+    model = _conv_bn_model(op=op)
+    ex = _compare(model, {"x": random_input((1, 4, 6, 6))}, dict(rtol=1e-5, atol=1e-6))
+    p = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+    scale = p["scale"] / np.sqrt(p["var"] + 1e-3)
+    if op == "Conv":
+        w = p["w"] * scale[:, None, None, None]
+    else:  # group 2: input channels 0-1 feed output channels 0-2, input channels 2-3 feed 3-5
+        w = p["w"] * np.repeat(scale.reshape(2, 3), 2, axis=0)[:, :, None, None]
+    (conv,) = [n for n in ex._nodes if n.op_type == op]
+    np.testing.assert_array_equal(ex._constants[conv.inputs[1]], w.astype(np.float32))
+    np.testing.assert_array_equal(ex._constants[conv.inputs[2]], ((p["b"] - p["mean"]) * scale + p["beta"]).astype(np.float32))
+
+
+def test_batchnorm_folded_into_a_conv_and_into_a_fused_kernel_is_one_rule():
+    """The executor's conv fold and the cuda backend's fused element-wise kernel (an unfolded
+    BatchNormalization read as x * scale + shift) give one BatchNormalization the same numbers:
+    after a 1x1 identity conv without bias, the folded weight's diagonal is the kernel's scale and
+    the folded bias its shift."""
+    from convpass.kernels import elementwise
+
+    k = 6
+    rng = np.random.default_rng(5)
+    params = {"scale": rng.uniform(0.5, 1.5, k), "beta": rng.standard_normal(k), "mean": rng.standard_normal(k), "var": rng.uniform(0.5, 2, k)}
+    inits = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in params.items()]
+    bn = helper.make_node("BatchNormalization", ["c", "scale", "beta", "mean", "var"], ["y"], name="bn", epsilon=1e-3)
+    eye = numpy_helper.from_array(np.eye(k, dtype=np.float32).reshape(k, k, 1, 1), "w")
+    folded = Executor(_model([helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), bn], [_vi("x", [1, k, 2, 2])],
+                             [_vi("y", None)], [eye, *inits]))
+    assert folded.folded_batchnorms == ["bn"]
+    (conv,) = folded._nodes
+    weight, bias = folded._constants[conv.inputs[1]], folded._constants[conv.inputs[2]]
+    alone = Executor(_model([helper.make_node("BatchNormalization", ["x", "scale", "beta", "mean", "var"], ["y"], epsilon=1e-3)],
+                            [_vi("x", [1, k, 2, 2])], [_vi("y", None)], inits))
+    alone.run(None, {"x": random_input((1, k, 2, 2))})
+    plan = alone.last_plan
+    _, scale, shift = elementwise._folded_batchnorm(plan, plan.steps[0], np.asarray, np.asarray)
+    np.testing.assert_array_equal(np.diagonal(weight[:, :, 0, 0]), plan.template[scale])
+    np.testing.assert_array_equal(bias, plan.template[shift])
+
+
 def test_batchnorm_fold_can_be_disabled():
     ex = Executor(_conv_bn_model(), fold_batchnorm=False)
     assert ex.folded_batchnorms == []

@@ -94,7 +94,9 @@ def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | 
     """The graph passes before any decision (in place): fold conv weights, resolve shapes per
     profile, canonicalize, collect the distinct problems. Fills the report's counts; returns every
     problem with its uses, in graph order."""
-    FoldConvWeightsPass()(model)
+    fold = FoldConvWeightsPass()
+    fold(model)
+    report.notes.extend(fold.notes)  # folded weights that grew the model
     resolve = ResolveShapesPass(shapes)
     resolve(model)
     report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile

@@ -79,6 +79,7 @@ import numpy as np
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import channels_last, elements
 from convpass.kernels.launch import Launch
+from convpass.ops import batchnorm_folding
 from convpass.ops.registry import NodeInfo
 
 __all__ = ["ENTRIES", "EXPRESSIONS", "MAX_DIMS", "UNROLL", "BroadcastKernel", "FusedGroup", "FusedLaunch", "Geometry",
@@ -159,7 +160,7 @@ def _swish(node: NodeInfo, a: Sequence[str | None]) -> str | None:
 
 def _batch_norm(node: NodeInfo, a: Sequence[str | None]) -> str | None:
     """Inference BatchNormalization: ``(x - mean) * scale / sqrt(var + eps) + bias`` per channel."""
-    if node.attr("training_mode", 0) or (node.opset < 9 and not node.attr("spatial", 1)) or len(a) < 5 or not all(a[:5]):
+    if not batchnorm_folding.is_inference(node) or len(a) < 5 or not all(a[:5]):
         return None
     eps = _lit(node.attr("epsilon", 1e-5))
     x, scale, bias, mean, var = a[:5]
@@ -324,8 +325,8 @@ def _channel_view(plan: Any, step: Any) -> tuple[int, ...] | None:
 
 def _folded_batchnorm(plan: Any, step: Any, to_host: Callable[[Any], np.ndarray], upload: Callable[[np.ndarray], Any]) -> tuple[int, int, int] | None:
     """(x, scale, shift) slots of an inference BatchNormalization whose four parameters are
-    constants: ``scale = gamma / sqrt(var + eps)`` and ``shift = beta - mean * scale``, computed
-    once on the host in float64 and uploaded as constants of the plan (on the device arrays, CuPy's
+    constants: ``scale = gamma / sqrt(var + eps)`` and ``shift = beta - mean * scale``
+    (:func:`convpass.ops.batchnorm_folding.affine`), computed once on the host in float64 and uploaded as constants of the plan (on the device arrays, CuPy's
     arithmetic with a scalar would import cupyx and SciPy at start-up: convpass/runtime/ops.py).
     The kernel then reads two parameters per element instead of four and has no square root or
     division (x * scale + shift: within a rounding of the op-by-op formula, as a conv's folded
@@ -333,9 +334,7 @@ def _folded_batchnorm(plan: Any, step: Any, to_host: Callable[[Any], np.ndarray]
     consts = [plan.template[s] if s >= 0 else None for s in step.inputs[1:5]]
     if len(consts) < 4 or any(c is None for c in consts):
         return None
-    gamma, beta, mean, var = (np.asarray(to_host(c), dtype=np.float64).reshape(-1) for c in consts)
-    scale = gamma / np.sqrt(var + float(step.node.attr("epsilon", 1e-5)))
-    shift = beta - mean * scale
+    scale, shift = batchnorm_folding.affine(*(to_host(c) for c in consts), step.node.attr("epsilon", 1e-5))
     dtype = consts[0].dtype
     name = plan.slot_names[step.outputs[0]]
     return (step.inputs[0], plan.add_constant(f"{name}::bn_scale", upload(scale.astype(dtype))),

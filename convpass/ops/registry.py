@@ -241,3 +241,31 @@ class OpContext:
 
 Inputs = Sequence[Any]
 AttrMap = Mapping[str, Any]
+
+
+def call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> tuple[Any, ...]:
+    """Run ``node``'s implementation on ``args`` (``None`` for an absent input): its outputs, one
+    per output name. ``host``: a run on the host backend that prepares the node first where its op
+    needs it (convs on constants). Failures name the node (:class:`ExecutorError`)."""
+    impl = node.impl
+    if impl is None:  # pragma: no cover  (checked at load)
+        raise ExecutorError(f"node {node.name!r}: no implementation of {node.op_type}")
+    try:
+        if host and impl.prepare is not None and node.prepared is None:
+            shapes = [None if a is None else tuple(a.shape) for a in args]
+            node = node.with_prepared(impl.prepare(node, shapes, [None if a is None else a.dtype for a in args]))
+        outs = impl.fn(ctx, node, *args)
+    except ExecutorError as e:
+        msg = str(e)
+        if node.name not in msg:
+            msg = f"node {node.name!r} ({node.op_type}): {msg}"
+        raise ExecutorError(msg) from None
+    except (ValueError, IndexError, TypeError) as e:
+        shapes = [None if a is None else tuple(a.shape) for a in args]
+        raise ExecutorError(f"node {node.name!r} ({node.op_type}) failed on inputs of shapes {shapes}: {e}") from None
+    if not isinstance(outs, (tuple, list)):
+        outs = (outs,)
+    if len(outs) < len([o for o in node.outputs if o]) and any(node.outputs[len(outs) :]):
+        wanted = [o for o in node.outputs[len(outs) :] if o]
+        raise ExecutorError(f"node {node.name!r} ({node.op_type}): output(s) {wanted} are not supported")
+    return tuple(outs[: len(node.outputs)])

@@ -8,9 +8,11 @@ Load (once per model)
     ``compile`` ran it before writing, and the SHA-256 of the bytes matches); inline model-local functions (except the ``ai.convpass`` convs,
     which run natively) and schema functions of ops with no kernel here, bind every node to its
     op implementation — listing *all* unsupported ops and element types in one
-    :class:`ExecutorError` — decode attributes, fold inference BatchNormalization into the
-    preceding Conv / ConvTranspose weights where exact, fold constant subgraphs, and read the
-    recorded conv decisions (:func:`convpass.core.annotation.read_annotations`).
+    :class:`ExecutorError` — decode attributes, fold constant subgraphs
+    (:mod:`convpass.ops.constant_folding`, the code ``optimize`` folds conv weights with), fold
+    inference BatchNormalization into the preceding Conv / ConvTranspose weights where exact
+    (:mod:`convpass.ops.batchnorm_folding`), and read the recorded conv decisions
+    (:func:`convpass.core.annotation.read_annotations`).
 
 Plan (once per input-shape signature: the feeds' names, shapes and dtypes, and the requested outputs)
     the nodes the outputs need, in topological order. Shape computations (``Shape`` of a tensor
@@ -48,7 +50,10 @@ from convpass.ops.conv import ConvCall
 from convpass.runtime.devices import get_backend, open_ahead
 from convpass.core.errors import ExecutorError
 from convpass.kernels.plan import ConvSummary, GraphStatus, Plan, PlanStep, store_outputs, unshare_outputs
-from convpass.ops.registry import SUPPORTED_ELEM_TYPES, NodeInfo, OpContext, decode_attributes, elem_type_name, lookup, normalize_domain, ort_type_string
+from convpass.ops import batchnorm_folding
+from convpass.ops.constant_folding import fold_constants
+from convpass.ops.registry import (SUPPORTED_ELEM_TYPES, NodeInfo, OpContext, call_node, decode_attributes, elem_type_name, lookup,
+                                   normalize_domain, ort_type_string)
 
 # ---------------------------------------------------------------------------------------------
 # support check
@@ -386,9 +391,7 @@ class Executor:
         for bn in self._nodes:
             if bn.op_type != "BatchNormalization" or bn.domain != "" or len(bn.inputs) < 5:
                 continue
-            if bn.opset >= 14 and bn.attr("training_mode", 0):
-                continue
-            if bn.opset < 9 and not bn.attr("spatial", 1):
+            if not batchnorm_folding.is_inference(bn):
                 continue
             if any(o and (o in graph_outputs or consumers.get(o)) for o in bn.outputs[1:]):
                 continue
@@ -402,29 +405,13 @@ class Executor:
             b_name = conv.inputs[2] if len(conv.inputs) > 2 else ""
             if w_name not in c or (b_name and b_name not in c) or not all(p in c for p in bn.inputs[1:5]):
                 continue
-            w = c[w_name]
-            if w.dtype.kind != "f":
-                continue
-            scale, beta, mean, var = (c[p].astype(np.float64).reshape(-1) for p in bn.inputs[1:5])
-            k = scale.shape[0]
-            s = scale / np.sqrt(var + float(bn.attr("epsilon", 1e-5)))
             group = int(conv.attr("group", 1) or 1)
-            w64 = w.astype(np.float64)
-            if conv.op_type == "Conv":
-                if w.shape[0] != k:
-                    continue
-                w_new = w64 * s.reshape((k,) + (1,) * (w.ndim - 1))
-            else:
-                cin, kg = w.shape[0], w.shape[1]
-                if kg * group != k or cin % group:
-                    continue
-                per = np.repeat(s.reshape(group, kg), cin // group, axis=0)  # (C_in, K/g)
-                w_new = w64 * per.reshape(per.shape + (1,) * (w.ndim - 2))
-            b_old = c[b_name].astype(np.float64).reshape(-1) if b_name else np.zeros(k)
-            b_new = (b_old - mean) * s + beta
+            folded = batchnorm_folding.fold_into_conv(conv.op_type, c[w_name], c[b_name] if b_name else None,
+                                                      *(c[p] for p in bn.inputs[1:5]), float(bn.attr("epsilon", 1e-5)), group)
+            if folded is None:
+                continue
             tag = f"{conv.name}::bn_folded"
-            c[f"{tag}/W"] = w_new.astype(w.dtype)
-            c[f"{tag}/B"] = b_new.astype(w.dtype)
+            c[f"{tag}/W"], c[f"{tag}/B"] = folded
             conv.inputs = [conv.inputs[0], f"{tag}/W", f"{tag}/B"]
             conv.outputs = [bn.outputs[0]]
             removed.add(id(bn))
@@ -433,20 +420,10 @@ class Executor:
             self._nodes = [n for n in self._nodes if id(n) not in removed]
 
     def _fold_constants(self) -> int:
-        """Evaluate nodes whose inputs are all constants, once, on the host."""
-        ctx = OpContext(host_backend())
-        kept, folded = [], 0
-        for node in self._nodes:
-            if all((not i) or i in self._constants for i in node.inputs):
-                outs = _call_node(ctx, node, [self._constants[i] if i else None for i in node.inputs], host=True)
-                for name, value in zip(node.outputs, outs):
-                    if name:
-                        self._constants[name] = np.asarray(value)
-                folded += 1
-            else:
-                kept.append(node)
-        self._nodes = kept
-        return folded
+        """Evaluate nodes whose inputs are all constants, once, on the host (:mod:`convpass.ops.constant_folding`)."""
+        count = len(self._nodes)
+        self._nodes = fold_constants(self._nodes, self._constants, OpContext(host_backend()))
+        return count - len(self._nodes)
 
     # ------------------------------------------------------------------ public
 
@@ -701,7 +678,7 @@ class Executor:
             ins = [get(n) for n in node.inputs]
             present = [v for v in ins if v is not None]
             if all(v.static for v in present):
-                outs = _call_node(hctx, node, [v.value if v else None for v in ins], host=True)
+                outs = call_node(hctx, node, [v.value if v else None for v in ins], host=True)
                 for name, o in zip(node.outputs, outs):
                     if name:
                         o = np.asarray(o)
@@ -722,7 +699,7 @@ class Executor:
                     prepared = dataclasses.replace(prepared, decision=decision, profile=profile if decision is not None else None)
                     convs.append(_summary(node, decision, prepared, prepared.profile, note))
                 run_node = node.with_prepared(prepared)
-            outs = _call_node(ctx, run_node, args, host=False)
+            outs = call_node(ctx, run_node, args, host=False)
             determined = (
                 all(v.determined for v in present)
                 and not impl.data_dependent_shape
@@ -855,31 +832,6 @@ def _on_device(value: Any, xp: Any) -> bool:
         return int(probe()[0]) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
     except Exception:  # noqa: BLE001
         return False
-
-
-def _call_node(ctx: OpContext, node: NodeInfo, args: list[Any], host: bool) -> tuple[Any, ...]:
-    impl = node.impl
-    if impl is None:  # pragma: no cover  (checked at load)
-        raise ExecutorError(f"node {node.name!r}: no implementation of {node.op_type}")
-    try:
-        if host and impl.prepare is not None and node.prepared is None:
-            shapes = [None if a is None else tuple(a.shape) for a in args]
-            node = node.with_prepared(impl.prepare(node, shapes, [None if a is None else a.dtype for a in args]))
-        outs = impl.fn(ctx, node, *args)
-    except ExecutorError as e:
-        msg = str(e)
-        if node.name not in msg:
-            msg = f"node {node.name!r} ({node.op_type}): {msg}"
-        raise ExecutorError(msg) from None
-    except (ValueError, IndexError, TypeError) as e:
-        shapes = [None if a is None else tuple(a.shape) for a in args]
-        raise ExecutorError(f"node {node.name!r} ({node.op_type}) failed on inputs of shapes {shapes}: {e}") from None
-    if not isinstance(outs, (tuple, list)):
-        outs = (outs,)
-    if len(outs) < len([o for o in node.outputs if o]) and any(node.outputs[len(outs) :]):
-        wanted = [o for o in node.outputs[len(outs) :] if o]
-        raise ExecutorError(f"node {node.name!r} ({node.op_type}): output(s) {wanted} are not supported")
-    return tuple(outs[: len(node.outputs)])
 
 
 def _engine_algo(engine: str, fusion: str = "") -> str:
