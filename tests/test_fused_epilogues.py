@@ -203,7 +203,8 @@ def test_the_fusion_attribute_round_trips_and_older_schemas_read_without_it():
 
 def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_engine(tmp_path):
     from convpass.runtime import Executor
-    from convpass.kernels.convolution import _graph_epilogue
+    from convpass.core.fusion import absorbed
+    from convpass.kernels.convolution import _PlanSteps
 
     tuned = _tuned(tmp_path, 0.025)
     ex = Executor(tuned, device="cpu")
@@ -212,13 +213,20 @@ def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_e
 
     np.testing.assert_allclose(ex.run(None, {"x": x})[0], run_ort(silu_model(), {"x": x})[0], rtol=1e-4, atol=1e-4)
     [plan] = ex._plans.values()
-    readers, outputs = plan.readers(), set(plan.output_slots)
-    found = {st.node.name: _graph_epilogue(plan, i, readers, outputs, set()) for i, st in enumerate(plan.steps) if st.node.op_type == "Conv"}
+    found = {}
+    for i, st in enumerate(plan.steps):
+        if st.node.op_type == "Conv":
+            view = _PlanSteps(plan, set())
+            view.conv = i
+            a = absorbed(view, i)
+            found[st.node.name] = (a.epilogue, a.nodes)
     ops = [st.node.op_type for st in plan.steps]
     assert found == {"expand": (SWISH, (ops.index("Sigmoid"), ops.index("Mul"))),
                      "dw": (SWISH, (ops.index("Sigmoid", 2), ops.index("Mul", 3))), "project": ("", ())}
     assert {c.node: c.algo for c in ex.plan_summary()} == {"expand": FUSED, "dw": FUSED, "project": "implicit_gemm"}
-    assert _graph_epilogue(plan, 0, readers, outputs, {ops.index("Mul")}) == ("", ())  # already taken by another launch
+    view = _PlanSteps(plan, {ops.index("Mul")})  # the Mul already taken by another launch
+    view.conv = 0
+    assert absorbed(view, 0).epilogue == "bias"
 
 
 # ---------------------------------------------------------------------------------------------

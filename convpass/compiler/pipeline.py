@@ -30,6 +30,7 @@ from convpass.core.options import TuneOptions, parse_directions, parse_size
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
 from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
+from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
 from convpass.compiler.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
@@ -91,12 +92,13 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
 
 
 def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], report: OptimizeReport) -> dict[ConvProblem, list[ProblemUse]]:
-    """The graph passes before any decision (in place): fold conv weights, resolve shapes per
+    """The graph passes before any decision (in place): fold conv weights and BatchNormalizations, resolve shapes per
     profile, canonicalize, collect the distinct problems. Fills the report's counts; returns every
     problem with its uses, in graph order."""
     fold = FoldConvWeightsPass()
     fold(model)
     report.notes.extend(fold.notes)  # folded weights that grew the model
+    FoldBatchNormsPass()(model)  # as the executor folds them: the tuner times the step that runs
     resolve = ResolveShapesPass(shapes)
     resolve(model)
     report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile

@@ -1,9 +1,11 @@
 """Conv epilogues: what runs after a convolution inside its executor step, and their names.
 
-The executor runs a forward Conv that has a constant bias as one step ``y = act(conv(x, w) + z + b)``
-(:func:`convpass.kernels.convolution.lower_convs`): the bias, a residual ``Add`` whose other
-operand ``z`` is ready before the conv, and a ``Relu`` that is the only reader. The tuner must time
-that step, not the bare conv: on an H200 (cuDNN 9.19) the same algorithm ran 1.5-5x slower through
+The executor runs a forward Conv that has a constant bias as one step ``y = act(conv(x, w) + z + b)``:
+the bias, a residual ``Add`` whose other operand ``z`` is ready before the conv, and a ``Relu``
+that is the only reader. :func:`absorbed` is that rule, asked by the compiler (which tunes the
+step: :mod:`convpass.compiler.passes.collect_conv_problems`) and by the runtime (which runs it:
+:func:`convpass.kernels.convolution.lower_convs`) over their own graphs. The tuner must time the
+step, not the bare conv: on an H200 (cuDNN 9.19) the same algorithm ran 1.5-5x slower through
 cuDNN's fused bias + activation call than its bare conv was timed at (DenseNet-121 and
 MobileNetV3 at batch 32: another kernel, or an old non-tensor-core one, for some shapes).
 
@@ -37,7 +39,11 @@ Rules
 
 from __future__ import annotations
 
-__all__ = ["FUSED_CALL_CANDIDATES", "LEGACY", "is_legacy", "legacy_name", "parts"]
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+__all__ = ["FUSED_CALL_CANDIDATES", "LEGACY", "Absorbed", "StepGraph", "absorbed", "is_legacy", "legacy_name", "parts"]
 
 LEGACY: tuple[str, ...] = ("bias", "bias+relu", "bias+add", "bias+add+relu")
 FUSED_CALL_CANDIDATES = 2  # legacy algorithms per key whose fused call the tuner times
@@ -58,3 +64,120 @@ def parts(name: str) -> tuple[bool, bool]:
     if name not in LEGACY:
         raise ValueError(f"{name!r} is not a legacy conv epilogue ({', '.join(LEGACY)})")
     return "+add" in name, name.endswith("+relu")
+
+
+# ---------------------------------------------------------------------------------------------
+# what a conv's step absorbs: the one rule the compiler (which tunes the step) and the runtime
+# (which runs it) both ask
+
+
+class StepGraph(Protocol):
+    """The little a graph must answer for :func:`absorbed`: the compiler answers it over onnx-ir
+    (nodes and values), the runtime over its plan (step indices and slots)."""
+
+    def op(self, node: Any) -> str:
+        """The node's op type in the standard domain, ``""`` for any other domain."""
+
+    def inputs(self, node: Any) -> Sequence[Any]:
+        """The node's inputs in order (None for an omitted one)."""
+
+    def outputs(self, node: Any) -> Sequence[Any]:
+        """The node's outputs in order."""
+
+    def readers(self, value: Any) -> Sequence[Any]:
+        """The nodes that read ``value``, one entry per use."""
+
+    def is_output(self, value: Any) -> bool:
+        """Whether ``value`` is a graph output."""
+
+    def is_constant(self, value: Any) -> bool:
+        """Whether ``value`` is an initializer or a constant."""
+
+    def same_shape_and_type(self, a: Any, b: Any) -> bool:
+        """Whether two values have one concrete shape and one element type."""
+
+    def ready_before(self, value: Any, node: Any) -> bool:
+        """Whether ``value`` exists before ``node`` runs (graph input, constant, earlier node)."""
+
+    def free(self, node: Any) -> bool:
+        """Whether ``node`` may still be absorbed (no earlier conv's step took it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Absorbed:
+    """What one conv's step computes beyond the conv: ``epilogue`` (a name of the table above,
+    ``""``: nothing), the ``nodes`` it takes over, the residual operand ``z`` (``bias+add...``),
+    and the value the step writes (the last absorbed node's output, else the conv's)."""
+
+    epilogue: str
+    nodes: tuple[Any, ...] = ()
+    z: Any = None
+    output: Any = None
+
+
+def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, swish: bool = True) -> Absorbed:
+    """What the step of ``conv`` absorbs (the rules, in order):
+
+    1. A ConvTranspose absorbs a ``Relu`` that is its only reader (``relu``: its bias is always
+       its own pass after cuDNN's backward data, which the Relu joins).
+    2. A Conv absorbs nothing unless its bias is a constant and its output is no graph output.
+    3. ``bias+swish`` (when ``swish``: graph-API fused graphs are candidates): the output is read
+       only by ``Mul(y, Sigmoid(y))``, the Sigmoid by nothing else.
+    4. ``bias+add`` / ``bias+add+relu`` (when ``residual``): the only reader is an ``Add`` whose
+       other operand has the output's shape and type and is ready before the conv; then a ``Relu``
+       that is the Add's only reader joins.
+    5. ``bias+relu``: the only reader is a one-input ``Relu``.
+    6. Otherwise ``bias``.
+    """
+    ys = g.outputs(conv)
+    y = ys[0] if ys else None
+    op = g.op(conv)
+    if op == "ConvTranspose":
+        relu = _only_reader(g, y, "Relu") if y is not None else None
+        return Absorbed("relu", (relu,), output=g.outputs(relu)[0]) if relu is not None else Absorbed("", output=y)
+    ins = g.inputs(conv)
+    if op != "Conv" or y is None or len(ins) < 3 or ins[2] is None or not g.is_constant(ins[2]) or g.is_output(y):
+        return Absorbed("", output=y)
+    if swish:
+        pair = _swish_readers(g, y)
+        if pair is not None:
+            return Absorbed("bias+swish", pair, output=g.outputs(pair[1])[0])
+    add = _only_reader(g, y, "Add", inputs=2) if residual else None
+    if add is not None:
+        a, b = g.inputs(add)
+        z = b if a == y else a
+        if a != b and z is not None and g.same_shape_and_type(z, y) and g.ready_before(z, conv):
+            out = g.outputs(add)[0]
+            relu = None if g.is_output(out) else _only_reader(g, out, "Relu")
+            if relu is not None:
+                return Absorbed(legacy_name(True, True), (add, relu), z, g.outputs(relu)[0])
+            return Absorbed(legacy_name(True, False), (add,), z, out)
+    relu = _only_reader(g, y, "Relu")
+    if relu is not None:
+        return Absorbed(legacy_name(False, True), (relu,), output=g.outputs(relu)[0])
+    return Absorbed(legacy_name(False, False), output=y)
+
+
+def _only_reader(g: StepGraph, value: Any, op_type: str, inputs: int = 1) -> Any:
+    """The one node reading ``value``, when it is a free ``op_type`` node with ``inputs`` inputs."""
+    readers = g.readers(value)
+    if len(readers) != 1 or g.is_output(value):
+        return None
+    node = readers[0]
+    ok = g.op(node) == op_type and len(g.inputs(node)) == inputs and g.free(node) and bool(g.outputs(node))
+    return node if ok else None
+
+
+def _swish_readers(g: StepGraph, y: Any) -> tuple[Any, Any] | None:
+    """``(Sigmoid, Mul)`` when ``y`` is read only by ``Mul(y, Sigmoid(y))``, the Sigmoid by nothing else."""
+    readers = list(g.readers(y))
+    if len(readers) != 2:
+        return None
+    sigmoid = next((n for n in readers if g.op(n) == "Sigmoid"), None)
+    mul = next((n for n in readers if g.op(n) == "Mul"), None)
+    if sigmoid is None or mul is None or not (g.free(sigmoid) and g.free(mul)) or not g.outputs(sigmoid) or not g.outputs(mul):
+        return None
+    s = g.outputs(sigmoid)[0]
+    if g.is_output(s) or list(g.readers(s)) != [mul] or set(g.inputs(mul)) != {y, s} or len(g.inputs(mul)) != 2:
+        return None
+    return sigmoid, mul

@@ -9,7 +9,7 @@ needs. Conv with ``extra_pads`` zero-pads the input first (one copy, which also 
 memory format); ConvTranspose is cuDNN's backward data into a buffer of the uncropped size, then
 a cropped view.
 
-Epilogues (:func:`lower_convs`): bias fused into ``cudnnConvolutionBiasActivationForward`` as
+Epilogues (:func:`lower_convs`, by the rule :func:`convpass.core.fusion.absorbed`): bias fused into ``cudnnConvolutionBiasActivationForward`` as
 ``relu`` when the only reader of the conv is a Relu (the Relu step is absorbed), as ``identity``
 when the algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an identity with);
 otherwise one element-wise pass (bias, residual and ReLU together). A residual ``Add`` that is the conv's only reader, whose other
@@ -75,7 +75,7 @@ import numpy as np
 
 from convpass.core import annotation, kernel_file
 from convpass.core.algo import Algo
-from convpass.core.fusion import LEGACY, is_legacy, legacy_name
+from convpass.core.fusion import LEGACY, absorbed, is_legacy, legacy_name
 from convpass.core.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
@@ -868,89 +868,78 @@ class ConvLaunch(Launch):
         return self.exec.layout if isinstance(self.exec, ConvExec) else "nchw"
 
 
+class _PlanSteps:
+    """A plan as :class:`convpass.core.fusion.StepGraph`: nodes are step indices, values slots.
+    A step is free when it comes after the conv and no earlier conv's launch took it."""
+
+    def __init__(self, plan: Any, taken: set[int]) -> None:
+        self.plan, self.steps, self.taken = plan, plan.steps, taken
+        self._readers = plan.readers()
+        self._outputs = set(plan.output_slots)
+        self._producer = plan.producers()
+        self.conv = -1
+
+    def op(self, k: int) -> str:
+        node = self.steps[k].node
+        if isinstance(node.prepared, ConvCall):  # a tuned conv keeps convpass's domain in the plan
+            return node.prepared.geometry.op_type
+        return node.op_type if node.domain == "" else ""
+
+    def inputs(self, k: int) -> tuple[int | None, ...]:
+        return tuple(None if s < 0 else s for s in self.steps[k].inputs)
+
+    def outputs(self, k: int) -> tuple[int, ...]:
+        outs = self.steps[k].outputs
+        return tuple(outs) if outs and outs[0] >= 0 else ()
+
+    def readers(self, slot: int) -> list[int]:
+        return self._readers.get(slot, [])
+
+    def is_output(self, slot: int) -> bool:
+        return slot in self._outputs
+
+    def is_constant(self, slot: int) -> bool:
+        return slot >= 0 and self.plan.template[slot] is not None
+
+    def same_shape_and_type(self, a: int, b: int) -> bool:
+        info = self.plan.value_info
+        return info.get(b) is not None and info.get(a) == info.get(b)
+
+    def ready_before(self, slot: int, k: int) -> bool:
+        return slot >= 0 and self._producer.get(slot, -1) < k
+
+    def free(self, k: int) -> bool:
+        return k > self.conv and k not in self.taken
+
+
 def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool) -> dict[int, ConvLaunch]:
-    """A launch per Conv / ConvTranspose step of ``plan``, with the epilogues of the module
-    docstring (steps they absorb are listed in each launch's ``absorbs``)."""
+    """A launch per Conv / ConvTranspose step of ``plan``, each absorbing what
+    :func:`convpass.core.fusion.absorbed` gives its step (the rule the tuner timed); the steps they
+    absorb are listed in each launch's ``absorbs``. A ``bias+swish`` step runs fused only when its
+    recorded decision is that fused graph and its plan builds here; otherwise the conv runs with
+    its bias and the Sigmoid and Mul run as the plan's own steps."""
     steps = plan.steps
-    readers = plan.readers()
-    outputs = set(plan.output_slots)
-    producer = plan.producers()
     taken: set[int] = set()
+    view = _PlanSteps(plan, taken)
     launches: dict[int, ConvLaunch] = {}
-
-    def only_reader(slot: int, after: int, op_type: str) -> int | None:
-        """The step that is the one reader of ``slot``, if it is a plain ``op_type`` after ``after``."""
-        if slot < 0 or slot in outputs or len(readers.get(slot, ())) != 1:
-            return None
-        k = readers[slot][0]
-        st = steps[k]
-        ok = k > after and st.node.op_type == op_type and st.node.domain == "" and k not in taken
-        return k if ok and st.outputs and st.outputs[0] >= 0 else None
-
     for i, st in enumerate(steps):
         node = st.node
         if not isinstance(node.prepared, ConvCall):
             continue
         y = st.outputs[0] if st.outputs else -1
-        epilogue, out, absorbs = None, y, ()
-        with_bias = (
-            fuse and node.op_type == "Conv" and node.prepared.geometry.shapes and len(st.inputs) >= 3 and st.inputs[2] >= 0
-            and plan.template[st.inputs[2]] is not None and y >= 0 and y not in outputs
-        )
-        fusion = ""
-        if with_bias:
-            # a recorded fused graph-API engine whose epilogue the plan has: conv, bias and activation in
-            # its one call, when its plan builds here (else the steps run as usual: module docstring)
-            fusion, ends = _graph_epilogue(plan, i, readers, outputs, taken)
-            x = plan.info(st.inputs[0]) if fusion else None
-            if x is None:
-                fusion = ""  # no input dtype to resolve with: the launch cannot own the epilogue
-            elif _runs_fused(convs.resolve(node.prepared, x[1], fusion)):
-                epilogue, out, absorbs = ("engine", fusion), steps[ends[-1]].outputs[0], ends
-        if with_bias and epilogue is None and len(readers.get(y, ())) == 1:
-            # conv + bias + residual Add (+ Relu): y = act(conv(x, w) + z + b) in one cuDNN call, when the
-            # residual z is computed before the conv and has the conv output's exact shape and dtype.
-            j = only_reader(y, i, "Add") if fuse_residual else None
-            if j is not None and len(steps[j].inputs) == 2:
-                z = steps[j].inputs[1] if steps[j].inputs[0] == y else steps[j].inputs[0]
-                ready = z >= 0 and z != y and producer.get(z, -1) < i
-                if ready and plan.value_info.get(z) == plan.value_info.get(y) and plan.value_info.get(y) is not None:
-                    k = only_reader(steps[j].outputs[0], j, "Relu")
-                    if k is not None and len(steps[k].inputs) == 1:
-                        epilogue, out, absorbs = ("residual", z, "relu"), steps[k].outputs[0], (j, k)
-                    else:
-                        epilogue, out, absorbs = ("residual", z, "identity"), steps[j].outputs[0], (j,)
-        # a ConvTranspose's bias is always its own pass after cuDNN's backward data: a Relu that is
-        # the only reader joins that pass (one launch fewer per layer of a DCGAN-style generator)
-        transpose = fuse and node.op_type == "ConvTranspose" and node.prepared.geometry.shapes
-        if (with_bias or transpose) and epilogue is None:
-            k = only_reader(y, i, "Relu")
-            if k is not None and len(steps[k].inputs) == 1 and steps[k].inputs[0] == y:
-                epilogue, out, absorbs = "relu", steps[k].outputs[0], (k,)
+        epilogue, out, absorbs, fusion = None, y, (), ""
+        if fuse and node.prepared.geometry.shapes:
+            view.conv = i
+            a = absorbed(view, i, residual=fuse_residual)
+            if a.epilogue == "bias+swish":
+                d = node.prepared.decision
+                x = plan.info(st.inputs[0])
+                if d is not None and d.fusion == a.epilogue and x is not None and _runs_fused(convs.resolve(node.prepared, x[1], a.epilogue)):
+                    epilogue, out, absorbs, fusion = ("engine", a.epilogue), a.output, a.nodes, a.epilogue
+            elif a.epilogue in ("bias+add", "bias+add+relu"):
+                epilogue, out, absorbs = ("residual", a.z, "relu" if a.epilogue.endswith("+relu") else "identity"), a.output, a.nodes
+            elif a.epilogue in ("bias+relu", "relu"):
+                epilogue, out, absorbs = "relu", a.output, a.nodes
         taken.update(absorbs)
         launches[i] = ConvLaunch(plan, i, convs, epilogue, out, absorbs, fusion)
     return launches
-
-
-def _graph_epilogue(plan: Any, i: int, readers: dict[int, list[int]], outputs: set[int], taken: set[int]) -> tuple[str, tuple[int, ...]]:
-    """The graph-API epilogue the conv of step ``i`` can fuse, when its recorded decision is such a
-    fused engine: ``("bias+swish", (sigmoid step, mul step))`` for ``Mul(y, Sigmoid(y))`` with ``y``
-    and the Sigmoid read by nothing else (the rule :func:`convpass.compiler.passes.collect_conv_problems.conv_fusion`
-    tunes for); ``("", ())`` otherwise."""
-    steps = plan.steps
-    d = steps[i].node.prepared.decision
-    if d is None or d.fusion != "bias+swish":
-        return "", ()
-    y = steps[i].outputs[0]
-    ks = readers.get(y, [])
-    if len(ks) != 2 or any(k <= i or k in taken or steps[k].node.domain != "" for k in ks):
-        return "", ()
-    sig, mul = (ks[0], ks[1]) if steps[ks[0]].node.op_type == "Sigmoid" else (ks[1], ks[0])
-    if steps[sig].node.op_type != "Sigmoid" or steps[mul].node.op_type != "Mul" or tuple(steps[sig].inputs) != (y,):
-        return "", ()
-    s = steps[sig].outputs[0] if steps[sig].outputs else -1
-    if s < 0 or s in outputs or readers.get(s, []) != [mul] or sorted(steps[mul].inputs) != sorted([y, s]):
-        return "", ()
-    if not steps[mul].outputs or steps[mul].outputs[0] < 0:
-        return "", ()
-    return d.fusion, (sig, mul)

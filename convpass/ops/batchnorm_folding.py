@@ -19,6 +19,12 @@ After a ConvTranspose (weight ``C x K/g x k...``): output channel ``k`` of group
 
 Rules:
 
+0. Where (:func:`fold_site`): a BatchNormalization of the standard domain with five inputs, whose
+   only other readers are none (its running-mean / variance outputs unused), reading the one
+   output of a Conv or ConvTranspose that nothing else reads and that is no graph output, with
+   the conv's weight (and bias, if any) and the four parameters constant. The executor asks this
+   when it loads a model, the compiler when it optimizes one, so a tuned conv runs the epilogue
+   it was timed with.
 1. Only inference mode folds: ``training_mode`` 0 (opset 14 on), ``spatial`` 1 (before opset 9).
 2. The parameters are computed in float64 and rounded once, to the type the caller stores them in.
 3. Shapes that do not fit (``len(gamma)`` not the conv's output channels, channels that do not
@@ -33,7 +39,9 @@ import numpy as np
 
 from convpass.ops.registry import NodeInfo
 
-__all__ = ["affine", "fold_into_conv", "is_inference"]
+__all__ = ["affine", "fold_into_conv", "fold_site", "is_inference"]
+
+CONV_OPS = ("Conv", "ConvTranspose")
 
 
 def is_inference(node: NodeInfo) -> bool:
@@ -76,3 +84,26 @@ def fold_into_conv(op_type: str, weight: np.ndarray, bias: np.ndarray | None, ga
         return None
     b_new = (b_old - np.asarray(mean, dtype=np.float64).reshape(-1)) * scale + np.asarray(beta, dtype=np.float64).reshape(-1)
     return w_new.astype(weight.dtype), b_new.astype(weight.dtype)
+
+
+def fold_site(bn: NodeInfo, producer: Any, readers: Any, graph_outputs: Any, is_constant: Any) -> NodeInfo | None:
+    """The conv that ``bn`` folds into by rule 0, or None. ``producer(name)``: the node computing a
+    value (None for inputs and constants); ``readers(name)``: the nodes reading it;
+    ``graph_outputs``: the graph's output names; ``is_constant(name)``: whether a value is constant.
+    Nodes are :class:`~convpass.ops.registry.NodeInfo` (standard op types; a tuned conv keeps its
+    standard op type, its domain aside)."""
+    if bn.op_type != "BatchNormalization" or bn.domain != "" or len(bn.inputs) < 5 or not is_inference(bn):
+        return None
+    if any(o and (o in graph_outputs or readers(o)) for o in bn.outputs[1:]):
+        return None
+    conv = producer(bn.inputs[0])
+    if conv is None or conv.op_type not in CONV_OPS or len(conv.outputs) != 1:
+        return None
+    y = conv.outputs[0]
+    if y in graph_outputs or len(readers(y)) != 1:
+        return None
+    w = conv.inputs[1] if len(conv.inputs) > 1 else ""
+    b = conv.inputs[2] if len(conv.inputs) > 2 else ""
+    if not w or not is_constant(w) or (b and not is_constant(b)) or not all(p and is_constant(p) for p in bn.inputs[1:5]):
+        return None
+    return conv

@@ -379,6 +379,8 @@ class Executor:
         return _toposort(nodes, set(self._constants) | set(self._input_map))
 
     def _fold_batchnorms(self) -> None:
+        """Fold each BatchNormalization into the conv before it (:mod:`convpass.ops.batchnorm_folding`:
+        where and how, the rules the compiler follows too)."""
         consumers: dict[str, list[NodeInfo]] = {}
         for n in self._nodes:
             for i in n.inputs:
@@ -389,24 +391,12 @@ class Executor:
         removed: set[int] = set()
         c = self._constants
         for bn in self._nodes:
-            if bn.op_type != "BatchNormalization" or bn.domain != "" or len(bn.inputs) < 5:
+            conv = batchnorm_folding.fold_site(bn, producers.get, lambda v: consumers.get(v, []), graph_outputs, c.__contains__)
+            if conv is None:
                 continue
-            if not batchnorm_folding.is_inference(bn):
-                continue
-            if any(o and (o in graph_outputs or consumers.get(o)) for o in bn.outputs[1:]):
-                continue
-            conv = producers.get(bn.inputs[0])
-            if conv is None or conv.op_type not in annotation.CONV_OPS or len(conv.outputs) != 1:
-                continue
-            y = conv.outputs[0]
-            if y in graph_outputs or len(consumers.get(y, [])) != 1:
-                continue
-            w_name = conv.inputs[1] if len(conv.inputs) > 1 else ""
             b_name = conv.inputs[2] if len(conv.inputs) > 2 else ""
-            if w_name not in c or (b_name and b_name not in c) or not all(p in c for p in bn.inputs[1:5]):
-                continue
             group = int(conv.attr("group", 1) or 1)
-            folded = batchnorm_folding.fold_into_conv(conv.op_type, c[w_name], c[b_name] if b_name else None,
+            folded = batchnorm_folding.fold_into_conv(conv.op_type, c[conv.inputs[1]], c[b_name] if b_name else None,
                                                       *(c[p] for p in bn.inputs[1:5]), float(bn.attr("epsilon", 1e-5)), group)
             if folded is None:
                 continue

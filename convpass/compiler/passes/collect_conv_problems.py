@@ -7,17 +7,10 @@ Rules:
   training directions asked for (``dgrad``, ``wgrad``).
 * A problem is the tuple of its candidate geometries (two for a 1-D conv: both 2-D mappings, one
   otherwise); identical problems anywhere in the model are listed once, with every use.
-* A forward Conv with a constant bias is a problem with its ``fusion``: the epilogue the executor
-  runs in the conv's step (:mod:`convpass.core.fusion`), which the tuner times with it. The rules
-  are the executor's (:func:`convpass.kernels.convolution.lower_convs`): the output is no graph
-  output; a residual ``Add`` that is its only reader, whose other operand has the output's shape
-  and type and is ready before the conv (a graph input, a constant, or produced by an earlier node),
-  then a one-input ``Relu`` that is the Add's only reader (``bias+add+relu``; ``bias+add``
-  without it); else a ``Relu`` that is its only reader (``bias+relu``); else ``bias``.
-* With ``fusions`` on (graph-API engines tuned), a Conv whose output is read only by an epilogue
-  that cuDNN's graph API can fuse (:data:`convpass.native.cudnn.graph_api.FUSIONS`) takes that one
-  instead: its candidates include the fused graphs. Today that is SiLU: ``Mul(y, Sigmoid(y))``,
-  ``y`` and the Sigmoid read by nothing else (``bias+swish``).
+* A forward Conv with a constant bias is a problem with its ``fusion``: the epilogue its step
+  absorbs by :func:`convpass.core.fusion.absorbed` (the one rule the runtime follows too), which
+  the tuner times with it. With ``fusions`` on (graph-API engines tuned) that includes
+  ``bias+swish``, a SiLU ``Mul(y, Sigmoid(y))`` fused into the engine's graph.
 * Results: ``model.meta["convpass.problems"]`` (and ``self.problems``): an insertion-ordered dict
   ``ConvProblem -> [ProblemUse, ...]``.
 """
@@ -29,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
 
-from convpass.core.fusion import legacy_name
+from convpass.core.fusion import absorbed
 from convpass.compiler.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
 from convpass.compiler.passes.resolve_shapes import VALUE_SHAPES_KEY
 from convpass.core.problem import ConvProblem, Direction
@@ -45,79 +38,67 @@ class ProblemUse:
     profile: int
 
 
-def conv_fusion(node: ir.Node, graph_fusions: bool = True, shapes: Mapping[str, Sequence[int]] | None = None) -> str:
-    """The epilogue a Conv node runs in its step (module rules), or ``""``; ``graph_fusions``:
-    whether graph-API fused graphs are candidates; ``shapes``: the profile's value shapes
-    (:data:`convpass.compiler.passes.resolve_shapes.VALUE_SHAPES_KEY`), which the residual's check reads
-    where the graph's own shapes are not concrete."""
-    if node.op_type != "Conv" or len(node.inputs) < 3 or node.inputs[2] is None or not node.outputs:
-        return ""
-    if node.inputs[2].const_value is None and not node.inputs[2].is_initializer():
-        return ""
-    y = node.outputs[0]
-    if y.is_graph_output():
-        return ""
-    if graph_fusions and _swish_reads(y):
-        return "bias+swish"
-    uses = list(y.uses())
-    if len(uses) != 1:
-        return legacy_name(False, False)
-    reader = uses[0][0]
-    if _plain(reader, "Relu") and len(reader.inputs) == 1:
-        return legacy_name(False, True)
-    if not (_plain(reader, "Add") and len(reader.inputs) == 2 and reader.inputs[0] is not reader.inputs[1]):
-        return legacy_name(False, False)
-    z = reader.inputs[1] if reader.inputs[0] is y else reader.inputs[0]
-    other_type = z is not None and None not in (z.dtype, y.dtype) and z.dtype != y.dtype  # ONNX's Add needs one type anyway
-    if z is None or other_type or not _same_shape(z, y, shapes or {}) or not _ready_before(z, node):
-        return legacy_name(False, False)
-    out = reader.outputs[0]
-    after = list(out.uses())
-    relu = not out.is_graph_output() and len(after) == 1 and _plain(after[0][0], "Relu") and len(after[0][0].inputs) == 1
-    return legacy_name(True, relu)
+class _IrSteps:
+    """The onnx-ir graph as :class:`convpass.core.fusion.StepGraph` (``shapes``: the profile's
+    resolved value shapes, read where the graph's own are not concrete)."""
 
+    def __init__(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        self.shapes = shapes
 
-def _plain(node: ir.Node, op_type: str) -> bool:
-    return node.op_type == op_type and node.domain in ("", "ai.onnx")
+    def op(self, node: ir.Node) -> str:
+        return node.op_type if node.domain in ("", "ai.onnx") else ""
 
+    def inputs(self, node: ir.Node) -> Sequence[ir.Value | None]:
+        return node.inputs
 
-def _swish_reads(y: ir.Value) -> bool:
-    """Whether ``y`` is read only by ``Mul(y, Sigmoid(y))``, the Sigmoid read by nothing else."""
-    readers = {user for user, _ in y.uses()}
-    sigmoid = next((n for n in readers if _plain(n, "Sigmoid")), None)
-    mul = next((n for n in readers if _plain(n, "Mul")), None)
-    if sigmoid is None or mul is None or len(readers) != 2 or len(y.uses()) != 2:
-        return False
-    s = sigmoid.outputs[0]
-    return not s.is_graph_output() and len(s.uses()) == 1 and {v.name for v in mul.inputs if v is not None} == {y.name, s.name}
+    def outputs(self, node: ir.Node) -> Sequence[ir.Value]:
+        return node.outputs
 
+    def readers(self, value: ir.Value) -> list[ir.Node]:
+        return [user for user, _ in value.uses()]
 
-def _same_shape(a: ir.Value, b: ir.Value, shapes: Mapping[str, Sequence[int]]) -> bool:
-    """Whether two values have one concrete shape (each from the profile's resolved shapes, else the
-    graph's own)."""
-    def dims(v: ir.Value) -> tuple | None:
-        d = tuple(shapes[v.name]) if v.name in shapes else (None if v.shape is None else tuple(v.shape))
+    def is_output(self, value: ir.Value) -> bool:
+        return value.is_graph_output()
+
+    def is_constant(self, value: ir.Value) -> bool:
+        return value.const_value is not None or value.is_initializer()
+
+    def same_shape_and_type(self, a: ir.Value, b: ir.Value) -> bool:
+        if None not in (a.dtype, b.dtype) and a.dtype != b.dtype:  # ONNX's Add needs one type anyway
+            return False
+        da = self._dims(a)
+        return da is not None and da == self._dims(b)
+
+    def _dims(self, v: ir.Value) -> tuple | None:
+        d = tuple(self.shapes[v.name]) if v.name in self.shapes else (None if v.shape is None else tuple(v.shape))
         return d if d is not None and all(isinstance(n, int) for n in d) else None
 
-    da = dims(a)
-    return da is not None and da == dims(b)
-
-
-def _ready_before(z: ir.Value, conv: ir.Node) -> bool:
-    """Whether ``z`` exists before ``conv`` runs: a graph input, a constant, or the output of a node
-    earlier in the graph's (topological) order."""
-    producer = z.producer()
-    if producer is None:
-        return True
-    graph = conv.graph
-    if graph is None or producer.graph is not graph:
-        return False
-    for n in graph:
-        if n is producer:
+    def ready_before(self, value: ir.Value, node: ir.Node) -> bool:
+        producer = value.producer()
+        if producer is None:
             return True
-        if n is conv:
+        graph = node.graph
+        if graph is None or producer.graph is not graph:
             return False
-    return False
+        for n in graph:
+            if n is producer:
+                return True
+            if n is node:
+                return False
+        return False
+
+    def free(self, node: ir.Node) -> bool:
+        return True
+
+
+def conv_fusion(node: ir.Node, graph_fusions: bool = True, shapes: Mapping[str, Sequence[int]] | None = None) -> str:
+    """The epilogue a Conv node runs in its step (:func:`convpass.core.fusion.absorbed`, the rule
+    the runtime runs too), or ``""``; ``graph_fusions``: whether graph-API fused graphs are
+    candidates; ``shapes``: the profile's value shapes
+    (:data:`convpass.compiler.passes.resolve_shapes.VALUE_SHAPES_KEY`)."""
+    if node.op_type != "Conv":
+        return ""
+    return absorbed(_IrSteps(shapes or {}), node, swish=graph_fusions).epilogue
 
 
 def node_problems(node: ir.Node, profile: int, directions: Sequence[Direction], fusions: bool = False,
