@@ -1113,6 +1113,12 @@ def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
         assert {c["status"] for c in case["contenders"] if c["family"] == "ort"} == {"unavailable"}
         assert "CUDAExecutionProvider" in by_family["ort"]["reason"]
         assert by_family["torch"]["status"] == "unavailable" and "torch is not installed" in by_family["torch"]["reason"]
+        # --vs all (the default): the CUDA-graph configurations and torch.compile's modes are there too, saying why not
+        assert [c["name"] for c in case["contenders"] if c["family"] == "ort-graph"] == [
+            "ort-graph EXHAUSTIVE nchw", "ort-graph EXHAUSTIVE nhwc", "ort-graph HEURISTIC nchw", "ort-graph HEURISTIC nhwc"]
+        assert {c["status"] for c in case["contenders"] if c["family"] == "ort-graph"} == {"unavailable"}
+        assert [(c["name"], c["status"]) for c in case["contenders"] if c["family"] == "torch-compile"] == [
+            ("torch.compile default", "unavailable"), ("torch.compile reduce-overhead", "unavailable")]
         # the CPU backend has no CUDA graph: recorded as the executor says, judged "not measured"
         assert ours["cuda_graph"] == {"captured": None, "reason": "cpu backend", "node": "", "text": "CUDA graph: n/a (cpu backend)"}
         prof = case["op_profile"]
@@ -1122,6 +1128,9 @@ def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
     assert _g(s, "steady_vs_ort_per_batch_group", "batch 1")["verdict"] == _g(s, "steady_vs_ort_per_batch_group", "batch > 1")["verdict"] == "not measured"
     assert _t(s, "one_cuda_graph")["verdict"] == "not measured" and _t(s, "op_profile_reported")["verdict"] == "met"
     assert doc["settings"]["profile_ops"] == opprofile.PROFILE_RUNS
+    assert doc["settings"]["vs"] == ["ort", "ort-graph", "torch", "torch-compile"]
+    assert doc["settings"]["torch_compile_modes"] == ["default", "reduce-overhead"]
+    assert doc["settings"]["targets_file"] == str(targets.DEFAULT_FILE)
     assert "CUDA graph: n/a (cpu backend)" in out and "GPU time per eager run" in out
     assert "[bench] mobile_block b1: convpass GPU time per op family" in err
     assert "Summary over 3 model/batch case(s)" in out and "unavailable: onnxruntime" in out
