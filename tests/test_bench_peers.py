@@ -290,7 +290,10 @@ def _fake_torch(compile_seconds: float) -> types.ModuleType:
 
         def fn(x):
             if not state["compiled"]:
-                torch.calls["cache_dirs"].append((os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR")))
+                dirs = (os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR"))
+                torch.calls["cache_dirs"].append((*dirs, [sorted(os.listdir(d)) for d in dirs]))
+                for d in dirs:  # what a compilation leaves in its caches
+                    Path(d, "kernel.bin").write_bytes(b"x")
                 time.sleep(compile_seconds)
                 state["compiled"] = True
             return module(x)
@@ -332,10 +335,10 @@ def test_torch_compile_records_its_first_call_as_its_cold_start(torch_stand_in):
     assert all(bench for *_, bench in s["torch"].calls["compile"])  # cudnn.benchmark on while compiling
     assert s["torch"].calls["steps"] == 2 * (1 + 1 + 3)  # a new cudagraph-tree step before every call
     assert s["torch"].calls["reset"] >= 4  # Dynamo reset before and after each mode
-    (ind1, tri1), (ind2, tri2) = s["torch"].calls["cache_dirs"]
-    assert ind1 != ind2 and tri1 != tri2 and "/somewhere/else" not in (tri1, tri2)  # empty caches for every mode
+    (ind1, tri1, seen1), (ind2, tri2, seen2) = s["torch"].calls["cache_dirs"]
+    assert seen1 == seen2 == [[], []]  # empty caches for every mode: the first mode's kernels are gone
+    assert "/somewhere/else" not in (tri1, tri2) and Path(ind1).parent == Path(tri2).parent
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
-    assert not Path(ind1).parent.exists()
     # the record renders with its first call beside its cold start, and validates
     case = _case("m", 2, [_convpass(1.0), *eager, *got])
     doc = document.build_document(ENV, SETTINGS, None, [case])

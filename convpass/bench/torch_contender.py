@@ -11,15 +11,17 @@ counted.
   flags under ``no_grad``, in the memory format eager ran faster in (NCHW when eager did not run).
   Its cold start is ``module.to("cuda")`` + ``torch.compile`` + the first call, which compiles:
   ``compile_s`` is that first call. Each mode compiles with empty Inductor and Triton disk caches
-  and Dynamo reset; kernels an earlier compilation in this process loaded may still be reused from
-  memory. Steady state as for eager.
+  and Dynamo reset, in the bench process: what an earlier compilation there loaded into memory (and
+  cudnn.benchmark's choices from eager) may still be reused. Steady state as for eager.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -125,23 +127,33 @@ def run_torch_compile(model_path: Path, panel_json: str | None, dev_feeds: Mappi
             for n, c in zip(names, _configs_with_module(cfgs, built, COMPILE_COLD))]
 
 
+_CACHE_ROOT: list[str] = []  # the bench process's compile-cache folder, made on first use
+
+
 @contextlib.contextmanager
 def fresh_compile_caches(torch: Any) -> Iterator[None]:
-    """Empty Inductor and Triton disk caches and a reset Dynamo for one compilation; restored after."""
+    """Empty Inductor and Triton disk caches and a reset Dynamo for one compilation; the variables
+    restored after. One folder per bench process, emptied before each compilation (compile workers
+    an earlier compilation started keep its path), removed when the process exits."""
+    if not _CACHE_ROOT:
+        _CACHE_ROOT.append(tempfile.mkdtemp(prefix="convpass-bench-compile-"))
+        atexit.register(shutil.rmtree, _CACHE_ROOT[0], True)
     saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    with tempfile.TemporaryDirectory(prefix="convpass-bench-compile-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        path = os.path.join(_CACHE_ROOT[0], sub)
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        os.environ[var] = path
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
         torch._dynamo.reset()
-        try:
-            yield
-        finally:
-            torch._dynamo.reset()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _run_one(name: str, family: str, cfg: dict[str, Any], built: tuple[Any, float, Mapping[str, Any], str],
