@@ -476,3 +476,22 @@ def test_the_bench_package_names_no_issue_machine_or_date():
     found = [f"{f.name}:{n}: {line.strip()}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
              if pattern.search(line)]
     assert found == []
+
+
+def test_jsonschema_is_imported_only_to_check_and_its_absence_is_one_line(monkeypatch):
+    import subprocess
+
+    from convpass.bench import jsonschema_check
+
+    code = ("import sys, convpass.cli.bench, convpass.bench.schema, convpass.bench.targets, convpass.bench.document; "
+            "sys.exit('jsonschema' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    jsonschema_check._validator.cache_clear()
+    monkeypatch.setitem(sys.modules, "jsonschema", None)
+    with pytest.raises(ConvpassError, match=r"^jsonschema is not installed .*pip install jsonschema") as e:
+        targets.load()
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConvpassError, match="jsonschema is not installed"):
+        schema.validate_document({})
+    jsonschema_check._validator.cache_clear()

@@ -1,5 +1,5 @@
 """The JSON document ``convpass bench`` writes, as a JSON Schema (draft 2020-12), checked with
-``jsonschema``.
+``jsonschema`` (:mod:`convpass.bench.jsonschema_check`).
 
 :func:`document_schema` is the schema of what this version writes (``convpass.bench/4``); with
 ``recorded=True``, of a recorded document to re-render (``--from-json``): any readable version,
@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
-
-from convpass.bench import opprofile
+from convpass.bench import jsonschema_check, opprofile
 from convpass.bench.records import BATCH_GROUPS, FAMILIES, STATUSES
 from convpass.bench.targets import VERDICTS
 
@@ -131,24 +129,10 @@ def document_schema(recorded: bool = False) -> dict[str, Any]:
         "created": STR, "peaks": _map(_opt(NUM))})}
 
 
-_VALIDATORS = {r: jsonschema.Draft202012Validator(document_schema(r)) for r in (False, True)}
-
-
-def _where(path: Any) -> str:
-    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
-
-
-def _message(error: jsonschema.ValidationError) -> str:
-    if error.validator == "required":
-        missing = str(error.message).split("'")[1] if "'" in error.message else "?"
-        return f"{_where([*error.absolute_path, missing])}: missing"
-    return f"{_where(error.absolute_path)}: {error.message}"
-
-
 def validate_document(doc: Any, recorded: bool = False) -> list[str]:
     """Schema errors of a bench document (empty when valid), then whether it survives a JSON round
     trip. ``recorded``: check a document to re-render instead of one this version writes."""
-    errors = sorted((_message(e) for e in _VALIDATORS[recorded].iter_errors(doc)))
+    errors = jsonschema_check.errors(doc, document_schema(recorded))
     if not errors:
         try:
             json.loads(json.dumps(doc, allow_nan=False))

@@ -33,9 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-
-from convpass.bench import opprofile
+from convpass.bench import jsonschema_check, opprofile
 from convpass.bench.ranking import PEER_GROUPS, ratio_key
 from convpass.bench.records import BATCH_GROUPS, batch_group, case_label, convpass_graph, convpass_invalid, find, fresh_invalid
 from convpass.bench.stats import geomean
@@ -122,10 +120,9 @@ def load(path: str | Path | None = None) -> list[dict[str, Any]]:
 
 def check(doc: Any, where: str = "targets") -> list[dict[str, Any]]:
     """The targets of a parsed targets document, checked (see the module docstring)."""
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(FILE_SCHEMA).iter_errors(doc))
+    error = jsonschema_check.first_error(doc, FILE_SCHEMA)
     if error is not None:
-        at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
-        raise ConvpassError(f"--targets {where}: ${at}: {error.message}")
+        raise ConvpassError(f"--targets {where}: {error}")
     targets = [dict(t) for t in doc["targets"]]
     seen: set[str] = set()
     for t in targets:
