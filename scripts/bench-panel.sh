@@ -26,7 +26,7 @@
 # One part in one process, as the earlier runs were made (README):
 #   bash scripts/bench-panel.sh TAG MODEL[,MODEL...] [more convpass bench options]
 # writes $OUT/bench-TAG.json and .txt; merge parts with
-#   convpass bench --from-json bench-*.json --json bench.json --plot bench.png
+#   convpass bench --from-json bench-*.json --json-file bench.json --plot bench.png
 #
 # The tuning cache is $CONVPASS_TUNE_CACHE (default /tmp/tune.db); it is seeded from .tunecache/tune.db
 # when that exists (decisions are kept per device fingerprint, so only the same GPU type reuses them).
@@ -66,7 +66,7 @@ worker() {  # GPU, CPU list, deadline (in $SECONDS), bench options...
     local started=$SECONDS
     CUDA_VISIBLE_DEVICES=$gpu timeout --signal=INT --kill-after=20 $((left - 25)) "${pin[@]}" \
       python3 -m convpass.cli.main bench ".panel/$m.onnx" "${bench_defaults[@]}" --cache "$wcache" \
-        --json "$work/bench-$m.json.part" "$@" >"$work/bench-$m.txt" 2>&1
+        --json-file "$work/bench-$m.json.part" "$@" >"$work/bench-$m.txt" 2>&1
     rc=$?
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] || [ ! -s "$work/bench-$m.json.part" ]; then
       if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
@@ -124,7 +124,9 @@ phase() {
       n=$(wc -l <"$work/queue")
       echo "still queued: $n model(s) $(tr '\n' ' ' <"$work/queue")" ;;
     report)
-      python3 -m convpass.cli.main bench --from-json "$work"/bench-*.json --json "$out/bench.json" --plot "$out/bench.png" \
+      local plot=()  # bench --plot without matplotlib is an error: ask for the chart only where it can be drawn
+      python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/bench.png")
+      python3 -m convpass.cli.main bench --from-json "$work"/bench-*.json --json-file "$out/bench.json" "${plot[@]}" \
         >"$out/bench.txt" 2>&1
       local rc=$?
       sed -n '/^Summary over/,/^$/p' "$out/bench.txt"
@@ -158,4 +160,4 @@ export_panel || exit 1
 paths=()
 for m in ${models//,/ }; do paths+=(".panel/$m.onnx"); done
 python3 -m convpass.cli.main bench "${paths[@]}" --runs 20 --warmup 5 --tf32 on --profile-ops \
-    --cache "$cache" --json "$out/bench-$tag.json" "$@" 2>&1 | tee "$out/bench-$tag.txt"
+    --cache "$cache" --json-file "$out/bench-$tag.json" "$@" 2>&1 | tee "$out/bench-$tag.txt"

@@ -33,7 +33,7 @@ vs=ort; [ -d /tmp/ortgpu ] || vs=none
 for engines in ${ENGINES:-all}; do
     echo "== --engines $engines"
     python3 -m convpass.cli.main bench "${paths[@]}" "${batch_args[@]}" --vs "$vs" --runs 15 --warmup 3 --tf32 on --profile-ops \
-        --no-roofline --engines "$engines" --cache "${CONVPASS_TUNE_CACHE:-/tmp/tune.db}" --json "$out/bench-$engines.json" 2>&1 \
+        --no-roofline --engines "$engines" --cache "${CONVPASS_TUNE_CACHE:-/tmp/tune.db}" --json-file "$out/bench-$engines.json" 2>&1 \
         | tee "$out/bench-$engines.txt" | grep -E "^\||convpass optimize|CUDA graph" | tail -30
     vs=none  # the peers once
 done

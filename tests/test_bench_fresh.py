@@ -2,7 +2,7 @@
 :mod:`convpass.bench.fresh`): the parts from the stamps, the child on the CPU executor and on ONNX
 Runtime's CPU EP (real processes), the parent's harness (fresh kernel-cache folders, the rest of the
 environment kept, a child that fails, exits non-zero, prints nothing or hangs), that the child
-imports nothing but the standard library before its runtime; the bench's fresh records, issue 10's
+imports nothing but the standard library before its runtime; the bench's fresh records, the cold-start
 ratios, targets and verdicts, the tables, the schema and merging older documents; and the bench
 command with ``--fresh-process``, its children real, on the CPU.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import pytest
 
-from convpass.bench import contenders, fresh, peers, report
+from convpass.bench import contenders, document, fresh, peers, ranking, records, render, render_summary, schema, stats
 from convpass.core.errors import ConvpassError
 
 from conftest import MODELS, REPO, run_ort
@@ -218,17 +218,17 @@ def _fresh_case(model: str, batch: int, order: int, ours: float | None, cold: fl
                 exhaustive=(6.0, 8.0), ours_status: str = "ok", compilations: int = 0, cache_files: int = 0,
                 same: float | None = None) -> dict:
     times = [1.0, 1.1, 1.2]
-    cs = [_with_fresh(report.contender("convpass", "convpass", {"device": "cuda"}, cold_start_s=cold, times_ms=times, tf32=True),
+    cs = [_with_fresh(records.contender("convpass", "convpass", {"device": "cuda"}, cold_start_s=cold, times_ms=times, tf32=True),
                       ours, ours_status, compilations=compilations, cache_files=cache_files)]
     for search, totals in (("EXHAUSTIVE", exhaustive), ("HEURISTIC", heuristic)):
         for nhwc, total in enumerate(totals):
             cfg = {"cudnn_conv_algo_search": search, "prefer_nhwc": nhwc, "use_tf32": 1}
-            c = report.contender(peers.ort_name(search, nhwc), "ort", cfg, cold_start_s=0.3, session_s=0.1, first_run_s=0.2,
+            c = records.contender(peers.ort_name(search, nhwc), "ort", cfg, cold_start_s=0.3, session_s=0.1, first_run_s=0.2,
                                  times_ms=times, tf32=True)
             cs.append(_with_fresh(c, total))
-    cs.append(_with_fresh(report.contender("torch nchw", "torch", {"channels_last": False}, cold_start_s=0.05, times_ms=times),
+    cs.append(_with_fresh(records.contender("torch nchw", "torch", {"channels_last": False}, cold_start_s=0.05, times_ms=times),
                           4.0))
-    cs.append(report.unavailable("torch channels_last", "torch", "channels_last does not apply", status="skipped"))
+    cs.append(records.unavailable("torch channels_last", "torch", "channels_last does not apply", status="skipped"))
     cs[-1]["fresh"] = fresh.record("skipped", "channels_last does not apply")
     return {"model": model, "file": f"{model}.onnx", "batch": batch, "inputs": {"input": [batch, 3, 224, 224]},
             "dtype": "float32", "reference": "onnxruntime CPU", "contenders": cs, "best_peer": None, "best_ort": None,
@@ -242,32 +242,37 @@ SETTINGS = {"runs": 3, "warmup": 1, "batches": {"a": [1, 32], "b": [1, 32]}, "vs
 
 
 def _fresh_doc(cases: list[dict]) -> dict:
-    return report.build_document(ENV, SETTINGS, None, cases, "2026-11-24T00:00:00+00:00", [report.fresh_note()])
+    return document.build_document(ENV, SETTINGS, None, cases, "2026-11-24T00:00:00+00:00", [render.fresh_note()])
 
 
 def test_fresh_ratios_pick_the_fastest_layout_of_each_ort_search():
-    case = report.annotate_case(_fresh_case("a", 1, 1, ours=2.0))
+    case = ranking.annotate_case(_fresh_case("a", 1, 1, ours=2.0))
     r = case["ratios"]
     assert r["ort_heuristic_fresh"] == "ort HEURISTIC nhwc" and r["fresh_vs_ort_heuristic"] == pytest.approx(2.0 / 2.5)
     assert r["ort_exhaustive_fresh"] == "ort EXHAUSTIVE nchw" and r["fresh_vs_ort_exhaustive"] == pytest.approx(2.0 / 6.0)
     assert r["second_case_cold_start_s"] is None  # the model's first case
-    assert report.annotate_case(_fresh_case("a", 32, 2, ours=2.0, same=0.12))["ratios"]["second_case_cold_start_s"] == 0.12
+    assert ranking.annotate_case(_fresh_case("a", 32, 2, ours=2.0, same=0.12))["ratios"]["second_case_cold_start_s"] == 0.12
     # a new executor's cold start is not the figure: the executor that ran the first batch size is
-    assert report.annotate_case(_fresh_case("a", 32, 2, ours=2.0, cold=0.12))["ratios"]["second_case_cold_start_s"] is None
+    assert ranking.annotate_case(_fresh_case("a", 32, 2, ours=2.0, cold=0.12))["ratios"]["second_case_cold_start_s"] is None
     failed = _fresh_case("a", 32, 2, ours=2.0)
     failed["same_executor"] = {"status": "failed", "seconds": None, "after": 1, "reason": "out of memory"}
-    case = report.annotate_case(failed)
+    case = ranking.annotate_case(failed)
     assert case["ratios"]["second_case_cold_start_s"] is None
-    assert "ran b32: failed (out of memory)" in report.format_case(case)
+    assert "ran b32: failed (out of memory)" in render.format_case(case)
     # a peer whose fresh process failed or gave a wrong result is not a baseline
     case = _fresh_case("a", 1, 1, ours=2.0)
-    report.find(case, "ort HEURISTIC nhwc")["fresh"]["status"] = "wrong"
-    report.find(case, "ort HEURISTIC nchw")["fresh"] = fresh.record("failed", "timed out after 600 s")
-    r = report.annotate_case(case)["ratios"]
+    records.find(case, "ort HEURISTIC nhwc")["fresh"]["status"] = "wrong"
+    records.find(case, "ort HEURISTIC nchw")["fresh"] = fresh.record("failed", "timed out after 600 s")
+    r = ranking.annotate_case(case)["ratios"]
     assert r["fresh_vs_ort_heuristic"] is None and r["ort_heuristic_fresh"] is None
 
 
-def test_issue_10_targets_and_verdicts():
+def _t(summary: dict, name: str) -> dict:
+    """A target's verdict record in a summary, by name."""
+    return next(t for t in summary["targets"] if t["name"] == name)
+
+
+def test_fresh_targets_and_verdicts():
     cases = [
         _fresh_case("a", 1, 1, ours=2.0),  # 0.80x HEURISTIC, 0.33x EXHAUSTIVE
         _fresh_case("a", 32, 2, ours=2.0, same=0.12),
@@ -275,41 +280,41 @@ def test_issue_10_targets_and_verdicts():
         _fresh_case("b", 32, 2, ours=2.0, same=0.20),  # above 0.15 s
     ]
     s = _fresh_doc(cases)["summary"]
-    h = s["fresh_vs_ort_heuristic"]
-    assert h["issue"] == 10 and h["target"] == 1.0 and h["verdict"] == "not met"
+    h = _t(s, "fresh_vs_ort_heuristic_every_case")
+    assert h["at_most"] == 1.0 and h["verdict"] == "not met"
     assert h["worst_case"] == "b b1" and h["worst"] == pytest.approx(1.2) and h["failing"] == ["b b1"]
-    e = s["fresh_vs_ort_exhaustive"]
-    assert e["target"] == 0.5 and e["n"] == 4 and e["verdict"] == "met"
-    assert e["geomean"] == pytest.approx(report.geomean([2 / 6, 2 / 6, 3 / 6, 2 / 6]))
-    second = s["second_case_cold_start"]
+    e = _t(s, "fresh_vs_ort_exhaustive_geomean")
+    assert e["at_most"] == 0.5 and e["n"] == 4 and e["verdict"] == "met"
+    assert e["geomean"] == pytest.approx(stats.geomean([2 / 6, 2 / 6, 3 / 6, 2 / 6]))
+    second = _t(s, "next_batch_size_start")
     assert second["n"] == 2 and second["per_case"] == {"a b32": 0.12, "b b32": 0.20}
     assert second["failing"] == ["b b32"] and second["verdict"] == "not met"
-    comp = s["fresh_compilations"]
+    comp = _t(s, "fresh_compilations")
     assert comp["n"] == 4 and comp["failing"] == ["b b1"] and comp["verdict"] == "not met"
     assert comp["per_case"]["b b1"] == {"compilations": 0, "cache_files": 2}
     # everything within the targets
     good = [_fresh_case("a", 1, 1, ours=2.0), _fresh_case("a", 32, 2, ours=2.0, same=0.12)]
     s = _fresh_doc(good)["summary"]
-    assert {s[k]["verdict"] for k in ("fresh_vs_ort_heuristic", "fresh_vs_ort_exhaustive", "second_case_cold_start",
-                                      "fresh_compilations")} == {"met"}
-    text = report.format_summary(s)
-    assert "Issue 10 targets (cold start as a deployment meets it):" in text
-    assert "convpass / fastest ORT HEURISTIC, every case: worst 0.80x (a b1);" in text
-    assert "target <= 1.00x in every case: MET" in text
-    assert "fresh process, convpass / fastest ORT EXHAUSTIVE: geometric mean 0.33x over 2 case(s); target <= 0.50x: MET" in text
-    assert "(the executor that ran its first), call -> first result: worst 0.120 s (a b32); 1 case(s); target <= 0.15 s in every such case: MET" in text
-    assert "the executor that ran b1 (one model tuned for both) ran b32 from the call to its first result in 0.120 s" in report.format_case(report.annotate_case(good[1]))
-    assert "none in 2 of 2 case(s); target: none in every case: MET" in text
+    assert {_t(s, k)["verdict"] for k in ("fresh_vs_ort_heuristic_every_case", "fresh_vs_ort_exhaustive_geomean",
+                                          "next_batch_size_start", "fresh_compilations")} == {"met"}
+    text = render_summary.format_summary(s).splitlines()
+    assert "    fresh_vs_ort_heuristic_every_case: fresh process to the first result: convpass against ONNX Runtime " \
+           "HEURISTIC's fastest layout, in every case" in text
+    assert "      worst 0.80x (a b1); geometric mean 0.80x over 2 case(s); target <= 1.00x in every case: MET" in text
+    assert "      geometric mean 0.33x over 2 case(s); target <= 0.50x: MET" in text
+    assert "      worst 0.120 s (a b32); 1 case(s); target <= 0.15 s in every case: MET" in text
+    assert "the executor that ran b1 (one model tuned for both) ran b32 from the call to its first result in 0.120 s" in render.format_case(ranking.annotate_case(good[1]))
+    assert "      none in 2 of 2 case(s); target: at most 0 in every case: MET" in text
 
 
 def test_a_failed_convpass_fresh_process_fails_the_fresh_targets():
     cases = [_fresh_case("a", 1, 1, ours=2.0), _fresh_case("a", 32, 2, ours=None, ours_status="failed", same=0.1)]
     s = _fresh_doc(cases)["summary"]
-    for key in ("fresh_vs_ort_heuristic", "fresh_vs_ort_exhaustive", "fresh_compilations"):
-        assert s[key]["verdict"] == "not met" and s[key]["convpass_invalid"] == ["a b32"], key
-        assert s[key]["not_measured"] == ["a b32"]
-    assert s["second_case_cold_start"]["verdict"] == "met"  # the in-process run was fine
-    text = report.format_summary(s)
+    for key in ("fresh_vs_ort_heuristic_every_case", "fresh_vs_ort_exhaustive_geomean", "fresh_compilations"):
+        assert _t(s, key)["verdict"] == "not met" and _t(s, key)["convpass_invalid"] == ["a b32"], key
+        assert _t(s, key)["not_measured"] == ["a b32"]
+    assert _t(s, "next_batch_size_start")["verdict"] == "met"  # the in-process run was fine
+    text = render_summary.format_summary(s)
     assert "(not measured for a b32; convpass output wrong or failed for a b32)" in text and "--fresh-process" not in text
 
 
@@ -319,25 +324,25 @@ def test_without_fresh_processes_the_fresh_targets_are_not_measured():
         c["fresh"] = None
     doc = _fresh_doc([case])
     s = doc["summary"]
-    for key in ("fresh_vs_ort_heuristic", "fresh_vs_ort_exhaustive", "fresh_compilations"):
-        assert s[key]["verdict"] == "not measured" and s[key]["not_measured"] == ["a b1"]
-    text = report.format_report(doc)
+    for key in ("fresh_vs_ort_heuristic_every_case", "fresh_vs_ort_exhaustive_geomean", "fresh_compilations"):
+        assert _t(s, key)["verdict"] == "not measured" and _t(s, key)["not_measured"] == ["a b1"]
+    text = render.format_report(doc)
     assert text.count("not measured for any case; run with --fresh-process") == 3
-    assert "no model ran a second batch size; target <= 0.15 s: NOT MEASURED" in text
+    assert "      no case to judge; target <= 0.15 s in every case: NOT MEASURED" in text.splitlines()
     assert "fresh process, spawn" not in text and "convpass fresh s" not in text
 
 
 def test_fresh_table_markdown_and_schema():
     cases = [_fresh_case("a", 1, 1, ours=2.0), _fresh_case("a", 32, 2, ours=None, ours_status="failed", same=0.1)]
-    report.find(cases[0], "convpass")["fresh"]["parts"] = {
+    records.find(cases[0], "convpass")["fresh"]["parts"] = {
         "interpreter_s": 0.05, "import_s": 0.9, "inputs_s": 0.01, "context_s": 0.3, "model_read_s": 0.2, "plan_s": 0.5,
         "first_run_s": 0.04, "total_s": 2.0}
     doc = _fresh_doc(cases)
-    assert report.validate_document(doc) == [], report.validate_document(doc)
-    again = json.loads(report.to_json(doc))
-    assert again["schema"] == "convpass.bench/3" and again["settings"]["fresh_process"] == {"timeout_s": 600.0}
-    assert report.validate_document(again) == []
-    text = report.format_case(doc["cases"][0])
+    assert schema.validate_document(doc) == [], schema.validate_document(doc)
+    again = json.loads(document.to_json(doc))
+    assert again["schema"] == "convpass.bench/4" and again["settings"]["fresh_process"] == {"timeout_s": 600.0}
+    assert schema.validate_document(again) == []
+    text = render.format_case(doc["cases"][0])
     assert "fresh process, spawn -> first result in host memory, s ('-': a part the runtime cannot separate" in text
     lines = text.splitlines()
     head = next(ln for ln in lines if "in-process cold s" in ln)
@@ -351,19 +356,19 @@ def test_fresh_table_markdown_and_schema():
     skipped = next(ln for ln in lines if ln.strip().startswith("torch channels_last") and "in-process" not in ln)
     assert skipped.split()[-5:] == ["skipped:", "channels_last", "does", "not", "apply"]
     assert "fresh process: convpass vs fastest ORT HEURISTIC 0.80x (ort HEURISTIC nhwc), vs fastest ORT EXHAUSTIVE 0.33x" in text
-    failed = report.format_case(doc["cases"][1])
+    failed = render.format_case(doc["cases"][1])
     assert "failed: made up" in failed
-    md = report.format_fresh_markdown(doc["cases"])
+    md = render.format_fresh_markdown(doc["cases"])
     assert ("| a, 1 | 2.000 (0.900 / 0.300 / 0.200 / 0.500 / 0.040) | 2.500 (HEURISTIC nhwc) | 6.000 (EXHAUSTIVE nchw) | "
             "4.000 (nchw) | 0.80x | 0.33x | 0 / 0 files | 0.100 |") in md
     assert "| a, 32 | failed | 2.500 (HEURISTIC nhwc) |" in md
-    report_text = report.format_report(doc)
+    report_text = render.format_report(doc)
     assert md in report_text and "note: fresh process (--fresh-process): interpreter = spawn -> the child's main" in report_text
     for runtime in ("convpass", "ort", "torch"):
-        assert f"; {runtime}: {fresh.LEGEND[runtime]}" in report.fresh_note()
+        assert f"; {runtime}: {fresh.LEGEND[runtime]}" in render.fresh_note()
     bad = copy.deepcopy(doc)
     bad["cases"][0]["contenders"][0]["fresh"]["compilations"] = "none"
-    assert any("fresh.compilations" in e for e in report.validate_document(bad))
+    assert any("fresh.compilations" in e for e in schema.validate_document(bad))
 
 
 def test_merge_gives_older_documents_their_model_order():
@@ -373,20 +378,20 @@ def test_merge_gives_older_documents_their_model_order():
         d["schema"] = "convpass.bench/2"
         for c in d["cases"]:
             del c["model_order"]
-        assert report.validate_document(d, recorded=True) == []
-    merged = report.merge_documents([a, b])
+        assert schema.validate_document(d, recorded=True) == []
+    merged = document.merge_documents([a, b])
     assert [c["model_order"] for c in merged["cases"]] == [1, 2, 1]  # each run's process started afresh
-    assert merged["summary"]["second_case_cold_start"]["per_case"] == {"a b32": 0.1}
+    assert _t(merged["summary"], "next_batch_size_start")["per_case"] == {"a b32": 0.1}
     # what a convpass.bench/3 run recorded is kept
     c = _fresh_doc([_fresh_case("a", 32, 2, ours=2.0)])
-    assert [x["model_order"] for x in report.merge_documents([c])["cases"]] == [2]
+    assert [x["model_order"] for x in document.merge_documents([c])["cases"]] == [2]
 
 
 def test_older_runs_did_not_measure_the_second_batch_target():
     """The 2026-11-22 run (convpass.bench/1) timed a new executor (another tuned file) per batch size,
     not a later batch size in the executor that ran the first: the target reads not measured."""
     recorded = json.loads((REPO / "tests" / "data" / "bench-h200-2026-11-22-panel.trimmed.json").read_text())
-    s = report.merge_documents([recorded])["summary"]["second_case_cold_start"]
+    s = _t(document.merge_documents([recorded])["summary"], "next_batch_size_start")
     assert s["n"] == 0 and len(s["not_measured"]) == 8 and s["verdict"] != "met"
 
 
@@ -408,16 +413,16 @@ def test_run_fresh_gives_every_contender_its_fresh_record(tmp_path, cpu_children
     (ref,) = run_ort(onnx.load(MODEL), feeds)
     times = [1.0, 1.1]
     case = {"model": "residual_cnn", "batch": 1, "dtype": "float32", "contenders": [
-        report.contender("convpass", "convpass", {"device": "cuda"}, cold_start_s=0.2, times_ms=times, tf32=True),
-        report.contender("ort HEURISTIC nchw", "ort", peers.ort_configs(True)[2], status="failed", reason="out of memory"),
-        report.unavailable("torch nchw", "torch", "torch is not installed"),
-        report.contender("torch channels_last", "torch", peers.torch_configs(True)[1], cold_start_s=0.1, times_ms=times),
+        records.contender("convpass", "convpass", {"device": "cuda"}, cold_start_s=0.2, times_ms=times, tf32=True),
+        records.contender("ort HEURISTIC nchw", "ort", peers.ort_configs(True)[2], status="failed", reason="out of memory"),
+        records.unavailable("torch nchw", "torch", "torch is not installed"),
+        records.contender("torch channels_last", "torch", peers.torch_configs(True)[1], cold_start_s=0.1, times_ms=times),
     ]}
     logged = []
     contenders.run_fresh(case, MODEL, MODEL, feeds, [ref], panel_json=None, module_cache={}, timeout=120, workdir=tmp_path,
                          log=logged.append)
     ours, ort, torch_missing, torch_cl = (c["fresh"] for c in case["contenders"])
-    assert ours["status"] == "ok" and ours["rel_err"] < 1e-5 and ours["tolerance"] == report.TOL_TF32, ours
+    assert ours["status"] == "ok" and ours["rel_err"] < 1e-5 and ours["tolerance"] == stats.TOL_TF32, ours
     assert ours["parts"]["total_s"] > 0 and ours["cache_files"] == 0
     assert ort["status"] == "ok" and ort["parts"]["context_s"] is None  # failed in-process: a fresh process still runs it
     assert torch_missing == fresh.record("unavailable", "torch is not installed")  # not started again
@@ -462,20 +467,20 @@ def test_bench_fresh_process_end_to_end_with_stand_ins(monkeypatch, tmp_path, ca
     _bench_on_cpu(monkeypatch)
     out_json = tmp_path / "bench.json"
     args = _parser().parse_args(["bench", str(MODELS / "mobile_block.onnx"), "--batch", "1,2", "--vs", "none", "--no-roofline",
-                                 "--runs", "2", "--warmup", "0", "--cache", str(tmp_path / "t.db"), "--json", str(out_json),
+                                 "--runs", "2", "--warmup", "0", "--cache", str(tmp_path / "t.db"), "--json-file", str(out_json),
                                  "--fresh-process", "--fresh-timeout", "120"])
     assert args.func(args) == 0
     out, err = capsys.readouterr()
     doc = json.loads(out_json.read_text())
-    assert report.validate_document(doc) == [], report.validate_document(doc)
+    assert schema.validate_document(doc) == [], schema.validate_document(doc)
     assert doc["settings"]["fresh_process"] == {"timeout_s": 120.0}
     assert [c["model_order"] for c in doc["cases"]] == [1, 2]
     for case in doc["cases"]:
-        rec = report.find(case, "convpass")["fresh"]
+        rec = records.find(case, "convpass")["fresh"]
         assert rec["status"] == "ok" and rec["cache_files"] == 0 and rec["parts"]["total_s"] > 0, rec
     s = doc["summary"]
-    assert s["second_case_cold_start"]["n"] == 1 and s["fresh_vs_ort_heuristic"]["verdict"] == "not measured"
-    assert s["fresh_compilations"]["verdict"] == "not measured"  # the CPU executor compiles nothing and counts nothing
+    assert _t(s, "next_batch_size_start")["n"] == 1 and _t(s, "fresh_vs_ort_heuristic_every_case")["verdict"] == "not measured"
+    assert _t(s, "fresh_compilations")["verdict"] == "not measured"  # the CPU executor compiles nothing and counts nothing
     assert "[bench] mobile_block b2: convpass in a fresh process" in err
     assert out.count("fresh process, spawn -> first result in host memory") == 2
     assert "| mobile_block, 2 | " in out and "note: fresh process (--fresh-process):" in out

@@ -63,7 +63,7 @@ def test_panel_is_wide():
 def test_the_sweep_is_apart_from_the_panel():
     """The CPU sweep (models a new user might bring, not benchmarked) shares no model with the
     panel, names the same keys, and ``--sweep`` exports only its own models."""
-    from convpass.bench.contenders import load_export_panel
+    from convpass.bench.peers import load_export_panel
 
     ep = load_export_panel()
     assert len(ep.SWEEP) >= 30 and not set(ep.SWEEP) & set(ep.PANEL)
@@ -82,7 +82,7 @@ def test_pin_output_dims(tmp_path):
     batch dim is named ``batch``."""
     from onnx import TensorProto, helper
 
-    from convpass.bench.contenders import load_export_panel
+    from convpass.bench.peers import load_export_panel
 
     graph = helper.make_graph(
         [helper.make_node("Identity", ["input"], ["output"])], "g",

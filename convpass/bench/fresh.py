@@ -307,8 +307,8 @@ def warm_bytecode(cmd: Sequence[str], timeout: float, workdir: str | os.PathLike
     """Run a child once, unmeasured, letting Python write the bytecode of what it imports: an
     installed environment has it (``pip install`` byte-compiles every package), a source tree or an
     image built with ``PYTHONDONTWRITEBYTECODE`` has none, and each fresh process there compiles
-    every module it imports from source (the device machine: numpy, CUDA's Python bindings, torch,
-    convpass; 0.2-0.5 s a process). The bench runs this once per runtime, before its first measured
+    every module it imports from source (numpy, CUDA's Python bindings, torch, convpass: tenths of
+    a second a process). The bench runs this once per runtime, before its first measured
     child; what happened, for its log."""
     rec = spawn(cmd, timeout, workdir, write_bytecode=True)
     if rec["status"] != "ok":

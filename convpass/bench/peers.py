@@ -3,11 +3,14 @@ bench's own process (:mod:`convpass.bench.contenders`) and in a fresh process of
 (:mod:`convpass.bench.fresh`).
 
 * ONNX Runtime's CUDA EP: ``cudnn_conv_algo_search`` EXHAUSTIVE / HEURISTIC x ``prefer_nhwc`` 0 / 1,
-  ``use_tf32`` as convpass was asked (:func:`ort_configs`, :func:`ort_provider_options`).
+  ``use_tf32`` as convpass was asked, IOBinding (:func:`ort_configs`, :func:`ort_provider_options`);
+  the same four with ``enable_cuda_graph`` 1 (``graph=True``: family ``ort-graph``).
 * PyTorch eager: ``cudnn.benchmark``, ``inference_mode``, channels_last off / on, TF32 for convs and
   matmuls as convpass was asked (:func:`torch_configs`, :func:`torch_flags`,
   :func:`torch_memory_format`), the module built by ``models/export_panel.py``
   (:func:`panel_entry`, :func:`load_export_panel`).
+* torch.compile: one configuration per mode (:data:`COMPILE_MODES`; :func:`compile_configs`),
+  ``dynamic=False``, the same flags as eager, in eager's faster memory format.
 
 Standard library only: a fresh child imports this before it imports its runtime, and its measured
 import time must be the runtime's.
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 ORT_CONFIGS: tuple[tuple[str, int], ...] = (("EXHAUSTIVE", 0), ("EXHAUSTIVE", 1), ("HEURISTIC", 0), ("HEURISTIC", 1))
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+DEFAULT_COMPILE_MODES = ("default", "reduce-overhead")
 CUDA_EP_DID_NOT_LOAD = "the CUDA EP did not load (the session fell back to CPU; check CUDA / cuDNN libraries)"
 
 
@@ -38,14 +43,14 @@ def first_line(e: BaseException) -> str:
 # ONNX Runtime
 
 
-def ort_name(search: str, nhwc: int) -> str:
-    return f"ort {search} {'nhwc' if nhwc else 'nchw'}"
+def ort_name(search: str, nhwc: int, graph: bool = False) -> str:
+    return f"{'ort-graph' if graph else 'ort'} {search} {'nhwc' if nhwc else 'nchw'}"
 
 
-def ort_configs(use_tf32: bool) -> list[dict[str, Any]]:
-    """The four CUDA EP configurations, in the bench's order."""
+def ort_configs(use_tf32: bool, graph: bool = False) -> list[dict[str, Any]]:
+    """The four CUDA EP configurations, in the bench's order; ``graph``: with CUDA graphs."""
     return [
-        {"cudnn_conv_algo_search": s, "prefer_nhwc": n, "use_tf32": int(use_tf32), "io_binding": True, "enable_cuda_graph": 0}
+        {"cudnn_conv_algo_search": s, "prefer_nhwc": n, "use_tf32": int(use_tf32), "io_binding": True, "enable_cuda_graph": int(graph)}
         for s, n in ORT_CONFIGS
     ]
 
@@ -56,12 +61,16 @@ def ort_label(cfg: Mapping[str, Any]) -> str:
 
 
 def ort_provider_options(cfg: Mapping[str, Any], device_id: int) -> dict[str, str]:
-    return {
+    """The CUDA EP's provider options of a configuration (``enable_cuda_graph`` only when on)."""
+    options = {
         "device_id": str(device_id),
         "cudnn_conv_algo_search": cfg["cudnn_conv_algo_search"],
         "prefer_nhwc": str(cfg["prefer_nhwc"]),
         "use_tf32": str(cfg["use_tf32"]),
     }
+    if cfg.get("enable_cuda_graph"):
+        options["enable_cuda_graph"] = "1"
+    return options
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,6 +84,25 @@ def torch_name(channels_last: bool) -> str:
 def torch_configs(tf32: bool) -> list[dict[str, Any]]:
     """channels_last off and on, in the bench's order."""
     return [{"cudnn_benchmark": True, "channels_last": cl, "inference_mode": True, "allow_tf32": bool(tf32)} for cl in (False, True)]
+
+
+def compile_name(mode: str) -> str:
+    return f"torch.compile {mode}"
+
+
+def parse_compile_modes(text: str) -> tuple[str, ...]:
+    """``default,reduce-overhead``: the torch.compile modes to run, in order; ValueError naming a bad one."""
+    modes = tuple(dict.fromkeys(m.strip().lower() for m in (text or "").split(",") if m.strip()))
+    bad = [m for m in modes if m not in COMPILE_MODES]
+    if bad or not modes:
+        raise ValueError(f"expected a comma-separated list of {', '.join(COMPILE_MODES)}, got {text!r}")
+    return modes
+
+
+def compile_configs(tf32: bool, modes: tuple[str, ...], channels_last: bool) -> list[dict[str, Any]]:
+    """One torch.compile configuration per mode, in the memory format eager ran faster in."""
+    return [{"mode": m, "dynamic": False, "fullgraph": False, "cudnn_benchmark": True, "channels_last": channels_last,
+             "grad_mode": "no_grad", "allow_tf32": bool(tf32)} for m in modes]
 
 
 def torch_label(cfg: Mapping[str, Any]) -> str:

@@ -1,18 +1,23 @@
-"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs ort,torch] [--runs N] [--profile-ops] [--fresh-process] [--json FILE] [--plot FILE.png]``.
+"""``convpass bench MODEL.onnx ... [--batch 1,32] [--vs all] [--torch-compile-modes default,reduce-overhead] [--runs N]
+[--profile-ops] [--fresh-process] [--targets FILE] [--json | --json-file FILE] [--plot FILE.png]``.
 
-One process, one run per model and batch: convpass (optimize, then the executor) against ONNX
-Runtime's CUDA EP in four configurations and PyTorch eager in two, every output checked against
-ONNX Runtime CPU; prints a table per case (with whether convpass ran as one captured CUDA graph),
-the roofline, the summary against the targets and a Markdown table; ``--profile-ops`` adds, per
-case, the tuned model's GPU time by op family in eager runs (:mod:`convpass.bench.opprofile`);
-``--fresh-process`` runs every contender of every case once more in a fresh Python process of its
-own and splits its time to the first result into parts (:mod:`convpass.bench.fresh`); ``--json``
-writes everything (device, driver, CUDA, cuDNN, versions, every timing), ``--plot`` a bar chart.
-``--from-json A.json B.json`` re-renders (and merges) recorded runs without a GPU,
-``convpass.bench/2`` and ``/1`` documents included.
+One process, one run per model and batch: convpass (optimize, then the executor) against the
+strongest configuration of each peer, every output checked against ONNX Runtime CPU: ONNX
+Runtime's CUDA EP in four configurations without CUDA graphs and four with them, PyTorch eager in
+two layouts and torch.compile in each mode asked for. Prints a table per case (with whether
+convpass ran as one captured CUDA graph), the roofline, the summary (convpass against the best of
+every peer and of each peer family; the targets of the targets file judged) and a Markdown table;
+``--profile-ops`` adds, per case, the tuned model's GPU time by op family in eager runs
+(:mod:`convpass.bench.opprofile`); ``--fresh-process`` runs every contender of every case once more
+in a fresh Python process of its own and splits its time to the first result into parts
+(:mod:`convpass.bench.fresh`); ``--json-file`` writes everything (device, driver, CUDA, cuDNN,
+versions, every timing) to a file, ``--json`` prints it on stdout (the text then goes to stderr),
+``--plot`` writes a bar chart. ``--from-json A.json B.json`` re-renders (and merges) recorded runs
+without a GPU, documents of earlier versions included.
 
 Exit status: 0 when the benchmark ran (whatever the verdicts); 2 with one line when there is no
-usable GPU; 1 for bad input (``convpass: error: ...``); argparse usage errors exit with 2.
+usable GPU; 1 for bad input (``convpass: error: ...``, e.g. ``--plot`` without matplotlib);
+argparse usage errors exit with 2.
 """
 
 from __future__ import annotations
@@ -20,34 +25,42 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from convpass.bench import opprofile, report
+from convpass.bench import document, opprofile, plot, render, schema, stats, targets
+from convpass.bench.peers import COMPILE_MODES, DEFAULT_COMPILE_MODES, parse_compile_modes
 from convpass.core.errors import ConvpassError
-from convpass.core.profiles import DEFAULT_BATCHES, parse_batches  # noqa: F401  (parse_batches: used by tests as this module's)
+from convpass.core.profiles import DEFAULT_BATCHES, CaseSkipped, parse_batches  # noqa: F401  (parse_batches: used by tests as this module's)
 
 DEFAULT_FRESH_TIMEOUT = 600.0
-VS_CHOICES = ("ort", "torch")
+PEERS = ("ort", "ort-graph", "torch", "torch-compile")  # the families --vs names (convpass.bench.contenders.PEERS)
+VS_WORDS = (*PEERS, "all", "none")
+VS_HELP = (f"peers to compare with: a comma-separated list of {', '.join(PEERS)}; or all (every one of them, "
+           "the default); or none. ort: ONNX Runtime's CUDA EP without CUDA graphs; ort-graph: with CUDA graphs; "
+           "torch: PyTorch eager; torch-compile: torch.compile (--torch-compile-modes)")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
-        help="benchmark the tuned executor against ONNX Runtime CUDA EP and PyTorch (GPU)",
+        help="benchmark the tuned executor against ONNX Runtime (with and without CUDA graphs), PyTorch and torch.compile (GPU)",
         description="Tune each model, run it with the convpass executor and compare cold start and steady-state "
-        "latency with ONNX Runtime's CUDA EP (EXHAUSTIVE / HEURISTIC x NCHW / NHWC) and PyTorch eager "
-        "(cudnn.benchmark, channels_last off / on), every output checked against ONNX Runtime CPU.",
+        "latency with the strongest configuration of each peer: ONNX Runtime's CUDA EP (EXHAUSTIVE / HEURISTIC x "
+        "NCHW / NHWC, without and with CUDA graphs), PyTorch eager (cudnn.benchmark, channels_last off / on) and "
+        "torch.compile, every output checked against ONNX Runtime CPU.",
     )
     p.add_argument("models", nargs="*", metavar="MODEL.onnx", help="models with a symbolic (or matching) batch axis")
     p.add_argument("--batch", action="append", default=[], metavar="N[,N] | NAME=N[,N]",
                    help="batch sizes (default: the model's bench_batches in panel.json, else 1,32); "
                    "NAME=N[,N] overrides them for the model whose file stem is NAME")
-    p.add_argument("--vs", default="ort,torch", help="peers: ort, torch, both (default) or none")
+    p.add_argument("--vs", default="all", metavar="LIST", help=VS_HELP)
+    p.add_argument("--torch-compile-modes", default=",".join(DEFAULT_COMPILE_MODES), metavar="LIST",
+                   help=f"torch.compile's modes, a comma-separated list of {', '.join(COMPILE_MODES)} (default "
+                   f"{','.join(DEFAULT_COMPILE_MODES)}; max-autotune compiles for minutes per model)")
     p.add_argument("--runs", type=int, default=50, help="timed steady-state runs per contender (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before them (default 10)")
     p.add_argument("--tf32", default="auto", choices=["auto", "on", "off"],
@@ -56,7 +69,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="convpass --engines: the cuDNN tuning space (default all; legacy = the legacy algorithms only)")
     p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or the XDG cache dir)")
     p.add_argument("--panel-json", help="panel.json of models/export_panel.py (default: the one next to each model)")
-    p.add_argument("--json", dest="json_path", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--targets", metavar="FILE", help="the targets to judge (JSON; default: the packaged convpass/bench/targets.json)")
+    p.add_argument("--json", action="store_true", help="print every result as JSON on stdout (the report goes to stderr)")
+    p.add_argument("--json-file", metavar="FILE", help="write every result as JSON to FILE (written atomically)")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.add_argument("--no-roofline", action="store_true", help="do not measure the GPU peaks (no roofline)")
     p.add_argument("--no-kernels", action="store_true",
@@ -71,7 +86,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--fresh-timeout", type=float, default=DEFAULT_FRESH_TIMEOUT, metavar="SECONDS",
                    help=f"give each fresh process this long before it is killed and reported as failed (default {DEFAULT_FRESH_TIMEOUT:g})")
     p.add_argument("--from-json", nargs="+", metavar="FILE.json",
-                   help="no benchmark: print (and with --json / --plot, write) the report of recorded runs, merged")
+                   help="no benchmark: print (and with --json / --json-file / --plot, write) the report of recorded runs, merged")
     p.set_defaults(func=bench_command)
     return p
 
@@ -90,7 +105,7 @@ def model_batches(paths: list[Path], specs: list[str], panel_json: str | None = 
     for path in paths:
         batches = per_model.get(path.stem)
         if batches is None and not explicit:
-            from convpass.bench.contenders import panel_entry
+            from convpass.bench.peers import panel_entry
 
             entry, _ = panel_entry(path, panel_json)
             listed = (entry or {}).get("bench_batches")
@@ -101,13 +116,15 @@ def model_batches(paths: list[Path], specs: list[str], panel_json: str | None = 
 
 
 def parse_vs(text: str) -> tuple[str, ...]:
+    """The peer families of ``--vs``, in :data:`PEERS` order: a comma list of them, ``all`` (every
+    one) or ``none``; ConvpassError naming what it accepts for anything else."""
     items = [t.strip().lower() for t in (text or "").split(",") if t.strip()]
-    if items in (["none"], []):
+    bad = [t for t in items if t not in VS_WORDS]
+    if bad or not items or ("none" in items and len(items) > 1):
+        raise ConvpassError(f"--vs {text!r}: expected a comma-separated list of {', '.join(PEERS)}; or all; or none")
+    if items == ["none"]:
         return ()
-    bad = [t for t in items if t not in VS_CHOICES]
-    if bad:
-        raise ConvpassError(f"--vs {text!r}: expected a comma-separated subset of {', '.join(VS_CHOICES)}, or none")
-    return tuple(dict.fromkeys(items))
+    return PEERS if "all" in items else tuple(p for p in PEERS if p in items)
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -136,48 +153,65 @@ def gpu_unavailable_reason() -> str | None:
 # the command
 
 
-def _write_json(path: str, doc: dict[str, Any]) -> None:
-    """Atomically: a reader (or an interrupted run) never sees half a document."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(report.to_json(doc))
-    os.replace(tmp, target)
+def _report_stream(args: argparse.Namespace) -> TextIO:
+    """Where the text report goes: stdout, or stderr when stdout carries the JSON document."""
+    return sys.stderr if args.json else sys.stdout
+
+
+def _load_targets(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return targets.load(args.targets)
+
+
+def _targets_file(args: argparse.Namespace) -> str:
+    return args.targets or str(targets.DEFAULT_FILE)
+
+
+def _require_plot(args: argparse.Namespace) -> None:
+    """``--plot`` without matplotlib: one line, before anything runs."""
+    if args.plot:
+        try:
+            plot.pyplot()
+        except plot.PlotUnavailable as e:
+            raise ConvpassError(str(e)) from None
 
 
 def _out(doc: dict[str, Any], args: argparse.Namespace) -> None:
-    errors = report.validate_document(doc)
+    errors = schema.validate_document(doc)
     if errors:  # a bug in this module, not the user's: say so, still write what we have
         print(f"convpass bench: warning: the JSON document does not match its schema: {errors[0]}", file=sys.stderr)
-    if args.json_path:
-        _write_json(args.json_path, doc)
-        print(f"wrote {args.json_path}")
+    if args.json_file:
+        document.write_json(args.json_file, doc)
+        print(f"wrote {args.json_file}", file=sys.stderr)
+    if args.json:
+        sys.stdout.write(document.to_json(doc))
     if args.plot:
         try:
-            report.write_plot(doc, args.plot)
-            print(f"wrote {args.plot}")
-        except report.PlotUnavailable as e:
-            print(f"convpass bench: {e}", file=sys.stderr)
+            plot.write_plot(doc, args.plot)
+        except plot.PlotUnavailable as e:
+            raise ConvpassError(str(e)) from None
+        print(f"wrote {args.plot}", file=sys.stderr)
 
 
 def _from_json(args: argparse.Namespace) -> int:
+    _require_plot(args)
+    judged = _load_targets(args)
     docs = []
     for f in args.from_json:
         try:
             docs.append(json.loads(Path(f).read_text()))
         except (OSError, ValueError) as e:
             raise ConvpassError(f"--from-json {f}: cannot read a bench JSON document ({e})") from None
-        errors = report.validate_document(docs[-1], recorded=True)
+        errors = schema.validate_document(docs[-1], recorded=True)
         if errors:
             raise ConvpassError(f"--from-json {f}: not a convpass bench document ({errors[0]})")
-    doc = report.merge_documents(docs)
-    print(report.format_report(doc))
+    doc = document.merge_documents(docs, judged)
+    doc["settings"]["targets_file"] = _targets_file(args)
+    print(render.format_report(doc), file=_report_stream(args))
     _out(doc, args)
     return 0
 
 
-def bench_command(args: argparse.Namespace) -> int:
-    if args.from_json:
-        return _from_json(args)
+def _check_args(args: argparse.Namespace) -> None:
     if not args.models:
         raise ConvpassError("give one or more MODEL.onnx files (or --from-json FILE.json)")
     if args.no_kernels and args.fresh_process:
@@ -186,8 +220,45 @@ def bench_command(args: argparse.Namespace) -> int:
         raise ConvpassError("--runs must be >= 1 and --warmup >= 0")
     if args.fresh_timeout <= 0:
         raise ConvpassError("--fresh-timeout must be > 0")
+
+
+def _notes(args: argparse.Namespace, vs: tuple[str, ...]) -> list[str]:
+    notes = [
+        "convpass's executor replays a CUDA graph after its first run; ONNX Runtime runs without CUDA graphs (ort) and "
+        "with enable_cuda_graph=1 and fixed IOBinding buffers (ort-graph); PyTorch eager launches op by op; "
+        "torch.compile's reduce-overhead mode replays CUDA graphs.",
+        "cold start: convpass = Executor construction (model read, checks, plan) -> first result; ONNX Runtime = "
+        "session creation + first run (incl. its algorithm search, and its capture with CUDA graphs); PyTorch = "
+        "module.to(cuda) + first forward; torch.compile = module.to(cuda) + the first call, which compiles. "
+        "All in one process whose CUDA context already exists; convpass's tuning is ahead of time and reported apart.",
+    ]
+    if "ort-graph" in vs:
+        notes.append("where ONNX Runtime refuses to capture a CUDA graph (CPU-placed nodes, control flow, dynamic shapes), "
+                     "its reason is shown and its best configuration without CUDA graphs stands in for ort-graph.")
+    if args.fresh_process:
+        notes.append(render.fresh_note())
+    if args.no_kernels:
+        notes.append("--no-kernels: the tuned models carry no kernel side-car, so convpass's cold start (and the second batch "
+                     "size's start) includes compiling its kernels, unlike a deployment's; steady state is unaffected.")
+    if args.profile_ops:
+        notes.append("--profile-ops: GPU time per launch of the tuned model in eager runs (cuda_graph=False, the launches "
+                     "a graph replays), each run queued whole behind a hold kernel so that host launch overhead is not "
+                     "timed; after the case's timed runs, so the steady-state figures are not affected.")
+    return notes
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if args.from_json:
+        return _from_json(args)
+    _check_args(args)
     _, per_model = parse_batches(list(args.batch))
     vs = parse_vs(args.vs)
+    try:
+        compile_modes = parse_compile_modes(args.torch_compile_modes)
+    except ValueError as e:
+        raise ConvpassError(f"--torch-compile-modes: {e}") from None
+    judged = _load_targets(args)
+    _require_plot(args)
     reason = gpu_unavailable_reason()
     if reason is not None:
         print(f"convpass bench: no usable GPU here: {reason}; nothing was benchmarked", file=sys.stderr)
@@ -202,29 +273,18 @@ def bench_command(args: argparse.Namespace) -> int:
     batches = model_batches(paths, list(args.batch), args.panel_json)
 
     from convpass.bench import contenders
+    from convpass.bench.environment import environment
+    from convpass.bench.measure import TIMING
     from convpass.bench.roofline import measure_peaks
+
+    out = _report_stream(args)
 
     def log(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    env = contenders.environment()
-    notes = [
-        "convpass's executor replays a CUDA graph after its first run; ONNX Runtime runs with enable_cuda_graph=0 "
-        "(its default and the issue's four configurations); PyTorch eager launches op by op.",
-        "cold start: convpass = Executor construction (model read, checks, plan) -> first result; ONNX Runtime = "
-        "session creation + first run (incl. its algorithm search); PyTorch = module.to(cuda) + first forward. "
-        "All in one process whose CUDA context already exists; convpass's tuning is ahead of time and reported apart.",
-    ]
-    if args.fresh_process:
-        notes.append(report.fresh_note())
-    if args.no_kernels:
-        notes.append("--no-kernels: the tuned models carry no kernel side-car, so convpass's cold start (and the second batch "
-                     "size's start) includes compiling its kernels, unlike a deployment's; steady state is unaffected.")
-    if args.profile_ops:
-        notes.append("--profile-ops: GPU time per launch of the tuned model in eager runs (cuda_graph=False, the launches "
-                     "a graph replays), each run queued whole behind a hold kernel so that host launch overhead is not "
-                     "timed; after the case's timed runs, so the steady-state figures are not affected.")
+    env = environment()
+    notes = _notes(args, vs)
     peaks = None
     if not args.no_roofline:
         log("measuring peaks (TF32 / FP32 matmul, device copy)")
@@ -237,18 +297,26 @@ def bench_command(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "batches": {p.stem: list(batches[p.stem]) for p in paths},
         "vs": list(vs),
+        "torch_compile_modes": list(compile_modes) if "torch-compile" in vs else [],
         "tf32": args.tf32,
         "engines": args.engines,
         "kernels": not args.no_kernels,
-        "timing": contenders.TIMING,
+        "timing": TIMING,
         "cache": args.cache,
-        "tolerances": {"tf32": report.TOL_TF32, "fp32": report.TOL_FP32, "half": report.TOL_HALF},
-        "targets": dict(report.TARGETS),
+        "tolerances": {"tf32": stats.TOL_TF32, "fp32": stats.TOL_FP32, "half": stats.TOL_HALF},
+        "targets_file": _targets_file(args),
         "profile_ops": opprofile.PROFILE_RUNS if args.profile_ops else 0,
         "fresh_process": {"timeout_s": args.fresh_timeout} if args.fresh_process else None,
         "argv": sys.argv[1:],
     }
-    print(report.format_environment(env, settings, peaks), flush=True)
+    print(render.format_environment(env, settings, peaks), file=out, flush=True)
+
+    def keep(cases: list[dict[str, Any]]) -> dict[str, Any]:
+        doc = document.build_document(env, settings, peaks, cases, created, notes, judged)
+        if args.json_file:  # every finished case is kept, should a later one be interrupted
+            document.write_json(args.json_file, doc)
+        return doc
+
     cases: list[dict[str, Any]] = []
     module_cache: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="convpass-bench-") as tmp:
@@ -259,54 +327,47 @@ def bench_command(args: argparse.Namespace) -> int:
                         path, batch, vs=vs, runs=args.runs, warmup=args.warmup, tf32=args.tf32, cache=args.cache, engines=args.engines,
                         panel_json=args.panel_json, peaks=peaks, workdir=Path(tmp), module_cache=module_cache, log=log,
                         profile_runs=settings["profile_ops"], fresh_timeout=args.fresh_timeout if args.fresh_process else None,
-                        kernels=not args.no_kernels,
+                        kernels=not args.no_kernels, compile_modes=compile_modes,
                     )
-                except contenders.CaseSkipped as e:
+                except CaseSkipped as e:
                     notes.append(f"{path.stem} b{batch} skipped: {e}")
                     log(f"{path.stem} b{batch}: skipped ({e})")
                     continue
                 except ValueError as e:
                     raise ConvpassError(f"{path}: {e}") from None
-                # the bench runs a model's batches one after the other in this process: issue 10's
-                # "second batch size" target reads the convpass cold start of the cases after the first
+                # the bench runs a model's batches one after the other in this process: the next
+                # batch size's start is read from the cases after a model's first
                 case["model_order"] = 1 + sum(c["model"] == case["model"] for c in cases)
-                report.annotate_case(case)
                 cases.append(case)
-                print("\n" + report.format_case(case), flush=True)
-                if args.json_path:  # every finished case is kept, should a later one be interrupted
-                    _write_json(args.json_path, report.build_document(env, settings, peaks, cases, created, notes))
+                keep(cases)
+                print("\n" + render.format_case(case), file=out, flush=True)
             _same_executor(path, [c for c in cases if c["model"] == path.stem], args, Path(tmp), log)
-            if args.json_path:
-                _write_json(args.json_path, report.build_document(env, settings, peaks, cases, created, notes))
+            keep(cases)
     module_cache.clear()
-    doc = report.build_document(env, settings, peaks, cases, created, notes)
-    print("\n" + report.format_summary(doc["summary"]))
-    if cases:
-        print("\n" + report.format_markdown(cases))
-    if report.has_fresh(cases):
-        print("\n" + report.format_fresh_markdown(cases))
-    for n in notes:
-        print(f"note: {n}")
+    doc = keep(cases)
+    print("\n" + render.format_tail(doc), file=out)
     _out(doc, args)
     return 0
 
 
 def _same_executor(path: Path, model_cases: list[dict[str, Any]], args: argparse.Namespace, workdir: Path,
                    log: Callable[[str], None]) -> None:
-    """Issue 10's second-batch-size figure for a model whose cases ran: one executor, its batch sizes
-    in the order the cases ran; recorded in the later cases (which are annotated again)."""
-    from convpass.bench import contenders
+    """The next batch size's start for a model whose cases ran: one executor, its batch sizes in the
+    order the cases ran; recorded in the later cases (which are annotated again)."""
+    from convpass.bench.convpass_contender import run_batch_sizes_in_one_executor
+    from convpass.bench.ranking import annotate_case
+    from convpass.bench.records import find
 
-    ran = [c["batch"] for c in model_cases if (report.find(c, "convpass") or {}).get("status") in ("ok", "unchecked")]
+    ran = [c["batch"] for c in model_cases if (find(c, "convpass") or {}).get("status") in ("ok", "unchecked")]
     if len(ran) < 2:
         return
     log(f"{path.stem}: batch sizes {', '.join(map(str, ran))} in one executor")
-    records = contenders.run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir, args.engines, not args.no_kernels)
+    records = run_batch_sizes_in_one_executor(path, ran, args.tf32, args.cache, workdir, args.engines, not args.no_kernels)
     for case in model_cases:
         if case["batch"] in records:
             case["same_executor"] = records[case["batch"]]
-            report.annotate_case(case)
-            print("  " + (report.same_executor_line(case) or ""), flush=True)
+            annotate_case(case)
+            print("  " + (render.same_executor_line(case) or ""), file=_report_stream(args), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

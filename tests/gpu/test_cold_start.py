@@ -232,9 +232,9 @@ def test_the_bench_child_of_convpass_compiles_nothing_and_times_every_part(tmp_p
 
 @pytest.mark.parametrize("config", ["EXHAUSTIVE-nhwc", "HEURISTIC-nchw"])
 def test_the_bench_child_of_onnxruntime_runs_on_the_cuda_ep(tmp_path, config):
-    from convpass.bench import contenders
+    from convpass.bench import ort_contender
 
-    reason = contenders.ort_unavailable_reason()
+    reason = ort_contender.ort_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     path = MODELS / "residual_cnn.onnx" if (MODELS / "residual_cnn.onnx").exists() else SAMPLES[0]
@@ -246,9 +246,9 @@ def test_the_bench_child_of_onnxruntime_runs_on_the_cuda_ep(tmp_path, config):
 
 @pytest.mark.parametrize("config", ["nchw", "channels_last"])
 def test_the_bench_child_of_pytorch_loads_the_saved_weights(tmp_path, config):
-    from convpass.bench import contenders, peers
+    from convpass.bench import peers, torch_contender
 
-    reason = contenders.torch_unavailable_reason()
+    reason = torch_contender.torch_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     path = PANEL / "dcgan_generator.onnx"
@@ -265,10 +265,10 @@ def test_the_bench_child_of_pytorch_loads_the_saved_weights(tmp_path, config):
 
 
 def test_the_bench_times_a_later_batch_size_in_the_executor_that_ran_the_first(tmp_path):
-    from convpass.bench import contenders
+    from convpass.bench import convpass_contender
 
     path = MODELS / "mobile_block.onnx"  # the sample whose batch is dynamic
-    records = contenders.run_batch_sizes_in_one_executor(path, [1, 4], "on", str(tmp_path / "tune.db"), tmp_path)
+    records = convpass_contender.run_batch_sizes_in_one_executor(path, [1, 4], "on", str(tmp_path / "tune.db"), tmp_path)
     assert list(records) == [4]
     rec = records[4]
     assert rec["status"] == "ok" and rec["after"] == 1 and 0 < rec["seconds"] < 60, rec
