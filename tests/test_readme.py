@@ -242,7 +242,7 @@ def test_the_cpu_block_parser():
 # (e) user documentation without issue numbers or talk of the machines it was written on
 
 _ISSUE = re.compile(r"\bissues?\s*#?\s*\d+|(?<![\w/&#])#\d+\b", re.I)
-_WORDS = re.compile(r"\bsessions?\b|\bdevice machines?\b|\bwaves?\b", re.I)
+_WORDS = re.compile(r"\b(?:this|last|previous|earlier|one|a|each) sessions?\b|\bdevice machines?\b|\bwaves?\b", re.I)  # a work session; ONNX Runtime's InferenceSession is fine
 
 
 def _user_docs() -> list[Path]:
