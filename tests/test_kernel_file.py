@@ -14,6 +14,7 @@ import pytest
 import convpass
 
 from conftest import conv_model, random_input
+from convpass.compiler.aot import KernelReport
 from convpass.core import kernel_file
 from convpass.compiler.aot import parse_archs
 from convpass.core.errors import ConvpassError
@@ -360,7 +361,7 @@ def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, gr
     def compile_kernels(output):
         compiled.append(output)
         _write(kernel_file.sidecar_path(output), model_sha256=kernel_file.file_sha256(output), **HERE)
-        return types.SimpleNamespace(line=lambda: "compiled")
+        return KernelReport(kernel_file.sidecar_path(output), 1, {"90": 1}, ["1x3"], [], 0.1)
 
     monkeypatch.setattr(convpass.runtime.cuda, "unavailable_reason", lambda: None)
     monkeypatch.setattr(convpass.compiler.aot, "compile_kernels", compile_kernels)
@@ -388,3 +389,27 @@ def test_kernel_key_hashes_cupy_s_header_source_once(monkeypatch):
     assert max(hashed) < len(headers)  # the sources and the key document, never the headers again
     assert prebuilt.kernel_key("src", (), {"extra_source": headers}, "14.2.0") == key and len(set(again)) == 3
     assert key != prebuilt.kernel_key("src", (), {"extra_source": headers + " "}, "14.2.0")
+
+
+def test_optimize_names_each_conv_that_runs_slower_in_place_than_tuned(tmp_path, monkeypatch, caplog):
+    """The side-car's child times every tuned conv inside its plan; what runs over 1.15x its tuned
+    time is a warning naming the conv (the counts in one line)."""
+    import convpass.compiler.aot
+    import convpass.runtime.cuda
+    from rich.console import Console
+
+    from convpass.compiler.pipeline import _write_kernels
+
+    rows = [{"node": "fast", "profile": 0, "tuned_ms": 0.1, "in_place_ms": 0.105, "algo": "gemm", "memory_format": "NHWC", "ratio": 1.05},
+            {"node": "slow", "profile": 0, "tuned_ms": 0.1, "in_place_ms": 0.2, "algo": "gemm", "memory_format": "NCHW", "ratio": 2.0}]
+    report = KernelReport(tmp_path / "m.onnx.kernels", 1, {"90": 1}, ["1x3"], [], 0.1, 0,
+                          ({"how": "h", "reliable": True, "convs": rows}, {"how": "h", "reliable": False, "convs": rows}))
+    monkeypatch.setattr(convpass.runtime.cuda, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(convpass.compiler.aot, "compile_kernels", lambda output: report)
+    console = Console(record=True, width=400)
+    with caplog.at_level("WARNING", logger="convpass"):
+        _write_kernels(_model_file(tmp_path), True, console)
+    text = console.export_text()
+    assert "in place: 4 tuned conv launch(es) timed inside the plan, 1 more than 15% over their tuned time; 1 profile(s) timed with host gaps" in text
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "conv 'slow' (profile 0) runs 0.2000 ms in place against 0.1000 ms tuned (2.00x" in warned[0]

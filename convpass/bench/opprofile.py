@@ -23,18 +23,8 @@ type for ops run by the op library) and ``op_type`` is the ONNX op type of the l
 
 Measurement (:func:`profile_executor`)
 --------------------------------------
-The tuned model runs eagerly (``cuda_graph=False``, the same launches a captured graph replays)
-with ``backend.step_events`` set, so every launch is bracketed by two CUDA events. Eager launches
-are bound by host time (cuDNN's legacy API alone costs about 0.1 ms of host time per call), and an
-event pair around a launch the GPU had to wait for would time the host, not the GPU. So each timed
-run is queued whole before the GPU starts it: a *hold* kernel that spins for longer than the host
-needs to enqueue one run goes first, and after the run is enqueued the host checks that the hold
-is still spinning; runs where it is not are retried with a longer hold. What the events then time
-is GPU time per launch, back to back, as in a graph replay. Where no run can be queued whole (a
-launch that waits for the host inside the run; a run with more pending launches and events than the
-stream's launch queue holds, where the host blocks until the hold ends and the GPU may run dry
-later; or no hold kernel), the record says that host launch overhead is included
-(``host_gaps_excluded: false``).
+Each launch's GPU time, the tuned model run eagerly with each run queued whole behind a hold
+kernel (:mod:`convpass.runtime.cuda.timing`, which says how and when host gaps are included).
 
 The clock is injectable (:class:`CupyClock` is the real one): the aggregation and the retry logic
 are tested on a CPU with synthetic events.
@@ -44,7 +34,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
+
+from convpass.runtime.cuda.timing import Clock, CupyClock, timed_runs
 
 __all__ = [
     "FAMILIES", "FAMILY_OPS", "OP_FAMILY", "PROFILE_RUNS", "CupyClock", "aggregate", "failed", "family_line",
@@ -53,7 +45,6 @@ __all__ = [
 
 PROFILE_RUNS = 5  # timed eager runs per case
 FUSED_PREFIX = "fused "
-MAX_HOLD_S = 0.25  # longest hold kernel tried (a run that needs longer overflows the launch queue anyway)
 
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "conv": ("Conv", "ConvTranspose", "ConvInteger", "QLinearConv", "DeformConv"),
@@ -156,68 +147,6 @@ def failed(reason: str) -> dict[str, Any]:
 # measurement
 
 
-class Clock(Protocol):
-    """What :func:`profile_executor` needs from the GPU (:class:`CupyClock`; tests pass a fake)."""
-
-    note: str
-
-    def sync(self) -> None: ...
-
-    def elapsed_ms(self, start: Any, end: Any) -> float: ...
-
-    def hold(self, seconds: float) -> Callable[[], bool] | None:
-        """Queue a hold of ``seconds`` on the stream; returns the check "is it still holding?" (called
-        once the run is enqueued), or None when no hold can be queued (``note`` says why)."""
-        ...
-
-
-_HOLD_SOURCE = r"""
-extern "C" __global__ void convpass_bench_hold(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-"""
-
-
-class CupyClock:
-    """CUDA events and the hold kernel on CuPy's current stream (the stream eager runs launch on)."""
-
-    def __init__(self) -> None:
-        import cupy
-
-        self.cp = cupy
-        self.note = ""
-        self._kernel: Any = None
-
-    def sync(self) -> None:
-        self.cp.cuda.get_current_stream().synchronize()
-
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        return float(self.cp.cuda.get_elapsed_time(start, end))
-
-    def hold(self, seconds: float) -> Callable[[], bool] | None:
-        import numpy as np
-
-        cp = self.cp
-        if self._kernel is None:
-            try:
-                kernel = cp.RawKernel(_HOLD_SOURCE, "convpass_bench_hold")
-                kernel((1,), (1,), (np.uint64(0),))  # compiles it
-                self._kernel = kernel
-            except Exception as e:  # noqa: BLE001
-                self._kernel = False
-                self.note = f"no hold kernel ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
-        if self._kernel is False:
-            return None
-        self._kernel((1,), (1,), (np.uint64(int(seconds * 1e9)),))
-        released = cp.cuda.Event(disable_timing=True)
-        released.record()
-        return lambda: not released.done
-
-
 def profile_executor(executor: Any, feeds: Mapping[str, Any], runs: int = PROFILE_RUNS, *, clock: Clock | None = None,
                      warmup: int = 2, host_clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """GPU time per launch of an eager executor (``cuda_graph=False``) over ``runs`` runs, by family.
@@ -226,44 +155,12 @@ def profile_executor(executor: Any, feeds: Mapping[str, Any], runs: int = PROFIL
     enqueue sizes the hold; then up to ``runs + 2`` attempts to get ``runs`` runs queued whole
     (module docstring). ``executor.backend.step_events`` is set during the timed runs only.
     """
-    if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
     clock = clock or CupyClock()
-    backend = executor.backend
-    for _ in range(max(warmup, 1)):
-        executor.run(None, feeds)
-    clock.sync()
-    t0 = host_clock()
-    executor.run(None, feeds)
-    hold_s = min(MAX_HOLD_S, 2.0 * (host_clock() - t0) + 1e-3)
-    clock.sync()
-    whole: list[list[tuple[str, str, Any, Any]]] = []
-    other: list[list[tuple[str, str, Any, Any]]] = []
-    events: list[tuple[str, str, Any, Any]] = []
-    backend.step_events = events
-    try:
-        for _ in range(runs + 2):
-            start = len(events)
-            holding = clock.hold(hold_s)
-            executor.run(None, feeds)
-            queued = holding() if holding is not None else False
-            clock.sync()
-            (whole if queued else other).append(events[start:])
-            if len(whole) == runs or (holding is None and len(other) == runs):
-                break
-            if holding is not None and not queued:
-                hold_s = min(MAX_HOLD_S, 2.0 * hold_s)
-    finally:
-        backend.step_events = None
-    kept = whole if whole else other[:runs]
+    run = timed_runs(executor, feeds, runs, clock=clock, warmup=warmup, host_clock=host_clock)
+    kept, whole = run.runs, run.whole
     samples = [(label, op_type, clock.elapsed_ms(a, b)) for run in kept for label, op_type, a, b, *_ in run]
     head = f"eager (cuda_graph=False), CUDA events around each launch, mean of {len(kept)} run(s)"
-    if whole:
-        method = f"{head}; each run queued whole behind a hold kernel: GPU time, host launch overhead excluded"
-    else:
-        why = clock.note or "the hold ended before the run was enqueued (a launch waits for the host inside the run)"
-        method = f"{head}; host launch overhead included ({why})"
-    return aggregate(samples, len(kept), host_gaps_excluded=bool(whole), method=method)
+    return aggregate(samples, len(kept), host_gaps_excluded=whole, method=f"{head}; {run.how}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,6 +48,28 @@ class KernelReport:
     failed: list[str]
     seconds: float
     plans: int = 0  # built cuDNN graph-API plans stored beside the kernels
+    in_place: tuple[dict[str, Any], ...] = ()  # per profile: convpass.runtime.in_place.InPlaceReport.to_json()
+
+    def slow_convs(self) -> list[str]:
+        """A line per tuned conv that ran more than the in-place check allows over its tuned time."""
+        from convpass.runtime.in_place import SLOW_RATIO
+
+        out = []
+        for doc in self.in_place:
+            if doc.get("reliable"):
+                out += [f"conv {c['node']!r} (profile {c['profile']}) runs {c['in_place_ms']:.4f} ms in place against "
+                        f"{c['tuned_ms']:.4f} ms tuned ({c['ratio']:.2f}x > {SLOW_RATIO}x; {c['algo']}, {c['memory_format']})"
+                        for c in doc["convs"] if c["ratio"] > SLOW_RATIO]
+        return out
+
+    def in_place_line(self) -> str | None:
+        """How many tuned convs were timed in place, and how many ran slow."""
+        if not self.in_place:
+            return None
+        timed = sum(len(d["convs"]) for d in self.in_place)
+        unreliable = sum(1 for d in self.in_place if not d.get("reliable"))
+        note = f"; {unreliable} profile(s) timed with host gaps, not judged" if unreliable else ""
+        return f"in place: {timed} tuned conv launch(es) timed inside the plan, {len(self.slow_convs())} more than 15% over their tuned time{note}"
 
     def line(self) -> str:
         per = ", ".join(f"sm_{a}: {n}" for a, n in sorted(self.archs.items(), key=lambda x: int(x[0])))
@@ -163,7 +185,8 @@ def compile_kernels(
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-6:])
         raise ConvpassError(f"compiling the kernels of {path} failed (nothing was written):\n{tail}")
     doc = json.loads(done.stdout.strip().splitlines()[-1])
-    return KernelReport(Path(doc["path"]), doc["kernels"], doc["archs"], doc["profiles"], doc["failed"], doc["seconds"], doc.get("plans", 0))
+    return KernelReport(Path(doc["path"]), doc["kernels"], doc["archs"], doc["profiles"], doc["failed"], doc["seconds"], doc.get("plans", 0),
+                        tuple(doc.get("in_place", ())))
 
 
 def _profiles(executor: Any, shapes: Sequence[Mapping[str, Sequence[int]]]) -> list[dict[str, tuple[int, ...]]]:
@@ -220,6 +243,7 @@ def _record(request: Mapping[str, Any]) -> dict[str, Any]:
     entries = list(recorder.entries.values())
     out = kernel_file.write(kernel_file.sidecar_path(path), entries, model_sha256=digest, verified=True, cupy_version=cupy.__version__,
                             recorded_arch=local, model_profiles=not request["shapes"])
+    in_place = _check_in_place(path, profiles)
     kernels = [e for e in entries if not e.is_plan]
     archs: dict[str, int] = {}
     for e in kernels:
@@ -232,7 +256,24 @@ def _record(request: Mapping[str, Any]) -> dict[str, Any]:
         "profiles": ["x".join(map(str, next(iter(s.values())))) if len(s) == 1 else json.dumps(s) for s in profiles],
         "failed": failed,
         "seconds": round(time.perf_counter() - started, 2),
+        "in_place": in_place,
     }
+
+
+def _check_in_place(path: Path, profiles: Sequence[Mapping[str, Sequence[int]]]) -> list[dict[str, Any]]:
+    """Every tuned conv timed inside the plan it runs in (:mod:`convpass.runtime.in_place`), per
+    profile, with the kernels just written: the launches the captured graph replays."""
+    import cupy
+
+    from convpass.runtime import Executor
+    from convpass.runtime.in_place import check_in_place
+
+    executor = Executor(path, device="cuda", cuda_graph=False)
+    out = []
+    for i, shapes in enumerate(profiles):
+        feeds = {k: cupy.asarray(v) for k, v in _feeds(executor, shapes).items()}  # on the GPU: no copy inside a timed run
+        out.append(check_in_place(executor, feeds, i).to_json())
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

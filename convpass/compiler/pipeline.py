@@ -432,13 +432,20 @@ def _write_kernels(output: Path, kernels: bool, console: Console) -> None:
         console.print(f"kernels: not compiled ahead of time here ({reason}); `convpass compile {output}` on the target GPU writes them")
         return
     try:
-        console.print("kernels: " + compile_kernels(output).line())
+        report = compile_kernels(output)
+        console.print("kernels: " + report.line())
     except ConvpassError as e:
         message = f"the tuned model was written, its kernels were not: {e}"
         if console.quiet:  # a warning, not a note: said even when only errors are printed
             logger.warning("%s", message)
         else:
             console.print(f"[yellow]warning[/]: {message}", markup=True)
+        return
+    line = report.in_place_line()
+    if line:
+        console.print(line, markup=False)
+    for slow in report.slow_convs():  # what was timed alone runs slower where it runs: said, naming the conv
+        logger.warning("%s", slow)
 
 
 def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = None) -> list[dict[str, Any]]:
