@@ -28,6 +28,7 @@ from typing import Any
 
 from convpass.bench import ranking, targets as targets_mod
 from convpass.bench.schema import SCHEMA_ID
+from convpass.core.model_io import write_text_atomically
 
 
 def summarize(cases: Sequence[Mapping[str, Any]], targets: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -96,10 +97,5 @@ def _finite(x: Any) -> Any:
 
 def write_json(path: str | os.PathLike, doc: Mapping[str, Any]) -> None:
     """Atomically: a reader (or an interrupted run) never sees half a document."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(to_json(doc))
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomically(path, to_json(doc))
+

@@ -162,6 +162,12 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
     add_cache_parser(sub)
 
 
+def _add_account(sub: argparse._SubParsersAction) -> None:
+    from convpass.cli.account import add_account_parser
+
+    add_account_parser(sub)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from convpass.cli.bench import add_bench_parser
 
@@ -170,7 +176,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 # In the order --help lists them. Each imports its own module only when its parser is built.
 _SUBCOMMANDS = {"optimize": _add_optimize, "tune": _add_tune, "compile": _add_compile, "inspect": _add_inspect,
-                "run": _add_run, "cache": _add_cache, "bench": _add_bench}
+                "run": _add_run, "cache": _add_cache, "account": _add_account, "bench": _add_bench}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
