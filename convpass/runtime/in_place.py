@@ -28,6 +28,7 @@ from convpass.runtime.cuda.timing import Clock, CupyClock, timed_runs
 __all__ = ["SLOW_RATIO", "ConvInPlace", "InPlaceReport", "check_in_place"]
 
 SLOW_RATIO = 1.15
+CONV_OPS = frozenset({"Conv", "ConvTranspose"})
 RUNS = 5
 
 
@@ -73,7 +74,7 @@ def check_in_place(executor: Any, feeds: Mapping[str, Any], profile: int = 0, *,
     ``executor``: a cuda executor made with ``cuda_graph=False``; ``profile``: the index of the
     shape profile ``feeds`` has (whose recorded times are compared)."""
     clock = clock or CupyClock()
-    timed = timed_runs(executor, feeds, runs, clock=clock)
+    timed = timed_runs(executor, feeds, runs, clock=clock, ops=CONV_OPS)
     per_node = timed.per_node_ms(clock)
     convs = []
     for s in executor.plan_summary():

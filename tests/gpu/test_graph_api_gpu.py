@@ -139,7 +139,7 @@ def test_the_tuner_records_engines_beside_the_legacy_algorithms(tmp_path):
     cache.close()
     for layout in ("nchw", "nhwc"):
         mine = [r for r in rows if r.key == shape.key(layout, "default")]
-        engines = [r for r in mine if graph_api.is_engine(r.algo)]
+        engines = [r for r in mine if Algo.parse(r.algo).is_engine]
         assert any(r.status == "ok" and r.time_ms for r in engines), [(r.algo, r.status, r.note) for r in engines]
         assert any(r.algo == "implicit_gemm" and r.method == "measure" for r in mine)
 

@@ -137,7 +137,8 @@ class CudaBackend(Backend):
         self._kernels_why = "no model was bound"
         # Set to a list to profile eager runs: (launch label, op type of its node, start event, end event)
         # per launch run; the label says which kernel ran ("fused Sigmoid+Mul", "MaxPool (kernel)", ...).
-        self.step_events: list[tuple[str, str, Any, Any]] | None = None
+        self.step_events: list[tuple[str, str, Any, Any, str]] | None = None
+        self.step_event_ops: frozenset[str] | None = None  # only launches of these op types get events (None: all)
         # a Counter: a launch kind with no entry yet counts from 0 instead of failing the run
         self.counters: collections.Counter[str] = collections.Counter({
             "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,

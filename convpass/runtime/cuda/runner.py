@@ -102,16 +102,20 @@ def _run_launch(launch: Launch, env: list[Any]) -> None:
 
 
 def _run_eager(rt: Any, state: CompiledPlan, env: list[Any]) -> None:
-    """Run every step on ``env`` eagerly, with per-launch CUDA events when ``rt.step_events`` is set."""
+    """Run every step on ``env`` eagerly, with per-launch CUDA events when ``rt.step_events`` is set
+    (only around launches of ``rt.step_event_ops`` when that is set: fewer events keep a long run
+    within the stream's launch queue)."""
     timing = rt.step_events
+    only = getattr(rt, "step_event_ops", None)
     cp = rt.cp
     for i, launch in enumerate(state.launches):
         if launch is not None:
-            if timing is not None:
+            timed = timing is not None and (only is None or launch.node.op_type in only)
+            if timed:
                 begin = cp.cuda.Event()
                 begin.record()
             _run_launch(launch, env)
-            if timing is not None:
+            if timed:
                 end = cp.cuda.Event()
                 end.record()
                 timing.append((launch.label, launch.node.op_type, begin, end, launch.node.name))

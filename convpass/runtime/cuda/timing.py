@@ -109,11 +109,12 @@ class TimedRuns:
 
 
 def timed_runs(executor: Any, feeds: Mapping[str, Any], runs: int, *, clock: Clock, warmup: int = 2,
-               host_clock: Callable[[], float] = time.perf_counter) -> TimedRuns:
+               host_clock: Callable[[], float] = time.perf_counter, ops: frozenset[str] | None = None) -> TimedRuns:
     """``runs`` runs of an eager executor (``cuda_graph=False``) with an event pair around every
     launch: ``warmup`` untimed runs first (the first builds the plan), then the host time of one
     run's enqueue sizes the hold, then up to ``runs + 2`` attempts to get ``runs`` runs queued whole
-    (module docstring). ``executor.backend.step_events`` is set during the timed runs only."""
+    (module docstring). ``executor.backend.step_events`` is set during the timed runs only;
+    ``ops``: time only launches of these op types (the others run between them, untimed)."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     backend = executor.backend
@@ -128,6 +129,7 @@ def timed_runs(executor: Any, feeds: Mapping[str, Any], runs: int, *, clock: Clo
     other: list[list[tuple[Any, ...]]] = []
     events: list[tuple[Any, ...]] = []
     backend.step_events = events
+    backend.step_event_ops = ops
     try:
         for _ in range(runs + 2):
             start = len(events)
@@ -142,6 +144,7 @@ def timed_runs(executor: Any, feeds: Mapping[str, Any], runs: int, *, clock: Clo
                 hold_s = min(MAX_HOLD_S, 2.0 * hold_s)
     finally:
         backend.step_events = None
+        backend.step_event_ops = None
     if whole:
         return TimedRuns(whole, True, "each run queued whole behind a hold kernel: GPU time, host launch overhead excluded")
     why = clock.note or "the hold ended before the run was enqueued (a launch waits for the host inside the run)"
