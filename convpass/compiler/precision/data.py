@@ -12,8 +12,8 @@ A non-finite candidate value (float16 overflow) makes the error infinite; an out
 reference is all zeros has error 0 if the candidate's is too, else infinity.
 
 Input sets: each ``--calibration`` / ``--holdout`` file is a NumPy ``.npz`` archive holding one
-array per model input (by input name), any batch size (the model's other dims); each file is one
-feed. Without files, one random-normal feed (mean 0, variance 1, float32) per shape profile,
+array per model input (by input name), of the model's rank, dtype and fixed dims (any size where
+a dim is symbolic); each file is one feed. Without files, one random-normal feed (mean 0, variance 1, float32) per shape profile,
 seed 0 for calibration and seed 1 for the held-out set: real data is better (activations of
 random inputs are not those of images, speech or text), and optimize says so.
 
@@ -89,10 +89,13 @@ def load_feeds(paths: Sequence[str | os.PathLike], model: onnx.ModelProto, name:
         if missing:
             raise OptionError(f"{flag}: holds no array for the model input(s) {', '.join(missing)} (it holds {', '.join(arrays) or 'none'})")
         feed = {}
-        for k, (rank, dtype) in inputs.items():
+        for k, (dims, dtype) in inputs.items():
             a = arrays[k]
-            if a.ndim != rank or a.dtype != dtype:
-                raise OptionError(f"{flag}: array {k!r} is {a.dtype} of rank {a.ndim}; the model takes {dtype} of rank {rank}")
+            if a.ndim != len(dims) or a.dtype != dtype:
+                raise OptionError(f"{flag}: array {k!r} is {a.dtype} of rank {a.ndim}; the model takes {dtype} of rank {len(dims)}")
+            fixed = [i for i, d in enumerate(dims) if d is not None and a.shape[i] != d]
+            if fixed:
+                raise OptionError(f"{flag}: array {k!r} has shape {a.shape}; the model fixes dim {fixed[0]} at {dims[fixed[0]]}")
             feed[k] = a
         feeds.append(feed)
     shown = ", ".join(Path(p).name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
@@ -106,15 +109,13 @@ def random_feeds(model: onnx.ModelProto, profiles: Sequence[Profile], name: str)
     rng = np.random.default_rng(seed)
     inputs = _model_inputs(model)
     shapes_per_profile = [dict(p.inputs) for p in profiles] or [{}]
-    declared = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
-                for vi in model.graph.input if vi.name in inputs}
     feeds = []
     for shapes in shapes_per_profile:
         feed = {}
         for k, (_, dtype) in inputs.items():
             if not np.issubdtype(dtype, np.floating):
                 raise ConvpassError(f"model input {k!r} is {dtype}: random inputs cannot stand for it; give --calibration files")
-            dims = shapes.get(k) or declared[k]
+            dims = shapes.get(k) or inputs[k][0]
             if any(d is None or d < 1 for d in dims):
                 raise ConvpassError(f"model input {k!r} has no fixed shape to draw random inputs of: give --shape or --calibration files")
             feed[k] = rng.standard_normal(tuple(dims)).astype(dtype)
@@ -134,13 +135,14 @@ def reference_outputs(model: onnx.ModelProto, inputs: InputSet) -> list[list[np.
     return [list(session.run(names, feed)) for feed in inputs.feeds]
 
 
-def _model_inputs(model: onnx.ModelProto) -> Mapping[str, tuple[int, np.dtype]]:
-    """Graph inputs that are not initializers: name -> (rank, NumPy dtype)."""
+def _model_inputs(model: onnx.ModelProto) -> Mapping[str, tuple[list[int | None], np.dtype]]:
+    """Graph inputs that are not initializers: name -> (dims, None where not fixed; NumPy dtype)."""
     inits = {t.name for t in model.graph.initializer}
     out = {}
     for vi in model.graph.input:
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        out[vi.name] = (len(tt.shape.dim), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)))
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        out[vi.name] = (dims, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)))
     return out
