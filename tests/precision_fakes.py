@@ -1,9 +1,12 @@
-"""Synthetic tuning caches for the precision tests: every problem of a model timed at every data
-type, math mode and layout by a simple rate model, so that the real cache backend decides from them
-on a machine without a GPU.
+"""Helpers of the precision tests.
 
-The rates are made up (this is a test double, not a measurement): FMA float32 20 TFLOP/s, TF32 60,
-float16 150, plus 5 us per conv; a transpose or cast moves its bytes at 2 TB/s plus 2 us.
+* Synthetic tuning caches: every problem of a model timed at every data type, math mode and
+  layout by a simple rate model, so that the real cache backend decides from them on a machine
+  without a GPU. The rates are made up (a test double, not a measurement): FMA float32 20
+  TFLOP/s, TF32 60, float16 150, plus 5 us per conv; a transpose or cast moves its bytes at
+  2 TB/s plus 2 us.
+* :func:`residual_model`: a ResNet-style stage at real sizes (64 channels at 56x56, symbolic
+  batch), large enough that float16 pays for its casts on a GPU (the GPU tests' model).
 """
 
 from __future__ import annotations
@@ -12,12 +15,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import onnx
-import onnx_ir as ir
 
 from convpass.compiler.passes.resolve_shapes import VALUE_SHAPES_KEY
 from convpass.core.device import DeviceFingerprint
-from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ConvShape
 from convpass.tuning.cache import Measurement, TuningCache
 
@@ -70,8 +72,44 @@ def synthetic_cache(path: Path, model: onnx.ModelProto, shapes: Sequence[str] = 
     return cache
 
 
-def options(**kw) -> TuneOptions:
-    return TuneOptions(**kw)
+def residual_model(channels: int = 64, size: int = 56, blocks: int = 3, classes: int = 100, seed: int = 0) -> onnx.ModelProto:
+    """input [batch, channels, size, size] -> ``blocks`` residual blocks (conv3x3 + BN + ReLU, conv3x3
+    + BN, Add, ReLU), a strided 1x1 conv to 2x channels, GlobalAveragePool, Flatten, Gemm -> output
+    [batch, classes]. He-initialized random weights; BatchNormalization with random statistics."""
+    from onnx import TensorProto, helper, numpy_helper
 
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
 
-__all__ = ["DEVICE", "RATES", "conv_ms", "copy_ms", "ir", "rows_for", "synthetic_cache", "options"]
+    def tensor(name, array):
+        inits.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
+        return name
+
+    def conv_bn(name, x, c, k, kernel, stride=1):
+        w = tensor(f"{name}.w", rng.standard_normal((k, c, kernel, kernel)) * np.sqrt(2.0 / (c * kernel * kernel)))
+        nodes.append(helper.make_node("Conv", [x, w], [f"{name}.c"], name=name, kernel_shape=[kernel, kernel],
+                                      pads=[kernel // 2] * 4, strides=[stride, stride]))
+        bn = [tensor(f"{name}.{p}", v) for p, v in (("scale", rng.uniform(0.5, 1.0, k)), ("bias", rng.normal(0, 0.1, k)),
+                                                   ("mean", rng.normal(0, 0.1, k)), ("var", rng.uniform(0.5, 1.5, k)))]
+        nodes.append(helper.make_node("BatchNormalization", [f"{name}.c", *bn], [f"{name}.bn"], name=f"{name}/bn"))
+        return f"{name}.bn"
+
+    x = "input"
+    for b in range(blocks):
+        h = conv_bn(f"block{b}/conv1", x, channels, channels, 3)
+        nodes.append(helper.make_node("Relu", [h], [f"block{b}.r1"], name=f"block{b}/relu1"))
+        h = conv_bn(f"block{b}/conv2", f"block{b}.r1", channels, channels, 3)
+        nodes.append(helper.make_node("Add", [h, x], [f"block{b}.add"], name=f"block{b}/add"))
+        nodes.append(helper.make_node("Relu", [f"block{b}.add"], [f"block{b}.out"], name=f"block{b}/relu2"))
+        x = f"block{b}.out"
+    h = conv_bn("down", x, channels, 2 * channels, 1, stride=2)
+    nodes += [helper.make_node("Relu", [h], ["down.r"], name="down/relu"),
+              helper.make_node("GlobalAveragePool", ["down.r"], ["gap"], name="gap"),
+              helper.make_node("Flatten", ["gap"], ["flat"], name="flatten")]
+    fc_w = tensor("fc.w", rng.standard_normal((classes, 2 * channels)) / np.sqrt(2 * channels))
+    fc_b = tensor("fc.b", np.zeros(classes))
+    nodes.append(helper.make_node("Gemm", ["flat", fc_w, fc_b], ["output"], name="fc", transB=1))
+    graph = helper.make_graph(nodes, "residual_stage",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", channels, size, size])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", classes])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
