@@ -83,8 +83,7 @@ def _time_convpass(path: Path, x_dev, runs: int, warmup: int) -> tuple[float, np
     cont.warm_gpu()
     times = cont.time_steady(run, cont.device_sync, runs, warmup)
     host = [np.asarray(o.get()) for o in out]
-    del ex, out
-    cont.free_gpu_memory()
+    out.clear()
     return float(np.median(times)), host
 
 
@@ -164,8 +163,7 @@ def _time_torch(model_path: Path, panel_json: str | None, x: np.ndarray, ref: li
         cont.warm_gpu()
         times = cont.time_steady(run, torch.cuda.synchronize, runs, warmup)
     y = peers.first_tensor(out[0]).detach().float().cpu().numpy()
-    del compiled, m
-    cont.free_gpu_memory()
+    out.clear()
     return {"ms": float(np.median(times)), "error": model_error([[y]], [ref[:1]], "max-rel"), "compile_s": compile_s}
 
 

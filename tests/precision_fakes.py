@@ -51,7 +51,8 @@ def rows_for(problem: ConvProblem, rates: Mapping[tuple[str, str], float] = RATE
     return out
 
 
-def synthetic_cache(path: Path, model: onnx.ModelProto, shapes: Sequence[str] = (), rates=RATES) -> TuningCache:
+def synthetic_cache(path: Path, model: onnx.ModelProto, shapes: Sequence[str] = (), rates=RATES,
+                    dtypes: Sequence[str] = ("float32", "float16")) -> TuningCache:
     """A tuning cache at ``path`` holding rows for every problem of ``model`` (float32 and float16)
     and transpose times for every tensor shape of it."""
     from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
@@ -61,7 +62,7 @@ def synthetic_cache(path: Path, model: onnx.ModelProto, shapes: Sequence[str] = 
     uses = prepare_model(work, build_options({}), shapes, OptimizeReport())
     cache = TuningCache(path)
     for problem in uses:
-        cache.put(DEVICE, rows_for(problem, rates))
+        cache.put(DEVICE, rows_for(problem, rates, dtypes))
     seen = set()
     for profile in work.meta.get(VALUE_SHAPES_KEY, []):
         for dims in profile.values():

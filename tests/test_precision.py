@@ -280,6 +280,24 @@ def test_the_cli_runs_the_budget_loop(cache, tmp_path):
     assert _record(onnx.load(out))["within_budget"]
 
 
+def test_a_cache_without_float16_timings_plans_in_float32_and_says_so(tmp_path, capsys):
+    path = tmp_path / "fp32-only.db"
+    synthetic_cache(path, onnx.load(MODEL), rates=SLOW, dtypes=("float32",))
+    tuned = convpass.optimize(str(MODEL), cache=str(path), device_name="Synthetic", kernels=False, precision="auto", max_error=1e-2)
+    assert {r["precision"] for r in inspect(tuned)} == {"tf32"}
+    assert "6 conv(s) have no float16 measurement" in capsys.readouterr().err
+
+
+def test_unnamed_and_duplicate_nodes_get_unique_names():
+    model = onnx.load(MODEL)
+    for i, node in enumerate(model.graph.node):
+        node.name = "" if i % 2 else "same"
+    tuned = convpass.optimize(model, precision="fp16", kernels=False, quiet=True)
+    names = [n.name for n in tuned.graph.node]
+    assert len(set(names)) == len(names) and all(names)
+    assert {r["precision"] for r in inspect(tuned)} == {"fp16"}
+
+
 # ------------------------------------------------------------------ annotation
 
 

@@ -4,7 +4,6 @@ the CPU emulation, and a tuned model's outputs the same bits in two fresh proces
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -75,7 +74,8 @@ def test_reduced_precision_candidates_match_a_float64_reference(dtype, name):
     from convpass.tuning.tuner import measure_problem
 
     shape = ConvShape("fwd", dtype=dtype, **SHAPES[name])
-    rows = measure_problem(ConvProblem((shape,)), TuneOptions(engines="legacy"))
+    with cp.cuda.Stream(non_blocking=True):  # as the tuner measures
+        rows = measure_problem(ConvProblem((shape,)), TuneOptions(engines="legacy"))
     ok = [m for m in rows if m.status == "ok" and m.method == "measure" and not is_engine(m.algo) and not is_own(m.algo)
           and not fusion_of(m.algo)]
     assert ok, f"no {dtype} candidate passed the tuner for {shape}"

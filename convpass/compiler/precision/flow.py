@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,8 +41,6 @@ from convpass.compiler.precision.data import InputSet, load_feeds, model_error, 
 from convpass.compiler.precision.evaluate import CpuEvaluator, CudaEvaluator, Evaluator
 from convpass.core.errors import ConvpassError
 from convpass.core.options import TuneOptions
-
-logger = logging.getLogger("convpass")
 
 
 def name_nodes(model: ir.Model) -> None:
@@ -200,6 +197,10 @@ def _notes(result: budget.BudgetResult, sets, planner: GraphPlanner, casts: Cast
     if isinstance(evaluator, CpuEvaluator):
         notes.append("errors measured by the CPU emulation of the GPU's precision (no GPU here): rerun optimize on the GPU to "
                      "measure the tuned model itself")
+    unmeasured = [c for c in planner.convs if budget.REDUCED in planner.levels and budget.REDUCED not in planner.costs[c]]
+    if unmeasured and planner.levels[0] != planner.levels[-1]:
+        shown = ", ".join(unmeasured[:3]) + (", ..." if len(unmeasured) > 3 else "")
+        notes.append(f"{len(unmeasured)} conv(s) have no float16 measurement and were planned in float32 only: {shown}")
     if planner.unplanned:
         shown = ", ".join(planner.unplanned[:3]) + (", ..." if len(planner.unplanned) > 3 else "")
         notes.append(f"{len(planner.unplanned)} conv(s) have no measurement at every precision and keep their type and math: {shown}")
