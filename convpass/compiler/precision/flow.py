@@ -119,6 +119,8 @@ def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shap
     uses = steps.prepare(model, options, shapes, scratch)
     if not uses:
         raise ConvpassError(f"--precision {options.precision}: the model has no convolution convpass can tune")
+    sets = {"calibration": _input_set(original, calibration, scratch, "calibration"),  # read before any tuning
+            "holdout": _input_set(original, holdout, scratch, "holdout")}
     backend = make_backend()
     levels = levels_for(options)
     has_rows = backend is not None and getattr(backend, "rows", None) is not None
@@ -129,18 +131,15 @@ def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shap
     tuned = copy.copy(getattr(backend, "summary", None))
     casts = CastCosts(model, backend)
     planner = GraphPlanner(model.graph, costs, casts, levels, model.meta.get(VALUE_TYPES_KEY, {}))
-    sets = {"calibration": _input_set(original, calibration, scratch, "calibration"),
-            "holdout": _input_set(original, holdout, scratch, "holdout")}
     evaluator = evaluator or _default_evaluator(backend)
     candidates = _Candidates(steps, original, options, shapes, backend, evaluator, sets, options.error_metric)
     if options.precision == "auto":
         result = budget.fit_budget(planner, candidates.error, options.max_error)
     else:
         result = budget.measure_plan(planner, candidates.error, planner.forced(options.precision), options.max_error)
-    report.precision = _record(result, options, sets, evaluator, planner, casts)
+    report.precision = _record(result, options, sets, evaluator)
     report.notes.extend(_notes(result, sets, planner, casts, evaluator))
     errors = {c: (result.contribution(c), result.sensitivity.get(c, {}).get(budget.REDUCED)) for c in result.assignment.precisions}
-    report.precision["casts"] = result.assignment.casts
     if tuned is not None:  # the tuner's counts of the problems this run decided, not of every candidate's look-ups
         backend.summary = tuned
     write_plan(steps, model, result.assignment, options, shapes, backend, report, errors)
@@ -163,7 +162,7 @@ def _default_evaluator(backend: Any) -> Evaluator:
     return CpuEvaluator()
 
 
-def _record(result: budget.BudgetResult, options: TuneOptions, sets, evaluator, planner, casts) -> dict[str, Any]:
+def _record(result: budget.BudgetResult, options: TuneOptions, sets, evaluator) -> dict[str, Any]:
     """The ``convpass.precision`` metadata (:mod:`convpass.core.annotation`)."""
     counts: dict[str, int] = {}
     for p in result.assignment.precisions.values():
@@ -178,6 +177,7 @@ def _record(result: budget.BudgetResult, options: TuneOptions, sets, evaluator, 
         "holdout": {"error": result.holdout_error, "inputs": sets["holdout"].source},
         "within_budget": result.within_budget,
         "convs": counts,
+        "casts": result.assignment.casts,
         "evaluations": result.evaluations,
         "rounds": result.rounds,
         "note": result.message,
