@@ -107,6 +107,12 @@ def model_path(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One tuning cache for the module: the model is measured once, the other tests read it."""
+    return str(tmp_path_factory.mktemp("cache") / "c.db")
+
+
 def _held_out(seed: int = 1) -> dict[str, np.ndarray]:
     return {"input": np.random.default_rng(seed).standard_normal((BATCH, 64, 56, 56)).astype(np.float32)}
 
@@ -116,9 +122,9 @@ def _reference_of(model_path, feed):
 
 
 @pytest.mark.parametrize("budget", [1e-2, 1e-3])
-def test_a_mixed_precision_model_is_within_budget_end_to_end(model_path, tmp_path, budget):
+def test_a_mixed_precision_model_is_within_budget_end_to_end(model_path, tmp_path, cache, budget):
     out = tmp_path / "tuned.onnx"
-    tuned = convpass.optimize(str(model_path), str(out), shapes=[SPEC], cache=str(tmp_path / "c.db"),
+    tuned = convpass.optimize(str(model_path), str(out), shapes=[SPEC], cache=cache,
                               precision="auto", max_error=budget, quiet=True)
     info = annotation.read_model_info(tuned)
     record = info.precision
@@ -139,9 +145,9 @@ def test_a_mixed_precision_model_is_within_budget_end_to_end(model_path, tmp_pat
     assert model_error([ort_out], [_reference_of(model_path, feed)], "max-rel") <= 3 * budget
 
 
-def test_the_gpu_evaluator_and_the_cpu_emulation_agree_on_a_float16_model(model_path, tmp_path):
+def test_the_gpu_evaluator_and_the_cpu_emulation_agree_on_a_float16_model(model_path, tmp_path, cache):
     out = tmp_path / "fp16.onnx"
-    tuned = convpass.optimize(str(model_path), str(out), shapes=[SPEC], cache=str(tmp_path / "c.db"), precision="fp16", quiet=True)
+    tuned = convpass.optimize(str(model_path), str(out), shapes=[SPEC], cache=cache, precision="fp16", quiet=True)
     assert {r["precision"] for r in inspect(tuned)} == {"fp16"}
     feed = _held_out(3)
     inputs = InputSet("holdout", (feed,), "seed 3")
@@ -152,9 +158,9 @@ def test_the_gpu_evaluator_and_the_cpu_emulation_agree_on_a_float16_model(model_
     assert 1e-5 < gpu < 1e-2 and cpu / 3 <= gpu <= 3 * cpu
 
 
-def test_a_cached_re_run_writes_the_same_model(model_path, tmp_path):
-    first = convpass.optimize(str(model_path), None, shapes=[SPEC], cache=str(tmp_path / "c.db"), precision="auto", max_error=1e-2, quiet=True)
-    again = convpass.optimize(str(model_path), None, shapes=[SPEC], cache=str(tmp_path / "c.db"), precision="auto", max_error=1e-2, quiet=True)
+def test_a_cached_re_run_writes_the_same_model(model_path, tmp_path, cache):
+    first = convpass.optimize(str(model_path), None, shapes=[SPEC], cache=cache, precision="auto", max_error=1e-2, quiet=True)
+    again = convpass.optimize(str(model_path), None, shapes=[SPEC], cache=cache, precision="auto", max_error=1e-2, quiet=True)
     assert first.SerializeToString() == again.SerializeToString()
 
 
@@ -168,9 +174,9 @@ print(" ".join(hashlib.sha256(b"".join(o.tobytes() for o in ex.run(None, {{"inpu
 """
 
 
-def test_a_tuned_model_gives_the_same_bits_in_two_fresh_processes(model_path, tmp_path):
+def test_a_tuned_model_gives_the_same_bits_in_two_fresh_processes(model_path, tmp_path, cache):
     out = tmp_path / "tuned.onnx"
-    convpass.optimize(str(model_path), str(out), shapes=[SPEC], cache=str(tmp_path / "c.db"), precision="auto", max_error=1e-2, quiet=True)
+    convpass.optimize(str(model_path), str(out), shapes=[SPEC], cache=cache, precision="auto", max_error=1e-2, quiet=True)
     script = _RUN.format(batch=BATCH)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     runs = [subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, env=env, cwd=REPO) for _ in range(2)]
