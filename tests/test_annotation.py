@@ -73,7 +73,7 @@ def test_model_info_round_trip():
 
 @pytest.mark.parametrize(
     "version,message",
-    [("7", "newer convpass"), ("0", "no longer reads"), ("abc", "damaged")],
+    [("8", "newer convpass"), ("0", "no longer reads"), ("abc", "damaged")],
 )
 def test_other_schema_versions_are_refused_clearly(version, message):
     meta = annotation.metadata_entries(INFO)

@@ -168,7 +168,7 @@ def test_a_tuned_model_records_the_engine_and_its_legacy_fallback(tmp_path):
     [record] = convpass.inspect(tuned)
     assert (record["engine"], record["algo"], record["memory_format"]) == ("eng5", "implicit_gemm", "NHWC")
     info, [node] = annotation.read_annotations(tuned)
-    assert info.schema_version == annotation.SCHEMA_VERSION == 6
+    assert info.schema_version == annotation.SCHEMA_VERSION == 7
     assert node.decisions[0].engine == "eng5" and not node.decisions[0].is_auto
     legacy = _tuned_from_cache(tmp_path / "l", ROWS, layout="per-conv", engines="legacy")
     [record] = convpass.inspect(legacy)

@@ -39,11 +39,32 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
         "memory format: auto (whole-graph plan: conv times + transposes), per-conv (each conv its own best, "
         "transposes ignored), nchw, nhwc",
     )
+    _add_precision_options(p)
     p.add_argument("--no-kernels", dest="kernels", action="store_false",
                    help="do not compile the GPU kernels of the tuned model ahead of time (<output>.kernels; "
                    "default: compiled when this machine has a GPU)")
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     p.set_defaults(func=_optimize)
+
+
+def _add_precision_options(p: argparse.ArgumentParser) -> None:
+    """Precision per conv within an error budget (docs/precision.md)."""
+    p.add_argument("--precision", choices=["auto", "fp32", "tf32", "fp16", "bf16"],
+                   help="auto: each conv's precision (FP32, TF32, FP16) chosen by measured speed within --max-error, the "
+                   "model's error measured end to end; fp32 / tf32 / fp16: that precision for every conv (errors measured "
+                   "and recorded). Default: the model's data types, --tf32 deciding float32 convs")
+    p.add_argument("--max-error", type=float, metavar="E", help="the largest error of the outputs to accept (with --precision auto)")
+    p.add_argument("--error-metric", default="max-rel", choices=["max-rel", "rel-l2"],
+                   help="max-rel (default): max |y - y_ref| / max |y_ref|; rel-l2: ||y - y_ref|| / ||y_ref||; the worst output")
+    p.add_argument("--calibration", action="append", default=[], metavar="FILE.npz",
+                   help="inputs to measure the error on (one array per model input); repeat for more (default: random normal)")
+    p.add_argument("--holdout", action="append", default=[], metavar="FILE.npz",
+                   help="held-out inputs the chosen plan is validated on (default: random normal, another seed)")
+
+
+def _precision_options(args: argparse.Namespace) -> dict:
+    return dict(precision=args.precision, max_error=args.max_error, error_metric=args.error_metric,
+                calibration=args.calibration, holdout=args.holdout)
 
 
 def _optimize(args: argparse.Namespace) -> int:
@@ -61,6 +82,7 @@ def _optimize(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         kernels=args.kernels,
         **decision_options(args),
+        **_precision_options(args),
     )
     return 0
 
@@ -106,6 +128,19 @@ def _fmt(value, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
+def _sci(value) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def _model_precision(model) -> dict:
+    """The model's ``convpass.precision`` record (empty for a model tuned without --precision)."""
+    from convpass.core import annotation
+    from convpass.core.model_io import load_model, to_proto
+
+    info = annotation.read_model_info(to_proto(load_model(model)))
+    return dict(info.precision) if info is not None else {}
+
+
 def _with_fusion(name: str | None, fusion: str | None) -> str | None:
     """An algorithm or engine with the epilogue fused into its call (``implicit_gemm +bias+relu``)."""
     return f"{name} +{fusion}" if name and fusion else name
@@ -125,18 +160,26 @@ def _inspect(args: argparse.Namespace) -> int:
     elif devices:
         title += f", decisions for {len(devices)} devices"
     table = Table(title=title)
+    measured = any(r.get("precision_error") is not None or r.get("precision_sensitivity") is not None for r in records)
     columns = ["node", "op"] + (["device"] if len(devices) > 1 else []) + [
-        "profile", "algo", "engine", "format", "math", "tf32", "workspace", "time", "source", "problem key"]
+        "profile", "algo", "engine", "format", "math", "precision"] + (["error", "fp16 alone"] if measured else []) + [
+        "workspace", "time", "source", "problem key"]
     for col in columns:
         table.add_column(col, overflow="fold")
     for r in records:
         row = [r["node"], r["op"]] + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
             _fmt(r["profile"]), _fmt(_with_fusion(r["algo"], None if r.get("engine") else r.get("fusion"))),
-            _fmt(r.get("engine") and _with_fusion(r["engine"], r.get("fusion"))), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
+            _fmt(r.get("engine") and _with_fusion(r["engine"], r.get("fusion"))), _fmt(r["memory_format"]), _fmt(r["math_mode"]),
+            _fmt(r.get("precision"))] + ([_sci(r.get("precision_error")), _sci(r.get("precision_sensitivity"))] if measured else []) + [
             _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
         table.add_row(*row)
     console = Console(width=200)
     console.print(table)
+    precision = _model_precision(args.model)
+    if precision:
+        from convpass.compiler.pipeline import precision_line
+
+        console.print(precision_line(precision), markup=False)
     if isinstance(args.model, str) and os.path.isfile(args.model):
         from convpass.core.kernel_file import describe
 

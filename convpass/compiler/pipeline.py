@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from convpass.core.annotation import ModelInfo, Profile, SCHEMA_VERSION
 from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
 from convpass.core.errors import ConvpassError
 from convpass.core.model_io import load_model, save_model, to_proto
-from convpass.core.options import TuneOptions, parse_directions, parse_size
+from convpass.core.options import TuneOptions, check_precision_data, parse_directions, parse_size
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
 from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
@@ -65,6 +65,7 @@ class OptimizeReport:
     engine_decisions: int = 0
     fused_decisions: int = 0  # decisions whose epilogue runs fused into the conv's call (legacy fused call or fused graph)
     own_kernel_decisions: int = 0  # decisions that run convpass's own kernel (runtime.cuda.depthwise)
+    precision: dict[str, Any] | None = None  # what --precision chose and measured (convpass.core.annotation: convpass.precision)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -121,9 +122,14 @@ def decide_and_annotate(
     uses: dict[ConvProblem, list[ProblemUse]],
     backends: Sequence[DecisionBackend],
     report: OptimizeReport,
+    math_of: Mapping[str, str] | None = None,
+    errors: Mapping[str, tuple[float | None, float | None]] | None = None,
 ) -> None:
     """Decide every problem with each backend (one decision table per backend's device, in order)
-    and write the tables into the prepared model. No backends: one table of ``auto`` decisions."""
+    and write the tables into the prepared model. No backends: one table of ``auto`` decisions.
+    ``math_of``: per conv (node name), ``--tf32`` for it alone (``on`` / ``off``: its precision,
+    chosen by the precision plan); ``errors``: per conv, its measured error contribution and
+    sensitivity (:class:`AnnotateConvsPass`)."""
     problems = list(uses)
     devices = tuple(str(b.device) for b in backends if b.device is not None)
     if len(backends) > 1 and len(devices) != len(backends):
@@ -136,7 +142,7 @@ def decide_and_annotate(
         report.undecided += len(problems) - decided
         if backend.device is not None:
             report.by_device[str(backend.device)] = (decided, len(problems) - decided)
-        overrides = _plan_layouts(model, backend, options, uses, report)
+        overrides = _plan_layouts(model, backend, options, uses, report, math_of or {})
         _tuning_summary(report, backend, uses, overrides)
         tables.append(DeviceChoices(choices, overrides))
         if len(problems) > decided:
@@ -158,8 +164,9 @@ def decide_and_annotate(
         matmul_allow_tf32=options.matmul_tf32,
         options={**options.to_json(), **({"layout_applied": report.layout_mode} if report.layout_mode else {})},
         devices=devices,
+        precision=report.precision or {},
     )
-    AnnotateConvsPass(tables, info, options.directions, options.fusions)(model)
+    AnnotateConvsPass(tables, info, options.directions, options.fusions, errors)(model)
     _count_engines(model, report)
 
 
@@ -185,10 +192,30 @@ def optimize_model(
     device_name: str | None = None,
     console: Console | None = None,
     backend: DecisionBackend | None = None,
+    calibration: Sequence[str | os.PathLike] = (),
+    holdout: Sequence[str | os.PathLike] = (),
+    evaluator: Any = None,
 ) -> OptimizeReport:
-    """Run the whole pipeline on an in-memory model (modified in place); returns the report."""
+    """Run the whole pipeline on an in-memory model (modified in place); returns the report.
+    With ``options.precision``: the precision plan (:mod:`convpass.compiler.precision.flow`), its
+    errors measured on ``calibration`` / ``holdout`` (.npz files; none: random inputs) by
+    ``evaluator`` (default: the GPU executor where this machine's GPU measures, else the CPU
+    emulation)."""
     console = console or Console(stderr=True, soft_wrap=True)
     report = OptimizeReport()
+    check_precision_data(options, calibration, holdout)
+    if options.precision is not None:
+        from convpass.compiler.precision.flow import Steps, optimize_precision
+
+        def make_backend() -> DecisionBackend:
+            if backend is not None:
+                report.backend, report.device = type(backend).__name__, str(backend.device or "")
+                return backend
+            return _make_backend(options, cache, device_name, report, console)
+
+        steps = Steps(prepare_model, decide_and_annotate, OptimizeReport)
+        optimize_precision(steps, model, options, shapes, make_backend, report, calibration, holdout, evaluator)
+        return report
     uses = prepare_model(model, options, shapes, report)
     if uses:
         if backend is None:
@@ -229,30 +256,35 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
             report.conv_time_ms[profile.name] = (total_c, total_b, count)
 
 
-def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport) -> dict:
+def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport,
+                  math_of: Mapping[str, str]) -> dict:
     """With ``--layout auto``: each conv's layout from the min-cut plan over the whole graph (conv
     times + transpose times, measured by the tuner or recorded in the tuning cache), then its best
     configuration in that layout. Where the cache lacks a transpose time the plan needs, each conv
-    takes its own best layout, with a note."""
+    takes its own best layout, with a note. Convs with a math of their own (``math_of``) choose
+    under it, in the plan or, without one, in their own best layout."""
     rows = getattr(backend, "rows", None)
     transpose_ms = getattr(backend, "transpose_ms", None)
+    if rows is None or (options.layout == "auto" and transpose_ms is None):
+        if options.layout == "auto":
+            report.layout_mode = "per-conv"
+        return _math_overrides(backend, options, uses, math_of, rows) if rows is not None else {}
     if options.layout != "auto":
-        return {}
-    if rows is None or transpose_ms is None:
-        report.layout_mode = "per-conv"
-        return {}
+        return _math_overrides(backend, options, uses, math_of, rows)
     overrides = {}
     missing: set[tuple] = set()
     measures = getattr(backend, "measures", False)  # as the backend's own decisions (DecisionBackend.measures)
     value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
     picks: dict[tuple, Any] = {}
 
-    def pick_in(problem: Any, layout: str) -> Any:
-        """The problem's configuration in ``layout``, chosen once (convs share problems, and each
-        is asked for its costs and then for its pick: three times per conv and profile)."""
-        if (problem, layout) not in picks:
-            picks[(problem, layout)] = select(rows.get(problem, []), problem, dataclasses.replace(options, layout=layout))
-        return picks[(problem, layout)]
+    def pick_in(problem: Any, layout: str, node: ir.Node) -> Any:
+        """The problem's configuration in ``layout`` (under the node's own math, if any), chosen once
+        (convs share problems, and each is asked for its costs and then for its pick: three times
+        per conv and profile)."""
+        tf32 = math_of.get(node.name, options.tf32)
+        if (problem, layout, tf32) not in picks:
+            picks[(problem, layout, tf32)] = select(rows.get(problem, []), problem, _node_options(options, layout, tf32))
+        return picks[(problem, layout, tf32)]
     for i, profile in enumerate(report.profiles):
         shapes = value_shapes[i] if i < len(value_shapes) else {}
         own: dict = {}  # node -> its own-direction problem at this profile
@@ -265,7 +297,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             costs = {}
             epilogue = epilogue_ms(rows.get(problem, []), problem)
             for layout in ("nchw", "nhwc"):
-                pick = pick_in(problem, layout)
+                pick = pick_in(problem, layout, node)
                 if pick is not None and pick.time_ms is not None:
                     costs[layout] = cost_ms(pick, epilogue, problem.fusion)
             conv_costs[node] = costs
@@ -290,7 +322,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             continue  # not planned: the notes below
         for node, layout in plan.layouts.items():
             problem = own[node]
-            pick = pick_in(problem, layout)
+            pick = pick_in(problem, layout, node)
             if pick is not None:
                 source = options.strategy(problem.direction)[0] if measures else "cache"
                 overrides[(node, i)] = choice_from(pick, source, rows.get(problem, []), problem)
@@ -305,7 +337,33 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             f"tensor shape(s) the plan needs ({shown}{', ...' if len(missing) > 3 else ''}): each conv takes its own best "
             "layout here (as --layout per-conv); tuning the model once on a GPU of this type records them"
         )
-        return {}
+        return _math_overrides(backend, options, uses, math_of, rows)
+    return overrides
+
+
+def _node_options(options: TuneOptions, layout: str | None, tf32: str) -> TuneOptions:
+    """The options one conv chooses under: ``layout`` (None: the options') and its own ``--tf32``."""
+    changes: dict[str, Any] = {} if layout is None else {"layout": layout}
+    if tf32 != options.tf32:
+        changes.update(tf32=tf32, precision=None, max_error=None)
+    return dataclasses.replace(options, **changes) if changes else options
+
+
+def _math_overrides(backend: DecisionBackend, options: TuneOptions, uses: dict, math_of: Mapping[str, str], rows: dict) -> dict:
+    """Without a layout plan: each conv with a math of its own (``math_of``) takes its best
+    configuration under it, in any layout the options allow."""
+    overrides = {}
+    measures = getattr(backend, "measures", False)
+    for problem, problem_uses in uses.items():
+        for use in problem_uses:
+            tf32 = math_of.get(use.node.name)
+            if tf32 is None or (use.node.op_type == "ConvTranspose") != (problem.direction == "dgrad") or problem.direction == "wgrad":
+                continue
+            found = rows.get(problem, [])
+            pick = select(found, problem, _node_options(options, None, tf32))
+            if pick is not None:
+                source = options.strategy(problem.direction)[0] if measures else "cache"
+                overrides[(use.node, use.profile)] = choice_from(pick, source, found, problem)
     return overrides
 
 
@@ -345,12 +403,24 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
                 f"  conv time [{name}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
                 f"({chosen / heuristic:.2f}x)"
             )
+    if report.precision:
+        console.print("  " + precision_line(report.precision))
     for name, why in report.skipped:
         console.print(f"  [yellow]untuned[/] {name}: {why}")
     for note in report.notes:
         console.print(f"  [yellow]note[/]: {note}")
     if output:
         console.print(f"  wrote {output}")
+
+
+def precision_line(record: Mapping[str, Any]) -> str:
+    """One line of a model's ``convpass.precision`` record."""
+    counts = ", ".join(f"{n} {p}" for p, n in sorted(record.get("convs", {}).items()))
+    budget = f"{record['metric']} <= {record['max_error']:.3g}" if record.get("max_error") is not None else record.get("metric", "")
+    errors = ", ".join(f"{k} {record[k]['error']:.3g}" for k in ("calibration", "holdout") if k in record)
+    within = "" if record.get("within_budget", True) else " [over budget]"
+    return (f"precision {record.get('mode')} ({budget}): {counts}; {record.get('casts', 0)} casts; error on {errors}"
+            f"{within} ({record.get('evaluator', '')})")
 
 
 def build_options(kwargs: dict[str, Any]) -> TuneOptions:
@@ -383,6 +453,8 @@ def optimize_ir(
     device_name: str | None = None,
     quiet: bool = False,
     kernels: bool = True,
+    calibration: Sequence[str | os.PathLike] = (),
+    holdout: Sequence[str | os.PathLike] = (),
     **options: Any,
 ) -> ir.Model:
     """:func:`optimize`, returning the onnx-ir model: the CLI, which only wants the file, makes no
@@ -392,7 +464,10 @@ def optimize_ir(
     ``dgrad_algo`` / ``wgrad_algo`` (normal | performance | an algorithm name), ``tf32``
     (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
     (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad"), ``engines``
-    (legacy | graph | all: cuDNN's legacy algorithms, its graph-API engine configurations, or both).
+    (legacy | graph | all: cuDNN's legacy algorithms, its graph-API engine configurations, or both),
+    ``precision`` (auto | fp32 | tf32 | fp16: docs/precision.md), ``max_error`` (E, with
+    ``precision="auto"``), ``error_metric`` (max-rel | rel-l2); ``calibration`` / ``holdout``: the
+    ``.npz`` input files the model's error is measured on (none: random-normal inputs).
     ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
     ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
     model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.compiler.aot`).
@@ -403,7 +478,7 @@ def optimize_ir(
     if output is not None and not Path(output).resolve().parent.is_dir():
         raise ConvpassError(f"output directory {Path(output).parent} does not exist")
     ir_model = load_model(model)
-    report = optimize_model(ir_model, tune_options, shapes, cache, device_name, console)
+    report = optimize_model(ir_model, tune_options, shapes, cache, device_name, console, calibration=calibration, holdout=holdout)
     if output is not None:
         save_model(ir_model, output)
     print_report(report, console, str(output) if output is not None else None)
@@ -477,7 +552,8 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
             if node.domain in ("", "ai.onnx"):
                 records.append({"node": name, "op": node.op_type, "device": None, "profile": None, "problem_key": "",
                                 "algo": None, "engine": None, "fusion": None, "dgrad_algo": None, "wgrad_algo": None, "memory_format": None,
-                                "math_mode": None, "tf32": None, "workspace_bytes": None, "time_ms": None, "source": "untuned"})
+                                "math_mode": None, "tf32": None, "precision": None, "precision_error": None, "precision_sensitivity": None,
+                                "workspace_bytes": None, "time_ms": None, "source": "untuned"})
             continue
         for dev, table in zip(devices, by_name[name].tables):
             if dev not in wanted:
@@ -498,6 +574,9 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
                         "memory_format": d.memory_format,
                         "math_mode": d.math_mode,
                         "tf32": d.tf32,
+                        "precision": d.precision,
+                        "precision_error": by_name[name].precision_error,
+                        "precision_sensitivity": by_name[name].precision_sensitivity,
                         "workspace_bytes": d.workspace_bytes,
                         "time_ms": d.time_ms,
                         "source": d.source,

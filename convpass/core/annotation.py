@@ -3,7 +3,7 @@
 This module is the only place that knows the format; the annotate pass writes through it, and
 ``inspect``, the executor and everything else read through it.
 
-Format (schema version 6)
+Format (schema version 7)
 -------------------------
 * Every tuned ``Conv`` / ``ConvTranspose`` node is the same op in domain ``ai.convpass``, with all
   its original attributes unchanged, plus the decision attributes below. (schema 6) A node without
@@ -60,11 +60,26 @@ Format (schema version 6)
                       ``cache`` (looked up without that GPU: ``--device-name``, or a cache-only
                       device of ``convpass tune``) or ``auto`` (not decided)
 
+* **Precision** (schema 7; docs/precision.md). A conv's precision is read from its decision, not
+  stored twice: ``fp16`` / ``bf16`` when its problem key's data type is float16 / bfloat16 (the
+  graph holds the conv in that type, with Casts at its region's boundary), else ``tf32`` or ``fp32``
+  by its math mode (``fma`` = fp32). Where ``optimize`` measured errors (``--precision``), each conv
+  node also has, once per node (not per table or profile):
+
+  ``precision_error``        the model's error with this conv alone at its recorded precision and
+                             every other conv in FP32 (its error contribution; NaN = not measured)
+  ``precision_sensitivity``  the same with this conv alone in the reduced type (FP16): what ranked
+                             it when the budget loop moved convs up (NaN = not measured)
+
 * Model metadata (``metadata_props``): ``convpass.schema_version``, ``convpass.version``,
   ``convpass.devices`` (JSON list of device fingerprints, one per table), ``convpass.mode``,
   ``convpass.profiles`` (JSON), ``convpass.matmul_allow_tf32`` (``0``/``1``: MindSpore's
-  ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.core.options`` (JSON of the options used).
+  ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.core.options`` (JSON of the options used),
+  and (schema 7, where errors were measured) ``convpass.precision``: JSON with ``mode``,
+  ``metric``, ``max_error``, ``reduced`` (the reduced type), ``evaluator``, ``calibration`` and
+  ``holdout`` (each ``{"error": float, "inputs": text}``), ``within_budget``, ``casts``, ``note``.
 
+Schema 6 (still read) is schema 7 without the precision attributes and metadata.
 Schema 5 (still read) is schema 6 with every conv named by its standard op, bias or not.
 Schema 4 (still read) is schema 5 with ``fusion`` for engines only and times of the bare conv: its
 legacy decisions run the conv alone and the epilogue as one pass, as they were timed. Schema 3 is
@@ -95,8 +110,8 @@ from convpass.core.device import DeviceFingerprint
 
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
-SCHEMA_VERSION = 6
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+SCHEMA_VERSION = 7
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 CONV_OPS = ("Conv", "ConvTranspose")
 BIASLESS_SUFFIX = "NoBias"
 # the op types of annotated convs in DOMAIN -> the standard op each one runs
@@ -143,6 +158,9 @@ DECISION_ATTRIBUTES = (
     "problem_key",
     "source",
 )
+# per node, not per (table, profile): the measured error contributions (schema 7)
+PRECISION_ATTRIBUTES = ("precision_error", "precision_sensitivity")
+_PRECISION_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 META_PREFIX = "convpass."
 
@@ -178,6 +196,16 @@ class ConvDecision:
             return None
         return self.math_mode != "fma"
 
+    @property
+    def precision(self) -> str | None:
+        """fp32 / tf32 / fp16 / bf16 (module docstring, "Precision"); None when not decided."""
+        dtype = self.problem_key.split("|")[10] if self.problem_key.count("|") >= 10 else ""
+        if dtype in _PRECISION_OF_DTYPE:
+            return _PRECISION_OF_DTYPE[dtype]
+        if self.math_mode == AUTO:
+            return None
+        return "fp32" if self.math_mode == "fma" else "tf32"
+
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
@@ -212,6 +240,7 @@ class ModelInfo:
     matmul_allow_tf32: bool
     options: Mapping[str, Any]
     devices: tuple[str, ...] = ()
+    precision: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # convpass.precision (schema 7)
 
     def __post_init__(self) -> None:
         if not self.devices and self.device:
@@ -249,6 +278,8 @@ class NodeAnnotation:
     op_type: str
     decisions: tuple[ConvDecision, ...]
     tables: tuple[tuple[ConvDecision, ...], ...] = ()
+    precision_error: float | None = None  # schema 7 (module docstring, "Precision")
+    precision_sensitivity: float | None = None
 
 
 def _canonical_device(text: str) -> str:
@@ -301,6 +332,14 @@ def decision_attributes(decisions: Sequence[ConvDecision]) -> dict[str, Any]:
     return attrs
 
 
+def precision_attributes(error: float | None, sensitivity: float | None) -> dict[str, float]:
+    """The per-node precision attributes (schema 7) of a conv; none when neither was measured."""
+    if error is None and sensitivity is None:
+        return {}
+    return {"precision_error": math.nan if error is None else float(error),
+            "precision_sensitivity": math.nan if sensitivity is None else float(sensitivity)}
+
+
 def annotated_op_type(op_type: str, has_bias: bool) -> str:
     """The op type in DOMAIN of a tuned ``Conv`` / ``ConvTranspose`` with or without a bias."""
     return op_type if has_bias else op_type + BIASLESS_SUFFIX
@@ -331,14 +370,14 @@ def conv_function(annotated_op: str, opset_version: int) -> onnx.FunctionProto:
         ["Y"],
         [body],
         [helper.make_opsetid("", opset_version)],
-        attributes=[*standard, *DECISION_ATTRIBUTES],
+        attributes=[*standard, *DECISION_ATTRIBUTES, *PRECISION_ATTRIBUTES],
         doc_string=f"convpass-tuned {op_type}: runs as the standard {op_type}; decisions are attributes.",
     )
 
 
 def metadata_entries(info: ModelInfo) -> dict[str, str]:
     """Model metadata (key -> value) for a tuned model, in the current schema."""
-    return {
+    entries = {
         f"{META_PREFIX}schema_version": str(SCHEMA_VERSION),
         f"{META_PREFIX}version": info.convpass_version,
         f"{META_PREFIX}devices": json.dumps(list(info.devices)),
@@ -347,6 +386,9 @@ def metadata_entries(info: ModelInfo) -> dict[str, str]:
         f"{META_PREFIX}matmul_allow_tf32": "1" if info.matmul_allow_tf32 else "0",
         f"{META_PREFIX}options": json.dumps(dict(info.options), sort_keys=True),
     }
+    if info.precision:
+        entries[f"{META_PREFIX}precision"] = json.dumps(dict(info.precision), sort_keys=True)
+    return entries
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,6 +426,9 @@ def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
     try:
         profiles = tuple(Profile.from_json(p) for p in json.loads(meta.get(f"{META_PREFIX}profiles", "[]")))
         options = json.loads(meta.get(f"{META_PREFIX}options", "{}"))
+        precision = json.loads(meta.get(f"{META_PREFIX}precision", "{}")) if version >= 7 else {}
+        if not isinstance(precision, dict):
+            raise ValueError(f"convpass.precision must be a JSON object, got {precision!r}")
         if version == 1:
             one = meta.get(f"{META_PREFIX}device", "")
             devices: tuple[str, ...] = (one,) if one else ()
@@ -402,6 +447,7 @@ def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
             matmul_allow_tf32=meta.get(f"{META_PREFIX}matmul_allow_tf32", "0") == "1",
             options=options,
             devices=devices,
+            precision=precision,
         )
     except (ValueError, KeyError, TypeError) as e:
         raise AnnotationError(f"convpass metadata is damaged: {e}") from None
@@ -465,7 +511,11 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
         for i in range(entries)
     ]
     tables = tuple(tuple(decisions[t * n_profiles:(t + 1) * n_profiles]) for t in range(n_tables))
-    return NodeAnnotation(node_name=name, op_type=standard_op_type(node), decisions=tables[table], tables=tables)
+    measured = {a.name: float(a.f) for a in node.attribute if a.name in PRECISION_ATTRIBUTES}
+    error, sensitivity = (measured.get(k, math.nan) for k in PRECISION_ATTRIBUTES)
+    return NodeAnnotation(node_name=name, op_type=standard_op_type(node), decisions=tables[table], tables=tables,
+                          precision_error=None if math.isnan(error) else error,
+                          precision_sensitivity=None if math.isnan(sensitivity) else sensitivity)
 
 
 def read_annotations(
@@ -487,7 +537,7 @@ def read_annotations(
 
 def standard_attributes(node: onnx.NodeProto) -> list[onnx.AttributeProto]:
     """The node's attributes less the decision attributes: what the standard op takes."""
-    return [a for a in node.attribute if a.name not in DECISION_ATTRIBUTES]
+    return [a for a in node.attribute if a.name not in DECISION_ATTRIBUTES and a.name not in PRECISION_ATTRIBUTES]
 
 
 def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:

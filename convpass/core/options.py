@@ -24,6 +24,18 @@ ALGO_KEYWORDS = ("normal", "performance")
 # legacy: cuDNN's legacy algorithms only; graph: graph-API engine configurations (forward convs;
 # dgrad / wgrad stay legacy); all: both, the fastest wins (convpass.native.cudnn.graph_api).
 ENGINE_CHOICES = ("legacy", "graph", "all")
+# Precision per conv (docs/precision.md): auto = chosen within --max-error by measurement; the others
+# force one precision on every conv. None (the default): the model's data types stay and --tf32
+# decides float32 convs by speed alone.
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+PRECISION_CHOICES = ("auto", *PRECISIONS)
+ERROR_METRICS = ("max-rel", "rel-l2")
+# Why bf16 is refused (docs/precision.md, "What is honoured where").
+BF16_UNSUPPORTED = (
+    "--precision bf16: a bfloat16 Conv is standard ONNX only from opset 22 (convpass reads opsets up to 21), "
+    "ONNX Runtime's CPU provider has no bfloat16 Conv, and the convpass executor holds no bfloat16 tensors; "
+    "use fp16 (or auto, which chooses among fp32, tf32 and fp16)"
+)
 
 # Algorithm names per direction, as users write them (MindSpore's vocabulary); the cuDNN enums
 # module owns them (pure Python: importing it loads nothing).
@@ -63,8 +75,12 @@ class TuneOptions:
     deterministic: bool = False
     directions: tuple[str, ...] = ("fwd",)
     engines: str = "all"
+    precision: str | None = None
+    max_error: float | None = None
+    error_metric: str = "max-rel"
 
     def __post_init__(self) -> None:
+        self._check_precision()
         _choice("--mode", self.mode, MODES)
         _choice("--engines", self.engines, ENGINE_CHOICES)
         _choice("--tf32", self.tf32, TF32_CHOICES)
@@ -80,6 +96,31 @@ class TuneOptions:
             raise OptionError(f"--directions {','.join(self.directions)!r}: expected fwd plus optionally dgrad, wgrad")
         if self.workspace_limit is not None and self.workspace_limit < 0:
             raise OptionError("--workspace-limit must be >= 0")
+
+    def _check_precision(self) -> None:
+        if self.precision is not None:
+            _choice("--precision", self.precision, PRECISION_CHOICES)
+        _choice("--error-metric", self.error_metric, ERROR_METRICS)
+        if self.precision == "bf16":
+            raise OptionError(BF16_UNSUPPORTED)
+        if self.max_error is not None:
+            if isinstance(self.max_error, bool) or not isinstance(self.max_error, (int, float)) or not 0 < self.max_error < float("inf"):
+                raise OptionError(f"--max-error {self.max_error!r}: expected a positive number, e.g. 1e-2")
+            if self.precision is None:
+                raise OptionError("--max-error applies with --precision (auto, or a forced precision to check against)")
+        if self.precision == "auto" and self.max_error is None:
+            raise OptionError("--precision auto needs --max-error E, the largest error of the outputs to accept (e.g. 1e-2)")
+        clash = {("fp32", "on"): "turns TF32 off", ("tf32", "off"): "turns TF32 on"}.get((self.precision or "", self.tf32))
+        if clash:
+            raise OptionError(f"--precision {self.precision} {clash} for every conv: it contradicts --tf32 {self.tf32}")
+
+    @property
+    def wide_precisions(self) -> tuple[str, ...]:
+        """The precisions a float32 conv may take, most accurate last (TF32 is the math of a float32
+        conv: FP32 = FMA math, TF32 = tensor-core math)."""
+        if self.precision in ("fp32", "tf32"):
+            return (self.precision,)
+        return {"auto": ("tf32", "fp32"), "on": ("tf32",), "off": ("fp32",)}[self.tf32]
 
     def strategy(self, direction: str) -> tuple[str, str | None]:
         """How to choose the algorithm of a direction: (heuristic|exhaustive|measure|forced, forced name)."""
@@ -110,10 +151,10 @@ class TuneOptions:
         return self.engine_space("fwd")[1]
 
     def math_modes(self, dtype: str) -> tuple[str, ...]:
-        """cuDNN math types to consider for a data type under --tf32."""
+        """cuDNN math types to consider for a data type under --tf32 and --precision."""
         if dtype != "float32":
             return ("default",)  # half / bf16 use tensor cores by default; TF32 does not apply
-        return {"auto": ("default", "fma"), "on": ("default",), "off": ("fma",)}[self.tf32]
+        return tuple({"tf32": "default", "fp32": "fma"}[p] for p in self.wide_precisions)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,6 +163,13 @@ class TuneOptions:
 def _choice(flag: str, value: str, choices: Sequence[str]) -> None:
     if value not in choices:
         raise OptionError(f"{flag} {value!r}: expected one of {', '.join(choices)}")
+
+
+def check_precision_data(options: TuneOptions, calibration: Sequence[str], holdout: Sequence[str]) -> None:
+    """The calibration and held-out input files apply only where errors are measured."""
+    if (calibration or holdout) and options.precision is None:
+        flag = "--calibration" if calibration else "--holdout"
+        raise OptionError(f"{flag} applies with --precision (the inputs the model's error is measured on)")
 
 
 def parse_directions(text: str | Sequence[str]) -> tuple[str, ...]:

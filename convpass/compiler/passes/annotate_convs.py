@@ -9,9 +9,11 @@ Rules:
   recorded as ``auto`` (chosen at run time), never as made-up measurements.
 * Convs marked ``convpass.skip`` (dynamic weights, untunable data types) stay standard ops.
 * Unnamed conv nodes get a name (``<op>_<n>``) so reports and warnings can point at them.
+* Where errors were measured (``--precision``), each conv also gets its error contribution and
+  sensitivity (``errors``: node name -> the two numbers; :func:`annotation.precision_attributes`).
 * The model gets the ``ai.convpass`` opset import, one model-local function per annotated op type
   (the standard op at the model's opset), an IR version that allows functions (at least 8, never
-  above what ONNX Runtime reads), and the convpass metadata.
+  above what ONNX Runtime reads), and the convpass metadata (replacing any a previous tuning wrote).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ class DeviceChoices:
 class AnnotateConvsPass(ir.passes.InPlacePass):
     """Records the choices on the conv nodes and makes the model self-describing (module rules)."""
 
-    def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",), fusions: bool = False) -> None:
+    def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",), fusions: bool = False,
+                 errors: Mapping[str, tuple[float | None, float | None]] | None = None) -> None:
         super().__init__()
+        self.errors = dict(errors or {})
         self.fusions = fusions
         if len(tables) != info.tables:
             raise ValueError(f"{len(tables)} decision tables for {info.tables} device table(s) {list(info.devices)}")
@@ -119,7 +123,8 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
                 for table in self.tables
                 for p in range(len(node.meta[CANONICAL_KEY]))
             ]
-            for name, value in annotation.decision_attributes(decisions).items():
+            measured = annotation.precision_attributes(*self.errors.get(node.name, (None, None)))
+            for name, value in {**annotation.decision_attributes(decisions), **measured}.items():
                 node.attributes[name] = _ir_attr(name, value)
             node.domain = annotation.DOMAIN
             has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
@@ -133,6 +138,9 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
         if used_ops:
             model.opset_imports[annotation.DOMAIN] = annotation.DOMAIN_VERSION
             model.ir_version = max(model.ir_version, annotation.MIN_IR_VERSION)
-        for key, value in annotation.metadata_entries(self.info).items():
+        entries = annotation.metadata_entries(self.info)
+        for key in [k for k in model.metadata_props if k.startswith(annotation.META_PREFIX) and k not in entries]:
+            del model.metadata_props[key]
+        for key, value in entries.items():
             model.metadata_props[key] = value
         return ir.passes.PassResult(model, modified=True)

@@ -24,7 +24,8 @@ Rules:
 * Results: ``node.meta["convpass.shapes"]`` = per profile ``(x_shape, w_shape, dtype)``,
   ``model.meta["convpass.profiles"]`` = the profiles and ``model.meta["convpass.value_shapes"]`` =
   per profile every value shape inference gave, with the CPU run's shapes carried through (the
-  layout planner prices transposes with them). Convs with data types convpass does not tune
+  layout planner prices transposes with them) and ``model.meta["convpass.value_types"]`` every
+  value's element type (the precision planner reads them). Convs with data types convpass does not tune
   (anything but float32 / float16 / bfloat16) are marked ``convpass.skip`` with a warning.
 """
 
@@ -48,6 +49,7 @@ SHAPES_KEY = "convpass.shapes"
 SKIP_KEY = "convpass.skip"
 PROFILES_KEY = "convpass.profiles"
 VALUE_SHAPES_KEY = "convpass.value_shapes"  # model.meta: per profile, {value name: dims}
+VALUE_TYPES_KEY = "convpass.value_types"  # model.meta: {value name: ONNX element type}, as inference gave them
 CONV_OPS = ("Conv", "ConvTranspose")
 
 _DTYPES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
@@ -189,6 +191,7 @@ class ResolveShapesPass(ir.passes.InPlacePass):
         sought = list({v.name: v for node in tuned for v in node.inputs[:2] if v.const_value is None}.values())
         inference = _ShapeInference(model)
         inferred = []
+        model.meta[VALUE_TYPES_KEY] = {}
         for profile in profiles:
             shapes, types = inference(profile)
             shapes, types, run = resolve_on_cpu(model, profile, sought, shapes, types, lambda pins, p=profile: inference(p, pins))
@@ -196,6 +199,7 @@ class ResolveShapesPass(ir.passes.InPlacePass):
                 self.cpu_runs.append(run)
                 self.notes.extend(_notes(run, tuned))
             inferred.append(shapes)
+            model.meta[VALUE_TYPES_KEY].update(types)
         model.meta[VALUE_SHAPES_KEY] = inferred
         for node, dtype in tuned.items():
             x, w = node.inputs[0], node.inputs[1]
