@@ -3,8 +3,8 @@
 Steps (on the model ``optimize`` is given, in place):
 
 1. Every node gets a unique name (the plan names nodes across copies of the graph); the constant
-   weight computations are folded; this float32 graph is the *original* the reference runs and
-   every candidate is built from.
+   weight computations and the BatchNormalizations after convs are folded; every candidate is
+   built from this float32 graph. The reference is the model as given, run in float32.
 2. The graph passes run as usual (shapes, canonical convs, problems); the decision backend decides
    every conv problem and its float16 variant, which gives each conv's cost per precision
    (:mod:`convpass.compiler.precision.choose`).
@@ -32,6 +32,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.reduce_precision import ReducePrecisionPass
 from convpass.compiler.passes.resolve_shapes import VALUE_TYPES_KEY
@@ -77,11 +78,13 @@ class _Candidates:
     """Builds the model a plan writes and measures its error on an input set."""
 
     def __init__(self, steps: Steps, original: onnx.ModelProto, options: TuneOptions, shapes, backend, evaluator: Evaluator,
-                 sets: dict[str, InputSet], metric: str) -> None:
+                 sets: dict[str, InputSet], metric: str, given: onnx.ModelProto) -> None:
+        """``original``: the float32 graph every candidate is built from; ``given``: the model as the
+        user gave it, whose float32 outputs are the reference."""
         self.steps = steps
         self.original, self.options, self.shapes, self.backend = original, options, shapes, backend
         self.evaluator, self.sets, self.metric = evaluator, sets, metric
-        self.reference = {name: reference_outputs(original, s) for name, s in sets.items()}
+        self.reference = {name: reference_outputs(given, s) for name, s in sets.items()}
         self._last: tuple[Any, onnx.ModelProto] | None = None
 
     def build(self, plan: budget.Assignment) -> onnx.ModelProto:
@@ -113,7 +116,9 @@ def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shap
     """The whole of the module docstring on ``model``; fills ``report`` as ``optimize_model`` does,
     plus ``report.precision``."""
     name_nodes(model)
+    given = ir.serde.serialize_model(model)
     FoldConvWeightsPass()(model)
+    FoldBatchNormsPass()(model)  # in float32, as the written model has them: every candidate starts from here
     original = ir.serde.serialize_model(model)
     scratch = steps.report()
     uses = steps.prepare(model, options, shapes, scratch)
@@ -132,7 +137,7 @@ def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shap
     casts = CastCosts(model, backend)
     planner = GraphPlanner(model.graph, costs, casts, levels, model.meta.get(VALUE_TYPES_KEY, {}))
     evaluator = evaluator or _default_evaluator(backend)
-    candidates = _Candidates(steps, original, options, shapes, backend, evaluator, sets, options.error_metric)
+    candidates = _Candidates(steps, original, options, shapes, backend, evaluator, sets, options.error_metric, given)
     if options.precision == "auto":
         result = budget.fit_budget(planner, candidates.error, options.max_error)
     else:
