@@ -31,6 +31,7 @@ from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
+from convpass.compiler import fusions
 from convpass.compiler.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
 from convpass.kernels.depthwise import is_own
 
@@ -64,6 +65,9 @@ class OptimizeReport:
     engine_decisions: int = 0
     fused_decisions: int = 0  # decisions whose epilogue runs fused into the conv's call (legacy fused call or fused graph)
     own_kernel_decisions: int = 0  # decisions that run convpass's own kernel (runtime.cuda.depthwise)
+    fusion_units: int = 0  # fusion units found (convpass.compiler.fusions)
+    fusion_measured: int = 0  # their decisions (unit x device x profile) timed on the GPU
+    fusion_fused: int = 0  # of those, the ones measured to run fused
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -117,14 +121,21 @@ def decide_and_annotate(
     uses: dict[ConvProblem, list[ProblemUse]],
     backends: Sequence[DecisionBackend],
     report: OptimizeReport,
+    fusion_timer: fusions.Timer | None = None,
 ) -> None:
     """Decide every problem with each backend (one decision table per backend's device, in order)
-    and write the tables into the prepared model. No backends: one table of ``auto`` decisions."""
+    and write the tables into the prepared model. No backends: one table of ``auto`` decisions.
+    Fusion units are decided per backend's device too (:mod:`convpass.compiler.fusions`: timed
+    where the backend measures on this GPU, or with ``fusion_timer``; else not measured) and
+    recorded beside the tables."""
     problems = list(uses)
     devices = tuple(str(b.device) for b in backends if b.device is not None)
     if len(backends) > 1 and len(devices) != len(backends):
         raise ValueError("several decision tables need a device each")
     tables: list[DeviceChoices] = []
+    value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
+    units = fusions.find_units(model, value_shapes)
+    record: dict = {}
     for backend in backends:
         choices = backend.decide(problems, options)
         decided = sum(1 for c in choices.values() if c is not None)
@@ -132,7 +143,12 @@ def decide_and_annotate(
         report.undecided += len(problems) - decided
         if backend.device is not None:
             report.by_device[str(backend.device)] = (decided, len(problems) - decided)
-        overrides = _plan_layouts(model, backend, options, uses, report)
+        device = str(backend.device or "")
+        timer = fusion_timer if fusion_timer is not None else (fusions.gpu_timer() if getattr(backend, "measures", False) else None)
+        for key, (kind, names, decisions) in fusions.decide_fusions(model, units, value_shapes, device, timer, report.notes).items():
+            record.setdefault(key, (kind, names, []))[2].extend(decisions)
+        fused = [fusions.fused_nodes(u, record, device, p) for p, u in enumerate(units)]
+        overrides = _plan_layouts(model, backend, options, uses, report, fused)
         _tuning_summary(report, backend, uses, overrides)
         tables.append(DeviceChoices(choices, overrides))
         if len(problems) > decided:
@@ -144,6 +160,7 @@ def decide_and_annotate(
     if not backends:
         tables.append(DeviceChoices({}))
         report.undecided = len(problems)
+        record = fusions.decide_fusions(model, units, value_shapes, "", None, report.notes)
     info = ModelInfo(
         schema_version=SCHEMA_VERSION,
         convpass_version=__version__,
@@ -156,7 +173,17 @@ def decide_and_annotate(
         devices=devices,
     )
     AnnotateConvsPass(tables, info, options.directions, options.fusions)(model)
+    fusions.write_record(model, record)
     _count_engines(model, report)
+    _count_fusions(record, report)
+
+
+def _count_fusions(record: dict, report: OptimizeReport) -> None:
+    """The report's fusion counts: units, and per source how many decisions fuse."""
+    decisions = [d for _, _, ds in record.values() for d in ds]
+    report.fusion_units = len(record)
+    report.fusion_measured = sum(1 for d in decisions if d.source == annotation.MEASURED)
+    report.fusion_fused = sum(1 for d in decisions if d.fused)
 
 
 def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
@@ -225,11 +252,13 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
             report.conv_time_ms[profile.name] = (total_c, total_b, count)
 
 
-def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport) -> dict:
+def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport,
+                  fused: Sequence[Sequence[Sequence[ir.Node]]] = ()) -> dict:
     """With ``--layout auto``: each conv's layout from the min-cut plan over the whole graph (conv
     times + transpose times, measured by the tuner or recorded in the tuning cache), then its best
     configuration in that layout. Where the cache lacks a transpose time the plan needs, each conv
-    takes its own best layout, with a note."""
+    takes its own best layout, with a note. ``fused``: per profile, the node lists of the fusion
+    units that run fused (one movable step each)."""
     rows = getattr(backend, "rows", None)
     transpose_ms = getattr(backend, "transpose_ms", None)
     if options.layout != "auto":
@@ -281,7 +310,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
                 return 0.0
             return ms
 
-        plan = plan_layouts(model.graph, conv_costs, cost)
+        plan = plan_layouts(model.graph, conv_costs, cost, fused[i] if i < len(fused) else (), shapes)
         if missing:
             continue  # not planned: the notes below
         for node, layout in plan.layouts.items():
@@ -326,6 +355,10 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
     if report.own_kernel_decisions:
         console.print(f"  {report.own_kernel_decisions} of {report.decisions_recorded} conv decisions run convpass's own depthwise kernel "
                       "(measured faster than every cuDNN algorithm)")
+    if report.fusion_units:
+        measured = (f"{report.fusion_measured} decision(s) measured on the GPU, {report.fusion_fused} of them fused"
+                    if report.fusion_measured else "not measured: the executor fuses them by rule")
+        console.print(f"  {report.fusion_units} fusion unit(s) (normalization + epilogue): {measured}")
     if report.fused_decisions:
         console.print(f"  {report.fused_decisions} of {report.decisions_recorded} conv decisions run their epilogue fused into the conv's call "
                       "(the rest: the conv, then one element-wise pass)")
