@@ -405,3 +405,57 @@ def test_the_layout_plan_lets_convs_around_a_fused_groupnorm_stay_nhwc():
     assert set(alone.layouts.values()) == {"nchw"}  # the Reshapes pin the GroupNorm: NHWC would cost two transposes
     fused = plan_layouts(model.graph, convs, lambda v: 0.4, [units[0].nodes])
     assert set(fused.layouts.values()) == {"nhwc"} and fused.transposes == 2  # the graph's input and output only
+
+
+# ---------------------------------------------------------------------------------------------
+# conv bias units
+
+
+def _rrdb_like(shape=(2, 8, 6, 6)):
+    """RRDB's pieces: LeakyReLU(conv(x) + b) into a Concat, and conv(..) * 0.2 + x."""
+    rng = np.random.default_rng(0)
+    c = shape[1]
+    nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"), N("LeakyRelu", ["c1"], ["f1"], alpha=0.2, name="lrelu"),
+             N("Concat", ["x", "f1"], ["cat"], axis=1, name="cat"), N("Conv", ["cat", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             N("Mul", ["c2", "scale"], ["m"], name="scale"), N("Add", ["m", "x"], ["y"], name="residual"),
+             N("Conv", ["y", "w3", "b3"], ["c3"], name="conv3"), N("Relu", ["c3"], ["out"], name="relu")]
+    inits = [const("w1", rng.standard_normal((c, c, 3, 3)) * 0.2), const("b1", rng.standard_normal(c)),
+             const("w2", rng.standard_normal((c, 2 * c, 3, 3)) * 0.2), const("b2", rng.standard_normal(c)), const("scale", 0.2),
+             const("w3", rng.standard_normal((c, c, 1, 1))), const("b3", rng.standard_normal(c))]
+    return _model(nodes, inits, shape, "out")
+
+
+def test_a_convs_bias_moves_into_the_element_wise_step_that_reads_it():
+    """conv1 -> LeakyRelu and conv2 -> Mul are units (conv3 -> Relu is not: the conv's own epilogue
+    takes a ReLU). Untuned convs may add the bias in cuDNN's call: nothing moves by rule; forced, the
+    conv loses its bias and an Add of it joins the reader's fused element-wise group."""
+    from convpass.kernels import elementwise
+
+    model = _rrdb_like()
+    f = feeds((2, 8, 6, 6))
+    ex = Executor(model, device="cpu")
+    _run_twice(ex, f)
+    assert [(s.kind, s.nodes, s.fused) for s in ex.fusion_summary()] == [("bias", ("conv1", "lrelu"), False), ("bias", ("conv2", "scale"), False)]
+    assert "nothing to move" in ex.fusion_summary()[0].note
+    forced = Executor(model, device="cpu", fusions=True)
+    got = _run_twice(forced, f)
+    np.testing.assert_allclose(got, _ort(model, f), rtol=1e-5, atol=1e-5)
+    plan = forced.last_plan
+    convs = [s for s in plan.steps if s.node.op_type == "Conv"]
+    assert [len(s.inputs) > 2 and s.inputs[2] >= 0 for s in convs] == [False, False, True]
+    groups = elementwise.plan_groups(plan, [None] * len(plan.steps))
+    assert [g.ops for g in groups] == [("Add", "LeakyRelu"), ("Add", "Mul", "Add")]
+
+
+def test_a_bias_moves_only_where_the_conv_runs_it_as_a_pass_of_its_own():
+    from convpass.kernels.fused_steps import _bias_is_a_pass
+
+    def step(**decision):
+        d = annotation.ConvDecision(**decision) if decision else None
+        return types.SimpleNamespace(node=types.SimpleNamespace(prepared=types.SimpleNamespace(decision=d)))
+
+    assert _bias_is_a_pass(step(algo="implicit_gemm", memory_format="NHWC"))
+    assert not _bias_is_a_pass(step(algo="implicit_precomp_gemm", fusion="bias"))  # cuDNN's fused call adds it
+    assert _bias_is_a_pass(step(algo="implicit_gemm", engine="eng67_k2=2"))  # the engine's bare conv, then a pass
+    assert not _bias_is_a_pass(step(algo="implicit_gemm", engine="eng0", fusion="bias+swish"))
+    assert not _bias_is_a_pass(step()) and not _bias_is_a_pass(step(algo="auto"))  # untuned: cuDNN's heuristic may fuse it

@@ -10,6 +10,7 @@ GPU time of the unit's launches, without Python's launch overhead.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -44,9 +45,11 @@ def time_unit(proto: onnx.ModelProto, x_name: str, fused: bool, channels_last: b
     from convpass.tuning import harness
 
     backend = CudaBackend(cuda_graph=False)
-    executor = Executor(proto, device=backend, fusions=fused, kernels=False, check_model=False)
-    feeds = _feeds(cp, proto, x_name, channels_last)
-    plan = executor.prepare(feeds)
+    with warnings.catch_warnings():  # start-up compilation of a model of its own: nothing to say
+        warnings.simplefilter("ignore")
+        executor = Executor(proto, device=backend, fusions=fused, kernels=False, check_model=False)
+        feeds = _feeds(cp, proto, x_name, channels_last)
+        plan = executor.prepare(feeds)
     state = plan.backend_state
     slots = plan.feed_slots
 

@@ -10,8 +10,9 @@ Rules:
    constants the profile makes them), compiled by the cuda executor with the unit fused and with
    it unfused, the compiled launches captured once as a CUDA graph and the graph replayed
    (:func:`convpass.tuning.harness.time_launches`: warm clocks, groups, median). Fused is timed
-   on channels-first and on channels-last input, unfused on channels-first (its ops' own memory
-   format). The unit runs fused when the fused step is no slower than the unfused launches on
+   on channels-first and on channels-last input (the normalized tensor, or a bias unit's conv
+   input), unfused on channels-first (its ops' own memory format). A bias unit's conv runs
+   untuned there (cuDNN's heuristic): forced, its bias moves whatever the conv would do. The unit runs fused when the fused step is no slower than the unfused launches on
    channels-first input; all three times are recorded. Units of one structure and shapes are
    timed once.
 2. Without a GPU (or when the unit cannot be cut out: a shape input computed some other way) the
@@ -33,8 +34,8 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from convpass.core.annotation import MEASURED, NOT_MEASURED, FusionDecision, FusionRecord, fusion_entries
-from convpass.core.fusion_units import RULES, GraphView, NormUnit, find_norm_units, unit_key
+from convpass.core.annotation import ANNOTATED_OPS, DOMAIN as ANNOTATED, MEASURED, NOT_MEASURED, FusionDecision, FusionRecord, fusion_entries
+from convpass.core.fusion_units import RULES, BiasUnit, GraphView, NormUnit, find_units as find_graph_units, unit_key
 
 logger = logging.getLogger("convpass")
 
@@ -57,6 +58,8 @@ class IrView(GraphView):
         return self._nodes
 
     def op(self, node: ir.Node) -> str:
+        if node.domain == ANNOTATED and node.op_type in ANNOTATED_OPS:
+            return ANNOTATED_OPS[node.op_type]  # a tuned conv runs as the standard op
         return node.op_type if node.domain in ("", "ai.onnx") else ""
 
     def opset(self, node: ir.Node) -> int:
@@ -115,13 +118,21 @@ class IrView(GraphView):
         return None
 
 
-def find_units(model: ir.Model, value_shapes: Sequence[Mapping[str, Sequence[Any]]]) -> list[list[NormUnit]]:
+Unit = NormUnit | BiasUnit
+
+
+def find_units(model: ir.Model, value_shapes: Sequence[Mapping[str, Sequence[Any]]]) -> list[list[Unit]]:
     """The fusion units of ``model``, per shape profile (``value_shapes``: one mapping each; one
     empty mapping when there are none)."""
-    return [find_norm_units(IrView(model.graph, shapes)) for shapes in (value_shapes or [{}])]
+    return [find_graph_units(IrView(model.graph, shapes)) for shapes in (value_shapes or [{}])]
 
 
-def unit_model(model: ir.Model, unit: NormUnit, view: IrView) -> tuple[onnx.ModelProto | None, str]:
+def _input_of(unit: Unit) -> ir.Value:
+    """The value a unit's timing stores channels-last: its normalized input, or its conv's input."""
+    return unit.x if isinstance(unit, NormUnit) else unit.conv.inputs[0]
+
+
+def unit_model(model: ir.Model, unit: Unit, view: IrView) -> tuple[onnx.ModelProto | None, str]:
     """The unit's nodes as a model of their own for one profile's shapes (rule 1), or None and why."""
     produced = {v for n in unit.nodes for v in n.outputs}
     inits: dict[str, onnx.TensorProto] = {}
@@ -151,13 +162,15 @@ def unit_model(model: ir.Model, unit: NormUnit, view: IrView) -> tuple[onnx.Mode
     return helper.make_model(graph, opset_imports=opsets, ir_version=9), ""
 
 
-def _signature(unit: NormUnit, view: IrView) -> tuple:
-    """What decides a unit's times: its ops and attributes, the shapes it reads and its groups."""
+def _signature(unit: Unit, view: IrView) -> tuple:
+    """What decides a unit's times: its ops and attributes, and the shapes and types it reads."""
     ops = tuple((view.op(n), tuple(sorted((k, repr(a.value)) for k, a in n.attributes.items()))) for n in unit.nodes)
-    return ops, view.shape(unit.x), str(view.dtype(unit.x)), unit.groups, tuple(view.shape(v) for v in unit.externals)
+    produced = {v for n in unit.nodes for v in n.outputs}
+    reads = tuple((view.shape(v), str(view.dtype(v))) for n in unit.nodes for v in n.inputs if v is not None and v not in produced)
+    return unit.kind, ops, reads
 
 
-def decide_fusions(model: ir.Model, units: Sequence[Sequence[NormUnit]], value_shapes: Sequence[Mapping[str, Sequence[Any]]],
+def decide_fusions(model: ir.Model, units: Sequence[Sequence[Unit]], value_shapes: Sequence[Mapping[str, Sequence[Any]]],
                    device: str, timer: Timer | None, notes: list[str]) -> dict[str, tuple[str, tuple[str, ...], list[FusionDecision]]]:
     """Every unit's decisions for ``device`` (rules 1-2); ``timer``: None records ``not measured``."""
     record: dict[str, tuple[str, tuple[str, ...], list[FusionDecision]]] = {}
@@ -184,27 +197,31 @@ def decide_fusions(model: ir.Model, units: Sequence[Sequence[NormUnit]], value_s
     return record
 
 
-def _measure(model: ir.Model, unit: NormUnit, view: IrView, timer: Timer, failed: list[str]) -> dict[str, float] | None:
+def _measure(model: ir.Model, unit: Unit, view: IrView, timer: Timer, failed: list[str]) -> dict[str, float] | None:
     proto, why = unit_model(model, unit, view)
     if proto is None:
         failed.append(f"{unit.names[0]}: {why}")
         return None
+    x = _input_of(unit).name
     try:
         return {
-            "fused_nchw": timer(proto, unit.x.name, True, False),
-            "fused_nhwc": timer(proto, unit.x.name, True, True),
-            "unfused_nchw": timer(proto, unit.x.name, False, False),
+            "fused_nchw": timer(proto, x, True, False),
+            "fused_nhwc": timer(proto, x, True, True),
+            "unfused_nchw": timer(proto, x, False, False),
         }
     except Exception as e:  # noqa: BLE001  (a unit that does not run alone: not measured, said once)
         failed.append(f"{unit.names[0]}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         return None
 
 
-def fused_nodes(units: Sequence[NormUnit], record: Mapping[str, tuple[str, tuple[str, ...], Sequence[FusionDecision]]], device: str,
+def fused_nodes(units: Sequence[Unit], record: Mapping[str, tuple[str, tuple[str, ...], Sequence[FusionDecision]]], device: str,
                 profile: int) -> list[list[ir.Node]]:
-    """The node lists of the units that run fused on ``device`` for ``profile`` (rule 3)."""
+    """The node lists of the normalization units that run fused on ``device`` for ``profile`` (rule
+    3; a bias unit changes no node's format)."""
     out = []
     for unit in units:
+        if unit.kind != "norm":
+            continue
         entry = record.get(unit_key(unit.names))
         decision = next((d for d in entry[2] if d.device == device and d.profile == profile), None) if entry else None
         fused = unit.kind in RULES if decision is None or decision.fused is None else decision.fused

@@ -68,6 +68,7 @@ class OptimizeReport:
     fusion_units: int = 0  # fusion units found (convpass.compiler.fusions)
     fusion_measured: int = 0  # their decisions (unit x device x profile) timed on the GPU
     fusion_fused: int = 0  # of those, the ones measured to run fused
+    fusion_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # units per kind (norm, bias)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -182,6 +183,10 @@ def _count_fusions(record: dict, report: OptimizeReport) -> None:
     """The report's fusion counts: units, and per source how many decisions fuse."""
     decisions = [d for _, _, ds in record.values() for d in ds]
     report.fusion_units = len(record)
+    kinds: dict[str, int] = {}
+    for kind, _, _ in record.values():
+        kinds[kind] = kinds.get(kind, 0) + 1
+    report.fusion_kinds = kinds
     report.fusion_measured = sum(1 for d in decisions if d.source == annotation.MEASURED)
     report.fusion_fused = sum(1 for d in decisions if d.fused)
 
@@ -334,6 +339,9 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
     return overrides
 
 
+_UNIT_KINDS = {"norm": "normalization + epilogue", "bias": "conv bias into the element-wise step after it"}
+
+
 def print_report(report: OptimizeReport, console: Console, output: str | None = None) -> None:
     tuned = report.convs - len(report.skipped)
     console.print(
@@ -358,7 +366,8 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
     if report.fusion_units:
         measured = (f"{report.fusion_measured} decision(s) measured on the GPU, {report.fusion_fused} of them fused"
                     if report.fusion_measured else "not measured: the executor fuses them by rule")
-        console.print(f"  {report.fusion_units} fusion unit(s) (normalization + epilogue): {measured}")
+        kinds = ", ".join(f"{n} {_UNIT_KINDS.get(k, k)}" for k, n in sorted(report.fusion_kinds.items()))
+        console.print(f"  {report.fusion_units} fusion unit(s) ({kinds}): {measured}")
     if report.fused_decisions:
         console.print(f"  {report.fused_decisions} of {report.decisions_recorded} conv decisions run their epilogue fused into the conv's call "
                       "(the rest: the conv, then one element-wise pass)")

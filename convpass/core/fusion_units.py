@@ -31,6 +31,17 @@ Normalization units (kind ``norm``)
   (and is no graph output) is the unit; its last value is the unit's output.
 
 A core of forms 1 and 2 with an empty epilogue is no unit (there is nothing to fuse).
+
+Conv bias units (kind ``bias``)
+-------------------------------
+A ``Conv`` (standard, or a tuned one of ``ai.convpass``) with a constant bias whose output is read by
+exactly one node, an element-wise one (:data:`EPILOGUE_OPS`) other than ``Relu`` and ``Add`` (the
+conv's own epilogue already takes those in its pass: :mod:`convpass.kernels.convolution`), with
+an output of the conv's shape, and is no graph output: RRDB's ``LeakyReLU(conv(x) + b)``, its
+residual scaling ``conv(x) * 0.2``. Fused, the conv runs without its bias and the bias is added
+in the element-wise kernel that follows (one pass over the conv's output instead of two); the
+executor does that only where the conv runs its bias as a pass of its own (a tuned decision with
+no epilogue fused into cuDNN's call: a legacy algorithm, or a graph-API engine of the bare conv).
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EPILOGUE_OPS", "RULES", "GraphView", "NormUnit", "find_norm_units", "unit_key"]
+__all__ = ["EPILOGUE_OPS", "RULES", "BiasUnit", "GraphView", "NormUnit", "find_bias_units", "find_norm_units", "find_units", "unit_key"]
 
 # Element-wise ops an epilogue may contain (each has an expression in the cuda backend's
 # generated kernels: convpass.kernels.elementwise.EXPRESSIONS).
@@ -55,6 +66,7 @@ EPILOGUE_OPS = frozenset(
 # the docstring of the kind's fused step).
 RULES = {
     "norm": "fewer passes: the fused step reads the input twice and writes once, the unfused steps add a pass per element-wise step",
+    "bias": "fewer passes: the bias is added in the element-wise pass that follows instead of a pass of its own",
 }
 
 _FLOAT = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
@@ -129,6 +141,49 @@ class NormUnit:
     @property
     def epilogue(self) -> tuple[Any, ...]:
         return self.nodes[self.core:]
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasUnit:
+    """A conv bias unit (module rules): the conv and the element-wise node that reads it."""
+
+    nodes: tuple[Any, ...]
+    names: tuple[str, ...]
+    bias: np.ndarray
+
+    kind = "bias"
+
+    @property
+    def conv(self) -> Any:
+        return self.nodes[0]
+
+
+def find_units(view: GraphView) -> list[NormUnit | BiasUnit]:
+    """Every fusion unit of the graph, normalization units first (a node belongs to one unit)."""
+    norms = find_norm_units(view)
+    taken = {n for u in norms for n in u.nodes}
+    return [*norms, *(u for u in find_bias_units(view) if not taken.intersection(u.nodes))]
+
+
+def find_bias_units(view: GraphView) -> list[BiasUnit]:
+    """Every conv bias unit of the graph (module rules), in graph order."""
+    units = []
+    for node in view.nodes():
+        ins = list(view.inputs(node))
+        if view.op(node) != "Conv" or len(ins) < 3 or ins[2] is None or not view.outputs(node):
+            continue
+        bias, y = view.const(ins[2]), view.outputs(node)[0]
+        if bias is None or bias.ndim != 1 or y is None or view.is_output(y) or view.shape(y) is None:
+            continue
+        readers = view.readers(y)
+        if len(readers) != 1 or view.op(readers[0]) not in EPILOGUE_OPS - {"Relu", "Add"}:
+            continue
+        reader = readers[0]
+        out = view.outputs(reader)[0] if view.outputs(reader) else None
+        if out is None or view.shape(out) != view.shape(y) or view.opset(reader) < 7:
+            continue
+        units.append(BiasUnit((node, reader), (view.name(node), view.name(reader)), bias))
+    return units
 
 
 def unit_key(names: Sequence[str]) -> str:

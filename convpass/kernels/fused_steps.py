@@ -1,9 +1,15 @@
 """Fusion units in an executor plan: found on the plan (:class:`PlanView`, the rules of
 :mod:`convpass.core.fusion_units`), and each one the model's decision (or the kind's rule) says
-runs fused replaced by one step of the op library's fused ops (:mod:`convpass.ops.fused`), at the
-position of its last node. Every backend runs that step: the CPU one with NumPy, the cuda one
-with its own kernels (:mod:`convpass.kernels.group_norm`) or, where they do not take a case,
-the same op over CuPy.
+runs fused rewritten:
+
+* a normalization unit becomes one step of the op library's fused ops (:mod:`convpass.ops.fused`),
+  at the position of its last node. Every backend runs that step: the CPU one with NumPy, the cuda
+  one with its own kernels (:mod:`convpass.kernels.group_norm`) or, where they do not take a case,
+  the same op over CuPy;
+* a conv bias unit loses the conv's bias input, and an ``Add`` of the bias (seen as ``(K, 1, ...,
+  1)``) follows the conv, so the cuda backend's element-wise fusion puts it in the kernel of the
+  node that reads the conv (:mod:`convpass.kernels.elementwise`). Only where the conv would run its
+  bias as a pass of its own (its decision fuses no epilogue into cuDNN's call), or when forced.
 
 What was found and what ran is recorded on the plan (:attr:`Plan.fusions`, one
 :class:`FusionSummary` per unit) for the executor's plan summary.
@@ -17,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from convpass.core.fusion_units import GraphView, NormUnit, find_norm_units
+from convpass.core.annotation import DOMAIN as TUNED_DOMAIN
+from convpass.core.fusion_units import BiasUnit, GraphView, NormUnit, find_units
 from convpass.kernels.plan import Plan, PlanStep
 from convpass.ops.fused import FUSED_DOMAIN, ChainStep, NormSpec, norm_impl
-from convpass.ops.registry import NodeInfo
+from convpass.ops.registry import NodeInfo, lookup
 
 __all__ = ["FusionSummary", "PlanView", "apply_fusions", "describe_fusions"]
 
@@ -57,6 +64,8 @@ class PlanView(GraphView):
 
     def op(self, node: int) -> str:
         info = self.plan.steps[node].node
+        if info.domain == TUNED_DOMAIN and info.op_type in ("Conv", "ConvTranspose"):
+            return info.op_type  # a tuned conv runs as the standard op
         return info.op_type if info.domain == "" else ""
 
     def opset(self, node: int) -> int:
@@ -93,30 +102,61 @@ class PlanView(GraphView):
         return None if info is None else np.dtype(info[1])
 
 
-Decide = Callable[[NormUnit], tuple[bool, str, str]]  # unit -> (fused, why, note)
+Decide = Callable[[NormUnit | BiasUnit], tuple[bool, str, str]]  # unit -> (fused, why, note)
 
 
 def apply_fusions(plan: Plan, decide: Decide, to_host: Callable[[Any], np.ndarray] = np.asarray,
                   upload: Callable[[np.ndarray], Any] = lambda a: a) -> list[FusionSummary]:
-    """Find the plan's fusion units, replace each one ``decide`` fuses by its fused step, refresh
+    """Find the plan's fusion units, rewrite each one ``decide`` fuses (module docstring), refresh
     the plan's liveness and record a :class:`FusionSummary` per unit in ``plan.fusions``."""
-    units = find_norm_units(PlanView(plan, to_host))
+    units = find_units(PlanView(plan, to_host))
     summaries = []
-    replaced: dict[int, PlanStep | None] = {}  # step -> its fused step (at the last member) or None (removed)
+    replaced: dict[int, list[PlanStep]] = {}  # step -> the steps that run in its place (none: removed)
     for unit in units:
         fused, why, note = decide(unit)
+        if fused and unit.kind == "bias" and why != "forced" and not _bias_is_a_pass(plan.steps[unit.conv]):
+            fused, note = False, "the conv's decision adds its bias in cuDNN's call: nothing to move"
         summaries.append(FusionSummary(unit.kind, unit.names, fused, why, note))
         if not fused:
             continue
+        if unit.kind == "bias":
+            replaced.update(_moved_bias(plan, unit, upload))
+            continue
         members = sorted(unit.nodes)
         for i in members:
-            replaced[i] = None
-        replaced[members[-1]] = _norm_step(plan, unit, upload)
+            replaced[i] = []
+        replaced[members[-1]] = [_norm_step(plan, unit, upload)]
     if replaced:
-        plan.steps = [replaced.get(i, st) for i, st in enumerate(plan.steps) if replaced.get(i, st) is not None]
+        plan.steps = [new for i, st in enumerate(plan.steps) for new in replaced.get(i, [st])]
         plan.refresh_liveness()
     plan.fusions = summaries
     return summaries
+
+
+def _bias_is_a_pass(step: PlanStep) -> bool:
+    """Whether a conv step adds its bias in a pass of its own: a tuned decision that fuses no
+    epilogue into its call (a legacy algorithm, convpass's own kernel, or a graph-API engine of the
+    bare conv)."""
+    decision = getattr(step.node.prepared, "decision", None)
+    return decision is not None and not decision.is_auto and not decision.fusion
+
+
+def _moved_bias(plan: Plan, unit: BiasUnit, upload: Callable[[np.ndarray], Any]) -> dict[int, list[PlanStep]]:
+    """The conv without its bias, an Add of the bias after it, the reader reading that sum."""
+    conv_i, reader_i = unit.nodes
+    conv, reader = plan.steps[conv_i], plan.steps[reader_i]
+    y = conv.outputs[0]
+    shape, dtype = plan.info(y)
+    name = conv.node.name
+    view = np.asarray(unit.bias).reshape((-1,) + (1,) * (len(shape) - 2)).astype(dtype)
+    bias = plan.add_constant(f"{name}::bias", upload(view))
+    summed = plan.add_value(f"{plan.slot_names[y]}::biased", shape, dtype)
+    add = NodeInfo(f"{name}::bias", "Add", "", 14, {}, [plan.slot_names[y], plan.slot_names[bias]], [plan.slot_names[summed]],
+                   impl=lookup("Add", "", 14))
+    bare = PlanStep(conv.node, conv.fn, (*conv.inputs[:2], -1), conv.outputs, ())
+    added = PlanStep(add, add.impl.fn, (y, bias), (summed,), ())
+    reads = PlanStep(reader.node, reader.fn, tuple(summed if s == y else s for s in reader.inputs), reader.outputs, ())
+    return {conv_i: [bare, added], reader_i: [reads]}
 
 
 def _norm_step(plan: Plan, unit: NormUnit, upload: Callable[[np.ndarray], Any]) -> PlanStep:

@@ -118,6 +118,14 @@ class Plan:
         self.template.append(value)
         return len(self.template) - 1
 
+    def add_value(self, name: str, shape: tuple[int, ...], dtype: Any) -> int:
+        """A new slot for a value computed by a step (a rewrite of the plan added it); returns its slot."""
+        self.slot_names.append(name)
+        self.template.append(None)
+        slot = len(self.template) - 1
+        self.value_info[slot] = (tuple(shape), np.dtype(dtype))
+        return slot
+
     def info(self, slot: int) -> tuple[tuple[int, ...], np.dtype] | None:
         """(shape, dtype) of a slot: computed values from ``value_info``, constants from the template."""
         if slot < 0:
