@@ -365,7 +365,7 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
                       "(measured faster than every cuDNN algorithm)")
     if report.fusion_units:
         measured = (f"{report.fusion_measured} decision(s) measured on the GPU, {report.fusion_fused} of them fused"
-                    if report.fusion_measured else "not measured: the executor fuses them by rule")
+                    if report.fusion_measured else "not measured: the executor applies the rule of each kind")
         kinds = ", ".join(f"{n} {_UNIT_KINDS.get(k, k)}" for k, n in sorted(report.fusion_kinds.items()))
         console.print(f"  {report.fusion_units} fusion unit(s) ({kinds}): {measured}")
     if report.fused_decisions:

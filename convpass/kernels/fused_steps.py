@@ -115,7 +115,7 @@ def apply_fusions(plan: Plan, decide: Decide, to_host: Callable[[Any], np.ndarra
     for unit in units:
         fused, why, note = decide(unit)
         if fused and unit.kind == "bias" and why != "forced" and not _bias_is_a_pass(plan.steps[unit.conv]):
-            fused, note = False, "the conv's decision adds its bias in cuDNN's call: nothing to move"
+            fused, note = False, "the conv adds no bias in a pass of its own (untuned, or fused into cuDNN's call): nothing to move"
         summaries.append(FusionSummary(unit.kind, unit.names, fused, why, note))
         if not fused:
             continue
