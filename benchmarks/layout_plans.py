@@ -32,8 +32,8 @@ from convpass.compiler.passes import plan_layouts as planner
 from convpass.compiler.pipeline import build_options, optimize_model
 
 
-def _pinned_ops(graph, conv_costs, transpose_ms) -> str:
-    movable = planner.movable_nodes(graph, conv_costs)
+def _pinned_ops(graph, conv_costs, transpose_ms, units=(), shapes=None) -> str:
+    movable = planner.movable_nodes(graph, conv_costs, units, shapes)
     moves = planner.channel_moves(graph)  # read or give NHWC by rule: not pinned
     count: collections.Counter = collections.Counter()
     ms: collections.Counter = collections.Counter()
@@ -56,9 +56,9 @@ def plan_row(path: Path, input_name: str, dims: list, cache: str, device: str, t
     seen: list[str] = []
     plan_layouts = pipeline.plan_layouts
 
-    def planning(graph, conv_costs, transpose_ms):  # the pipeline's own call, looked at on the way
-        seen.append(_pinned_ops(graph, conv_costs, transpose_ms))
-        return plan_layouts(graph, conv_costs, transpose_ms)
+    def planning(graph, conv_costs, transpose_ms, units=(), shapes=None):  # the pipeline's own call, looked at on the way
+        seen.append(_pinned_ops(graph, conv_costs, transpose_ms, units, shapes))
+        return plan_layouts(graph, conv_costs, transpose_ms, units, shapes)
 
     pipeline.plan_layouts = planning
     try:

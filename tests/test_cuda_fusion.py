@@ -93,6 +93,9 @@ CASES = {
     "gelu_ops": ([N("Gelu", ["X"], ["g"]), N("Gelu", ["g"], ["Y"], approximate="tanh")], [], [], 20),
     "sigmoid_chain": ([N("Sigmoid", ["X"], ["s"]), N("Mul", ["s", "X"], ["m"]), N("Sigmoid", ["m"], ["Y"])], [], [], 17),
     "swish": ([N("Swish", ["X"], ["Y"], alpha=0.8)], [], [], 24),
+    # an ECA / squeeze-excitation gate broadcast by an Expand: read per channel, not copied per element
+    "expand_gate": ([N("Sigmoid", ["G"], ["s"]), N("Expand", ["s", "shape"], ["e"]), N("Mul", ["X", "e"], ["Y"])], [("G", (2, 3, 1, 1))],
+                    [_const("shape", X_SHAPE, np.int64)], 17),
     # a MatMul's bias Add read twice by the decomposed GELU after it: internal to one group (a DAG)
     "bias_gelu": (
         [
@@ -165,7 +168,7 @@ def compiled(tmp_path_factory):
     entries = []
     for case, (nodes, extra, inits, opset) in CASES.items():
         for dtype, tp in ((np.float32, TensorProto.FLOAT), (np.float64, TensorProto.DOUBLE)):
-            cast_inits = [_const(t.name, numpy_helper.to_array(t), dtype) for t in inits]
+            cast_inits = [_const(t.name, numpy_helper.to_array(t), dtype) if t.data_type != TensorProto.INT64 else t for t in inits]
             model = _model(nodes, [("X", X_SHAPE), *extra], "Y", tp, cast_inits, opset)
             feeds = _feeds(extra, dtype)
             plan, ref = _plan(model, feeds)
@@ -351,7 +354,7 @@ def _stored_channels_last(a):
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc", "mixed", "concat-slice"])
-@pytest.mark.parametrize("case", ["batchnorm_relu", "bias_gelu", "se_gate", "prelu", "arithmetic", "silu"])
+@pytest.mark.parametrize("case", ["batchnorm_relu", "bias_gelu", "se_gate", "expand_gate", "prelu", "arithmetic", "silu"])
 def test_broadcasting_kernel_source_matches_the_numpy_ops(tmp_path, case, layout):
     """The generated kernel, compiled as host C++ and run thread by thread over its real launch
     grid, on operands stored channels-first, channels-last, both, and into a Concat slice."""

@@ -245,7 +245,7 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
-@pytest.mark.parametrize("family", ["normalization", "pooling", "tensor_ops"])
+@pytest.mark.parametrize("family", ["normalization", "pooling", "tensor_ops", "group_norm"])
 def test_kernel_sources_compile_for_hopper(family, tmp_path):
     """Every hand-written kernel source compiles for sm_90 without spills, in float16 (the variant
     with the cuda_fp16 header; float32 is the same code with plain floats)."""
@@ -262,6 +262,30 @@ def test_kernel_sources_compile_for_hopper(family, tmp_path):
     assert "bytes spill stores" in done.stderr and all(
         line.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for line in done.stderr.splitlines() if "spill stores" in line
     ), done.stderr
+
+
+@pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_fused_norm_apply_kernel_compiles_for_hopper(dtype, tmp_path):
+    """The generated apply kernel of a fused GroupNorm + SiLU + residual (statistics and parameters
+    read as float beside the tensor's storage type) compiles for sm_90 without spills."""
+    from fused_models import block, feeds
+    from convpass.kernels import elementwise, group_norm
+
+    ex = Executor(block(), device="cpu")
+    ex.run(None, feeds((2, 8, 5, 6)))
+    ex.run(None, feeds((2, 8, 5, 6)))
+    spec = ex.last_plan.steps[-1].node.prepared
+    kinds = ["constant", "constant", "value"]
+    group = group_norm.apply_group(spec, dtype, kinds)
+    src = elementwise.broadcast_source(group, group_norm.apply_classes(kinds, [(8, 1, 1), (8, 1, 1), (2, 8, 5, 6)]))
+    path = tmp_path / f"{src.name}.cu"
+    path.write_text(src.code)
+    done = subprocess.run([NVCC, "-std=c++17", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert all(f"Compiling entry function '{e}'" in done.stderr for e in src.entries), done.stderr
+    assert all(line.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for line in done.stderr.splitlines() if "spill stores" in line)
 
 
 def test_global_pooling_walks_positions_as_one_strided_run():

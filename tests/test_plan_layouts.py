@@ -93,10 +93,11 @@ def _random_case(seed):
 def _brute_force_ms(graph, nodes, conv_costs, transpose_ms):
     import itertools
 
-    from convpass.compiler.passes.plan_layouts import _evaluate, movable_nodes
+    from convpass.compiler.passes.plan_layouts import _evaluate, concat_families, movable_nodes
 
     movable = [n for n in nodes if n in movable_nodes(graph, conv_costs)]
-    return min(_evaluate(graph, dict(zip(movable, f)), conv_costs, transpose_ms).cost_ms
+    families = concat_families(graph)
+    return min(_evaluate(graph, dict(zip(movable, f)), conv_costs, transpose_ms, families).cost_ms
                for f in itertools.product(("nchw", "nhwc"), repeat=len(movable)))
 
 
@@ -148,11 +149,8 @@ def test_a_standalone_concat_and_a_pad_pass_nhwc_through():
     assert set(plan.layouts.values()) == {"nhwc"} and plan.transposes == 2 and plan.cost_ms == pytest.approx(17)
 
 
-def test_nested_concats_stay_nchw():
-    # DenseNet: cat([x0, f1]) is a contiguous run of cat([x0, f1, f2]); both stay NCHW, so NHWC convs
-    # that read them pay a transpose each
-    from convpass.compiler.passes.plan_layouts import standalone_concats
-
+def _dense_block():
+    """DenseNet / RRDB: cat([x, f1]) is a contiguous run of cat([x, f1, f2]): one buffer."""
     x = ir.Value(name="x")
     f1 = _node("Conv", x, name="f1")
     c1 = _node("Concat", x, f1.outputs[0], name="c1", axis=1)
@@ -160,30 +158,53 @@ def test_nested_concats_stay_nchw():
     c2 = _node("Concat", x, f1.outputs[0], f2.outputs[0], name="c2", axis=1)
     out = _node("Conv", c2.outputs[0], name="out")
     graph = ir.Graph([x], [out.outputs[0]], nodes=[f1, c1, f2, c2, out])
-    assert standalone_concats(graph) == set()
-    costs = {n: {"nchw": 10, "nhwc": 9} for n in (f1, f2, out)}
+    return graph, (f1, f2, out), (c1, c2)
+
+
+def test_concats_that_share_a_buffer_take_one_format():
+    """The family's Concats are tied; x, which both read, is written into the buffer once: all
+    NHWC costs three transposes (x into f1, x into the buffer, the output), not four."""
+    from convpass.compiler.passes.plan_layouts import concat_families
+
+    graph, convs, (c1, c2) = _dense_block()
+    assert concat_families(graph) == {c1: c2, c2: c2}
+    costs = {n: {"nchw": 10, "nhwc": 8} for n in convs}
     plan = plan_layouts(graph, costs, lambda v: 1)
-    assert set(plan.layouts.values()) == {"nchw"} and plan.cost_ms == 30
-    # -3 is axis 1 of a rank-4 output: still nested; one of unknown rank might be: still nested
+    assert set(plan.layouts.values()) == {"nhwc"} and plan.transposes == 3 and plan.cost_ms == pytest.approx(27)
+    costs = {n: {"nchw": 10, "nhwc": 9} for n in convs}  # 27 + 3 = 30: no gain over NCHW
+    assert plan_layouts(graph, costs, lambda v: 1).cost_ms == pytest.approx(30)
+    # -3 is axis 1 of a rank-4 output: one family; one of unknown rank might be: one family
     c1.attributes["axis"] = ir.AttrInt64("axis", -3)
-    assert standalone_concats(graph) == set()
+    assert concat_families(graph)[c1] is c2
     c1.outputs[0].shape = ir.Shape([1, 2, 3, 4])
-    assert standalone_concats(graph) == set()
-    # on another axis the two do not share a buffer: both stand alone
+    assert concat_families(graph)[c1] is c2
+    # on another axis the two do not share a buffer
     c1.attributes["axis"] = ir.AttrInt64("axis", 2)
-    assert standalone_concats(graph) == {c1, c2}
+    assert concat_families(graph) == {c1: c1, c2: c2}
 
 
-def test_concats_that_feed_each_other_do_not_stand_alone():
-    # Inception's inner cat is an input of the block's cat; a cat of two values stands alone
-    from convpass.compiler.passes.plan_layouts import standalone_concats
+def test_a_family_cannot_be_split_between_formats():
+    """A conv that wants NCHW reads the family's small Concat; the family as a whole decides."""
+    from convpass.compiler.passes.plan_layouts import _evaluate, movable_nodes
+
+    graph, (f1, f2, out), (c1, c2) = _dense_block()
+    costs = {f1: {"nchw": 10, "nhwc": 1}, f2: {"nchw": 1, "nhwc": 30}, out: {"nchw": 10, "nhwc": 1}}
+    plan = plan_layouts(graph, costs, lambda v: 2)
+    fmt = dict.fromkeys(movable_nodes(graph, costs), "nchw") | {n: plan.layouts[n] for n in costs}
+    split = dict(fmt) | {c1: "nchw", c2: "nhwc"}
+    assert _evaluate(graph, split, costs, lambda v: 2).cost_ms == float("inf")
+
+
+def test_concats_that_feed_each_other_are_families_of_their_own():
+    # Inception's inner cat is an input of the block's cat: two buffers, the inner one placed in the outer
+    from convpass.compiler.passes.plan_layouts import concat_families
 
     x, y = ir.Value(name="x"), ir.Value(name="y")
     inner = _node("Concat", x, y, name="inner", axis=1)
     outer = _node("Concat", inner.outputs[0], x, name="outer", axis=1)
     alone = _node("Concat", x, y, name="alone", axis=2)
     graph = ir.Graph([x, y], [outer.outputs[0], alone.outputs[0]], nodes=[inner, outer, alone])
-    assert standalone_concats(graph) == {alone}
+    assert concat_families(graph) == {inner: inner, outer: outer, alone: alone}
 
 
 def test_shape_reads_no_data_so_it_costs_no_transpose():
@@ -251,3 +272,54 @@ def test_rank_3_and_5_channel_moves():
              for p in [(0, 2, 1), (0, 2, 3, 4, 1), (0, 4, 1, 2, 3), (0, 3, 4, 1, 2)]]
     graph = ir.Graph([x], [n.outputs[0] for n in nodes], nodes=nodes)
     assert {n.name: m for n, m in channel_moves(graph).items()} == {"(0, 2, 3, 4, 1)": "to_last", "(0, 4, 1, 2, 3)": "to_first"}
+
+
+def _eca_block():
+    """ECA-ResNet's gate between two convs, as torch exports it: ReduceMean over H, W (no keepdims)
+    -> Reshape -> 1-D conv across channels -> Sigmoid -> Reshape -> Expand(Shape(x)) -> Mul(x) ->
+    Add(shortcut) -> Relu -> conv."""
+    x = ir.Value(name="x")
+    conv = _node("Conv", x, name="conv")
+    y = conv.outputs[0]
+    pool = ir.Node("", "ReduceMean", [y], attributes=[ir.AttrInt64s("axes", [2, 3]), ir.AttrInt64("keepdims", 0)], name="pool")
+    pool.outputs[0].name = "pool"
+    flat = _node("Reshape", pool.outputs[0], name="flat")
+    eca = _node("Conv", flat.outputs[0], name="eca")
+    gate = _node("Sigmoid", eca.outputs[0], name="gate")
+    back = _node("Reshape", gate.outputs[0], name="back")
+    shape = _node("Shape", y, name="shape")
+    expand = _node("Expand", back.outputs[0], shape.outputs[0], name="expand")
+    mul = _node("Mul", y, expand.outputs[0], name="mul")
+    add = _node("Add", mul.outputs[0], x, name="add")
+    relu = _node("Relu", add.outputs[0], name="relu")
+    head = _node("Conv", relu.outputs[0], name="head")
+    nodes = [conv, pool, flat, eca, gate, back, shape, expand, mul, add, relu, head]
+    graph = ir.Graph([x], [head.outputs[0]], nodes=nodes)
+    shapes = {"x": (2, 64, 14, 14), "conv": (2, 64, 14, 14), "pool": (2, 64), "flat": (2, 1, 64), "eca": (2, 1, 64),
+              "gate": (2, 1, 64), "back": (2, 64, 1, 1), "shape": (4,), "expand": (2, 64, 14, 14), "mul": (2, 64, 14, 14),
+              "add": (2, 64, 14, 14), "relu": (2, 64, 14, 14), "head": (2, 64, 14, 14)}
+    return graph, (conv, head), eca, shapes
+
+
+def test_a_channel_attention_gate_lets_the_convs_around_it_stay_nhwc():
+    """The spatial ReduceMean is global pooling and the Expand of a one-position gate a broadcast:
+    both take either format, so the convs run NHWC with transposes only at the graph's ends (the
+    gate's middle reads tensors of one position: converting them costs nothing)."""
+    from convpass.compiler.passes.plan_layouts import broadcast_gates, spatial_reductions
+
+    graph, (conv, head), eca, shapes = _eca_block()
+    assert {n.name for n in spatial_reductions(graph, shapes)} == {"pool"}
+    assert {n.name for n in broadcast_gates(graph, shapes)} == {"expand"}
+    full = {"x", "conv", "expand", "mul", "add", "relu", "head"}
+
+    def transpose(v):
+        return 1.0 if v.name in full else 0.0
+
+    costs = {conv: {"nchw": 10, "nhwc": 6}, head: {"nchw": 10, "nhwc": 6}, eca: {"nchw": 0.01, "nhwc": 0.01}}
+    plan = plan_layouts(graph, costs, transpose, shapes=shapes)
+    assert plan.layouts[conv] == plan.layouts[head] == "nhwc"
+    assert plan.cost_ms == pytest.approx(12.01 + 3)  # x into conv, x into the Add, the output
+    # without the profile's shapes the pool's input rank and the gate's size are unknown: both stay
+    # pinned, and reading the NHWC conv's output there costs a transpose each
+    pinned = plan_layouts(graph, costs, transpose)
+    assert pinned.cost_ms == pytest.approx(12.01 + 3 + 2) and pinned.transposes == 5

@@ -33,6 +33,7 @@ from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPa
 from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
+from convpass.compiler import fusions
 from convpass.compiler.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
 
 logger = logging.getLogger("convpass")
@@ -66,6 +67,10 @@ class OptimizeReport:
     fused_decisions: int = 0  # decisions whose epilogue runs fused into the conv's call (legacy fused call or fused graph)
     own_kernel_decisions: int = 0  # decisions that run convpass's own kernel (runtime.cuda.depthwise)
     precision: dict[str, Any] | None = None  # what --precision chose and measured (convpass.core.annotation: convpass.precision)
+    fusion_units: int = 0  # fusion units found (convpass.compiler.fusions)
+    fusion_measured: int = 0  # their decisions (unit x device x profile) timed on the GPU
+    fusion_fused: int = 0  # of those, the ones measured to run fused
+    fusion_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # units per kind (norm, bias)
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
@@ -124,17 +129,23 @@ def decide_and_annotate(
     report: OptimizeReport,
     math_of: Mapping[str, str] | None = None,
     errors: Mapping[str, tuple[float | None, float | None]] | None = None,
+    fusion_timer: fusions.Timer | None = None,
 ) -> None:
     """Decide every problem with each backend (one decision table per backend's device, in order)
     and write the tables into the prepared model. No backends: one table of ``auto`` decisions.
     ``math_of``: per conv (node name), ``--tf32`` for it alone (``on`` / ``off``: its precision,
     chosen by the precision plan); ``errors``: per conv, its measured error contribution and
-    sensitivity (:class:`AnnotateConvsPass`)."""
+    sensitivity (:class:`AnnotateConvsPass`). Fusion units are decided per backend's device too
+    (:mod:`convpass.compiler.fusions`: timed where the backend measures on this GPU, or with
+    ``fusion_timer``; else not measured) and recorded beside the tables."""
     problems = list(uses)
     devices = tuple(str(b.device) for b in backends if b.device is not None)
     if len(backends) > 1 and len(devices) != len(backends):
         raise ValueError("several decision tables need a device each")
     tables: list[DeviceChoices] = []
+    value_shapes = model.meta.get(VALUE_SHAPES_KEY, [])
+    units = fusions.find_units(model, value_shapes)
+    record: dict = {}
     for backend in backends:
         choices = backend.decide(problems, options)
         decided = sum(1 for c in choices.values() if c is not None)
@@ -142,7 +153,12 @@ def decide_and_annotate(
         report.undecided += len(problems) - decided
         if backend.device is not None:
             report.by_device[str(backend.device)] = (decided, len(problems) - decided)
-        overrides = _plan_layouts(model, backend, options, uses, report, math_of or {})
+        device = str(backend.device or "")
+        timer = fusion_timer if fusion_timer is not None else (fusions.gpu_timer() if getattr(backend, "measures", False) else None)
+        for key, (kind, names, decisions) in fusions.decide_fusions(model, units, value_shapes, device, timer, report.notes).items():
+            record.setdefault(key, (kind, names, []))[2].extend(decisions)
+        fused = [fusions.fused_nodes(u, record, device, p) for p, u in enumerate(units)]
+        overrides = _plan_layouts(model, backend, options, uses, report, math_of or {}, fused)
         _tuning_summary(report, backend, uses, overrides)
         tables.append(DeviceChoices(choices, overrides))
         if len(problems) > decided:
@@ -154,6 +170,7 @@ def decide_and_annotate(
     if not backends:
         tables.append(DeviceChoices({}))
         report.undecided = len(problems)
+        record = fusions.decide_fusions(model, units, value_shapes, "", None, report.notes)
     info = ModelInfo(
         schema_version=SCHEMA_VERSION,
         convpass_version=__version__,
@@ -167,7 +184,21 @@ def decide_and_annotate(
         precision=report.precision or {},
     )
     AnnotateConvsPass(tables, info, options.directions, options.fusions, errors)(model)
+    fusions.write_record(model, record)
     _count_engines(model, report)
+    _count_fusions(record, report)
+
+
+def _count_fusions(record: dict, report: OptimizeReport) -> None:
+    """The report's fusion counts: units, and per source how many decisions fuse."""
+    decisions = [d for _, _, ds in record.values() for d in ds]
+    report.fusion_units = len(record)
+    kinds: dict[str, int] = {}
+    for kind, _, _ in record.values():
+        kinds[kind] = kinds.get(kind, 0) + 1
+    report.fusion_kinds = kinds
+    report.fusion_measured = sum(1 for d in decisions if d.source == annotation.MEASURED)
+    report.fusion_fused = sum(1 for d in decisions if d.fused)
 
 
 def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
@@ -257,12 +288,13 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
 
 
 def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport,
-                  math_of: Mapping[str, str]) -> dict:
+                  math_of: Mapping[str, str], fused: Sequence[Sequence[Sequence[ir.Node]]] = ()) -> dict:
     """With ``--layout auto``: each conv's layout from the min-cut plan over the whole graph (conv
     times + transpose times, measured by the tuner or recorded in the tuning cache), then its best
     configuration in that layout. Where the cache lacks a transpose time the plan needs, each conv
     takes its own best layout, with a note. Convs with a math of their own (``math_of``) choose
-    under it, in the plan or, without one, in their own best layout."""
+    under it, in the plan or, without one, in their own best layout. ``fused``: per profile, the
+    node lists of the fusion units that run fused (one movable step each)."""
     rows = getattr(backend, "rows", None)
     transpose_ms = getattr(backend, "transpose_ms", None)
     if rows is None or (options.layout == "auto" and transpose_ms is None):
@@ -317,7 +349,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
                 return 0.0
             return ms
 
-        plan = plan_layouts(model.graph, conv_costs, cost)
+        plan = plan_layouts(model.graph, conv_costs, cost, fused[i] if i < len(fused) else (), shapes)
         if missing:
             continue  # not planned: the notes below
         for node, layout in plan.layouts.items():
@@ -367,6 +399,9 @@ def _math_overrides(backend: DecisionBackend, options: TuneOptions, uses: dict, 
     return overrides
 
 
+_UNIT_KINDS = {"norm": "normalization + epilogue", "bias": "conv bias into the element-wise step after it"}
+
+
 def print_report(report: OptimizeReport, console: Console, output: str | None = None) -> None:
     tuned = report.convs - len(report.skipped)
     console.print(
@@ -388,6 +423,11 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
     if report.own_kernel_decisions:
         console.print(f"  {report.own_kernel_decisions} of {report.decisions_recorded} conv decisions run convpass's own depthwise kernel "
                       "(measured faster than every cuDNN algorithm)")
+    if report.fusion_units:
+        measured = (f"{report.fusion_measured} decision(s) measured on the GPU, {report.fusion_fused} of them fused"
+                    if report.fusion_measured else "not measured: the executor applies the rule of each kind")
+        kinds = ", ".join(f"{n} {_UNIT_KINDS.get(k, k)}" for k, n in sorted(report.fusion_kinds.items()))
+        console.print(f"  {report.fusion_units} fusion unit(s) ({kinds}): {measured}")
     if report.fused_decisions:
         console.print(f"  {report.fused_decisions} of {report.decisions_recorded} conv decisions run their epilogue fused into the conv's call "
                       "(the rest: the conv, then one element-wise pass)")

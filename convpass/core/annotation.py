@@ -74,10 +74,18 @@ Format (schema version 7)
 * Model metadata (``metadata_props``): ``convpass.schema_version``, ``convpass.version``,
   ``convpass.devices`` (JSON list of device fingerprints, one per table), ``convpass.mode``,
   ``convpass.profiles`` (JSON), ``convpass.matmul_allow_tf32`` (``0``/``1``: MindSpore's
-  ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.core.options`` (JSON of the options used),
+  ``matmul_allow_tf32``, for Gemm / MatMul), ``convpass.options`` (JSON of the options used),
   and (schema 7, where errors were measured) ``convpass.precision``: JSON with ``mode``,
   ``metric``, ``max_error``, ``reduced`` (the reduced type), ``evaluator``, ``calibration`` and
   ``holdout`` (each ``{"error": float, "inputs": text}``), ``within_budget``, ``casts``, ``note``.
+* ``convpass.fusions`` (optional; versioned on its own, :data:`FUSIONS_VERSION`, so it changes
+  nothing of the per-conv schema): the fusion decisions, JSON ``{"version": 1, "units": [...]}``,
+  one entry per fusion unit (:mod:`convpass.core.fusion_units`): its ``kind``, its ``nodes`` (names,
+  in order: the unit's key) and its ``decisions``, one per (device, profile): ``device`` (a
+  fingerprint, ``""`` when none), ``profile`` (index), ``fused`` (true / false, or null when
+  nothing was measured), ``source`` (``measured`` or ``not measured``: then the executor applies
+  the kind's rule) and ``times_ms`` (what was timed: ``fused_nchw``, ``fused_nhwc``,
+  ``unfused_nchw``). Read by :func:`read_fusions`, written by :func:`fusion_entries`.
 
 Schema 6 (still read) is schema 7 without the precision attributes and metadata.
 Schema 5 (still read) is schema 6 with every conv named by its standard op, bias or not.
@@ -107,6 +115,7 @@ import onnx
 from onnx import helper
 
 from convpass.core.device import DeviceFingerprint
+from convpass.core.fusion_units import unit_key
 
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
@@ -553,3 +562,85 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
             node.op_type = standard_op_type(node)
             node.domain = ""
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# fusion decisions: a model-level record beside the per-conv decisions (module docstring)
+
+FUSIONS_KEY = f"{META_PREFIX}fusions"
+FUSIONS_VERSION = 1
+MEASURED = "measured"
+NOT_MEASURED = "not measured"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionDecision:
+    """Whether one fusion unit runs fused on one device for one profile (module docstring)."""
+
+    device: str
+    profile: int
+    fused: bool | None
+    source: str
+    times_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "profile": self.profile, "fused": self.fused, "source": self.source,
+                "times_ms": {k: float(v) for k, v in self.times_ms.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionRecord:
+    """Every fusion unit's decisions: unit key (:func:`convpass.core.fusion_units.unit_key`) ->
+    (kind, node names, decisions)."""
+
+    units: Mapping[str, tuple[str, tuple[str, ...], tuple[FusionDecision, ...]]]
+
+    def decision(self, key: str, device: DeviceFingerprint | str | None, profile: int | None) -> FusionDecision | None:
+        """The decision of unit ``key`` for ``device`` (fingerprints compared exactly; None or "":
+        the decision recorded without a device) and ``profile``, or None when there is none."""
+        entry = self.units.get(key)
+        if entry is None or profile is None:
+            return None
+        wanted = _canonical_device(str(device)) if device else ""
+        for d in entry[2]:
+            if d.profile == profile and (_canonical_device(d.device) if d.device else "") == wanted:
+                return d
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": FUSIONS_VERSION,
+                "units": [{"kind": kind, "nodes": list(nodes), "decisions": [d.to_json() for d in decisions]}
+                          for kind, nodes, decisions in self.units.values()]}
+
+
+def fusion_entries(record: FusionRecord) -> dict[str, str]:
+    """The model metadata (key -> value) holding ``record``."""
+    return {FUSIONS_KEY: json.dumps(record.to_json(), sort_keys=True)}
+
+
+def read_fusions(model: onnx.ModelProto) -> FusionRecord | None:
+    """The model's fusion decisions, or None when it records none. Raises AnnotationError for a
+    damaged record or a newer version than this convpass reads."""
+    raw = next((p.value for p in model.metadata_props if p.key == FUSIONS_KEY), None)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        version = int(data.get("version", 0))
+        if version > FUSIONS_VERSION:
+            raise AnnotationError(f"{FUSIONS_KEY} is version {version}; this convpass reads up to {FUSIONS_VERSION}: "
+                                  "upgrade convpass or re-run `convpass optimize`")
+        units: dict[str, tuple[str, tuple[str, ...], tuple[FusionDecision, ...]]] = {}
+        for u in data["units"]:
+            nodes = tuple(str(n) for n in u["nodes"])
+            decisions = tuple(
+                FusionDecision(str(d.get("device", "")), int(d["profile"]), None if d.get("fused") is None else bool(d["fused"]),
+                               str(d.get("source", NOT_MEASURED)), {str(k): float(v) for k, v in dict(d.get("times_ms", {})).items()})
+                for d in u["decisions"])
+            units[unit_key(nodes)] = (str(u["kind"]), nodes, decisions)
+    except AnnotationError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AnnotationError(f"{FUSIONS_KEY} is damaged: {e}") from None
+    return FusionRecord(units)
+

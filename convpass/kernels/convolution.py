@@ -25,10 +25,12 @@ steps. When the plan does not offer the epilogue (fusion off, another graph) the
 ``algo`` runs, with one warning; when the fused plan cannot be built, the same, and the epilogue's
 steps run as usual.
 
-Placement: a Conv without bias, activation or residual (DenseNet's convs) writes its output
-straight into its slice of a Concat buffer (:mod:`convpass.runtime.cuda.memory`): cuDNN gets an output descriptor with
-the slice's strides. When cuDNN refuses that (some algorithms want packed outputs), and for every
-conv with an epilogue, the conv writes a packed output that is copied into the slice.
+Placement: a Conv without residual whose epilogue is not fused into cuDNN's call (DenseNet's convs;
+a bias and ReLU run as their own pass) writes its output straight into its slice of a Concat buffer
+(:mod:`convpass.runtime.cuda.memory`), channels-first or channels-last: cuDNN gets an output
+descriptor with the slice's strides, and the epilogue pass runs on the slice in place, in its
+memory order. When cuDNN refuses that (some algorithms want packed outputs), and for a conv whose
+epilogue runs fused in cuDNN's call, the conv writes a packed output that is copied into the slice.
 
 Decisions:
 
@@ -76,10 +78,11 @@ import numpy as np
 from convpass.core import annotation, kernel_file
 from convpass.core.algo import Algo
 from convpass.core.fusion import LEGACY, absorbed, is_legacy, legacy_name
+from convpass.core.layout import storage_order
 from convpass.core.problem import MATH_MODES, ProblemKey, layout_from_memory_format, memory_format_name
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
-from convpass.native.cuda import CaptureBreak, channels_last, copy_into, elements, first_line, start_helper, storage
+from convpass.native.cuda import CaptureBreak, copy_into, elements, first_line, start_helper, storage
 from convpass.kernels.launch import Launch
 
 logger = logging.getLogger("convpass")
@@ -621,9 +624,10 @@ class Convolutions:
         activation = self._fused_activation(ex, b, relu, z4) if b is not None and self.rt.fuse else None
         # Only cudnnConvolutionForward writes through a strided output descriptor: the fused bias +
         # activation call wrote packed rows into a Concat slice on an H200 (cuDNN 9.19), so a fused
-        # conv computes into a packed buffer that is then copied into its slice.
+        # conv computes into a packed buffer that is then copied into its slice. A conv whose bias
+        # (and ReLU) run as their own pass writes into the slice and that pass runs there, in place.
         y_strides = None
-        if (out is not None and z is None and b is None and not relu and ex.strided_output_ok and ex.insert_axis is None
+        if (out is not None and z is None and activation is None and ex.strided_output_ok and ex.insert_axis is None
                 and _same_order(out, ex.layout)):
             y, y_strides = out, elements(out.strides, out.itemsize)
         else:
@@ -725,12 +729,14 @@ def apply_epilogue(cp: Any, y: Any, b: Any, relu: bool, z: Any = None) -> None:
     conv's call, as the tuner times it (:mod:`convpass.core.fusion`). The pass runs over the storage
     order of ``y`` where ``z`` has the same one: over a channels-last array seen channels-first,
     element-wise kernels read and write with a stride of C elements."""
+    order = storage_order(y)  # a channels-last array, or a channel slice of one (a Concat buffer's)
+    phys = y.transpose(order) if order else y
     if b is None and z is None:
         if relu:
-            cp.maximum(storage(y), y.dtype.type(0), out=storage(y))
+            cp.maximum(phys, y.dtype.type(0), out=phys)
         return
-    phys, zp = storage(y), (None if z is None else storage(z))
-    if zp is not None and (channels_last(z) != channels_last(y) or zp.shape != phys.shape):
+    zp = None if z is None else (z.transpose(order) if order else z)
+    if z is not None and storage_order(z) != order:
         phys, zp = y, z  # logical views: right whatever the strides
     args = [] if b is None else [b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))]
     args += [] if zp is None else [zp]

@@ -53,6 +53,9 @@ Rules (``plan_groups``):
 * Math in float32 for float16 and float32 tensors, float64 for float64; the result is rounded to
   the tensor's dtype once, at the end (op-by-op float16 rounds after every op: results differ in
   the last float16 bit at most, well inside the 1e-2 tolerance of float16 checks).
+* An Expand joins a group as the broadcast it is (its value read at the group's output shape;
+  its target shape a constant of the plan), never as a root: a squeeze-excitation / ECA gate's
+  ``Mul(x, Expand(gate, Shape(x)))`` reads the gate per channel instead of a copy of it per element.
 * A group of one step is formed only for ops CuPy runs as several kernels (Sigmoid, HardSwish,
   Clip, BatchNormalization, ...), or for an op with an operand it broadcasts (a bias Add, a
   per-channel Mul: the kernel's row geometry beats CuPy's per-element indexing); a lone Add or
@@ -203,7 +206,13 @@ EXPRESSIONS: dict[str, Expr] = {
     "Gelu": _gelu,
     "Swish": _swish,
     "BatchNormalization": _batch_norm,
+    # a broadcast: its input read at the group's output shape is its value (only inside a group:
+    # a group's root writes the broadcast shape of its inputs, not Expand's target shape)
+    "Expand": lambda node, a: f"({a[0]})",
 }
+
+# Inputs that are values an op reads on the host (shapes), not operands of its expression.
+_VALUE_INPUTS = {("Expand", 1)}
 
 # Inputs an op broadcasts along the channel axis (1) rather than NumPy-style: (op, input index).
 _CHANNEL_INPUTS = {("BatchNormalization", k) for k in (1, 2, 3, 4)}
@@ -226,13 +235,18 @@ class FusedGroup:
     code: str  # kernel body
     ops: tuple[str, ...]  # member op types, for notes
     views: tuple[tuple[int, ...] | None, ...] = ()  # per input: the shape it is read as (None: as is)
+    input_types: tuple[str, ...] = ()  # per input: its C type, "T" (the output's storage type; the default) or "float"
 
     def view_of(self, k: int) -> tuple[int, ...] | None:
         return self.views[k] if k < len(self.views) else None
 
+    def type_of(self, k: int) -> str:
+        return self.input_types[k] if k < len(self.input_types) else "T"
+
     @property
     def name(self) -> str:
-        return "convpass_ew_" + hashlib.sha1(f"{self.dtype}|{self.code}".encode()).hexdigest()[:12]
+        types = "" if all(t == "T" for t in self.input_types) else "|" + ",".join(self.input_types)
+        return "convpass_ew_" + hashlib.sha1(f"{self.dtype}|{self.code}{types}".encode()).hexdigest()[:12]
 
 
 def _slot_dtype(plan: Any, slot: int) -> np.dtype | None:
@@ -244,7 +258,12 @@ def _slot_dtype(plan: Any, slot: int) -> np.dtype | None:
 
 
 def _placeholders(step: Any) -> list[str | None]:
-    return [f"v{k}" if s >= 0 else None for k, s in enumerate(step.inputs)]
+    return [f"v{k}" if s >= 0 and (step.node.op_type, k) not in _VALUE_INPUTS else None for k, s in enumerate(step.inputs)]
+
+
+def _operand_slots(step: Any) -> list[int]:
+    """The step's inputs that are operands of its expression (-1: absent or a host value)."""
+    return [-1 if (step.node.op_type, k) in _VALUE_INPUTS else s for k, s in enumerate(step.inputs)]
 
 
 def _fusible(plan: Any, step: Any) -> np.dtype | None:
@@ -259,10 +278,13 @@ def _fusible(plan: Any, step: Any) -> np.dtype | None:
     dtype = _slot_dtype(plan, step.outputs[0])
     if dtype not in _MATH_TYPE:
         return None
-    for s in step.inputs:
+    operands = _operand_slots(step)
+    for s in operands:
         if s >= 0 and _slot_dtype(plan, s) != dtype:
             return None
-    if not any(s >= 0 for s in step.inputs) or expr(node, _placeholders(step)) is None:
+    if node.op_type == "Expand" and (len(step.inputs) < 2 or plan.template[step.inputs[1]] is None):
+        return None  # a target shape computed at run time
+    if not any(s >= 0 for s in operands) or expr(node, _placeholders(step)) is None:
         return None
     return dtype
 
@@ -290,6 +312,9 @@ def plan_groups(plan: Any, claimed: Sequence[Any], to_host: Callable[[Any], np.n
             and len(roots) == 1
             and None not in roots
         )
+        if not internal and steps[i].node.op_type == "Expand":
+            dtypes[i] = None  # never a root (EXPRESSIONS): the op library runs it
+            continue
         root_of[i] = roots.pop() if internal else i
     members_of: dict[int, list[int]] = {}
     for i, root in root_of.items():
@@ -349,7 +374,7 @@ def _build(plan: Any, members: list[int], dtype: np.dtype, to_host: Callable[[An
     operands: dict[tuple[int, int], tuple[int, tuple[int, ...] | None]] = {}  # (step, input index) -> input
     for i in members:
         st = steps[i]
-        for k, s in enumerate(folded.get(i, st.inputs)):
+        for k, s in enumerate(folded.get(i, _operand_slots(st))):
             if s < 0 or s in computed:
                 continue
             view = _channel_view(plan, st) if (st.node.op_type, k) in _CHANNEL_INPUTS else None
@@ -362,7 +387,7 @@ def _build(plan: Any, members: list[int], dtype: np.dtype, to_host: Callable[[An
     lines += [f"const A a{k} = (A)in{k};" for k in range(len(inputs))]
     for i in members:
         st = steps[i]
-        slots = folded.get(i, st.inputs)
+        slots = folded.get(i, _operand_slots(st))
         ops = [None if s < 0 else (names[s] if s in computed else arg[operands[(i, k)]]) for k, s in enumerate(slots)]
         expr = f"({ops[0]} * {ops[1]} + {ops[2]})" if i in folded else EXPRESSIONS[st.node.op_type](st.node, ops)
         names[st.outputs[0]] = f"t{i}"
@@ -490,15 +515,15 @@ def broadcast_source(group: FusedGroup, classes: Sequence[int] | None = None, un
     default_unroll = unroll_for(group)
     unroll = default_unroll if unroll is None else unroll
     names = [f"c{c}" for c in dict.fromkeys(classes)] + ["y"]
-    params = [f"const T* x{k}" for k in range(n)] + ["T* y"]
+    params = [f"const {group.type_of(k)}* x{k}" for k in range(n)] + ["T* y"]
     params += [f"unsigned {v}" for v in ("n", "e1", "e2", "e3")]
     params += [f"int s{a}_{d}" for a in names for d in range(4)]
     call = ", ".join(p.rsplit(" ", 1)[1].lstrip("*") for p in params)
     offsets = [f"            const int oc_{a} = (D >= 2 ? (int)q0 * s{a}_0 : 0) + (D == 4 ? (int)q1 * s{a}_1 : 0) "
                f"+ (D >= 3 ? (int)q2 * s{a}_2 : 0) + (int)q3 * s{a}_3;" for a in names]
-    arrays_ = [f"    T v{k}[{unroll}];" for k in range(n)]
+    arrays_ = [f"    {group.type_of(k)} v{k}[{unroll}];" for k in range(n)]
     loads = [f"            v{k}[j] = x{k}[oc_c{classes[k]}];" for k in range(n)]
-    values = [f"            const T in{k} = v{k}[j];" for k in range(n)]
+    values = [f"            const {group.type_of(k)} in{k} = v{k}[j];" for k in range(n)]
     entries = [f'extern "C" __global__ void {e}({", ".join(params)}) {{ broadcast<{d}>({call}); }}' for d, e in enumerate(ENTRIES, 1)]
     code = (_BROADCAST_SOURCE.replace("#HEADER", "#include <cuda_fp16.h>" if group.dtype == np.float16 else "")
             .replace("#PREAMBLE", PREAMBLE).replace("#STORAGE", _STORAGE[group.dtype]).replace("#PARAMS", ", ".join(params))

@@ -68,6 +68,7 @@ class Plan:
     convs: list[ConvSummary]
     folded_nodes: int  # nodes folded to constants for this signature
     matmul_allow_tf32: bool = False  # the model's convpass.matmul_allow_tf32 (Gemm / MatMul)
+    fusions: list[Any] = dataclasses.field(default_factory=list)  # FusionSummary per fusion unit found (convpass.kernels.fused_steps)
     backend_state: Any = None  # whatever Backend.compile_plan keeps; with it set, Backend.run_plan runs the plan
 
     def describe(self) -> str:
@@ -86,6 +87,26 @@ class Plan:
                     out.setdefault(s, []).append(i)
         return out
 
+    def refresh_liveness(self) -> None:
+        """Recompute every step's ``free``: a value is released after its last reader (or after the
+        step that computes it, when nothing reads it); graph outputs and constants never are, feeds
+        nobody reads after the first step."""
+        last: dict[int, int] = {}
+        for i, st in enumerate(self.steps):
+            for s in (*st.inputs, *st.outputs):
+                if s >= 0 and (s in st.inputs or s not in last):
+                    last[s] = i
+        keep = set(self.output_slots)
+        free: dict[int, list[int]] = {}
+        for s, i in last.items():
+            if s not in keep and self.template[s] is None:
+                free.setdefault(i, []).append(s)
+        for s in self.feed_slots.values():
+            if s not in last and s not in keep:
+                free.setdefault(0, []).append(s)
+        for i, st in enumerate(self.steps):
+            st.free = tuple(free.get(i, ()))
+
     def producers(self) -> dict[int, int]:
         """slot -> the step that computes it."""
         return {s: i for i, st in enumerate(self.steps) for s in st.outputs if s >= 0}
@@ -96,6 +117,14 @@ class Plan:
         self.slot_names.append(name)
         self.template.append(value)
         return len(self.template) - 1
+
+    def add_value(self, name: str, shape: tuple[int, ...], dtype: Any) -> int:
+        """A new slot for a value computed by a step (a rewrite of the plan added it); returns its slot."""
+        self.slot_names.append(name)
+        self.template.append(None)
+        slot = len(self.template) - 1
+        self.value_info[slot] = (tuple(shape), np.dtype(dtype))
+        return slot
 
     def info(self, slot: int) -> tuple[tuple[int, ...], np.dtype] | None:
         """(shape, dtype) of a slot: computed values from ``value_info``, constants from the template."""

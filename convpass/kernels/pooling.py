@@ -25,7 +25,8 @@ wants it:
   output's memory, 32-bit index arithmetic (outputs up to 2^31 elements).
 
 Global pooling (GlobalAveragePool, GlobalMaxPool, and ReduceMean / ReduceMax over exactly the spatial
-axes with ``keepdims``: squeeze-excitation blocks run one per block) is one launch too
+axes, with ``keepdims`` or without (``x.mean((2, 3))`` of an ECA gate): squeeze-excitation blocks
+run one per block) is one launch too
 (:func:`lower_global_pool`), in the input's memory format: a warp per ``(n, c)`` row for
 channels-first inputs; for channels-last ones, a block per batch item and 32 channels whose threads
 read 32 adjacent channels (coalesced) and stride over the positions, then reduce through shared
@@ -193,7 +194,7 @@ def _flat_positions(a: Any) -> int | None:
 
 
 def global_pool(cupy: Any, x: Any, y: Any, mode: str) -> Any:
-    """``y`` (``(n, c, 1, ..., 1)``) = the max or average of ``x`` over all its spatial positions."""
+    """``y`` (``(n, c, 1, ..., 1)`` or ``(n, c)``) = the max or average of ``x`` over all its spatial positions."""
     n, c = x.shape[:2]
     length = math.prod(x.shape[2:])
     step = _flat_positions(x)
@@ -428,8 +429,8 @@ class PoolLaunch(_PoolingStep):
 
 
 class GlobalPoolLaunch(_PoolingStep):
-    """One global pooling step (GlobalAveragePool / GlobalMaxPool, or a spatial ReduceMean / ReduceMax
-    with ``keepdims``) in convpass's kernel; an input whose positions are not one evenly strided run
+    """One global pooling step (GlobalAveragePool / GlobalMaxPool, or a spatial ReduceMean / ReduceMax)
+    in convpass's kernel; an input whose positions are not one evenly strided run
     is made contiguous first (never on the planned path: producers write packed arrays)."""
 
     def __init__(self, plan: Any, index: int, cupy: Any, mode: str) -> None:
@@ -456,7 +457,7 @@ def lower_global_pool(plan: Any, index: int, cupy: Any, host: Any) -> GlobalPool
     rank = len(info[0])
     if node.op_type in ("GlobalAveragePool", "GlobalMaxPool"):
         mode = "max" if node.op_type == "GlobalMaxPool" else "average"
-    elif node.op_type in ("ReduceMean", "ReduceMax") and node.attr("keepdims", 1):
+    elif node.op_type in ("ReduceMean", "ReduceMax"):
         axes = node.attr("axes")
         if len(step.inputs) > 1 and step.inputs[1] >= 0:
             const = plan.template[step.inputs[1]]
@@ -468,7 +469,8 @@ def lower_global_pool(plan: Any, index: int, cupy: Any, host: Any) -> GlobalPool
         mode = "max" if node.op_type == "ReduceMax" else "average"
     else:
         return None
-    if tuple(out[0]) != (*info[0][:2], *(1,) * (rank - 2)) or math.prod(info[0][:2]) >= 1 << 31 or math.prod(info[0][2:]) >= 1 << 31:
+    pooled = (*info[0][:2], *(1,) * (rank - 2)) if node.op_type.startswith("Global") or node.attr("keepdims", 1) else tuple(info[0][:2])
+    if tuple(out[0]) != pooled or math.prod(info[0][:2]) >= 1 << 31 or math.prod(info[0][2:]) >= 1 << 31:
         return None
     return GlobalPoolLaunch(plan, index, cupy, mode)
 

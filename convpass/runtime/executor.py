@@ -44,8 +44,10 @@ import onnx.external_data_helper
 import onnx.inliner
 
 from convpass.core import annotation, kernel_file
+from convpass.core.fusion_units import RULES, unit_key
 from convpass.runtime import model_file
 from convpass.kernels.backends import Backend, host_backend
+from convpass.kernels.fused_steps import FusionSummary, apply_fusions, describe_fusions
 from convpass.ops.conv import ConvCall
 from convpass.runtime.devices import get_backend, open_ahead
 from convpass.core.errors import ExecutorError
@@ -271,7 +273,14 @@ class Executor:
     ``kernels``: the kernel side-car to load (default: ``<model path>.kernels`` when the model is
     a file and it exists; ``False``: none). A side-car of another model is refused with a warning.
     * ``get_inputs()`` / ``get_outputs()`` -> :class:`NodeArg` (``.name``, ``.shape``, ``.type``).
-    * ``plan_summary()`` -> :class:`ConvSummary` per conv: the recorded algo / memory format / math.
+    * ``plan_summary()`` -> :class:`ConvSummary` per conv: the recorded algo / memory format / math;
+      ``fusion_summary()`` -> :class:`FusionSummary` per fusion unit of the last plan: whether it ran
+      fused and why.
+
+    ``fusions``: ``None`` (default) runs each fusion unit (:mod:`convpass.core.fusion_units`) as
+    the model's ``convpass.fusions`` record decided for this device and shape profile, and by the
+    kind's rule where nothing was measured (:data:`convpass.core.fusion_units.RULES`); ``True``
+    fuses every unit, ``False`` none. A backend made with ``fuse=False`` fuses none either.
     """
 
     def __init__(
@@ -284,6 +293,7 @@ class Executor:
         fold_batchnorm: bool = True,
         check_model: bool = True,
         kernels: str | os.PathLike[str] | bool | None = None,
+        fusions: bool | None = None,
     ) -> None:
         if output_kind not in (None, "numpy", "device"):
             raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
@@ -321,6 +331,11 @@ class Executor:
             self.model_info, annotations = annotation.read_annotations(proto, device=self._backend.fingerprint())
         except annotation.AnnotationError as e:
             raise ExecutorError(str(e)) from None
+        try:
+            self.fusion_record = annotation.read_fusions(proto)
+        except annotation.AnnotationError as e:
+            raise ExecutorError(str(e)) from None
+        self.fusions = fusions
         self._backend.bind_model(self.model_info)
         self._backend.ready_libraries({n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")})
         # decisions by node name (the key annotation.read_node uses)
@@ -346,6 +361,7 @@ class Executor:
         self._device_constants: dict[str, Any] = {}
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._last_plan: Plan | None = None
+        self._plan_profile: int | None = None
 
     # ------------------------------------------------------------------ load
 
@@ -481,7 +497,16 @@ class Executor:
             out.append(_summary(node, d, None, 0 if decisions else None, ""))
         return out
 
+    def fusion_summary(self) -> list[FusionSummary]:
+        """Per fusion unit of the last plan: its nodes, whether it ran fused and why (empty before any run)."""
+        return list(self._last_plan.fusions) if self._last_plan is not None else []
+
     def format_plan_summary(self) -> str:
+        fusions = describe_fusions(self.fusion_summary())
+        convs = self._format_conv_summary()
+        return convs + ("\n" + fusions if fusions else "")
+
+    def _format_conv_summary(self) -> str:
         rows = self.plan_summary()
         if not rows:
             return "no convolutions"
@@ -643,7 +668,7 @@ class Executor:
         backend = self._backend
         ctx = OpContext(backend)
         hctx = OpContext(host_backend())
-        profile = self._profile_for(arrays)
+        profile = self._plan_profile = self._profile_for(arrays)
         vals: dict[str, _Val] = {}
         for name, a in arrays.items():
             vals[name] = _Val(False, a, tuple(a.shape), a.dtype, True)
@@ -702,8 +727,24 @@ class Executor:
 
         results = [vals[n].value if n in vals else self._constants[n] for n in outputs]
         plan = self._assemble(key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded)
+        apply_fusions(plan, self._fusion_decision, backend.to_host, backend.upload)
         backend.compile_plan(plan)
         return plan, unshare_outputs(results, plan, arrays)
+
+    def _fusion_decision(self, unit: Any) -> tuple[bool, str, str]:
+        """(fused, why, note) for a fusion unit of the plan being built (the ``fusions`` option)."""
+        if self.fusions is not None:
+            return bool(self.fusions), "forced" if self.fusions else "off", "Executor(fusions=...)"
+        if not getattr(self._backend, "fuse", True):
+            return False, "off", "the backend was made with fuse=False"
+        decision = None
+        if self.fusion_record is not None and self._plan_profile is not None:
+            device = self._backend.fingerprint() or (self.model_info.device if self.model_info else "")
+            decision = self.fusion_record.decision(unit_key(unit.names), device, self._plan_profile)
+        if decision is None or decision.fused is None:
+            return True, "rule", RULES[unit.kind]
+        times = ", ".join(f"{k} {v:.4f} ms" for k, v in sorted(decision.times_ms.items()))
+        return decision.fused, "measured", times
 
     def _decision(self, node: NodeInfo, profile: int | None) -> tuple[annotation.ConvDecision | None, str]:
         decisions = self._decisions.get(node.name)

@@ -66,18 +66,15 @@ def _reference(x: np.ndarray, w: np.ndarray, shape: ConvShape) -> np.ndarray:
 def test_reduced_precision_candidates_match_a_float64_reference(dtype, name):
     """Every legacy algorithm the tuner accepts for the float16 / bfloat16 problem, in both layouts,
     run through the binding and compared with float64 NumPy on the same (rounded) inputs."""
-    from convpass.core.fusion import fusion_of
-    from convpass.kernels.depthwise import is_own
+    from convpass.core.algo import Algo
     from convpass.native import cudnn
-    from convpass.native.cudnn.graph_api import is_engine
     from convpass.tuning import harness
     from convpass.tuning.tuner import measure_problem
 
     shape = ConvShape("fwd", dtype=dtype, **SHAPES[name])
     with cp.cuda.Stream(non_blocking=True):  # as the tuner measures
         rows = measure_problem(ConvProblem((shape,)), TuneOptions(engines="legacy"))
-    ok = [m for m in rows if m.status == "ok" and m.method == "measure" and not is_engine(m.algo) and not is_own(m.algo)
-          and not fusion_of(m.algo)]
+    ok = [m for m in rows if m.status == "ok" and m.method == "measure" and Algo.parse(m.algo).bare_of("legacy")]
     assert ok, f"no {dtype} candidate passed the tuner for {shape}"
     checked = []
     for m in ok:

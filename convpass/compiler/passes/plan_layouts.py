@@ -6,16 +6,29 @@ Rules (per shape profile):
   no measurement in a layout cannot take it (infinite cost).
 * Layout-agnostic ops (:data:`AGNOSTIC_OPS`) take whatever format their tensors arrive in and pass
   it on: element-wise ops, BatchNormalization and activations, and the ops the cuda backend runs in
-  the tensor's own memory format (window and global pooling, Resize, Pad). A Concat is agnostic too
-  when it stands alone (:func:`standalone_concats`): its buffer takes its producers' format and its
-  readers read it whole (a UNet's skip connections). Concats that share a buffer (DenseNet's
-  growing ``cat``, Inception's inner ``cat``) stay in NCHW: their channel slices of a channels-last
-  buffer are strided rows for the convs that write them and the BatchNormalization + ReLU that
-  read them, a cost this plan does not see (DenseNet-121 at batch 32 on an H200: 5.76 ms with its
-  Concats in NCHW, 9.40 ms when every Concat passed NHWC through).
+  the tensor's own memory format (window and global pooling, Resize, Pad). Concats are agnostic
+  too, one *family* at a time (:func:`concat_families`): the Concats that share one buffer in the
+  cuda backend (DenseNet's and RRDB's growing ``cat``: each a contiguous run of the next one's
+  inputs) are tied together (infinite edges both ways), since the buffer has one format; its
+  producers write their slices (channels-last slices are strided rows: the convs through strided
+  output descriptors, element-wise kernels at any strides), a producer in the other format through
+  a transposing copy: the edge from it to the family's root costs that transpose, once (an input
+  the root reads is not counted again at the Concats inside it). Concats of different families
+  (Inception's inner ``cat`` placed into the block's) are joined by ordinary edges. (Before
+  families were tied, DenseNet-121 at batch 32 on an H200 ran in 5.76 ms with its Concats in NCHW
+  and 9.40 ms when every Concat passed NHWC through on its own: members of one buffer in two
+  formats.)
   Shape and Size (:data:`METADATA_OPS`) read no data (the executor folds them to constants), so
-  reading a tensor in either format costs them nothing. Every other op, graph inputs and graph
-  outputs are fixed in NCHW (ONNX semantics).
+  reading a tensor in either format costs them nothing. A ReduceMean / ReduceMax over exactly the
+  spatial axes (:func:`spatial_reductions`: a squeeze-excitation or ECA gate's pooling, ``x.mean((2,
+  3))``) is global pooling, which the cuda backend runs on either storage; an Expand of a tensor
+  with one spatial position (a gate broadcast to its feature map, :func:`broadcast_gates`) is
+  agnostic too: the fused element-wise group that reads it takes its input as a broadcast. Every
+  other op, graph inputs and graph outputs are fixed in NCHW (ONNX semantics).
+* A fusion unit the executor runs fused (``units``: :mod:`convpass.core.fusion_units`, e.g. a
+  GroupNorm exported as Reshape -> InstanceNormalization -> Reshape -> Mul -> Add, with its SiLU)
+  reads and writes either format as one step: its nodes are movable and tied together (infinite
+  edges both ways), so its inner Reshapes do not pin it to NCHW.
 * A Transpose that moves the channels last (perm ``(0, 2, ..., r-1, 1)``, rank 4 or 5: the
   ``permute(0, 2, 3, 1)`` of ConvNeXt's LayerNorm and MLP) reads its input in NHWC: of a
   channels-last tensor it is a free view with C-contiguous rows, of an NCHW one a copy. Its output
@@ -40,7 +53,8 @@ configuration in its planned layout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 import onnx_ir as ir
@@ -55,6 +69,7 @@ AGNOSTIC_OPS = frozenset(
         "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "Resize", "Upsample", "Pad",
     }
 )
+SPATIAL_REDUCTIONS = frozenset({"ReduceMean", "ReduceMax"})  # global pooling when over the spatial axes
 # read only their input's shape: a tensor's format is nothing to them (exported models compute
 # UNet's Pad widths and many Reshape targets from Shape of the feature maps)
 METADATA_OPS = frozenset({"Shape", "Size"})
@@ -74,8 +89,13 @@ def plan_layouts(
     graph: ir.Graph,
     conv_costs: Mapping[ir.Node, Mapping[str, float]],
     transpose_ms: Callable[[ir.Value], float],
+    units: Iterable[Iterable[ir.Node]] = (),
+    shapes: Mapping[str, Sequence[Any]] | None = None,
 ) -> LayoutPlan:
-    """The min-cut layout assignment (see the module rules)."""
+    """The min-cut layout assignment (see the module rules); ``units``: the node sets of the
+    fusion units that run fused; ``shapes``: value name -> dims of the profile (where values do
+    not carry their shapes)."""
+    units = [list(u) for u in units if u]
     conv_costs = {n: c for n, c in conv_costs.items() if c}
     if not conv_costs:
         return LayoutPlan({}, 0.0, 0.0, 0)
@@ -95,8 +115,14 @@ def plan_layouts(
         else:
             g.add_edge(u, v, capacity=capacity)
 
-    movable = movable_nodes(graph, conv_costs)
+    movable = movable_nodes(graph, conv_costs, units, shapes)
     moves = channel_moves(graph)
+    families = concat_families(n for n in graph if n.domain in ("", "ai.onnx"))
+    ties = [list(unit) for unit in units] + [[root, node] for node, root in families.items() if node is not root]
+    for tied in ties:  # one step, or one buffer: one format
+        for node in tied[1:]:
+            add(tied[0], node, INF)
+            add(node, tied[0], INF)
     # a node's vertex is where it reads its inputs; a channel move's outputs get a vertex of their own
     out_vertex = {node: (node, "out") for node in moves}
     for node in graph:
@@ -117,6 +143,8 @@ def plan_layouts(
         for value in node.outputs:
             consumers = dict.fromkeys(c for c, _ in value.uses())  # in use order: a deterministic graph
             for consumer in consumers:
+                if _reads_into_family(value, consumer, families):
+                    continue
                 if node in movable or consumer in movable or node in moves or consumer in moves:
                     cost = transpose_ms(value)
                     add(here, consumer, cost)
@@ -126,12 +154,52 @@ def plan_layouts(
     # Graph inputs feeding movable nodes: a transpose if that node ends up NHWC.
     for value in graph.inputs:
         for consumer in dict.fromkeys(c for c, _ in value.uses()):
-            if consumer in movable or consumer in moves:
+            if (consumer in movable or consumer in moves) and not _reads_into_family(value, consumer, families):
                 add(source, consumer, transpose_ms(value))
     # Constants (weights, BN params) are pre-transformed once: no run-time cost.
     _, (s_side, _) = nx.minimum_cut(g, source, sink)
     fmt = {n: ("nchw" if n in s_side or n not in g else "nhwc") for n in movable}
-    return _evaluate(graph, fmt, conv_costs, transpose_ms)
+    return _evaluate(graph, fmt, conv_costs, transpose_ms, families)
+
+
+def _dims(value: ir.Value | None, shapes: Mapping[str, Sequence[Any]] | None) -> list[Any] | None:
+    if value is None:
+        return None
+    dims = shapes.get(value.name) if shapes and value.name else None
+    if dims is None and value.shape is not None:
+        dims = list(value.shape)
+    return None if dims is None else list(dims)
+
+
+def broadcast_gates(nodes: Iterable[ir.Node], shapes: Mapping[str, Sequence[Any]] | None = None) -> set[ir.Node]:
+    """The Expand nodes whose input has one spatial position (or no spatial axes)."""
+    found = set()
+    for node in nodes:
+        dims = _dims(node.inputs[0], shapes) if node.op_type == "Expand" and node.inputs else None
+        if dims is not None and all(d == 1 for d in dims[2:]):
+            found.add(node)
+    return found
+
+
+def spatial_reductions(nodes: Iterable[ir.Node], shapes: Mapping[str, Sequence[Any]] | None = None) -> set[ir.Node]:
+    """The ReduceMean / ReduceMax nodes over exactly the spatial axes of a rank 3-5 input (axes
+    from the attribute, or from a constant second input from opset 18 on)."""
+    found = set()
+    for node in nodes:
+        if node.op_type not in SPATIAL_REDUCTIONS or not node.inputs:
+            continue
+        shape = _dims(node.inputs[0], shapes)
+        if shape is None or not 3 <= len(shape) <= 5:
+            continue
+        attr = node.attributes.get("axes")
+        axes = list(attr.as_ints()) if attr is not None else None
+        if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+            const = ir.convenience.get_const_tensor(node.inputs[1])
+            axes = [int(a) for a in const.numpy().reshape(-1)] if const is not None else None
+        rank = len(shape)
+        if axes is not None and sorted(a % rank for a in axes) == list(range(2, rank)):
+            found.add(node)
+    return found
 
 
 def channel_moves(graph: ir.Graph) -> dict[ir.Node, str]:
@@ -154,44 +222,59 @@ def channel_moves(graph: ir.Graph) -> dict[ir.Node, str]:
     return moves
 
 
-def movable_nodes(graph: ir.Graph, conv_costs: Mapping[ir.Node, Mapping[str, float]]) -> set[ir.Node]:
-    """The nodes the plan may put in NHWC: the convs with costs, the agnostic and metadata ops and
-    the standalone Concats (module rules)."""
+def movable_nodes(graph: ir.Graph, conv_costs: Mapping[ir.Node, Mapping[str, float]], units: Iterable[Iterable[ir.Node]] = (),
+                  shapes: Mapping[str, Sequence[Any]] | None = None) -> set[ir.Node]:
+    """The nodes the plan may put in NHWC: the convs with costs, the agnostic and metadata ops,
+    the spatial reductions, the standalone Concats and the nodes of fused units (module rules)."""
     standard = [n for n in graph if n.domain in ("", "ai.onnx")]
     free = AGNOSTIC_OPS | METADATA_OPS
-    return set(conv_costs) | {n for n in standard if n.op_type in free} | standalone_concats(standard)
+    fused = {n for unit in units for n in unit}
+    return (set(conv_costs) | {n for n in standard if n.op_type in free | {"Concat"}}
+            | spatial_reductions(standard, shapes) | broadcast_gates(standard, shapes) | fused)
 
 
-def standalone_concats(nodes: Iterable[ir.Node]) -> set[ir.Node]:
-    """The Concats that share a buffer with no other Concat: none of their inputs is a Concat's
-    output, their output is read by no Concat, and their inputs are not a contiguous run of
-    another Concat's on the same axis, nor the other way round (the cuda backend's families,
-    :mod:`convpass.runtime.cuda.memory`)."""
+def concat_families(nodes: Iterable[ir.Node]) -> dict[ir.Node, ir.Node]:
+    """Every Concat -> the root of its family, the Concats that share one buffer in the cuda
+    backend (:mod:`convpass.runtime.cuda.memory`): a Concat whose inputs are a contiguous run of a
+    larger one's on the same axis belongs to that one's family (transitively; an axis that cannot
+    be told, a negative one of unknown rank, counts as the same)."""
     concats = [n for n in nodes if n.op_type == "Concat"]
 
-    def axis(node: ir.Node) -> int | None:  # normalized; None: a negative axis of unknown rank
+    def axis(node: ir.Node) -> int | None:
         a = node.attributes.get_int("axis", 0)
         shape = node.outputs[0].shape
         return a if a >= 0 else (a + len(shape) if shape is not None else None)
 
     def inside(inner: ir.Node, outer: ir.Node) -> bool:
         a, b = list(inner.inputs), list(outer.inputs)
-        same_axis = None in (axis(inner), axis(outer)) or axis(inner) == axis(outer)  # unknown: assume shared
+        same_axis = None in (axis(inner), axis(outer)) or axis(inner) == axis(outer)
         return same_axis and len(a) < len(b) and any(b[i:i + len(a)] == a for i in range(len(b) - len(a) + 1))
 
-    alone = set()
+    parent = {}
     for node in concats:
-        fed = any(v is not None and v.producer() is not None and v.producer().op_type == "Concat" for v in node.inputs)
-        feeds = any(user.op_type == "Concat" for out in node.outputs for user, _ in out.uses())
-        nested = any(other is not node and (inside(node, other) or inside(other, node)) for other in concats)
-        if not (fed or feeds or nested):
-            alone.add(node)
-    return alone
+        outers = [o for o in concats if o is not node and inside(node, o)]
+        if outers:
+            parent[node] = max(outers, key=lambda o: len(o.inputs))
+    root = {}
+    for node in concats:
+        top, seen = node, {node}
+        while top in parent and parent[top] not in seen:
+            top = parent[top]
+            seen.add(top)
+        root[node] = top
+    return root
 
 
-def _evaluate(graph, fmt, conv_costs, transpose_ms) -> LayoutPlan:
+def _reads_into_family(value: ir.Value, consumer: ir.Node, families: Mapping[ir.Node, ir.Node]) -> bool:
+    """Whether ``consumer`` is a Concat inside a family whose root reads ``value`` too: the family's
+    buffer holds it once, so the edge is the root's alone."""
+    root = families.get(consumer)
+    return root is not None and root is not consumer and any(v is value for v in root.inputs)
+
+
+def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None) -> LayoutPlan:
     """Total cost of an assignment: conv times plus a transpose (one that costs anything) per
-    (value, reader) whose formats differ.
+    (value, reader) whose formats differ (``families``: :func:`concat_families`, when known).
 
     (A value read by several consumers in the other format is counted once per consumer: the
     executor may share one transposed copy, so this slightly over-estimates mixed plans.)
@@ -200,12 +283,16 @@ def _evaluate(graph, fmt, conv_costs, transpose_ms) -> LayoutPlan:
     total = sum(conv_costs[n].get(layouts[n], INF) for n in layouts)
     transposes = 0
     moves = channel_moves(graph)
+    if families is None:
+        families = concat_families(n for n in graph if n.domain in ("", "ai.onnx"))
+    if any(fmt.get(node, "nchw") != fmt.get(root, "nchw") for node, root in families.items()):
+        total = INF  # one buffer in two formats: not a plan the cut can give (the members are tied)
     reads = {n: "nhwc" if m == "to_last" else "nchw" for n, m in moves.items()}
     writes = {n: "nchw" if m == "to_last" else "nhwc" for n, m in moves.items()}
     for node in graph:
         here = reads.get(node) or fmt.get(node, "nchw")
         for value in dict.fromkeys(node.inputs):  # a value read twice by one node is converted once
-            if value is None or value.const_value is not None:
+            if value is None or value.const_value is not None or _reads_into_family(value, node, families):
                 continue
             producer = value.producer()
             there = (writes.get(producer) or fmt.get(producer, "nchw")) if producer is not None else "nchw"

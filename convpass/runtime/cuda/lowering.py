@@ -6,7 +6,8 @@ preference (a step claimed by an earlier family is not offered to a later one):
 
 1. convolutions with their fused epilogues (:mod:`convpass.kernels.convolution`), then MatMul / Gemm with their
    bias, residual and ReLU as cuBLASLt epilogues (:mod:`convpass.kernels.matmul`);
-2. kernel families, when ``kernels`` is on: normalizations and softmax (:mod:`convpass.kernels.normalization`),
+2. kernel families, when ``kernels`` is on: fused normalization units (:mod:`convpass.kernels.group_norm`),
+   normalizations and softmax (:mod:`convpass.kernels.normalization`),
    window pooling (:mod:`convpass.kernels.pooling`), Resize (:mod:`convpass.kernels.tensor_ops`);
 3. fused element-wise groups, when ``fuse`` is on (:mod:`convpass.kernels.elementwise`; BatchNormalization in
    inference mode joins them);
@@ -24,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from convpass.native import cublas as blas, nvrtc as compiler
-from convpass.kernels import elementwise, matmul, normalization, pooling, tensor_ops
+from convpass.kernels import elementwise, group_norm, matmul, normalization, pooling, tensor_ops
 from convpass.runtime.cuda import memory
 from convpass.native.cuda import ELEMENTWISE, first_line
 from convpass.kernels.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
@@ -58,9 +59,16 @@ class OpLaunch(Launch):
         store_outputs(env, self.outputs, outs)
 
 
-def _kernel_launch(rt: Any, plan: Any, i: int, host: Any) -> Any:
+def _kernel_launch(rt: Any, plan: Any, i: int, host: Any, ctx: OpContext) -> Any:
     """The hand-written kernel family's launch for step ``i``, or None."""
     cp = rt.cp
+    try:
+        launch = group_norm.lower_fused_norm(plan, i, cp, ctx)
+    except Exception as e:  # noqa: BLE001  (a compiler or driver error: the op library's fused step runs it)
+        rt.note_once("kernel-fused-norm", f"fused normalization kernel did not build ({first_line(e)}): the op library runs the fused steps")
+        launch = None
+    if launch is not None:
+        return launch
     for lower in (
         lambda: normalization.lower_norm(plan, i, cp),
         lambda: normalization.lower_softmax(plan, i, cp),
@@ -77,6 +85,8 @@ def _kernel_launch(rt: Any, plan: Any, i: int, host: Any) -> Any:
 def _sources(launch: Launch) -> list[compiler.KernelSource]:
     """The kernel sources a hand-written launch needs, so they are compiled at plan time."""
     dtype = launch.dtype
+    if isinstance(launch, group_norm.FusedNormLaunch):
+        return [group_norm.source(dtype)]
     if isinstance(launch, normalization.NormLaunch):
         return [] if launch.use_cudnn else [normalization.source(dtype)]
     if isinstance(launch, pooling.PoolLaunch):
@@ -140,7 +150,7 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
         for i in range(n):
             if claimed[i] is not None:
                 continue
-            launch = _kernel_launch(rt, plan, i, host)
+            launch = _kernel_launch(rt, plan, i, host, ctx)
             if launch is None:
                 continue
             try:

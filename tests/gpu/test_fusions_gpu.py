@@ -1,0 +1,216 @@
+"""Fusions around convolutions on a GPU, each against ONNX Runtime CPU, run eagerly (cuda_graph=False)
+and replayed from a CUDA graph: fused normalization units (convpass.kernels.group_norm) in float32 and
+float16, channels-first and channels-last, into a Concat slice; their measured decision at optimize;
+global pooling without keepdims and gates read through an Expand."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fused_models import N, activation, block, const, feeds, norm  # noqa: E402
+
+from convpass.runtime import Executor  # noqa: E402
+from convpass.runtime.cuda import StartupCompileWarning  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda():
+    from convpass.runtime import cuda
+
+    reason = cuda.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuda backend unusable: {reason}")
+
+
+def _ort(model, f):
+    f32 = {k: v.astype(np.float32) for k, v in f.items()}
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    if any(v.dtype == np.float16 for v in f.values()):
+        from onnx import numpy_helper
+
+        for vi in [*m.graph.input, *m.graph.output]:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+        for i, t in enumerate(m.graph.initializer):
+            if t.data_type == TensorProto.FLOAT16:
+                m.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f32)
+
+
+def _channels_last(a):
+    if a.ndim < 3:
+        return a
+    return cp.moveaxis(cp.ascontiguousarray(cp.moveaxis(a, 1, -1)), -1, 1)
+
+
+def _check(model, f, tol, *, graph, channels_last=False, expect=None, **executor):
+    """The cuda executor (eager or captured) against ONNX Runtime CPU over four runs; returns it."""
+    from convpass.runtime.cuda import CudaBackend
+
+    refs = _ort(model, f)
+    dev = {k: cp.asarray(v) for k, v in f.items()}
+    if channels_last:
+        dev = {k: _channels_last(v) for k, v in dev.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StartupCompileWarning)
+        ex = Executor(model, device=CudaBackend(cuda_graph=graph), output_kind="numpy", **executor)
+        for run in range(4):
+            for got, want in zip(ex.run(None, dev), refs):
+                scale = float(np.max(np.abs(want), initial=1.0))
+                np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * scale, err_msg=f"run {run + 1}")
+    if graph:
+        assert ex.graph_status().captured, ex.graph_status().describe()
+    if expect is not None:
+        labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
+        assert any(expect in label for label in labels), labels
+    return ex
+
+
+# (shape, groups, form, activation): VAE-decoder-like GroupNorm(32) + SiLU at several widths (512
+# channels: two per channel lane of the channels-last statistics), odd sizes, 1-D and 3-D maps
+CASES = [
+    ((2, 64, 32, 32), 32, "gn17", "silu"), ((1, 256, 16, 16), 32, "gn17", "silu"), ((4, 512, 8, 8), 32, "gn17", "silu"),
+    ((2, 8, 5, 6), 4, "gn21", "LeakyRelu"), ((2, 64, 32, 32), 64, "instance", "HardSwish"), ((2, 32, 50), 8, "gn17", "Gelu"),
+    ((1, 16, 4, 6, 8), 4, "gn21", "Mish"), ((2, 128, 20, 20), 32, "gn17", "Relu"),
+]
+TOL = {np.float32: 3e-5, np.float16: 5e-3}
+# against ONNX Runtime when an untuned conv (TF32 allowed) sits between the units; the fused and the
+# unfused plans on the GPU run the same conv and are compared at TOL
+TF32_TOL = {np.float32: 3e-3, np.float16: 1e-2}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape,groups,form,act", CASES, ids=[f"{'x'.join(map(str, c[0][1:]))}-{c[2]}-{c[3]}" for c in CASES])
+def test_fused_normalization_units(shape, groups, form, act, dtype, channels_last, graph):
+    """Both units of the block run as FusedNorm launches (statistics + apply) on either storage."""
+    model = block(form, act, shape, groups, dtype=dtype)
+    f = feeds(shape, dtype=dtype)
+    ex = _check(model, f, TF32_TOL[dtype], graph=graph, channels_last=channels_last, expect="FusedNorm")
+    assert [s.fused for s in ex.fusion_summary()] == [True, True]
+    labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
+    assert sum(label.startswith("FusedNorm") for label in labels) == 2, labels
+    # the same conv either way: the fused units against the unfused ops, on the GPU
+    fused = ex.run(None, {k: cp.asarray(v) for k, v in f.items()})[0]
+    unfused = Executor(model, device=_backend(graph), output_kind="numpy", fusions=False)
+    for _ in range(2):
+        want = unfused.run(None, {k: cp.asarray(v) for k, v in f.items()})[0]
+    scale = float(np.max(np.abs(want.astype(np.float64))))
+    np.testing.assert_allclose(fused.astype(np.float64), want.astype(np.float64), rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+def _backend(graph):
+    from convpass.runtime.cuda import CudaBackend
+
+    return CudaBackend(cuda_graph=graph)
+
+
+def test_a_fused_unit_writes_into_its_concat_slice():
+    """GroupNorm + SiLU whose output is concatenated: the FusedNorm launch writes into the buffer."""
+    rng = np.random.default_rng(0)
+    shape = (2, 32, 16, 16)
+    nodes, inits, t = norm("gn17", "n1", "x", 32, 8, rng)
+    more, t = activation("silu", "a1", t)
+    nodes += more + [N("Relu", ["x"], ["r"], name="other"), N("Concat", [t, "r"], ["y"], axis=1, name="cat")]
+    out_shape = (2, 64, 16, 16)
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    for layout in (False, True):
+        ex = _check(model, feeds(shape), TOL[np.float32], graph=True, channels_last=layout)
+        fused = [launch for launch in ex.last_plan.backend_state.launch_list() if launch.label.startswith("FusedNorm")]
+        assert len(fused) == 1 and fused[0].placement is not None
+
+
+def test_optimize_measures_each_unit_and_the_executor_runs_the_decision(tmp_path):
+    """On the GPU, optimize times every unit fused (both formats) and unfused, records it, and the
+    tuned model runs what was recorded, within tolerance of ONNX Runtime."""
+    import convpass
+    from convpass.core import annotation
+
+    shape = (2, 64, 32, 32)
+    model = block("gn17", "silu", shape, 32)
+    out = tmp_path / "tuned.onnx"
+    convpass.optimize(model, out, shapes=[f"x={'x'.join(map(str, shape))}"], quiet=True, cache=tmp_path / "cache.db", tf32="off", kernels=False)
+    tuned = onnx.load(out)
+    record = annotation.read_fusions(tuned)
+    decisions = [d for _, _, ds in record.units.values() for d in ds]
+    assert len(decisions) == 2 and all(d.source == annotation.MEASURED for d in decisions)
+    assert all(set(d.times_ms) == {"fused_nchw", "fused_nhwc", "unfused_nchw"} and min(d.times_ms.values()) > 0 for d in decisions)
+    assert all(d.fused == (d.times_ms["fused_nchw"] <= d.times_ms["unfused_nchw"]) for d in decisions)
+    print(json.dumps([d.to_json() for d in decisions], indent=1))  # the times, for the record
+    ex = _check(tuned, feeds(shape), TOL[np.float32], graph=True)
+    assert [s.why for s in ex.fusion_summary()] == ["measured", "measured"]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_global_pooling_without_keepdims_and_a_gate_through_expand(channels_last):
+    """ECA's gate: x.mean((2, 3)) (keepdims 0) on the global pooling kernel, a 1-D conv across
+    channels, Sigmoid, Reshape, Expand to x's shape, Mul: the Expand is read as a broadcast inside
+    the fused Mul, not copied."""
+    c, k = 64, 5
+    shape = (2, c, 14, 14)
+    rng = np.random.default_rng(0)
+    nodes = [
+        N("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=0, name="pool"),
+        N("Reshape", ["m", "s1"], ["m1"], name="to_1d"),
+        N("Conv", ["m1", "w"], ["c1"], pads=[k // 2, k // 2], name="eca_conv"),
+        N("Sigmoid", ["c1"], ["g"], name="gate"),
+        N("Reshape", ["g", "s2"], ["g4"], name="to_4d"),
+        N("Shape", ["x"], ["xs"], name="shape"),
+        N("Expand", ["g4", "xs"], ["ge"], name="expand"),
+        N("Mul", ["x", "ge"], ["y"], name="apply"),
+    ]
+    inits = [const("s1", [0, 1, -1], np.int64), const("s2", [0, -1, 1, 1], np.int64), const("w", rng.standard_normal((1, 1, k)))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    for graph_mode in (False, True):
+        ex = _check(model, feeds(shape), TF32_TOL[np.float32], graph=graph_mode, channels_last=channels_last)
+        labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
+        assert "ReduceMean (kernel)" in labels and any(label == "fused Expand+Mul" for label in labels), labels
+
+
+def _rrdb_like(shape):
+    rng = np.random.default_rng(0)
+    c = shape[1]
+    nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"), N("LeakyRelu", ["c1"], ["f1"], alpha=0.2, name="lrelu"),
+             N("Concat", ["x", "f1"], ["cat"], axis=1, name="cat"), N("Conv", ["cat", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             N("Mul", ["c2", "scale"], ["m"], name="scale"), N("Add", ["m", "x"], ["y"], name="residual")]
+    inits = [const("w1", rng.standard_normal((c, c, 3, 3)) * 0.05), const("b1", rng.standard_normal(c)),
+             const("w2", rng.standard_normal((c, 2 * c, 3, 3)) * 0.05), const("b2", rng.standard_normal(c)), const("scale", 0.2)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_convs_bias_moves_into_the_element_wise_kernel_after_it(graph, tmp_path):
+    """Forced: each conv runs bare and its bias is added in the fused LeakyRelu / Mul + Add kernel;
+    tuned: the units run as recorded (moved only where the tuned conv adds its bias in a pass of
+    its own). Untuned convs may use TF32 (a looser tolerance); the tuned model has it off."""
+    import convpass
+
+    shape = (2, 64, 32, 32)
+    model = _rrdb_like(shape)
+    ex = _check(model, feeds(shape), 5e-3, graph=graph, fusions=True)
+    labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
+    assert "fused Add+LeakyRelu" in labels and "fused Add+Mul+Add" in labels, labels
+    out = tmp_path / "tuned.onnx"
+    convpass.optimize(model, out, shapes=[f"x={'x'.join(map(str, shape))}"], quiet=True, cache=tmp_path / "cache.db", tf32="off", kernels=False)
+    ex = _check(onnx.load(out), feeds(shape), 2e-4, graph=graph)
+    assert [s.kind for s in ex.fusion_summary()] == ["bias", "bias"]

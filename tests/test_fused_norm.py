@@ -1,0 +1,461 @@
+"""Normalization fusion units, checked on the CPU: the unit rules (convpass.core.fusion_units) on the
+patterns exporters write, the fused step of the op library (convpass.ops.fused) against the unfused
+ops, ONNX Runtime and a float64 NumPy reference in both memory orders, the cuda backend's kernels
+(convpass.kernels.group_norm) compiled as host C++ and run thread by thread over their real launch
+geometry, the model's record and what the executor does with it, and the layout plan."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import types
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import _SHIM, CXX
+from fused_models import N, activation, block, channels_last, const, feeds, norm, opset_of
+from convpass.core import annotation
+from convpass.kernels import group_norm
+from convpass.kernels.backends import host_backend
+from convpass.kernels.launch import Placement
+from convpass.ops.registry import OpContext
+from convpass.runtime.executor import Executor
+
+FORMS = [("gn17", "silu"), ("instance", "Relu"), ("gn21", "LeakyRelu"), ("instance", "HardSwish"), ("gn17", "Gelu"), ("gn21", "Mish")]
+# VAE-decoder-like GroupNorm(32) shapes, an odd small one, 1-D and 3-D feature maps
+SHAPES = [((1, 64, 16, 16), 32), ((2, 128, 8, 8), 32), ((2, 8, 5, 6), 4), ((2, 16, 20), 4), ((1, 8, 3, 4, 5), 2)]
+
+
+def _groups(form, c, groups):
+    return c if form == "instance" else groups
+
+
+def _ort(model, f):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f)[0]
+
+
+def _run_twice(ex, f):
+    """The first run builds the plan (op by op); the second runs the plan, fused steps included."""
+    ex.run(None, f)
+    return ex.run(None, f)[0]
+
+
+@pytest.mark.parametrize("form,act", FORMS, ids=[f"{f}-{a}" for f, a in FORMS])
+@pytest.mark.parametrize("shape,groups", SHAPES, ids=["64x16x16", "128x8x8", "odd", "1d", "3d"])
+def test_every_unit_runs_fused_and_matches_the_unfused_ops_and_onnxruntime(form, act, shape, groups):
+    model = block(form, act, shape, _groups(form, shape[1], groups))
+    f = feeds(shape)
+    ex = Executor(model, device="cpu")
+    got = _run_twice(ex, f)
+    assert [s.node.op_type for s in ex.last_plan.steps] == ["FusedNorm", "Conv", "FusedNorm"]
+    assert [s.fused for s in ex.fusion_summary()] == [True, True]
+    unfused = Executor(model, device="cpu", fusions=False)
+    want = _run_twice(unfused, f)
+    assert "FusedNorm" not in [s.node.op_type for s in unfused.last_plan.steps]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, _ort(model, f), rtol=1e-4, atol=1e-4)
+
+
+def _reference64(x, groups, eps, scale, shift, act):
+    """GroupNorm + activation in float64, written from the definitions."""
+    n, c = x.shape[:2]
+    g = x.astype(np.float64).reshape(n, groups, -1)
+    y = ((g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + eps)).reshape(x.shape)
+    view = (1, c) + (1,) * (x.ndim - 2)
+    y = y * scale.reshape(view) + shift.reshape(view)
+    return {"silu": lambda v: v / (1 + np.exp(-v)), "Relu": lambda v: np.maximum(v, 0)}[act](y)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("act", ["silu", "Relu"])
+def test_the_fused_step_matches_a_float64_reference_in_both_memory_orders(layout, act):
+    shape = (2, 64, 6, 7)
+    model = block("gn21", act, shape, 32, residual=False)  # scale and shift in the core: the epilogue is the activation
+    ex = Executor(model, device="cpu")
+    _run_twice(ex, feeds(shape))
+    step = next(s for s in ex.last_plan.steps if s.node.op_type == "FusedNorm")
+    env = list(ex.last_plan.template)
+    x = feeds(shape, seed=3, offset=50.0)["x"]  # a mean 50 standard deviations away from zero
+    args = [channels_last(x) if layout == "nhwc" else x] + [env[s] for s in step.inputs[1:]]
+    got = step.fn(OpContext(host_backend()), step.node, *args)
+    want = _reference64(x, 32, step.node.prepared.eps, env[step.inputs[1]], env[step.inputs[2]], act)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def _names(ex):
+    return [s.nodes for s in ex.fusion_summary()]
+
+
+def test_the_epilogue_ends_before_a_value_read_outside_the_unit():
+    """GroupNorm -> (SiLU, and a conv reading the GroupNorm's output too): the unit ends at the affine Add."""
+    rng = np.random.default_rng(0)
+    nodes, inits, t = norm("gn17", "n1", "x", 8, 4, rng)
+    more, s = activation("silu", "a1", t)
+    nodes += more + [N("Conv", [t, "w"], ["h"], name="side"), N("Add", [s, "h"], ["y"], name="join")]
+    inits.append(const("w", rng.standard_normal((8, 8, 1, 1))))
+    model = _model(nodes, inits, (2, 8, 5, 6), "y")
+    ex = Executor(model, device="cpu")
+    got = _run_twice(ex, feeds((2, 8, 5, 6)))
+    assert _names(ex) == [("n1/Reshape", "n1/InstanceNormalization", "n1/Reshape_1", "n1/Mul", "n1/Add")]
+    np.testing.assert_allclose(got, _ort(model, feeds((2, 8, 5, 6))), rtol=1e-5, atol=1e-5)
+
+
+def _model(nodes, inits, shape, out, opset=17, outputs=None):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              outputs or [helper.make_tensor_value_info(out, TensorProto.FLOAT, shape)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+def test_a_graph_output_and_an_operand_that_is_not_per_channel_end_the_unit():
+    rng = np.random.default_rng(0)
+    shape = (2, 8, 5, 6)
+    nodes, inits, t = norm("gn21", "n1", "x", 8, 4, rng)
+    nodes += [N("Relu", [t], ["r"], name="relu"), N("Add", ["r", "row"], ["y"], name="add_row")]
+    inits.append(const("row", rng.standard_normal((1, 1, 1, 6))))  # varies along W only
+    model = _model(nodes, inits, shape, "y", opset=21)
+    ex = Executor(model, device="cpu")
+    got = _run_twice(ex, feeds(shape))
+    assert _names(ex) == [("n1/GroupNormalization", "relu")]
+    np.testing.assert_allclose(got, _ort(model, feeds(shape)), rtol=1e-5, atol=1e-5)
+    # the unit's last value may be a graph output; an inner one may not: with the GroupNormalization's
+    # output a graph output nothing joins it, and a GroupNormalization alone is no unit
+    outs = [helper.make_tensor_value_info(v, TensorProto.FLOAT, shape) for v in ("y", "r")]
+    ex = Executor(_model(nodes, inits, shape, "y", opset=21, outputs=outs), device="cpu")
+    _run_twice(ex, feeds(shape))
+    assert _names(ex) == [("n1/GroupNormalization", "relu")]
+    outs = [helper.make_tensor_value_info(v, TensorProto.FLOAT, shape) for v in ("y", t)]
+    ex = Executor(_model(nodes, inits, shape, "y", opset=21, outputs=outs), device="cpu")
+    _run_twice(ex, feeds(shape))
+    assert _names(ex) == []
+
+
+def test_a_gate_and_a_residual_join_the_epilogue_with_their_own_strides():
+    """GroupNorm -> SiLU -> * gate (N, C, 1, 1) -> + residual: one unit, operands from outside."""
+    rng = np.random.default_rng(0)
+    shape = (2, 16, 5, 6)
+    nodes, inits, t = norm("gn17", "n1", "x", 16, 4, rng)
+    more, t = activation("silu", "a1", t)
+    nodes += more + [N("GlobalAveragePool", ["x"], ["pool"], name="pool"), N("Sigmoid", ["pool"], ["gate"], name="gate"),
+                     N("Mul", [t, "gate"], ["g"], name="apply_gate"), N("Add", ["g", "x"], ["y"], name="residual")]
+    model = _model(nodes, inits, shape, "y")
+    ex = Executor(model, device="cpu")
+    got = _run_twice(ex, feeds(shape))
+    assert _names(ex)[0][-2:] == ("apply_gate", "residual")
+    np.testing.assert_allclose(got, _ort(model, feeds(shape)), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cuda backend's kernels as host C++
+
+_SETTER = ('\nextern "C" void set_index(unsigned bx, unsigned by, unsigned tx, unsigned ty, unsigned bdx, unsigned bdy, unsigned gdx, '
+           'unsigned gdy) { blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; threadIdx.y = ty; blockDim.x = bdx; blockDim.y = bdy; '
+           'gridDim.x = gdx; gridDim.y = gdy; }\n')
+
+
+@pytest.fixture(scope="module")
+def host_entry(tmp_path_factory):
+    """``entry(source, name)`` for FusedNormLaunch: the source compiled as host C++, launched block by
+    block and thread by thread (blocks of one thread: the kernels' block cooperation is trivial then)."""
+    if CXX is None:
+        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
+    libs = {}
+    d = tmp_path_factory.mktemp("group_norm")
+
+    def lib_for(src):
+        if src.name not in libs:
+            path = d / f"{src.name}.cpp"
+            path.write_text(_SHIM + "using namespace std;\n" + src.code + _SETTER)
+            so = d / f"lib{src.name}.so"
+            subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(path)], check=True, capture_output=True)
+            libs[src.name] = ctypes.CDLL(str(so))
+        return libs[src.name]
+
+    def entry(src, name):
+        lib = lib_for(src)
+        kernel = getattr(lib, name)
+
+        def launch(grid, block_, args):
+            conv = []
+            for a in args:
+                if isinstance(a, np.ndarray):
+                    conv.append(ctypes.c_void_p(a.ctypes.data))
+                elif isinstance(a, np.uint32):
+                    conv.append(ctypes.c_uint(int(a)))
+                elif isinstance(a, np.int32):
+                    conv.append(ctypes.c_int(int(a)))
+                elif isinstance(a, np.float32):
+                    conv.append(ctypes.c_float(float(a)))
+                else:
+                    conv.append(ctypes.c_longlong(int(a)))
+            gx, gy = (*grid, 1)[:2]
+            bx, by = (*block_, 1)[:2]
+            assert bx * by == 1 or name == "gn_finalize" or name.startswith("convpass_broadcast"), "threads of one block run in turn"
+            for j in range(gy):
+                for i in range(gx):
+                    for ty in range(by):
+                        for tx in range(bx):
+                            lib.set_index(i, j, tx, ty, bx, by, gx, gy)
+                            kernel(*conv)
+        return launch
+
+    return entry
+
+
+def _fused_plan(shape, groups, act="silu", residual=True, form="gn17"):
+    model = block(form, act, shape, groups, residual=residual)
+    ex = Executor(model, device="cpu")
+    _run_twice(ex, feeds(shape))
+    return ex.last_plan
+
+
+@pytest.mark.parametrize("where", ["nchw", "nhwc", "mixed", "nchw-slice", "nhwc-slice", "cropped"])
+@pytest.mark.parametrize("shape,groups", [((2, 8, 5, 6), 4), ((1, 16, 3, 7), 16), ((2, 6, 7), 3), ((1, 4, 2, 3, 4), 2)],
+                         ids=["gn", "instance", "1d", "3d"])
+def test_the_kernels_match_the_fused_step(host_entry, shape, groups, where):
+    """Statistics (rows or channels-last), finalize and the generated apply kernel, run as the
+    launch runs them, against the op library's fused step: channels-first, channels-last, a
+    residual in the other order, a slice of a Concat buffer as input and as output, and an input
+    whose positions are not one run (copied first)."""
+    plan = _fused_plan(shape, groups)
+    index = len(plan.steps) - 1  # the second unit: GroupNorm + SiLU + residual Add
+    step = plan.steps[index]
+    ctx = OpContext(host_backend())
+    launch = group_norm.FusedNormLaunch(plan, index, np, (ctx, step.node, step.fn), entry=host_entry, threads=1, sms=2)
+    launch.prepare()
+    rng = np.random.default_rng(5)
+    env = list(plan.template)
+    x = (rng.standard_normal(shape) * 3 + 7).astype(np.float32)
+    z = rng.standard_normal(shape).astype(np.float32)
+    residual = step.inputs[-1]
+    want = step.fn(ctx, step.node, x, *[env[s] for s in step.inputs[1:-1]], z)
+    r = len(shape)
+    big = (shape[0], shape[1] + 5, *shape[2:])
+    if where in ("nhwc", "mixed"):
+        x = channels_last(x)
+        z = channels_last(z) if where == "nhwc" else z
+    elif where == "nchw-slice":
+        x = np.ascontiguousarray(np.concatenate([np.zeros((shape[0], 2, *shape[2:]), np.float32), x, np.zeros((shape[0], 3, *shape[2:]), np.float32)], 1))[:, 2:2 + shape[1]]
+    elif where == "nhwc-slice":
+        buf = channels_last(np.zeros(big, np.float32))
+        buf[:, 3:3 + shape[1]] = x
+        x = buf[:, 3:3 + shape[1]]
+    elif where == "cropped":
+        wide = np.zeros((*shape[:-1], shape[-1] + 2), np.float32)
+        wide[..., 1:-1] = x
+        x = wide[..., 1:-1]
+    env[step.inputs[0]] = x
+    env[residual] = z
+    out_buffer = None
+    if where.endswith("slice"):
+        out_buffer = {"slot": len(env)}
+        env.append(None)
+        alloc = (lambda layout: channels_last(np.full(big, -9.0, np.float32)) if layout == "nhwc" else np.full(big, -9.0, np.float32))
+        launch.placement = Placement(out_buffer["slot"], 1, 1, shape[1], alloc)
+    launch.run(env)
+    got = env[step.outputs[0]]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    if where in ("nhwc", "nhwc-slice") and r > 2:
+        assert got.strides[1] == 4, "channels-last in, channels-last out"
+    if out_buffer is not None:
+        buf = env[out_buffer["slot"]]
+        assert np.shares_memory(got, buf) and (buf[:, :1] == -9).all() and (buf[:, 1 + shape[1]:] == -9).all()
+
+
+def test_statistics_geometry_follows_the_strides():
+    """Packed channels-first and its Concat slices: the rows kernel; channels-last and its slices:
+    the channels-last kernel, enough channels per lane; cropped positions: neither (copied first)."""
+    plan = group_norm.moments_plan
+    shape = (16, 512, 64, 64)
+    rows = plan(shape, (512 * 4096, 4096, 64, 1), 32, 132)
+    assert rows["kernel"] == "rows" and rows["grid"][1] == 16 * 32 and rows["grid"][0] * rows["grid"][1] >= 4 * 132
+    assert plan(shape, (1024 * 4096, 4096, 64, 1), 32, 132)["kernel"] == "rows"  # a Concat slice
+    cl = plan(shape, (4096 * 512, 1, 64 * 512, 512), 32, 132)
+    assert cl["kernel"] == "cl_2" and cl["block"] == (256, 1) and cl["grid"][1] == 16
+    assert plan(shape, (4096 * 640, 1, 64 * 640, 640), 32, 132)["kernel"] == "cl_2"  # an NHWC Concat slice
+    assert plan((2, 64, 8, 8), (64 * 64, 1, 8 * 64, 64), 32, 132)["block"] == (64, 4)  # position lanes share a block
+    assert plan(shape, (512 * 4096, 4096, 128, 1), 32, 132) is None  # a crop: positions not one run
+    assert plan((2, 8192, 4, 4), (8192 * 16, 1, 4 * 8192, 8192), 32, 132) is None  # too many channels for a lane's registers
+
+
+def test_apply_group_code_reads_statistics_in_float():
+    plan = _fused_plan((2, 8, 5, 6), 4)
+    spec = plan.steps[-1].node.prepared
+    group = group_norm.apply_group(spec, np.float16, ["constant", "constant", "value"])
+    assert group.input_types[:5] == ("T", "float", "float", "float", "float")
+    assert "const A tn = (a0 - a1) * a2 * a3 + a4;" in group.code and group.code.endswith("const A t4 = (a7 + t3);\nout0 = (T)t4;")  # the residual Add reads x, the fifth operand
+    assert group_norm.apply_classes(["constant", "constant", "value"], [(8, 1, 1), (8, 1, 1), (2, 8, 5, 6)]) == (0, 1, 1, 2, 2, 3, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's record, the executor, optimize and the layout plan
+
+
+def _record(units, fused, device=""):
+    return annotation.FusionRecord({
+        "|".join(names): ("norm", tuple(names), (annotation.FusionDecision(device, 0, f, annotation.MEASURED, {"fused_nchw": 1.0}),))
+        for names, f in zip(units, fused)})
+
+
+def _with_record(model, record, profiles=True):
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for k, v in annotation.fusion_entries(record).items():
+        model.metadata_props.add(key=k, value=v)
+    if profiles:
+        info = annotation.ModelInfo(annotation.SCHEMA_VERSION, "test", "", "", "measure",
+                                    (annotation.Profile("p0", {"x": (2, 8, 5, 6)}),), False, {})
+        for k, v in annotation.metadata_entries(info).items():
+            model.metadata_props.add(key=k, value=v)
+    return model
+
+
+def test_the_record_round_trips_and_refuses_a_newer_or_damaged_one():
+    record = _record([("a", "b"), ("c",)], [True, False], device="dev")
+    model = _with_record(block(), record, profiles=False)
+    back = annotation.read_fusions(model)
+    assert back.decision("a|b", "dev", 0).fused is True and back.decision("c", "dev", 0).fused is False
+    assert back.decision("a|b", "other", 0) is None and back.decision("a|b", "dev", 1) is None
+    newer = json.loads(annotation.fusion_entries(record)[annotation.FUSIONS_KEY])
+    newer["version"] = annotation.FUSIONS_VERSION + 1
+    for text, match in ((json.dumps(newer), "reads up to"), ("{not json", "damaged")):
+        m = _with_record(block(), annotation.FusionRecord({}))
+        next(p for p in m.metadata_props if p.key == annotation.FUSIONS_KEY).value = text
+        with pytest.raises(annotation.AnnotationError, match=match):
+            annotation.read_fusions(m)
+        with pytest.raises(Exception, match=match):
+            Executor(m, device="cpu")
+
+
+def test_the_executor_runs_what_the_record_measured_and_the_rule_elsewhere():
+    model = block()
+    ex = Executor(model, device="cpu")
+    _run_twice(ex, feeds((2, 8, 5, 6)))
+    first, second = _names(ex)
+    measured = _with_record(model, _record([first, second], [False, True]))
+    ex = Executor(measured, device="cpu")
+    got = _run_twice(ex, feeds((2, 8, 5, 6)))
+    assert [(s.fused, s.why) for s in ex.fusion_summary()] == [(False, "measured"), (True, "measured")]
+    assert [s.node.op_type for s in ex.last_plan.steps].count("FusedNorm") == 1
+    np.testing.assert_allclose(got, _ort(model, feeds((2, 8, 5, 6))), rtol=1e-5, atol=1e-5)
+    assert "fusion units: 1 of 2 run fused" in ex.format_plan_summary()
+    # measured on another device: the rule
+    other = _with_record(model, _record([first, second], [False, False], device="some other GPU"))
+    ex = Executor(other, device="cpu")
+    _run_twice(ex, feeds((2, 8, 5, 6)))
+    assert [(s.fused, s.why) for s in ex.fusion_summary()] == [(True, "rule"), (True, "rule")]
+
+
+def test_optimize_records_units_not_measured_without_a_gpu_and_measured_with_a_timer():
+    from convpass.compiler import pipeline
+    from convpass.core.model_io import load_model, to_proto
+    from convpass.core.options import TuneOptions
+
+    model = block()
+    ir_model = load_model(model)
+    report = pipeline.OptimizeReport()
+    uses = pipeline.prepare_model(ir_model, TuneOptions(), ["x=2x8x5x6"], report)
+    pipeline.decide_and_annotate(ir_model, TuneOptions(), uses, [], report)
+    record = annotation.read_fusions(to_proto(ir_model))
+    assert len(record.units) == 2 and all(d.source == annotation.NOT_MEASURED and d.fused is None for _, _, ds in record.units.values() for d in ds)
+    assert report.fusion_units == 2 and report.fusion_measured == 0
+
+    calls = []
+
+    def timer(proto, x_name, fused, last):
+        calls.append((tuple(n.op_type for n in proto.graph.node), x_name, fused, last))
+        onnx.checker.check_model(proto, full_check=True)
+        return {(True, False): 1.0, (True, True): 0.9, (False, False): 1.5}[(fused, last)] * (2 if "residual" in [n.name for n in proto.graph.node] else 1)
+
+    ir_model = load_model(model)
+    report = pipeline.OptimizeReport()
+    uses = pipeline.prepare_model(ir_model, TuneOptions(), ["x=2x8x5x6"], report)
+    backend = types.SimpleNamespace(device=None, decide=lambda problems, options: {p: None for p in problems})
+    pipeline.decide_and_annotate(ir_model, TuneOptions(), uses, [backend], report, fusion_timer=timer)
+    record = annotation.read_fusions(to_proto(ir_model))
+    decisions = [d for _, _, ds in record.units.values() for d in ds]
+    assert [d.fused for d in decisions] == [True, True] and decisions[0].times_ms == {"fused_nchw": 1.0, "fused_nhwc": 0.9, "unfused_nchw": 1.5}
+    assert len(calls) == 6 and {c[1] for c in calls} == {"x", "h"}
+    assert report.fusion_measured == 2 and report.fusion_fused == 2
+
+
+def test_the_layout_plan_lets_convs_around_a_fused_groupnorm_stay_nhwc():
+    """conv -> GroupNorm (exported form) + SiLU -> conv, NHWC convs cheaper: with the unit fused its
+    Reshapes do not pin it, and both convs run NHWC with no transpose between them."""
+    import onnx_ir as ir
+
+    from convpass.compiler.fusions import IrView, find_units
+    from convpass.compiler.passes.plan_layouts import plan_layouts
+
+    rng = np.random.default_rng(0)
+    shape = (2, 8, 5, 6)
+    nodes, inits, t = norm("gn17", "n1", "h0", 8, 4, rng)
+    more, t = activation("silu", "a1", t)
+    nodes = [N("Conv", ["x", "w0"], ["h0"], name="conv0")] + nodes + more + [N("Conv", [t, "w1"], ["y"], name="conv1")]
+    inits += [const("w0", rng.standard_normal((8, 8, 1, 1))), const("w1", rng.standard_normal((8, 8, 1, 1)))]
+    model = ir.serde.deserialize_model(_model(nodes, inits, shape, "y"))
+    shapes = {v: shape for v in ("x", "h0", "n1_back", "n1_m", "n1_out", "a1_s", "a1_y", "y")} | {"n1_r": (2, 4, 60), "n1_in": (2, 4, 60)}
+    (units,) = find_units(model, [shapes])
+    assert len(units) == 1 and units[0].names[-1] == "a1/Mul" and IrView(model.graph, shapes).shape(units[0].x) == shape
+    convs = {n: {"nchw": 1.0, "nhwc": 0.5} for n in model.graph if n.op_type == "Conv"}
+    alone = plan_layouts(model.graph, convs, lambda v: 0.4)
+    assert set(alone.layouts.values()) == {"nchw"}  # the Reshapes pin the GroupNorm: NHWC would cost two transposes
+    fused = plan_layouts(model.graph, convs, lambda v: 0.4, [units[0].nodes])
+    assert set(fused.layouts.values()) == {"nhwc"} and fused.transposes == 2  # the graph's input and output only
+
+
+# ---------------------------------------------------------------------------------------------
+# conv bias units
+
+
+def _rrdb_like(shape=(2, 8, 6, 6)):
+    """RRDB's pieces: LeakyReLU(conv(x) + b) into a Concat, and conv(..) * 0.2 + x."""
+    rng = np.random.default_rng(0)
+    c = shape[1]
+    nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"), N("LeakyRelu", ["c1"], ["f1"], alpha=0.2, name="lrelu"),
+             N("Concat", ["x", "f1"], ["cat"], axis=1, name="cat"), N("Conv", ["cat", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             N("Mul", ["c2", "scale"], ["m"], name="scale"), N("Add", ["m", "x"], ["y"], name="residual"),
+             N("Conv", ["y", "w3", "b3"], ["c3"], name="conv3"), N("Relu", ["c3"], ["out"], name="relu")]
+    inits = [const("w1", rng.standard_normal((c, c, 3, 3)) * 0.2), const("b1", rng.standard_normal(c)),
+             const("w2", rng.standard_normal((c, 2 * c, 3, 3)) * 0.2), const("b2", rng.standard_normal(c)), const("scale", 0.2),
+             const("w3", rng.standard_normal((c, c, 1, 1))), const("b3", rng.standard_normal(c))]
+    return _model(nodes, inits, shape, "out")
+
+
+def test_a_convs_bias_moves_into_the_element_wise_step_that_reads_it():
+    """conv1 -> LeakyRelu and conv2 -> Mul are units (conv3 -> Relu is not: the conv's own epilogue
+    takes a ReLU). Untuned convs may add the bias in cuDNN's call: nothing moves by rule; forced, the
+    conv loses its bias and an Add of it joins the reader's fused element-wise group."""
+    from convpass.kernels import elementwise
+
+    model = _rrdb_like()
+    f = feeds((2, 8, 6, 6))
+    ex = Executor(model, device="cpu")
+    _run_twice(ex, f)
+    assert [(s.kind, s.nodes, s.fused) for s in ex.fusion_summary()] == [("bias", ("conv1", "lrelu"), False), ("bias", ("conv2", "scale"), False)]
+    assert "nothing to move" in ex.fusion_summary()[0].note
+    forced = Executor(model, device="cpu", fusions=True)
+    got = _run_twice(forced, f)
+    np.testing.assert_allclose(got, _ort(model, f), rtol=1e-5, atol=1e-5)
+    plan = forced.last_plan
+    convs = [s for s in plan.steps if s.node.op_type == "Conv"]
+    assert [len(s.inputs) > 2 and s.inputs[2] >= 0 for s in convs] == [False, False, True]
+    groups = elementwise.plan_groups(plan, [None] * len(plan.steps))
+    assert [g.ops for g in groups] == [("Add", "LeakyRelu"), ("Add", "Mul", "Add")]
+
+
+def test_a_bias_moves_only_where_the_conv_runs_it_as_a_pass_of_its_own():
+    from convpass.kernels.fused_steps import _bias_is_a_pass
+
+    def step(**decision):
+        d = annotation.ConvDecision(**decision) if decision else None
+        return types.SimpleNamespace(node=types.SimpleNamespace(prepared=types.SimpleNamespace(decision=d)))
+
+    assert _bias_is_a_pass(step(algo="implicit_gemm", memory_format="NHWC"))
+    assert not _bias_is_a_pass(step(algo="implicit_precomp_gemm", fusion="bias"))  # cuDNN's fused call adds it
+    assert _bias_is_a_pass(step(algo="implicit_gemm", engine="eng67_k2=2"))  # the engine's bare conv, then a pass
+    assert not _bias_is_a_pass(step(algo="implicit_gemm", engine="eng0", fusion="bias+swish"))
+    assert not _bias_is_a_pass(step()) and not _bias_is_a_pass(step(algo="auto"))  # untuned: cuDNN's heuristic may fuse it
