@@ -151,7 +151,7 @@ def unit_model(model: ir.Model, unit: Unit, view: IrView) -> tuple[onnx.ModelPro
                 inputs[v.name] = helper.make_tensor_value_info(v.name, elem, view.shape(v))
             else:
                 return None, f"input {v.name!r} of node {view.name(node)!r} has no known shape"
-    out = unit.output
+    out = unit.output if isinstance(unit, NormUnit) else unit.nodes[-1].outputs[0]  # a bias unit ends at its element-wise node
     if view.shape(out) is None or view.dtype(out) is None:
         return None, f"output {out.name!r} has no known shape"
     nodes = [ir.serde.serialize_node(n) for n in unit.nodes]
