@@ -354,7 +354,7 @@ def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, gr
     import convpass.runtime.cuda
     from rich.console import Console
 
-    from convpass.compiler.pipeline import _write_kernels
+    from convpass.compiler.optimize import write_kernels as _write_kernels
 
     compiled = []
 

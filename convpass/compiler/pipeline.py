@@ -1,7 +1,8 @@
 """The optimize pipeline: load -> resolve shapes -> canonicalize -> collect problems -> decide -> annotate.
 
-The Python API and the CLI both run :func:`optimize_model`; :func:`optimize` is the public entry
-that returns an ``onnx.ModelProto`` (and writes it when ``output`` is given).
+The Python API and the CLI both run :func:`optimize_model` (through :func:`run_optimize`);
+:func:`optimize` is the public entry that returns an ``onnx.ModelProto`` (and writes it when
+``output`` is given), :func:`inspect` reads a tuned model's decisions back.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from convpass.core.version import __version__
 from convpass.core.annotation import ModelInfo, Profile, SCHEMA_VERSION
 from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
 from convpass.core.errors import ConvpassError
-from convpass.core.model_io import load_model, save_model, to_proto
-from convpass.core.options import TuneOptions, parse_directions, parse_size
+from convpass.core.model_io import load_model, to_proto
+from convpass.core.options import CLI, OptionNames, TuneOptions, tune_options
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
 from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
@@ -54,6 +55,10 @@ class OptimizeReport:
     measured: int | None = None  # problems timed on the GPU (None: no GPU backend)
     cached: int | None = None
     failed: int | None = None
+    # decisions by where they came from: timed on this GPU now, read from the tuning cache (on this
+    # GPU or, with --device-name, for another); the rest are left to run time (undecided)
+    decided_measured: int = 0
+    decided_cached: int = 0
     tuning_seconds: float | None = None
     # per profile: (sum of chosen conv times, sum of cuDNN-heuristic conv times, convs counted)
     conv_time_ms: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
@@ -65,9 +70,11 @@ class OptimizeReport:
     engine_decisions: int = 0
     fused_decisions: int = 0  # decisions whose epilogue runs fused into the conv's call (legacy fused call or fused graph)
     own_kernel_decisions: int = 0  # decisions that run convpass's own kernel (runtime.cuda.depthwise)
+    kernels: str | None = None  # what became of the kernel side-car (compiler.optimize.write_kernels)
 
 
-def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
+def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console,
+                  names: OptionNames = CLI) -> DecisionBackend:
     from convpass.tuning.cache import TuningCache, default_cache_path
 
     local = device_mod.detect()
@@ -78,12 +85,12 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
         report.device = str(local)
         return CudnnTuner(TuningCache(cache_path), local, console=console)
     if device_name is None:
-        report.backend = "no GPU found and no --device-name: nothing can be measured or looked up"
+        report.backend = f"no GPU found and no {names('device_name')}: nothing can be measured or looked up"
         return CacheBackend(None, None)
     path = Path(cache_path).expanduser() if cache_path is not None else default_cache_path()
     if not path.is_file():  # decisions are read, never measured, here: an empty new cache holds none
-        raise ConvpassError(f"--device-name {device_name}: tuning cache {path} does not exist; give the cache recorded "
-                            "on that GPU type with --cache (or CONVPASS_CACHE)")
+        raise ConvpassError(f"{names('device_name')} {device_name}: tuning cache {path} does not exist; give the cache recorded "
+                            f"on that GPU type with {names('cache')} (or CONVPASS_CACHE)")
     cache = TuningCache(path)
     target = cache.resolve_device(device_name)
     report.backend = f"tuning cache {cache.path} for {target.name} (cuDNN {target.cudnn_version_str}); no GPU used"
@@ -91,15 +98,16 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
     return CacheBackend(cache, target)
 
 
-def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], report: OptimizeReport) -> dict[ConvProblem, list[ProblemUse]]:
+def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], report: OptimizeReport,
+                  names: OptionNames = CLI) -> dict[ConvProblem, list[ProblemUse]]:
     """The graph passes before any decision (in place): fold conv weights and BatchNormalizations, resolve shapes per
     profile, canonicalize, collect the distinct problems. Fills the report's counts; returns every
-    problem with its uses, in graph order."""
+    problem with its uses, in graph order. ``names``: how messages name the shape profiles."""
     fold = FoldConvWeightsPass()
     fold(model)
     report.notes.extend(fold.notes)  # folded weights that grew the model
     FoldBatchNormsPass()(model)  # as the executor folds them: the tuner times the step that runs
-    resolve = ResolveShapesPass(shapes)
+    resolve = ResolveShapesPass(shapes, names)
     resolve(model)
     report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile
     CanonicalizeConvsPass()(model)
@@ -133,6 +141,9 @@ def decide_and_annotate(
         choices = backend.decide(problems, options)
         decided = sum(1 for c in choices.values() if c is not None)
         report.decided += decided
+        from_cache = decided if not getattr(backend, "measures", False) else getattr(getattr(backend, "summary", None), "cached_decided", 0)
+        report.decided_cached += from_cache
+        report.decided_measured += decided - from_cache
         report.undecided += len(problems) - decided
         if backend.device is not None:
             report.by_device[str(backend.device)] = (decided, len(problems) - decided)
@@ -185,14 +196,16 @@ def optimize_model(
     device_name: str | None = None,
     console: Console | None = None,
     backend: DecisionBackend | None = None,
+    names: OptionNames = CLI,
 ) -> OptimizeReport:
-    """Run the whole pipeline on an in-memory model (modified in place); returns the report."""
+    """Run the whole pipeline on an in-memory model (modified in place); returns the report.
+    ``names``: how messages name the options (the CLI's flags or the Python API's arguments)."""
     console = console or Console(stderr=True, soft_wrap=True)
     report = OptimizeReport()
-    uses = prepare_model(model, options, shapes, report)
+    uses = prepare_model(model, options, shapes, report, names)
     if uses:
         if backend is None:
-            backend = _make_backend(options, cache, device_name, report, console)
+            backend = _make_backend(options, cache, device_name, report, console, names)
         else:
             report.backend = type(backend).__name__
             report.device = str(backend.device or "")
@@ -309,151 +322,31 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
     return overrides
 
 
-def print_report(report: OptimizeReport, console: Console, output: str | None = None) -> None:
-    tuned = report.convs - len(report.skipped)
-    console.print(
-        f"[bold]convpass[/]: {report.convs} convolutions ({tuned} tuned), {report.problems} distinct problems over "
-        f"{len(report.profiles)} profile(s) [{', '.join(p.name for p in report.profiles)}]"
-    )
-    if report.backend:
-        console.print(f"  decisions: {report.backend}")
-    console.print(f"  decided {report.decided}, left to run time (auto) {report.undecided}")
-    if report.measured is not None:
-        line = f"  measured {report.measured} problems, {report.cached} from the tuning cache, {report.failed} failed"
-        if report.tuning_seconds is not None:
-            line += f" ({report.tuning_seconds:.1f} s)"
-        console.print(line)
-        if report.measured == 0 and report.cached:
-            console.print("  every decision came from the tuning cache: nothing was timed")
-    if report.engine_decisions:
-        console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine")
-    if report.own_kernel_decisions:
-        console.print(f"  {report.own_kernel_decisions} of {report.decisions_recorded} conv decisions run convpass's own depthwise kernel "
-                      "(measured faster than every cuDNN algorithm)")
-    if report.fused_decisions:
-        console.print(f"  {report.fused_decisions} of {report.decisions_recorded} conv decisions run their epilogue fused into the conv's call "
-                      "(the rest: the conv, then one element-wise pass)")
-    if report.measured is not None:
-        for name, plan in report.layout_plans.items():
-            nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
-            console.print(
-                f"  layout plan [{name}]: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
-                f"{plan.cost_ms:.3f} ms with transposes (per-conv best layouts alone: {plan.per_conv_best_ms:.3f} ms of convs)"
-            )
-        for name, (chosen, heuristic, count) in report.conv_time_ms.items():
-            console.print(
-                f"  conv time [{name}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
-                f"({chosen / heuristic:.2f}x)"
-            )
-    for name, why in report.skipped:
-        console.print(f"  [yellow]untuned[/] {name}: {why}")
-    for note in report.notes:
-        console.print(f"  [yellow]note[/]: {note}")
-    if output:
-        console.print(f"  wrote {output}")
+def build_options(kwargs: dict[str, Any], names: OptionNames = CLI) -> TuneOptions:
+    """TuneOptions from the Python API's / CLI's keyword values (sizes and lists as text allowed):
+    :func:`convpass.core.options.tune_options`."""
+    return tune_options(kwargs, names)
 
 
-def build_options(kwargs: dict[str, Any]) -> TuneOptions:
-    """TuneOptions from the Python API's / CLI's keyword values (sizes and lists as text allowed)."""
-    kw = dict(kwargs)
-    if "workspace_limit" in kw:
-        kw["workspace_limit"] = parse_size(kw["workspace_limit"])
-    if "directions" in kw:
-        kw["directions"] = parse_directions(kw["directions"])
-    if isinstance(kw.get("matmul_tf32"), str):
-        kw["matmul_tf32"] = {"on": True, "off": False}.get(kw["matmul_tf32"], kw["matmul_tf32"])
-    try:
-        return TuneOptions(**kw)
-    except TypeError as e:
-        raise ConvpassError(f"unknown option: {e}") from None
+def inspect(model: str | os.PathLike[str] | onnx.ModelProto | bytes, *, device: str | None = None) -> list[dict[str, Any]]:
+    """The decisions a tuned model records: one record per convolution, device table and profile.
 
+    Args:
+        model: A tuned model: a path, serialized bytes or an ``onnx.ModelProto``. A model that was
+            not tuned is read too: its convolutions are listed once each, ``source="untuned"``.
+        device: Keep only the decision tables of the devices it names: a full device fingerprint
+            or part of a GPU name (``"H100"``). None: every table.
 
-def optimize(model: str | os.PathLike | onnx.ModelProto | bytes, output: str | os.PathLike | None = None, **kwargs: Any) -> onnx.ModelProto:
-    """Tune every convolution of ``model`` and return the annotated model (see the README); takes
-    the arguments of :func:`optimize_ir`."""
-    return to_proto(optimize_ir(model, output, **kwargs))
+    Returns:
+        Records in graph order, each a dict with ``node``, ``op``, ``device``, ``profile``,
+        ``problem_key``, ``algo``, ``engine``, ``fusion``, ``dgrad_algo``, ``wgrad_algo``,
+        ``memory_format``, ``math_mode``, ``tf32``, ``workspace_bytes``, ``time_ms`` and
+        ``source`` (``measure``, ``exhaustive``, ``heuristic``, ``forced``, ``cache``, ``auto``
+        or ``untuned``). Values not recorded are None.
 
-
-def optimize_ir(
-    model: str | os.PathLike | onnx.ModelProto | bytes,
-    output: str | os.PathLike | None = None,
-    *,
-    shapes: Sequence[str | dict] = (),
-    cache: str | os.PathLike | None = None,
-    device_name: str | None = None,
-    quiet: bool = False,
-    kernels: bool = True,
-    **options: Any,
-) -> ir.Model:
-    """:func:`optimize`, returning the onnx-ir model: the CLI, which only wants the file, makes no
-    protobuf copy of it (0.1 s for a 100 MB model).
-
-    Options (as on the CLI): ``mode`` (heuristic | exhaustive | measure), ``fprop_algo`` /
-    ``dgrad_algo`` / ``wgrad_algo`` (normal | performance | an algorithm name), ``tf32``
-    (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
-    (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad"), ``engines``
-    (legacy | graph | all: cuDNN's legacy algorithms, its graph-API engine configurations, or both).
-    ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
-    ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
-    model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.compiler.aot`).
-    """
-    device_mod.start_driver()  # ready by the time the decisions need the GPU's fingerprint
-    tune_options = build_options(options)
-    console = Console(stderr=True, quiet=quiet, soft_wrap=True)
-    if output is not None and not Path(output).resolve().parent.is_dir():
-        raise ConvpassError(f"output directory {Path(output).parent} does not exist")
-    ir_model = load_model(model)
-    report = optimize_model(ir_model, tune_options, shapes, cache, device_name, console)
-    if output is not None:
-        save_model(ir_model, output)
-    print_report(report, console, str(output) if output is not None else None)
-    if output is not None:
-        _write_kernels(Path(output), kernels, console)
-    return ir_model
-
-
-def _write_kernels(output: Path, kernels: bool, console: Console) -> None:
-    """The tuned model's kernel side-car (:mod:`convpass.compiler.aot`). The one beside ``output`` is kept
-    when it was compiled for exactly this model here (a cached re-run writes the same bytes), and
-    deleted otherwise, since it no longer matches."""
-    from convpass.compiler.aot import compile_kernels, current_sidecar
-    from convpass.core.kernel_file import sidecar_path
-    from convpass.runtime.cuda import unavailable_reason
-
-    reason = unavailable_reason() if kernels else None
-    kept = current_sidecar(output) if kernels and reason is None else None
-    if kept is not None:
-        console.print("kernels: " + kept)
-        return
-    sidecar_path(output).unlink(missing_ok=True)
-    if not kernels:
-        return
-    if reason is not None:
-        console.print(f"kernels: not compiled ahead of time here ({reason}); `convpass compile {output}` on the target GPU writes them")
-        return
-    try:
-        report = compile_kernels(output)
-        console.print("kernels: " + report.line())
-    except ConvpassError as e:
-        message = f"the tuned model was written, its kernels were not: {e}"
-        if console.quiet:  # a warning, not a note: said even when only errors are printed
-            logger.warning("%s", message)
-        else:
-            console.print(f"[yellow]warning[/]: {message}", markup=True)
-        return
-    line = report.in_place_line()
-    if line:
-        console.print(line, markup=False)
-    for slow in report.slow_convs():  # what was timed alone runs slower where it runs: said, naming the conv
-        logger.warning("%s", slow)
-
-
-def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = None) -> list[dict[str, Any]]:
-    """One record per convolution, device table and profile, in graph order: node, op, device,
-    profile, decisions. ``device`` (a fingerprint or part of a GPU name, as ``--device-name``) keeps
-    only the tables of the devices it names.
-
-    Convolutions that were not tuned (plain standard ops) are listed once with ``source="untuned"``.
+    Raises:
+        ConvpassError: the file is not a readable ONNX model, its annotations cannot be read, or
+            ``device`` names no device the model has decisions for.
     """
 
     proto = model if isinstance(model, onnx.ModelProto) else to_proto(load_model(model))
