@@ -50,7 +50,12 @@ class OutputError:
     note: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """As a dict; an infinite relative error (the reference is 0 where convpass is not) is null."""
+        out = dataclasses.asdict(self)
+        for key in ("max_abs_error", "max_rel_error"):
+            if out[key] is not None and not np.isfinite(out[key]):
+                out[key] = None
+        return out
 
 
 def _error(name: str, a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> OutputError:

@@ -9,7 +9,9 @@ own usage errors exit with 2; an interrupt exits with 130.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import platform
 import sys
 from collections.abc import Callable, Sequence
 
@@ -169,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.quiet)
+    logging.getLogger("convpass").debug("convpass %s on Python %s: %s", __version__, platform.python_version(), " ".join(argv))
     try:
         return args.func(args)
     except ConvpassError as e:

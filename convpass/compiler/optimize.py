@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from convpass.compiler.pipeline import OptimizeReport, optimize_model
-from convpass.core.errors import ConvpassError
+from convpass.core.errors import ConvpassError, OptionError
 from convpass.core.model_io import load_model, save_model, to_proto
 from convpass.core.options import API, OptionNames, TuneOptions, parse_profiles, tune_options
 from convpass.native import device as device_mod
@@ -136,9 +136,8 @@ def optimize_ir(
         directions=directions,
     ), API)
     profiles = parse_profiles(shapes, API)
-    for name, value in (("device_name", device_name),):
-        if value is not None and not isinstance(value, str):
-            raise ConvpassError(f"{name} {value!r}: expected a GPU name or a device fingerprint")
+    if device_name is not None and not isinstance(device_name, str):
+        raise OptionError(f"device_name {device_name!r}: expected a GPU name or a device fingerprint")
     console = Console(stderr=True, quiet=bool(quiet), soft_wrap=True)
     ir_model, _ = run_optimize(model, output, options, profiles, cache=cache, device_name=device_name, kernels=kernels,
                                console=console, names=API)
