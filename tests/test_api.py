@@ -82,3 +82,11 @@ def test_optimize_takes_every_documented_form_of_its_options(tmp_path):
     x = random_input((2, 3, 8, 8))
     (y,) = convpass.Executor(tuned).run(None, {"x": x})
     np.testing.assert_allclose(y, run_ort(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
+def test_docs_python_api_describes_every_argument():
+    from conftest import REPO
+
+    text = (REPO / "docs" / "python-api.md").read_text()
+    for name in ["model", "output", *KEYWORDS]:
+        assert f"`{name}`" in text or f"`{name}`," in text, name

@@ -375,3 +375,44 @@ def test_the_cli_runs_as_a_program_from_a_fresh_process(tmp_path):
     doc = json.loads(done.stdout)
     jsonschema.validate(doc, SCHEMAS["convpass.run/1"])
     assert doc["outputs"][0]["name"] == "logits" and doc["latency_ms"]["runs"] == 2
+
+
+def test_docs_cli_names_every_option_and_schema():
+    text = (REPO / "docs" / "cli.md").read_text()
+    for verb, action, _ in _actions(build_parser()):
+        if verb == "bench" or isinstance(action, argparse._SubParsersAction):
+            continue
+        for option in action.option_strings:
+            if option.startswith("--") and option != "--help":
+                assert f"`{option}" in text or f"[{option}" in text or f" {option} " in text, f"docs/cli.md: {verb} {option}"
+        for choice in action.choices or ():
+            assert str(choice) in text, f"docs/cli.md: {verb} {action.dest} {choice}"
+    for name in SCHEMAS:
+        assert f"`{name}`" in text
+
+
+def test_a_missing_optional_package_is_a_clear_error_naming_its_extra(monkeypatch):
+    """What ``bench --plot`` and ``run --compare ort`` call before their work: never a silent no-op."""
+    from convpass.core.errors import OptionError
+    from convpass.core.extras import require
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(OptionError, match=r"^--plot needs matplotlib, which is not installed here .*pip install 'convpass\[plot\]'$"):
+        require("matplotlib", "--plot")
+    assert require("json", "--json").dumps([]) == "[]"
+
+
+def test_pyproject_extras():
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = config["optional-dependencies"]
+    assert any(r.startswith("nvidia-cudnn-frontend") for r in extras["gpu"]) and any(r.startswith("nvidia-cudnn-frontend") for r in extras["cuda12"])
+    assert any(r.startswith("cupy-cuda12x") for r in extras["cuda12"]) and any(r.startswith("matplotlib") for r in extras["plot"])
+    assert any(r.startswith("ray") for r in extras["fleet"]) and not any(r.startswith("ray") for r in extras["dev"])
+    assert config["license"]["text"] == "Apache-2.0"
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    main_run = ci.index("python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m pytest -q")
+    assert any("pip install -q 'ray" in line and "pytest -q -m fleet" in line for line in ci[main_run + 1:])

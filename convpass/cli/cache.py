@@ -40,7 +40,7 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="stats (what the cache holds), export FILE.json, import FILE.json, clear (delete measurements)")
     p.add_argument("file", nargs="?", help="the JSON file for export / import")
     p.add_argument(
-        "--device-name",
+        "--device-name", metavar="NAME",
         help="limit to one device: a full fingerprint or part of the GPU name (e.g. H200); "
         "several matches pick the newest cuDNN, then the most entries",
     )
