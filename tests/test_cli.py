@@ -416,3 +416,18 @@ def test_pyproject_extras():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     main_run = ci.index("python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m pytest -q")
     assert any("pip install -q 'ray" in line and "pytest -q -m fleet" in line for line in ci[main_run + 1:])
+
+
+def test_escape_sequences_from_a_model_never_reach_the_terminal(tmp_path, capsys):
+    model = conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3))
+    model.graph.node[0].name = "conv\x1b]0;owned\x07"
+    model.graph.node[1].output[0] = model.graph.output[0].name = "out\x1b[2J"
+    onnx.save(model, tmp_path / "m.onnx")
+    assert main(["optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "t.onnx")]) == 0
+    assert main(["inspect", str(tmp_path / "t.onnx")]) == 0
+    assert main(["run", str(tmp_path / "t.onnx")]) == 0
+    captured = capsys.readouterr()
+    for stream in (captured.out, captured.err):
+        assert "\x1b" not in stream and "\x07" not in stream
+    folded = "".join(captured.out.split())
+    assert "conv\\x1b]0;owned\\x07" in folded and "out\\x1b[2J" in folded

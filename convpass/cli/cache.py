@@ -16,7 +16,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from convpass.cli.output import add_json_options, emit_json, result_console
+from convpass.cli.output import add_json_options, emit_json, printable, result_console
 from convpass.core.device import DeviceFingerprint
 from convpass.tuning.cache import CacheError, TuningCache, default_cache_path
 
@@ -84,7 +84,7 @@ def _stats_table(st: dict[str, Any]) -> Table:
         table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
     for d in st["devices"]:
         fp = DeviceFingerprint.parse(d["device"])
-        table.add_row(escape(fp.name), fp.compute_capability, str(fp.sm_count), fp.cudnn_version_str, str(d["keys"]),
+        table.add_row(escape(printable(fp.name)), fp.compute_capability, str(fp.sm_count), fp.cudnn_version_str, str(d["keys"]),
                       str(d["measurements"]), _when(d["oldest_measured_at"]), _when(d["newest_measured_at"]))
     return table
 
@@ -102,7 +102,7 @@ def cache_command(args: argparse.Namespace) -> int:
             st = cache.stats(device)
             emit_json(args, {"schema": SCHEMA, "action": "stats", **st})
             console.print(
-                f"tuning cache [bold]{escape(str(st['path']))}[/bold] ({_size(st['size_bytes'])}): "
+                f"tuning cache [bold]{escape(printable(st['path']))}[/bold] ({_size(st['size_bytes'])}): "
                 f"{st['measurements']} measurements of {st['keys']} problem keys, {st['transposes']} transpose timings; dates in UTC"
             )
             console.print(_stats_table(st) if st["devices"] else "no measurements")
@@ -120,5 +120,5 @@ def cache_command(args: argparse.Namespace) -> int:
             result = {"device": str(device) if device else None, "deleted": n, "cache": str(cache.path)}
             text = f"cleared {n} measurements {f'for {device}' if device else '(all devices)'} from {cache.path}"
         emit_json(args, {"schema": SCHEMA, "action": action, **result})
-        console.print(text, markup=False)
+        console.print(printable(text), markup=False)
     return 0

@@ -17,7 +17,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from convpass.cli.output import add_json_options, emit_json, message_console, result_console, write_text_atomic
+from convpass.cli.output import add_json_options, emit_json, message_console, printable, result_console, write_text_atomic
 
 __all__ = ["SCHEMA", "add_inspect_parser", "inspect_command"]
 
@@ -81,7 +81,7 @@ def _table(model: str, records: list[dict[str, Any]]) -> Table:
     elif devices:
         title += f", decisions for {len(devices)} devices"
     with_op = any(r["op"] != "Conv" for r in records)
-    table = Table(title=Text(title), box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table = Table(title=Text(printable(title)), box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     columns = ["node"] + (["op"] if with_op else []) + (["device"] if len(devices) > 1 else []) + [
         "profile", "decision", "format", "math", "workspace", "time", "source"]
     for col in columns:  # every column folds but the time; rich measures the terminal
@@ -90,7 +90,7 @@ def _table(model: str, records: list[dict[str, Any]]) -> Table:
         row = [r["node"]] + ([r["op"]] if with_op else []) + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
             _fmt(r["profile"]), _decision(r), _fmt(r["memory_format"]), _fmt(r["math_mode"]),
             _size(r["workspace_bytes"]), _fmt(r["time_ms"], " ms"), r["source"]]
-        table.add_row(*(Text(str(cell)) for cell in row))  # text, not markup: names come from the file
+        table.add_row(*(Text(printable(cell)) for cell in row))  # text, not markup: names come from the file
     return table
 
 
@@ -99,7 +99,7 @@ def _problem_keys(records: list[dict[str, Any]]) -> Text:
     text = Text("problem keys:")
     for r in records:
         if r["problem_key"]:
-            text.append(f"\n  {r['node']} [{r['profile']}]: {r['problem_key']}")
+            text.append(printable(f"\n  {r['node']} [{r['profile']}]: {r['problem_key']}"))
     return text
 
 
@@ -138,5 +138,5 @@ def inspect_command(args: argparse.Namespace) -> int:
     if any(r["problem_key"] for r in records):
         console.print(_problem_keys(records), overflow="fold")
     if kernels:
-        console.print(kernels, markup=False)
+        console.print(printable(kernels), markup=False)
     return 0

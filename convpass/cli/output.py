@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from convpass.core.errors import ConvpassError
+from convpass.core.terminal import printable
 
-__all__ = ["add_common_options", "add_json_options", "configure_logging", "emit_json", "message_console",
+__all__ = ["add_common_options", "add_json_options", "configure_logging", "emit_json", "message_console", "printable",
            "result_console", "write_text_atomic"]
 
 _HANDLER_NAME = "convpass-cli"

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from convpass.cli.output import add_json_options, emit_json, result_console
+from convpass.cli.output import add_json_options, emit_json, printable, result_console
 from convpass.core.errors import ConvpassError
 
 __all__ = ["SCHEMA", "add_run_parser", "output_file_name", "run_command", "save_atomic"]
@@ -196,8 +196,8 @@ def _print(args: argparse.Namespace, executor: Any, feeds: list[Any], records: l
            latency: dict[str, Any], errors: list[Any] | None) -> None:
     console = result_console(args)
 
-    def say(text: str) -> None:
-        console.print(text, markup=False, highlight=False, soft_wrap=True)
+    def say(text: str) -> None:  # names come from the model: text, never markup or escape sequences
+        console.print(printable(text), markup=False, highlight=False, soft_wrap=True)
 
     say(f"{args.model}: ran on {executor.backend.describe()}")
     for f in feeds:

@@ -23,6 +23,7 @@ from convpass.compiler.pipeline import OptimizeReport, optimize_model
 from convpass.core.errors import ConvpassError, OptionError
 from convpass.core.model_io import load_model, save_model, to_proto
 from convpass.core.options import API, OptionNames, TuneOptions, parse_profiles, tune_options
+from convpass.core.terminal import printable
 from convpass.native import device as device_mod
 
 __all__ = ["optimize", "optimize_ir", "print_report", "report_json", "run_optimize", "write_kernels"]
@@ -197,7 +198,7 @@ def write_kernels(output: Path, kernels: bool, console: Console) -> str:
         if console.quiet:  # a warning, not a note: said even when only errors are printed
             logger.warning("%s", message)
         else:
-            console.print(f"[yellow]warning[/]: {escape(message)}")
+            console.print(f"[yellow]warning[/]: {_safe(message)}")
         return "kernels: " + message
     line = _say(console, "kernels: " + report.line())
     in_place = report.in_place_line()
@@ -209,8 +210,13 @@ def write_kernels(output: Path, kernels: bool, console: Console) -> str:
 
 
 def _say(console: Console, line: str) -> str:
-    console.print(line, markup=False, highlight=False)
+    console.print(printable(line), markup=False, highlight=False)
     return line
+
+
+def _safe(text: object) -> str:
+    """A string from the model or the options, for rich markup: control characters shown, brackets escaped."""
+    return escape(printable(text))
 
 
 def _plural(n: int, word: str) -> str:
@@ -223,10 +229,10 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
     profiles = ", ".join(p.name for p in report.profiles)
     console.print(
         f"[bold]convpass[/]: {_plural(report.convs, 'convolution')}, {_plural(report.problems, 'distinct problem')} over "
-        f"{_plural(len(report.profiles), 'shape profile')} \\[{escape(profiles)}]"
+        f"{_plural(len(report.profiles), 'shape profile')} \\[{_safe(profiles)}]"
     )
     if report.backend:
-        console.print(f"  decisions: {escape(report.backend)}")
+        console.print(f"  decisions: {_safe(report.backend)}")
     console.print("  " + decisions_line(report))
     if report.measured is not None:
         line = (f"  tuning: {report.measured} problems timed now, {report.cached} read from the tuning cache, "
@@ -246,20 +252,20 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         for name, plan in report.layout_plans.items():
             nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
             console.print(
-                f"  layout plan \\[{escape(name)}]: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
+                f"  layout plan \\[{_safe(name)}]: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
                 f"{plan.cost_ms:.3f} ms with transposes (per-conv best layouts alone: {plan.per_conv_best_ms:.3f} ms of convs)"
             )
         for name, (chosen, heuristic, count) in report.conv_time_ms.items():
             console.print(
-                f"  conv time \\[{escape(name)}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
+                f"  conv time \\[{_safe(name)}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
                 f"({chosen / heuristic:.2f}x)"
             )
     for name, why in report.skipped:
-        console.print(f"  [yellow]untuned[/] {escape(name)}: {escape(why)}")
+        console.print(f"  [yellow]untuned[/] {_safe(name)}: {_safe(why)}")
     for note in report.notes:
-        console.print(f"  [yellow]note[/]: {escape(note)}")
+        console.print(f"  [yellow]note[/]: {_safe(note)}")
     if output:
-        console.print(f"  wrote {escape(output)}")
+        console.print(f"  wrote {_safe(output)}")
 
 
 def decisions_line(report: OptimizeReport) -> str:
