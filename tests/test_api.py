@@ -90,3 +90,10 @@ def test_docs_python_api_describes_every_argument():
     text = (REPO / "docs" / "python-api.md").read_text()
     for name in ["model", "output", *KEYWORDS]:
         assert f"`{name}`" in text or f"`{name}`," in text, name
+
+
+def test_the_executor_documents_its_arguments():
+    doc = inspect.getdoc(convpass.Executor)
+    assert "Args:" in doc and "Raises:" in doc
+    for name in inspect.signature(convpass.Executor).parameters:
+        assert f"    {name}:" in doc, name
