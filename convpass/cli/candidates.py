@@ -24,10 +24,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError
 from convpass.core.problem import ConvShape, ProblemKey
-from convpass.native.cudnn.graph_api import ENGINE_PREFIX
 from convpass.tuning.cache import CacheError, Measurement, TuningCache, default_cache_path
 from convpass.tuning.decide import EPILOGUE_METHOD, cost_ms
 
@@ -89,11 +89,11 @@ def cache_algo(record: dict[str, Any]) -> str | None:
     """The tuning-cache name of a record's chosen configuration (None: not decided)."""
     fusion = record.get("fusion") or ""
     if record.get("engine"):
-        return ENGINE_PREFIX + record["engine"] + (f"+{fusion}" if fusion else "")
-    algo = record.get("algo")
-    if not algo or algo == "auto":
+        return str(Algo("engine", record["engine"], fusion))
+    algo = Algo.maybe(record.get("algo"))
+    if algo is None or algo.family in ("auto", "pass"):
         return None
-    return algo + (f"+{fusion}" if fusion else "")
+    return str(algo.fused(fusion))
 
 
 class CandidateSource:
@@ -157,7 +157,7 @@ def _compare(rows: list[Measurement], key: ProblemKey, record: dict[str, Any]) -
     for m in rows:
         if m.method != "measure" or m.key.shape != key.shape:
             continue
-        row_fusion = m.algo.split("+", 1)[1] if "+" in m.algo else ""
+        row_fusion = Algo.parse(str(m.algo)).fusion
         if row_fusion and row_fusion != fusion:
             continue  # a fused call of another epilogue: not this conv's candidate
         if m.status != "ok" or m.time_ms is None:
