@@ -151,16 +151,31 @@ def test_the_sample_model_s_page(tmp_path):
 CHROMIUM = Path("/usr/bin/chromium")
 
 
+def _render(page: Path, tmp_path: Path) -> str:
+    """The DOM of ``page`` after a headless Chromium ran its script; fails on a script error."""
+    done = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+                           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Uncaught" not in done.stderr, done.stderr[-2000:]
+    return done.stdout
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install -y chromium)")
 def test_a_headless_browser_renders_the_page_without_a_script_error(tuned, tmp_path):
     model, cache = tuned
     page = tmp_path / "r.html"
     assert main(["-q", "inspect", str(model), "--html", str(page), "--cache", str(cache)]) == 0
-    done = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-                           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r'<p id="convpass-rendered"[^>]*>report rendered: 2 sections</p>', done.stdout), done.stderr[-2000:]
-    assert "Uncaught" not in done.stderr
-    assert done.stdout.count('<section class="conv"') == 2
-    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+    dom = _render(page, tmp_path)
+    assert re.search(r'<p id="convpass-rendered"[^>]*>report rendered: 2 sections</p>', dom)
+    assert dom.count('<section class="conv"') == 2
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install -y chromium)")
+def test_a_headless_browser_renders_the_sample_model_s_page(tmp_path):
+    from conftest import REPO
+
+    assert main(["-q", "optimize", str(REPO / "models" / "residual_cnn.onnx"), "-o", str(tmp_path / "t.onnx")]) == 0
+    assert main(["-q", "inspect", str(tmp_path / "t.onnx"), "--html", str(tmp_path / "r.html")]) == 0
+    assert re.search(r'<p id="convpass-rendered"[^>]*>report rendered: 6 sections</p>', _render(tmp_path / "r.html", tmp_path))
