@@ -73,7 +73,8 @@ class Decision:
 
 def tune_options() -> "TuneOptions":
     """The decision options the phases' ``convpass tune`` runs with (its defaults)."""
-    from convpass.cli.main import build_parser, decision_options
+    from convpass.cli.main import build_parser
+    from convpass.cli.options import decision_options
     from convpass.compiler.pipeline import build_options
 
     return build_options(decision_options(build_parser().parse_args(["tune", "m.onnx", "-o", "."])))

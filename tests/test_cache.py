@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from convpass.tuning.cache import CacheError, CacheWarning, Measurement, TuningCache, add_cache_parser, cache_command, default_cache_path
+from convpass.cli.cache import add_cache_parser, cache_command
+from convpass.tuning.cache import CacheError, CacheWarning, Measurement, TuningCache, default_cache_path
 from convpass.core.device import DeviceFingerprint
 from convpass.core.problem import ConvShape, ProblemKey
 

@@ -151,7 +151,7 @@ def test_unknown_device_name_lists_known_devices(tmp_path):
 
 
 def test_device_name_with_a_cache_that_does_not_exist_is_an_error_and_creates_nothing(tmp_path):
-    with pytest.raises(ConvpassError, match=r"--device-name H200: tuning cache .*nowhere\.db does not exist"):
+    with pytest.raises(ConvpassError, match=r"^device_name H200: tuning cache .*nowhere\.db does not exist; .* with cache "):
         convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), cache=tmp_path / "nowhere.db", device_name="H200", quiet=True)
     assert list(tmp_path.iterdir()) == []
 

@@ -43,6 +43,8 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "sympy"), type(core.sy
 def test_symbolic_dimension_arithmetic_imports_it_then():
     out = _run("""
 import sys
+from convpass.core.deferred_imports import defer_sympy
+defer_sympy()
 import convpass.compiler.pipeline
 import onnx_ir as ir
 before = "sympy" in sys.modules
@@ -56,7 +58,9 @@ def test_others_who_import_sympy_get_the_real_module_from_the_import_system():
     first, availability checks, and onnx-ir's own later use all meet one real SymPy."""
     out = _run("""
 import importlib.util, sys
-import convpass.core.model_io, onnx_ir
+import convpass
+convpass.inspect  # the API's first use prepares the import of onnx-ir
+import onnx_ir
 import onnx_ir._core as core
 print(importlib.util.find_spec("sympy") is not None, "sympy" in sys.modules)
 import sympy.core.numbers
@@ -98,3 +102,28 @@ import convpass, convpass.runtime
 print("onnx_ir" in sys.modules, "sympy" in sys.modules)
 """)
     assert out == "False False"
+
+
+def test_importing_convpass_changes_nothing_in_the_interpreter():
+    """No import hook, no logging set-up, no warning filter: ``import convpass`` has no side effects."""
+    out = _run("""
+import logging, sys, warnings
+before = (list(sys.meta_path), list(sys.path_hooks), len(logging.getLogger().handlers), list(warnings.filters))
+import convpass
+after = (list(sys.meta_path), list(sys.path_hooks), len(logging.getLogger().handlers), list(warnings.filters))
+print(before == after, sorted(m for m in sys.modules if m.startswith("convpass")))
+""")
+    assert out == "True ['convpass', 'convpass.core', 'convpass.core.errors', 'convpass.core.version']"
+
+
+def test_the_cli_and_the_api_prepare_the_import_of_onnx_ir():
+    out = _run("""
+import sys
+import convpass
+from convpass.core.deferred_imports import _OnnxIrFinder
+print(any(isinstance(f, _OnnxIrFinder) for f in sys.meta_path))
+convpass.optimize
+import onnx_ir._core as core
+print(type(core.sympy).__name__, "sympy" in sys.modules)
+""")
+    assert out.splitlines() == ["False", "DeferredModule False"]

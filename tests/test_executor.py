@@ -754,8 +754,9 @@ def test_cli_run_errors(tmp_path):
         _run_cli(["run", str(path), "--input", f"x={tmp_path / 'x64.npy'}"])
     with pytest.raises(ConvpassError, match="file not found"):
         _run_cli(["run", str(path), "--input", f"x={tmp_path / 'nope.npy'}"])
-    with pytest.raises(ConvpassError, match="missing input"):
-        _run_cli(["run", str(path)])
+    with pytest.raises(ConvpassError, match="holds no array named 'x'"):
+        np.savez(tmp_path / "two.npz", a=np.zeros((1, 3, 8, 8), np.float32), b=np.zeros((1, 3, 8, 8), np.float32))
+        _run_cli(["run", str(path), "--input", f"x={tmp_path / 'two.npz'}"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -518,7 +518,7 @@ def test_merged_caches_give_one_model_for_two_gpus_without_a_gpu(lab, tmp_path, 
     table = capsys.readouterr().out
     assert "decisions for 2 devices" in table and "device" in table
     assert main(["inspect", stem, "--json", "--device", "tuning run"]) == 0
-    assert {r["device"] for r in json.loads(capsys.readouterr().out)} == {str(H200_TUNING_RUN)}
+    assert {r["device"] for r in json.loads(capsys.readouterr().out)["records"]} == {str(H200_TUNING_RUN)}
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.fleet  # CI runs these in a step of their own, with Ray installed (.ci/run)
 ray = pytest.importorskip("ray")
 
 from conftest import REPO  # noqa: E402

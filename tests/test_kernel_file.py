@@ -354,7 +354,7 @@ def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, gr
     import convpass.runtime.cuda
     from rich.console import Console
 
-    from convpass.compiler.pipeline import _write_kernels
+    from convpass.compiler.optimize import write_kernels as _write_kernels
 
     compiled = []
 
@@ -398,7 +398,7 @@ def test_optimize_names_each_conv_that_runs_slower_in_place_than_tuned(tmp_path,
     import convpass.runtime.cuda
     from rich.console import Console
 
-    from convpass.compiler.pipeline import _write_kernels
+    from convpass.compiler.optimize import write_kernels as _write_kernels
 
     rows = [{"node": "fast", "profile": 0, "tuned_ms": 0.1, "in_place_ms": 0.105, "algo": "gemm", "memory_format": "NHWC", "ratio": 1.05},
             {"node": "slow", "profile": 0, "tuned_ms": 0.1, "in_place_ms": 0.2, "algo": "gemm", "memory_format": "NCHW", "ratio": 2.0}]

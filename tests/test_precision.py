@@ -200,7 +200,8 @@ def test_an_impossible_budget_writes_fp32_and_says_so(cache, capsys):
     assert "even with every conv in fp32" in capsys.readouterr().err
 
 
-def test_inspect_shows_each_layers_precision_and_error(cache, tmp_path, capsys):
+def test_inspect_shows_each_layers_precision_and_error(cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # the table fits the terminal: a wide one shows every header whole
     out = tmp_path / "t.onnx"
     _optimize(cache, str(out), precision="auto", max_error=1e-4)
     records = inspect(str(out))
@@ -212,7 +213,7 @@ def test_inspect_shows_each_layers_precision_and_error(cache, tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "precision" in shown and "fp16 alone" in shown and "precision auto (max-rel <= 0.0001)" in shown
     assert cli_main(["inspect", str(out), "--json"]) == 0
-    assert {"precision", "precision_error", "precision_sensitivity"} <= set(json.loads(capsys.readouterr().out)[0])
+    assert {"precision", "precision_error", "precision_sensitivity"} <= set(json.loads(capsys.readouterr().out)["records"][0])
 
 
 def test_onnx_runtime_runs_the_mixed_precision_model_within_the_budget(cache, tmp_path):

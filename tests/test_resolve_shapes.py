@@ -162,7 +162,7 @@ def test_shufflenet_optimizes_with_notes_and_runs(shufflenet):
 
 
 def test_symbolic_batch_without_a_profile_still_asks_for_shape(shufflenet):
-    with pytest.raises(ShapeError, match=r"'batch' of input 'input'.*--shape input=1x3x32x32"):
+    with pytest.raises(ShapeError, match=r"'batch' of input 'input'.*shapes=\['input=1x3x32x32'\]"):
         convpass.optimize(shufflenet, quiet=True)
 
 

@@ -1,28 +1,31 @@
 """The ``convpass`` command line: optimize, tune, compile, inspect, run, cache, bench.
 
-Errors about the user's input are printed as one line (``convpass: error: ...``) with exit code 1;
-argparse's own usage errors exit with 2.
+Every verb takes ``-v`` / ``-q`` (before or after the verb) and, except ``bench``, ``--json``
+(one JSON document on stdout) and ``--json-file PATH`` (:mod:`convpass.cli.output`). Errors about
+the user's input are printed as one line (``convpass: error: ...``) with exit code 1; argparse's
+own usage errors exit with 2; an interrupt exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
+import platform
 import sys
-from collections.abc import Sequence
-
-from rich.console import Console
-from rich.logging import RichHandler
-from rich.table import Table
+from collections.abc import Callable, Sequence
 
 from convpass.cli.options import add_decision_options, decision_options
+from convpass.cli.output import add_common_options, add_json_options, configure_logging, emit_json, message_console
 from convpass.core.errors import ConvpassError
+from convpass.core.options import LAYOUT_CHOICES
 from convpass.core.version import __version__
 
+_SHAPE_HELP = ("a shape profile: NAME=DIMS[,NAME=DIMS] with DIMS as 1x3x224x224, e.g. input=1x3x224x224; "
+               "repeat for several profiles (batch 1 and 32)")
 
-def _add_optimize(sub: argparse._SubParsersAction) -> None:
+
+def _add_optimize(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "optimize",
         help="tune every convolution of a model and write the annotated model",
@@ -30,21 +33,23 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
         "convolution and record them in the model.",
     )
     p.add_argument("model", help="input ONNX model")
-    p.add_argument("-o", "--output", required=True, help="where to write the tuned model (written atomically)")
-    p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS[,NAME=DIMS]",
-                   help="a shape profile, e.g. input=1x3x224x224; repeat for several profiles (batch 1 and 32)")
-    p.add_argument("--device-name", help="take decisions from the cache for this GPU (e.g. H200) instead of measuring")
+    p.add_argument("-o", "--output", required=True, metavar="PATH", help="where to write the tuned model (written atomically)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS[,NAME=DIMS]", help=_SHAPE_HELP)
+    p.add_argument("--device-name", metavar="NAME",
+                   help="take decisions from the tuning cache for this GPU (part of its name, e.g. H200, or a full "
+                   "fingerprint) instead of measuring")
     add_decision_options(
-        p, "auto",
-        "memory format: auto (whole-graph plan: conv times + transposes), per-conv (each conv its own best, "
+        p, LAYOUT_CHOICES, "auto",
+        "memory format: auto (default: whole-graph plan, conv times + transposes), per-conv (each conv its own best, "
         "transposes ignored), nchw, nhwc",
     )
     _add_precision_options(p)
     p.add_argument("--no-kernels", dest="kernels", action="store_false",
                    help="do not compile the GPU kernels of the tuned model ahead of time (<output>.kernels; "
                    "default: compiled when this machine has a GPU)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    add_json_options(p, "convpass.optimize/1")
     p.set_defaults(func=_optimize)
+    return p
 
 
 def _add_precision_options(p: argparse.ArgumentParser) -> None:
@@ -62,32 +67,24 @@ def _add_precision_options(p: argparse.ArgumentParser) -> None:
                    help="held-out inputs the chosen plan is validated on (default: random normal, another seed)")
 
 
-def _precision_options(args: argparse.Namespace) -> dict:
-    return dict(precision=args.precision, max_error=args.max_error, error_metric=args.error_metric,
-                calibration=args.calibration, holdout=args.holdout)
-
-
 def _optimize(args: argparse.Namespace) -> int:
     from convpass.native import device
 
     device.start_driver()  # beside the imports below (0.4 s)
-    from convpass.compiler.pipeline import optimize_ir
+    from convpass.compiler.optimize import report_json, run_optimize
+    from convpass.core.options import CLI, parse_profiles, tune_options
 
-    optimize_ir(
-        args.model,
-        args.output,
-        shapes=args.shape,
-        cache=args.cache,
-        device_name=args.device_name,
-        quiet=args.quiet,
-        kernels=args.kernels,
-        **decision_options(args),
-        **_precision_options(args),
-    )
+    options = tune_options(dict(decision_options(args), precision=args.precision, max_error=args.max_error,
+                                error_metric=args.error_metric), CLI)
+    profiles = parse_profiles(args.shape, CLI)
+    _, report = run_optimize(args.model, args.output, options, profiles, cache=args.cache, device_name=args.device_name,
+                             kernels=args.kernels, console=message_console(args), names=CLI,
+                             calibration=args.calibration, holdout=args.holdout)
+    emit_json(args, report_json(report, str(args.model), str(args.output)))
     return 0
 
 
-def _add_compile(sub: argparse._SubParsersAction) -> None:
+def _add_compile(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compile",
         help="compile the GPU kernels a tuned model needs ahead of time (writes <model>.kernels)",
@@ -97,129 +94,67 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="a tuned ONNX model (its side-car is written beside it)")
     p.add_argument("--arch", default="", metavar="LIST",
-                   help="also compile for these GPU architectures, e.g. 80,90,100 (this GPU's is always included)")
+                   help="also compile for these GPU architectures, comma-separated: 80,90,100 or sm_90 "
+                   "(this GPU's is always included)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS[,NAME=DIMS]",
-                   help="build plans for these input shapes (default: the profiles the model was tuned for)")
+                   help="build plans for these input shapes, e.g. input=1x3x224x224 (default: the profiles the model was tuned for)")
+    add_json_options(p, "convpass.compile/1")
     p.set_defaults(func=_compile)
+    return p
 
 
 def _compile(args: argparse.Namespace) -> int:
     from convpass.compiler.aot import compile_kernels, parse_archs
-    from convpass.core.profiles import parse_shape_spec
+    from convpass.core.options import CLI, parse_profiles
 
-    report = compile_kernels(args.model, archs=parse_archs(args.arch), shapes=[parse_shape_spec(s) for s in args.shape])
-    Console(stderr=True, soft_wrap=True).print(report.line())
+    report = compile_kernels(args.model, archs=parse_archs(args.arch), shapes=parse_profiles(args.shape, CLI))
+    message_console(args).print(report.line(), markup=False)
+    emit_json(args, {"schema": "convpass.compile/1", "model": str(args.model), "sidecar": str(report.path),
+                     "kernels": report.kernels, "archs": dict(report.archs), "profiles": list(report.profiles),
+                     "plans": report.plans, "failed": list(report.failed), "seconds": report.seconds})
     return 0
 
 
-def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list every convolution of a model and its recorded decisions, per device")
-    p.add_argument("model")
-    p.add_argument("--device", metavar="NAME", help="only the decisions for devices matching NAME (e.g. H100, or a full fingerprint)")
-    p.add_argument("--json", action="store_true", help="print a machine-readable JSON list")
-    p.set_defaults(func=_inspect)
+def _add_inspect(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from convpass.cli.inspect import add_inspect_parser
+
+    return add_inspect_parser(sub)
 
 
-def _fmt(value, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4f}{unit}"
-    return f"{value}{unit}"
-
-
-def _sci(value) -> str:
-    return "-" if value is None else f"{value:.2e}"
-
-
-def _model_precision(model) -> dict:
-    """The model's ``convpass.precision`` record (empty for a model tuned without --precision)."""
-    from convpass.core import annotation
-    from convpass.core.model_io import load_model, to_proto
-
-    info = annotation.read_model_info(to_proto(load_model(model)))
-    return dict(info.precision) if info is not None else {}
-
-
-def _with_fusion(name: str | None, fusion: str | None) -> str | None:
-    """An algorithm or engine with the epilogue fused into its call (``implicit_gemm +bias+relu``)."""
-    return f"{name} +{fusion}" if name and fusion else name
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from convpass.compiler.pipeline import inspect
-
-    records = inspect(args.model, device=args.device)
-    if args.json:
-        print(json.dumps(records, indent=2))
-        return 0
-    devices = list(dict.fromkeys(r["device"] for r in records if r["device"]))
-    title = f"{args.model}: {len({r['node'] for r in records})} convolutions"
-    if len(devices) == 1:
-        title += f", decisions for {devices[0]}"
-    elif devices:
-        title += f", decisions for {len(devices)} devices"
-    table = Table(title=title)
-    measured = any(r.get("precision_error") is not None or r.get("precision_sensitivity") is not None for r in records)
-    columns = ["node", "op"] + (["device"] if len(devices) > 1 else []) + [
-        "profile", "algo", "engine", "format", "math", "precision"] + (["error", "fp16 alone"] if measured else []) + [
-        "workspace", "time", "source", "problem key"]
-    for col in columns:
-        table.add_column(col, overflow="fold")
-    for r in records:
-        row = [r["node"], r["op"]] + ([_fmt(r["device"])] if len(devices) > 1 else []) + [
-            _fmt(r["profile"]), _fmt(_with_fusion(r["algo"], None if r.get("engine") else r.get("fusion"))),
-            _fmt(r.get("engine") and _with_fusion(r["engine"], r.get("fusion"))), _fmt(r["memory_format"]), _fmt(r["math_mode"]),
-            _fmt(r.get("precision"))] + ([_sci(r.get("precision_error")), _sci(r.get("precision_sensitivity"))] if measured else []) + [
-            _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
-        table.add_row(*row)
-    console = Console(width=200)
-    console.print(table)
-    precision = _model_precision(args.model)
-    if precision:
-        from convpass.compiler.pipeline import precision_line
-
-        console.print(precision_line(precision), markup=False)
-    if isinstance(args.model, str) and os.path.isfile(args.model):
-        from convpass.core.kernel_file import describe
-
-        console.print(describe(args.model), markup=False)
-    return 0
-
-
-def _add_tune(sub: argparse._SubParsersAction) -> None:
+def _add_tune(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from convpass.cli.tune import add_tune_parser
 
-    add_tune_parser(sub)
+    return add_tune_parser(sub)
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
+def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from convpass.cli.run import add_run_parser
 
-    add_run_parser(sub)
+    return add_run_parser(sub)
 
 
-def _add_cache(sub: argparse._SubParsersAction) -> None:
-    from convpass.tuning.cache import add_cache_parser
+def _add_cache(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from convpass.cli.cache import add_cache_parser
 
-    add_cache_parser(sub)
+    return add_cache_parser(sub)
 
 
-def _add_account(sub: argparse._SubParsersAction) -> None:
+def _add_account(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from convpass.cli.account import add_account_parser
 
-    add_account_parser(sub)
+    return add_account_parser(sub)
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
+def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from convpass.cli.bench import add_bench_parser
 
-    add_bench_parser(sub)
+    return add_bench_parser(sub)
 
 
 # In the order --help lists them. Each imports its own module only when its parser is built.
-_SUBCOMMANDS = {"optimize": _add_optimize, "tune": _add_tune, "compile": _add_compile, "inspect": _add_inspect,
-                "run": _add_run, "cache": _add_cache, "account": _add_account, "bench": _add_bench}
+_SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
+    "optimize": _add_optimize, "tune": _add_tune, "compile": _add_compile, "inspect": _add_inspect,
+    "run": _add_run, "cache": _add_cache, "account": _add_account, "bench": _add_bench}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -230,23 +165,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Measured, ahead-of-time cuDNN convolution tuning for ONNX models.",
     )
     parser.add_argument("--version", action="version", version=f"convpass {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    add_common_options(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, add in _SUBCOMMANDS.items():
         if command is None or name == command:
-            add(sub)
+            add_common_options(add(sub))
     return parser
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The verb, past the options that may come before it (-v, -q)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in _SUBCOMMANDS else None
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from convpass.core.deferred_imports import defer_sympy
+
+    defer_sympy()  # before any command imports onnx-ir (convpass.core.deferred_imports)
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv[0] if argv and argv[0] in _SUBCOMMANDS else None)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(message)s",
-        handlers=[RichHandler(console=Console(stderr=True), show_time=False, show_path=False)],
-    )
+    configure_logging(args.verbose, args.quiet)
+    logging.getLogger("convpass").debug("convpass %s on Python %s: %s", __version__, platform.python_version(), " ".join(argv))
     try:
         return args.func(args)
     except ConvpassError as e:
@@ -255,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("convpass: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,30 +1,49 @@
-"""The decision options that ``optimize`` and ``tune`` share, declared and read in one place."""
+"""The decision options that ``optimize`` and ``tune`` share, declared and read in one place.
+
+The accepted values come from :mod:`convpass.core.options` (the one validation layer); argparse's
+``choices`` and the help texts are built from them, so the parser and its help agree.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
-__all__ = ["add_decision_options", "decision_options"]
+from convpass.core.options import ALGO_KEYWORDS, ALGORITHMS, CLI, ENGINE_CHOICES, MODES, TF32_CHOICES, TuneOptions, tune_options
+
+__all__ = ["add_decision_options", "decision_options", "tune_options_of"]
+
+_DIRECTION_NAMES = {"fwd": "forward", "dgrad": "backward-data", "wgrad": "backward-filter"}
 
 
-def add_decision_options(p: argparse.ArgumentParser, layout_default: str, layout_help: str) -> None:
-    """The options that say how decisions are taken: shared by ``optimize`` and ``tune``."""
-    p.add_argument("--mode", default="measure", choices=["heuristic", "exhaustive", "measure"],
+def add_decision_options(p: argparse.ArgumentParser, layouts: Sequence[str], layout_default: str, layout_help: str) -> None:
+    """The options that say how decisions are taken: shared by ``optimize`` and ``tune``;
+    ``layouts``: the ``--layout`` values this verb accepts."""
+    g = p.add_argument_group("decisions")
+    g.add_argument("--mode", default="measure", choices=MODES,
                    help="heuristic: cuDNN's first choice (MindSpore 'normal'); exhaustive: cuDNN's Find "
                    "(MindSpore 'performance'); measure: convpass's own timing harness (default)")
-    p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or $XDG_CACHE_HOME/convpass/tuning.db)")
-    for flag, what in (("--fprop-algo", "forward"), ("--dgrad-algo", "backward-data"), ("--wgrad-algo", "backward-filter")):
-        p.add_argument(flag, metavar="NAME", help=f"{what} algorithm: normal, performance or a cuDNN algorithm name")
-    p.add_argument("--tf32", default="auto", help="TF32 for float32 convs: auto (measure both), on, off")
-    p.add_argument("--layout", default=layout_default, help=layout_help)
-    p.add_argument("--matmul-tf32", default="off", choices=["on", "off"], help="TF32 for Gemm / MatMul (MindSpore matmul_allow_tf32)")
-    p.add_argument("--workspace-limit", metavar="SIZE", help="largest workspace an algorithm may use, e.g. 256MiB")
-    p.add_argument("--deterministic", action="store_true", help="only deterministic algorithms")
-    p.add_argument("--directions", default="fwd", help="fwd, or fwd,dgrad,wgrad to also tune training passes of Conv")
-    p.add_argument("--engines", default="all", choices=["legacy", "graph", "all"],
-                   help="candidates for forward convs under --mode measure: cuDNN's legacy algorithms, its graph-API "
-                   "engine configurations (needs nvidia-cudnn-frontend: in pip install convpass[gpu], or convpass[graph]), or all (default; "
-                   "legacy only, with a warning, where the graph API is not installed)")
+    g.add_argument("--cache", metavar="PATH",
+                   help="tuning cache file (default: $CONVPASS_CACHE or $XDG_CACHE_HOME/convpass/tuning.db)")
+    for direction in ("fwd", "dgrad", "wgrad"):
+        flag = {"fwd": "--fprop-algo", "dgrad": "--dgrad-algo", "wgrad": "--wgrad-algo"}[direction]
+        g.add_argument(flag, choices=ALGO_KEYWORDS + ALGORITHMS[direction], metavar="NAME",
+                       help=f"{_DIRECTION_NAMES[direction]} algorithm: normal (cuDNN's heuristic), performance (cuDNN's Find) "
+                       f"or one of {', '.join(ALGORITHMS[direction])}, which is then forced (default: --mode)")
+    g.add_argument("--tf32", default="auto", choices=TF32_CHOICES,
+                   help="TF32 for float32 convs: auto (measure with and without, keep the faster; default), on, off")
+    g.add_argument("--layout", default=layout_default, choices=layouts, help=layout_help)
+    g.add_argument("--matmul-tf32", default="off", choices=["on", "off"],
+                   help="TF32 for Gemm / MatMul: on or off (default; MindSpore matmul_allow_tf32)")
+    g.add_argument("--workspace-limit", metavar="SIZE",
+                   help="largest workspace an algorithm may use: bytes or a size such as 64MiB, 1GB; none = no limit (default)")
+    g.add_argument("--deterministic", action="store_true", help="only deterministic algorithms")
+    g.add_argument("--directions", default="fwd", metavar="fwd[,dgrad][,wgrad]",
+                   help="fwd (default), or fwd,dgrad,wgrad to also tune the training passes of Conv")
+    g.add_argument("--engines", default="all", choices=ENGINE_CHOICES,
+                   help="candidates for forward convs under --mode measure: legacy (cuDNN's legacy algorithms), graph "
+                   "(its graph-API engine configurations; needs nvidia-cudnn-frontend, in pip install 'convpass[gpu]'), "
+                   "or all (default; legacy only, with a warning, where the graph API is not installed)")
 
 
 def decision_options(args: argparse.Namespace) -> dict:
@@ -42,3 +61,8 @@ def decision_options(args: argparse.Namespace) -> dict:
         directions=args.directions,
         engines=args.engines,
     )
+
+
+def tune_options_of(args: argparse.Namespace) -> TuneOptions:
+    """The checked :class:`TuneOptions` of the parsed flags (a wrong value named by its flag)."""
+    return tune_options(decision_options(args), CLI)

@@ -1,6 +1,6 @@
 """``convpass tune MODEL... (--shape SPEC... | --batch N[,N]...) -o DIR [--cluster local|ray|ray://HOST:PORT]
-[--devices NAME[,NAME]] [--cache PATH] [--retries N] [--task-timeout S] [--json]`` plus the decision
-options of ``optimize``. See :mod:`convpass.fleet.driver` for what it does.
+[--devices NAME[,NAME]] [--cache PATH] [--retries N] [--task-timeout S] [--json] [--json-file PATH]``
+plus the decision options of ``optimize``. See :mod:`convpass.fleet.driver` for what it does.
 
 Exit status: 0 when every model was written (problems that failed are ``auto`` in them and listed);
 130 when interrupted (what was measured is in the cache; the models complete before the interrupt
@@ -20,6 +20,8 @@ from convpass.core.errors import OptionError
 
 def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from convpass.cli.options import add_decision_options
+    from convpass.cli.output import add_json_options
+    from convpass.core.options import LAYOUT_CHOICES
 
     p = sub.add_parser(
         "tune",
@@ -38,20 +40,21 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     profiles.add_argument("--batch", action="append", default=[], metavar="N[,N] | NAME=N[,N]",
                           help="one profile per batch size, the first dim of every input (as convpass bench); "
                           "NAME=N[,N] for the model whose file stem is NAME")
-    p.add_argument("--cluster", default="local",
+    p.add_argument("--cluster", default="local", metavar="local|ray|ray://HOST:PORT",
                    help="local (default: one worker process per local GPU), ray (RAY_ADDRESS, else the Ray cluster last started "
                    "on this machine, else a new local Ray), "
                    "or ray://HOST:PORT; Ray needs pip install 'convpass[fleet]'")
     p.add_argument("--devices", default="", metavar="NAME[,NAME]",
                    help="device types to tune for, e.g. h100,h200 (default: every GPU type in the cluster); a name "
                    "no GPU of the cluster matches takes its decisions from the tuning cache only")
-    p.add_argument("--retries", type=int, default=2, help="tries after a task's first failure (default 2); a task is one geometry's problems")
+    p.add_argument("--retries", type=int, default=2, metavar="N", help="tries after a task's first failure (default 2); a task is one geometry's problems")
     p.add_argument("--task-timeout", type=float, metavar="SECONDS",
                    help="a task (one geometry's problems, measured one after the other) still running after this long "
                    "has its worker killed and runs again elsewhere")
-    add_decision_options(p, "per-conv", "memory format: per-conv (default: each conv its own best), nchw, nhwc")
-    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout (progress stays on stderr)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no report on stderr")
+    add_decision_options(p, LAYOUT_CHOICES, "per-conv",
+                         "memory format: per-conv (default: each conv its own best), nchw, nhwc; auto is refused here "
+                         "(its whole-graph plan needs transpose timings that fleet workers do not send back)")
+    add_json_options(p, "convpass.tune/1")
     p.set_defaults(func=tune_command)
     return p
 
@@ -61,6 +64,7 @@ def tune_command(args: argparse.Namespace) -> int:
     # resolved) in the model processes, the options are built (which imports the pipeline) while
     # the workers start.
     from convpass.cli.options import decision_options
+    from convpass.cli.output import emit_json
     from convpass.fleet import driver
 
     if args.retries < 0:
@@ -71,7 +75,7 @@ def tune_command(args: argparse.Namespace) -> int:
         specs = driver.specs_with_batches(args.models, args.batch)
     else:
         specs = [driver.ModelSpec(Path(m), tuple(args.shape)) for m in args.models]
-    console = Console(stderr=True, quiet=args.quiet, soft_wrap=True)
+    console = Console(stderr=True, quiet=args.quiet, soft_wrap=True)  # -q: no progress bar and no report
     try:
         report = driver.tune(
             specs,
@@ -89,6 +93,5 @@ def tune_command(args: argparse.Namespace) -> int:
               "written by this run is complete (written atomically)", file=sys.stderr)
         return 130
     driver.print_report(report, console)
-    if args.json:
-        print(driver.summary_json(report))
+    emit_json(args, {"schema": "convpass.tune/1", **report.to_json()})
     return 130 if report.interrupted else 0

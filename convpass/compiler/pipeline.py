@@ -1,7 +1,8 @@
 """The optimize pipeline: load -> resolve shapes -> canonicalize -> collect problems -> decide -> annotate.
 
-The Python API and the CLI both run :func:`optimize_model`; :func:`optimize` is the public entry
-that returns an ``onnx.ModelProto`` (and writes it when ``output`` is given).
+The Python API and the CLI both run :func:`optimize_model` (through :func:`run_optimize`);
+:func:`optimize` is the public entry that returns an ``onnx.ModelProto`` (and writes it when
+``output`` is given), :func:`inspect` reads a tuned model's decisions back.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from convpass.core.version import __version__
 from convpass.core.annotation import ModelInfo, Profile, SCHEMA_VERSION
 from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
 from convpass.core.errors import ConvpassError
-from convpass.core.model_io import load_model, save_model, to_proto
-from convpass.core.options import TuneOptions, check_precision_data, parse_directions, parse_size
+from convpass.core.model_io import load_model, to_proto
+from convpass.core.options import CLI, OptionNames, TuneOptions, check_precision_data, tune_options
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
 from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
@@ -55,6 +56,10 @@ class OptimizeReport:
     measured: int | None = None  # problems timed on the GPU (None: no GPU backend)
     cached: int | None = None
     failed: int | None = None
+    # decisions by where they came from: timed on this GPU now, read from the tuning cache (on this
+    # GPU or, with --device-name, for another); the rest are left to run time (undecided)
+    decided_measured: int = 0
+    decided_cached: int = 0
     tuning_seconds: float | None = None
     # per profile: (sum of chosen conv times, sum of cuDNN-heuristic conv times, convs counted)
     conv_time_ms: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
@@ -71,9 +76,11 @@ class OptimizeReport:
     fusion_measured: int = 0  # their decisions (unit x device x profile) timed on the GPU
     fusion_fused: int = 0  # of those, the ones measured to run fused
     fusion_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # units per kind (norm, bias)
+    kernels: str | None = None  # what became of the kernel side-car (compiler.optimize.write_kernels)
 
 
-def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console) -> DecisionBackend:
+def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console,
+                  names: OptionNames = CLI) -> DecisionBackend:
     from convpass.tuning.cache import TuningCache, default_cache_path
 
     local = device_mod.detect()
@@ -84,12 +91,12 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
         report.device = str(local)
         return CudnnTuner(TuningCache(cache_path), local, console=console)
     if device_name is None:
-        report.backend = "no GPU found and no --device-name: nothing can be measured or looked up"
+        report.backend = f"no GPU found and no {names('device_name')}: nothing can be measured or looked up"
         return CacheBackend(None, None)
     path = Path(cache_path).expanduser() if cache_path is not None else default_cache_path()
     if not path.is_file():  # decisions are read, never measured, here: an empty new cache holds none
-        raise ConvpassError(f"--device-name {device_name}: tuning cache {path} does not exist; give the cache recorded "
-                            "on that GPU type with --cache (or CONVPASS_CACHE)")
+        raise ConvpassError(f"{names('device_name')} {device_name}: tuning cache {path} does not exist; give the cache recorded "
+                            f"on that GPU type with {names('cache')} (or CONVPASS_CACHE)")
     cache = TuningCache(path)
     target = cache.resolve_device(device_name)
     report.backend = f"tuning cache {cache.path} for {target.name} (cuDNN {target.cudnn_version_str}); no GPU used"
@@ -97,15 +104,16 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
     return CacheBackend(cache, target)
 
 
-def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], report: OptimizeReport) -> dict[ConvProblem, list[ProblemUse]]:
+def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], report: OptimizeReport,
+                  names: OptionNames = CLI) -> dict[ConvProblem, list[ProblemUse]]:
     """The graph passes before any decision (in place): fold conv weights and BatchNormalizations, resolve shapes per
     profile, canonicalize, collect the distinct problems. Fills the report's counts; returns every
-    problem with its uses, in graph order."""
+    problem with its uses, in graph order. ``names``: how messages name the shape profiles."""
     fold = FoldConvWeightsPass()
     fold(model)
     report.notes.extend(fold.notes)  # folded weights that grew the model
     FoldBatchNormsPass()(model)  # as the executor folds them: the tuner times the step that runs
-    resolve = ResolveShapesPass(shapes)
+    resolve = ResolveShapesPass(shapes, names)
     resolve(model)
     report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile
     CanonicalizeConvsPass()(model)
@@ -150,6 +158,9 @@ def decide_and_annotate(
         choices = backend.decide(problems, options)
         decided = sum(1 for c in choices.values() if c is not None)
         report.decided += decided
+        from_cache = decided if not getattr(backend, "measures", False) else getattr(getattr(backend, "summary", None), "cached_decided", 0)
+        report.decided_cached += from_cache
+        report.decided_measured += decided - from_cache
         report.undecided += len(problems) - decided
         if backend.device is not None:
             report.by_device[str(backend.device)] = (decided, len(problems) - decided)
@@ -226,12 +237,14 @@ def optimize_model(
     calibration: Sequence[str | os.PathLike] = (),
     holdout: Sequence[str | os.PathLike] = (),
     evaluator: Any = None,
+    names: OptionNames = CLI,
 ) -> OptimizeReport:
     """Run the whole pipeline on an in-memory model (modified in place); returns the report.
     With ``options.precision``: the precision plan (:mod:`convpass.compiler.precision.flow`), its
     errors measured on ``calibration`` / ``holdout`` (.npz files; none: random inputs) by
     ``evaluator`` (default: the GPU executor where this machine's GPU measures, else the CPU
-    emulation)."""
+    emulation). ``names``: how messages name the options (the CLI's flags or the Python API's
+    arguments)."""
     console = console or Console(stderr=True, soft_wrap=True)
     report = OptimizeReport()
     check_precision_data(options, calibration, holdout)
@@ -247,10 +260,10 @@ def optimize_model(
         steps = Steps(prepare_model, decide_and_annotate, OptimizeReport)
         optimize_precision(steps, model, options, shapes, make_backend, report, calibration, holdout, evaluator)
         return report
-    uses = prepare_model(model, options, shapes, report)
+    uses = prepare_model(model, options, shapes, report, names)
     if uses:
         if backend is None:
-            backend = _make_backend(options, cache, device_name, report, console)
+            backend = _make_backend(options, cache, device_name, report, console, names)
         else:
             report.backend = type(backend).__name__
             report.device = str(backend.device or "")
@@ -402,57 +415,6 @@ def _math_overrides(backend: DecisionBackend, options: TuneOptions, uses: dict, 
 _UNIT_KINDS = {"norm": "normalization + epilogue", "bias": "conv bias into the element-wise step after it"}
 
 
-def print_report(report: OptimizeReport, console: Console, output: str | None = None) -> None:
-    tuned = report.convs - len(report.skipped)
-    console.print(
-        f"[bold]convpass[/]: {report.convs} convolutions ({tuned} tuned), {report.problems} distinct problems over "
-        f"{len(report.profiles)} profile(s) [{', '.join(p.name for p in report.profiles)}]"
-    )
-    if report.backend:
-        console.print(f"  decisions: {report.backend}")
-    console.print(f"  decided {report.decided}, left to run time (auto) {report.undecided}")
-    if report.measured is not None:
-        line = f"  measured {report.measured} problems, {report.cached} from the tuning cache, {report.failed} failed"
-        if report.tuning_seconds is not None:
-            line += f" ({report.tuning_seconds:.1f} s)"
-        console.print(line)
-        if report.measured == 0 and report.cached:
-            console.print("  every decision came from the tuning cache: nothing was timed")
-    if report.engine_decisions:
-        console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine")
-    if report.own_kernel_decisions:
-        console.print(f"  {report.own_kernel_decisions} of {report.decisions_recorded} conv decisions run convpass's own depthwise kernel "
-                      "(measured faster than every cuDNN algorithm)")
-    if report.fusion_units:
-        measured = (f"{report.fusion_measured} decision(s) measured on the GPU, {report.fusion_fused} of them fused"
-                    if report.fusion_measured else "not measured: the executor applies the rule of each kind")
-        kinds = ", ".join(f"{n} {_UNIT_KINDS.get(k, k)}" for k, n in sorted(report.fusion_kinds.items()))
-        console.print(f"  {report.fusion_units} fusion unit(s) ({kinds}): {measured}")
-    if report.fused_decisions:
-        console.print(f"  {report.fused_decisions} of {report.decisions_recorded} conv decisions run their epilogue fused into the conv's call "
-                      "(the rest: the conv, then one element-wise pass)")
-    if report.measured is not None:
-        for name, plan in report.layout_plans.items():
-            nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
-            console.print(
-                f"  layout plan [{name}]: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
-                f"{plan.cost_ms:.3f} ms with transposes (per-conv best layouts alone: {plan.per_conv_best_ms:.3f} ms of convs)"
-            )
-        for name, (chosen, heuristic, count) in report.conv_time_ms.items():
-            console.print(
-                f"  conv time [{name}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
-                f"({chosen / heuristic:.2f}x)"
-            )
-    if report.precision:
-        console.print("  " + precision_line(report.precision))
-    for name, why in report.skipped:
-        console.print(f"  [yellow]untuned[/] {name}: {why}")
-    for note in report.notes:
-        console.print(f"  [yellow]note[/]: {note}")
-    if output:
-        console.print(f"  wrote {output}")
-
-
 def precision_line(record: Mapping[str, Any]) -> str:
     """One line of a model's ``convpass.precision`` record."""
     counts = ", ".join(f"{n} {p}" for p, n in sorted(record.get("convs", {}).items()))
@@ -463,112 +425,31 @@ def precision_line(record: Mapping[str, Any]) -> str:
             f"{within} ({record.get('evaluator', '')})")
 
 
-def build_options(kwargs: dict[str, Any]) -> TuneOptions:
-    """TuneOptions from the Python API's / CLI's keyword values (sizes and lists as text allowed)."""
-    kw = dict(kwargs)
-    if "workspace_limit" in kw:
-        kw["workspace_limit"] = parse_size(kw["workspace_limit"])
-    if "directions" in kw:
-        kw["directions"] = parse_directions(kw["directions"])
-    if isinstance(kw.get("matmul_tf32"), str):
-        kw["matmul_tf32"] = {"on": True, "off": False}.get(kw["matmul_tf32"], kw["matmul_tf32"])
-    try:
-        return TuneOptions(**kw)
-    except TypeError as e:
-        raise ConvpassError(f"unknown option: {e}") from None
+def build_options(kwargs: dict[str, Any], names: OptionNames = CLI) -> TuneOptions:
+    """TuneOptions from the Python API's / CLI's keyword values (sizes and lists as text allowed):
+    :func:`convpass.core.options.tune_options`."""
+    return tune_options(kwargs, names)
 
 
-def optimize(model: str | os.PathLike | onnx.ModelProto | bytes, output: str | os.PathLike | None = None, **kwargs: Any) -> onnx.ModelProto:
-    """Tune every convolution of ``model`` and return the annotated model (see the README); takes
-    the arguments of :func:`optimize_ir`."""
-    return to_proto(optimize_ir(model, output, **kwargs))
+def inspect(model: str | os.PathLike[str] | onnx.ModelProto | bytes, *, device: str | None = None) -> list[dict[str, Any]]:
+    """The decisions a tuned model records: one record per convolution, device table and profile.
 
+    Args:
+        model: A tuned model: a path, serialized bytes or an ``onnx.ModelProto``. A model that was
+            not tuned is read too: its convolutions are listed once each, ``source="untuned"``.
+        device: Keep only the decision tables of the devices it names: a full device fingerprint
+            or part of a GPU name (``"H100"``). None: every table.
 
-def optimize_ir(
-    model: str | os.PathLike | onnx.ModelProto | bytes,
-    output: str | os.PathLike | None = None,
-    *,
-    shapes: Sequence[str | dict] = (),
-    cache: str | os.PathLike | None = None,
-    device_name: str | None = None,
-    quiet: bool = False,
-    kernels: bool = True,
-    calibration: Sequence[str | os.PathLike] = (),
-    holdout: Sequence[str | os.PathLike] = (),
-    **options: Any,
-) -> ir.Model:
-    """:func:`optimize`, returning the onnx-ir model: the CLI, which only wants the file, makes no
-    protobuf copy of it (0.1 s for a 100 MB model).
+    Returns:
+        Records in graph order, each a dict with ``node``, ``op``, ``device``, ``profile``,
+        ``problem_key``, ``algo``, ``engine``, ``fusion``, ``dgrad_algo``, ``wgrad_algo``,
+        ``memory_format``, ``math_mode``, ``tf32``, ``workspace_bytes``, ``time_ms`` and
+        ``source`` (``measure``, ``exhaustive``, ``heuristic``, ``forced``, ``cache``, ``auto``
+        or ``untuned``). Values not recorded are None.
 
-    Options (as on the CLI): ``mode`` (heuristic | exhaustive | measure), ``fprop_algo`` /
-    ``dgrad_algo`` / ``wgrad_algo`` (normal | performance | an algorithm name), ``tf32``
-    (auto | on | off), ``layout`` (auto | nchw | nhwc), ``matmul_tf32`` (bool), ``workspace_limit``
-    (bytes or "64MiB"), ``deterministic`` (bool), ``directions`` ("fwd,dgrad,wgrad"), ``engines``
-    (legacy | graph | all: cuDNN's legacy algorithms, its graph-API engine configurations, or both),
-    ``precision`` (auto | fp32 | tf32 | fp16: docs/precision.md), ``max_error`` (E, with
-    ``precision="auto"``), ``error_metric`` (max-rel | rel-l2); ``calibration`` / ``holdout``: the
-    ``.npz`` input files the model's error is measured on (none: random-normal inputs).
-    ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
-    ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
-    model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.compiler.aot`).
-    """
-    device_mod.start_driver()  # ready by the time the decisions need the GPU's fingerprint
-    tune_options = build_options(options)
-    console = Console(stderr=True, quiet=quiet, soft_wrap=True)
-    if output is not None and not Path(output).resolve().parent.is_dir():
-        raise ConvpassError(f"output directory {Path(output).parent} does not exist")
-    ir_model = load_model(model)
-    report = optimize_model(ir_model, tune_options, shapes, cache, device_name, console, calibration=calibration, holdout=holdout)
-    if output is not None:
-        save_model(ir_model, output)
-    print_report(report, console, str(output) if output is not None else None)
-    if output is not None:
-        _write_kernels(Path(output), kernels, console)
-    return ir_model
-
-
-def _write_kernels(output: Path, kernels: bool, console: Console) -> None:
-    """The tuned model's kernel side-car (:mod:`convpass.compiler.aot`). The one beside ``output`` is kept
-    when it was compiled for exactly this model here (a cached re-run writes the same bytes), and
-    deleted otherwise, since it no longer matches."""
-    from convpass.compiler.aot import compile_kernels, current_sidecar
-    from convpass.core.kernel_file import sidecar_path
-    from convpass.runtime.cuda import unavailable_reason
-
-    reason = unavailable_reason() if kernels else None
-    kept = current_sidecar(output) if kernels and reason is None else None
-    if kept is not None:
-        console.print("kernels: " + kept)
-        return
-    sidecar_path(output).unlink(missing_ok=True)
-    if not kernels:
-        return
-    if reason is not None:
-        console.print(f"kernels: not compiled ahead of time here ({reason}); `convpass compile {output}` on the target GPU writes them")
-        return
-    try:
-        report = compile_kernels(output)
-        console.print("kernels: " + report.line())
-    except ConvpassError as e:
-        message = f"the tuned model was written, its kernels were not: {e}"
-        if console.quiet:  # a warning, not a note: said even when only errors are printed
-            logger.warning("%s", message)
-        else:
-            console.print(f"[yellow]warning[/]: {message}", markup=True)
-        return
-    line = report.in_place_line()
-    if line:
-        console.print(line, markup=False)
-    for slow in report.slow_convs():  # what was timed alone runs slower where it runs: said, naming the conv
-        logger.warning("%s", slow)
-
-
-def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = None) -> list[dict[str, Any]]:
-    """One record per convolution, device table and profile, in graph order: node, op, device,
-    profile, decisions. ``device`` (a fingerprint or part of a GPU name, as ``--device-name``) keeps
-    only the tables of the devices it names.
-
-    Convolutions that were not tuned (plain standard ops) are listed once with ``source="untuned"``.
+    Raises:
+        ConvpassError: the file is not a readable ONNX model, its annotations cannot be read, or
+            ``device`` names no device the model has decisions for.
     """
 
     proto = model if isinstance(model, onnx.ModelProto) else to_proto(load_model(model))

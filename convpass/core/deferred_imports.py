@@ -6,8 +6,11 @@ onnx-ir (1.0 and 1.1) imports SymPy at its own import, for arithmetic on symboli
 ``inspect`` or ``tune`` paid for the import: 0.5 s on the development machine, 1.9 s on an H200
 device machine (2026-11-27: a third of a cached re-run there).
 
-:func:`defer_sympy` (called by ``import convpass``, which stays cheap: it imports nothing) puts a
-one-shot finder first on ``sys.meta_path``. When something imports onnx-ir, the finder lets the
+:func:`defer_sympy` puts a one-shot finder first on ``sys.meta_path``. It is called where convpass
+is about to import onnx-ir for its own work: the CLI's entry (:func:`convpass.cli.main.main`), the
+first use of a name of the Python API (``convpass.optimize``, ``convpass.inspect``,
+``convpass.Executor``) and a model process of ``convpass tune`` (:mod:`convpass.fleet.preload`).
+``import convpass`` alone calls it not: importing a package changes nothing in the interpreter. When something imports onnx-ir, the finder lets the
 import system load it as usual, with :class:`DeferredModule` stand-ins for ``sympy`` and
 ``onnx_ir._symbolic_shapes`` in ``sys.modules`` while onnx-ir's own code runs, and takes them
 out again right after. So the stand-ins live only in onnx-ir's module globals: the first attribute

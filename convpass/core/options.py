@@ -2,13 +2,17 @@
 
 The algorithm options take MindSpore's ``gpu_config`` vocabulary: ``normal`` (cuDNN's heuristic),
 ``performance`` (cuDNN's trial search, Find) or a named cuDNN algorithm, which is then forced.
+
+Messages name an option as its caller spells it: :data:`CLI` (``--workspace-limit``, ``--shape``)
+or :data:`API` (``workspace_limit``, ``shapes[1]``). The caller passes its :class:`OptionNames` to
+:func:`tune_options` and :func:`parse_profiles`; nothing else validates these values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from convpass.core.cudnn_enums import algo_names
@@ -46,17 +50,44 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2
                "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
 
-def parse_size(text: str | int | None) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class OptionNames:
+    """How a caller spells an option in messages: ``cli`` (``--tf32``, ``--shape``) or ``api``
+    (``tf32``, ``shapes[1]``). ``name`` is the Python keyword (``workspace_limit``, ``shapes``)."""
+
+    style: str
+
+    def __call__(self, name: str, index: int | None = None) -> str:
+        if self.style == "cli":
+            return "--" + _CLI_SPELLING.get(name, name).replace("_", "-")
+        return name if index is None else f"{name}[{index}]"
+
+    def example(self, name: str, value: str) -> str:
+        """How the caller would give ``value`` to a list option: ``--shape x=1x3`` or ``shapes=['x=1x3']``."""
+        if self.style == "cli":
+            return f"{self(name)} {value}"
+        return f"{name}=[{value!r}]"
+
+
+_CLI_SPELLING = {"shapes": "shape"}
+CLI = OptionNames("cli")
+API = OptionNames("api")
+
+
+def parse_size(text: str | int | None, names: OptionNames | None = None) -> int | None:
     """``"256MiB"`` -> 268435456; ``None`` / ``"none"`` -> no limit."""
-    if text is None or isinstance(text, int):
+    flag = (names or CLI)("workspace_limit")
+    if text is None or (isinstance(text, int) and not isinstance(text, bool)):
         if isinstance(text, int) and text < 0:
-            raise OptionError(f"--workspace-limit must be >= 0, got {text}")
+            raise OptionError(f"{flag} must be >= 0, got {text}")
         return text
+    if not isinstance(text, str):
+        raise OptionError(f"{flag} {text!r}: expected a size such as 0, 64MiB, 1GB or none")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if text.strip().lower() in ("none", "unlimited"):
         return None
     if not m or m[2].lower() not in _SIZE_UNITS:
-        raise OptionError(f"--workspace-limit {text!r}: expected a size such as 0, 64MiB, 1GB or none")
+        raise OptionError(f"{flag} {text!r}: expected a size such as 0, 64MiB, 1GB or none")
     return int(float(m[1]) * _SIZE_UNITS[m[2].lower()])
 
 
@@ -80,22 +111,8 @@ class TuneOptions:
     error_metric: str = "max-rel"
 
     def __post_init__(self) -> None:
+        _check(self, CLI)
         self._check_precision()
-        _choice("--mode", self.mode, MODES)
-        _choice("--engines", self.engines, ENGINE_CHOICES)
-        _choice("--tf32", self.tf32, TF32_CHOICES)
-        _choice("--layout", self.layout, LAYOUT_CHOICES)
-        for direction in ("fwd", "dgrad", "wgrad"):
-            value = getattr(self, _ALGO_OPTION[direction])
-            if value is not None and value not in ALGO_KEYWORDS + ALGORITHMS[direction]:
-                flag = "--" + _ALGO_OPTION[direction].replace("_", "-")
-                raise OptionError(
-                    f"{flag} {value!r}: expected normal, performance or one of {', '.join(ALGORITHMS[direction])}"
-                )
-        if not self.directions or any(d not in DIRECTIONS for d in self.directions) or "fwd" not in self.directions:
-            raise OptionError(f"--directions {','.join(self.directions)!r}: expected fwd plus optionally dgrad, wgrad")
-        if self.workspace_limit is not None and self.workspace_limit < 0:
-            raise OptionError("--workspace-limit must be >= 0")
 
     def _check_precision(self) -> None:
         if self.precision is not None:
@@ -160,8 +177,32 @@ class TuneOptions:
         return dataclasses.asdict(self)
 
 
-def _choice(flag: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
+def _check(options: TuneOptions, names: OptionNames) -> None:
+    """Every rule on the values of :class:`TuneOptions`; messages name options by ``names``."""
+    _choice(names("mode"), options.mode, MODES)
+    _choice(names("engines"), options.engines, ENGINE_CHOICES)
+    _choice(names("tf32"), options.tf32, TF32_CHOICES)
+    _choice(names("layout"), options.layout, LAYOUT_CHOICES)
+    for direction in ("fwd", "dgrad", "wgrad"):
+        option = _ALGO_OPTION[direction]
+        value = getattr(options, option)
+        if value is not None and value not in ALGO_KEYWORDS + ALGORITHMS[direction]:
+            raise OptionError(
+                f"{names(option)} {value!r}: expected normal, performance or one of {', '.join(ALGORITHMS[direction])}"
+            )
+    directions = options.directions
+    if not directions or any(d not in DIRECTIONS for d in directions) or "fwd" not in directions:
+        raise OptionError(f"{names('directions')} {','.join(map(str, directions))!r}: expected fwd plus optionally dgrad, wgrad")
+    if not isinstance(options.matmul_tf32, bool):
+        raise OptionError(f"{names('matmul_tf32')} {options.matmul_tf32!r}: expected on, off, True or False")
+    if not isinstance(options.deterministic, bool):
+        raise OptionError(f"{names('deterministic')} {options.deterministic!r}: expected True or False")
+    if options.workspace_limit is not None and options.workspace_limit < 0:
+        raise OptionError(f"{names('workspace_limit')} must be >= 0")
+
+
+def _choice(flag: str, value: Any, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
         raise OptionError(f"{flag} {value!r}: expected one of {', '.join(choices)}")
 
 
@@ -172,6 +213,56 @@ def check_precision_data(options: TuneOptions, calibration: Sequence[str], holdo
         raise OptionError(f"{flag} applies with --precision (the inputs the model's error is measured on)")
 
 
-def parse_directions(text: str | Sequence[str]) -> tuple[str, ...]:
+def parse_directions(text: str | Sequence[str], names: OptionNames | None = None) -> tuple[str, ...]:
+    if not isinstance(text, str) and not (isinstance(text, Sequence) and all(isinstance(i, str) for i in text)):
+        raise OptionError(f"{(names or CLI)('directions')} {text!r}: expected fwd plus optionally dgrad, wgrad")
     items = text.split(",") if isinstance(text, str) else list(text)
     return tuple(dict.fromkeys(i.strip() for i in items if i.strip()))
+
+
+def tune_options(values: Mapping[str, Any], names: OptionNames = CLI) -> TuneOptions:
+    """:class:`TuneOptions` from the CLI's or the Python API's values (sizes such as ``"64MiB"``,
+    directions as ``"fwd,dgrad"``, ``matmul_tf32`` as ``on`` / ``off`` or a bool), every value
+    checked and a wrong one named as ``names`` spells it."""
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(TuneOptions)})
+    if unknown:
+        raise OptionError(f"unknown option(s): {', '.join(unknown)}")
+    kw = dict(values)
+    if "workspace_limit" in kw:
+        kw["workspace_limit"] = parse_size(kw["workspace_limit"], names)
+    if "directions" in kw:
+        kw["directions"] = parse_directions(kw["directions"], names)
+    if isinstance(kw.get("matmul_tf32"), str):
+        kw["matmul_tf32"] = {"on": True, "off": False}.get(kw["matmul_tf32"], kw["matmul_tf32"])
+    candidate = TuneOptions.__new__(TuneOptions)  # checked with the caller's names before the dataclass checks it again
+    for field in dataclasses.fields(TuneOptions):
+        object.__setattr__(candidate, field.name, kw.get(field.name, field.default))
+    _check(candidate, names)
+    return TuneOptions(**kw)
+
+
+def parse_profiles(shapes: Sequence[str | Mapping[str, Sequence[int]]] | str, names: OptionNames = CLI) -> list[dict[str, tuple[int, ...]]]:
+    """Shape profiles as ``{input: dims}`` from ``NAME=DIMS[,NAME=DIMS]`` strings or mappings; a wrong
+    entry is named as ``names`` spells it (``--shape 'x'`` or ``shapes[1]``)."""
+    if isinstance(shapes, (str, Mapping)):
+        raise OptionError(f"{names('shapes')}: expected a list of profiles, one NAME=DIMS[,NAME=DIMS] string or "
+                          f"{{name: dims}} mapping each, got {type(shapes).__name__}")
+    from convpass.core.profiles import parse_shape_spec  # imports onnx: not at the CLI's parser build
+
+    profiles = []
+    for i, spec in enumerate(shapes):
+        where = names("shapes", i)
+        if isinstance(spec, str):
+            profiles.append(parse_shape_spec(spec, where))
+            continue
+        if not isinstance(spec, Mapping):
+            raise OptionError(f"{where} {spec!r}: expected NAME=DIMS such as input=1x3x224x224, or {{name: dims}}")
+        profile = {}
+        for name, dims in spec.items():
+            ok = isinstance(name, str) and name and isinstance(dims, Sequence) and not isinstance(dims, str) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)
+            if not ok:
+                raise OptionError(f"{where} {{{name!r}: {dims!r}}}: expected an input name and positive integer dims")
+            profile[name] = tuple(dims)
+        profiles.append(profile)
+    return profiles

@@ -24,18 +24,19 @@ __all__ = ["DEFAULT_BATCHES", "CaseSkipped", "input_shapes", "model_inputs", "pa
 DEFAULT_BATCHES = (1, 32)
 
 
-def parse_shape_spec(text: str) -> dict[str, tuple[int, ...]]:
-    """``"input=1x3x224x224,mask=1x10"`` -> ``{"input": (1, 3, 224, 224), "mask": (1, 10)}``."""
+def parse_shape_spec(text: str, option: str = "--shape") -> dict[str, tuple[int, ...]]:
+    """``"input=1x3x224x224,mask=1x10"`` -> ``{"input": (1, 3, 224, 224), "mask": (1, 10)}``;
+    ``option``: how messages name the option (``--shape``, ``shapes[0]``)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for part in text.split(","):
         m = re.fullmatch(r"\s*([^=\s]+)\s*=\s*(\d+(?:\s*[xX]\s*\d+)*)\s*", part)
         if not m:
-            raise ShapeError(f"--shape {text!r}: expected NAME=DIMS such as input=1x3x224x224")
+            raise ShapeError(f"{option} {text!r}: expected NAME=DIMS such as input=1x3x224x224")
         dims = tuple(int(d) for d in re.split(r"\s*[xX]\s*", m[2]))
         if 0 in dims:
-            raise ShapeError(f"--shape {text!r}: dimensions must be positive")
+            raise ShapeError(f"{option} {text!r}: dimensions must be positive")
         if m[1] in shapes:
-            raise ShapeError(f"--shape {text!r}: input {m[1]!r} given twice")
+            raise ShapeError(f"{option} {text!r}: input {m[1]!r} given twice")
         shapes[m[1]] = dims
     return shapes
 

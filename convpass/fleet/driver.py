@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -734,8 +733,3 @@ def print_report(report: FleetReport, console: Console) -> None:
             f"  [yellow]interrupted[/]: {doc['problems_measured']} measured problems are in {report.cache}; {written}; "
             "run the same command again to measure only the rest"
         )
-
-
-
-def summary_json(report: FleetReport) -> str:
-    return json.dumps(report.to_json(), indent=1)

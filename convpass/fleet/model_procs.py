@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from convpass.compiler.pipeline import OptimizeReport
 
 # What a model process imports before its first job (the forkserver imports it once for all).
-PRELOAD = ["convpass.compiler.pipeline", "convpass.tuning.cache", "convpass.core.model_io", "convpass.bench.contenders"]
+PRELOAD = ["convpass.fleet.preload", "convpass.compiler.pipeline", "convpass.tuning.cache", "convpass.core.model_io", "convpass.bench.contenders"]
 WRITE_STOP_S = 120.0  # how long stopping waits for a model being written (it is never left half-written)
 
 

@@ -263,24 +263,35 @@ class _Val:
 
 
 class Executor:
-    """Runs an ONNX model with the conv decisions convpass recorded in it.
-
-    ``Executor(model_or_path, device="cpu" | "cuda" | "auto", cuda_graph=True, output_kind=None)``
+    """Runs an ONNX model (tuned by convpass or not) with the conv decisions recorded in it.
 
     * ``run(output_names, feeds)`` -> list of outputs (``output_names`` None = all).
     * ``prepare(feeds)``: build (compile, capture) the plan for those input shapes ahead of the first run.
-
-    ``kernels``: the kernel side-car to load (default: ``<model path>.kernels`` when the model is
-    a file and it exists; ``False``: none). A side-car of another model is refused with a warning.
     * ``get_inputs()`` / ``get_outputs()`` -> :class:`NodeArg` (``.name``, ``.shape``, ``.type``).
     * ``plan_summary()`` -> :class:`ConvSummary` per conv: the recorded algo / memory format / math;
       ``fusion_summary()`` -> :class:`FusionSummary` per fusion unit of the last plan: whether it ran
       fused and why.
 
-    ``fusions``: ``None`` (default) runs each fusion unit (:mod:`convpass.core.fusion_units`) as
-    the model's ``convpass.fusions`` record decided for this device and shape profile, and by the
-    kind's rule where nothing was measured (:data:`convpass.core.fusion_units.RULES`); ``True``
-    fuses every unit, ``False`` none. A backend made with ``fuse=False`` fuses none either.
+    Args:
+        model: The model: a path, serialized bytes or an ``onnx.ModelProto``.
+        device: ``"cpu"`` (the NumPy reference), ``"cuda"`` (CuPy + cuDNN), ``"auto"`` (cuda
+            where usable), or a backend object.
+        cuda_graph: On cuda, capture each plan once and replay it as a CUDA graph.
+        output_kind: ``"numpy"``, ``"device"`` (backend arrays) or None (the kind of the feeds).
+        fold_batchnorm: Fold inference BatchNormalization into the preceding conv where exact.
+        check_model: Run ``onnx.checker`` on the model first (unless its kernel side-car vouches
+            for this exact file).
+        kernels: The kernel side-car to load (default: ``<model path>.kernels`` when the model
+            is a file and it exists; ``False``: none). A side-car of another model is refused
+            with a warning.
+        fusions: ``None`` (default) runs each fusion unit (:mod:`convpass.core.fusion_units`) as
+            the model's ``convpass.fusions`` record decided for this device and shape profile, and
+            by the kind's rule where nothing was measured (:data:`convpass.core.fusion_units.RULES`);
+            ``True`` fuses every unit, ``False`` none. A backend made with ``fuse=False`` fuses none.
+
+    Raises:
+        ExecutorError: a model the executor cannot run (every unsupported op and type named at
+            once), a model that fails ``onnx.checker``, or unreadable annotations.
     """
 
     def __init__(

@@ -59,10 +59,8 @@ No pickle is used anywhere: rows are plain columns, exchange files are plain JSO
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import datetime as _dt
 import json
 import math
 import os
@@ -96,8 +94,6 @@ __all__ = [
     "Measurement",
     "TuningCache",
     "default_cache_path",
-    "add_cache_parser",
-    "cache_command",
 ]
 
 # "skipped": not run, on purpose (the note says why, e.g. an algorithm known to take seconds per launch).
@@ -1055,128 +1051,3 @@ def _read_export(path: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...
         except ValueError as err:
             raise bad(where, str(err)) from None
     return rows, transpose_rows
-
-
-# --------------------------------------------------------------------------------------------
-# CLI: convpass cache stats|export|import|clear
-# --------------------------------------------------------------------------------------------
-
-_ACTIONS = ("stats", "export", "import", "clear")
-
-
-def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``cache`` on an argparse subparsers object; sets ``func=cache_command``."""
-    p = subparsers.add_parser(
-        "cache",
-        help="inspect, export, import or clear the tuning cache",
-        description=(
-            "Inspect, export, import or clear the tuning cache. "
-            "Default location: $CONVPASS_CACHE, else $XDG_CACHE_HOME/convpass/tuning.db."
-        ),
-    )
-    p.add_argument("action", choices=_ACTIONS, help="stats | export FILE.json | import FILE.json | clear")
-    p.add_argument("file", nargs="?", help="the JSON file for export / import")
-    p.add_argument(
-        "--device-name",
-        help="limit to one device: a full fingerprint or part of the GPU name (e.g. H200); "
-        "several matches pick the newest cuDNN, then the most entries",
-    )
-    p.add_argument("--cache", help="tuning cache file (default: $CONVPASS_CACHE or the XDG cache dir)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cache_command)
-    return p
-
-
-def _when(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).strftime("%Y-%m-%d")
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
-def cache_command(args: argparse.Namespace) -> int:
-    """Handler of ``convpass cache``; raises :class:`CacheError` on any user-facing problem."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    action = args.action
-    file = getattr(args, "file", None)
-    name = getattr(args, "device_name", None)
-    as_json = bool(getattr(args, "json", False))
-    if action in ("export", "import") and not file:
-        raise CacheError(f"'convpass cache {action}' needs a FILE.json")
-    if action in ("stats", "clear") and file:
-        raise CacheError(f"'convpass cache {action}' takes no FILE (got {file!r})")
-    if action == "import" and name:
-        raise CacheError("--device-name does not apply to 'cache import' (a file is imported whole)")
-
-    console = Console(highlight=False, soft_wrap=True)
-
-    def say(result: dict[str, Any], text: str) -> None:
-        if as_json:
-            print(json.dumps(result))
-        else:
-            console.print(text)
-
-    with TuningCache(getattr(args, "cache", None)) as cache:
-        device = cache.resolve_device(name) if name else None
-        if action == "stats":
-            st = cache.stats(device)
-            if as_json:
-                print(json.dumps(st, indent=1))
-                return 0
-            console.print(
-                f"tuning cache [bold]{st['path']}[/bold] ({_size(st['size_bytes'])}): "
-                f"{st['measurements']} measurements of {st['keys']} problem keys, {st['transposes']} transpose timings; dates in UTC"
-            )
-            if not st["devices"]:
-                console.print("no measurements")
-                return 0
-            table = Table(box=box.SIMPLE_HEAD)
-            for col, just in (
-                ("device", "left"),
-                ("sm", "left"),
-                ("SMs", "right"),
-                ("cuDNN", "left"),
-                ("keys", "right"),
-                ("rows", "right"),
-                ("oldest", "left"),
-                ("newest", "left"),
-            ):
-                table.add_column(col, justify=just)  # type: ignore[arg-type]
-            for d in st["devices"]:
-                fp = DeviceFingerprint.parse(d["device"])
-                table.add_row(
-                    fp.name,
-                    fp.compute_capability,
-                    str(fp.sm_count),
-                    fp.cudnn_version_str,
-                    str(d["keys"]),
-                    str(d["measurements"]),
-                    _when(d["oldest_measured_at"]),
-                    _when(d["newest_measured_at"]),
-                )
-            console.print(table)
-        elif action == "export":
-            n = cache.export_json(file, device)
-            scope = f" for {device}" if device else ""
-            say({"action": "export", "file": str(file), "device": str(device) if device else None, "entries": n},
-                f"exported {n} measurements{scope} to {file}")
-        elif action == "import":
-            n = cache.import_json(file)
-            say({"action": "import", "file": str(file), "entries": n, "cache": str(cache.path)},
-                f"imported {n} measurements from {file} into {cache.path}")
-        else:  # clear
-            n = cache.clear(device)
-            scope = f"for {device}" if device else "(all devices)"
-            say({"action": "clear", "device": str(device) if device else None, "deleted": n, "cache": str(cache.path)},
-                f"cleared {n} measurements {scope} from {cache.path}")
-    return 0

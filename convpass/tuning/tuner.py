@@ -87,9 +87,10 @@ OUTPUT = {"fwd": "y", "dgrad": "x", "wgrad": "w"}
 
 @dataclasses.dataclass
 class TuningSummary:
-    measured: int = 0
-    cached: int = 0
-    failed: int = 0
+    measured: int = 0  # problems timed now
+    cached: int = 0  # problems whose rows the tuning cache held
+    failed: int = 0  # problems left undecided (no configuration passed)
+    cached_decided: int = 0  # of the cached problems, those decided
     seconds: float = 0.0
 
 
@@ -144,6 +145,8 @@ class CudnnTuner:
             self.summary.failed += 1
             logger.warning("no %s configuration of %s passed the constraints and checks: left to run time", problem.direction, problem)
             return None
+        if from_cache:
+            self.summary.cached_decided += 1
         choice = choice_from(chosen, strategy, rows, problem)  # timed now or before: DecisionBackend.measures
         if choice.time_ms is not None and chosen.method == "measure":
             self.chosen_ms[problem] = choice.time_ms

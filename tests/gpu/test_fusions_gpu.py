@@ -110,7 +110,7 @@ def test_fused_normalization_units(shape, groups, form, act, dtype, channels_las
     for _ in range(2):
         want = unfused.run(None, {k: cp.asarray(v) for k, v in f.items()})[0]
     scale = float(np.max(np.abs(want.astype(np.float64))))
-    np.testing.assert_allclose(fused.astype(np.float64), want.astype(np.float64), rtol=TOL[dtype], atol=TOL[dtype] * scale)
+    np.testing.assert_allclose(fused.astype(np.float64), want.astype(np.float64), rtol=TF32_TOL[dtype], atol=TF32_TOL[dtype] * scale)  # the conv before may run another algorithm unfused
 
 
 def _backend(graph):

@@ -40,7 +40,7 @@ import onnx_ir as ir
 
 from convpass.core.annotation import Profile
 from convpass.core.errors import ShapeError
-from convpass.core.profiles import parse_shape_spec
+from convpass.core.options import CLI, OptionNames, parse_profiles
 from convpass.compiler.passes.cpu_shapes import CpuShapes, resolve_on_cpu
 
 logger = logging.getLogger("convpass")
@@ -165,9 +165,10 @@ class ResolveShapesPass(ir.passes.InPlacePass):
     After a run, :attr:`notes` says, per profile, which tensors needed the CPU run and which convs'
     shapes depend on input values."""
 
-    def __init__(self, shape_specs: Sequence[str | Mapping[str, Sequence[int]]] = ()) -> None:
+    def __init__(self, shape_specs: Sequence[str | Mapping[str, Sequence[int]]] = (), names: OptionNames = CLI) -> None:
         super().__init__()
-        self.shape_specs = [parse_shape_spec(s) if isinstance(s, str) else {k: tuple(v) for k, v in s.items()} for s in shape_specs]
+        self.names = names  # how messages name the profiles: --shape (CLI) or shapes[i] (Python API)
+        self.shape_specs = parse_profiles(shape_specs, names)
         self.notes: list[str] = []
         self.cpu_runs: list[CpuShapes] = []  # one per profile that needed the CPU
 
@@ -215,7 +216,8 @@ class ResolveShapesPass(ir.passes.InPlacePass):
         declared = {name: _dims(v.shape) for name, v in inputs.items()}
         specs = self.shape_specs or [{}]
         profiles = []
-        for spec in specs:
+        for index, spec in enumerate(specs):
+            option = self.names("shapes", index)
             shapes: dict[str, tuple] = {}
             for name, dims in declared.items():
                 if name not in spec:
@@ -227,17 +229,17 @@ class ResolveShapesPass(ir.passes.InPlacePass):
                 given = spec[name]
                 if dims is not None and len(dims) != len(given):
                     raise ShapeError(
-                        f"--shape {name}={_format_dims(given)}: input {name!r} has rank {len(dims)} ({_format_dims(dims)})"
+                        f"{option} {name}={_format_dims(given)}: input {name!r} has rank {len(dims)} ({_format_dims(dims)})"
                     )
                 for i, (want, got) in enumerate(zip(dims or (), given)):
                     if isinstance(want, int) and want != got:
                         raise ShapeError(
-                            f"--shape {name}={_format_dims(given)}: dim {i} of input {name!r} is fixed at {want}, not {got}"
+                            f"{option} {name}={_format_dims(given)}: dim {i} of input {name!r} is fixed at {want}, not {got}"
                         )
                 shapes[name] = given
             unknown = sorted(set(spec) - set(declared))
             if unknown:
-                raise ShapeError(f"--shape names unknown input(s) {', '.join(map(repr, unknown))}; the model's inputs are {', '.join(map(repr, declared))}")
+                raise ShapeError(f"{option} names unknown input(s) {', '.join(map(repr, unknown))}; the model's inputs are {', '.join(map(repr, declared))}")
             label = ",".join(f"{k}={_format_dims(v)}" for k, v in spec.items()) or "model shapes"
             profiles.append(Profile(label, {k: v for k, v in shapes.items()}))
         return tuple(profiles)
@@ -251,16 +253,16 @@ class ResolveShapesPass(ir.passes.InPlacePass):
         missing_inputs = [name for name, dims_ in open_inputs.items() if dims_ is None]
         hint = ""
         if symbolic_inputs:
-            examples = " ".join(
-                f"--shape {name}=" + "x".join(str(d) if isinstance(d, int) else "1" for d in dims_)
+            examples = self.names.example("shapes", ",".join(
+                f"{name}=" + "x".join(str(d) if isinstance(d, int) else "1" for d in dims_)
                 for name, dims_ in symbolic_inputs.items()
-            )
+            ))
             names = ", ".join(
                 f"{d!r} of input {name!r}" for name, dims_ in symbolic_inputs.items() for d in dims_ if not isinstance(d, int)
             )
             hint = f"; give the symbolic dims ({names}) a value with e.g. {examples}"
         elif missing_inputs:
-            hint = f"; input(s) {', '.join(map(repr, missing_inputs))} have no declared shape: give one with --shape NAME=DIMS"
+            hint = f"; input(s) {', '.join(map(repr, missing_inputs))} have no declared shape: give one with {self.names.example('shapes', 'NAME=DIMS')}"
         # With every input concrete, shapes inference leaves unknown are resolved on the CPU (or its
         # failure raised), so an unresolved shape always comes from one of the two cases above.
         if dims is None:
