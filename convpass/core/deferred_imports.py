@@ -102,7 +102,7 @@ class _OnnxIrFinder:
         locations = list(spec.submodule_search_locations or ())
         if not locations or importlib.machinery.PathFinder.find_spec(SYMBOLIC_SHAPES, locations) is None:
             return spec
-        spec.loader = _OnnxIrLoader(spec.loader)
+        spec.loader = _OnnxIrLoader(spec.loader)  # type: ignore[assignment]
         return spec
 
 

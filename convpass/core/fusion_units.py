@@ -226,10 +226,10 @@ def _single_reader(view: GraphView, value: Any, op: str) -> Any | None:
 def _params(view: GraphView, node: Any, sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
     """(scale, bias) constants of a normalization node, each of one of ``sizes`` elements."""
     ins = list(view.inputs(node)) + [None, None]
-    values = [view.const(v) if v is not None else None for v in ins[1:3]]
-    if any(v is None or v.size not in sizes for v in values):
+    scale, bias = (view.const(v) if v is not None else None for v in ins[1:3])
+    if scale is None or bias is None or scale.size not in sizes or bias.size not in sizes:
         return None
-    return values[0].reshape(-1), values[1].reshape(-1)
+    return scale.reshape(-1), bias.reshape(-1)
 
 
 def _core(view: GraphView, node: Any) -> tuple | None:
@@ -327,6 +327,8 @@ def _with_epilogue(view: GraphView, order: list[Any], position: dict[Any, int], 
                    eps: float, scale: np.ndarray, bias: np.ndarray, per_group: bool, taken: set[Any]) -> NormUnit | None:
     shape = view.shape(x)
     dtype = view.dtype(x)
+    if shape is None:
+        return None  # a unit needs its input's shape (the finder checked it; said for the type checker)
     nodes = list(core)
     if not _valid(view, nodes):
         return None  # the core's inner values are read elsewhere

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 from convpass.core.errors import ConvAttributeError, UnsupportedConvError
 from convpass.core.problem import ConvShape
@@ -40,6 +40,14 @@ class CanonicalConv:
     @property
     def has_extra_pads(self) -> bool:
         return any(self.extra_pads)
+
+
+@overload
+def _ints(attrs: Mapping[str, Any], name: str, default: Sequence[int]) -> tuple[int, ...]: ...
+
+
+@overload
+def _ints(attrs: Mapping[str, Any], name: str, default: None) -> tuple[int, ...] | None: ...
 
 
 def _ints(attrs: Mapping[str, Any], name: str, default: Sequence[int] | None) -> tuple[int, ...] | None:
