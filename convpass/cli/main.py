@@ -19,6 +19,8 @@ from rich.table import Table
 
 from convpass.cli.options import add_decision_options, decision_options
 from convpass.core.errors import ConvpassError
+from convpass.core.files import os_error
+from convpass.core.text import PrintableFilter, literal, printable
 from convpass.core.version import __version__
 
 
@@ -124,7 +126,7 @@ def _inspect(args: argparse.Namespace) -> int:
         title += f", decisions for {devices[0]}"
     elif devices:
         title += f", decisions for {len(devices)} devices"
-    table = Table(title=title)
+    table = Table(title=literal(title))
     columns = ["node", "op"] + (["device"] if len(devices) > 1 else []) + [
         "profile", "algo", "engine", "format", "math", "tf32", "workspace", "time", "source", "problem key"]
     for col in columns:
@@ -134,13 +136,13 @@ def _inspect(args: argparse.Namespace) -> int:
             _fmt(r["profile"]), _fmt(_with_fusion(r["algo"], None if r.get("engine") else r.get("fusion"))),
             _fmt(r.get("engine") and _with_fusion(r["engine"], r.get("fusion"))), _fmt(r["memory_format"]), _fmt(r["math_mode"]), _fmt(r["tf32"]),
             _fmt(r["workspace_bytes"], " B"), _fmt(r["time_ms"], " ms"), r["source"], r["problem_key"] or "-"]
-        table.add_row(*row)
+        table.add_row(*map(literal, row))  # names and decisions come from the file: never markup, never raw controls
     console = Console(width=200)
     console.print(table)
     if isinstance(args.model, str) and os.path.isfile(args.model):
         from convpass.core.kernel_file import describe
 
-        console.print(describe(args.model), markup=False)
+        console.print(literal(describe(args.model)))
     return 0
 
 
@@ -198,10 +200,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(message)s",
         handlers=[RichHandler(console=Console(stderr=True), show_time=False, show_path=False)],
     )
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, PrintableFilter) for f in handler.filters):
+            handler.addFilter(PrintableFilter())
     try:
         return args.func(args)
     except ConvpassError as e:
-        print(f"convpass: error: {e}", file=sys.stderr)
+        print(f"convpass: error: {printable(e, keep_newlines=True)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file-system error no module turned into a ConvpassError: still one line
+        print(f"convpass: error: {printable(os_error(e.filename or '', e, 'use'))}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("convpass: error: out of memory", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("convpass: interrupted; nothing was written", file=sys.stderr)

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from convpass.core.errors import ConvpassError
+from convpass.core.files import check_output, check_readable, os_error
+from convpass.core.text import printable
 from convpass.runtime.devices import default_device
 
 
@@ -77,8 +79,9 @@ def _parse_inputs(specs: list[str], input_names: list[str]) -> dict[str, str]:
 
 
 def _load_npy(name: str, path: str) -> np.ndarray:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConvpassError(f"input {name!r}: file not found: {path}")
+    check_readable(path, f"input {name!r}: file")  # no FIFO or device: np.load would block on it or read it without end
     try:
         value = np.load(path, allow_pickle=False)
     except Exception as e:  # noqa: BLE001  (any unreadable file)
@@ -110,6 +113,18 @@ def save_atomic(path: str, value: np.ndarray) -> None:
         raise
 
 
+def _output_dir(path: str) -> None:
+    """Make the ``--output-dir`` folder, or say in one line why not."""
+    if not path.strip():
+        raise ConvpassError("--output-dir: an empty path; give a folder")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConvpassError(f"--output-dir {path} is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise os_error(path, e, "create") from None
+
+
 def run_command(args: argparse.Namespace) -> int:
     from convpass.runtime.executor import Executor
 
@@ -120,28 +135,32 @@ def run_command(args: argparse.Namespace) -> int:
     feeds: dict[str, Any] = {name: _load_npy(name, path) for name, path in files.items()}
     outputs = executor.get_outputs()
     targets: dict[str, str] = {}
-    if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
+    if args.output_dir is not None:
+        _output_dir(args.output_dir)
         seen: dict[str, str] = {}
         for o in outputs:
             fname = output_file_name(o.name)
             if fname in seen:
                 raise ConvpassError(f"outputs {seen[fname]!r} and {o.name!r} would both be saved as {fname}")
             seen[fname] = o.name
-            targets[o.name] = os.path.join(args.output_dir, fname)
+            targets[o.name] = os.fspath(check_output(os.path.join(args.output_dir, fname), f"output {o.name!r}",
+                                                     [(args.model, "the model")] + [(p, "an input") for p in files.values()]))
     results = executor.run(None, feeds)
     if args.summary and executor.device == "cuda" and executor.cuda_graph:
         executor.run(None, feeds)  # the second run captures the plan: the summary says whether it could
-    print(f"{args.model}: ran on {executor.backend.describe()}")
+    print(printable(f"{args.model}: ran on {executor.backend.describe()}"))
     width = max((len(o.name) for o in outputs), default=0)
     for o, value in zip(outputs, results):
         line = f"  {o.name.ljust(width)}  shape {tuple(value.shape)}  {value.dtype}"
         if o.name in targets:
-            save_atomic(targets[o.name], np.asarray(value))
+            try:
+                save_atomic(targets[o.name], np.asarray(value))
+            except OSError as e:
+                raise os_error(targets[o.name], e) from None
             line += f"  -> {targets[o.name]}"
-        print(line)
+        print(printable(line))
     if args.summary:
-        print(executor.graph_status().describe())
-        print(executor.format_plan_summary())
+        print(printable(executor.graph_status().describe(), keep_newlines=True))
+        print(printable(executor.format_plan_summary(), keep_newlines=True))
     sys.stdout.flush()
     return 0

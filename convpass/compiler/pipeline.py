@@ -24,6 +24,8 @@ from convpass.core.version import __version__
 from convpass.core.annotation import ModelInfo, Profile, SCHEMA_VERSION
 from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
 from convpass.core.errors import ConvpassError
+from convpass.core.files import check_output
+from convpass.core.text import literal, markup
 from convpass.core.model_io import load_model, save_model, to_proto
 from convpass.core.options import TuneOptions, parse_directions, parse_size
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
@@ -309,10 +311,10 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
     tuned = report.convs - len(report.skipped)
     console.print(
         f"[bold]convpass[/]: {report.convs} convolutions ({tuned} tuned), {report.problems} distinct problems over "
-        f"{len(report.profiles)} profile(s) [{', '.join(p.name for p in report.profiles)}]"
+        f"{len(report.profiles)} profile(s) {markup('[' + ', '.join(p.name for p in report.profiles) + ']')}"
     )
     if report.backend:
-        console.print(f"  decisions: {report.backend}")
+        console.print(f"  decisions: {markup(report.backend)}")
     console.print(f"  decided {report.decided}, left to run time (auto) {report.undecided}")
     if report.measured is not None:
         line = f"  measured {report.measured} problems, {report.cached} from the tuning cache, {report.failed} failed"
@@ -333,20 +335,20 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         for name, plan in report.layout_plans.items():
             nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
             console.print(
-                f"  layout plan [{name}]: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
+                f"  layout plan {markup(f'[{name}]')}: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
                 f"{plan.cost_ms:.3f} ms with transposes (per-conv best layouts alone: {plan.per_conv_best_ms:.3f} ms of convs)"
             )
         for name, (chosen, heuristic, count) in report.conv_time_ms.items():
             console.print(
-                f"  conv time [{name}], {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
+                f"  conv time {markup(f'[{name}]')}, {count} convs: chosen {chosen:.3f} ms vs cuDNN heuristic {heuristic:.3f} ms "
                 f"({chosen / heuristic:.2f}x)"
             )
     for name, why in report.skipped:
-        console.print(f"  [yellow]untuned[/] {name}: {why}")
+        console.print(f"  [yellow]untuned[/] {markup(name)}: {markup(why)}")
     for note in report.notes:
-        console.print(f"  [yellow]note[/]: {note}")
+        console.print(f"  [yellow]note[/]: {markup(note)}")
     if output:
-        console.print(f"  wrote {output}")
+        console.print(f"  wrote {markup(output)}")
 
 
 def build_options(kwargs: dict[str, Any]) -> TuneOptions:
@@ -396,16 +398,28 @@ def optimize_ir(
     device_mod.start_driver()  # ready by the time the decisions need the GPU's fingerprint
     tune_options = build_options(options)
     console = Console(stderr=True, quiet=quiet, soft_wrap=True)
-    if output is not None and not Path(output).resolve().parent.is_dir():
-        raise ConvpassError(f"output directory {Path(output).parent} does not exist")
+    protect = _inputs_of(model, cache)
+    if output is not None:
+        check_output(output, "output", protect)
     ir_model = load_model(model)
     report = optimize_model(ir_model, tune_options, shapes, cache, device_name, console)
     if output is not None:
-        save_model(ir_model, output)
+        save_model(ir_model, output, protect)
     print_report(report, console, str(output) if output is not None else None)
     if output is not None:
         _write_kernels(Path(output), kernels, console)
     return ir_model
+
+
+def _inputs_of(model: Any, cache: str | os.PathLike | None) -> list[tuple[Any, str]]:
+    """The files an optimize run reads, which its output must not replace: the model (when given
+    as a path) and the tuning cache."""
+    from convpass.tuning.cache import default_cache_path
+
+    files: list[tuple[Any, str]] = [(cache if cache is not None else default_cache_path(), "the tuning cache")]
+    if isinstance(model, (str, os.PathLike)):
+        files.insert(0, (model, "the input model"))
+    return files
 
 
 def _write_kernels(output: Path, kernels: bool, console: Console) -> None:
@@ -419,22 +433,22 @@ def _write_kernels(output: Path, kernels: bool, console: Console) -> None:
     reason = unavailable_reason() if kernels else None
     kept = current_sidecar(output) if kernels and reason is None else None
     if kept is not None:
-        console.print("kernels: " + kept)
+        console.print(literal("kernels: " + kept))
         return
     sidecar_path(output).unlink(missing_ok=True)
     if not kernels:
         return
     if reason is not None:
-        console.print(f"kernels: not compiled ahead of time here ({reason}); `convpass compile {output}` on the target GPU writes them")
+        console.print(literal(f"kernels: not compiled ahead of time here ({reason}); `convpass compile {output}` on the target GPU writes them"))
         return
     try:
-        console.print("kernels: " + compile_kernels(output).line())
+        console.print(literal("kernels: " + compile_kernels(output).line()))
     except ConvpassError as e:
         message = f"the tuned model was written, its kernels were not: {e}"
         if console.quiet:  # a warning, not a note: said even when only errors are printed
             logger.warning("%s", message)
         else:
-            console.print(f"[yellow]warning[/]: {message}", markup=True)
+            console.print(f"[yellow]warning[/]: {markup(message)}", markup=True)
 
 
 def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = None) -> list[dict[str, Any]]:

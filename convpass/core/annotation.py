@@ -92,6 +92,7 @@ import onnx
 from onnx import helper
 
 from convpass.core.device import DeviceFingerprint
+from convpass.core.errors import ConvpassError
 
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
@@ -147,7 +148,7 @@ DECISION_ATTRIBUTES = (
 META_PREFIX = "convpass."
 
 
-class AnnotationError(ValueError):
+class AnnotationError(ConvpassError, ValueError):
     """A tuned model whose convpass annotations cannot be read."""
 
 
