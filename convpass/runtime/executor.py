@@ -4,8 +4,7 @@ Load (once per model)
     read the file once (initializers stored as external data are memory-mapped, copy on write,
     not read: :mod:`convpass.runtime.model_file`); find its kernel side-car (``<model>.kernels``, :mod:`convpass.core.kernel_file`:
     the GPU kernels its plans need, compiled ahead of time) and hand it to the backend; validate
-    (``onnx.checker``) unless the side-car vouches for this exact file (``convpass optimize`` /
-    ``compile`` ran it before writing, and the SHA-256 of the bytes matches); inline model-local functions (except the ``ai.convpass`` convs,
+    (``onnx.checker``, whatever the side-car says); inline model-local functions (except the ``ai.convpass`` convs,
     which run natively) and schema functions of ops with no kernel here, bind every node to its
     op implementation — listing *all* unsupported ops and element types in one
     :class:`ExecutorError` — decode attributes, fold inference BatchNormalization into the
@@ -301,14 +300,15 @@ class Executor:
             gpu_ready()
         self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
         self.device = self._backend.name
-        self.trusted = self.kernel_file is not None and self.kernel_file.verified and digest is not None
         self._backend.use_kernels(self.kernel_file, why)
-        if check_model and not self.trusted:
+        if check_model:  # whatever a side-car says: its "verified" is its writer's word, not a check made here
             try:
                 # a path lets the checker handle models over 2 GB
                 onnx.checker.check_model(os.fspath(model) if isinstance(model, (str, os.PathLike)) else proto)
             except (onnx.checker.ValidationError, ValueError) as e:
-                raise ExecutorError(f"model fails onnx.checker: {e}") from None
+                raise ExecutorError(f"model fails onnx.checker: {_first_line(e)}") from None
+        # the side-car's claim and this model's own check agree
+        self.trusted = check_model and self.kernel_file is not None and self.kernel_file.verified and digest is not None
         if constants_error is not None:
             raise constants_error
         try:
@@ -840,6 +840,11 @@ class Executor:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _on_device(value: Any, xp: Any) -> bool:
