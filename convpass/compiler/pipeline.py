@@ -82,10 +82,10 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
         report.backend = "no GPU found and no --device-name: nothing can be measured or looked up"
         return CacheBackend(None, None)
     path = Path(cache_path).expanduser() if cache_path is not None else default_cache_path()
-    if not path.is_file():  # decisions are read, never measured, here: an empty new cache holds none
+    if not path.exists():  # decisions are read, never measured, here: an empty new cache holds none
         raise ConvpassError(f"--device-name {device_name}: tuning cache {path} does not exist; give the cache recorded "
                             "on that GPU type with --cache (or CONVPASS_CACHE)")
-    cache = TuningCache(path)
+    cache = TuningCache(path, readonly=True)
     target = cache.resolve_device(device_name)
     report.backend = f"tuning cache {cache.path} for {target.name} (cuDNN {target.cudnn_version_str}); no GPU used"
     report.device = str(target)

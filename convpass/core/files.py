@@ -138,7 +138,7 @@ def check_output(
         raise FileError(f"{what} {label} is {kind_of(st.st_mode)}, not a regular file: refusing to replace it")
     folder = out.parent
     if not folder.is_dir():
-        raise FileError(f"{what} {label}: the folder {folder} does not exist")
+        raise FileError(f"{what} {label}: the output directory {folder} does not exist")
     for other, name in protect:
         if other is not None and os.fspath(other) and same_file(out, other):
             raise FileError(f"{what} {label} is {name}: refusing to overwrite it; choose another output path")
