@@ -235,3 +235,206 @@ def test_shape_options_out_of_range_are_one_line_errors(tmp_path, capsys, spec, 
     before = tree(tmp_path)
     cli(capsys, "optimize", src, "-o", tmp_path / "t.onnx", "--shape", spec, match=message)
     assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs: never the input, the cache, a special file or a folder
+
+
+def _cache_with_rows(path: Path) -> Path:
+    from convpass.core.device import DeviceFingerprint
+    from convpass.core.problem import ConvShape
+    from convpass.tuning.cache import Measurement, TuningCache
+
+    key = ConvShape("fwd", 1, 3, 4, (10, 10), (3, 3), (0, 0), (1, 1), (1, 1)).key("nchw", "default")
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        with TuningCache(path) as c:
+            c.put(DeviceFingerprint(name, "9.0", 132, 91900), [Measurement(key, "gemm", "ok", 0.5, 0, True, 1.79e9, "measure")])
+    return path
+
+
+def _outputs(tmp_path: Path) -> dict[str, tuple[Path | str, str]]:
+    """name -> (the -o value, what the refusal says), with the files they name made."""
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "null").symlink_to("/dev/null")  # a link, so a broken check would replace the link, not the device
+    (tmp_path / "link-to-model.onnx").symlink_to(tmp_path / "m.onnx")
+    return {
+        "the model itself": (tmp_path / "m.onnx", r"is the input model: refusing to overwrite it"),
+        "a link to the model": (tmp_path / "link-to-model.onnx", r"is the input model: refusing to overwrite it"),
+        "the tuning cache": (tmp_path / "cache.db", r"is the tuning cache: refusing to overwrite it"),
+        "a device node": (tmp_path / "null", r"is a character device, not a regular file: refusing to replace it"),
+        "a FIFO": (tmp_path / "fifo", r"is a FIFO \(named pipe\), not a regular file: refusing to replace it"),
+        "a folder": (tmp_path / "folder", r"is a folder, not a regular file: refusing to replace it"),
+        "an empty path": ("", r"an empty path; give a file name"),
+        "a missing folder": (tmp_path / "nope" / "t.onnx", r"the output directory .*nope does not exist"),
+    }
+
+
+@pytest.mark.parametrize("case", ["the model itself", "a link to the model", "the tuning cache", "a device node", "a FIFO", "a folder",
+                                  "an empty path", "a missing folder"])
+def test_optimize_output_refusals(tmp_path, capsys, case):
+    save(small_model(), tmp_path / "m.onnx")
+    _cache_with_rows(tmp_path / "cache.db")
+    target, message = _outputs(tmp_path)[case]
+    before = tree(tmp_path)
+    cli(capsys, "optimize", tmp_path / "m.onnx", "-o", target, "--cache", tmp_path / "cache.db", "--device-name", "H200", match=message)
+    assert tree(tmp_path) == before
+
+
+def test_optimize_output_never_replaces_the_input_s_external_data(tmp_path, capsys):
+    """The input's weights in ``t.onnx.data``: an output ``t.onnx`` would write its own data there."""
+    onnx.save(small_model(), tmp_path / "m.onnx", save_as_external_data=True, location="t.onnx.data", size_threshold=0)
+    before = tree(tmp_path)
+    cli(capsys, "optimize", tmp_path / "m.onnx", "-o", tmp_path / "t.onnx", match=r"t.onnx.data is the input model's external data")
+    cli(capsys, "optimize", tmp_path / "m.onnx", "-o", tmp_path / "t.onnx.data", match=r"is the input model's external data")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", ["the tuning cache", "a device node", "a FIFO", "a folder", "an empty path", "a missing folder"])
+def test_cache_export_output_refusals(tmp_path, capsys, case):
+    save(small_model(), tmp_path / "m.onnx")
+    _cache_with_rows(tmp_path / "cache.db")
+    target, message = _outputs(tmp_path)[case]
+    before = tree(tmp_path)
+    cli(capsys, "cache", "export", target, "--cache", tmp_path / "cache.db", match=message.replace("a file name", "a file name"))
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", ["a FIFO", "a folder", "a device node"])
+def test_compile_and_run_output_refusals(tmp_path, capsys, case):
+    tuned = tuned_model(tmp_path)
+    target, message = _outputs(tmp_path)[case]
+    os.rename(target, f"{tuned}.kernels")
+    before = tree(tmp_path)
+    cli(capsys, "compile", tuned, match="kernel side-car .*" + message)
+    out = tmp_path / "outs"
+    out.mkdir()
+    os.rename(f"{tuned}.kernels", out / "out.npy")  # where `run -o outs` saves the output 'out'
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    before = tree(tmp_path)
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "-o", out, "--device", "cpu", match="output 'out' .*" + message)
+    assert tree(tmp_path) == before
+
+
+def test_run_output_dir_refusals(tmp_path, capsys):
+    tuned = tuned_model(tmp_path)
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    before = tree(tmp_path)
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "-o", "", match="--output-dir: an empty path")
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "-o", tmp_path / "x.npy", match="is not a folder")
+    assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# destructive cache commands need a selector
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device-name", ""], r"--device-name is empty, which would name every device; .* or --all"),
+    ([], r"needs --device-name NAME .* or --all .*nothing was deleted"),
+    (["--device-name", "H200", "--all"], r"--all goes with 'cache clear' alone"),
+])
+def test_cache_clear_refuses_an_empty_or_missing_selector(tmp_path, capsys, args, message):
+    cache = _cache_with_rows(tmp_path / "cache.db")
+    before = tree(tmp_path)
+    cli(capsys, "cache", "clear", "--cache", cache, *args, match=message)
+    assert tree(tmp_path) == before
+    cli(capsys, "cache", "clear", "--cache", cache, "--all", expected=0, match="cleared 2 measurements")
+
+
+# ---------------------------------------------------------------------------------------------
+# reads: FIFOs, devices and folders refused before they are opened; sizes bounded
+
+
+def _special(tmp_path: Path, kind: str) -> Path:
+    if kind == "FIFO":
+        os.mkfifo(tmp_path / "special")
+        return tmp_path / "special"
+    if kind == "/dev/zero":
+        return Path("/dev/zero")
+    (tmp_path / "special").mkdir()
+    return tmp_path / "special"
+
+
+KINDS = {"FIFO": r"FIFO \(named pipe\), not a regular file: refused", "/dev/zero": r"character device, not a regular file: refused",
+         "folder": r"(folder, not a regular file|is a directory)"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("role", ["optimize model", "inspect model", "run model", "run input", "cache import file", "--cache",
+                                  "optimize --cache", "external data"])
+def test_special_files_are_refused_before_they_are_read(tmp_path, role, kind):
+    """In a process of its own: a FIFO read would block it (the test fails at the timeout, not forever)."""
+    special = _special(tmp_path, kind)
+    model = save(small_model(), tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    _cache_with_rows(tmp_path / "cache.db")
+    if role == "external data":
+        if kind == "/dev/zero":
+            pytest.skip("external data lies in the model's folder")
+        onnx.save(small_model(), tmp_path / "m.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
+        os.replace(tmp_path / "w.data", tmp_path / "w.data.real")
+        os.rename(special, tmp_path / "w.data")
+    before = tree(tmp_path)
+    args = {
+        "optimize model": ["optimize", special, "-o", tmp_path / "t.onnx"],
+        "inspect model": ["inspect", special],
+        "run model": ["run", special, "--device", "cpu"],
+        "run input": ["run", model, "-i", special, "--device", "cpu"],
+        "cache import file": ["cache", "import", special, "--cache", tmp_path / "cache.db"],
+        "--cache": ["cache", "stats", "--cache", special],
+        "optimize --cache": ["optimize", model, "-o", tmp_path / "t.onnx", "--cache", special, "--device-name", "H200"],
+        "external data": ["optimize", model, "-o", tmp_path / "t.onnx"],
+    }[role]
+    message = KINDS[kind] if role != "external data" else r"external data file 'w.data' of initializer 'w' is a " + KINDS[kind]
+    cli_process(*args, match=message)
+    assert tree(tmp_path) == before
+
+
+def test_external_data_and_side_car_fifos_are_refused_by_run_and_inspect(tmp_path):
+    tuned = tuned_model(tmp_path)
+    os.mkfifo(f"{tuned}.kernels")
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    before = tree(tmp_path)
+    out, _ = cli_process("inspect", tuned, expected=0)
+    assert re.search(r"kernels: refused, kernel side-car .* is a FIFO", out)
+    cli_process("run", tuned, "-i", tmp_path / "x.npy", "--device", "cpu", expected=0)
+    assert tree(tmp_path) == before
+
+
+def test_reads_are_bounded(tmp_path, capsys, monkeypatch):
+    from convpass.core import files, model_io
+    from convpass.tuning import cache
+
+    model = save(small_model(), tmp_path / "m.onnx")
+    (tmp_path / "big.json").write_text(" " * 5000)
+    monkeypatch.setattr(model_io, "_PROTOBUF_LIMIT", 100)
+    monkeypatch.setattr(cache, "EXPORT_LIMIT", 1000)
+    before = tree(tmp_path)
+    cli(capsys, "optimize", model, "-o", tmp_path / "t.onnx", match=r"model .*m.onnx is \d+ bytes, more than the 100 bytes convpass reads: refused")
+    cli(capsys, "cache", "import", tmp_path / "big.json", "--cache", tmp_path / "c.db",
+        match=r"tuning-cache export .*big.json is 5000 bytes, more than the 1000 bytes convpass reads: refused")
+    assert tree(tmp_path) == before
+    assert files.read_bytes(model, "model", 10**6) == model.read_bytes()
+
+
+def test_a_model_declaring_100000_profiles_is_refused_quickly(tmp_path, capsys):
+    import time
+
+    tuned = tuned_model(tmp_path)
+    model = onnx.load(tuned)
+    profiles = json.dumps([{"name": f"p{i}", "inputs": {"x": [1, 3, 8, 8]}} for i in range(100_000)])
+    for p in model.metadata_props:
+        if p.key == "convpass.profiles":
+            p.value = profiles
+    save(model, tuned)
+    started = time.perf_counter()
+    out, err = cli(capsys, "inspect", tuned, match=r"metadata 'convpass.profiles' holds [\d,]+ characters, more than the")
+    assert time.perf_counter() - started < 5 and len(out) + len(err) < 1000
+    for p in model.metadata_props:
+        if p.key == "convpass.profiles":
+            p.value = json.dumps([{"name": f"p{i}", "inputs": {"x": [1, 3, 8, 8]}} for i in range(300)])
+    save(model, tuned)
+    cli(capsys, "inspect", tuned, match=r"the model declares 300 shape profiles; convpass reads at most 256")
+    cli(capsys, "run", tuned, "--device", "cpu", match=r"the model declares 300 shape profiles")

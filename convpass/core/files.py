@@ -52,7 +52,7 @@ def os_error(path: str | os.PathLike[str], e: OSError, doing: str = "write") -> 
     reason = e.strerror or str(e) or type(e).__name__
     if e.errno == errno.ENOSPC:
         reason += " (the disk is full; nothing was written)"
-    return FileError(f"cannot {doing} {os.fspath(path)}: {reason}")
+    return FileError(f"cannot {doing} {path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike) else ''}: {reason}")
 
 
 def check_readable(path: str | os.PathLike[str], what: str = "file", limit: int | None = None) -> os.stat_result:
@@ -87,8 +87,12 @@ def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MO
         raise FileError(f"{what} {label} is a folder, not a regular file: refused") from None
     except OSError as e:
         raise os_error(label, e, "read") from None
-    with os.fdopen(fd, "rb") as f:
+    try:
         _check_stat(os.fstat(fd), label, what, limit)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         try:
             data = f.read(limit + 1)  # a file that grew since the check is still cut at the limit
         except OSError as e:

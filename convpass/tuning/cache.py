@@ -1069,7 +1069,11 @@ class TuningCache:
         problem and where it is (entry index, field), and the cache is left unchanged. Entries
         overwrite existing rows with the same (device, key, algo, method).
         """
-        rows, transposes = _read_export(Path(path).expanduser())
+        return self.import_rows(read_export(path))
+
+    def import_rows(self, export: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]) -> int:
+        """Write what :func:`read_export` read (measurement rows, transpose rows) in one transaction."""
+        rows, transposes = export
 
         def write(c: sqlite3.Connection) -> None:
             c.executemany(_UPSERT, rows)
@@ -1124,8 +1128,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _read_export(path: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """Validate an export file completely and return the measurement and transpose rows to upsert."""
+def read_export(path: str | os.PathLike[str]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Validate an export file completely and return the measurement and transpose rows to upsert
+    (:meth:`TuningCache.import_rows`)."""
+    path = Path(path).expanduser()
     if not path.exists():
         raise CacheError(f"cannot read {path}: No such file or directory")
     try:
@@ -1298,6 +1304,9 @@ def cache_command(args: argparse.Namespace) -> int:
         raise CacheError(f"'convpass cache {action}' takes no FILE (got {file!r})")
     if action == "import" and name is not None:
         raise CacheError("--device-name does not apply to 'cache import' (a file is imported whole)")
+    if name is not None and not name.strip():
+        raise CacheError("--device-name is empty, which would name every device; give a GPU name (e.g. H100) or a full fingerprint"
+                         + (", or --all to clear every device" if action == "clear" else ""))
     if clear_all and (action != "clear" or name is not None):
         raise CacheError("--all goes with 'cache clear' alone (every device's rows), not with --device-name or another action")
     if action == "clear" and name is None and not clear_all:
@@ -1313,6 +1322,7 @@ def cache_command(args: argparse.Namespace) -> int:
             console.print(literal(text))
 
     path = getattr(args, "cache", None)
+    imported = read_export(file) if action == "import" else None  # the whole file checked before the cache is opened (or made)
     readonly = action in ("stats", "export")  # these change nothing, and create nothing at a mistyped path
     if action == "clear" and not (Path(path).expanduser() if path is not None else default_cache_path()).exists():
         raise CacheError(f"no tuning cache at {path if path is not None else default_cache_path()}: nothing to clear")
@@ -1357,7 +1367,7 @@ def cache_command(args: argparse.Namespace) -> int:
             say({"action": "export", "file": str(file), "device": str(device) if device else None, "entries": n},
                 f"exported {n} measurements{scope} to {file}")
         elif action == "import":
-            n = cache.import_json(file)
+            n = cache.import_rows(imported)  # type: ignore[arg-type]
             say({"action": "import", "file": str(file), "entries": n, "cache": str(cache.path)},
                 f"imported {n} measurements from {file} into {cache.path}")
         else:  # clear
