@@ -28,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 import convpass
 from conftest import conv_model, random_input, run_ort
 from convpass.cli.main import main
+from convpass.core.errors import ExecutorError
 
 CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what must never reach a terminal raw (tab and newline may)
 HOSTILE = "conv\x1b]0;pwned\x07\x9b31m[bold red]x[/]\u202e"  # an OSC title, a C1 CSI, rich markup, a bidi override
@@ -40,11 +41,12 @@ HOSTILE = "conv\x1b]0;pwned\x07\x9b31m[bold red]x[/]\u202e"  # an OSC title, a C
 def tree(root: Path) -> dict[str, tuple]:
     """Every entry under ``root`` (itself included) -> (kind, size, mtime_ns, sha256 of a regular file's bytes)."""
     out = {}
-    paths = [root] + (sorted(root.rglob("*")) if root.is_dir() and not root.is_symlink() else [])
-    for p in paths:
+    paths = sorted(root.rglob("*")) if root.is_dir() and not root.is_symlink() else [root]
+    for p in paths:  # (a folder's own time is left out: a temporary file made and removed beside an output changes it)
         st = p.lstat()
         digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else os.readlink(p) if p.is_symlink() else None
-        out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, digest)
+        mtime = st.st_mtime_ns if not stat.S_ISDIR(st.st_mode) else None
+        out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size if mtime else None, mtime, digest)
     return out
 
 
@@ -118,6 +120,29 @@ def test_names_from_files_reach_the_terminal_escaped(tmp_path, capsys):
     out, _ = cli(capsys, "run", tmp_path / "t.onnx", "-i", f"x={tmp_path / 'x.npy'}", "-i", f"w2={tmp_path / 'w2.npy'}",
                  "--device", "cpu", "--summary", expected=0)
     assert "conv\\x1b]0;pwned" in out
+
+
+def test_device_names_from_files_reach_the_terminal_escaped(tmp_path, capsys):
+    tuned = tuned_model(tmp_path)
+    model = onnx.load(tuned)
+    next(p for p in model.metadata_props if p.key == "convpass.devices").value = json.dumps([HOSTILE + "|sm_9.0|132sm|cudnn91900"])
+    save(model, tuned)
+    out, _ = cli(capsys, "inspect", tuned, expected=0)
+    assert "decisions for conv\\x1b]0;pwned" in out.replace("\n", "")
+    # a cache import of such a device is refused; one already stored is shown escaped
+    entry = {"device": HOSTILE + "|sm_9.0|132sm|cudnn91900", "key": "fwd|n=1|c=3|k=4|in=10x10|ker=3x3|pad=0x0|str=1x1|dil=1x1|g=1|float32|nchw|default",
+             "algo": "gemm", "status": "ok", "time_ms": 0.5, "workspace_bytes": 0, "deterministic": True, "measured_at": 1.79e9,
+             "method": "measure"}
+    (tmp_path / "e.json").write_text(json.dumps({"format": "convpass-tuning-cache", "version": 2, "entries": [entry]}))
+    cache = _cache_with_rows(tmp_path / "cache.db")
+    before = tree(tmp_path)
+    cli(capsys, "cache", "import", tmp_path / "e.json", "--cache", cache, match=r"entry 0, field 'device': not a device fingerprint")
+    assert tree(tmp_path) == before
+    with sqlite3.connect(cache) as c:
+        c.execute("UPDATE measurements SET device = ? WHERE device LIKE 'NVIDIA H200%'", (entry["device"],))
+    c.close()
+    out, err = cli(capsys, "cache", "stats", "--cache", cache, expected=0)
+    assert "conv\\x1b]0;pwn" in out and "red]x[/]" in out
 
 
 def test_a_markup_error_in_a_name_is_no_traceback(tmp_path, capsys):
@@ -438,3 +463,255 @@ def test_a_model_declaring_100000_profiles_is_refused_quickly(tmp_path, capsys):
     save(model, tuned)
     cli(capsys, "inspect", tuned, match=r"the model declares 300 shape profiles; convpass reads at most 256")
     cli(capsys, "run", tuned, "--device", "cpu", match=r"the model declares 300 shape profiles")
+
+
+# ---------------------------------------------------------------------------------------------
+# external data: a tuned model complete wherever it is; lengths that do not fit refused
+
+
+def _model_with_external_constant_and_subgraph(folder: Path) -> tuple[Path, onnx.ModelProto]:
+    """A Conv whose output gets a Constant added, then an If whose branches each add an
+    initializer of their own; the Constant's value and both branch initializers stored outside."""
+    rng = np.random.default_rng(3)
+    model = small_model()
+    shape = [1, 4, 8, 8]
+    c = numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), "cval")
+
+    def branch(name: str, value: float) -> onnx.GraphProto:
+        init = numpy_helper.from_array(np.full(shape, value, np.float32), f"{name}_init")
+        return helper.make_graph([helper.make_node("Add", ["plus", f"{name}_init"], [f"{name}_out"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, shape)], [init])
+
+    model.graph.node.extend([
+        helper.make_node("Constant", [], ["c"], value=c, name="const"),
+        helper.make_node("Add", ["out", "c"], ["plus"], name="add"),
+        helper.make_node("ReduceSum", ["plus"], ["s"], keepdims=0, name="sum"),
+        helper.make_node("Greater", ["s", "zero"], ["cond"], name="gt"),
+        helper.make_node("If", ["cond"], ["final"], then_branch=branch("then", 1.0), else_branch=branch("else", -1.0), name="if"),
+    ])
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0, np.float32), "zero"))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("final", TensorProto.FLOAT, shape))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "m.onnx"
+    stored = onnx.ModelProto()
+    stored.CopyFrom(model)  # (onnx.save moves the tensors of what it saves out)
+    onnx.save(stored, path, save_as_external_data=True, location="m.data", size_threshold=0, convert_attribute=True)
+    stored = onnx.load(path, load_external_data=False)
+    assert stored.graph.node[2].attribute[0].t.data_location == TensorProto.EXTERNAL  # the Constant's value
+    assert stored.graph.node[-1].attribute[0].g.initializer[0].data_location == TensorProto.EXTERNAL  # a branch's
+    return path, model
+
+
+def test_a_tuned_model_with_external_constants_and_subgraphs_loads_anywhere(tmp_path, capsys, monkeypatch):
+    import onnxruntime as ort
+
+    src, model = _model_with_external_constant_and_subgraph(tmp_path / "in")
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # the working folder holds nothing of either model
+    cli(capsys, "optimize", src, "-o", out / "t.onnx", expected=0)
+    x = {"x": random_input((1, 3, 8, 8))}
+    want = run_ort(model, x)[0]
+    for folder in (tmp_path, out, tmp_path / "in"):  # wherever ONNX Runtime is started
+        monkeypatch.chdir(folder)
+        got = ort.InferenceSession(str(out / "t.onnx"), providers=["CPUExecutionProvider"]).run(None, x)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    tuned = onnx.load(out / "t.onnx", load_external_data=False)
+    outside = [t.name for _, t in __import__("convpass.core.model_check", fromlist=["tensors"]).tensors(tuned)
+               if t.data_location == TensorProto.EXTERNAL]
+    assert outside == ["w"]  # only the main graph's initializers (over 256 bytes), in the output's own data file
+    assert sorted(p.name for p in out.iterdir()) == ["t.onnx", "t.onnx.data"]
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"length": "12"}, r"external data of initializer 'w' has length 12, but its dims \[4, 3, 3, 3\] need 432 bytes"),
+    ({"offset": "-4"}, r"external data of initializer 'w' has a negative offset"),
+    ({"offset": "lots"}, r"external data of initializer 'w' has offset 'lots', not an integer"),
+    ({"location": "../outside.data"}, r"points outside the model's folder"),
+    ({"location": "/etc/passwd"}, r"points outside the model's folder"),
+    ({"location": "missing.data"}, r"external data file 'missing.data' of initializer 'w' is missing"),
+    ({"truncate": 8}, r"external data file 'm.data' holds \d+ bytes, fewer than initializer '\w+' needs .* truncated"),
+    ({"location": ""}, r"initializer 'w' is stored as external data but names no location"),
+])
+@pytest.mark.parametrize("command", ["optimize", "inspect", "run"])
+def test_external_data_that_does_not_fit_is_refused(tmp_path, capsys, edit, message, command):
+    path = tmp_path / "m.onnx"
+    onnx.save(small_model(), path, save_as_external_data=True, location="m.data", size_threshold=0)
+    proto = onnx.load(path, load_external_data=False)
+    if "truncate" in edit:
+        data = tmp_path / "m.data"
+        data.write_bytes(data.read_bytes()[: -edit["truncate"]])
+    else:
+        for e in proto.graph.initializer[0].external_data:
+            if e.key in edit:
+                e.value = edit[e.key]
+        if "offset" in edit and not any(e.key == "offset" for e in proto.graph.initializer[0].external_data):
+            proto.graph.initializer[0].external_data.add(key="offset", value=edit["offset"])
+        save(proto, path)
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    before = tree(tmp_path)
+    args = {"optimize": ["-o", tmp_path / "t.onnx"], "inspect": [], "run": ["-i", tmp_path / "x.npy", "--device", "cpu"]}[command]
+    cli(capsys, command, path, *args, match=message)
+    assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# tuned models altered after tuning; side-cars that claim too much or hold too much
+
+
+def _square_tuned(tmp_path: Path) -> Path:
+    """A tuned 1x1 conv with as many output as input channels: a Conv and a ConvTranspose of it both run."""
+    return tuned_model(tmp_path, conv_model("Conv", (1, 4, 8, 8), (4, 4, 1, 1)))
+
+
+def _tamper(path: Path, how: str) -> None:
+    model = onnx.load(path)
+    if how == "function body":
+        model.functions[0].node[0].op_type = "ConvTranspose"
+    elif how == "node op type":  # and a matching function, so that ONNX Runtime would run it as a ConvTranspose
+        model.graph.node[0].op_type = "ConvTranspose"
+        from convpass.core.annotation import conv_function
+
+        model.functions.append(conv_function("ConvTranspose", 17))
+    elif how == "decision direction":
+        for a in model.graph.node[0].attribute:
+            if a.name == "problem_key":
+                a.s = a.s.replace(b"fwd|", b"dgrad|")
+    save(model, path)
+
+
+@pytest.mark.parametrize("how", ["function body", "node op type", "decision direction"])
+def test_a_tuned_model_altered_after_tuning_is_refused(tmp_path, capsys, how):
+    tuned = _square_tuned(tmp_path)
+    _tamper(tuned, how)
+    np.save(tmp_path / "x.npy", random_input((1, 4, 8, 8)))
+    before = tree(tmp_path)
+    message = r"the tuned model was altered; re-run `convpass optimize` on the original model"
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "--device", "cpu", match=message)
+    cli(capsys, "inspect", tuned, match=message)
+    with pytest.raises(ExecutorError, match=message):
+        convpass.Executor(tuned)
+    assert tree(tmp_path) == before
+
+
+def test_a_side_car_s_verified_claim_does_not_skip_the_model_check(tmp_path, capsys):
+    from convpass.core import kernel_file
+
+    tuned = tuned_model(tmp_path)
+    model = onnx.load(tuned)
+    model.graph.node[-1].input.append("nowhere")  # a Relu with two inputs: onnx.checker refuses it
+    save(model, tuned)
+    kernel_file.write(kernel_file.sidecar_path(tuned), [], model_sha256=kernel_file.file_sha256(tuned), verified=True, cupy_version="14")
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "--device", "cpu", match=r"model fails onnx.checker")
+
+
+def _bomb(path: Path, declared: int, actual: int, model_sha256: str) -> None:
+    """A side-car whose one member unpacks to ``actual`` bytes of zeros (a few KiB packed), its manifest saying ``declared``."""
+    payload = bytes(actual)
+    manifest = {"format": "convpass.kernels/1", "convpass": "0", "cupy": "14", "model_sha256": model_sha256, "verified": True,
+                "kernels": [{"key": "k" * 32, "arch": "90", "name": "bomb", "file": "bin/" + "k" * 32 + ".sm90",
+                             "sha256": hashlib.sha256(payload).hexdigest(), "size": declared}]}
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("manifest.json", json.dumps(manifest))
+        z.writestr("bin/" + "k" * 32 + ".sm90", payload)
+
+
+@pytest.mark.parametrize("declared,actual,message", [
+    (1000, 64 << 20, r"the binary of kernel 'bomb', bin/k+\.sm90 holds more than 1000 bytes: refused"),
+    (1 << 40, 64 << 20, r"kernel 'bomb' declares 1099511627776 bytes, more than convpass reads"),
+    (2 << 20, 4 << 20, r"holds more than 2097152 bytes: refused"),
+])
+def test_side_car_members_are_bounded_and_hashed_while_streamed(tmp_path, capsys, declared, actual, message):
+    import tracemalloc
+
+    from convpass.core import kernel_file
+
+    tuned = tuned_model(tmp_path)
+    side = kernel_file.sidecar_path(tuned)
+    _bomb(side, declared, actual, kernel_file.file_sha256(tuned))
+    assert side.stat().st_size < 1 << 20
+    tracemalloc.start()
+    with pytest.raises(kernel_file.KernelFileError, match=message):
+        kernel_file.read(side)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < max(declared, 1 << 20) + (4 << 20), f"{peak} bytes held while reading"  # never the whole member
+    before = tree(tmp_path)
+    out, _ = cli(capsys, "inspect", tuned, expected=0)
+    assert "kernels: refused" in out
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "--device", "cpu", expected=0)
+    assert {k: v for k, v in tree(tmp_path).items() if k != "x.npy"} == before
+
+
+# ---------------------------------------------------------------------------------------------
+# annotation errors and file-system errors: one line
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("convpass.schema_version", "abc", r"convpass.schema_version is 'abc', not a number"),
+    ("convpass.schema_version", "99", r"tuned by a newer convpass"),
+    ("convpass.profiles", "{not json", r"convpass metadata is damaged"),
+    ("convpass.profiles", "[" * 100_000, r"convpass metadata is damaged"),
+    ("convpass.profiles", '[{"name": "p", "inputs": {"x": [18446744073709551616]}}]', r"convpass metadata is damaged"),
+    ("convpass.devices", "[1, 2]", r"convpass metadata is damaged"),
+])
+def test_annotation_errors_are_one_line_in_inspect_and_run(tmp_path, capsys, key, value, message):
+    tuned = tuned_model(tmp_path)
+    model = onnx.load(tuned)
+    entry = next((p for p in model.metadata_props if p.key == key), None) or model.metadata_props.add(key=key)
+    entry.value = value
+    save(model, tuned)
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    before = tree(tmp_path)
+    cli(capsys, "inspect", tuned, match=message)
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "--device", "cpu", match=message)
+    assert tree(tmp_path) == before
+
+
+def _raise(error: OSError):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+@pytest.mark.parametrize("case", ["disk full while saving", "disk full while renaming", "read-only folder", "unreadable model",
+                                  "disk full while exporting", "disk full while saving run outputs"])
+def test_file_system_errors_are_one_line(tmp_path, capsys, monkeypatch, case):
+    import onnx_ir as ir
+
+    model = save(small_model(), tmp_path / "m.onnx")
+    _cache_with_rows(tmp_path / "cache.db")
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    before = tree(tmp_path)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if case == "disk full while saving":
+        monkeypatch.setattr(ir, "save", _raise(full))
+        cli(capsys, "optimize", model, "-o", tmp_path / "t.onnx", match=r"cannot write .*t.onnx: No space left on device \(the disk is full")
+    elif case == "disk full while renaming":
+        real = os.replace
+        monkeypatch.setattr(os, "replace", lambda a, b: _raise(full)() if str(b).endswith("t.onnx") else real(a, b))
+        cli(capsys, "optimize", model, "-o", tmp_path / "t.onnx", match=r"cannot write .*t.onnx: No space left on device")
+    elif case == "read-only folder":  # (as root, permissions do not stop a write: the refusal the OS would give)
+        import tempfile
+
+        monkeypatch.setattr(tempfile, "mkdtemp", _raise(PermissionError(errno.EACCES, "Permission denied")))
+        cli(capsys, "optimize", model, "-o", tmp_path / "t.onnx", match=r"cannot write .*t.onnx: Permission denied")
+    elif case == "unreadable model":
+        real_open = os.open
+        monkeypatch.setattr(os, "open", lambda p, *a, **k: _raise(PermissionError(errno.EACCES, "Permission denied", str(p)))()
+                            if str(p).endswith("m.onnx") else real_open(p, *a, **k))
+        cli(capsys, "optimize", model, "-o", tmp_path / "t.onnx", match=r"cannot read .*m.onnx: Permission denied")
+        cli(capsys, "inspect", model, match=r"cannot read .*m.onnx: Permission denied")
+        cli(capsys, "run", model, "--device", "cpu", match=r"cannot read .*m.onnx: Permission denied")
+    elif case == "disk full while exporting":
+        monkeypatch.setattr(json, "dump", _raise(full))
+        cli(capsys, "cache", "export", tmp_path / "e.json", "--cache", tmp_path / "cache.db", match=r"cannot write .*e.json: No space left")
+    else:
+        monkeypatch.setattr(np, "save", _raise(full))
+        cli(capsys, "run", model, "-i", tmp_path / "x.npy", "-o", tmp_path / "outs", "--device", "cpu", match=r"cannot write .*out.npy: No space")
+        (tmp_path / "outs").rmdir()  # the folder asked for is made; nothing in it
+    assert tree(tmp_path) == before

@@ -88,17 +88,18 @@ def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MO
     except OSError as e:
         raise os_error(label, e, "read") from None
     try:
-        _check_stat(os.fstat(fd), label, what, limit)
+        st = os.fstat(fd)
+        _check_stat(st, label, what, limit)
     except BaseException:
         os.close(fd)
         raise
     with os.fdopen(fd, "rb") as f:
         try:
-            data = f.read(limit + 1)  # a file that grew since the check is still cut at the limit
+            data = f.read(min(st.st_size, limit) + 1)  # a file that grew since the check is still cut at the limit
         except OSError as e:
             raise os_error(label, e, "read") from None
-    if len(data) > limit:
-        raise FileError(f"{what} {label} is more than the {_size(limit)} convpass reads: refused")
+    if len(data) > st.st_size:
+        raise FileError(f"{what} {label} grew while it was read: refused")
     return data
 
 

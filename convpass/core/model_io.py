@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -168,7 +169,7 @@ def save_model(model: ir.Model, path: str | os.PathLike, protect: Iterable[tuple
         staged = staging / out.name
         try:
             if use_external:
-                ir.save(model, staged, external_data=data_name)
+                _save_with_external_data(model, staged, data_name)
             else:
                 ir.save(model, staged)
             written = []
@@ -182,6 +183,30 @@ def save_model(model: ir.Model, path: str | os.PathLike, protect: Iterable[tuple
         return written
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_with_external_data(model: ir.Model, path: Path, data_name: str, threshold: int = 256) -> None:
+    """``ir.save`` with the main graph's initializers over ``threshold`` bytes in ``data_name``
+    beside ``path``, and every other tensor in the model file: ONNX Runtime resolves a sub-graph's
+    external data against the working folder, not the model's, so a sub-graph's initializer stored
+    outside would load only when started from the right folder. The model is unchanged after."""
+    moved: list[tuple[ir.Value, Any]] = []
+    try:
+        outside = [v for v in model.graph.initializers.values() if v.const_value is not None and v.const_value.nbytes > threshold]
+        if outside:
+            tensors = ir.external_data.convert_tensors_to_external([v.const_value for v in outside], path.parent, data_name)
+            for value, tensor in zip(outside, tensors):
+                moved.append((value, value.const_value))
+                value.const_value = tensor
+        for graph in model.graphs():
+            for value in graph.initializers.values():
+                if isinstance(value.const_value, ir.ExternalTensor) and not any(value is m for m, _ in moved):
+                    moved.append((value, value.const_value))
+                    (value.const_value,) = ir.external_data.convert_tensors_from_external([value.const_value])
+        ir.save(model, path)
+    finally:
+        for value, tensor in moved:
+            value.const_value = tensor
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
