@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import sqlite3
@@ -715,3 +716,59 @@ def test_file_system_errors_are_one_line(tmp_path, capsys, monkeypatch, case):
         cli(capsys, "run", model, "-i", tmp_path / "x.npy", "-o", tmp_path / "outs", "--device", "cpu", match=r"cannot write .*out.npy: No space")
         (tmp_path / "outs").rmdir()  # the folder asked for is made; nothing in it
     assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# large batches on the CPU: memory grows with what is live, not with every tensor of the model
+
+
+def _fire_model(size: int = 48) -> onnx.ModelProto:
+    """squeezenet1_1's pattern: a stem conv, then fire modules (squeeze 1x1, expand 1x1 and 3x3, concat)."""
+    rng = np.random.default_rng(0)
+    inits, nodes = [], []
+
+    def conv(name, x, cin, cout, k, stride=1, pad=0):
+        inits.append(numpy_helper.from_array((rng.standard_normal((cout, cin, k, k)) * (cin * k * k) ** -0.5).astype(np.float32), name + "_w"))
+        inits.append(numpy_helper.from_array(np.zeros(cout, np.float32), name + "_b"))
+        nodes.append(helper.make_node("Conv", [x, name + "_w", name + "_b"], [name], strides=[stride] * 2, pads=[pad] * 4, name=name))
+        nodes.append(helper.make_node("Relu", [name], [name + "_r"], name=name + "_relu"))
+        return name + "_r"
+
+    def fire(name, x, cin, s, e):
+        sq = conv(name + "_sq", x, cin, s, 1)
+        nodes.append(helper.make_node("Concat", [conv(name + "_e1", sq, s, e, 1), conv(name + "_e3", sq, s, e, 3, pad=1)], [name], axis=1))
+        return name
+
+    x = conv("stem", "x", 3, 64, 3, stride=2)
+    for i in range(4):
+        x = fire(f"f{i}", x, 64 if i == 0 else 128, 16, 64)
+    nodes.append(helper.make_node("GlobalAveragePool", [x], ["y"]))
+    graph = helper.make_graph(nodes, "fire", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 128, 1, 1])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_the_cpu_executor_holds_what_is_live_not_every_tensor(tmp_path):
+    import tracemalloc
+
+    model = _fire_model()
+    ex = convpass.Executor(model)
+
+    def peak_per_sample(batch: int) -> tuple[float, float]:
+        x = random_input((batch, 3, 48, 48))
+        peaks = []
+        for _ in range(2):  # the first run builds the plan, the second replays it
+            tracemalloc.start()
+            ex.run(None, {"x": x})
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+        return peaks[0], peaks[1]
+
+    small, large = peak_per_sample(4), peak_per_sample(16)
+    growth = [(big - little) / 12 for little, big in zip(small, large)]  # bytes per sample, first run and replay
+    plan = ex.plans[-1]
+    every_tensor = sum(math.prod(shape) * dtype.itemsize for shape, dtype in plan.value_info.values()) / 16
+    assert growth[0] < 0.45 * every_tensor, (growth, every_tensor)  # the first run held every tensor: 1.0
+    assert growth[0] < 1.15 * growth[1], growth  # and it holds what the plan's replays hold
+    np.testing.assert_allclose(ex.run(None, {"x": random_input((2, 3, 48, 48))})[0],
+                               run_ort(model, {"x": random_input((2, 3, 48, 48))})[0], rtol=1e-4, atol=1e-5)

@@ -696,7 +696,9 @@ class Executor:
                 v = vals[name] = _Val(True, c, tuple(c.shape), c.dtype, True)
             return v
 
-        for node in self._needed(outputs):
+        needed = self._needed(outputs)
+        last_read = _last_reads(needed, outputs)
+        for index, node in enumerate(needed):
             impl = node.impl
             ins = [get(n) for n in node.inputs]
             present = [v for v in ins if v is not None]
@@ -732,6 +734,12 @@ class Executor:
                 if name:
                     vals[name] = _Val(False, o, tuple(o.shape), o.dtype, determined)
             steps.append((run_node, list(node.inputs), list(node.outputs)))
+            # as the plan's runs do (its liveness): a computed value no later node reads is let go, its
+            # shape and type kept for the plan; the first run holds the live values only, not all of them
+            for name in (*node.inputs, *node.outputs):
+                v = vals.get(name) if name else None
+                if v is not None and not v.static and last_read.get(name, -1) <= index:
+                    v.value = None
 
         results = [vals[n].value if n in vals else self._constants[n] for n in outputs]
         plan = self._assemble(key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded)
@@ -840,6 +848,18 @@ class Executor:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _last_reads(nodes: Sequence[NodeInfo], outputs: Sequence[str]) -> dict[str, int]:
+    """Value name -> the index in ``nodes`` of its last reader; the outputs wanted are read after all."""
+    last: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for name in node.inputs:
+            if name:
+                last[name] = i
+    for name in outputs:
+        last[name] = len(nodes)
+    return last
 
 
 def _first_line(e: BaseException) -> str:
