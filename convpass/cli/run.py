@@ -22,6 +22,7 @@ import numpy as np
 
 from convpass.core.errors import ConvpassError
 from convpass.core.files import check_output, check_readable, os_error
+from convpass.core.model_check import MIN_OPSET
 from convpass.core.text import printable
 from convpass.runtime.devices import default_device
 
@@ -129,7 +130,8 @@ def run_command(args: argparse.Namespace) -> int:
     from convpass.runtime.executor import Executor
 
     device = default_device() if args.device == "auto" else args.device
-    executor = Executor(args.model, device=device, cuda_graph=not getattr(args, "no_cuda_graph", False))
+    # opsets from the one optimize takes at its low end (the executor's API runs older ones, for ONNX's backend tests)
+    executor = Executor(args.model, device=device, cuda_graph=not getattr(args, "no_cuda_graph", False), min_opset=MIN_OPSET)
     input_names = [a.name for a in executor.get_inputs()]
     files = _parse_inputs(list(args.input), input_names)
     feeds: dict[str, Any] = {name: _load_npy(name, path) for name, path in files.items()}

@@ -4,7 +4,9 @@ Rules (each failure is one :class:`~convpass.core.errors.ModelLoadError` naming 
 tensor, node or field):
 
 1. The ``ai.onnx`` opset is one convpass supports (:data:`MIN_OPSET` to :data:`MAX_OPSET` to
-   optimize; the executor runs up to the newest opset the installed ``onnx`` defines).
+   optimize; the executor up to the newest opset the installed ``onnx`` defines, from
+   :data:`MIN_OPSET` in ``convpass run``, from opset 1 through its Python API, which ONNX's
+   backend tests drive).
 2. Every text field is valid UTF-8 (protobuf hands invalid text over as bytes, which every reader
    after the parse trips on).
 3. Every tensor, wherever it is (the graph's initializers, node attributes, sub-graphs of If / Loop
@@ -34,7 +36,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from convpass.core.errors import ModelLoadError
 from convpass.core.files import kind_of
 
-__all__ = ["MAX_OPSET", "MIN_OPSET", "check_model_file", "check_opset", "check_tensor", "expected_bytes", "inline_external_tensors", "tensors"]
+__all__ = ["MAX_OPSET", "MIN_OPSET", "check_model_file", "check_opset", "check_opset_version", "check_tensor", "expected_bytes", "inline_external_tensors", "tensors"]
 
 MIN_OPSET = 7
 MAX_OPSET = 21
@@ -51,15 +53,20 @@ _FIELDS: dict[int, tuple[str, float]] = {
 }
 
 
-def check_opset(proto: onnx.ModelProto, label: str, highest: int = MAX_OPSET, what: str = "convpass supports") -> None:
-    """Rule 1; ``highest``, ``what``: another range (the executor runs every opset ONNX defines)."""
+def check_opset(proto: onnx.ModelProto, label: str, highest: int = MAX_OPSET, what: str = "convpass supports",
+                lowest: int = MIN_OPSET) -> None:
+    """Rule 1; ``lowest``, ``highest``, ``what``: another range (the executor runs every opset ONNX defines)."""
     opsets = {o.domain or "ai.onnx": o.version for o in proto.opset_import}
     version = opsets.get("ai.onnx")
     if version is None:
         raise ModelLoadError(f"{label}: the model imports no ai.onnx opset")
-    if not MIN_OPSET <= version <= highest:
+    check_opset_version(version, label, lowest, highest, what)
+
+
+def check_opset_version(version: int, label: str, lowest: int = MIN_OPSET, highest: int = MAX_OPSET, what: str = "convpass supports") -> None:
+    if not lowest <= version <= highest:
         raise ModelLoadError(
-            f"{label}: unsupported opset {version} ({what} ai.onnx opsets {MIN_OPSET} to {highest}); "
+            f"{label}: unsupported opset {version} ({what} ai.onnx opsets {lowest} to {highest}); "
             "convert it with onnx.version_converter first"
         )
 

@@ -262,6 +262,8 @@ class Executor:
     * ``run(output_names, feeds)`` -> list of outputs (``output_names`` None = all).
     * ``prepare(feeds)``: build (compile, capture) the plan for those input shapes ahead of the first run.
 
+    ``min_opset``: the lowest ``ai.onnx`` opset taken (default 1: every opset ONNX defines up to the
+    installed ``onnx``'s newest; ``convpass run`` takes 7 on, as ``optimize`` does).
     ``kernels``: the kernel side-car to load (default: ``<model path>.kernels`` when the model is
     a file and it exists; ``False``: none). A side-car of another model is refused with a warning.
     * ``get_inputs()`` / ``get_outputs()`` -> :class:`NodeArg` (``.name``, ``.shape``, ``.type``).
@@ -278,6 +280,7 @@ class Executor:
         fold_batchnorm: bool = True,
         check_model: bool = True,
         kernels: str | os.PathLike[str] | bool | None = None,
+        min_opset: int = 1,
     ) -> None:
         if output_kind not in (None, "numpy", "device"):
             raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
@@ -289,7 +292,7 @@ class Executor:
         # before the wait.
         gpu_ready = open_ahead(device)
         try:
-            proto, pending_digest = model_file.load(model)
+            proto, pending_digest = model_file.load(model, min_opset)
             try:
                 constants, constants_error = model_file.read_initializers(proto, model_file.folder(model)), None
             except ExecutorError as e:  # said after onnx.checker, whose message names the fault better

@@ -38,22 +38,22 @@ def folder(model: Any) -> str | None:
     return os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
 
 
-def load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
+def load(model: Any, min_opset: int = 1) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
     """The model, and a function that returns the SHA-256 of its file's bytes (None when it was
     given as a ModelProto). The hash is computed on a thread of its own (hashlib lets go of the GIL
     on large buffers: 0.05-0.1 s for 100 MB), beside the parse and whatever the caller does before
-    it asks for it. The model is checked as :mod:`convpass.core.model_check` checks every model
+    it asks for it. ``min_opset``: the lowest ``ai.onnx`` opset taken. The model is checked as :mod:`convpass.core.model_check` checks every model
     (opset, text, tensor sizes, external data) and its tensors stored outside, but for the main
     graph's initializers, are read in."""
     if isinstance(model, onnx.ModelProto):
-        _check(model, "model", None)
+        _check(model, "model", None, min_opset)
         return model, lambda: None
     if isinstance(model, (bytes, bytearray)):
         try:
             proto = onnx.load_from_string(bytes(model))
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot parse the model bytes: {e}") from None
-        _check(proto, "model bytes", None)
+        _check(proto, "model bytes", None, min_opset)
         return proto, lambda: hashlib.sha256(model).hexdigest()
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -71,7 +71,7 @@ def load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot load {path}: not an ONNX model, or the file is truncated ({type(e).__name__})") from None
         base_dir = Path(folder(path))  # type: ignore[arg-type]
-        _check(proto, path, base_dir)
+        _check(proto, path, base_dir, min_opset)
         # the graph's initializers stay in their external file (read_initializers maps them);
         # every other tensor stored outside (a Constant's value, a sub-graph's initializer) is
         # read in, so the model's other readers never meet a file reference
@@ -80,13 +80,13 @@ def load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
 
 
-def _check(proto: onnx.ModelProto, label: str, base_dir: Path | None) -> None:
+def _check(proto: onnx.ModelProto, label: str, base_dir: Path | None, min_opset: int = 1) -> None:
     """:mod:`convpass.core.model_check`'s checks, as an :class:`ExecutorError`. A model given
     without a path (``base_dir`` None) may hold no tensor stored outside (onnx would look for it in
     the working folder) but for the main graph's initializers, which :func:`read_initializers`
     refuses by name."""
     try:
-        model_check.check_opset(proto, label, onnx.defs.onnx_opset_version(), "the convpass executor runs")
+        model_check.check_opset(proto, label, onnx.defs.onnx_opset_version(), "the convpass executor runs", lowest=min_opset)
         if base_dir is not None:
             model_check.check_model_file(proto, label, base_dir)
             return
