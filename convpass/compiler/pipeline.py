@@ -104,7 +104,7 @@ def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | 
     collect = CollectConvProblemsPass(options.directions, options.fusions)
     collect(model)
     report.profiles = model.meta[PROFILES_KEY]
-    for node in model.graph:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type in ("Conv", "ConvTranspose") and node.domain in ("", "ai.onnx"):
             report.convs += 1
             if SKIP_KEY in node.meta:
@@ -167,7 +167,7 @@ def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
             return []
         return list(attr.value) if isinstance(attr.value, (list, tuple)) else [attr.value]
 
-    for node in model.graph:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain == annotation.DOMAIN and node.op_type in annotation.ANNOTATED_OPS:
             report.decisions_recorded += len(values(node.attributes.get("algo")))
             report.engine_decisions += sum(1 for v in values(node.attributes.get("engine")) if v)
@@ -256,6 +256,8 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
         own: dict = {}  # node -> its own-direction problem at this profile
         for problem, problem_uses in uses.items():
             for use in problem_uses:
+                if use.node.graph is not model.graph:
+                    continue  # a conv in an If / Loop / Scan body: its own best layout (the plan is the main graph's)
                 if use.profile == i and (use.node.op_type == "ConvTranspose") == (problem.direction == "dgrad") and problem.direction != "wgrad":
                     own.setdefault(use.node, problem)
         conv_costs = {}
@@ -473,7 +475,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, device: str | None = Non
     else:
         wanted = devices
     records = []
-    for node in proto.graph.node:
+    for node in annotation.all_nodes(proto.graph):
         if annotation.standard_op_type(node) not in annotation.CONV_OPS:
             continue
         name = node.name or node.output[0]

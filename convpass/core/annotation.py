@@ -85,7 +85,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import onnx
@@ -362,6 +362,16 @@ def metadata_entries(info: ModelInfo) -> dict[str, str]:
 # reading
 
 
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of the If / Loop / Scan bodies in it, at any depth, in graph order
+    (a node before the nodes of its bodies)."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from all_nodes(g)
+
+
 def is_annotated_conv(node: onnx.NodeProto) -> bool:
     return node.domain == DOMAIN and node.op_type in ANNOTATED_OPS
 
@@ -528,11 +538,11 @@ def _check_direction(annotation_: NodeAnnotation) -> None:
 def read_annotations(
     model: onnx.ModelProto, device: DeviceFingerprint | str | None = None
 ) -> tuple[ModelInfo | None, list[NodeAnnotation]]:
-    """Model metadata and every annotated conv node of the main graph, in graph order, with the
-    decisions of ``device``'s table (see "Reading for a device" in the module docstring). A model
+    """Model metadata and every annotated conv node (:func:`all_nodes`: those of If / Loop / Scan
+    bodies too), in graph order, with the decisions of ``device``'s table (see "Reading for a device" in the module docstring). A model
     whose annotated convs would not run as what they name is refused (:func:`verify_functions`)."""
     info = read_model_info(model)
-    annotated = [n for n in model.graph.node if is_annotated_conv(n)]
+    annotated = [n for n in all_nodes(model.graph) if is_annotated_conv(n)]
     if annotated and info is None:
         raise AnnotationError(f"model has {DOMAIN} convolutions but no convpass metadata")
     verify_functions(model, annotated)
@@ -557,7 +567,7 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     standard attributes: the model the graph passes collected the problems of."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    for node in out.graph.node:
+    for node in all_nodes(out.graph):
         if is_annotated_conv(node):
             keep = standard_attributes(node)
             del node.attribute[:]

@@ -57,7 +57,7 @@ class CanonicalizeConvsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from convpass.compiler.passes.resolve_shapes import SHAPES_KEY, SKIP_KEY
 
-        for node in model.graph:
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):  # bodies of If / Loop / Scan too
             if node.op_type not in CONV_OPS or node.domain not in ("", "ai.onnx") or SKIP_KEY in node.meta:
                 continue
             attrs = attribute_values(node)
