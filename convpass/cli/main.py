@@ -44,6 +44,9 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-kernels", dest="kernels", action="store_false",
                    help="do not compile the GPU kernels of the tuned model ahead of time (<output>.kernels; "
                    "default: compiled when this machine has a GPU)")
+    p.add_argument("--retune", action="store_true",
+                   help="tune a model convpass tuned already again (its recorded profiles unless --shape is given) and say "
+                   "what changed; without it such a model is refused")
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     p.set_defaults(func=_optimize)
 
@@ -62,6 +65,7 @@ def _optimize(args: argparse.Namespace) -> int:
         device_name=args.device_name,
         quiet=args.quiet,
         kernels=args.kernels,
+        retune=args.retune,
         **decision_options(args),
     )
     return 0

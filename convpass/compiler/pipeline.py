@@ -33,7 +33,8 @@ from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
-from convpass.compiler.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
+from convpass.compiler.passes.resolve_shapes import MODEL_SHAPES, PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
+from convpass.compiler.passes.strip_annotations import Previous, StripAnnotationsPass, changes, is_tuned
 from convpass.kernels.depthwise import is_own
 
 logger = logging.getLogger("convpass")
@@ -383,6 +384,7 @@ def optimize_ir(
     device_name: str | None = None,
     quiet: bool = False,
     kernels: bool = True,
+    retune: bool = False,
     **options: Any,
 ) -> ir.Model:
     """:func:`optimize`, returning the onnx-ir model: the CLI, which only wants the file, makes no
@@ -396,6 +398,9 @@ def optimize_ir(
     ``shapes``: one entry per profile, ``"input=1x3x224x224"`` or ``{"input": (1, 3, 224, 224)}``.
     ``kernels``: with an ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
     model's plans need and write them beside it (``<output>.kernels``, :mod:`convpass.compiler.aot`).
+    ``retune``: a model convpass tuned already is tuned again (its recorded profiles unless
+    ``shapes`` are given) and the report says which decisions changed; without it such a model is
+    refused (:func:`untuned`).
     """
     device_mod.start_driver()  # ready by the time the decisions need the GPU's fingerprint
     tune_options = build_options(options)
@@ -404,13 +409,47 @@ def optimize_ir(
     if output is not None:
         check_output(output, "output", protect)
     ir_model = load_model(model)
+    previous = untuned(ir_model, model if isinstance(model, (str, os.PathLike)) else "model", retune)
+    if previous is not None and not shapes:
+        shapes = [_spec_of(p) for p in previous.info.profiles]
     report = optimize_model(ir_model, tune_options, shapes, cache, device_name, console)
+    if previous is not None:
+        report.notes[:0] = changes(previous, ir_model)
     if output is not None:
         save_model(ir_model, output, protect)
     print_report(report, console, str(output) if output is not None else None)
     if output is not None:
         _write_kernels(Path(output), kernels, console)
     return ir_model
+
+
+def untuned(model: ir.Model, label: Any, retune: bool, hint: str = "pass --retune to tune it again (with the profiles it records "
+            "unless --shape is given), or optimize the model it was tuned from") -> Previous | None:
+    """A model convpass tuned already: refused (a :class:`ConvpassError` saying ``hint``) unless
+    ``retune``, else turned back into the standard model in place, and its recorded decisions
+    returned (None for a model never tuned)."""
+    if not is_tuned(model):
+        return None
+    if not retune:
+        convs = sum(1 for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == annotation.DOMAIN)
+        raise ConvpassError(f"{label} is already tuned by convpass ({convs} tuned convolution(s)); {hint}")
+    strip = StripAnnotationsPass()
+    strip(model)
+    return strip.previous or Previous(ModelInfo(SCHEMA_VERSION, "", "", "", "", (), False, {}), {})
+
+
+def _spec_of(profile: Profile) -> str | dict:
+    """The ``--shape`` a recorded profile was made from (its name), so that re-tuning names it the
+    same; its recorded input shapes where the name is no such spec."""
+    from convpass.core.profiles import parse_shape_spec
+
+    if profile.name == MODEL_SHAPES:
+        return {}
+    try:
+        parse_shape_spec(profile.name)
+        return profile.name
+    except ConvpassError:
+        return dict(profile.inputs)
 
 
 def _inputs_of(model: Any, cache: str | os.PathLike | None) -> list[tuple[Any, str]]:

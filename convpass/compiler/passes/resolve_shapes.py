@@ -54,6 +54,7 @@ SKIP_KEY = "convpass.skip"
 PROFILES_KEY = "convpass.profiles"
 VALUE_SHAPES_KEY = "convpass.value_shapes"  # model.meta: per profile, {value name: dims}
 CONV_OPS = ("Conv", "ConvTranspose")
+MODEL_SHAPES = "model shapes"  # the name of the profile of the model's own shapes (no --shape)
 
 _DTYPES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
 _INLINE_LIMIT = 1 << 20  # initializers larger than this go to shape inference as typed inputs
@@ -280,7 +281,7 @@ class ResolveShapesPass(ir.passes.InPlacePass):
             unknown = sorted(set(spec) - set(declared))
             if unknown:
                 raise ShapeError(f"--shape names unknown input(s) {', '.join(map(repr, unknown))}; the model's inputs are {', '.join(map(repr, declared))}")
-            label = ",".join(f"{k}={_format_dims(v)}" for k, v in spec.items()) or "model shapes"
+            label = ",".join(f"{k}={_format_dims(v)}" for k, v in spec.items()) or MODEL_SHAPES
             profiles.append(Profile(label, {k: v for k, v in shapes.items()}))
         return tuple(profiles)
 
