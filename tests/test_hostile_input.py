@@ -772,3 +772,131 @@ def test_the_cpu_executor_holds_what_is_live_not_every_tensor(tmp_path):
     assert growth[0] < 1.15 * growth[1], growth  # and it holds what the plan's replays hold
     np.testing.assert_allclose(ex.run(None, {"x": random_input((2, 3, 48, 48))})[0],
                                run_ort(model, {"x": random_input((2, 3, 48, 48))})[0], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# tuning caches: hostile rows, foreign files, read-only commands
+
+
+_ENTRY = {"device": "NVIDIA H200|sm_9.0|132sm|cudnn91900", "key": "fwd|n=1|c=3|k=4|in=10x10|ker=3x3|pad=0x0|str=1x1|dil=1x1|g=1|float32|nchw|default",
+          "algo": "gemm", "status": "ok", "time_ms": 0.5, "workspace_bytes": 0, "deterministic": True, "measured_at": 1.79e9, "method": "measure"}
+
+
+@pytest.mark.parametrize("case,message", [
+    ({"workspace_bytes": 2**63}, r"entry 0, field 'workspace_bytes': must be an integer from 0 to 9223372036854775807"),
+    ({"heuristic_rank": 2**64}, r"entry 0, field 'heuristic_rank': must be an integer from 0 to"),
+    ({"measured_at": 1e300}, r"entry 0, field 'measured_at': must be a unix time \(a number from 0 to 253402300799"),
+    ({"time_ms": float("nan")}, r"not valid JSON \(NaN is not valid JSON\)"),
+    ("deep", r"not a convpass tuning-cache export \(JSON nested too deeply\)"),
+    ("transpose dims", r"transpose 0: transpose dims must be 1 to 8 integers from 1 to 2147483647"),
+    ("not UTF-8", r"not a convpass tuning-cache export \(not UTF-8 text"),
+])
+def test_hostile_cache_imports_are_one_line_and_change_nothing(tmp_path, capsys, case, message):
+    cache = _cache_with_rows(tmp_path / "cache.db")
+    path = tmp_path / "e.json"
+    if case == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "not UTF-8":
+        path.write_bytes(b'{"format": "\xff"}')
+    elif case == "transpose dims":
+        path.write_text(json.dumps({"format": "convpass-tuning-cache", "version": 2, "entries": [], "transposes": [
+            {"device": _ENTRY["device"], "dims": [2**40, 3], "dtype": "float32", "time_ms": 0.1, "measured_at": 1.79e9}]}))
+    else:
+        path.write_text(json.dumps({"format": "convpass-tuning-cache", "version": 2, "entries": [{**_ENTRY, **case}]}))
+    before = tree(tmp_path)
+    cli(capsys, "cache", "import", path, "--cache", cache, match=message)
+    cli(capsys, "cache", "import", path, "--cache", tmp_path / "new.db", match=message)  # and no new cache is made
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("column,value", [("workspace_bytes", "lots"), ("measured_at", 1e300), ("status", "great"), ("key", "not a key"),
+                                          ("time_ms", "fast"), ("device", "not a fingerprint"), ("heuristic_rank", -5)])
+def test_bad_rows_already_stored_are_skipped_with_a_warning(tmp_path, capsys, column, value):
+    from convpass.compiler.pipeline import optimize
+
+    cache = _cache_with_rows(tmp_path / "cache.db")
+    with sqlite3.connect(cache) as c:  # beside each device's good row, one more that another program wrote
+        c.execute("INSERT INTO measurements SELECT device, key, shape, 'bad', method, status, time_ms, workspace_bytes, deterministic, "
+                  "measured_at, note, heuristic_rank, find_rank FROM measurements")
+        c.execute(f"UPDATE measurements SET {column} = ?{' || rowid' if column == 'device' else ''} WHERE algo = 'bad'", (value,))
+    c.close()
+    with pytest.warns(Warning) as caught:
+        cli(capsys, "cache", "export", tmp_path / "e.json", "--cache", cache, expected=0)
+    assert any("skipped" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    exported = json.loads((tmp_path / "e.json").read_text())
+    assert sorted((e["device"], e["algo"]) for e in exported["entries"]) == [
+        ("NVIDIA H100 80GB HBM3|sm_9.0|132sm|cudnn91900", "gemm"), ("NVIDIA H200|sm_9.0|132sm|cudnn91900", "gemm")]
+    (tmp_path / "e.json").unlink()
+    out, _ = cli(capsys, "cache", "stats", "--cache", cache, expected=0)
+    if column == "measured_at":
+        assert "?" in out
+    model = save(conv_model("Conv", (1, 3, 10, 10), (4, 3, 3, 3)), tmp_path / "m.onnx")
+    before = tree(tmp_path)
+    with pytest.warns(Warning):
+        tuned = optimize(model, cache=cache, device_name="H100", quiet=True, layout="nchw", tf32="on")
+    assert tree(tmp_path) == before
+    assert convpass.inspect(tuned)[0]["algo"] == "gemm"  # the good row still serves
+
+
+def _foreign_caches(tmp_path: Path) -> dict[str, Path]:
+    from convpass.tuning.cache import TuningCache
+
+    out = {}
+    out["a model"] = save(small_model(), tmp_path / "model.db")
+    out["a text file"] = tmp_path / "notes.db"
+    out["a text file"].write_text("my notes\n" * 100)
+    out["another program's SQLite"] = tmp_path / "other.db"
+    with sqlite3.connect(out["another program's SQLite"]) as c:
+        c.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+        c.execute("INSERT INTO users VALUES (1, 'ada')")
+    c.close()
+    newer = out["a newer convpass's cache"] = tmp_path / "newer.db"
+    with TuningCache(newer):
+        pass
+    with sqlite3.connect(newer) as c:
+        c.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
+    c.close()
+    with sqlite3.connect(newer) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+    return out
+
+
+FOREIGN = {"a model": "not a convpass tuning cache", "a text file": "not a convpass tuning cache",
+           "another program's SQLite": "another program's SQLite database", "a newer convpass's cache": "written by a newer convpass"}
+
+
+@pytest.mark.parametrize("kind", FOREIGN)
+@pytest.mark.parametrize("command", ["cache stats", "cache export", "cache import", "cache clear", "optimize --device-name"])
+def test_a_cache_that_is_not_ours_is_refused_never_moved_aside(tmp_path, capsys, kind, command):
+    path = _foreign_caches(tmp_path)[kind]
+    model = tmp_path / "model.db" if kind == "a model" else save(small_model(), tmp_path / "m.onnx")
+    (tmp_path / "e.json").write_text(json.dumps({"format": "convpass-tuning-cache", "version": 2, "entries": [_ENTRY]}))
+    before = tree(tmp_path)
+    args = {"cache stats": ["cache", "stats"], "cache export": ["cache", "export", tmp_path / "out.json"],
+            "cache import": ["cache", "import", tmp_path / "e.json"], "cache clear": ["cache", "clear", "--all"],
+            "optimize --device-name": ["optimize", save(small_model(), tmp_path / "x.onnx") if kind == "a model" else model,
+                                       "-o", tmp_path / "t.onnx", "--device-name", "H200"]}[command]
+    before = tree(tmp_path)
+    cli(capsys, *args, "--cache", path, match=FOREIGN[kind] + r".*refused, nothing was changed")
+    assert tree(tmp_path) == before
+    assert not list(tmp_path.glob("*.corrupt-*"))
+
+
+def test_read_only_cache_commands_change_and_create_nothing(tmp_path, capsys):
+    cache = _cache_with_rows(tmp_path / "cache.db")
+    model = save(conv_model("Conv", (1, 3, 10, 10), (4, 3, 3, 3)), tmp_path / "m.onnx")
+    before = tree(tmp_path)
+    cli(capsys, "cache", "stats", "--cache", cache, expected=0)
+    cli(capsys, "cache", "stats", "--cache", cache, "--json", expected=0)
+    cli(capsys, "cache", "export", tmp_path / "e.json", "--cache", cache, expected=0)
+    (tmp_path / "e.json").unlink()
+    cli(capsys, "optimize", model, "--cache", cache, "--device-name", "H200", "-o", tmp_path / "t.onnx", expected=0)
+    for name in ("t.onnx", "t.onnx.kernels"):
+        (tmp_path / name).unlink(missing_ok=True)
+    assert tree(tmp_path) == before  # not a byte, not a -wal, -shm or lock file
+    mistyped = tmp_path / "sub" / "tunnig.db"
+    for args in (["cache", "stats"], ["cache", "export", tmp_path / "e.json"], ["cache", "clear", "--all"]):
+        cli(capsys, *args, "--cache", mistyped, match=r"no tuning cache at .*tunnig.db")
+    cli(capsys, "optimize", model, "--cache", mistyped, "--device-name", "H200", "-o", tmp_path / "t.onnx", match="does not exist")
+    assert tree(tmp_path) == before and not (tmp_path / "sub").exists()
