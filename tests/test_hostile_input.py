@@ -900,3 +900,48 @@ def test_read_only_cache_commands_change_and_create_nothing(tmp_path, capsys):
         cli(capsys, *args, "--cache", mistyped, match=r"no tuning cache at .*tunnig.db")
     cli(capsys, "optimize", model, "--cache", mistyped, "--device-name", "H200", "-o", tmp_path / "t.onnx", match="does not exist")
     assert tree(tmp_path) == before and not (tmp_path / "sub").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# more of the same causes, by other paths
+
+
+def test_links_and_lying_headers(tmp_path, capsys):
+    from convpass.core import kernel_file
+
+    model = save(small_model(), tmp_path / "m.onnx")
+    (tmp_path / "loop.onnx").symlink_to(tmp_path / "loop.onnx")
+    (tmp_path / "zero.onnx").symlink_to("/dev/zero")
+    os.link(model, tmp_path / "hard.onnx")
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    header = (tmp_path / "x.npy").read_bytes()
+    (tmp_path / "lying.npy").write_bytes(header.replace(b"(1, 3, 8, 8)", b"(9999999, 3, 8, 8)"))  # a header that promises more
+    cache = _cache_with_rows(tmp_path / "cache.db")
+    before = tree(tmp_path)
+    cli(capsys, "optimize", tmp_path / "loop.onnx", "-o", tmp_path / "t.onnx", match=r"cannot read .*loop.onnx: Too many levels of symbolic links")
+    cli(capsys, "inspect", tmp_path / "zero.onnx", match=r"zero.onnx is a character device, not a regular file: refused")
+    cli(capsys, "optimize", model, "-o", tmp_path / "hard.onnx", match=r"hard.onnx is the input model: refusing to overwrite it")
+    cli(capsys, "run", model, "-i", tmp_path / "lying.npy", "--device", "cpu", match=r"cannot read .*lying.npy as a .npy array")
+    cli(capsys, "cache", "import", cache, "--cache", cache, match=r"not a convpass tuning-cache export \(not UTF-8 text")
+    assert tree(tmp_path) == before
+    # external data reached through a link that leaves the model's folder
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    onnx.save(small_model(), inner / "e.onnx", save_as_external_data=True, location="e.data", size_threshold=0)
+    os.replace(inner / "e.data", tmp_path / "e.data")
+    (inner / "e.data").symlink_to(tmp_path / "e.data")
+    before = tree(tmp_path)
+    cli(capsys, "optimize", inner / "e.onnx", "-o", tmp_path / "t.onnx", match=r"points outside the model's folder")
+    (inner / "e.data").unlink()
+    (inner / "e.data").symlink_to(inner / "e.data")  # a loop
+    before = tree(tmp_path)
+    cli(capsys, "optimize", inner / "e.onnx", "-o", tmp_path / "t.onnx", match=r"external data file 'e.data' of initializer 'w' cannot be followed")
+    cli(capsys, "run", inner / "e.onnx", "--device", "cpu", match=r"external data file 'e.data' of initializer 'w' cannot be followed")
+    # a side-car that lists more kernels than any model has
+    tuned = tuned_model(tmp_path / "inner")
+    with zipfile.ZipFile(kernel_file.sidecar_path(tuned), "w") as z:
+        z.writestr("manifest.json", json.dumps({"format": "convpass.kernels/1", "model_sha256": kernel_file.file_sha256(tuned),
+                                                "kernels": [{}] * 100_001}))
+    out, _ = cli(capsys, "inspect", tuned, expected=0)
+    assert re.search(r"kernels: refused, .* lists 100001 kernels, more than the 100000", out.replace("\n", ""))
+    assert {k: v for k, v in tree(tmp_path).items() if not k.startswith("inner/tuned")} == before

@@ -117,7 +117,11 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
+        pass
+    try:
         return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError):  # a link loop: no file to be the same as
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def check_output(

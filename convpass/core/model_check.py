@@ -190,7 +190,10 @@ def _check_external(tensor: onnx.TensorProto, where: str, label: str, base_dir: 
         raise ModelLoadError(f"{label}: {where} has external data ({location!r}); pass the model's path, not the model itself")
     if not location:
         raise ModelLoadError(f"{label}: {where} is stored as external data but names no location")
-    target = (base_dir / location).resolve()
+    try:
+        target = (base_dir / location).resolve()
+    except (OSError, RuntimeError) as e:  # a link loop
+        raise ModelLoadError(f"{label}: external data file {location!r} of {where} cannot be followed ({e})") from None
     if os.path.isabs(location) or base_dir.resolve() not in target.parents:
         raise ModelLoadError(f"{label}: external data of {where} points outside the model's folder ({location!r}); refused")
     try:

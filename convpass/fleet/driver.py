@@ -61,6 +61,7 @@ from rich.console import Console
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError, OptionError
 from convpass.core.profiles import parse_batches, profiles_for_batches
+from convpass.core.files import check_readable
 from convpass.core.text import markup
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer, Measurer
@@ -101,8 +102,9 @@ def specs_with_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
     specs = []
     for p in paths:
         path = Path(p)
-        if not path.is_file():
+        if not path.exists():
             raise ConvpassError(f"{path}: no such file")
+        check_readable(path, "model")  # a FIFO or a device: refused before anything reads it
         specs.append(ModelSpec(path, batches=tuple(per_model.get(path.stem, default))))
     return specs
 

@@ -35,7 +35,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping, Sequence
 
 import onnx
