@@ -673,6 +673,25 @@ def test_annotation_errors_are_one_line_in_inspect_and_run(tmp_path, capsys, key
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("name,value,message", [
+    ("time_ms", "fast", r"node 'conv': time_ms holds str values, not numbers"),
+    ("algo", 5, r"node 'conv': algo holds int values, not text"),
+    ("algo", b"\xff\xfe", r"node 'conv': algo is not UTF-8 text"),
+    ("memory_format", ["NCHW"] * 7, r"node 'conv': memory_format has 7 entries for 1 profiles"),
+])
+def test_decision_attributes_of_the_wrong_kind_are_one_line(tmp_path, capsys, name, value, message):
+    tuned = tuned_model(tmp_path)
+    model = onnx.load(tuned)
+    node = model.graph.node[0]
+    keep = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(keep + [helper.make_attribute(name, value)])
+    save(model, tuned)
+    np.save(tmp_path / "x.npy", random_input((1, 3, 8, 8)))
+    cli(capsys, "inspect", tuned, match=message)
+    cli(capsys, "run", tuned, "-i", tmp_path / "x.npy", "--device", "cpu", match=message)
+
+
 def _raise(error: OSError):
     def fail(*args, **kwargs):
         raise error

@@ -459,7 +459,18 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
             values = list(value)
         else:
             values = [value] * entries
-        return [v.decode() if isinstance(v, bytes) else v for v in values]
+        out = []
+        for v in values:
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode()
+                except UnicodeDecodeError:
+                    raise AnnotationError(f"node {name!r}: {key} is not UTF-8 text") from None
+            kind = (int, float) if key == "time_ms" else int if key == "workspace_bytes" else str
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise AnnotationError(f"node {name!r}: {key} holds {type(v).__name__} values, not {'numbers' if kind is not str else 'text'}")
+            out.append(v)
+        return out
 
     if "algo" not in attrs:
         raise AnnotationError(f"node {name!r} is in domain {DOMAIN} but has no 'algo' attribute")
