@@ -635,10 +635,12 @@ def test_side_car_members_are_bounded_and_hashed_while_streamed(tmp_path, capsys
     _bomb(side, declared, actual, kernel_file.file_sha256(tuned))
     assert side.stat().st_size < 1 << 20
     tracemalloc.start()
-    with pytest.raises(kernel_file.KernelFileError, match=message):
-        kernel_file.read(side)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    try:
+        with pytest.raises(kernel_file.KernelFileError, match=message):
+            kernel_file.read(side)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert peak < max(declared, 1 << 20) + (4 << 20), f"{peak} bytes held while reading"  # never the whole member
     before = tree(tmp_path)
     out, _ = cli(capsys, "inspect", tuned, expected=0)
@@ -777,10 +779,13 @@ def test_the_cpu_executor_holds_what_is_live_not_every_tensor(tmp_path):
         x = random_input((batch, 3, 48, 48))
         peaks = []
         for _ in range(2):  # the first run builds the plan, the second replays it
+            tracemalloc.stop()  # (a fresh start: no peak of anything before)
             tracemalloc.start()
-            ex.run(None, {"x": x})
-            peaks.append(tracemalloc.get_traced_memory()[1])
-            tracemalloc.stop()
+            try:
+                ex.run(None, {"x": x})
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
         return peaks[0], peaks[1]
 
     small, large = peak_per_sample(4), peak_per_sample(16)
