@@ -16,7 +16,7 @@ from conftest import conv_model, random_input, run_ort
 from convpass.core.errors import ConvpassError, OptionError, ShapeError
 
 KEYWORDS = ["shapes", "mode", "tf32", "layout", "engines", "fprop_algo", "dgrad_algo", "wgrad_algo", "matmul_tf32",
-            "workspace_limit", "deterministic", "directions", "cache", "device_name", "kernels", "quiet", "precision", "max_error",
+            "workspace_limit", "deterministic", "directions", "cache", "device_name", "kernels", "quiet", "retune", "precision", "max_error",
             "error_metric", "calibration", "holdout"]
 
 

@@ -309,7 +309,7 @@ def test_import_missing_file(tmp_path: Path, cache: TuningCache) -> None:
 
 
 def test_export_to_missing_dir(tmp_path: Path, cache: TuningCache) -> None:
-    with pytest.raises(CacheError, match="cannot write"):
+    with pytest.raises(CacheError, match="does not exist"):
         cache.export_json(tmp_path / "no" / "such" / "dir.json")
 
 
@@ -363,18 +363,32 @@ def _damage_cases(tmp_path: Path) -> dict[str, bytes]:
     return out
 
 
-def test_damaged_files_are_moved_aside(tmp_path: Path) -> None:
-    cases = _damage_cases(tmp_path / "src")
-    for name, data in cases.items():
-        d = tmp_path / name
-        d.mkdir()
-        path = d / "tuning.db"
-        path.write_bytes(data)
-        with pytest.warns(CacheWarning) as rec:
-            c = TuningCache(path)
-        c.close()
-        _assert_moved_aside(path, data, rec.list)
-        _check_fresh_cache_works(path)
+def test_a_damaged_cache_is_moved_aside(tmp_path: Path) -> None:
+    data = _damage_cases(tmp_path / "src")["truncated"]
+    path = tmp_path / "tuning.db"
+    path.write_bytes(data)
+    with pytest.raises(CacheError, match="is damaged .* refused, nothing was changed"):
+        TuningCache(path, readonly=True)  # reading changes nothing
+    assert path.read_bytes() == data and not list(tmp_path.glob("*.corrupt-*"))
+    with pytest.warns(CacheWarning) as rec:
+        c = TuningCache(path)
+    c.close()
+    _assert_moved_aside(path, data, rec.list)
+    _check_fresh_cache_works(path)
+
+
+@pytest.mark.parametrize("name,match", [("garbage", "not a convpass tuning cache"), ("foreign", "another program's SQLite database"),
+                                        ("schema_version", "written by a newer convpass")])
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_file_that_is_no_cache_of_ours_is_refused_unchanged(tmp_path: Path, name: str, match: str, readonly: bool) -> None:
+    data = _damage_cases(tmp_path / "src")[name]
+    path = tmp_path / "tuning.db"
+    path.write_bytes(data)
+    before = (path.stat().st_mtime_ns, sorted(p.name for p in tmp_path.iterdir()))
+    with pytest.raises(CacheError, match=match + ".*refused, nothing was changed"):
+        TuningCache(path, readonly=readonly)
+    assert path.read_bytes() == data
+    assert (path.stat().st_mtime_ns, sorted(p.name for p in tmp_path.iterdir())) == before
 
 
 def test_empty_file_is_a_fresh_cache(tmp_path: Path, recwarn) -> None:
@@ -463,7 +477,7 @@ def _open_damaged(path: str, start, results) -> None:
 def test_concurrent_open_of_damaged_file(tmp_path: Path) -> None:
     """Processes that find the same damaged file at once: one moves it aside, all end up writing."""
     path = tmp_path / "shared.db"
-    original = os.urandom(5000)
+    original = _damage_cases(tmp_path / "src")["truncated"]
     path.write_bytes(original)
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(4), ctx.Queue()
@@ -475,7 +489,7 @@ def test_concurrent_open_of_damaged_file(tmp_path: Path) -> None:
         p.join(30)
     assert [o[0] for o in outcomes] == ["ok"] * 4, outcomes
     assert sum(o[1] for o in outcomes) == 1
-    asides = list(tmp_path.glob("shared.db.corrupt-*"))
+    asides = [a for a in tmp_path.glob("shared.db.corrupt-*") if not a.name.endswith(("-wal", "-shm"))]
     assert len(asides) == 1
     assert asides[0].read_bytes() == original  # the damaged file, not a fresh cache moved over it
     with TuningCache(path) as c:
@@ -623,7 +637,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: py
 
     assert _cli("clear", "--cache", db, "--device-name", "H100") == 0
     assert "cleared 6" in capsys.readouterr().out
-    assert _cli("clear", "--cache", db) == 0
+    with pytest.raises(CacheError, match="needs --device-name NAME .* or --all"):
+        _cli("clear", "--cache", db)
+    with pytest.raises(CacheError, match="empty"):
+        _cli("clear", "--cache", db, "--device-name", "")
+    assert _cli("clear", "--cache", db, "--all") == 0
     out = capsys.readouterr().out
     assert "cleared 6" in out and "all devices" in out
     assert _cli("stats", "--cache", db) == 0

@@ -105,7 +105,7 @@ def test_unresolved_shape_names_node_tensor_dim_and_fix():
 
 @pytest.mark.parametrize(
     "spec,message",
-    [("y=1x3x8x8", "unknown input"), ("x=1x3x8", "rank 4"), ("x=1x4x8x8", "fixed at 3"), ("x=1by3", "NAME=DIMS"), ("x=0x3x8x8", "positive")],
+    [("y=1x3x8x8", "unknown input"), ("x=1x3x8", "rank 4"), ("x=1x4x8x8", "fixed at 3"), ("x=1by3", "NAME=DIMS"), ("x=0x3x8x8", "between 1 and")],
 )
 def test_bad_shape_profiles(spec, message):
     model = conv_model("Conv", ("batch", 3, 8, 8), (4, 3, 3, 3))
@@ -297,7 +297,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(ir, "save", boom)
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(OSError):
+    with pytest.raises(ConvpassError, match="cannot write .*t.onnx: disk full"):
         convpass.optimize(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), out / "t.onnx", quiet=True)
     assert list(out.iterdir()) == []
 

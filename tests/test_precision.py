@@ -332,7 +332,7 @@ def test_a_schema_6_model_still_reads_and_runs():
 def test_retuning_without_precision_drops_the_old_precision_record(cache, tmp_path):
     out = tmp_path / "t.onnx"
     _optimize(cache, str(out), precision="fp16")
-    again = convpass.optimize(str(out), tmp_path / "again.onnx", kernels=False, quiet=True)
+    again = convpass.optimize(str(out), tmp_path / "again.onnx", kernels=False, quiet=True, retune=True)
     assert "convpass.precision" not in {p.key for p in again.metadata_props}
 
 

@@ -34,6 +34,7 @@ from typing import Any, TextIO
 from convpass.bench import document, opprofile, plot, render, schema, stats, targets
 from convpass.bench.peers import COMPILE_MODES, DEFAULT_COMPILE_MODES, parse_compile_modes
 from convpass.core.errors import ConvpassError
+from convpass.core.files import read_text
 from convpass.core.profiles import DEFAULT_BATCHES, CaseSkipped, parse_batches  # noqa: F401  (parse_batches: used by tests as this module's)
 
 DEFAULT_FRESH_TIMEOUT = 600.0
@@ -198,8 +199,8 @@ def _from_json(args: argparse.Namespace) -> int:
     docs = []
     for f in args.from_json:
         try:
-            docs.append(json.loads(Path(f).read_text()))
-        except (OSError, ValueError) as e:
+            docs.append(json.loads(read_text(f, "bench JSON document")))  # no FIFO or device, bounded
+        except (OSError, ValueError, RecursionError, ConvpassError) as e:
             raise ConvpassError(f"--from-json {f}: cannot read a bench JSON document ({e})") from None
         errors = schema.validate_document(docs[-1], recorded=True)
         if errors:

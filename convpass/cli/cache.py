@@ -18,7 +18,7 @@ from rich.table import Table
 
 from convpass.cli.output import add_json_options, emit_json, printable, result_console
 from convpass.core.device import DeviceFingerprint
-from convpass.tuning.cache import CacheError, TuningCache, default_cache_path
+from convpass.tuning.cache import CacheError, TuningCache, default_cache_path, read_export
 
 __all__ = ["ACTIONS", "add_cache_parser", "cache_command"]
 
@@ -44,16 +44,20 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="limit to one device: a full fingerprint or part of the GPU name (e.g. H200); "
         "several matches pick the newest cuDNN, then the most entries",
     )
+    p.add_argument("--all", action="store_true", help="clear: every device's rows (clear needs --device-name or --all)")
     p.add_argument("--cache", metavar="PATH", help="tuning cache file (default: $CONVPASS_CACHE or the XDG cache dir)")
     add_json_options(p, SCHEMA)
     p.set_defaults(func=cache_command)
     return p
 
 
-def _when(ts: float | None) -> str:
+def _when(ts: Any) -> str:
     if ts is None:
         return "-"
-    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).strftime("%Y-%m-%d")
+    try:
+        return _dt.datetime.fromtimestamp(float(ts), tz=_dt.timezone.utc).strftime("%Y-%m-%d")
+    except (TypeError, ValueError, OverflowError, OSError):  # a stored row's time that is no date
+        return "?"
 
 
 def _size(n: int) -> str:
@@ -64,17 +68,24 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _check_args(action: str, file: str | None, name: str | None, cache: str | None) -> None:
-    if action in ("export", "import") and not file:
+def _check_args(action: str, file: str | None, name: str | None, cache: str | None, clear_all: bool) -> None:
+    if action in ("export", "import") and file is None:
         raise CacheError(f"'convpass cache {action}' needs a FILE.json")
     if action in ("stats", "clear") and file:
         raise CacheError(f"'convpass cache {action}' takes no FILE (got {file!r})")
-    if action == "import" and name:
+    if action == "import" and name is not None:
         raise CacheError("--device-name does not apply to 'cache import' (a file is imported whole)")
-    if action in ("stats", "export"):  # reading only: never create a cache where none is
-        path = Path(cache).expanduser() if cache else default_cache_path()
-        if not path.is_file():
-            raise CacheError(f"no tuning cache at {path} (--cache PATH names another; nothing was created)")
+    if name is not None and not name.strip():
+        raise CacheError("--device-name is empty, which would name every device; give a GPU name (e.g. H100) or a full fingerprint"
+                         + (", or --all to clear every device" if action == "clear" else ""))
+    if clear_all and (action != "clear" or name is not None):
+        raise CacheError("--all goes with 'cache clear' alone (every device's rows), not with --device-name or another action")
+    if action == "clear" and name is None and not clear_all:
+        raise CacheError("'convpass cache clear' needs --device-name NAME (that device's rows) or --all (every device's rows); "
+                         "nothing was deleted")
+    path = Path(cache).expanduser() if cache else default_cache_path()
+    if action in ("stats", "export", "clear") and not path.exists():  # never create a cache where none is
+        raise CacheError(f"no tuning cache at {path} (--cache PATH names another; nothing was created)")
 
 
 def _stats_table(st: dict[str, Any]) -> Table:
@@ -83,9 +94,13 @@ def _stats_table(st: dict[str, Any]) -> Table:
                       ("rows", "right"), ("oldest", "left"), ("newest", "left")):
         table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
     for d in st["devices"]:
-        fp = DeviceFingerprint.parse(d["device"])
-        table.add_row(escape(printable(fp.name)), fp.compute_capability, str(fp.sm_count), fp.cudnn_version_str, str(d["keys"]),
-                      str(d["measurements"]), _when(d["oldest_measured_at"]), _when(d["newest_measured_at"]))
+        try:
+            fp = DeviceFingerprint.parse(d["device"])
+            named = [fp.name, fp.compute_capability, str(fp.sm_count), fp.cudnn_version_str]
+        except (ValueError, TypeError):  # a stored device name that is no fingerprint: shown escaped
+            named = [str(d["device"])[:80], "?", "?", "?"]
+        cells = [*named, str(d["keys"]), str(d["measurements"]), _when(d["oldest_measured_at"]), _when(d["newest_measured_at"])]
+        table.add_row(*(escape(printable(c)) for c in cells))
     return table
 
 
@@ -94,10 +109,12 @@ def cache_command(args: argparse.Namespace) -> int:
     action = args.action
     file = getattr(args, "file", None)
     name = getattr(args, "device_name", None)
-    _check_args(action, file, name, getattr(args, "cache", None))
+    clear_all = bool(getattr(args, "all", False))
+    _check_args(action, file, name, getattr(args, "cache", None), clear_all)
     console = result_console(args)
-    with TuningCache(getattr(args, "cache", None)) as cache:
-        device = cache.resolve_device(name) if name else None
+    imported = read_export(file) if action == "import" else None  # the whole file checked before the cache is opened (or made)
+    with TuningCache(getattr(args, "cache", None), readonly=action in ("stats", "export")) as cache:
+        device = cache.resolve_device(name) if name is not None else None
         if action == "stats":
             st = cache.stats(device)
             emit_json(args, {"schema": SCHEMA, "action": "stats", **st})
@@ -112,7 +129,7 @@ def cache_command(args: argparse.Namespace) -> int:
             result = {"file": str(file), "device": str(device) if device else None, "entries": n}
             text = f"exported {n} measurements{f' for {device}' if device else ''} to {file}"
         elif action == "import":
-            n = cache.import_json(file)
+            n = cache.import_rows(imported)  # type: ignore[arg-type]
             result = {"file": str(file), "entries": n, "cache": str(cache.path)}
             text = f"imported {n} measurements from {file} into {cache.path}"
         else:  # clear

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from convpass.core.errors import ConvpassError
+from convpass.core.files import check_readable
 
 __all__ = ["Feed", "make_feeds", "parse_run_shapes"]
 
@@ -52,8 +53,9 @@ def parse_run_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
 
 
 def _load(spec: str, name: str | None, path: str) -> dict[str, np.ndarray]:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConvpassError(f"--input {spec!r}: file not found: {path}")
+    check_readable(path, f"--input {spec!r}: file")  # no FIFO or device: np.load would block on it or read without end
     try:
         with open(path, "rb") as f:
             loaded = np.load(f, allow_pickle=False)

@@ -19,6 +19,8 @@ from convpass.cli.options import add_decision_options, decision_options
 from convpass.cli.output import add_common_options, add_json_options, configure_logging, emit_json, message_console
 from convpass.core.errors import ConvpassError
 from convpass.core.options import LAYOUT_CHOICES
+from convpass.core.files import os_error
+from convpass.core.text import printable
 from convpass.core.version import __version__
 
 _SHAPE_HELP = ("a shape profile: NAME=DIMS[,NAME=DIMS] with DIMS as 1x3x224x224, e.g. input=1x3x224x224; "
@@ -47,6 +49,9 @@ def _add_optimize(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-kernels", dest="kernels", action="store_false",
                    help="do not compile the GPU kernels of the tuned model ahead of time (<output>.kernels; "
                    "default: compiled when this machine has a GPU)")
+    p.add_argument("--retune", action="store_true",
+                   help="tune a model convpass tuned already again (its recorded profiles unless --shape is given) and say "
+                   "what changed; without it such a model is refused")
     add_json_options(p, "convpass.optimize/1")
     p.set_defaults(func=_optimize)
     return p
@@ -79,7 +84,7 @@ def _optimize(args: argparse.Namespace) -> int:
     profiles = parse_profiles(args.shape, CLI)
     _, report = run_optimize(args.model, args.output, options, profiles, cache=args.cache, device_name=args.device_name,
                              kernels=args.kernels, console=message_console(args), names=CLI,
-                             calibration=args.calibration, holdout=args.holdout)
+                             calibration=args.calibration, holdout=args.holdout, retune=args.retune)
     emit_json(args, report_json(report, str(args.model), str(args.output)))
     return 0
 
@@ -193,14 +198,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConvpassError as e:
-        print(f"convpass: error: {e}", file=sys.stderr)
+        print(f"convpass: error: {printable(e, keep_newlines=True)}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # stdout closed early (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:  # a file-system error no module turned into a ConvpassError: still one line
+        print(f"convpass: error: {printable(os_error(e.filename or '', e, 'use'))}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("convpass: error: out of memory", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("convpass: interrupted; nothing was written", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # stdout closed early (| head): stop quietly, as other tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
 
 
 if __name__ == "__main__":

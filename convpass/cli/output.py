@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from convpass.core.errors import ConvpassError
-from convpass.core.terminal import printable
+from convpass.core.text import PrintableFilter
+from convpass.core.text import printable as _printable
 
 __all__ = ["add_common_options", "add_json_options", "configure_logging", "emit_json", "message_console", "printable",
            "result_console", "write_text_atomic"]
@@ -49,6 +50,11 @@ def add_json_options(p: argparse.ArgumentParser, schema: str) -> None:
     group.add_argument("--json-file", metavar="PATH", help=f"write the same JSON document ({schema}) to PATH (atomically)")
 
 
+def printable(text: object) -> str:
+    """Text from a file, safe for a terminal (:func:`convpass.core.text.printable`), lines kept."""
+    return _printable(text, keep_newlines=True)
+
+
 def configure_logging(verbose: bool, quiet: bool) -> None:
     """convpass's logger at DEBUG (``-v``), ERROR (``-q``) or WARNING, through one rich handler on
     stderr; the root logger (every other library's) at WARNING."""
@@ -60,6 +66,7 @@ def configure_logging(verbose: bool, quiet: bool) -> None:
         handler = RichHandler(console=Console(stderr=True), show_time=False, show_path=False, markup=False)
         handler.set_name(_HANDLER_NAME)
         handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(PrintableFilter())  # names in messages come from files: no control character reaches the terminal
         root.addHandler(handler)
         root.setLevel(logging.WARNING)
 

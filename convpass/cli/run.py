@@ -28,6 +28,8 @@ import numpy as np
 
 from convpass.cli.output import add_json_options, emit_json, printable, result_console
 from convpass.core.errors import ConvpassError
+from convpass.core.files import check_output, os_error
+from convpass.core.model_check import MIN_OPSET
 
 __all__ = ["SCHEMA", "add_run_parser", "output_file_name", "run_command", "save_atomic"]
 
@@ -90,11 +92,13 @@ def save_atomic(path: str, value: np.ndarray) -> None:
         with os.fdopen(fd, "wb") as f:
             np.save(f, value, allow_pickle=False)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):
+            raise os_error(path, e, "write") from None
         raise
 
 
@@ -108,9 +112,13 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ConvpassError(f"{flag} must be a finite number >= 0, got {value}")
 
 
-def _targets(outputs: list[Any], output_dir: str | None) -> dict[str, str]:
-    if not output_dir:
+def _targets(outputs: list[Any], output_dir: str | None, protect: list[tuple[str, str]]) -> dict[str, str]:
+    if output_dir is None:
         return {}
+    if not output_dir.strip():
+        raise ConvpassError("--output-dir: an empty path; give a folder")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConvpassError(f"--output-dir {output_dir} is not a folder")
     os.makedirs(output_dir, exist_ok=True)
     targets: dict[str, str] = {}
     seen: dict[str, str] = {}
@@ -119,7 +127,7 @@ def _targets(outputs: list[Any], output_dir: str | None) -> dict[str, str]:
         if fname in seen:
             raise ConvpassError(f"outputs {seen[fname]!r} and {o.name!r} would both be saved as {fname}")
         seen[fname] = o.name
-        targets[o.name] = os.path.join(output_dir, fname)
+        targets[o.name] = os.fspath(check_output(os.path.join(output_dir, fname), f"output {o.name!r}", protect))
     return targets
 
 
@@ -156,11 +164,12 @@ def run_command(args: argparse.Namespace) -> int:
 
         require("onnxruntime", "--compare ort")  # before the model runs, not after
     device = default_device() if args.device == "auto" else args.device
-    executor = Executor(args.model, device=device, cuda_graph=not args.no_cuda_graph)
+    # opsets from the one optimize takes at its low end (the executor's API runs older ones, for ONNX's backend tests)
+    executor = Executor(args.model, device=device, cuda_graph=not args.no_cuda_graph, min_opset=MIN_OPSET)
     feeds = make_feeds(executor.get_inputs(), args.input, parse_run_shapes(args.shape), args.batch, args.seed)
     arrays = {f.name: f.value for f in feeds}
     outputs = executor.get_outputs()
-    targets = _targets(outputs, args.output_dir)
+    targets = _targets(outputs, args.output_dir, [(str(args.model), "the model")] + [(spec.partition("=")[2] or spec, "an input") for spec in args.input])
     results, times = _timed(executor, arrays, args.runs, args.warmup)
     if args.summary and executor.device == "cuda" and executor.cuda_graph:
         executor.run(None, arrays)  # the second run captures the plan: the summary says whether it could

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from convpass.core import kernel_file
+from convpass.core.files import check_output, check_readable
 from convpass.core.errors import ConvpassError
 
 logger = logging.getLogger("convpass")
@@ -167,8 +168,10 @@ def compile_kernels(
     from convpass.runtime.cuda import unavailable_reason
 
     path = Path(model)
-    if not path.is_file():
+    if not path.exists():
         raise ConvpassError(f"model file not found: {path}")
+    check_readable(path, "model")
+    check_output(kernel_file.sidecar_path(path), "kernel side-car")
     reason = unavailable_reason()
     if reason is not None:
         raise ConvpassError(

@@ -19,11 +19,13 @@ import onnx_ir as ir
 from rich.console import Console
 from rich.markup import escape
 
-from convpass.compiler.pipeline import _UNIT_KINDS, OptimizeReport, optimize_model, precision_line
+from convpass.compiler.passes.strip_annotations import changes
+from convpass.compiler.pipeline import _UNIT_KINDS, OptimizeReport, inputs_of, optimize_model, precision_line, spec_of, untuned
+from convpass.core.files import check_output
 from convpass.core.errors import ConvpassError, OptionError
 from convpass.core.model_io import load_model, save_model, to_proto
-from convpass.core.options import API, OptionNames, TuneOptions, parse_profiles, tune_options
-from convpass.core.terminal import printable
+from convpass.core.options import API, CLI, OptionNames, TuneOptions, parse_profiles, tune_options
+from convpass.core.text import printable as _printable
 from convpass.native import device as device_mod
 
 __all__ = ["optimize", "optimize_ir", "print_report", "report_json", "run_optimize", "write_kernels"]
@@ -54,6 +56,7 @@ def optimize(
     device_name: str | None = None,
     kernels: bool = True,
     quiet: bool = False,
+    retune: bool = False,
     precision: str | None = None,
     max_error: float | None = None,
     error_metric: str = "max-rel",
@@ -97,6 +100,9 @@ def optimize(
         kernels: With ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
             model needs and write them beside it (``<output>.kernels``).
         quiet: Print nothing but warnings (the summary goes to stderr otherwise).
+        retune: Tune a model convpass tuned already again (with the profiles it records unless
+            ``shapes`` are given); the report says which decisions changed. Without it such a
+            model is refused.
         precision: Each conv's precision: ``"auto"`` (FP32, TF32 or FP16 chosen by measured speed
             within ``max_error``, the model's error measured end to end), ``"fp32"``, ``"tf32"``,
             ``"fp16"`` (that precision for every conv), or None (the model's own types; ``tf32``
@@ -117,7 +123,8 @@ def optimize(
         model, output, shapes=shapes, mode=mode, tf32=tf32, layout=layout, engines=engines, fprop_algo=fprop_algo,
         dgrad_algo=dgrad_algo, wgrad_algo=wgrad_algo, matmul_tf32=matmul_tf32, workspace_limit=workspace_limit,
         deterministic=deterministic, directions=directions, cache=cache, device_name=device_name, kernels=kernels,
-        quiet=quiet, precision=precision, max_error=max_error, error_metric=error_metric, calibration=calibration, holdout=holdout,
+        quiet=quiet, retune=retune, precision=precision, max_error=max_error, error_metric=error_metric, calibration=calibration,
+        holdout=holdout,
     ))
 
 
@@ -141,6 +148,7 @@ def optimize_ir(
     device_name: str | None = None,
     kernels: bool = True,
     quiet: bool = False,
+    retune: bool = False,
     precision: str | None = None,
     max_error: float | None = None,
     error_metric: str = "max-rel",
@@ -159,7 +167,7 @@ def optimize_ir(
         raise OptionError(f"device_name {device_name!r}: expected a GPU name or a device fingerprint")
     console = Console(stderr=True, quiet=bool(quiet), soft_wrap=True)
     ir_model, _ = run_optimize(model, output, options, profiles, cache=cache, device_name=device_name, kernels=kernels,
-                               console=console, names=API, calibration=calibration, holdout=holdout)
+                               console=console, names=API, calibration=calibration, holdout=holdout, retune=retune)
     return ir_model
 
 
@@ -176,18 +184,28 @@ def run_optimize(
     names: OptionNames,
     calibration: Sequence[str | os.PathLike[str]] = (),
     holdout: Sequence[str | os.PathLike[str]] = (),
+    retune: bool = False,
 ) -> tuple[ir.Model, OptimizeReport]:
     """Load, optimize, write and report, with options already checked (the CLI's and the API's
     shared path); ``names`` spells the options in messages. Returns the model and the report,
     whose ``kernels`` line says what became of the kernel side-car."""
     device_mod.start_driver()  # ready by the time the decisions need the GPU's fingerprint
-    if output is not None and not Path(output).resolve().parent.is_dir():
-        raise ConvpassError(f"output directory {Path(output).parent} does not exist")
+    protect = inputs_of(model, cache)  # what the run reads, which its output must not replace
+    if output is not None:
+        check_output(output, "-o" if names is CLI else "output", protect)
     ir_model = load_model(model)
+    hint = (f"pass {names('retune')} to tune it again (with the profiles it records unless {names('shapes')} is given), "
+            "or optimize the model it was tuned from") if names is CLI else \
+        "pass retune=True to tune it again (with the profiles it records unless shapes are given), or optimize the model it was tuned from"
+    previous = untuned(ir_model, model if isinstance(model, (str, os.PathLike)) else "the model", retune, hint)
+    if previous is not None and not profiles:
+        profiles = [spec_of(p) for p in previous.info.profiles]
     report = optimize_model(ir_model, options, profiles, cache, device_name, console, calibration=calibration, holdout=holdout,
                             names=names)
+    if previous is not None:
+        report.notes[:0] = changes(previous, ir_model)
     if output is not None:
-        save_model(ir_model, output)
+        save_model(ir_model, output, protect)
     print_report(report, console, str(output) if output is not None else None)
     if output is not None:
         report.kernels = write_kernels(Path(output), kernels, console)
@@ -230,14 +248,18 @@ def write_kernels(output: Path, kernels: bool, console: Console) -> str:
     return line
 
 
+def _printable_lines(text: object) -> str:
+    return _printable(text, keep_newlines=True)
+
+
 def _say(console: Console, line: str) -> str:
-    console.print(printable(line), markup=False, highlight=False)
+    console.print(_printable_lines(line), markup=False, highlight=False)
     return line
 
 
 def _safe(text: object) -> str:
     """A string from the model or the options, for rich markup: control characters shown, brackets escaped."""
-    return escape(printable(text))
+    return escape(_printable_lines(text))
 
 
 def _plural(n: int, word: str) -> str:

@@ -35,7 +35,8 @@ from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
 from convpass.compiler import fusions
-from convpass.compiler.passes.resolve_shapes import PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
+from convpass.compiler.passes.resolve_shapes import MODEL_SHAPES, PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
+from convpass.compiler.passes.strip_annotations import Previous, StripAnnotationsPass, changes, is_tuned
 
 logger = logging.getLogger("convpass")
 
@@ -94,10 +95,10 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
         report.backend = f"no GPU found and no {names('device_name')}: nothing can be measured or looked up"
         return CacheBackend(None, None)
     path = Path(cache_path).expanduser() if cache_path is not None else default_cache_path()
-    if not path.is_file():  # decisions are read, never measured, here: an empty new cache holds none
+    if not path.exists():  # decisions are read, never measured, here: an empty new cache holds none
         raise ConvpassError(f"{names('device_name')} {device_name}: tuning cache {path} does not exist; give the cache recorded "
                             f"on that GPU type with {names('cache')} (or CONVPASS_CACHE)")
-    cache = TuningCache(path)
+    cache = TuningCache(path, readonly=True)
     target = cache.resolve_device(device_name)
     report.backend = f"tuning cache {cache.path} for {target.name} (cuDNN {target.cudnn_version_str}); no GPU used"
     report.device = str(target)
@@ -120,7 +121,7 @@ def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | 
     collect = CollectConvProblemsPass(options.directions, options.fusions)
     collect(model)
     report.profiles = model.meta[PROFILES_KEY]
-    for node in model.graph:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type in ("Conv", "ConvTranspose") and node.domain in ("", "ai.onnx"):
             report.convs += 1
             if SKIP_KEY in node.meta:
@@ -218,7 +219,7 @@ def _count_engines(model: ir.Model, report: OptimizeReport) -> None:
             return []
         return list(attr.value) if isinstance(attr.value, (list, tuple)) else [attr.value]
 
-    for node in model.graph:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain == annotation.DOMAIN and node.op_type in annotation.ANNOTATED_OPS:
             report.decisions_recorded += len(values(node.attributes.get("algo")))
             report.engine_decisions += sum(1 for v in values(node.attributes.get("engine")) if v)
@@ -335,6 +336,8 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
         own: dict = {}  # node -> its own-direction problem at this profile
         for problem, problem_uses in uses.items():
             for use in problem_uses:
+                if use.node.graph is not model.graph:
+                    continue  # a conv in an If / Loop / Scan body: its own best layout (the plan is the main graph's)
                 if use.profile == i and (use.node.op_type == "ConvTranspose") == (problem.direction == "dgrad") and problem.direction != "wgrad":
                     own.setdefault(use.node, problem)
         conv_costs = {}
@@ -431,6 +434,46 @@ def build_options(kwargs: dict[str, Any], names: OptionNames = CLI) -> TuneOptio
     return tune_options(kwargs, names)
 
 
+def untuned(model: ir.Model, label: Any, retune: bool, hint: str = "pass --retune to tune it again (with the profiles it records "
+            "unless --shape is given), or optimize the model it was tuned from") -> Previous | None:
+    """A model convpass tuned already: refused (a :class:`ConvpassError` saying ``hint``) unless
+    ``retune``, else turned back into the standard model in place, and its recorded decisions
+    returned (None for a model never tuned)."""
+    if not is_tuned(model):
+        return None
+    if not retune:
+        convs = sum(1 for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == annotation.DOMAIN)
+        raise ConvpassError(f"{label} is already tuned by convpass ({convs} tuned convolution(s)); {hint}")
+    strip = StripAnnotationsPass()
+    strip(model)
+    return strip.previous or Previous(ModelInfo(SCHEMA_VERSION, "", "", "", "", (), False, {}), {})
+
+
+def spec_of(profile: Profile) -> str | dict:
+    """The ``--shape`` a recorded profile was made from (its name), so that re-tuning names it the
+    same; its recorded input shapes where the name is no such spec."""
+    from convpass.core.profiles import parse_shape_spec
+
+    if profile.name == MODEL_SHAPES:
+        return {}
+    try:
+        parse_shape_spec(profile.name)
+        return profile.name
+    except ConvpassError:
+        return dict(profile.inputs)
+
+
+def inputs_of(model: Any, cache: str | os.PathLike | None) -> list[tuple[Any, str]]:
+    """The files an optimize run reads, which its output must not replace: the model (when given
+    as a path) and the tuning cache."""
+    from convpass.tuning.cache import default_cache_path
+
+    files: list[tuple[Any, str]] = [(cache if cache is not None else default_cache_path(), "the tuning cache")]
+    if isinstance(model, (str, os.PathLike)):
+        files.insert(0, (model, "the input model"))
+    return files
+
+
 def inspect(model: str | os.PathLike[str] | onnx.ModelProto | bytes, *, device: str | None = None) -> list[dict[str, Any]]:
     """The decisions a tuned model records: one record per convolution, device table and profile.
 
@@ -465,7 +508,7 @@ def inspect(model: str | os.PathLike[str] | onnx.ModelProto | bytes, *, device: 
     else:
         wanted = devices
     records = []
-    for node in proto.graph.node:
+    for node in annotation.all_nodes(proto.graph):
         if annotation.standard_op_type(node) not in annotation.CONV_OPS:
             continue
         name = node.name or node.output[0]

@@ -108,7 +108,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import onnx
@@ -116,6 +116,7 @@ from onnx import helper
 
 from convpass.core.device import DeviceFingerprint
 from convpass.core.fusion_units import unit_key
+from convpass.core.errors import ConvpassError
 
 DOMAIN = "ai.convpass"
 DOMAIN_VERSION = 1
@@ -172,9 +173,13 @@ PRECISION_ATTRIBUTES = ("precision_error", "precision_sensitivity")
 _PRECISION_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 META_PREFIX = "convpass."
+# what a tuned model may declare (a file of any size could declare more)
+MAX_PROFILES = 256
+MAX_DEVICES = 64
+MAX_META_BYTES = 1 << 20
 
 
-class AnnotationError(ValueError):
+class AnnotationError(ConvpassError, ValueError):
     """A tuned model whose convpass annotations cannot be read."""
 
 
@@ -228,7 +233,11 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Profile":
-        return cls(str(data["name"]), {k: tuple(int(d) for d in v) for k, v in data["inputs"].items()})
+        inputs = {str(k): tuple(int(d) for d in v) for k, v in data["inputs"].items()}
+        for k, dims in inputs.items():
+            if len(dims) > 64 or any(not 0 < d < 2**63 for d in dims):
+                raise ValueError(f"profile input {k[:40]!r} has dims {str(list(dims))[:80]}, not a shape")
+        return cls(str(data["name"]), inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +413,16 @@ def metadata_entries(info: ModelInfo) -> dict[str, str]:
 # reading
 
 
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of the If / Loop / Scan bodies in it, at any depth, in graph order
+    (a node before the nodes of its bodies)."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from all_nodes(g)
+
+
 def is_annotated_conv(node: onnx.NodeProto) -> bool:
     return node.domain == DOMAIN and node.op_type in ANNOTATED_OPS
 
@@ -432,8 +451,16 @@ def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
             f"model was tuned with annotation schema {version}, which this convpass no longer reads: "
             "re-run `convpass optimize` on the original model"
         )
+    for key, value in meta.items():
+        if len(value) > MAX_META_BYTES:
+            raise AnnotationError(f"metadata {key[:60]!r} holds {len(value):,} characters, more than the {MAX_META_BYTES:,} convpass reads")
     try:
-        profiles = tuple(Profile.from_json(p) for p in json.loads(meta.get(f"{META_PREFIX}profiles", "[]")))
+        listed_profiles = json.loads(meta.get(f"{META_PREFIX}profiles", "[]"))
+        if not isinstance(listed_profiles, list):
+            raise ValueError(f"convpass.profiles must be a list, got {type(listed_profiles).__name__}")
+        if len(listed_profiles) > MAX_PROFILES:
+            raise AnnotationError(f"the model declares {len(listed_profiles):,} shape profiles; convpass reads at most {MAX_PROFILES}")
+        profiles = tuple(Profile.from_json(p) for p in listed_profiles)
         options = json.loads(meta.get(f"{META_PREFIX}options", "{}"))
         precision = json.loads(meta.get(f"{META_PREFIX}precision", "{}")) if version >= 7 else {}
         if not isinstance(precision, dict):
@@ -444,7 +471,9 @@ def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
         else:
             listed = json.loads(meta.get(f"{META_PREFIX}devices", "[]"))
             if not isinstance(listed, list) or not all(isinstance(d, str) and d for d in listed):
-                raise ValueError(f"convpass.devices must be a list of fingerprints, got {listed!r}")
+                raise ValueError(f"convpass.devices must be a list of fingerprints, got {str(listed)[:80]!r}")
+            if len(listed) > MAX_DEVICES:
+                raise AnnotationError(f"the model declares {len(listed):,} device tables; convpass reads at most {MAX_DEVICES}")
             devices = tuple(listed)
         info = ModelInfo(
             schema_version=version,
@@ -458,8 +487,12 @@ def read_model_info(model: onnx.ModelProto) -> ModelInfo | None:
             devices=devices,
             precision=precision,
         )
-    except (ValueError, KeyError, TypeError) as e:
-        raise AnnotationError(f"convpass metadata is damaged: {e}") from None
+    except AnnotationError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AnnotationError(f"convpass metadata is damaged: {str(e)[:200]}") from None
+    except RecursionError:
+        raise AnnotationError("convpass metadata is damaged: JSON nested too deeply") from None
     return info
 
 
@@ -481,7 +514,18 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
             values = list(value)
         else:
             values = [value] * entries
-        return [v.decode() if isinstance(v, bytes) else v for v in values]
+        out = []
+        for v in values:
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode()
+                except UnicodeDecodeError:
+                    raise AnnotationError(f"node {name!r}: {key} is not UTF-8 text") from None
+            kind = (int, float) if key == "time_ms" else int if key == "workspace_bytes" else str
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise AnnotationError(f"node {name!r}: {key} holds {type(v).__name__} values, not {'numbers' if kind is not str else 'text'}")
+            out.append(v)
+        return out
 
     if "algo" not in attrs:
         raise AnnotationError(f"node {name!r} is in domain {DOMAIN} but has no 'algo' attribute")
@@ -527,21 +571,60 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
                           precision_sensitivity=None if math.isnan(sensitivity) else sensitivity)
 
 
+def verify_functions(model: onnx.ModelProto, annotated: Sequence[onnx.NodeProto]) -> None:
+    """Refuse a tuned model whose annotated convs would not run as the standard op they name: the
+    model-local function of each used op type, where the model has it, must have the body
+    :func:`conv_function` writes (the standard op, inputs and attributes passed through). ONNX
+    Runtime runs the body, the executor the node's op: a body that differs (a Conv made a
+    ConvTranspose) would make the two compute different things."""
+    functions = {f.name: f for f in model.functions if f.domain == DOMAIN}
+    for op_type in dict.fromkeys(n.op_type for n in annotated):
+        f = functions.get(op_type)
+        users = [n.name or n.output[0] for n in annotated if n.op_type == op_type]
+        where = f"tuned conv {users[0]!r}" + (f" (and {len(users) - 1} more)" if len(users) > 1 else "")
+        if f is None:
+            continue  # ONNX Runtime cannot run the node at all (it has no op of that name): nothing to disagree with
+        want = conv_function(op_type, 1)
+        body = [(n.op_type, n.domain or "", list(n.input), list(n.output), sorted((a.name, a.ref_attr_name) for a in n.attribute)) for n in f.node]
+        expected = [(n.op_type, "", list(n.input), list(n.output), sorted((a.name, a.ref_attr_name) for a in n.attribute)) for n in want.node]
+        if body != expected or list(f.input) != list(want.input) or list(f.output) != list(want.output):
+            runs = ", ".join(n.op_type for n in f.node) or "nothing"
+            raise AnnotationError(f"{where}: its function {DOMAIN}.{op_type} does not run the standard {ANNOTATED_OPS[op_type]} "
+                                  f"(its body runs {runs}): the tuned model was altered; re-run `convpass optimize` on the original model")
+
+
+def _check_direction(annotation_: NodeAnnotation) -> None:
+    """A decision's problem must be the node's own direction (a Conv's ``fwd``, a ConvTranspose's ``dgrad``)."""
+    want = "fwd" if annotation_.op_type == "Conv" else "dgrad"
+    for table in annotation_.tables:
+        for d in table:
+            direction = d.problem_key.split("|", 1)[0] if d.problem_key else want
+            if direction != want:
+                raise AnnotationError(f"node {annotation_.node_name!r} is a {annotation_.op_type} but its decision is for a "
+                                      f"{direction} problem ({d.problem_key[:80]!r}): the tuned model was altered; "
+                                      "re-run `convpass optimize` on the original model")
+
+
 def read_annotations(
     model: onnx.ModelProto, device: DeviceFingerprint | str | None = None
 ) -> tuple[ModelInfo | None, list[NodeAnnotation]]:
-    """Model metadata and every annotated conv node of the main graph, in graph order, with the
-    decisions of ``device``'s table (see "Reading for a device" in the module docstring)."""
+    """Model metadata and every annotated conv node (:func:`all_nodes`: those of If / Loop / Scan
+    bodies too), in graph order, with the decisions of ``device``'s table (see "Reading for a device" in the module docstring). A model
+    whose annotated convs would not run as what they name is refused (:func:`verify_functions`)."""
     info = read_model_info(model)
-    annotated = [n for n in model.graph.node if is_annotated_conv(n)]
+    annotated = [n for n in all_nodes(model.graph) if is_annotated_conv(n)]
     if annotated and info is None:
         raise AnnotationError(f"model has {DOMAIN} convolutions but no convpass metadata")
+    verify_functions(model, annotated)
     if info is None:
         return None, []
     table = (info.table_of(device) if device is not None else None) or 0
     info = info.for_table(table)
     n_profiles = max(1, len(info.profiles))
-    return info, [read_node(n, n_profiles, info.tables, table) for n in annotated]
+    nodes = [read_node(n, n_profiles, info.tables, table) for n in annotated]
+    for node in nodes:
+        _check_direction(node)
+    return info, nodes
 
 
 def standard_attributes(node: onnx.NodeProto) -> list[onnx.AttributeProto]:
@@ -554,7 +637,7 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     standard attributes: the model the graph passes collected the problems of."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    for node in out.graph.node:
+    for node in all_nodes(out.graph):
         if is_annotated_conv(node):
             keep = standard_attributes(node)
             del node.attribute[:]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from convpass.core.text import printable
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceFingerprint:
@@ -31,8 +33,9 @@ class DeviceFingerprint:
     @classmethod
     def parse(cls, text: str) -> "DeviceFingerprint":
         m = re.fullmatch(r"(?P<name>.+)\|sm_(?P<cc>\d+\.\d+)\|(?P<sms>\d+)sm\|cudnn(?P<ver>\d+)", text.strip())
-        if not m:
-            raise ValueError(f"not a convpass device fingerprint: {text!r}")
+        if not m or len(text) > 512 or printable(m["name"]) != m["name"] or len(m["sms"]) > 9 or len(m["ver"]) > 9:
+            # (a name with control characters would reach terminals raw; counts past 10^9 are no GPU's)
+            raise ValueError(f"not a convpass device fingerprint: {text[:200]!r}")
         return cls(m["name"], m["cc"], int(m["sms"]), int(m["ver"]))
 
     def matches_name(self, name: str) -> bool:

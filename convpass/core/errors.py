@@ -30,3 +30,8 @@ class ExecutorError(ConvpassError, RuntimeError):
 
     The message names what is wrong and, where it can, what would be right.
     """
+
+
+class FileError(ConvpassError):
+    """A file convpass refuses to read or write (special, too large, the command's own input), or
+    cannot (missing, unreadable, the disk full)."""

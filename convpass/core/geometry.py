@@ -17,6 +17,7 @@ from convpass.core.problem import ConvShape
 __all__ = ["CONV_OPS", "CanonicalConv", "canonicalize_conv"]
 
 CONV_OPS = ("Conv", "ConvTranspose")
+INT_MAX = 2**31 - 1  # cuDNN's descriptors take int: no dimension, pad, stride or dilation above it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +96,12 @@ def canonicalize_conv(
             raise fail(f"{name} has {len(values)} entries for a {rank}-D convolution")
         if min(values) < 1:
             raise fail(f"{name} must be >= 1, got {list(values)}")
+        if max(values) > INT_MAX:
+            raise fail(f"{name} {list(values)} are larger than cuDNN takes ({INT_MAX})")
     if group < 1:
         raise fail(f"group must be >= 1, got {group}")
+    if group > INT_MAX:
+        raise fail(f"group {group} is larger than cuDNN takes ({INT_MAX})")
     if min(*x_shape, *w_shape) < 1:
         raise fail(f"zero-sized input {list(x_shape)} or weight {list(w_shape)}")
     auto_pad = attrs.get("auto_pad", "NOTSET")
@@ -150,6 +155,8 @@ def canonicalize_conv(
         output_shape = (n, c_out, *out)
         direction, fwd_c, fwd_k = "dgrad", c_out, c_in
 
+    if max(output_shape) > INT_MAX:
+        raise fail(f"its output {list(output_shape)} is larger than cuDNN takes ({INT_MAX} per dimension)")
     try:
         shapes = tuple(
             ConvShape(direction, n, fwd_c, fwd_k, sp, kr, pd, st, dl, group, dtype)  # type: ignore[arg-type]
@@ -182,6 +189,8 @@ def _explicit_pads(attrs: Mapping[str, Any], rank: int, fail) -> tuple[tuple[int
         raise fail(f"pads has {len(pads)} entries; a {rank}-D convolution needs {2 * rank}")
     if min(pads) < 0:
         raise fail(f"negative pads {list(pads)} are not supported")
+    if max(pads) > INT_MAX:
+        raise fail(f"pads {list(pads)} are larger than cuDNN takes ({INT_MAX})")
     return pads[:rank], pads[rank:]
 
 

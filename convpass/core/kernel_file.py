@@ -16,11 +16,11 @@
 computed by the loader (:mod:`convpass.native.prebuilt`): a binary is only ever used for the
 exact source it was compiled from, so a stale entry cannot give a wrong result, only a start-up
 compilation. ``model_sha256`` ties the file to one model: the executor refuses the side-car of
-another model (or of a model changed since), and trusts a model whose hash matches a verified
-side-car without re-running ``onnx.checker`` on it.
+another model (or of a model changed since). ``verified`` is the writer's word only: the executor
+still checks the model itself.
 
-This module is the format only (no CUDA): writing is atomic, reading checks everything and raises
-:class:`KernelFileError` with the reason.
+This module is the format only (no CUDA): writing is atomic, reading is bounded (:func:`read`),
+checks everything and raises :class:`KernelFileError` with the reason.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from convpass.core.errors import ConvpassError
+from convpass.core.errors import ConvpassError, FileError
+from convpass.core.files import check_output, os_error, read_bytes
 
 __all__ = ["FORMAT", "PLAN_PREFIX", "SUFFIX", "KernelEntry", "KernelFile", "KernelFileError", "describe", "file_sha256", "read", "sidecar_path", "write"]
 
@@ -44,6 +45,11 @@ FORMAT = "convpass.kernels/1"
 PLAN_PREFIX = "cudnn plan "  # the name of an entry that is a built cuDNN graph-API plan, not a kernel
 SUFFIX = ".kernels"
 _MANIFEST = "manifest.json"
+FILE_LIMIT = 1 << 30  # the largest side-car convpass reads
+MANIFEST_LIMIT = 16 << 20
+MAX_ENTRIES = 100_000
+MEMBER_LIMIT = 256 << 20  # one kernel binary or built plan
+TOTAL_LIMIT = 1 << 30  # every binary of a side-car, unpacked
 
 
 class KernelFileError(ConvpassError):
@@ -118,7 +124,7 @@ def write(
     ``recorded_arch``, ``model_profiles``: see :class:`KernelFile`."""
     from convpass.core.version import __version__
 
-    out = Path(path)
+    out = check_output(path, "kernel side-car")
     entries = sorted({(e.key, e.arch): e for e in entries}.values(), key=lambda e: (e.name, e.key, e.arch))
     manifest = {
         "format": FORMAT,
@@ -133,13 +139,19 @@ def write(
             for e in entries
         ],
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent if str(out.parent) else ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    except OSError as e:
+        raise os_error(out, e) from None
     try:
         with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr(_MANIFEST, json.dumps(manifest, indent=1))
             for e in entries:
                 z.writestr(e.file, e.payload)
         os.replace(tmp, out)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise os_error(out, e) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -147,18 +159,27 @@ def write(
 
 
 def read(path: str | os.PathLike[str], *, model_sha256: str | None = None) -> KernelFile:
-    """Read and check a side-car; ``model_sha256``: refuse it unless it was written for that model."""
+    """Read and check a side-car; ``model_sha256``: refuse it unless it was written for that model.
+
+    Bounded: the file is a regular file of at most :data:`FILE_LIMIT` bytes, its manifest at most
+    :data:`MANIFEST_LIMIT` with at most :data:`MAX_ENTRIES` entries, and each member is read in
+    blocks, counted and hashed as it is decompressed: one larger than the manifest says (or than
+    :data:`MEMBER_LIMIT`; all together :data:`TOTAL_LIMIT`) is refused at the first block past it,
+    never unpacked whole."""
     p = Path(path)
     try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise KernelFileError(f"cannot read the kernel side-car {p}: {e.strerror or e}") from None
+        data = read_bytes(p, "kernel side-car", FILE_LIMIT)
+    except FileError as e:
+        raise KernelFileError(str(e)) from None
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             manifest = _manifest(z, p)
+            if len(manifest["kernels"]) > MAX_ENTRIES:
+                raise KernelFileError(f"{p}: the manifest lists {len(manifest['kernels'])} kernels, more than the {MAX_ENTRIES} convpass reads")
             entries = {}
+            budget = [TOTAL_LIMIT]
             for item in manifest["kernels"]:
-                e = _entry(z, p, item)
+                e = _entry(z, p, item, budget)
                 entries[(e.key, e.arch)] = e
     except zipfile.BadZipFile as e:
         raise KernelFileError(f"{p} is not a convpass kernel side-car (not a zip file: {e}); delete it or run `convpass compile` again") from None
@@ -170,7 +191,7 @@ def read(path: str | os.PathLike[str], *, model_sha256: str | None = None) -> Ke
     return KernelFile(
         path=p,
         model_sha256=manifest["model_sha256"],
-        verified=bool(manifest.get("verified")),
+        verified=manifest.get("verified") is True,
         convpass_version=str(manifest.get("convpass", "")),
         cupy_version=str(manifest.get("cupy", "")),
         entries=entries,
@@ -197,33 +218,55 @@ def describe(model_path: str | os.PathLike[str]) -> str:
             f"convpass {kf.convpass_version}, CuPy {kf.cupy_version}")
 
 
+def _member(z: zipfile.ZipFile, p: Path, name: str, limit: int, what: str) -> tuple[bytes, str]:
+    """Member ``name``'s bytes and SHA-256, read in blocks; more than ``limit`` bytes is refused at
+    the first block past it (the size the zip declares is not trusted either)."""
+    h = hashlib.sha256()
+    blocks: list[bytes] = []
+    n = 0
+    with z.open(name) as f:
+        while block := f.read(min(1 << 20, limit + 1 - n)):
+            n += len(block)
+            if n > limit:
+                raise KernelFileError(f"{p}: {what} {name} holds more than {limit} bytes: refused (a corrupt or hostile side-car)")
+            h.update(block)
+            blocks.append(block)
+    return b"".join(blocks), h.hexdigest()
+
+
 def _manifest(z: zipfile.ZipFile, p: Path) -> dict[str, Any]:
     try:
-        manifest = json.loads(z.read(_MANIFEST))
+        text, _ = _member(z, p, _MANIFEST, MANIFEST_LIMIT, "the manifest")
+        manifest = json.loads(text)
     except KeyError:
         raise KernelFileError(f"{p} has no {_MANIFEST}: not a convpass kernel side-car") from None
-    except (ValueError, zipfile.BadZipFile, OSError) as e:
-        raise KernelFileError(f"{p}: {_MANIFEST} is unreadable ({e})") from None
+    except (ValueError, RecursionError, zipfile.BadZipFile, OSError, EOFError) as e:
+        raise KernelFileError(f"{p}: {_MANIFEST} is unreadable ({type(e).__name__})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise KernelFileError(f"{p} has format {found!r}; this convpass reads {FORMAT!r}")
+        raise KernelFileError(f"{p} has format {str(found)[:40]!r}; this convpass reads {FORMAT!r}")
     if not isinstance(manifest.get("model_sha256"), str) or not isinstance(manifest.get("kernels"), list):
         raise KernelFileError(f"{p}: the manifest lacks model_sha256 or kernels")
     return manifest
 
 
-def _entry(z: zipfile.ZipFile, p: Path, item: Any) -> KernelEntry:
+def _entry(z: zipfile.ZipFile, p: Path, item: Any, budget: list[int]) -> KernelEntry:
+    """One manifest entry's kernel; ``budget``: the bytes all entries may still take (decremented)."""
     try:
         key, arch, name, file, digest = (str(item[k]) for k in ("key", "arch", "name", "file", "sha256"))
+        size = item["size"]
     except (KeyError, TypeError):
-        raise KernelFileError(f"{p}: a manifest entry lacks key / arch / name / file / sha256: {item!r}") from None
+        raise KernelFileError(f"{p}: a manifest entry lacks key / arch / name / file / sha256 / size: {str(item)[:200]!r}") from None
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= min(MEMBER_LIMIT, budget[0]):
+        raise KernelFileError(f"{p}: kernel {name[:80]!r} declares {str(size)[:40]} bytes, more than convpass reads (or not a size)")
     try:
-        payload = z.read(file)
+        payload, got = _member(z, p, file, size, f"the binary of kernel {name[:80]!r},")
     except KeyError:
         raise KernelFileError(f"{p}: the binary {file} of kernel {name} is missing") from None
-    except (zipfile.BadZipFile, OSError, ValueError) as e:  # a truncated or corrupt member
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:  # a truncated or corrupt member
         raise KernelFileError(f"{p}: the binary {file} of kernel {name} is unreadable ({e})") from None
-    if hashlib.sha256(payload).hexdigest() != digest:
+    budget[0] -= len(payload)
+    if len(payload) != size or got != digest:
         raise KernelFileError(f"{p}: the binary {file} of kernel {name} does not match its SHA-256 (corrupt or altered)")
     e = KernelEntry(key, arch, name, payload)
     if e.file != file:

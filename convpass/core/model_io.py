@@ -1,10 +1,13 @@
 """Loading and saving models: validation of what comes in, atomic writes of what goes out.
 
-Loading refuses, with one clear line each: missing files, files that are not ONNX (or truncated),
-empty graphs, opsets outside what convpass supports, and external-data paths that escape the
-model's folder. Saving writes into a temporary folder beside the destination and renames into place,
-so a failed run never leaves a partial output; models too large for one protobuf (2 GB) and models
-that came with external data are written with their tensors in ``<output>.data`` beside the output.
+Loading refuses, with one clear line each: missing files, special files (FIFOs, devices) and files
+larger than a protobuf can be, files that are not ONNX (or truncated), empty graphs, and everything
+:mod:`convpass.core.model_check` checks (opsets, text, tensor sizes, external data); tensors stored
+outside that are not main-graph initializers are read in. Saving refuses the outputs
+:func:`convpass.core.files.check_output` refuses (the input model and its data among them), writes
+into a temporary folder beside the destination and renames into place, so a failed run never leaves
+a partial output; models too large for one protobuf (2 GB) and models that came with external data
+are written with their tensors in ``<output>.data`` beside the output.
 """
 
 from __future__ import annotations
@@ -12,23 +15,28 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from convpass.core.errors import ModelLoadError
+from convpass.core import model_check
+from convpass.core.errors import FileError, ModelLoadError
+from convpass.core.files import check_output, os_error, read_bytes
+from convpass.core.model_check import MAX_OPSET, MIN_OPSET  # noqa: F401  (where callers have always found them)
 
-MIN_OPSET = 7
-MAX_OPSET = 21
 _PROTOBUF_LIMIT = 2**31 - 1
 # Above this many bytes of tensor data a model is saved with external data even if it came without.
 _EXTERNAL_DATA_THRESHOLD = 1 << 30
+SOURCE_FILES_KEY = "convpass.source_files"  # model.meta: the files the model was read from (never written over)
 
 
 def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
-    """Read and validate a model from a path, a ModelProto or serialized bytes."""
+    """Read and validate a model from a path, a ModelProto or serialized bytes
+    (:mod:`convpass.core.model_check` says what is checked)."""
     base_dir = None
     data: bytes | None = None  # the serialized model, when it came serialized: the checker reads it as it is
     if isinstance(source, onnx.ModelProto):
@@ -39,20 +47,49 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
     else:
         path = Path(source)
         label = str(path)
-        if not path.is_file():
-            raise ModelLoadError(f"{path}: no such file")
-        if path.stat().st_size == 0:
-            raise ModelLoadError(f"{path}: file is empty, not an ONNX model")
-        data = path.read_bytes()
+        data = _read(path)
         proto = _parse(data, label)
         base_dir = path.resolve().parent
     _validate(proto, label, base_dir)
     _check(proto, label, data)
-    model = ir.serde.deserialize_model(proto)
+    if base_dir is not None and _has_external_data(proto, everywhere=True):
+        if data is not None:
+            data = None  # the proto changes below: the bytes no longer describe it
+        model_check.inline_external_tensors(proto, base_dir)
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as e:  # noqa: BLE001  (onnx-ir raises several kinds on what the checker lets through)
+        raise ModelLoadError(f"{label}: cannot read the model: {_first_line(e)}") from None
     if base_dir is not None:
         ir.external_data.set_base_dir(model.graph, base_dir)
     model.meta["convpass.source_has_external_data"] = _has_external_data(proto)
+    model.meta[SOURCE_FILES_KEY] = _source_files(Path(source), proto, base_dir) if base_dir is not None else []
     return model
+
+
+def _read(path: Path) -> bytes:
+    try:
+        data = read_bytes(path, "model", _PROTOBUF_LIMIT)
+    except FileError as e:
+        raise ModelLoadError(str(e).replace("model ", "", 1) if "no such file" in str(e) else str(e)) from None
+    if not data:
+        raise ModelLoadError(f"{path}: file is empty, not an ONNX model")
+    return data
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _source_files(path: Path, proto: onnx.ModelProto, base_dir: Path) -> list[Path]:
+    """The model file and its external data files: what an output must never replace."""
+    files = [path]
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            files.append(base_dir / location)
+    return list(dict.fromkeys(files))
 
 
 def _parse(data: bytes, label: str) -> onnx.ModelProto:
@@ -66,45 +103,19 @@ def _parse(data: bytes, label: str) -> onnx.ModelProto:
     return proto
 
 
-def _tensors(proto: onnx.ModelProto):
-    yield from proto.graph.initializer
-    for node in proto.graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-
-
-def _has_external_data(proto: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in _tensors(proto))
+def _has_external_data(proto: onnx.ModelProto, everywhere: bool = False) -> bool:
+    """Whether a main-graph initializer (``everywhere``: any tensor but those) is stored outside."""
+    if not everywhere:
+        return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    main = {id(t) for t in proto.graph.initializer}
+    return any(t.data_location == onnx.TensorProto.EXTERNAL and id(t) not in main for _, t in model_check.tensors(proto))
 
 
 def _validate(proto: onnx.ModelProto, label: str, base_dir: Path | None) -> None:
     if len(proto.graph.node) == 0:
         raise ModelLoadError(f"{label}: the graph is empty (no nodes)")
-    opsets = {o.domain or "ai.onnx": o.version for o in proto.opset_import}
-    version = opsets.get("ai.onnx")
-    if version is None:
-        raise ModelLoadError(f"{label}: the model imports no ai.onnx opset")
-    if not MIN_OPSET <= version <= MAX_OPSET:
-        raise ModelLoadError(
-            f"{label}: unsupported opset {version} (convpass supports ai.onnx opsets {MIN_OPSET} to {MAX_OPSET}); "
-            "convert it with onnx.version_converter first"
-        )
-    for tensor in _tensors(proto):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        if base_dir is None:
-            raise ModelLoadError(
-                f"{label}: tensor {tensor.name!r} has external data ({location!r}); pass the model's path, not the proto"
-            )
-        target = (base_dir / location).resolve()
-        if os.path.isabs(location) or base_dir not in target.parents:
-            raise ModelLoadError(
-                f"{label}: external data of tensor {tensor.name!r} points outside the model's folder ({location!r}); refused"
-            )
-        if not target.is_file():
-            raise ModelLoadError(f"{label}: external data file {location!r} of tensor {tensor.name!r} is missing")
+    model_check.check_opset(proto, label)
+    model_check.check_model_file(proto, label, base_dir)
 
 
 def _check(proto: onnx.ModelProto, label: str, data: bytes | None = None) -> None:
@@ -133,34 +144,69 @@ def _tensor_bytes(model: ir.Model) -> int:
     return total
 
 
-def save_model(model: ir.Model, path: str | os.PathLike) -> list[Path]:
+def save_model(model: ir.Model, path: str | os.PathLike, protect: Iterable[tuple[str | os.PathLike, str]] = ()) -> list[Path]:
     """Write ``model`` to ``path`` atomically; returns the files written (the model, maybe its data).
 
     External data is used when the source model had it or the tensors exceed 1 GiB; it goes to
-    ``<path name>.data`` beside the output.
+    ``<path name>.data`` beside the output. Refused (:func:`convpass.core.files.check_output`): an
+    empty path, a folder, a special file, and the files the model was read from or ``protect``
+    names (``(path, what it is)``, e.g. the tuning cache).
     """
-    out = Path(path)
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir():
-        raise ModelLoadError(f"output directory {folder} does not exist")
     use_external = bool(model.meta.get("convpass.source_has_external_data")) or _tensor_bytes(model) > _EXTERNAL_DATA_THRESHOLD
+    sources = [(f, "the input model" if i == 0 else "the input model's external data")
+               for i, f in enumerate(model.meta.get(SOURCE_FILES_KEY, []))]
+    guarded = [*sources, *protect]
+    out = check_output(path, "output", guarded)
+    folder = out.parent
     data_name = out.name + ".data"
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=folder))
+    if use_external:
+        check_output(folder / data_name, "the output's external data", guarded)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=folder))
+    except OSError as e:
+        raise os_error(out, e) from None
     try:
         staged = staging / out.name
-        if use_external:
-            ir.save(model, staged, external_data=data_name)
-        else:
-            ir.save(model, staged)
-        written = []
-        if use_external and (staging / data_name).exists():
-            os.replace(staging / data_name, folder / data_name)
-            written.append(folder / data_name)
-        os.replace(staged, out)
+        try:
+            if use_external:
+                _save_with_external_data(model, staged, data_name)
+            else:
+                ir.save(model, staged)
+            written = []
+            if use_external and (staging / data_name).exists():
+                os.replace(staging / data_name, folder / data_name)
+                written.append(folder / data_name)
+            os.replace(staged, out)
+        except OSError as e:
+            raise os_error(out, e) from None
         written.insert(0, out)
         return written
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_with_external_data(model: ir.Model, path: Path, data_name: str, threshold: int = 256) -> None:
+    """``ir.save`` with the main graph's initializers over ``threshold`` bytes in ``data_name``
+    beside ``path``, and every other tensor in the model file: ONNX Runtime resolves a sub-graph's
+    external data against the working folder, not the model's, so a sub-graph's initializer stored
+    outside would load only when started from the right folder. The model is unchanged after."""
+    moved: list[tuple[ir.Value, Any]] = []
+    try:
+        outside = [v for v in model.graph.initializers.values() if v.const_value is not None and v.const_value.nbytes > threshold]
+        if outside:
+            tensors = ir.external_data.convert_tensors_to_external([v.const_value for v in outside], path.parent, data_name)
+            for value, tensor in zip(outside, tensors):
+                moved.append((value, value.const_value))
+                value.const_value = tensor
+        for graph in model.graphs():
+            for value in graph.initializers.values():
+                if isinstance(value.const_value, ir.ExternalTensor) and not any(value is m for m, _ in moved):
+                    moved.append((value, value.const_value))
+                    (value.const_value,) = ir.external_data.convert_tensors_from_external([value.const_value])
+        ir.save(model, path)
+    finally:
+        for value, tensor in moved:
+            value.const_value = tensor
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:

@@ -22,6 +22,7 @@ __all__ = ["DEFAULT_BATCHES", "CaseSkipped", "input_shapes", "model_inputs", "pa
            "profiles_for_batches", "shape_spec"]
 
 DEFAULT_BATCHES = (1, 32)
+MAX_DIM = 2**31 - 1  # the largest dimension a profile may give (cuDNN's tensor descriptors take int)
 
 
 def parse_shape_spec(text: str, option: str = "--shape") -> dict[str, tuple[int, ...]]:
@@ -33,8 +34,8 @@ def parse_shape_spec(text: str, option: str = "--shape") -> dict[str, tuple[int,
         if not m:
             raise ShapeError(f"{option} {text!r}: expected NAME=DIMS such as input=1x3x224x224")
         dims = tuple(int(d) for d in re.split(r"\s*[xX]\s*", m[2]))
-        if 0 in dims:
-            raise ShapeError(f"{option} {text!r}: dimensions must be positive")
+        if any(not 1 <= d <= MAX_DIM for d in dims):
+            raise ShapeError(f"{option} {text[:200]!r}: dimensions must be between 1 and {MAX_DIM}")
         if m[1] in shapes:
             raise ShapeError(f"{option} {text!r}: input {m[1]!r} given twice")
         shapes[m[1]] = dims

@@ -60,6 +60,8 @@ from rich.console import Console
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError, OptionError
 from convpass.core.profiles import parse_batches, profiles_for_batches
+from convpass.core.files import check_readable
+from convpass.core.text import markup
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer, Measurer
 from convpass.fleet.model_procs import (  # noqa: F401  (FleetBackend: part of this module's interface)
@@ -99,8 +101,9 @@ def specs_with_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Seq
     specs = []
     for p in paths:
         path = Path(p)
-        if not path.is_file():
+        if not path.exists():
             raise ConvpassError(f"{path}: no such file")
+        check_readable(path, "model")  # a FIFO or a device: refused before anything reads it
         specs.append(ModelSpec(path, batches=tuple(per_model.get(path.stem, default))))
     return specs
 
@@ -698,9 +701,9 @@ def print_report(report: FleetReport, console: Console) -> None:
         + (", ".join(f"{x['id']} ({DeviceFingerprint.parse(x['device']).name})" for x in doc["slots"]) or "no workers")
     )
     for why in doc["workers_not_started"]:
-        console.print(f"  [yellow]note[/]: {why}")
+        console.print(f"  [yellow]note[/]: {markup(why)}")
     for device in report.cache_only:
-        console.print(f"  {device}: no worker of this type; decisions from the tuning cache only")
+        console.print(f"  {markup(device)}: no worker of this type; decisions from the tuning cache only")
     console.print(
         f"  {doc['tasks']} tasks (a geometry's problems on one device type): {doc['cached']} already in the tuning cache, "
         f"{doc['measured']} measured ({doc['problems_measured']} problems), {len(doc['failed'])} failed"
@@ -711,17 +714,17 @@ def print_report(report: FleetReport, console: Console) -> None:
     )
     console.print(f"  seconds: {seconds_line(report.seconds)}; {report.written_during_tune} of {len(report.models)} model(s) written while tuning")
     for lost in doc["workers_lost"]:
-        console.print(f"  [yellow]worker lost[/] {lost['slot']}: {lost['reason']}")
+        console.print(f"  [yellow]worker lost[/] {markup(lost['slot'])}: {markup(lost['reason'])}")
     for sid, why in doc["slots_retired"].items():
-        console.print(f"  [yellow]retired[/] {sid}: {why}")
+        console.print(f"  [yellow]retired[/] {markup(sid)}: {markup(why)}")
     for f in doc["failed"]:
-        console.print(f"  [red]failed[/] {f['problem']} on {f['device']} after {f['attempts']} attempt(s): {f['reasons'][-1]} -> algo=auto")
+        console.print(f"  [red]failed[/] {markup(f['problem'])} on {markup(f['device'])} after {f['attempts']} attempt(s): {markup(f['reasons'][-1])} -> algo=auto")
     for note in report.notes:
-        console.print(f"  [yellow]note[/]: {note}")
+        console.print(f"  [yellow]note[/]: {markup(note)}")
     for m in doc["models"]:
         if m["output"] is not None:
             decided = ", ".join(f"{DeviceFingerprint.parse(d).name} {n}/{m['problems']}" for d, n in m["decided"].items())
-            console.print(f"  wrote {m['output']}: {m['convs']} convs, {m['problems']} problems; decided {decided or '-'}")
+            console.print(f"  wrote {markup(m['output'])}: {m['convs']} convs, {m['problems']} problems; decided {markup(decided or '-')}")
     if report.interrupted:
         not_written = [m["model"] for m in doc["models"] if m["output"] is None]
         written = (

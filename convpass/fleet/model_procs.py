@@ -122,9 +122,10 @@ def prepare(spec: ModelSpec, options: TuneOptions) -> tuple[Any, dict, "Optimize
     """Read a model and run the graph passes for its profiles: (model, problems with their uses,
     report, the profiles, notes on batches left out)."""
     from convpass.core.model_io import load_model
-    from convpass.compiler.pipeline import OptimizeReport, prepare_model
+    from convpass.compiler.pipeline import OptimizeReport, prepare_model, untuned
 
     model = load_model(spec.path)
+    untuned(model, spec.path, retune=False, hint="tune the model it was tuned from (`convpass optimize --retune` re-tunes a tuned one)")
     shapes, notes = spec.shapes, []
     if spec.batches:
         shapes, notes = batch_profiles(model, spec)

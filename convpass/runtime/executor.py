@@ -4,8 +4,7 @@ Load (once per model)
     read the file once (initializers stored as external data are memory-mapped, copy on write,
     not read: :mod:`convpass.runtime.model_file`); find its kernel side-car (``<model>.kernels``, :mod:`convpass.core.kernel_file`:
     the GPU kernels its plans need, compiled ahead of time) and hand it to the backend; validate
-    (``onnx.checker``) unless the side-car vouches for this exact file (``convpass optimize`` /
-    ``compile`` ran it before writing, and the SHA-256 of the bytes matches); inline model-local functions (except the ``ai.convpass`` convs,
+    (``onnx.checker``, whatever the side-car says); inline model-local functions (except the ``ai.convpass`` convs,
     which run natively) and schema functions of ops with no kernel here, bind every node to its
     op implementation — listing *all* unsupported ops and element types in one
     :class:`ExecutorError` — decode attributes, fold constant subgraphs
@@ -288,6 +287,8 @@ class Executor:
             the model's ``convpass.fusions`` record decided for this device and shape profile, and
             by the kind's rule where nothing was measured (:data:`convpass.core.fusion_units.RULES`);
             ``True`` fuses every unit, ``False`` none. A backend made with ``fuse=False`` fuses none.
+        min_opset: The lowest ``ai.onnx`` opset taken (default 1: every opset ONNX defines up to
+            the installed ``onnx``'s newest; ``convpass run`` takes 7 on, as ``optimize`` does).
 
     Raises:
         ExecutorError: a model the executor cannot run (every unsupported op and type named at
@@ -305,6 +306,7 @@ class Executor:
         check_model: bool = True,
         kernels: str | os.PathLike[str] | bool | None = None,
         fusions: bool | None = None,
+        min_opset: int = 1,
     ) -> None:
         if output_kind not in (None, "numpy", "device"):
             raise ExecutorError(f"output_kind must be None, 'numpy' or 'device', not {output_kind!r}")
@@ -316,7 +318,7 @@ class Executor:
         # before the wait.
         gpu_ready = open_ahead(device)
         try:
-            proto, pending_digest = model_file.load(model)
+            proto, pending_digest = model_file.load(model, min_opset)
             try:
                 constants, constants_error = model_file.read_initializers(proto, model_file.folder(model)), None
             except ExecutorError as e:  # said after onnx.checker, whose message names the fault better
@@ -327,14 +329,15 @@ class Executor:
             gpu_ready()
         self._backend = get_backend(device, cuda_graph=self.cuda_graph) if not isinstance(device, Backend) else device
         self.device = self._backend.name
-        self.trusted = self.kernel_file is not None and self.kernel_file.verified and digest is not None
         self._backend.use_kernels(self.kernel_file, why)
-        if check_model and not self.trusted:
+        if check_model:  # whatever a side-car says: its "verified" is its writer's word, not a check made here
             try:
                 # a path lets the checker handle models over 2 GB
                 onnx.checker.check_model(os.fspath(model) if isinstance(model, (str, os.PathLike)) else proto)
             except (onnx.checker.ValidationError, ValueError) as e:
-                raise ExecutorError(f"model fails onnx.checker: {e}") from None
+                raise ExecutorError(f"model fails onnx.checker: {_first_line(e)}") from None
+        # the side-car's claim and this model's own check agree
+        self.trusted = check_model and self.kernel_file is not None and self.kernel_file.verified and digest is not None
         if constants_error is not None:
             raise constants_error
         try:
@@ -699,7 +702,9 @@ class Executor:
                 v = vals[name] = _Val(True, c, tuple(c.shape), c.dtype, True)
             return v
 
-        for node in self._needed(outputs):
+        needed = self._needed(outputs)
+        last_read = _last_reads(needed, outputs)
+        for index, node in enumerate(needed):
             impl = node.impl
             ins = [get(n) for n in node.inputs]
             present = [v for v in ins if v is not None]
@@ -735,6 +740,12 @@ class Executor:
                 if name:
                     vals[name] = _Val(False, o, tuple(o.shape), o.dtype, determined)
             steps.append((run_node, list(node.inputs), list(node.outputs)))
+            # as the plan's runs do (its liveness): a computed value no later node reads is let go, its
+            # shape and type kept for the plan; the first run holds the live values only, not all of them
+            for name in (*node.inputs, *node.outputs):
+                v = vals.get(name) if name else None
+                if v is not None and not v.static and last_read.get(name, -1) <= index:
+                    v.value = None
 
         results = [vals[n].value if n in vals else self._constants[n] for n in outputs]
         plan = self._assemble(key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded)
@@ -859,6 +870,23 @@ class Executor:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _last_reads(nodes: Sequence[NodeInfo], outputs: Sequence[str]) -> dict[str, int]:
+    """Value name -> the index in ``nodes`` of its last reader; the outputs wanted are read after all."""
+    last: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for name in node.inputs:
+            if name:
+                last[name] = i
+    for name in outputs:
+        last[name] = len(nodes)
+    return last
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _on_device(value: Any, xp: Any) -> bool:

@@ -1,10 +1,10 @@
 """A model file as the executor reads it: parsed once, its SHA-256 computed beside the parse (the
 kernel side-car vouches for exactly those bytes), and its initializers as arrays, those stored as
-external data memory-mapped copy on write rather than read (issue 10: no whole-model copies at
-start-up).
+external data memory-mapped copy on write rather than read (no whole-model copies at start-up).
 
-- :func:`load`: the ``ModelProto`` of a path, bytes or proto, and a function giving the file's hash.
-  Tensors besides the graph's initializers that are stored outside are read in from the model's
+- :func:`load`: the ``ModelProto`` of a path, bytes or proto, and a function giving the file's hash;
+  the file is read as :mod:`convpass.core.files` reads (no FIFO or device, at most 2 GiB) and checked
+  as :mod:`convpass.core.model_check` checks every model. Tensors besides the graph's initializers that are stored outside are read in from the model's
   folder; given without a path, such a tensor is an :class:`ExecutorError`.
 - :func:`read_initializers`: the graph's initializers as NumPy arrays, external ones mapped from
   files under the model's folder (a location outside it, a truncated file or a wrong length is an
@@ -16,15 +16,19 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+import onnx.defs
 import onnx.external_data_helper
 from onnx import numpy_helper
 
-from convpass.core.errors import ExecutorError
+from convpass.core import model_check
+from convpass.core.errors import ConvpassError, ExecutorError, FileError
+from convpass.core.files import MODEL_LIMIT, read_bytes
 
 __all__ = ["folder", "load", "read_initializers"]
 
@@ -34,71 +38,69 @@ def folder(model: Any) -> str | None:
     return os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
 
 
-def load(model: Any) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
+def load(model: Any, min_opset: int = 1) -> tuple[onnx.ModelProto, Callable[[], str | None]]:
     """The model, and a function that returns the SHA-256 of its file's bytes (None when it was
     given as a ModelProto). The hash is computed on a thread of its own (hashlib lets go of the GIL
     on large buffers: 0.05-0.1 s for 100 MB), beside the parse and whatever the caller does before
-    it asks for it."""
+    it asks for it. ``min_opset``: the lowest ``ai.onnx`` opset taken. The model is checked as :mod:`convpass.core.model_check` checks every model
+    (opset, text, tensor sizes, external data) and its tensors stored outside, but for the main
+    graph's initializers, are read in."""
     if isinstance(model, onnx.ModelProto):
-        return _no_external_tensors(model), lambda: None
+        _check(model, "model", None, min_opset)
+        return model, lambda: None
     if isinstance(model, (bytes, bytearray)):
         try:
             proto = onnx.load_from_string(bytes(model))
         except Exception as e:  # noqa: BLE001
             raise ExecutorError(f"cannot parse the model bytes: {e}") from None
-        return _no_external_tensors(proto), lambda: hashlib.sha256(model).hexdigest()
+        _check(proto, "model bytes", None, min_opset)
+        return proto, lambda: hashlib.sha256(model).hexdigest()
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.exists(path):
             raise ExecutorError(f"model file not found: {path}")
         try:
-            with open(path, "rb") as f:  # read once: parsed and hashed from the same bytes
-                data = f.read()
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256")
-            digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
-            pool.shutdown(wait=False)  # its one job runs on
+            data = read_bytes(path, "model", MODEL_LIMIT)  # read once: parsed and hashed from the same bytes
+        except FileError as e:
+            raise ExecutorError(str(e)) from None
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convpass-sha256")
+        digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+        pool.shutdown(wait=False)  # its one job runs on
+        try:
             proto = onnx.load_from_string(data)
-            # the graph's initializers stay in their external file (read_initializers maps them);
-            # every other tensor stored outside (a Constant's value, a sub-graph's initializer) is
-            # read in, as onnx.load does, so the model's other readers never meet a file reference
-            for t in _tensors_besides_initializers(proto):
-                if onnx.external_data_helper.uses_external_data(t):
-                    onnx.external_data_helper.load_external_data_for_tensor(t, folder(path))
-                    t.data_location = onnx.TensorProto.DEFAULT  # onnx before 1.23 left these to its caller
-                    del t.external_data[:]
         except Exception as e:  # noqa: BLE001
-            raise ExecutorError(f"cannot load {path}: {e}") from None
+            raise ExecutorError(f"cannot load {path}: not an ONNX model, or the file is truncated ({type(e).__name__})") from None
+        base_dir = Path(folder(path))  # type: ignore[arg-type]
+        _check(proto, path, base_dir, min_opset)
+        # the graph's initializers stay in their external file (read_initializers maps them);
+        # every other tensor stored outside (a Constant's value, a sub-graph's initializer) is
+        # read in, so the model's other readers never meet a file reference
+        model_check.inline_external_tensors(proto, base_dir)
         return proto, digest.result
     raise ExecutorError(f"expected an onnx.ModelProto, a path or bytes, not {type(model).__name__}")
 
 
-def _no_external_tensors(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """``proto``, given without a path: a tensor besides the initializers (which
-    :func:`read_initializers` refuses with its name) stored in an external file has no folder to
-    be found in (onnx would look in the working one)."""
-    for t in _tensors_besides_initializers(proto):
-        if onnx.external_data_helper.uses_external_data(t):
-            raise ExecutorError(f"tensor {t.name!r} is stored in an external file, and the model was not given as a path to find it by")
-    return proto
-
-
-def _tensors_besides_initializers(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor of the model but the main graph's initializers: node attributes' tensors and
-    sub-graphs' initializers, at any depth, in the graph and in the model's functions."""
-
-    def in_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
-        for node in nodes:
-            for a in node.attribute:
-                if a.HasField("t"):
-                    yield a.t
-                yield from a.tensors
-                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    yield from g.initializer
-                    yield from in_nodes(g.node)
-
-    yield from in_nodes(proto.graph.node)
-    for f in proto.functions:
-        yield from in_nodes(f.node)
+def _check(proto: onnx.ModelProto, label: str, base_dir: Path | None, min_opset: int = 1) -> None:
+    """:mod:`convpass.core.model_check`'s checks, as an :class:`ExecutorError`. A model given
+    without a path (``base_dir`` None) may hold no tensor stored outside (onnx would look for it in
+    the working folder) but for the main graph's initializers, which :func:`read_initializers`
+    refuses by name."""
+    try:
+        model_check.check_opset(proto, label, onnx.defs.onnx_opset_version(), "the convpass executor runs", lowest=min_opset)
+        if base_dir is not None:
+            model_check.check_model_file(proto, label, base_dir)
+            return
+        main = {id(t) for t in proto.graph.initializer}
+        for where, t in model_check.tensors(proto):
+            if onnx.external_data_helper.uses_external_data(t):
+                if id(t) in main:
+                    continue
+                raise ExecutorError(f"tensor {t.name!r} is stored in an external file, and the model was not given as a path to find it by")
+            model_check.check_tensor(t, where, label, None)
+    except ExecutorError:
+        raise
+    except ConvpassError as e:
+        raise ExecutorError(str(e)) from None
 
 
 # element types whose external data is mapped as it lies on disk (little-endian, one element per

@@ -26,11 +26,20 @@ Concurrency
     loop with jittered backoff on "database is locked", so several tuning processes can share one
     file.
 
-Damage
-    A file that is not a convpass cache (not SQLite, truncated or otherwise malformed, other
-    tables, an unknown schema version) is renamed to ``<name>.corrupt-<timestamp>`` (with its
-    ``-wal``/``-shm`` siblings), a :class:`CacheWarning` names both paths, and a fresh cache is
-    started. A location that cannot be created or written raises :class:`CacheError`.
+Damage and foreign files
+    A file that is not a cache of this format is refused with a :class:`CacheError` and left as it
+    is: not SQLite (a model, a text file), another program's SQLite database, a cache of a newer
+    convpass (a higher schema version), a FIFO or a device. A cache of this format that is damaged
+    (truncated, failing SQLite's integrity check, or found damaged while in use) is, when the
+    command writes the cache, renamed to ``<name>.corrupt-<timestamp>`` (with its ``-wal``/``-shm``
+    siblings), a :class:`CacheWarning` names both paths, and a fresh cache is started. A location
+    that cannot be created or written raises :class:`CacheError`.
+
+    Read-only use (``TuningCache(path, readonly=True)``: ``cache stats``, ``cache export``,
+    ``optimize --device-name``) changes nothing: a missing file is an error (nothing is created at
+    a mistyped path), a damaged one is refused, a version-1 cache is read without upgrading it.
+    Stored rows that are not valid measurements (written by another program or by hand) are
+    skipped with a :class:`CacheWarning`.
 
     Opening (check, move aside, create) runs under an exclusive ``flock`` on ``<name>.lock``, so
     of several processes that find the same damaged file exactly one moves it aside and the
@@ -69,6 +78,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -79,7 +89,9 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: no cross-process open lock
     fcntl = None  # type: ignore[assignment]
 
-from convpass.core.errors import ConvpassError
+from convpass.core.errors import ConvpassError, FileError
+from convpass.core.files import check_output, check_readable, os_error, read_bytes
+from convpass.core.text import literal, markup, printable
 from convpass.core.device import DeviceFingerprint
 from convpass.core.problem import ConvShape, ProblemKey
 
@@ -110,6 +122,10 @@ _BUSY_TIMEOUT_MS = 5_000
 _LOCK_RETRY_SECONDS = 60.0  # give up on a lock held this long (beyond the busy timeout)
 
 _T = TypeVar("_T")
+_INT64_MAX = 2**63 - 1  # SQLite's INTEGER
+_LATEST_TIME = 253402300799  # 9999-12-31T23:59:59 UTC: a date Python can print
+EXPORT_LIMIT = 1 << 30  # the largest export file convpass reads
+_OURS = b"SQLite format 3\x00"
 
 
 class CacheError(ConvpassError):
@@ -117,7 +133,8 @@ class CacheError(ConvpassError):
 
 
 class CacheWarning(UserWarning):
-    """A damaged cache file was moved aside and a fresh cache started."""
+    """A damaged cache file was moved aside and a fresh cache started, or stored rows that are not
+    valid measurements were skipped."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,20 +174,20 @@ def _check_field(name: str, value: object, status: object = None) -> str | None:
         if status != "ok":
             return f"must be null unless status is 'ok' (status is {_short(status)})"
     elif name == "workspace_bytes":
-        if not _is_int(value) or value < 0:  # type: ignore[operator]
-            return f"must be an integer >= 0, got {_short(value)}"
+        if not _is_int(value) or not 0 <= value <= _INT64_MAX:  # type: ignore[operator]
+            return f"must be an integer from 0 to {_INT64_MAX}, got {_short(value)}"
     elif name == "deterministic":
         if not isinstance(value, bool):
             return f"must be true or false, got {_short(value)}"
     elif name == "measured_at":
-        if not _is_real(value) or value < 0:  # type: ignore[operator]
-            return f"must be a unix time (finite number >= 0), got {_short(value)}"
+        if not _is_real(value) or not 0 <= value <= _LATEST_TIME:  # type: ignore[operator]
+            return f"must be a unix time (a number from 0 to {_LATEST_TIME}, the end of year 9999), got {_short(value)}"
     elif name == "note":
         if not isinstance(value, str):
             return f"must be a string, got {_short(value)}"
     elif name in ("heuristic_rank", "find_rank"):
-        if value is not None and (not _is_int(value) or value < 0):  # type: ignore[operator]
-            return f"must be an integer >= 0 or null, got {_short(value)}"
+        if value is not None and (not _is_int(value) or not 0 <= value <= _INT64_MAX):  # type: ignore[operator]
+            return f"must be an integer from 0 to {_INT64_MAX} or null, got {_short(value)}"
     return None
 
 
@@ -371,11 +388,11 @@ _SELECT = (
 _ORDER = " ORDER BY key, method, time_ms IS NULL, time_ms, algo"
 
 
-def _in_order(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """``rows`` of :data:`_SELECT` sorted as :data:`_ORDER` sorts them. Sorted here, not in SQL:
-    with that ORDER BY, SQLite's planner reads the whole device through the primary key instead of
-    the (device, shape) index (72 ms against 3 ms per lookup in a 140,000-row cache)."""
-    return sorted(rows, key=lambda r: (r[1], r[3], r[5] is None, r[5] if r[5] is not None else 0.0, r[2]))
+def _in_order(measurements: list[Measurement]) -> list[Measurement]:
+    """``measurements`` sorted as :data:`_ORDER` sorts rows. Sorted here, not in SQL: with that
+    ORDER BY, SQLite's planner reads the whole device through the primary key instead of the
+    (device, shape) index (72 ms against 3 ms per lookup in a 140,000-row cache)."""
+    return sorted(measurements, key=lambda m: (str(m.key), m.method, m.time_ms is None, m.time_ms or 0.0, m.algo))
 
 
 def _row(device: str, m: Measurement) -> tuple[Any, ...]:
@@ -403,14 +420,37 @@ class TuningCache:
     their own instance on the same file.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> None:
+        """``readonly``: read an existing cache and change nothing (no file created, upgraded or
+        moved aside; a missing or damaged cache is a :class:`CacheError`)."""
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
+        self.readonly = readonly
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._keys: dict[str, ProblemKey] = {}
         self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file _conn opened
         self._flock_fd: int | None = None
         self._flock_depth = 0
+        self._has_transposes = True  # a version-1 cache read without upgrading it has none
+        self._integrity = True  # run SQLite's quick_check when opening (not for the read-only probe of a write)
+        if os.path.lexists(self.path) and not self.path.is_dir():
+            try:
+                check_readable(self.path, "tuning cache")  # no FIFO or device: SQLite would block on it or write to it
+            except FileError as e:
+                raise CacheError(str(e)) from None
+        if readonly:
+            if self.path.is_dir():
+                raise CacheError(f"tuning cache path {self.path} is a directory; give a file path")
+            if not self.path.exists():
+                raise CacheError(f"no tuning cache at {self.path} (nothing was created); check the path given with --cache or CONVPASS_CACHE")
+            try:
+                self._conn = self._retry(self._connect_and_check)
+            except _Damaged as d:
+                raise CacheError(f"tuning cache {self.path} is damaged ({d}): refused, nothing was changed; a command that writes "
+                                 "the cache moves it aside and starts a fresh one") from None
+            return
+        if self.path.is_file() and self.path.stat().st_size:
+            self._probe()  # refused before anything (the open lock's file included) is created beside it
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -520,17 +560,22 @@ class TuningCache:
         return (st.st_dev, st.st_ino)
 
     def _connect_and_check(self) -> sqlite3.Connection:
-        if os.path.exists(self.path) and not os.access(self.path, os.R_OK | os.W_OK):
+        wanted = os.R_OK if self.readonly else os.R_OK | os.W_OK
+        if os.path.exists(self.path) and not os.access(self.path, wanted):
             raise CacheError(
-                f"tuning cache {self.path} is not readable and writable; "
-                "choose a writable location with --cache or CONVPASS_CACHE"
+                f"tuning cache {self.path} is not {'readable' if self.readonly else 'readable and writable'}; "
+                "choose another location with --cache or CONVPASS_CACHE"
             )
+        # read-only: the file as it is when no writer has it open (no -wal file): SQLite then
+        # creates no -wal or -shm file beside it, which a read-only connection could not remove
+        immutable = "&immutable=1" if not os.path.exists(f"{self.path}-wal") else ""
         try:
             conn = sqlite3.connect(
-                self.path,
+                f"file:{urllib.parse.quote(os.fspath(self.path.absolute()))}?mode=ro{immutable}" if self.readonly else self.path,
                 timeout=_BUSY_TIMEOUT_MS / 1000,
                 isolation_level=None,  # we issue BEGIN / COMMIT ourselves
                 check_same_thread=False,
+                uri=self.readonly,
             )
         except sqlite3.OperationalError as e:
             raise self._unwritable(e) from None
@@ -546,6 +591,9 @@ class TuningCache:
         return conn
 
     def _check_and_init(self, conn: sqlite3.Connection) -> None:
+        if self.readonly:
+            self._check_readonly(conn)
+            return
         try:
             # The schema check and creation happen under the write lock, so a process that opens
             # the file while another is creating it waits and then sees the finished schema. The
@@ -575,30 +623,87 @@ class TuningCache:
             conn.execute("PRAGMA synchronous = NORMAL")
         except sqlite3.DatabaseError as e:
             if _is_corrupt(e):
-                raise _Damaged(f"not a readable SQLite database ({e})") from None
+                self._damaged(f"not a readable SQLite database ({e})")
             if _is_locked(e):
                 raise
             raise self._unwritable(e) from None
 
+    def _probe(self) -> None:
+        """Before a write-mode open: refuse, changing nothing, a file that is no cache of this
+        format (:meth:`_damaged`); a damaged one of this format is left to the open, which moves it aside."""
+        self.readonly, self._integrity = True, False
+        try:
+            self._retry(self._connect_and_check).close()
+        except _Damaged:
+            pass
+        finally:
+            self.readonly, self._integrity, self._has_transposes = False, True, True
+
+    def _check_readonly(self, conn: sqlite3.Connection) -> None:
+        """:meth:`_check_and_init` for a read-only cache: check, change nothing."""
+        try:
+            conn.execute("BEGIN")
+            try:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'") if not r[0].startswith("sqlite_")}
+                if tables:
+                    self._validate_schema(conn, tables)
+            finally:
+                conn.execute("ROLLBACK")
+        except sqlite3.DatabaseError as e:
+            if _is_corrupt(e):
+                self._damaged(f"not a readable SQLite database ({e})")
+            if _is_locked(e):
+                raise
+            raise CacheError(f"tuning cache {self.path} cannot be read ({e})") from None
+
+    def _damaged(self, reason: str) -> None:
+        """Raise for a file that is no usable cache: :class:`_Damaged` (when writing: moved aside,
+        a fresh cache started) only for a cache of this convpass's format that is damaged;
+        :class:`CacheError` (refused, nothing changed) for everything else: a file that is not
+        SQLite (a model, a text file), another program's database, a cache of a newer convpass."""
+        if self._ours():
+            raise _Damaged(reason)
+        raise CacheError(f"tuning cache {self.path} is not a convpass tuning cache ({reason}): refused, nothing was changed; "
+                         "give another path with --cache or CONVPASS_CACHE")
+
+    def _ours(self) -> bool:
+        """Whether the file is a SQLite database that holds this cache format's tag (found in its
+        first MiB even when SQLite cannot read it: the meta table is written first)."""
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(1 << 20)
+        except OSError:
+            return False
+        return head.startswith(_OURS) and _APP_TAG.encode() in head
+
     def _validate_schema(self, conn: sqlite3.Connection, tables: set[str]) -> None:
         """Check an existing file; upgrade a version-1 cache (module docstring: schema versions)."""
-        if tables not in ({"meta", "measurements"}, {"meta", "measurements", "transposes"}):
-            raise _Damaged(f"unexpected tables {sorted(tables)}")
-        meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
-        if meta.get("format") != _APP_TAG:
-            raise _Damaged(f"meta format is {meta.get('format')!r}, not {_APP_TAG!r}")
+        try:
+            meta = dict(conn.execute("SELECT name, value FROM meta").fetchall()) if "meta" in tables else {}
+        except sqlite3.OperationalError:
+            meta = {}
         version = meta.get("schema_version")
+        if meta.get("format") == _APP_TAG and str(version).isdigit() and int(str(version)) > SCHEMA_VERSION:
+            raise CacheError(f"tuning cache {self.path} was written by a newer convpass (schema {version}; this one reads up to "
+                             f"{SCHEMA_VERSION}): refused, nothing was changed; upgrade convpass or give another path with --cache")
+        if meta.get("format") != _APP_TAG or not {"meta", "measurements"} <= tables or tables - {"meta", "measurements", "transposes"}:
+            found = f"meta format {printable(_short(meta.get('format')))}" if meta else f"tables {printable(_short(sorted(tables), 120))}"
+            raise CacheError(f"tuning cache {self.path} is another program's SQLite database ({found}), not a convpass tuning cache: "
+                             "refused, nothing was changed; give another path with --cache or CONVPASS_CACHE")
         if version == "1" and "transposes" not in tables:
-            conn.execute(_TRANSPOSES_TABLE)
-            conn.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),))
+            if self.readonly:
+                self._has_transposes = False
+            else:
+                conn.execute(_TRANSPOSES_TABLE)
+                conn.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),))
         elif version != str(SCHEMA_VERSION) or "transposes" not in tables:
-            raise _Damaged(f"schema version {version!r} with tables {sorted(tables)}, expected {SCHEMA_VERSION}")
+            self._damaged(f"schema version {printable(_short(version))} with tables {sorted(tables)}, expected {SCHEMA_VERSION}")
         cols = tuple(r[1] for r in conn.execute("PRAGMA table_info(measurements)"))
         if set(cols) != set(_COLUMNS):
-            raise _Damaged(f"measurements table has columns {list(cols)}")
-        check = conn.execute("PRAGMA quick_check").fetchall()
+            self._damaged(f"measurements table has columns {printable(_short(list(cols), 200))}")
+        check = conn.execute("PRAGMA quick_check").fetchall() if self._integrity else [("ok",)]
         if check != [("ok",)]:
-            raise _Damaged(f"integrity check failed: {check[0][0] if check else 'no answer'}")
+            self._damaged(f"integrity check failed: {printable(_short(check[0][0] if check else 'no answer', 200))}")
 
     def _move_aside(self, reason: str, ident: tuple[int, int] | None) -> None:
         """Rename the damaged file ``ident`` (the one our connection opened) out of the way.
@@ -713,6 +818,37 @@ class TuningCache:
             find_rank=frank,
         )
 
+    def _valid_rows(self, rows: list[tuple[Any, ...]]) -> list[tuple[tuple[Any, ...], Measurement]]:
+        """(row, measurement) of every row that is a valid measurement on a device fingerprint; the
+        rest are skipped as :meth:`_measurements` skips them."""
+        pairs, bad = [], []
+        for r in rows:
+            try:
+                DeviceFingerprint.parse(r[0])
+                pairs.append((r, self._measurement(r)))
+            except (ValueError, TypeError, OverflowError) as e:
+                bad.append(str(e))
+        self._warn_skipped(bad)
+        return pairs
+
+    def _measurements(self, rows: Iterable[tuple[Any, ...]], key: ProblemKey | None = None) -> list[Measurement]:
+        """The rows as measurements; a stored row that is not a valid one (written by hand or by
+        another program: a status it does not know, a time of 1e300, text where a number goes) is
+        skipped, and a :class:`CacheWarning` says how many were."""
+        out, bad = [], []
+        for r in rows:
+            try:
+                out.append(self._measurement(r, key))
+            except (ValueError, TypeError, OverflowError) as e:
+                bad.append(str(e))
+        self._warn_skipped(bad)
+        return out
+
+    def _warn_skipped(self, reasons: list[str]) -> None:
+        if reasons:
+            warnings.warn(f"tuning cache {self.path}: skipped {len(reasons)} stored row(s) that are not valid measurements "
+                          f"(the first: {printable(_short(reasons[0], 160))})", CacheWarning, stacklevel=4)
+
     # -- public API ------------------------------------------------------------------------------
 
     def put(self, device: DeviceFingerprint, measurements: Iterable[Measurement],
@@ -744,7 +880,7 @@ class TuningCache:
             lambda c: c.execute(_SELECT + " WHERE device = ? AND shape = ?", (str(device), str(shape))).fetchall(),
             write=False,
         )
-        return [self._measurement(r) for r in _in_order(rows)]
+        return _in_order(self._measurements(rows))
 
     def get_key(self, device: DeviceFingerprint, key: ProblemKey) -> list[Measurement]:
         """Every algorithm and method measured for exactly this problem key on ``device``."""
@@ -754,7 +890,7 @@ class TuningCache:
             ).fetchall(),
             write=False,
         )
-        return [self._measurement(r, key) for r in rows]
+        return self._measurements(rows, key)
 
     def put_transpose(self, device: DeviceFingerprint, dims: Iterable[int], dtype: str, time_ms: float) -> None:
         """Record the measured time of converting a ``dims`` tensor of ``dtype`` between
@@ -765,13 +901,18 @@ class TuningCache:
     def get_transpose(self, device: DeviceFingerprint, dims: Iterable[int], dtype: str) -> float | None:
         """The recorded transpose time of :meth:`put_transpose`, or None."""
         text = _dims_text(dims)
+        if not self._has_transposes:
+            return None
         row = self._run(
             lambda c: c.execute(
                 "SELECT time_ms FROM transposes WHERE device = ? AND dims = ? AND dtype = ?", (str(device), text, dtype)
             ).fetchone(),
             write=False,
         )
-        return None if row is None else float(row[0])
+        try:
+            return None if row is None else float(row[0])
+        except (TypeError, ValueError):  # a stored row that is no time: as if none were stored
+            return None
 
     def devices(self) -> list[tuple[DeviceFingerprint, int]]:
         """The devices the cache knows, each with its number of distinct problem keys."""
@@ -781,7 +922,16 @@ class TuningCache:
             ).fetchall(),
             write=False,
         )
-        return [(DeviceFingerprint.parse(d), n) for d, n in rows]
+        out, bad = [], 0
+        for d, n in rows:
+            try:
+                out.append((DeviceFingerprint.parse(d), n))
+            except (ValueError, TypeError):
+                bad += 1
+        if bad:
+            warnings.warn(f"tuning cache {self.path}: skipped the rows of {bad} stored device name(s) that are not device fingerprints",
+                          CacheWarning, stacklevel=2)
+        return out
 
     def resolve_device(self, name: str) -> DeviceFingerprint:
         """The cached device a user's ``--device-name`` means.
@@ -795,6 +945,9 @@ class TuningCache:
            problem keys; if that still ties (different GPUs with identical counts),
            :class:`CacheError` listing the tied fingerprints, so nothing is picked at random.
         """
+        if not name.strip():
+            raise CacheError("--device-name is empty, which would name every device; give a GPU name (e.g. H100) or a full fingerprint"
+                             + (", or --all to clear every device" if self.readonly is False else ""))
         known = self.devices()
         wanted = name.strip().lower()
         exact = [d for d, _ in known if str(d).lower() == wanted]
@@ -803,7 +956,7 @@ class TuningCache:
         matches = [(d, n) for d, n in known if d.matches_name(name)]
         if not matches:
             listing = "; ".join(f"{d} ({n} keys)" for d, n in known) or "none (the cache is empty)"
-            raise CacheError(f"no device matching {name!r} in tuning cache {self.path}; known devices: {listing}")
+            raise CacheError(f"no device matching {name!r} in tuning cache {self.path}; known devices: {printable(listing)}")
         best = max((d.cudnn_version, n) for d, n in matches)
         top = [d for d, n in matches if (d.cudnn_version, n) == best]
         if len(top) > 1:
@@ -828,7 +981,8 @@ class TuningCache:
             ).fetchall()
 
         rows = self._run(q, write=False)
-        transposes = self._run(lambda c: c.execute(f"SELECT COUNT(*) FROM transposes{where}", params).fetchone()[0], write=False)
+        transposes = (self._run(lambda c: c.execute(f"SELECT COUNT(*) FROM transposes{where}", params).fetchone()[0], write=False)
+                      if self._has_transposes else 0)
         size = 0
         for p in (self.path, Path(f"{self.path}-wal")):
             try:
@@ -858,13 +1012,14 @@ class TuningCache:
             lambda c: c.execute(_SELECT + where + " ORDER BY device, key, method, algo", params).fetchall(),
             write=False,
         )
-        entries = [_entry(r[0], self._measurement(r)) for r in rows]
+        entries = [_entry(r[0], m) for r, m in self._valid_rows(rows)]
         transposes = self._run(
             lambda c: c.execute(
                 "SELECT device, dims, dtype, time_ms, measured_at FROM transposes" + where + " ORDER BY device, dtype, dims", params
             ).fetchall(),
             write=False,
-        )
+        ) if self._has_transposes else []
+        transposes = [t for t in transposes if _valid_transpose(t)]
         from convpass.core.version import __version__
 
         doc = {
@@ -878,10 +1033,13 @@ class TuningCache:
                 for d, dims, t, ms, at in transposes
             ],
         }
-        target = Path(path).expanduser()
+        try:  # never a special file, a folder or the cache itself
+            target = check_output(path, "export file", [(self.path, "the tuning cache")])
+        except FileError as e:
+            raise CacheError(str(e)) from None
         tmp_name = None
         try:
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1, allow_nan=False)
                 f.write("\n")
@@ -890,7 +1048,7 @@ class TuningCache:
             os.replace(tmp_name, target)
             tmp_name = None
         except OSError as e:
-            raise CacheError(f"cannot write {target}: {e.strerror or e}") from None
+            raise CacheError(str(os_error(target, e))) from None
         finally:
             if tmp_name is not None:
                 try:
@@ -907,7 +1065,11 @@ class TuningCache:
         problem and where it is (entry index, field), and the cache is left unchanged. Entries
         overwrite existing rows with the same (device, key, algo, method).
         """
-        rows, transposes = _read_export(Path(path).expanduser())
+        return self.import_rows(read_export(path))
+
+    def import_rows(self, export: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]) -> int:
+        """Write what :func:`read_export` read (measurement rows, transpose rows) in one transaction."""
+        rows, transposes = export
 
         def write(c: sqlite3.Connection) -> None:
             c.executemany(_UPSERT, rows)
@@ -933,8 +1095,8 @@ _TRANSPOSE_UPSERT = "INSERT OR REPLACE INTO transposes (device, dims, dtype, tim
 
 def _dims_text(dims: Iterable[int]) -> str:
     values = [int(d) for d in dims]
-    if not values or any(d <= 0 for d in values):
-        raise ValueError(f"transpose dims must be positive integers, got {values}")
+    if not 0 < len(values) <= 8 or any(not 0 < d <= 2**31 - 1 for d in values):
+        raise ValueError(f"transpose dims must be 1 to 8 integers from 1 to {2**31 - 1}, got {_short(values)}")
     return "x".join(map(str, values))
 
 
@@ -943,19 +1105,37 @@ def _transpose_row(device: str, dims: Iterable[int], dtype: str, time_ms: float,
         raise ValueError(f"transpose dtype must be one of {', '.join(TRANSPOSE_DTYPES)}, got {_short(dtype)}")
     if not _is_real(time_ms) or not math.isfinite(time_ms) or time_ms < 0:
         raise ValueError(f"transpose time_ms must be a finite non-negative number, got {_short(time_ms)}")
+    if not _is_real(measured_at) or not 0 <= measured_at <= _LATEST_TIME:
+        raise ValueError(f"transpose measured_at must be a unix time from 0 to {_LATEST_TIME}, got {_short(measured_at)}")
     return (device, _dims_text(dims), dtype, float(time_ms), float(measured_at))
+
+
+def _valid_transpose(row: tuple[Any, ...]) -> bool:
+    """Whether a stored transpose row (device, dims, dtype, time_ms, measured_at) can be exported."""
+    try:
+        DeviceFingerprint.parse(row[0])
+        _transpose_row(row[0], [int(x) for x in str(row[1]).split("x")], row[2], row[3], row[4])
+        return True
+    except (ValueError, TypeError):
+        return False
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _read_export(path: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """Validate an export file completely and return the measurement and transpose rows to upsert."""
+def read_export(path: str | os.PathLike[str]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Validate an export file completely and return the measurement and transpose rows to upsert
+    (:meth:`TuningCache.import_rows`)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CacheError(f"cannot read {path}: No such file or directory")
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CacheError(f"cannot read {path}: {e.strerror or e}") from None
+        data = read_bytes(path, "tuning-cache export", EXPORT_LIMIT)  # no FIFO, no device, bounded
+    except FileError as e:
+        raise CacheError(str(e)) from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CacheError(f"{path}: not a convpass tuning-cache export (not UTF-8 text: {e.reason})") from None
     try:
@@ -964,6 +1144,8 @@ def _read_export(path: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...
         raise CacheError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except ValueError as e:
         raise CacheError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CacheError(f"{path}: not a convpass tuning-cache export (JSON nested too deeply)") from None
 
     def bad(where: str, why: str) -> CacheError:
         return CacheError(f"{path}: {where}: {why}")

@@ -112,7 +112,7 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
         used_ops: set[str] = set()
         counters: dict[str, int] = {}
-        for node in model.graph:
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):  # bodies of If / Loop / Scan too
             if CANONICAL_KEY not in node.meta:
                 continue
             counters[node.op_type] = counters.get(node.op_type, 0) + 1

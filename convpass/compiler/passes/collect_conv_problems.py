@@ -125,7 +125,7 @@ class CollectConvProblemsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.problems = {}
-        for node in model.graph:
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):  # bodies of If / Loop / Scan too
             for profile in range(len(node.meta.get(CANONICAL_KEY, ()))):
                 for problem in node_problems(node, profile, self.directions, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ())):
                     self.problems.setdefault(problem, []).append(ProblemUse(node, profile))

@@ -73,7 +73,7 @@ class FoldConvWeightsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.notes = []
         folded: dict[ir.Value, ir.Value] = {}  # a computed weight -> its initializer (convs may share one)
-        for node in list(model.graph):
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):  # bodies of If / Loop / Scan too
             if node.op_type not in CONV_OPS or node.domain not in ("", "ai.onnx"):
                 continue
             for index in (1, 2):

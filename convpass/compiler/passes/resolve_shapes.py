@@ -18,6 +18,10 @@ Rules:
   per profile, the conv inputs that needed it; a conv whose shape depends on input values (data-
   dependent ops upstream) is tuned for the shape seen on the run's random inputs, and its note
   says so. A failing run raises ShapeError naming the profile and the node.
+* Convs inside If / Loop / Scan bodies count as well: shapes reach the bodies as
+  :mod:`convpass.compiler.passes.subgraph_shapes` says (no CPU run there). A body's conv whose
+  shape stays unknown is marked ``convpass.skip`` with the reason, naming the node whose body it is
+  in, and a warning; a main-graph conv's raises ShapeError (below).
 * Every conv must end with a fully known input shape for every profile. The run needs concrete
   dims for the graph inputs it reads; when the profile has none for one, ShapeError names the
   node, the tensor and the missing dimension and says which ``--shape`` fixes it.
@@ -32,7 +36,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping, Sequence
 
 import onnx
@@ -42,6 +45,7 @@ from convpass.core.annotation import Profile
 from convpass.core.errors import ShapeError
 from convpass.core.options import CLI, OptionNames, parse_profiles
 from convpass.compiler.passes.cpu_shapes import CpuShapes, resolve_on_cpu
+from convpass.compiler.passes.subgraph_shapes import BodyShapes
 
 logger = logging.getLogger("convpass")
 
@@ -51,6 +55,7 @@ PROFILES_KEY = "convpass.profiles"
 VALUE_SHAPES_KEY = "convpass.value_shapes"  # model.meta: per profile, {value name: dims}
 VALUE_TYPES_KEY = "convpass.value_types"  # model.meta: {value name: ONNX element type}, as inference gave them
 CONV_OPS = ("Conv", "ConvTranspose")
+MODEL_SHAPES = "model shapes"  # the name of the profile of the model's own shapes (no --shape)
 
 _DTYPES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
 _INLINE_LIMIT = 1 << 20  # initializers larger than this go to shape inference as typed inputs
@@ -111,6 +116,7 @@ class _ShapeInference:
         del graph.value_info[:]
         self.proto = proto
         self._outputs = [onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in graph.output]
+        self.bodies = BodyShapes(proto)  # If / Loop / Scan bodies (their rules)
 
     def __call__(self, profile: Profile, pins: Mapping[str, tuple[tuple[int, ...], int]] | None = None) -> tuple[dict[str, tuple], dict[str, int]]:
         graph = self.proto.graph
@@ -128,6 +134,15 @@ class _ShapeInference:
                 _set_dims(outputs[name], dims)
             else:
                 graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, list(dims)))
+        self.bodies.reset()
+        shapes, types = self._infer(profile)
+        for _ in range(4 if self.bodies.loops else 0):  # a body's inputs shaped from the outer shapes, then again
+            if not self.bodies.seed(shapes):
+                break
+            shapes, types = self._infer(profile)
+        return shapes, types
+
+    def _infer(self, profile: Profile) -> tuple[dict[str, tuple], dict[str, int]]:
         try:
             inferred = onnx.shape_inference.infer_shapes(self.proto, check_type=False, strict_mode=False, data_prop=True)
         except Exception as e:  # noqa: BLE001  (inference raises several kinds)
@@ -144,7 +159,25 @@ class _ShapeInference:
                 shapes[vi.name] = tuple(
                     d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
                 )
+        self.bodies.collect(inferred, shapes, types)
         return shapes, types
+
+
+def _label(node: ir.Node) -> str:
+    return node.name or (node.outputs[0].name if node.outputs else node.op_type)
+
+
+def _scopes(graph: ir.Graph) -> dict[ir.Graph, tuple[ir.Node, str]]:
+    """Every sub-graph, at any depth -> the node it belongs to and the attribute that holds it."""
+    out: dict[ir.Graph, tuple[ir.Node, str]] = {}
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for name, attr in node.attributes.items():
+            if attr.type == ir.AttributeType.GRAPH:
+                out[attr.value] = (node, name)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for g in attr.value:
+                    out[g] = (node, name)
+    return out
 
 
 def _set_dims(value_info: onnx.ValueInfoProto, dims: Sequence[int | str | None]) -> None:
@@ -176,7 +209,8 @@ class ResolveShapesPass(ir.passes.InPlacePass):
         inputs = {v.name: v for v in model.graph.inputs if not v.is_initializer()}
         profiles = self._profiles(inputs)
         model.meta[PROFILES_KEY] = profiles
-        convs = [n for n in model.graph if n.op_type in CONV_OPS and n.domain in ("", "ai.onnx") and SKIP_KEY not in n.meta]
+        convs = [n for n in ir.traversal.RecursiveGraphIterator(model.graph)
+                 if n.op_type in CONV_OPS and n.domain in ("", "ai.onnx") and SKIP_KEY not in n.meta]
         if not convs:
             return ir.passes.PassResult(model, modified=False)
         tuned: dict[ir.Node, str] = {}
@@ -189,9 +223,10 @@ class ResolveShapesPass(ir.passes.InPlacePass):
                 logger.warning("%s %r is left untuned: data type %s", node.op_type, node.name, elem)
                 continue
             tuned[node] = dtype
-        sought = list({v.name: v for node in tuned for v in node.inputs[:2] if v.const_value is None}.values())
+        # the CPU run resolves what the main graph's convs need; a body's convs take what inference gives
+        sought = list({v.name: v for node in tuned if node.graph is model.graph for v in node.inputs[:2] if v.const_value is None}.values())
         inference = _ShapeInference(model)
-        inferred = []
+        inferred, unresolved = [], []
         model.meta[VALUE_TYPES_KEY] = {}
         for profile in profiles:
             shapes, types = inference(profile)
@@ -201,14 +236,25 @@ class ResolveShapesPass(ir.passes.InPlacePass):
                 self.notes.extend(_notes(run, tuned))
             inferred.append(shapes)
             model.meta[VALUE_TYPES_KEY].update(types)
+            unresolved.append(dict(inference.bodies.unresolved))
         model.meta[VALUE_SHAPES_KEY] = inferred
+        scopes = _scopes(model.graph)
         for node, dtype in tuned.items():
             x, w = node.inputs[0], node.inputs[1]
             entries = []
-            for profile, shapes in zip(profiles, inferred):
-                xs = self._require(node, x, shapes, profile, inputs)
-                ws = tuple(w.const_value.shape) if w.const_value is not None else self._require(node, w, shapes, profile, inputs)
-                entries.append((xs, ws, dtype))
+            try:
+                for profile, shapes, why in zip(profiles, inferred, unresolved):
+                    xs = self._require(node, x, shapes, profile, inputs, why)
+                    ws = tuple(w.const_value.shape) if w.const_value is not None else self._require(node, w, shapes, profile, inputs, why)
+                    entries.append((xs, ws, dtype))
+            except ShapeError as e:
+                if node.graph is model.graph:
+                    raise
+                parent, attr = scopes[node.graph]
+                where = f"in the {'body' if attr == 'body' else attr} of {parent.op_type} {_label(parent)!r}"
+                node.meta[SKIP_KEY] = f"{where}: {str(e).split(': ', 1)[1]}"
+                logger.warning("%s %r is left untuned: %s", node.op_type, _label(node), node.meta[SKIP_KEY])
+                continue
             node.meta[SHAPES_KEY] = tuple(entries)
         return ir.passes.PassResult(model, modified=False)
 
@@ -240,12 +286,15 @@ class ResolveShapesPass(ir.passes.InPlacePass):
             unknown = sorted(set(spec) - set(declared))
             if unknown:
                 raise ShapeError(f"{option} names unknown input(s) {', '.join(map(repr, unknown))}; the model's inputs are {', '.join(map(repr, declared))}")
-            label = ",".join(f"{k}={_format_dims(v)}" for k, v in spec.items()) or "model shapes"
+            label = ",".join(f"{k}={_format_dims(v)}" for k, v in spec.items()) or MODEL_SHAPES
             profiles.append(Profile(label, {k: v for k, v in shapes.items()}))
         return tuple(profiles)
 
-    def _require(self, node: ir.Node, value: ir.Value, shapes: Mapping[str, tuple], profile: Profile, inputs: Mapping[str, ir.Value]) -> tuple[int, ...]:
+    def _require(self, node: ir.Node, value: ir.Value, shapes: Mapping[str, tuple], profile: Profile, inputs: Mapping[str, ir.Value],
+                 unresolved: Mapping[str, str] = {}) -> tuple[int, ...]:  # noqa: B006  (read only)
         dims = shapes.get(value.name)
+        if dims is None and value.name in unresolved:
+            raise ShapeError(f"{node.op_type} {_label(node)!r}: the shape of its input {value.name!r} is unknown: {unresolved[value.name]}")
         label = node.name or (node.outputs[0].name if node.outputs else node.op_type)
         # inputs the profile leaves open: declared with symbolic / unknown dims, or with no shape at all
         open_inputs = {name: _dims(v.shape) for name, v in inputs.items() if name not in profile.inputs}
