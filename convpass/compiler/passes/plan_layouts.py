@@ -14,7 +14,10 @@ Rules (per shape profile):
   output descriptors, element-wise kernels at any strides), a producer in the other format through
   a transposing copy: the edge from it to the family's root costs that transpose, once (an input
   the root reads is not counted again at the Concats inside it). Concats of different families
-  (Inception's inner ``cat`` placed into the block's) are joined by ordinary edges. (Before
+  (Inception's inner ``cat`` placed into the block's) are joined by ordinary edges. A conv that
+  reads a channel slice of a shared buffer (a dense block's next conv reading the features so
+  far) reads it free in NCHW (contiguous per sample) but copies it to a packed tensor in NHWC
+  (strided rows): with both in NHWC that copy is charged (priced as a transpose of the slice). (Before
   families were tied, DenseNet-121 at batch 32 on an H200 ran in 5.76 ms with its Concats in NCHW
   and 9.40 ms when every Concat passed NHWC through on its own: members of one buffer in two
   formats.)
@@ -147,6 +150,14 @@ def plan_layouts(
                     continue
                 if node in movable or consumer in movable or node in moves or consumer in moves:
                     cost = transpose_ms(value)
+                    if consumer in conv_costs and families.get(node, node) is not node:
+                        # a conv reading a channel slice of a shared Concat buffer: in NCHW the slice is
+                        # contiguous per sample; in NHWC it is strided rows, which the conv copies to a
+                        # packed tensor first (about a transpose's bytes). Costs (buffer, conv): NCHW/NCHW 0,
+                        # apart a transpose, NHWC/NHWC the copy: cut as T*[buffer NHWC] + T*[buffer NCHW, conv NHWC]
+                        add(source, here, cost)
+                        add(here, consumer, cost)
+                        continue
                     add(here, consumer, cost)
                     add(consumer, here, cost)
             if value.is_graph_output() and (node in movable or node in moves):
@@ -299,6 +310,8 @@ def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None) -> LayoutPlan
             if here != there and (ms := transpose_ms(value)) > 0:
                 total += ms
                 transposes += 1
+            elif here == there == "nhwc" and node in conv_costs and producer is not None and families.get(producer, producer) is not producer:
+                total += transpose_ms(value)  # an NHWC conv copies its channel slice of a shared NHWC buffer
         written = writes.get(node) or fmt.get(node, "nchw")
         for value in node.outputs:
             if value.is_graph_output() and written != "nchw" and (ms := transpose_ms(value)) > 0:
