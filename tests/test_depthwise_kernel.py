@@ -18,7 +18,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import convpass
-from conftest import channels_last_array, host_library, numpy_shape_bench
+from conftest import channels_last_array, host_library, numpy_candidates
 from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.core.cudnn_enums import algo_names
@@ -284,7 +284,7 @@ def own_bench(monkeypatch):
     monkeypatch.setattr(harness, "time_launches", time_launches)
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: None)
     monkeypatch.setattr(depthwise.DepthwiseKernel, "__call__", run)
-    bench = numpy_shape_bench(monkeypatch, DW, maximum=np.maximum, ascontiguousarray=np.ascontiguousarray)
+    bench = numpy_candidates(monkeypatch, DW, maximum=np.maximum, ascontiguousarray=np.ascontiguousarray)
     bench.timings, bench.calls = timings, calls
     return bench
 

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import convpass
-from conftest import conv_model, no_plan_side_car, numpy_shape_bench, offer_configs
+from conftest import conv_model, no_plan_side_car, numpy_candidates, offer_configs
 from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.native.cudnn import graph_api
@@ -257,7 +257,7 @@ def engine_bench(monkeypatch):
 
     monkeypatch.setattr(graph_api, "EnginePlan", _FakePlan)
     monkeypatch.setattr(harness, "time_launches", _fake_timing)
-    return numpy_shape_bench(monkeypatch, SHAPE)
+    return numpy_candidates(monkeypatch, SHAPE)
 
 
 def test_every_engine_configuration_gets_a_row_with_its_status_and_reason(engine_bench, monkeypatch):
@@ -344,7 +344,7 @@ def test_legacy_algorithms_go_through_the_same_check_and_timing(engine_bench, mo
     monkeypatch.setattr(cudnn_pkg, "run", run)
     monkeypatch.setattr(harness, "time_launches", timing)
     key = SHAPE.key("nchw", "default")
-    rows = {a: engine_bench.measure(None, key, a, None) for a in ("implicit_gemm", "gemm", "fft", "direct")}
+    rows = {a: engine_bench.measure_legacy(None, key, a, None) for a in ("implicit_gemm", "gemm", "fft", "direct")}
     assert {a: r.status for a, r in rows.items()} == {"implicit_gemm": "ok", "gemm": "unsupported", "fft": "wrong_result", "direct": "oom"}
     assert rows["implicit_gemm"].time_ms == 0.02 and "eager launches (not capturable)" in rows["implicit_gemm"].note
     assert rows["implicit_gemm"].workspace_bytes == 128 and "graph API" not in rows["implicit_gemm"].note
