@@ -369,7 +369,7 @@ def test_the_executor_builds_a_recorded_kernel_or_says_why_not(monkeypatch, algo
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: None)
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
     decision = annotation.ConvDecision(algo=algo, fusion="bias+relu", problem_key=str(DW_KEY))
-    ex, why = Convolutions(_Rt())._own_exec(ConvCall("dw", geometry, decision), decision, DW_KEY, "")
+    ex, why = Convolutions(_Rt()).resolver._own_exec(ConvCall("dw", geometry, decision), decision, DW_KEY, "")
     if usable:
         assert why == "" and ex.kernel.r == 8 and ex.kernel.channels_last and ex.fused_call == "bias+relu" and ex.descs is None
     else:

@@ -315,13 +315,13 @@ class _Plan:
 @pytest.fixture
 def convs(monkeypatch):
     from convpass.native import cudnn
-    from convpass.kernels import convolution
+    from convpass.kernels import conv_resources, convolution
 
     warned = []
     rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))
     monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
     no_plan_side_car(monkeypatch)
-    monkeypatch.setattr(convolution.Convolutions, "descriptors", lambda self, key: "descs")
+    monkeypatch.setattr(conv_resources.ConvResources, "descriptors", lambda self, key: "descs")
     monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo: 0)
     c = convolution.Convolutions(rt)
     c.warned = warned

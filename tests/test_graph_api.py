@@ -431,7 +431,7 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
     import time as time_mod
     import types
 
-    from convpass.kernels import convolution
+    from convpass.kernels import conv_resolve, convolution
 
     class SlowPlan:
         def __init__(self, key, config, enumerated=None):
@@ -440,15 +440,15 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
 
     monkeypatch.setattr(graph_api, "EnginePlan", SlowPlan)
     no_plan_side_car(monkeypatch)
-    monkeypatch.setattr(convolution, "ENGINE_COMPILATIONS", [])
+    monkeypatch.setattr(conv_resolve, "ENGINE_COMPILATIONS", [])
     convs = convolution.Convolutions(types.SimpleNamespace(cp=None))
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
     for node, engine in (("dw1", "eng5"), ("pw1", "eng0")):
         call = types.SimpleNamespace(node_name=node, geometry=geometry)
-        ex = convs._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default"))
+        ex = convs.resolver._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default"))
         assert ex.algo == "engine:" + engine and ex.engine is not None and not ex.strided_output_ok
     assert [n for n, _, _ in convs.engine_builds] == ["dw1", "pw1"]
-    assert len(convolution.ENGINE_COMPILATIONS) == 1 and convolution.ENGINE_COMPILATIONS[0].startswith("cuDNN plan eng5 of 'dw1'")
+    assert len(conv_resolve.ENGINE_COMPILATIONS) == 1 and conv_resolve.ENGINE_COMPILATIONS[0].startswith("cuDNN plan eng5 of 'dw1'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +516,7 @@ def _engine_execs(convs, engines):
     out = []
     for node, engine in engines:
         call = types.SimpleNamespace(node_name=node, geometry=geometry)
-        out.append(convs._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default")))
+        out.append(convs.resolver._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default")))
     return out
 
 

@@ -399,9 +399,11 @@ class _Rt:
 
 
 def _exec(fused_call, algo="implicit_gemm"):
-    from convpass.kernels.convolution import ConvExec
+    from convpass.kernels.conv_exec import LegacyConv
+    from convpass.kernels.conv_resolve import ConvResolution
 
-    return ConvExec("c1", "Conv", None, KEY, None, algo, 0, None, "recorded", fused_call=fused_call)
+    conv = LegacyConv(KEY, Algo.parse(algo), "", None, descs="descs", workspace_bytes=0)
+    return ConvResolution("c1", "Conv", None, conv, None, "recorded", fused_call=fused_call)
 
 
 @pytest.mark.parametrize("fused_call,relu,residual,activation,warns", [
@@ -428,14 +430,14 @@ def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
     """A legacy epilogue belongs to the legacy call: an engine recorded beside one (an edited model)
     is the bare conv's configuration, not a fused graph cuDNN's graph API has no name for."""
     from convpass.ops.conv import ConvCall
-    from convpass.kernels.convolution import Convolutions
+    from convpass.kernels.conv_resolve import ConvResolver
 
     seen = []
-    monkeypatch.setattr(Convolutions, "_engine_plan",
+    monkeypatch.setattr(ConvResolver, "_engine_plan",
                         lambda self, node, key, config: seen.append(config) or types.SimpleNamespace(config=config, workspace_bytes=0))
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
     decision = annotation.ConvDecision(algo="implicit_gemm", engine="eng5", fusion=RELU)
-    ex = Convolutions(_Rt())._engine_exec(ConvCall("c1", geometry, decision), decision, KEY)
+    ex = ConvResolver(_Rt(), None)._engine_exec(ConvCall("c1", geometry, decision), decision, KEY)
     assert ex is not None and [c.fusion for c in seen] == [""] and ex.fused_call is None
 
 
@@ -446,7 +448,7 @@ def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
 ])
 def test_a_recorded_fusion_that_cannot_be_run_is_said(engine, fusion, complaint):
     """The executor warns (naming the node) about a fusion it cannot run as recorded; see odd_fusion."""
-    from convpass.kernels.convolution import odd_fusion
+    from convpass.kernels.conv_resolve import odd_fusion
 
     got = odd_fusion(annotation.ConvDecision(algo="implicit_gemm", engine=engine, fusion=fusion))
     assert (got is None) if complaint is None else (complaint in got), got
