@@ -319,14 +319,17 @@ def offer_configs(monkeypatch, configs) -> None:
 
 
 def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.0, **cupy_functions):
-    """The tuner's ``_ShapeBench`` for ``shape`` over NumPy stand-ins for CuPy and the harness's
-    arrays (no timing: a test sets ``harness.time_launches``). Inputs are filled with ``fill``, ``x``
-    with ``x_value``; the reference is what a conv of all-ones weights gives (``x.sum()``);
-    ``cupy_functions``: what the fake ``cupy`` module offers besides ``empty`` and ``uint8``."""
+    """The tuner's :class:`~convpass.tuning.shape_bench.ShapeBench` for ``shape`` over NumPy
+    stand-ins for CuPy and the harness's arrays (no timing: a test sets ``harness.time_launches``).
+    Inputs are filled with ``fill``, ``x`` with ``x_value``; the reference is what a conv of
+    all-ones weights gives (``x.sum()``); ``cupy_functions``: what the fake ``cupy`` module offers
+    besides ``empty`` and ``uint8``. The epilogue pass of the execution objects
+    (:func:`convpass.kernels.conv_exec.apply_epilogue`) runs NumPy arithmetic in place of its CuPy kernel."""
     import sys
     import types
 
-    from convpass.tuning import harness, tuner
+    from convpass.kernels import conv_exec
+    from convpass.tuning import harness, shape_bench
 
     fake_cp = types.ModuleType("cupy")
     fake_cp.empty, fake_cp.uint8 = np.empty, np.uint8
@@ -340,9 +343,9 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     monkeypatch.setattr(harness, "first_launch_ms", lambda launch: (launch(), 0.0)[1])
     monkeypatch.setattr(harness, "relative_error",
                         lambda out, ref: float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("inf"))
+    monkeypatch.setattr(conv_exec, "epilogue_kernel", numpy_epilogue_kernel)
     x = np.full(shape.x_shape, x_value, np.float32)
-    bench = object.__new__(tuner._ShapeBench)
-    bench._engine_biases = {}
+    bench = object.__new__(shape_bench.ShapeBench)
     bench._groups, bench._sets = {}, {}
     bench.shape = shape
     bench._base = {"x": x, "w": np.ones(shape.w_shape, np.float32), "y": np.empty(shape.y_shape, np.float32)}
@@ -350,6 +353,26 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     sets = [dict(bench._base)]
     bench.buffers = lambda layout, count: sets
     return bench
+
+
+def numpy_candidates(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.0, **cupy_functions):
+    """The tuner's per-family :class:`~convpass.tuning.candidates.Candidates` over
+    :func:`numpy_shape_bench`."""
+    from convpass.tuning.candidates import Candidates
+
+    return Candidates(numpy_shape_bench(monkeypatch, shape, fill, x_value, **cupy_functions))
+
+
+def numpy_epilogue_kernel(cp, bias: bool, residual: bool, relu: bool):
+    """:func:`convpass.kernels.conv_exec.epilogue_kernel` in NumPy: ``y = act(y + b + z)`` in place
+    over the operands given (broadcast to ``y``), a ReLU that keeps NaN."""
+
+    def run(*args):
+        *operands, y = args
+        v = y + sum(operands) if operands else y.copy()
+        y[...] = np.where(v < 0, 0, v) if relu else v
+
+    return run
 
 
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

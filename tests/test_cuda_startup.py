@@ -99,7 +99,7 @@ def test_prefetch_asks_each_recorded_legacy_algorithm_once_on_a_thread_of_its_ow
     D = annotation.ConvDecision
     convs = _convs(device_id=3)
     known = ProblemKey.parse(_key(5))
-    convs._workspace_bytes[(known, "gemm")] = 7  # asked already: not again
+    convs.resources._workspace_bytes[(known, "gemm")] = 7  # asked already: not again
     decisions = [
         D(algo="implicit_gemm", problem_key=_key(3)),
         D(algo="implicit_gemm", problem_key=_key(3)),  # the same problem at another node
@@ -116,14 +116,14 @@ def test_prefetch_asks_each_recorded_legacy_algorithm_once_on_a_thread_of_its_ow
     assert [(k, a) for k, a, _, _ in asked] == [(_key(3), "implicit_gemm"), (_key(3, "nhwc"), "implicit_gemm"), (_key(4), "winograd")]
     # one handle of its own, on the backend's device (cuda:3), used and closed by the helper thread alone
     assert len(handles) == 1 and handles[0].device == 3 and handles[0].closed and convs.rt.devices_used == [3]
-    assert {(h, t) for _, _, h, t in asked} == {(handles[0], convs._prefetch)} and convs._prefetch is not threading.current_thread()
-    assert convs._workspace_bytes == {
+    assert {(h, t) for _, _, h, t in asked} == {(handles[0], convs.resources._prefetch)} and convs.resources._prefetch is not threading.current_thread()
+    assert convs.resources._workspace_bytes == {
         (ProblemKey.parse(_key(3)), "implicit_gemm"): 1003,
         (ProblemKey.parse(_key(3, "nhwc")), "implicit_gemm"): 1003,
         (known, "gemm"): 7,
     }
     # what the plan asks later comes from the memo
-    assert convs.workspace_bytes(ProblemKey.parse(_key(3)), "implicit_gemm") == 1003 and len(asked) == 3
+    assert convs.resources.workspace_bytes(ProblemKey.parse(_key(3)), "implicit_gemm") == 1003 and len(asked) == 3
 
 
 def test_no_prefetch_for_a_model_tuned_on_another_gpu_or_with_nothing_to_ask(fake_cudnn):
@@ -131,11 +131,11 @@ def test_no_prefetch_for_a_model_tuned_on_another_gpu_or_with_nothing_to_ask(fak
     D = annotation.ConvDecision
     convs = _convs(recorded_device="NVIDIA H100 80GB HBM3|sm_90", current_device="NVIDIA H200|sm_90")
     convs.prefetch_workspaces([D(algo="implicit_gemm", problem_key=_key(3))])
-    assert convs._prefetch is None
+    assert convs.resources._prefetch is None
     convs = _convs()
     convs.prefetch_workspaces([D(algo="auto", problem_key=_key(3))])
     common.join_helpers()
-    assert convs._prefetch is None and asked == [] and handles == []
+    assert convs.resources._prefetch is None and asked == [] and handles == []
 
 
 def test_a_context_made_ahead_is_released_when_the_gpu_cannot_be_used(monkeypatch):

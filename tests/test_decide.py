@@ -16,7 +16,8 @@ from convpass.core.errors import ConvpassError
 from convpass.core.options import TuneOptions
 from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.core.problem import ConvProblem
-from convpass.tuning.tuner import candidate_keys, complete, skip_reason
+from convpass.tuning.candidates import skip_reason
+from convpass.tuning.tuner import candidate_keys, complete
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (1, 3, 8, 8), (4, 3, 3, 3)).shapes[0]

@@ -18,7 +18,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import convpass
-from conftest import channels_last_array, host_library, numpy_shape_bench
+from conftest import channels_last_array, host_library, numpy_candidates
 from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.core.cudnn_enums import algo_names
@@ -284,7 +284,7 @@ def own_bench(monkeypatch):
     monkeypatch.setattr(harness, "time_launches", time_launches)
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: None)
     monkeypatch.setattr(depthwise.DepthwiseKernel, "__call__", run)
-    bench = numpy_shape_bench(monkeypatch, DW, maximum=np.maximum, ascontiguousarray=np.ascontiguousarray)
+    bench = numpy_candidates(monkeypatch, DW, maximum=np.maximum, ascontiguousarray=np.ascontiguousarray)
     bench.timings, bench.calls = timings, calls
     return bench
 
@@ -369,7 +369,7 @@ def test_the_executor_builds_a_recorded_kernel_or_says_why_not(monkeypatch, algo
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: None)
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
     decision = annotation.ConvDecision(algo=algo, fusion="bias+relu", problem_key=str(DW_KEY))
-    ex, why = Convolutions(_Rt())._own_exec(ConvCall("dw", geometry, decision), decision, DW_KEY, "")
+    ex, why = Convolutions(_Rt()).resolver._own_exec(ConvCall("dw", geometry, decision), decision, DW_KEY, "")
     if usable:
         assert why == "" and ex.kernel.r == 8 and ex.kernel.channels_last and ex.fused_call == "bias+relu" and ex.descs is None
     else:

@@ -15,7 +15,7 @@ import pytest
 from onnx import helper
 
 import convpass
-from conftest import no_plan_side_car, numpy_shape_bench, offer_configs, silu_model
+from conftest import no_plan_side_car, numpy_candidates, offer_configs, silu_model
 from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.native.cudnn import graph_api
@@ -248,12 +248,12 @@ class _FusedPlan:
 
 @pytest.fixture
 def fused_bench(monkeypatch):
-    from convpass.tuning import harness
+    from convpass.tuning import candidates, harness
 
     monkeypatch.setattr(graph_api, "EnginePlan", _FusedPlan)
     offer_configs(monkeypatch, lambda key, fusion="": [EngineConfig(i, (), fusion) for i in (1, 2, 3)])
     launched = []
-    monkeypatch.setattr(tuner, "_activation_kernel", lambda fusion: lambda a, out: launched.append(fusion))
+    monkeypatch.setattr(candidates, "_activation_kernel", lambda fusion: lambda a, out: launched.append(fusion))
 
     def timing(launch, sets, best_ms=None, **_):
         launch(0)
@@ -261,7 +261,7 @@ def fused_bench(monkeypatch):
 
     monkeypatch.setattr(harness, "time_launches", timing)
     # x near 0: conv + bias near -0.7, where SiLU is far from identity
-    bench = numpy_shape_bench(monkeypatch, SHAPE, fill=0.25, x_value=-1e-4, exp=np.exp)
+    bench = numpy_candidates(monkeypatch, SHAPE, fill=0.25, x_value=-1e-4, exp=np.exp)
     bench.launched = launched
     return bench
 
@@ -315,13 +315,13 @@ class _Plan:
 @pytest.fixture
 def convs(monkeypatch):
     from convpass.native import cudnn
-    from convpass.kernels import convolution
+    from convpass.kernels import conv_resources, convolution
 
     warned = []
     rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))
     monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
     no_plan_side_car(monkeypatch)
-    monkeypatch.setattr(convolution.Convolutions, "descriptors", lambda self, key: "descs")
+    monkeypatch.setattr(conv_resources.ConvResources, "descriptors", lambda self, key: "descs")
     monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo: 0)
     c = convolution.Convolutions(rt)
     c.warned = warned

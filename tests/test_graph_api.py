@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import convpass
-from conftest import conv_model, no_plan_side_car, numpy_shape_bench, offer_configs
+from conftest import conv_model, no_plan_side_car, numpy_candidates, offer_configs
 from convpass.core import annotation
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.native.cudnn import graph_api
@@ -257,7 +257,7 @@ def engine_bench(monkeypatch):
 
     monkeypatch.setattr(graph_api, "EnginePlan", _FakePlan)
     monkeypatch.setattr(harness, "time_launches", _fake_timing)
-    return numpy_shape_bench(monkeypatch, SHAPE)
+    return numpy_candidates(monkeypatch, SHAPE)
 
 
 def test_every_engine_configuration_gets_a_row_with_its_status_and_reason(engine_bench, monkeypatch):
@@ -344,7 +344,7 @@ def test_legacy_algorithms_go_through_the_same_check_and_timing(engine_bench, mo
     monkeypatch.setattr(cudnn_pkg, "run", run)
     monkeypatch.setattr(harness, "time_launches", timing)
     key = SHAPE.key("nchw", "default")
-    rows = {a: engine_bench.measure(None, key, a, None) for a in ("implicit_gemm", "gemm", "fft", "direct")}
+    rows = {a: engine_bench.measure_legacy(None, key, a, None) for a in ("implicit_gemm", "gemm", "fft", "direct")}
     assert {a: r.status for a, r in rows.items()} == {"implicit_gemm": "ok", "gemm": "unsupported", "fft": "wrong_result", "direct": "oom"}
     assert rows["implicit_gemm"].time_ms == 0.02 and "eager launches (not capturable)" in rows["implicit_gemm"].note
     assert rows["implicit_gemm"].workspace_bytes == 128 and "graph API" not in rows["implicit_gemm"].note
@@ -431,7 +431,7 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
     import time as time_mod
     import types
 
-    from convpass.kernels import convolution
+    from convpass.kernels import conv_resolve, convolution
 
     class SlowPlan:
         def __init__(self, key, config, enumerated=None):
@@ -440,15 +440,15 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
 
     monkeypatch.setattr(graph_api, "EnginePlan", SlowPlan)
     no_plan_side_car(monkeypatch)
-    monkeypatch.setattr(convolution, "ENGINE_COMPILATIONS", [])
+    monkeypatch.setattr(conv_resolve, "ENGINE_COMPILATIONS", [])
     convs = convolution.Convolutions(types.SimpleNamespace(cp=None))
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
     for node, engine in (("dw1", "eng5"), ("pw1", "eng0")):
         call = types.SimpleNamespace(node_name=node, geometry=geometry)
-        ex = convs._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default"))
+        ex = convs.resolver._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default"))
         assert ex.algo == "engine:" + engine and ex.engine is not None and not ex.strided_output_ok
     assert [n for n, _, _ in convs.engine_builds] == ["dw1", "pw1"]
-    assert len(convolution.ENGINE_COMPILATIONS) == 1 and convolution.ENGINE_COMPILATIONS[0].startswith("cuDNN plan eng5 of 'dw1'")
+    assert len(conv_resolve.ENGINE_COMPILATIONS) == 1 and conv_resolve.ENGINE_COMPILATIONS[0].startswith("cuDNN plan eng5 of 'dw1'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +516,7 @@ def _engine_execs(convs, engines):
     out = []
     for node, engine in engines:
         call = types.SimpleNamespace(node_name=node, geometry=geometry)
-        out.append(convs._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default")))
+        out.append(convs.resolver._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default")))
     return out
 
 

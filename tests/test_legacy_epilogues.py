@@ -16,7 +16,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import convpass
-from conftest import numpy_shape_bench
+from conftest import numpy_candidates, numpy_shape_bench
 from convpass.core import annotation, fusion as epilogue
 from convpass.tuning.cache import Measurement, TuningCache
 from convpass.core.cudnn_enums import algo_names
@@ -225,14 +225,18 @@ def test_a_full_timing_keeps_its_group_and_workspace_within_the_budget(monkeypat
                     harness.Timing(0.01, 50, 0.0, group="group d", group_launches=20)])
     monkeypatch.setattr(harness, "time_launches", lambda *args, **kwargs: next(timings))
 
-    def launch(b, workspace):
-        b["y"][...] = bench.reference()
+    def conv(algo, ws):  # an execution object: what check_and_time reads of one
+        def launch(x, w, y, workspace, bias=None, z=None):
+            y[...] = bench.reference()
 
-    for algo, ws in (("a", 150), ("b", 0), ("c", 100), ("d", 50)):
-        assert bench._checked_and_timed(KEY, algo, ws, True, 0.0, 0.01, launch).status == "ok"
+        return types.SimpleNamespace(key=KEY, algo=algo, workspace_bytes=ws, launch=launch, prepare_weight=lambda w: w)
+
+    convs = {algo: conv(algo, ws) for algo, ws in (("a", 150), ("b", 0), ("c", 100), ("d", 50))}
+    for c in convs.values():
+        assert bench.check_and_time(c, True, 0.0, 0.01).status == "ok"
     assert set(bench._groups) == {(KEY, "a"), (KEY, "d")} and bench.group_bytes() == 200
-    group, launches, (workspace, kept_launch) = bench._groups[(KEY, "a")]
-    assert (group, launches, workspace.nbytes, kept_launch) == ("group a", 10, 150, launch)
+    group, launches, (workspace, kept_conv, kept_launch) = bench._groups[(KEY, "a")]
+    assert (group, launches, workspace.nbytes, kept_conv) == ("group a", 10, 150, convs["a"]) and callable(kept_launch)
     bench.release()
     assert bench._groups == {} and bench.group_bytes() == 0
 
@@ -320,7 +324,7 @@ def test_a_cache_with_every_bare_row_gets_only_the_epilogue_measured(monkeypatch
 @pytest.fixture
 def bench(monkeypatch):
     from convpass.native import cudnn
-    from convpass.kernels import convolution
+    from convpass.kernels import conv_exec
     from convpass.tuning import harness
 
     timings: list[float] = []
@@ -341,8 +345,8 @@ def bench(monkeypatch):
     monkeypatch.setattr(harness, "time_launches", time_launches)
     monkeypatch.setattr(cudnn, "conv_bias_activation_forward", fused_call)
     monkeypatch.setattr(cudnn, "workspace_size", lambda descs, handle, algo: 128)
-    monkeypatch.setattr(convolution, "apply_epilogue", lambda cp, y, b, relu, z=None: None)
-    bench = numpy_shape_bench(monkeypatch, SHAPE, maximum=np.maximum)
+    monkeypatch.setattr(conv_exec, "apply_epilogue", lambda cp, y, b, relu, z=None: None)
+    bench = numpy_candidates(monkeypatch, SHAPE, maximum=np.maximum)
     bench.timings = timings
     return bench
 
@@ -362,7 +366,7 @@ def test_a_legacy_epilogue_gets_its_pass_row_and_a_checked_row_per_fused_call(be
     assert precomp.status == "ok" and precomp.time_ms == 0.012 and "in one cuDNN call" in precomp.note and precomp.workspace_bytes == 128
     implicit = by[str(Algo.parse("implicit_gemm").fused(name))]
     assert implicit.status == ("ok" if relu else "unsupported")  # cuDNN's identity needs implicit_precomp_gemm
-    assert ("z" in bench.buffers(KEY.layout, 1)[0]) == residual
+    assert ("z" in bench.bench.buffers(KEY.layout, 1)[0]) == residual
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,9 +399,11 @@ class _Rt:
 
 
 def _exec(fused_call, algo="implicit_gemm"):
-    from convpass.kernels.convolution import ConvExec
+    from convpass.kernels.conv_exec import LegacyConv
+    from convpass.kernels.conv_resolve import ConvResolution
 
-    return ConvExec("c1", "Conv", None, KEY, None, algo, 0, None, "recorded", fused_call=fused_call)
+    conv = LegacyConv(KEY, Algo.parse(algo), "", None, descs="descs", workspace_bytes=0)
+    return ConvResolution("c1", "Conv", None, conv, None, "recorded", fused_call=fused_call)
 
 
 @pytest.mark.parametrize("fused_call,relu,residual,activation,warns", [
@@ -424,14 +430,14 @@ def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
     """A legacy epilogue belongs to the legacy call: an engine recorded beside one (an edited model)
     is the bare conv's configuration, not a fused graph cuDNN's graph API has no name for."""
     from convpass.ops.conv import ConvCall
-    from convpass.kernels.convolution import Convolutions
+    from convpass.kernels.conv_resolve import ConvResolver
 
     seen = []
-    monkeypatch.setattr(Convolutions, "_engine_plan",
+    monkeypatch.setattr(ConvResolver, "_engine_plan",
                         lambda self, node, key, config: seen.append(config) or types.SimpleNamespace(config=config, workspace_bytes=0))
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
     decision = annotation.ConvDecision(algo="implicit_gemm", engine="eng5", fusion=RELU)
-    ex = Convolutions(_Rt())._engine_exec(ConvCall("c1", geometry, decision), decision, KEY)
+    ex = ConvResolver(_Rt(), None)._engine_exec(ConvCall("c1", geometry, decision), decision, KEY)
     assert ex is not None and [c.fusion for c in seen] == [""] and ex.fused_call is None
 
 
@@ -442,7 +448,7 @@ def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
 ])
 def test_a_recorded_fusion_that_cannot_be_run_is_said(engine, fusion, complaint):
     """The executor warns (naming the node) about a fusion it cannot run as recorded; see odd_fusion."""
-    from convpass.kernels.convolution import odd_fusion
+    from convpass.kernels.conv_resolve import odd_fusion
 
     got = odd_fusion(annotation.ConvDecision(algo="implicit_gemm", engine=engine, fusion=fusion))
     assert (got is None) if complaint is None else (complaint in got), got

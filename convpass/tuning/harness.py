@@ -28,7 +28,7 @@
 * Candidates timed one after the other drift with the GPU's state between their timings (a few
   percent on an H200, though each timing is precise to 1% over its groups), which flips choices
   between near-equal ones from run to run. So the tuner replays the captured groups of the close
-  ones in turn, round after round (:func:`head_to_head`; which ones: ``tuner._ShapeBench.settle``),
+  ones in turn, round after round (:func:`head_to_head`; which ones: ``shape_bench.ShapeBench.settle``),
   and orders them by that.
 * A first launch over 4x the best and :data:`SLOW_LAUNCH_MS` is launched once more, eagerly; when
   that one is too, the candidate is stopped there (``a second launch over 4x the best and 2 ms``): a slow

@@ -458,7 +458,7 @@ def test_conv_epilogues_are_tuned_and_run_the_way_they_were_timed(engines, tmp_p
 def test_the_conv_epilogue_pass_matches_numpy(bias, residual, relu, layouts, dtype):
     """act(y + z + b) in one pass, in place, over the storage order of y (a residual in another
     memory order takes the logical path); NaN passes the ReLU as NaN."""
-    from convpass.kernels.convolution import apply_epilogue
+    from convpass.kernels.conv_exec import apply_epilogue
 
     rng = np.random.default_rng(3)
     shape = (2, 6, 5, 7)

@@ -1,0 +1,411 @@
+"""One execution object per candidate family: what the tuner times is what the executor runs.
+
+A convolution candidate is built once, from its problem key, its algorithm
+(:class:`~convpass.core.algo.Algo`) and the epilogue its step runs (:mod:`convpass.core.fusion`
+names), by :func:`conv_exec`. It is launched by one method, ``launch(x, w, y, workspace, bias=None,
+z=None)``. The tuner (:mod:`convpass.tuning.candidates`) checks that launch against its reference
+and times it through :mod:`convpass.tuning.harness`; the executor
+(:mod:`convpass.kernels.convolution`) resolves a decision to an object of the same class, with the
+same algorithm and workspace, and calls the same launch.
+
+=================  ==========================================  ============================================
+class              algorithm (:class:`~convpass.core.algo.Algo`)  one launch
+=================  ==========================================  ============================================
+``LegacyConv``     a cuDNN legacy algorithm                    the conv, then the epilogue as one pass
+``FusedLegacyConv`` ``<legacy>+bias[+add][+relu]``             cuDNN's fused conv + bias (+ z) + identity /
+                                                               ReLU call
+``EngineConv``     ``engine:<config>``, ``...+bias+swish``     the graph-API plan (a fused graph: its
+                                                               epilogue in the call; else one pass after)
+``OwnConv``        ``convpass_depthwise_r<R>[+<epilogue>]``    convpass's kernel, its epilogue in it (a
+                                                               fused name) or as one pass after
+=================  ==========================================  ============================================
+
+Rules
+-----
+1. Arrays are named as the forward geometry names them (``x`` input, ``w`` filter, ``y`` output),
+   logical channels-first, stored in the key's memory format, of the key's rank (a 1-D conv's
+   arrays mapped to 2-D by the caller). The launch writes its direction's output: ``y`` (fwd),
+   ``x`` (dgrad), ``w`` (wgrad); the epilogue runs over that output.
+2. Epilogues: ``""`` (none), ``"relu"`` (a ConvTranspose's absorbed Relu, no bias), the legacy
+   ones (``bias``, ``bias+relu``, ``bias+add``, ``bias+add+relu``), and a fused graph's
+   (``bias+swish``, an engine's only). ``bias``: the ``(K,)`` values, contiguous where
+   :attr:`ConvExec.contiguous_bias` says so; ``z``: the residual, shaped as the output.
+3. Outputs: packed in the key's memory format, or where :attr:`ConvExec.output_strides` allows a
+   slice of a larger buffer (a Concat's): ``"same_order"`` in the key's memory order (cuDNN's
+   forward call takes the slice's strides), ``"any"`` with any strides (convpass's kernel).
+4. A launch allocates nothing and waits for nothing, so it can be captured into a CUDA graph.
+   :attr:`ConvExec.counts` names the executor's counters a launch adds one to.
+5. Every launch tells the listeners (:func:`add_launch_listener`, :func:`record_launches`) the
+   object and its arguments: the tests' proof that the tuner and the executor launch the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from convpass.core.algo import Algo
+from convpass.core.fusion import is_legacy, legacy_name, parts
+from convpass.core.layout import storage_order
+from convpass.core.problem import ProblemKey
+from convpass.kernels import depthwise
+from convpass.native import cudnn
+from convpass.native.cuda import elements
+from convpass.native.cudnn import graph_api
+
+__all__ = [
+    "ConvExec", "EngineConv", "ExecIdentity", "FusedLegacyConv", "LaunchRecord", "LegacyConv", "OwnConv", "add_launch_listener",
+    "apply_epilogue", "conv_exec", "epilogue_kernel", "fusion_counter", "remove_launch_listener", "record_launches", "step_epilogue",
+]
+
+_OUTPUT = {"fwd": 2, "dgrad": 0, "wgrad": 1}  # which of (x, w, y) a direction writes
+
+
+def step_epilogue(bias: bool, residual: bool, relu: bool) -> str:
+    """The name of the epilogue a step runs after its conv (rule 2): the legacy name with a bias,
+    ``"relu"`` or ``""`` without one."""
+    if bias:
+        return legacy_name(residual, relu)
+    if residual:
+        raise ValueError("a conv step adds a residual only with its bias")
+    return "relu" if relu else ""
+
+
+def _pass_parts(name: str) -> tuple[bool, bool, bool]:
+    """``(bias, residual, relu)`` of an epilogue run as one element-wise pass (rule 2)."""
+    if name in ("", "relu"):
+        return False, False, name == "relu"
+    return (True, *parts(name))
+
+
+def fusion_counter(fusion: str) -> str:
+    """The backend counter of launches that ran a fused graph-API epilogue (``fused_bias_swish``)."""
+    return "fused_" + fusion.replace("+", "_")
+
+
+def _fused_counter(residual: bool, relu: bool) -> str:
+    """The backend counter of a conv whose legacy epilogue ran in its own call."""
+    return "fused_" + ("residual_" if residual else "") + ("relu" if relu else "identity")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecIdentity:
+    """What identifies an execution object: its class, problem, exact algorithm (engine id and
+    knobs, fused epilogue), the epilogue its step runs and its workspace."""
+
+    kind: str
+    key: ProblemKey
+    algo: str
+    epilogue: str
+    workspace_bytes: int
+
+
+class ConvExec:
+    """One candidate of one problem key, ready to launch (see the module rules)."""
+
+    output_strides = "packed"  # rule 3
+    contiguous_bias = False  # rule 2
+
+    def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, workspace_bytes: int) -> None:
+        self.key, self.algo, self.epilogue, self.cp = key, algo, epilogue, cp
+        self.workspace_bytes = int(workspace_bytes)
+
+    def launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any = None, z: Any = None) -> None:
+        """The conv's step: the conv and its epilogue (module rules), enqueued on CuPy's current stream."""
+        self._launch(x, w, y, workspace, bias, z)
+        listeners = _listeners
+        if listeners:
+            for fn in listeners:
+                fn(self, (x, w, y, workspace, bias, z))
+
+    def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
+        raise NotImplementedError
+
+    def _pass(self, out: Any, bias: Any, z: Any) -> None:
+        """The epilogue as one element-wise pass over ``out`` (none for ``""``)."""
+        if not self.epilogue:
+            return
+        with_bias, residual, relu = _pass_parts(self.epilogue)
+        if (with_bias and bias is None) or (residual and z is None):
+            raise ValueError(f"{self.describe()}: the epilogue needs {'its bias' if bias is None else 'its residual'}")
+        apply_epilogue(self.cp, out, bias if with_bias else None, relu, z if residual else None)
+
+    def prepare_weight(self, w: Any) -> Any:
+        """``w`` as the launch reads it fastest (called once per weight, never per launch)."""
+        return w
+
+    @property
+    def weight_form(self) -> str:
+        """Names :meth:`prepare_weight`'s form (``""``: the weight as it is), for caches of it."""
+        return ""
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        """The executor's counters one launch adds one to (rule 4)."""
+        raise NotImplementedError
+
+    @property
+    def identity(self) -> ExecIdentity:
+        return ExecIdentity(type(self).__name__, self.key, str(self.algo), self.epilogue, self.workspace_bytes)
+
+    def describe(self) -> str:
+        then = f", then {self.epilogue} as one pass" if self.epilogue and not self.algo.fusion else ""
+        return f"{type(self).__name__} {str(self.algo)!r} ({self.key.layout}, {self.key.math}{then}; workspace {self.workspace_bytes} B)"
+
+    def __repr__(self) -> str:
+        return f"<{self.describe()}>"
+
+
+class LegacyConv(ConvExec):
+    """A cuDNN legacy algorithm: the conv (``cudnn.run``, the key's direction), then the epilogue as one pass."""
+
+    def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, descs: Any, workspace_bytes: int | None = None) -> None:
+        if not algo.bare_of("legacy"):
+            raise ValueError(f"{algo} is not a bare cuDNN legacy algorithm")
+        _pass_parts(epilogue)
+        if workspace_bytes is None:
+            workspace_bytes = cudnn.workspace_size(descs, None, algo.name)
+        super().__init__(key, algo, epilogue, cp, workspace_bytes)
+        self.descs = descs
+        self.direction = key.shape.direction
+        if self.direction == "fwd":
+            self.output_strides = "same_order"
+
+    def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
+        strided = {}
+        if self.direction == "fwd" and cudnn.layout_of(y) not in (self.key.layout, "both"):
+            strided["y_strides"] = elements(y.strides, y.itemsize)  # a slice of a larger buffer (rule 3)
+        cudnn.run(self.descs, None, self.algo.name, x, w, y, workspace=workspace, **strided)
+        self._pass((x, w, y)[_OUTPUT[self.direction]], bias, z)
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        return ("cudnn_calls",)
+
+
+class FusedLegacyConv(ConvExec):
+    """cuDNN's fused ``act(conv(x, w) + z + bias)`` call (``cudnnConvolutionBiasActivationForward``)
+    of a legacy algorithm, its epilogue the algorithm's fusion."""
+
+    contiguous_bias = True
+
+    def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, descs: Any, workspace_bytes: int | None = None) -> None:
+        if algo.family != "legacy" or not is_legacy(algo.fusion) or epilogue != algo.fusion or key.shape.direction != "fwd":
+            raise ValueError(f"{algo} is no fused forward call of the epilogue {epilogue!r}")
+        if workspace_bytes is None:
+            workspace_bytes = cudnn.workspace_size(descs, None, algo.name)
+        super().__init__(key, algo, epilogue, cp, workspace_bytes)
+        self.descs = descs
+        self.residual, self.relu = parts(epilogue)
+
+    def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
+        cudnn.conv_bias_activation_forward(self.descs, self.algo.name, x, w, y, bias, z=z if self.residual else None,
+                                           activation="relu" if self.relu else "identity", workspace=workspace)
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        return ("cudnn_calls", _fused_counter(self.residual, self.relu))
+
+
+class EngineConv(ConvExec):
+    """A graph-API engine configuration's plan (:class:`~convpass.native.cudnn.graph_api.EnginePlan`):
+    a fused graph runs its epilogue in its call; a bare one runs the step's epilogue as one pass after."""
+
+    def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, plan: Any) -> None:
+        if not algo.is_engine or plan.config.algo != str(algo):
+            raise ValueError(f"the plan of {plan.config.algo} does not run {algo}")
+        self.fused = bool(algo.fusion)
+        if self.fused and epilogue != algo.fusion:
+            raise ValueError(f"{algo} runs the epilogue {algo.fusion!r}, not {epilogue!r}")
+        if not self.fused:
+            _pass_parts(epilogue)
+        super().__init__(key, algo, epilogue, cp, plan.workspace_bytes)
+        self.plan = plan
+        self.contiguous_bias = self.fused
+
+    def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
+        ws = workspace if self.workspace_bytes > 0 else None
+        if self.fused:
+            self.plan.execute(x, w, y, ws, bias=bias)
+            return
+        self.plan.execute(x, w, y, ws)
+        self._pass(y, bias, z)
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        return ("graph_api_calls", fusion_counter(self.algo.fusion)) if self.fused else ("graph_api_calls",)
+
+
+class OwnConv(ConvExec):
+    """convpass's depthwise kernel (:mod:`convpass.kernels.depthwise`): a fused name runs its legacy
+    epilogue in the kernel, a bare one runs the step's epilogue as one pass after. Writes into
+    outputs of any strides."""
+
+    output_strides = "any"
+
+    def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, kernel: Any = None) -> None:
+        if not algo.is_own:
+            raise ValueError(f"{algo} is not a convpass kernel")
+        self.in_kernel = bool(algo.fusion)
+        if self.in_kernel and (epilogue != algo.fusion or not is_legacy(epilogue)):
+            raise ValueError(f"{algo} runs the epilogue {algo.fusion!r}, not {epilogue!r}")
+        _pass_parts(epilogue)
+        super().__init__(key, algo, epilogue, cp, 0)
+        self.kernel = kernel if kernel is not None else depthwise.DepthwiseKernel.of(algo.name, key.shape, key.layout)
+        self.contiguous_bias = self.in_kernel
+
+    def build(self) -> None:
+        """Compile the kernel now (from the kernel side-car when the model has one)."""
+        self.kernel.build(self.cp)
+
+    def prepare_weight(self, w: Any) -> Any:
+        return self.kernel.weight(self.cp, w)
+
+    @property
+    def weight_form(self) -> str:
+        return "tap_major" if self.kernel.channels_last else ""
+
+    def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
+        if self.in_kernel:
+            _, residual, relu = _pass_parts(self.epilogue)
+            self.kernel(self.cp, x, w, y, bias, z if residual else None, relu)
+            return
+        self.kernel(self.cp, x, w, y)
+        self._pass(y, bias, z)
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        if self.in_kernel:
+            _, residual, relu = _pass_parts(self.epilogue)
+            return (_fused_counter(residual, relu), "own_kernel_calls")
+        return ("own_kernel_calls",)
+
+
+def conv_exec(key: ProblemKey, algo: Algo | str, epilogue: str = "", *, cp: Any = None, descs: Any = None,
+              workspace_bytes: int | None = None, plan: Any = None, enumerated: Any = None, kernel: Any = None,
+              like: ConvExec | None = None) -> ConvExec:
+    """The execution object of ``algo`` for ``key`` running the step's ``epilogue``: a bare legacy
+    algorithm a :class:`LegacyConv`, a fused one a :class:`FusedLegacyConv`, an engine an
+    :class:`EngineConv`, convpass's kernel an :class:`OwnConv`. What it needs comes from the keywords
+    or from ``like`` (an object of the same algorithm: its descriptors, workspace, plan or kernel):
+    a legacy algorithm's ``descs`` (the key's :class:`~convpass.native.cudnn.ConvDescriptors`);
+    what else is missing is made here (the workspace size cuDNN answers, the engine's plan on
+    ``enumerated`` if given, the kernel object). Raises what making them raises
+    (:class:`~convpass.core.cudnn_enums.CudnnError`, :class:`~convpass.native.cudnn.graph_api.GraphApiError`,
+    ValueError for a name or geometry a family refuses)."""
+    algo = Algo.parse(algo) if isinstance(algo, str) else algo
+    if like is not None:
+        if like.algo.bare != algo.bare:
+            raise ValueError(f"{algo} cannot be made like {like.algo}")
+        cp = like.cp if cp is None else cp
+        descs = getattr(like, "descs", None) if descs is None else descs
+        plan = getattr(like, "plan", None) if plan is None else plan
+        kernel = getattr(like, "kernel", None) if kernel is None else kernel
+        workspace_bytes = like.workspace_bytes if workspace_bytes is None else workspace_bytes
+    if algo.family == "legacy":
+        return (FusedLegacyConv if algo.fusion else LegacyConv)(key, algo, epilogue, cp, descs, workspace_bytes)
+    if algo.family == "engine":
+        if plan is None:
+            plan = graph_api.EnginePlan(key, graph_api.EngineConfig.parse(str(algo)), enumerated)
+        return EngineConv(key, algo, epilogue, cp, plan)
+    if algo.family == "own":
+        return OwnConv(key, algo, epilogue, cp, kernel)
+    raise ValueError(f"{algo} runs no convolution of its own")
+
+
+# ---------------------------------------------------------------------------------------------
+# the epilogue as one element-wise pass
+
+
+def apply_epilogue(cp: Any, y: Any, b: Any, relu: bool, z: Any = None) -> None:
+    """``y = act(y + z + b)`` in place, in one element-wise pass (``b``: None or the ``(K,)`` bias;
+    ``z``: None or an array of ``y``'s shape): a conv's epilogue when it does not run fused into the
+    conv's call (:mod:`convpass.core.fusion`). The pass runs over the storage order of ``y`` where
+    ``z`` has the same one: over a channels-last array seen channels-first, element-wise kernels
+    read and write with a stride of C elements."""
+    order = storage_order(y)  # a channels-last array, or a channel slice of one (a Concat buffer's)
+    phys = y.transpose(order) if order else y
+    if b is None and z is None:
+        if relu:
+            cp.maximum(phys, y.dtype.type(0), out=phys)
+        return
+    zp = None if z is None else (z.transpose(order) if order else z)
+    if z is not None and storage_order(z) != order:
+        phys, zp = y, z  # logical views: right whatever the strides
+    args = [] if b is None else [b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))]
+    args += [] if zp is None else [zp]
+    epilogue_kernel(cp, b is not None, z is not None, relu)(*args, phys)
+
+
+_epilogue_kernels: dict[tuple[Any, bool, bool, bool], Any] = {}
+
+
+def epilogue_kernel(cp: Any, bias: bool, residual: bool, relu: bool) -> Any:
+    """The CuPy element-wise kernel ``y = act(y + z + b)`` over the operands present (inputs ``b``
+    then ``z``, broadcast to ``y``; ``y`` read and written in place; a ReLU that keeps NaN)."""
+    key = (cp, bias, residual, relu)
+    if key not in _epilogue_kernels:
+        inputs = [name for name, on in (("T b", bias), ("T z", residual)) if on]
+        value = " + ".join(["y"] + [name[2:] for name in inputs])
+        body = f"T v = {value}; y = v < (T)0 ? (T)0 : v" if relu else f"y = {value}"
+        name = "convpass_epilogue" + "".join(part for part, on in (("_bias", bias), ("_residual", residual), ("_relu", relu)) if on)
+        _epilogue_kernels[key] = cp.ElementwiseKernel(", ".join(inputs), "T y", body, name)
+    return _epilogue_kernels[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# launch listeners (rule 5)
+
+LaunchListener = Callable[[ConvExec, tuple[Any, ...]], None]
+_listeners: tuple[LaunchListener, ...] = ()
+_listeners_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRecord:
+    """One launch as :func:`record_launches` keeps it: the object's identity and each argument's
+    shape, dtype and element strides (no reference to the arrays)."""
+
+    identity: ExecIdentity
+    args: tuple[Any, ...]  # (x, w, y, workspace, bias, z), each _signature'd
+
+
+def _signature(a: Any) -> Any:
+    if a is None or not hasattr(a, "shape"):
+        return None if a is None else type(a).__name__
+    return tuple(a.shape), str(a.dtype), elements(a.strides, a.itemsize)
+
+
+def add_launch_listener(fn: LaunchListener) -> None:
+    """Call ``fn(exec, (x, w, y, workspace, bias, z))`` after every launch, from the launching thread."""
+    global _listeners
+    with _listeners_lock:
+        _listeners = _listeners + (fn,)
+
+
+def remove_launch_listener(fn: LaunchListener) -> None:
+    """Remove one registration of ``fn`` (no error when it is not registered)."""
+    global _listeners
+    with _listeners_lock:
+        items = list(_listeners)
+        if fn in items:
+            items.remove(fn)
+        _listeners = tuple(items)
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[LaunchRecord]]:
+    """``with record_launches() as launched: ...`` keeps a :class:`LaunchRecord` per launch made inside."""
+    launched: list[LaunchRecord] = []
+
+    def keep(conv: ConvExec, args: tuple[Any, ...]) -> None:
+        launched.append(LaunchRecord(conv.identity, tuple(_signature(a) for a in args)))
+
+    add_launch_listener(keep)
+    try:
+        yield launched
+    finally:
+        remove_launch_listener(keep)

@@ -1,0 +1,255 @@
+"""One geometry on the bench: its random inputs, rotation sets, reference output, the check and
+timing of an execution object's launch, and the head-to-head of the close candidates.
+
+* Inputs are random (never zero); set 0 is the one checked, the other sets are copies that rotate
+  the data out of L2 between launches (:func:`convpass.tuning.harness.rotation_sets`).
+* The reference is the output of a deterministic algorithm with FMA math (no TF32) on set 0,
+  computed once; a candidate is right within :data:`TOLERANCE` of it for its data and math type.
+* :meth:`ShapeBench.check_and_time` runs a candidate's :meth:`~convpass.kernels.conv_exec.ConvExec.launch`
+  once on set 0, checks it, then times the same launch over the rotation sets
+  (:func:`convpass.tuning.harness.time_launches`), and keeps its captured group for
+  :meth:`ShapeBench.settle`. Which candidates are built and how: :mod:`convpass.tuning.candidates`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ConvProblem, ConvShape, ProblemKey
+from convpass.tuning import harness
+from convpass.tuning.cache import Measurement
+from convpass.tuning.decide import allowed, cost_ms, epilogue_ms
+
+logger = logging.getLogger("convpass")
+
+__all__ = ["HEAD_TO_HEAD_MARGIN", "HEAD_TO_HEAD_MAX", "HEAD_TO_HEAD_WORKSPACE_BYTES", "OUTPUT", "REFERENCE_ALGOS", "TOLERANCE",
+           "ShapeBench", "best_after", "make_row", "was_measured"]
+
+# Normwise relative error allowed against the FMA reference, by data type and math type.
+TOLERANCE = {
+    ("float32", "fma"): 1e-3,  # FFT / Winograd reorder sums (winograd_nonfused 5x5: ~5e-4); < TF32's
+    ("float32", "default"): 5e-3,  # TF32: 10-bit mantissa products, ~3e-4 typical
+    ("float32", "tensor_op"): 5e-3,
+    ("float16", "default"): 1e-2,
+    ("float16", "tensor_op"): 1e-2,
+    ("float16", "fma"): 1e-2,
+    ("bfloat16", "default"): 3e-2,
+    ("bfloat16", "tensor_op"): 3e-2,
+    ("bfloat16", "fma"): 3e-2,
+}
+# Deterministic algorithms a reference can be computed with, in order of preference.
+REFERENCE_ALGOS = {
+    "fwd": ("implicit_gemm", "implicit_precomp_gemm", "gemm", "direct"),
+    "dgrad": ("algo_1", "fft_tiling", "fft"),
+    "wgrad": ("algo_1", "fft", "fft_tiling"),
+}
+# Close candidates are timed again in turn (ShapeBench.settle): those within this margin of the
+# best by the decision's cost, at most this many.
+HEAD_TO_HEAD_MARGIN = 0.05
+HEAD_TO_HEAD_MAX = 3
+# Workspace a geometry's kept groups may hold for that (at most 1/32 of the GPU's memory): a
+# candidate whose workspace would pass it keeps no group, and a decision it is close in is then not
+# settled in turn.
+HEAD_TO_HEAD_WORKSPACE_BYTES = 1 << 30
+# What each direction reads and writes.
+OUTPUT = {"fwd": "y", "dgrad": "x", "wgrad": "w"}
+
+
+def make_row(key, algo, status, time_ms, workspace, deterministic, now, method, note="", heuristic_rank=None, find_rank=None) -> Measurement:
+    return Measurement(
+        key=key,
+        algo=algo,
+        status=status,
+        time_ms=time_ms,
+        workspace_bytes=int(max(0, workspace)),
+        deterministic=bool(deterministic),
+        measured_at=now,
+        method=method,
+        note=note,
+        heuristic_rank=heuristic_rank,
+        find_rank=find_rank,
+    )
+
+
+def was_measured(row: Measurement) -> bool:
+    """Whether ``row`` ran and was measured (an early-stopped estimate was not; a late stop's
+    groups were: :mod:`convpass.tuning.harness`)."""
+    return row.status == "ok" and row.time_ms is not None and "early stop" not in row.note
+
+
+def best_after(best: float | None, row: Measurement) -> float | None:
+    """The best time so far after ``row`` (early-stopped estimates do not count)."""
+    if was_measured(row):
+        return row.time_ms if best is None else min(best, row.time_ms)
+    return best
+
+
+class ShapeBench:
+    """Random inputs, rotation sets and the reference output for one geometry (module docstring)."""
+
+    def __init__(self, shape: ConvShape) -> None:
+        self.shape = shape
+        self._sets: dict[str, list[dict]] = {}
+        self._reference = None
+        # (key, algo) -> the captured group its timing replayed, and what that group needs kept
+        # alive (its workspace, the execution object, the launch and its weights): for the close
+        # candidates' head-to-head
+        self._groups: dict[tuple[ProblemKey, str], tuple[Any, int, Any]] = {}
+        self._group_budget: int | None = None
+        self._base = {
+            name: harness.random_array(dims, shape.dtype, "nchw", seed, scale)
+            for name, dims, seed, scale in (
+                ("x", shape.x_shape, 1, 1.0),
+                ("w", shape.w_shape, 2, (shape.c // shape.groups * harness.prod(shape.kernel)) ** -0.5),
+                ("y", shape.y_shape, 3, 1.0),
+            )
+        }
+
+    def buffers(self, layout: str, count: int) -> list[dict]:
+        """``count`` input sets in ``layout``: set 0 holds the random base data (the one checked);
+        the others exist to rotate the data out of L2 between launches, so they are copies of that
+        (a conv's speed does not depend on its values; drawing random numbers for each of up to 64
+        sets took 4 s of a ResNet-50's tuning)."""
+        from convpass.native.cudnn import as_layout, empty_like_layout
+
+        have = self._sets.setdefault(layout, [])
+        if not have:
+            have.append({name: as_layout(array, layout).copy() if layout == "nchw" else as_layout(array, layout) for name, array in self._base.items()})
+
+        def copy(a: Any) -> Any:
+            out = empty_like_layout(a.shape, self.shape.dtype, layout)
+            out[...] = a
+            return out
+
+        while len(have) < count:  # from the base data: set 0's output holds whatever the last check wrote
+            have.append({name: copy(a) for name, a in self._base.items()})
+        return have[:count]
+
+    def rotation(self, layout: str) -> list[dict]:
+        """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`)."""
+        return self.buffers(layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
+
+    def find_workspace(self) -> int:
+        import cupy as cp
+
+        free, _ = cp.cuda.runtime.memGetInfo()
+        return int(min(free // 4, 1 << 30))
+
+    def reference(self):
+        """float32 output of a deterministic FMA algorithm on set 0 (NCHW), computed once."""
+        if self._reference is not None:
+            return self._reference
+        from convpass.native.cudnn import ConvDescriptors, CudnnError, run
+
+        key = self.shape.key("nchw", "fma")
+        out_name = OUTPUT[self.shape.direction]
+        base = self.buffers("nchw", 1)[0]
+        with ConvDescriptors(key) as descs:
+            for algo in REFERENCE_ALGOS[self.shape.direction]:
+                try:
+                    run(descs, None, algo, base["x"], base["w"], base["y"])
+                except CudnnError:
+                    continue
+                self._reference = harness.to_float32(base[out_name], self.shape.dtype).copy()
+                # restore the output buffer's random content for later timings of other directions
+                return self._reference
+        raise RuntimeError(f"no deterministic reference algorithm supports {self.shape}")
+
+    def check_and_time(self, conv: Any, det: bool, now: float, best_ms: float | None, *, bias: Any = None, residual: bool = False,
+                       capture_required: bool = False, expected: Any = None) -> Measurement:
+        """``conv.launch`` (an execution object of :mod:`convpass.kernels.conv_exec`, with ``bias``
+        and, with ``residual``, each set's ``z``) run once on set 0 and checked against the
+        reference (or ``expected``; a ``wrong_result`` row past the tolerance), then timed over the
+        rotation sets (an ``ok`` row; ``unsupported`` when ``capture_required`` and its launches
+        could not be captured). CUDA and cuDNN errors propagate: the callers know what they mean."""
+        import cupy as cp
+
+        key, algo, ws = conv.key, str(conv.algo), conv.workspace_bytes
+        out_name = OUTPUT[key.shape.direction]
+        reference = self.reference() if expected is None else expected
+        workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
+        sets = self.rotation(key.layout)
+        weights = {id(b): conv.prepare_weight(b["w"]) for b in sets}  # as the executor passes them
+
+        def launch(b: dict, workspace: Any) -> None:
+            conv.launch(b["x"], weights[id(b)], b["y"], workspace, bias, b["z"] if residual else None)
+
+        check = sets[0]
+        check[out_name].fill(float("nan")) if key.shape.dtype != "bfloat16" else check[out_name].fill(0x7FC0)
+        first_ms = harness.first_launch_ms(lambda: launch(check, workspace))  # also the timing's warm-up
+        out = check[out_name] if key.shape.dtype != "bfloat16" else harness.to_float32(check[out_name], "bfloat16")
+        err = harness.relative_error(out, reference)
+        tolerance = TOLERANCE[(key.shape.dtype, key.math)]
+        if not err <= tolerance:
+            return make_row(key, algo, "wrong_result", None, ws, det, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
+        timing = harness.time_launches(lambda i: launch(sets[i], workspace), len(sets), best_ms, first_ms=first_ms)
+        if capture_required and timing.eager:
+            return make_row(key, algo, "unsupported", None, ws, det, now, "measure", note="its launches cannot be captured into a CUDA graph")
+        if timing.group is not None and self.group_bytes() + ws <= self.group_budget():
+            self._groups[(key, algo)] = (timing.group, timing.group_launches, (workspace, conv, launch))
+        note = f"relative error {err:.1e}; {timing.launches} launches, spread {timing.spread:.1%}"
+        if timing.early_stop:
+            note += f"; early stop: {timing.stopped_by} ({best_ms:.4f} ms)"
+        elif timing.stopped_by:  # a late stop: a measurement from fewer groups, not an estimate
+            note += f"; stopped there, {timing.stopped_by} ({best_ms:.4f} ms)"
+        if timing.eager:
+            note += "; eager launches (not capturable): includes launch overhead"
+        return make_row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
+
+    def group_bytes(self) -> int:
+        """Workspace the kept groups hold."""
+        return sum(kept[0].nbytes for _, _, kept in self._groups.values())
+
+    def group_budget(self) -> int:
+        """Bytes of workspace the kept groups may hold (:data:`HEAD_TO_HEAD_WORKSPACE_BYTES`)."""
+        if self._group_budget is None:
+            import cupy as cp
+
+            self._group_budget = min(HEAD_TO_HEAD_WORKSPACE_BYTES, cp.cuda.runtime.memGetInfo()[1] // 32)
+        return self._group_budget
+
+    def settle(self, rows: list[Measurement], problem: ConvProblem, options: TuneOptions,
+               have: Sequence[Measurement] = ()) -> list[Measurement]:
+        """``rows`` with this geometry's close candidates timed again in turn
+        (:func:`convpass.tuning.harness.head_to_head`). Close: allowed by ``options`` and within
+        :data:`HEAD_TO_HEAD_MARGIN` of the best of all the problem's rows (``have`` too) by the
+        decision's cost (:func:`convpass.tuning.decide.cost_ms`), the :data:`HEAD_TO_HEAD_MAX` best of
+        them. Only when every one of them kept its group here; else ``rows`` as they are, since a
+        candidate not timed in turn could not be weighed against the others. Their times take their
+        order from the turns and keep their first timings' mean, so that the fastest of them stays at
+        or below the first timing of any candidate left out. A CUDA or cuDNN error in the turns
+        leaves ``rows`` as they are, with a warning."""
+        strategy, _ = options.strategy(problem.direction)
+        if strategy not in ("measure", "forced") or len(self._groups) < 2:
+            return rows
+        considered = [*rows, *have]
+        epilogue_of = epilogue_ms(considered, problem)
+        ok = allowed(problem, options, epilogue_of)
+        timed = sorted((cost, i) for i, m in enumerate(considered) if m.method == "measure" and ok(m)
+                       and (cost := cost_ms(m, epilogue_of, problem.fusion)) is not None)
+        close = [i for cost, i in timed if cost <= timed[0][0] * (1 + HEAD_TO_HEAD_MARGIN)][:HEAD_TO_HEAD_MAX] if timed else []
+        if len(close) < 2 or any(i >= len(rows) or (rows[i].key, rows[i].algo) not in self._groups for i in close):
+            return rows
+        try:
+            turns = harness.head_to_head([self._groups[(rows[i].key, rows[i].algo)][:2] for i in close])
+        except Exception as e:  # noqa: BLE001  (a CUDA or cuDNN error: the first timings stand)
+            logger.warning("the close candidates of %s were not timed again in turn: %s", self.shape, e)
+            return rows
+        level = statistics.fmean(rows[i].time_ms for i in close) / statistics.fmean(turns)
+        out = list(rows)
+        for i, t in zip(close, turns):
+            m = rows[i]
+            out[i] = dataclasses.replace(m, time_ms=t * level, note=f"{m.note}; timed again in turn with {len(close) - 1} close "
+                                                                       f"candidate(s): {t:.5f} ms, {m.time_ms:.5f} -> {t * level:.5f} ms at the first timings' level")
+        return out
+
+    def release(self) -> None:
+        self._groups.clear()
+        self._sets.clear()
+        self._base.clear()
+        self._reference = None
