@@ -38,7 +38,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.core import fusion as epilogue
 from convpass.tuning.decide import EPILOGUE_METHOD, Choice, allowed, cached_rows, choice_from, cost_ms, epilogue_ms, select
 from convpass.core.algo import Algo
