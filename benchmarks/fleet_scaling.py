@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from convpass.tuning.cache import Measurement
+    from convpass.tuning.cache_rows import Measurement
     from convpass.core.options import TuneOptions
     from convpass.core.problem import ConvProblem
 

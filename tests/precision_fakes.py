@@ -21,7 +21,8 @@ import onnx
 from convpass.compiler.passes.resolve_shapes import VALUE_SHAPES_KEY
 from convpass.core.device import DeviceFingerprint
 from convpass.core.problem import ConvProblem, ConvShape
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 
 DEVICE = DeviceFingerprint("NVIDIA Synthetic GPU", "9.0", 132, 91900)
 RATES = {("float32", "fma"): 20e12, ("float32", "default"): 60e12, ("float16", "default"): 150e12,

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from convpass.tuning.cache import Measurement
+from convpass.tuning.cache_rows import Measurement
 from convpass.core.cudnn_enums import is_deterministic
 from convpass.core.device import DeviceFingerprint
 from convpass.core.problem import ConvShape, ProblemKey

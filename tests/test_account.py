@@ -8,7 +8,7 @@ import pytest
 from convpass.bench.account import _route_times, render
 from convpass.cli.main import main
 from convpass.core.problem import ConvShape
-from convpass.tuning.cache import Measurement
+from convpass.tuning.cache_rows import Measurement
 
 SHAPE = ConvShape("fwd", 16, 64, 64, (32, 32), (3, 3), (1, 1), (1, 1), (1, 1))
 KEY = SHAPE.key("nhwc", "default")

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from convpass.cli.cache import add_cache_parser, cache_command
-from convpass.tuning.cache import CacheError, CacheWarning, Measurement, TuningCache, default_cache_path
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_file import default_cache_path
+from convpass.tuning.cache_rows import CacheError, CacheWarning, Measurement
 from convpass.core.device import DeviceFingerprint
 from convpass.core.problem import ConvShape, ProblemKey
 

@@ -9,7 +9,8 @@ import pytest
 import convpass
 from conftest import conv_model, random_input, run_ort
 from convpass.core import annotation
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import select
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError

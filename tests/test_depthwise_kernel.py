@@ -20,7 +20,8 @@ from onnx import helper, numpy_helper
 import convpass
 from conftest import channels_last_array, host_library, numpy_candidates
 from convpass.core import annotation
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.core.cudnn_enums import algo_names
 from convpass.tuning.decide import EPILOGUE_METHOD, legacy_fallback, select
 from convpass.core.algo import Algo

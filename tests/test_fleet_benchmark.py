@@ -13,7 +13,8 @@ import pytest
 
 import recorded
 from conftest import REPO
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.core.problem import ConvProblem
 from convpass.core.problem import ProblemKey
 from recorded import H200

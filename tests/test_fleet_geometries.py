@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 
-from convpass.tuning.cache import Measurement
+from convpass.tuning.cache_rows import Measurement
 from convpass.fleet import driver
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer

@@ -17,7 +17,8 @@ from onnx import helper
 import convpass
 from conftest import no_plan_side_car, numpy_candidates, offer_configs, silu_model
 from convpass.core import annotation
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.native.cudnn import graph_api
 from convpass.core.algo import Algo
 from convpass.native.cudnn.graph_api import EngineConfig

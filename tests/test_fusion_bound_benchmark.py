@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from conftest import REPO
-from convpass.tuning.cache import Measurement
+from convpass.tuning.cache_rows import Measurement
 from convpass.core.problem import ProblemKey
 
 _spec = importlib.util.spec_from_file_location("fusion_bound", REPO / "benchmarks" / "fusion_bound.py")

@@ -14,7 +14,8 @@ import pytest
 import convpass
 from conftest import conv_model, no_plan_side_car, numpy_candidates, offer_configs
 from convpass.core import annotation
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.native.cudnn import graph_api
 from convpass.core.algo import Algo
 from convpass.native.cudnn.graph_api import EngineConfig

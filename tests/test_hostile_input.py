@@ -270,7 +270,8 @@ def test_shape_options_out_of_range_are_one_line_errors(tmp_path, capsys, spec, 
 def _cache_with_rows(path: Path) -> Path:
     from convpass.core.device import DeviceFingerprint
     from convpass.core.problem import ConvShape
-    from convpass.tuning.cache import Measurement, TuningCache
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import Measurement
 
     key = ConvShape("fwd", 1, 3, 4, (10, 10), (3, 3), (0, 0), (1, 1), (1, 1)).key("nchw", "default")
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
@@ -431,7 +432,7 @@ def test_external_data_and_side_car_fifos_are_refused_by_run_and_inspect(tmp_pat
 
 def test_reads_are_bounded(tmp_path, capsys, monkeypatch):
     from convpass.core import files, model_io
-    from convpass.tuning import cache
+    from convpass.tuning import cache_exchange as cache
 
     model = save(small_model(), tmp_path / "m.onnx")
     (tmp_path / "big.json").write_text(" " * 5000)

@@ -73,7 +73,7 @@ def test_a_cache_with_both_layouts_and_transposes_gives_the_plan(tmp_path, capsy
     from onnx import TensorProto, helper, numpy_helper
 
     import numpy as np
-    from convpass.tuning.cache import Measurement
+    from convpass.tuning.cache_rows import Measurement
     from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
 
     w = numpy_helper.from_array(np.ones((4, 4, 3, 3), np.float32), "w")

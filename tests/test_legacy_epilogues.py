@@ -18,7 +18,8 @@ from onnx import helper, numpy_helper
 import convpass
 from conftest import numpy_candidates, numpy_shape_bench
 from convpass.core import annotation, fusion as epilogue
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.core.cudnn_enums import algo_names
 from convpass.tuning.decide import EPILOGUE_METHOD, choice_from, cost_ms, epilogue_ms, select
 from convpass.core.device import DeviceFingerprint

@@ -16,7 +16,8 @@ from convpass.core import annotation
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError
 from convpass.core.problem import ConvShape
-from convpass.tuning.cache import Measurement, TuningCache
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from test_hostile_input import check_output, tree
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)

@@ -145,7 +145,8 @@ def test_body_convs_take_cached_decisions_beside_the_main_graph_s_layout_plan(tm
     from convpass.compiler.pipeline import build_options, prepare_model, OptimizeReport
     from convpass.core.device import DeviceFingerprint
     from convpass.core.model_io import load_model
-    from convpass.tuning.cache import Measurement, TuningCache
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import Measurement
 
     h200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
     model = if_model()

@@ -18,7 +18,10 @@ from rich.table import Table
 
 from convpass.cli.output import add_json_options, emit_json, printable, result_console
 from convpass.core.device import DeviceFingerprint
-from convpass.tuning.cache import CacheError, TuningCache, default_cache_path, read_export
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_exchange import read_export
+from convpass.tuning.cache_file import default_cache_path
+from convpass.tuning.cache_rows import CacheError
 
 __all__ = ["ACTIONS", "add_cache_parser", "cache_command"]
 

@@ -28,7 +28,9 @@ from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError
 from convpass.core.problem import ConvShape, ProblemKey
-from convpass.tuning.cache import CacheError, Measurement, TuningCache, default_cache_path
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_file import default_cache_path
+from convpass.tuning.cache_rows import CacheError, Measurement
 from convpass.tuning.decide import EPILOGUE_METHOD, cost_ms
 
 __all__ = ["Candidate", "CandidateSource", "Comparison", "cache_algo"]

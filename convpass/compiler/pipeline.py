@@ -82,7 +82,8 @@ class OptimizeReport:
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console,
                   names: OptionNames = CLI) -> DecisionBackend:
-    from convpass.tuning.cache import TuningCache, default_cache_path
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_file import default_cache_path
 
     local = device_mod.detect()
     if local is not None and (device_name is None or local.matches_name(device_name)):
@@ -466,7 +467,7 @@ def spec_of(profile: Profile) -> str | dict:
 def inputs_of(model: Any, cache: str | os.PathLike | None) -> list[tuple[Any, str]]:
     """The files an optimize run reads, which its output must not replace: the model (when given
     as a path) and the tuning cache."""
-    from convpass.tuning.cache import default_cache_path
+    from convpass.tuning.cache_file import default_cache_path
 
     files: list[tuple[Any, str]] = [(cache if cache is not None else default_cache_path(), "the tuning cache")]
     if isinstance(model, (str, os.PathLike)):

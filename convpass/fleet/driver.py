@@ -233,7 +233,7 @@ def resolve_devices(
 ) -> tuple[list[DeviceFingerprint], list[DeviceFingerprint]]:
     """The target devices (module docstring, step 3), in the order named, and which of them are
     cache-only (no worker measures them)."""
-    from convpass.tuning.cache import CacheError
+    from convpass.tuning.cache_rows import CacheError
 
     cluster = list(dict.fromkeys(s.device for s in slots))
     if not names:

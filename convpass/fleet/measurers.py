@@ -29,7 +29,8 @@ from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:  # not at run time: the driver imports this module before launching its workers
-    from convpass.tuning.cache import Measurement, TuningCache
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import Measurement
     from convpass.core.problem import ConvProblem
 
 

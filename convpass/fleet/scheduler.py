@@ -57,7 +57,8 @@ from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:  # not at run time: this module is imported before the driver launches its workers
-    from convpass.tuning.cache import Measurement, TuningCache
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import Measurement
     from convpass.fleet.measurers import Measurer
     from convpass.core.problem import ConvProblem
     from convpass.core.problem import ConvShape

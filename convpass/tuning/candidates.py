@@ -31,7 +31,7 @@ from convpass.core.algo import Algo
 from convpass.core.problem import ProblemKey
 from convpass.kernels import conv_exec, depthwise
 from convpass.tuning import harness
-from convpass.tuning.cache import Measurement
+from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import EPILOGUE_METHOD
 from convpass.tuning.shape_bench import ShapeBench, best_after, make_row, was_measured
 

@@ -34,7 +34,8 @@ from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
 
 if TYPE_CHECKING:
-    from convpass.tuning.cache import Measurement, TuningCache
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import Measurement
 
 logger = logging.getLogger("convpass")
 

@@ -22,7 +22,7 @@ from typing import Any
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ConvShape, ProblemKey
 from convpass.tuning import harness
-from convpass.tuning.cache import Measurement
+from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import allowed, cost_ms, epilogue_ms
 
 logger = logging.getLogger("convpass")
