@@ -168,7 +168,7 @@ def test_a_model_given_without_a_path_with_an_external_constant_is_refused(tmp_p
 
 
 def test_the_in_memory_check_puts_the_external_initializers_back(tmp_path):
-    from convpass.runtime.executor import _check_in_memory
+    from convpass.runtime.support import _check_in_memory
 
     path = _external(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), bias=True), tmp_path)
     proto = onnx.load(path, load_external_data=False)

@@ -208,15 +208,15 @@ class _Notes:
 
 
 def test_plans_built_at_start_up_are_reported_once_they_take_time():
-    from convpass.runtime.cuda.backend import CudaBackend
+    from convpass.runtime.cuda.startup import note_engine_builds
     from convpass.native.cuda import StartupCompileWarning
 
     quick = _Notes()
     why = "the model's kernel side-car does not store it"
-    CudaBackend._note_engine_builds(quick, [("conv1", 0.001, why), ("conv2", 0.002, why)])  # engines cuDNN does not compile
+    note_engine_builds(quick, [("conv1", 0.001, why), ("conv2", 0.002, why)])  # engines cuDNN does not compile
     assert quick.said == []
     slow = _Notes()
-    CudaBackend._note_engine_builds(slow, [("a", 0.01, why), ("dw1", 0.21, why), ("dw2", 0.64, why), ("b", 0.0, why), ("dw3", 0.2, why)])
+    note_engine_builds(slow, [("a", 0.01, why), ("dw1", 0.21, why), ("dw2", 0.64, why), ("b", 0.0, why), ("dw3", 0.2, why)])
     [(tag, message, category)] = slow.said
     assert tag == "engine-build" and category is StartupCompileWarning
     assert message.startswith("5 cuDNN graph-API plan(s) built at start-up in 1.06 s (slowest: 'dw2' 0.64 s, 'dw1' 0.21 s, 'dw3' 0.20 s)")

@@ -132,7 +132,7 @@ class _OpTable:
 def value_dependence(model: ir.Model, table: _OpTable | None = None) -> dict[str, str]:
     """Every value whose shape is not fixed by the graph-input shapes -> the node that makes it so.
 
-    The executor's rule (``_Val.determined`` in :mod:`convpass.runtime.executor`): values computed
+    The executor's rule (``_Val.determined`` in :mod:`convpass.runtime.plan_builder`): values computed
     from constants and from Shape / Size of determined tensors are known from the shapes alone; an
     output is determined when all inputs are, the op is not data-dependent (NonZero) and every
     shape-deciding input is such a shape-only value.

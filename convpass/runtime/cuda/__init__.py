@@ -10,6 +10,9 @@ One module per concern, dependencies one way (:mod:`convpass.runtime.cuda.backen
 
 * :mod:`convpass.runtime.cuda.lowering` — which kernel runs each plan step; :mod:`convpass.runtime.cuda.memory` — Concat buffers;
   :mod:`convpass.runtime.cuda.runner` — warm-up, capture, replay; :mod:`convpass.kernels.launch` — the unit of a compiled plan;
+* the backend's parts: :mod:`convpass.runtime.cuda.device` — the GPU opened and described;
+  :mod:`convpass.runtime.cuda.startup` — the kernel side-car and the notes on what compiles at start-up;
+  :mod:`convpass.runtime.cuda.matmul_path` — capturable cuBLAS and the TF32 switch;
 * kernel families: :mod:`convpass.kernels.convolution` (cuDNN convolutions and their epilogues), :mod:`convpass.kernels.depthwise`
   (convpass's own depthwise conv kernel, a tuning candidate beside cuDNN's algorithms),
   :mod:`convpass.kernels.elementwise` (generated element-wise groups), :mod:`convpass.kernels.normalization` (row-wise norms and

@@ -17,10 +17,9 @@ ops, pooling, Resize and the fused groups run on that storage and keep it, so a 
 convs never transposes (the layout planner's assumption). Other ops work on the logical view.
 
 Gemm / MatMul: cuBLAS through :mod:`convpass.native.cublas` because CuPy refuses cuBLAS calls during stream
-capture; cases it does not cover go to ``cupy.matmul`` (and that launch then runs eagerly between
-graphs). TF32 follows the model's ``convpass.matmul_allow_tf32``: ``CUBLAS_COMPUTE_32F_FAST_TF32``
-or ``CUBLAS_COMPUTE_32F``; for the ``cupy.matmul`` fallback CuPy's float32 compute type and the
-math mode of CuPy's cuBLAS handle are set while the executor runs and restored after.
+capture, with the model's TF32 switch (:mod:`convpass.runtime.cuda.matmul_path`). The device it
+opens: :mod:`convpass.runtime.cuda.device`; what it builds at start-up (the kernel side-car, the
+notes on what compiles anyway): :mod:`convpass.runtime.cuda.startup`.
 
 Options: ``CudaBackend(device=0, cuda_graph=True, *, fuse=True, fuse_residual=True, kernels=True,
 concat_in_place=True, pooling="auto", matmul_epilogues=True)``: ``fuse=False`` turns every fusion
@@ -41,15 +40,16 @@ from typing import Any
 
 import numpy as np
 
-from convpass.kernels.backends import Backend
-from convpass.ops.conv import ConvCall
-from convpass.runtime.cuda import lowering, runner
-from convpass.native import prebuilt
-from convpass.native.cuda import CaptureBreak, ExecutorWarning, StartupCompileWarning, device_index, start_helper, unavailable_reason
-from convpass.native.cudnn.graph_api import FUSIONS
-from convpass.kernels.convolution import ENGINE_BUILD_NOTE_S, Convolutions, fusion_counter
 from convpass.core.errors import ExecutorError
+from convpass.kernels.backends import Backend
+from convpass.kernels.convolution import Convolutions, fusion_counter
 from convpass.kernels.plan import GraphStatus, Plan
+from convpass.native import prebuilt
+from convpass.native.cuda import CaptureBreak, ExecutorWarning, unavailable_reason
+from convpass.native.cudnn.graph_api import FUSIONS
+from convpass.ops.conv import ConvCall
+from convpass.runtime.cuda import device as cuda_device
+from convpass.runtime.cuda import lowering, matmul_path, runner, startup
 
 logger = logging.getLogger("convpass")
 
@@ -62,23 +62,14 @@ _DLPACK_CUDA = (2, 3, 13)
 _POOLING = ("auto", "cudnn", "kernel")
 
 
-class _Namespace:
-    """``cupy`` for the ops, except ``matmul``: the backend's capturable cuBLAS path."""
-
-    def __init__(self, cupy: Any, backend: "CudaBackend") -> None:
-        self.__dict__["_cupy"] = cupy
-        self.__dict__["_backend"] = backend
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._cupy, name)
-        self.__dict__[name] = value  # looked up once
-        return value
-
-    def matmul(self, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._backend._matmul(a, b, *args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<cupy namespace of the convpass cuda backend (CuPy {self._cupy.__version__})>"
+def launch_counters() -> collections.Counter[str]:
+    """The backend's launch counters, every known kind at 0 (a Counter: a launch kind with no entry
+    yet counts from 0 instead of failing the run)."""
+    return collections.Counter({
+        "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
+        "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
+        "own_kernel_calls": 0, **{fusion_counter(f): 0 for f in FUSIONS},
+    })
 
 
 class CudaBackend(Backend):
@@ -103,15 +94,8 @@ class CudaBackend(Backend):
             raise ExecutorError(f"cuda backend not available: {reason}")
         if pooling not in _POOLING:
             raise ExecutorError(f"pooling must be one of {', '.join(_POOLING)}, not {pooling!r}")
-        import cupy
-
-        self.cp = cupy
-        self.xp = _Namespace(cupy, self)
-        self.device_id = device_index(device)
-        count = int(cupy.cuda.runtime.getDeviceCount())
-        if not 0 <= self.device_id < count:
-            raise ExecutorError(f"CUDA device {self.device_id} does not exist ({count} visible)")
-        self._device = cupy.cuda.Device(self.device_id)
+        self.cp, self.device_id, self._device = cuda_device.open_device(device)
+        self.xp = matmul_path.CupyNamespace(self.cp, self)
         self.cuda_graph = bool(cuda_graph)
         self.fuse = bool(fuse)
         self.fuse_residual = bool(fuse and fuse_residual)
@@ -139,29 +123,13 @@ class CudaBackend(Backend):
         # per launch run; the label says which kernel ran ("fused Sigmoid+Mul", "MaxPool (kernel)", ...).
         self.step_events: list[tuple[str, str, Any, Any, str]] | None = None
         self.step_event_ops: frozenset[str] | None = None  # only launches of these op types get events (None: all)
-        # a Counter: a launch kind with no entry yet counts from 0 instead of failing the run
-        self.counters: collections.Counter[str] = collections.Counter({
-            "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
-            "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
-            "own_kernel_calls": 0, **{fusion_counter(f): 0 for f in FUSIONS},
-        })
+        self.counters = launch_counters()
         self.convs = Convolutions(self)
 
     # ------------------------------------------------------------------ Backend interface
 
     def describe(self) -> str:
-        cp = self.cp
-        try:
-            from convpass.native.cudnn import library
-
-            props = cp.cuda.runtime.getDeviceProperties(self.device_id)
-            name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-            v = library.version()
-            cudnn = f"cuDNN {v // 10000}.{v // 100 % 100}.{v % 100}"
-        except Exception:  # noqa: BLE001
-            name, cudnn = "?", "cuDNN ?"
-        graphs = "CUDA graphs" if self.cuda_graph else "eager"
-        return f"cuda:{self.device_id} ({name}, {cudnn}, CuPy {cp.__version__}, {graphs})"
+        return cuda_device.describe(self.cp, self.device_id, self.cuda_graph)
 
     def fingerprint(self) -> Any:
         """This GPU's device fingerprint (detected once, on this backend's device)."""
@@ -184,32 +152,8 @@ class CudaBackend(Backend):
         self.convs.prefetch_workspaces(decisions)
 
     def use_kernels(self, kernels: Any, why_none: str) -> None:
-        """The model's kernel side-car: its binaries replace start-up compilation (:mod:`convpass.native.prebuilt`).
-        A refused side-car is warned about now; kernels built anyway are warned about at the first run."""
-        reason = prebuilt.install()
-        if reason is not None:
-            why_none = f"kernels cannot be loaded prebuilt here: {reason}"
-        elif kernels is not None:
-            prebuilt.use(kernels)
-        self.kernel_file = kernels if reason is None else None
-        self._kernels_why = why_none
-        if kernels is None and why_none.startswith("the side-car was refused"):
-            self.note_once("kernels", f"kernel side-car: {why_none.removeprefix('the side-car was refused: ')}; kernels compile at start-up")
-
-    def _note_startup_compilations(self, built: list[str]) -> None:
-        names = sorted(set(built))
-        listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        kf = self.kernel_file
-        if kf is None:
-            why = self._kernels_why
-        else:
-            arch = prebuilt.device_arch()
-            if arch not in kf.archs:
-                why = f"{kf.path.name} holds binaries for sm_{', sm_'.join(kf.archs) or '-'} and this GPU is sm_{arch} (`convpass compile --arch {arch}` adds it)"
-            else:
-                why = (f"{kf.path.name} lacks them (written by convpass {kf.convpass_version}, CuPy {kf.cupy_version}; "
-                       f"this is CuPy {self.cp.__version__}): run `convpass compile` on the model again")
-        self.note_once("startup-compile", f"{len(built)} kernel(s) compiled at start-up ({listed}): {why}", category=StartupCompileWarning)
+        """The model's kernel side-car (:func:`convpass.runtime.cuda.startup.use_kernel_file`)."""
+        startup.use_kernel_file(self, kernels, why_none)
 
     def upload(self, array: np.ndarray) -> Any:
         if self.capturing:
@@ -320,19 +264,7 @@ class CudaBackend(Backend):
         with self._device:
             plan.backend_state = lowering.compile_plan(self, plan)
         plan.backend_state.compilations_from = mark
-        self._note_engine_builds(self.convs.engine_builds[engines_mark:])
-
-    def _note_engine_builds(self, builds: list[tuple[str, float, str]]) -> None:
-        seconds = sum(s for _, s, _ in builds)
-        if seconds >= ENGINE_BUILD_NOTE_S:
-            slow = sorted(builds, key=lambda b: -b[1])[:3]
-            listed = ", ".join(f"{node!r} {s:.2f} s" for node, s, _ in slow)
-            whys = sorted({why for _, _, why in builds})
-            why = whys[0] if len(whys) == 1 else "; ".join(whys[:3])
-            hint = "" if self.kernel_file is not None else " (`convpass compile` on a GPU stores them)"
-            self.note_once("engine-build", f"{len(builds)} cuDNN graph-API plan(s) built at start-up in {seconds:.2f} s "
-                           f"(slowest: {listed}): cuDNN compiles some engines when their plan is built, and {why}{hint}",
-                           category=StartupCompileWarning)
+        startup.note_engine_builds(self, self.convs.engine_builds[engines_mark:])
 
     def run_plan(self, plan: Plan, feeds: dict[str, Any]) -> list[Any]:
         with self._device, self._matmul_math(plan.matmul_allow_tf32):
@@ -342,7 +274,7 @@ class CudaBackend(Backend):
             built = prebuilt.COMPILATIONS[state.compilations_from:]
             state.compilations_from = None
             if built:
-                self._note_startup_compilations(built)
+                startup.note_startup_compilations(self, built)
         return outs
 
     def replay(self, plan: Plan, feeds: dict[str, Any]) -> list[Any] | None:
@@ -371,108 +303,18 @@ class CudaBackend(Backend):
 
         return allocate
 
-    # ------------------------------------------------------------------ matmul TF32
-
-    def _matmul(self, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
-        """``xp.matmul``: cuBLAS by ctypes (capturable, explicit TF32 switch), else ``cupy.matmul``."""
-        cp = self.cp
-        if not args and not kwargs and isinstance(a, cp.ndarray) and isinstance(b, cp.ndarray):
-            blas = self.blas()
-            if blas:
-                try:
-                    out = blas.matmul(a, b, self._tf32_now)
-                except RuntimeError as e:
-                    if self.capturing:
-                        raise
-                    logger.debug("cuBLAS by ctypes failed (%s): cupy.matmul instead", e)
-                    out = None
-                if out is not None:
-                    return out
-        if self.capturing:
-            raise CaptureBreak(f"a matmul of shapes {getattr(a, 'shape', '?')} @ {getattr(b, 'shape', '?')} needs cupy.matmul, which cannot be captured")
-        return cp.matmul(a, b, *args, **kwargs)
+    # ------------------------------------------------------------------ matmul (convpass.runtime.cuda.matmul_path)
 
     def ready_libraries(self, op_types: Any) -> None:
-        """cuBLAS made ahead, on a helper thread, for a model with MatMul or Gemm (top-level nodes):
-        the handle, its workspace and a first small product (:meth:`convpass.native.cublas.Blas.warm`). A fresh
-        ConvNeXt process's plan was sampled about 0.15 s in its first GEMM calls on an H200; these
-        are ctypes calls, which let go of the GIL while the executor goes on reading the model and
-        building its plan. A failure there is only logged (debug): :meth:`blas` then makes the
-        handle on the calling thread, as without this, and reports what fails there."""
-        if self._blas is not None or self._blas_ahead is not None or not {"MatMul", "Gemm"} & set(op_types):
-            return
-        from convpass.native import cublas as blas
-
-        def make() -> None:
-            try:
-                with self._device:
-                    made = blas.Blas(self.cp)
-                    made.warm(self._allow_tf32, self.matmul_epilogues)
-                self._blas = made
-            except Exception as e:  # noqa: BLE001
-                logger.debug("cuBLAS ahead of time failed (%s); it is made again when needed", e)
-
-        self._blas_ahead = start_helper(make, "convpass-cublas")
+        """cuBLAS made ahead on a helper thread for a model with MatMul or Gemm (:func:`matmul_path.ready_libraries`)."""
+        matmul_path.ready_libraries(self, op_types)
 
     def blas(self) -> Any:
-        """The backend's :class:`convpass.native.cublas.Blas` (created on first use, or ahead by
-        :meth:`ready_libraries`; never during capture), or False when cuBLAS cannot be called
-        directly (noted once)."""
-        if self._blas_ahead is not None:
-            self._blas_ahead.join()
-            self._blas_ahead = None
-        if self._blas is None:
-            if self.capturing:
-                raise CaptureBreak("cuBLAS handle created during capture")
-            from convpass.native import cublas as blas
+        """The backend's :class:`convpass.native.cublas.Blas`, or False when cuBLAS cannot be called directly (:func:`matmul_path.blas`)."""
+        return matmul_path.blas(self)
 
-            try:
-                with self._device:
-                    self._blas = blas.Blas(self.cp)
-            except Exception as e:  # noqa: BLE001
-                self._blas = False
-                self.note_once("blas", f"cuBLAS cannot be called directly ({e}): Gemm / MatMul use cupy.matmul, which runs eagerly between CUDA graphs")
-        return self._blas
-
-    @contextlib.contextmanager
-    def _matmul_math(self, allow_tf32: bool):
-        restore = []
-        tf32_before = self._tf32_now
-        self._tf32_now = bool(allow_tf32)
-        restore.append(lambda: setattr(self, "_tf32_now", tf32_before))
-
-        def cupy_compute_type() -> tuple[Any, Any, Any]:
-            from cupy._core import _routines_linalg as lin
-
-            f32 = np.dtype(np.float32)
-            want = getattr(lin, "COMPUTE_TYPE_TF32", 7) if allow_tf32 else getattr(lin, "COMPUTE_TYPE_DEFAULT", 1)
-            return (lambda: lin.get_compute_type(f32)), (lambda v: lin.set_compute_type(f32, v)), want
-
-        def cublas_math_mode() -> tuple[Any, Any, Any]:
-            from cupy_backends.cuda.libs import cublas
-
-            handle = self.cp.cuda.device.get_cublas_handle()
-            want = getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", 3) if allow_tf32 else getattr(cublas, "CUBLAS_DEFAULT_MATH", 0)
-            return (lambda: cublas.getMathMode(handle)), (lambda v: cublas.setMathMode(handle, v)), want
-
-        for tag, what, switch in (("compute_type", "CuPy's float32 matmul compute type", cupy_compute_type),
-                                  ("cublas_math", "the cuBLAS math mode", cublas_math_mode)):
-            try:
-                get, put, want = switch()
-                before = get()
-                if before != want:
-                    put(want)
-                    restore.append(lambda put=put, before=before: put(before))
-            except Exception as e:  # noqa: BLE001
-                self.note_once(tag, f"cannot set {what}: {e}", warn=False)
-        try:
-            yield
-        finally:
-            for undo in reversed(restore):
-                try:
-                    undo()
-                except Exception:  # noqa: BLE001
-                    pass
+    def _matmul_math(self, allow_tf32: bool) -> contextlib.AbstractContextManager[None]:
+        return matmul_path.matmul_math(self, allow_tf32)
 
     # ------------------------------------------------------------------ notes
 
