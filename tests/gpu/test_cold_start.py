@@ -38,7 +38,7 @@ import json, os, sys, warnings
 import numpy as np
 warnings.simplefilter("always")
 from convpass.runtime import Executor
-from convpass.runtime.cuda import prebuilt
+from convpass.native import prebuilt
 model, kernels, feeds_in, out = sys.argv[1:5]
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
