@@ -292,6 +292,7 @@ def test_schema_version_1_file_is_upgraded_in_place(tmp_path: Path, recwarn) -> 
         c.put(H200, [meas(key)])
     with sqlite3.connect(path) as c:  # as schema version 1 wrote it
         c.execute("DROP TABLE transposes")
+        c.execute("DROP TABLE fusion_timings")
         c.execute("UPDATE meta SET value = '1' WHERE name = 'schema_version'")
     c.close()
     with TuningCache(path) as c:
@@ -299,10 +300,32 @@ def test_schema_version_1_file_is_upgraded_in_place(tmp_path: Path, recwarn) -> 
         c.put_transpose(H200, (1, 3, 8, 8), "float32", 0.001)
         assert c.get_transpose(H200, (1, 3, 8, 8), "float32") == 0.001
     with sqlite3.connect(path) as c:
-        assert c.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone() == ("2",)
+        assert c.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone() == ("3",)
     c.close()
     assert not [w for w in recwarn.list if issubclass(w.category, CacheWarning)]
     assert not list(tmp_path.glob("*.corrupt-*"))
+
+
+def test_schema_version_2_file_gains_the_fusion_timings(tmp_path: Path) -> None:
+    """A cache written before fusion units were timed keeps everything and gains their table; a
+    read-only open changes nothing and answers "none recorded"."""
+    path = tmp_path / "v2.db"
+    key = shape().key("nchw", "default")
+    with TuningCache(path) as c:
+        c.put(H200, [meas(key)])
+        c.put_transpose(H200, (1, 3, 8, 8), "float32", 0.001)
+    with sqlite3.connect(path) as c:  # as schema version 2 wrote it
+        c.execute("DROP TABLE fusion_timings")
+        c.execute("UPDATE meta SET value = '2' WHERE name = 'schema_version'")
+    c.close()
+    before = path.read_bytes()
+    with TuningCache(path, readonly=True) as c:
+        assert c.get_fusion(H200, "sig") is None and c.get_transpose(H200, (1, 3, 8, 8), "float32") == 0.001
+    assert path.read_bytes() == before
+    with TuningCache(path) as c:
+        assert c.get_key(H200, key) == [meas(key)]
+        c.put_fusion(H200, "sig", {"fused_nchw": 0.1, "unfused_nchw": 0.2})
+        assert c.get_fusion(H200, "sig") == {"fused_nchw": 0.1, "unfused_nchw": 0.2} and c.get_fusion(H100, "sig") is None
 
 
 def test_import_missing_file(tmp_path: Path, cache: TuningCache) -> None:

@@ -382,6 +382,41 @@ def test_optimize_records_units_not_measured_without_a_gpu_and_measured_with_a_t
     assert report.fusion_measured == 2 and report.fusion_fused == 2
 
 
+def test_fusion_timings_are_kept_in_the_tuning_cache_so_a_cached_rerun_times_nothing(tmp_path):
+    """The first optimize times each unit and keeps the timings beside the conv measurements; the
+    second reads them (its timer is never called) and records the same decisions."""
+    import types
+
+    from convpass.compiler import pipeline
+    from convpass.core.device import DeviceFingerprint
+    from convpass.core.model_io import load_model, to_proto
+    from convpass.core.options import TuneOptions
+    from convpass.tuning.cache import TuningCache
+
+    device = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
+    cache = TuningCache(tmp_path / "c.db")
+
+    def run(timer):
+        ir_model = load_model(block())
+        report = pipeline.OptimizeReport()
+        uses = pipeline.prepare_model(ir_model, TuneOptions(), ["x=2x8x5x6"], report)
+        backend = types.SimpleNamespace(device=device, cache=cache, decide=lambda problems, options: {p: None for p in problems})
+        pipeline.decide_and_annotate(ir_model, TuneOptions(), uses, [backend], report, fusion_timer=timer)
+        return to_proto(ir_model), report
+
+    calls = []
+    first, report = run(lambda proto, x, fused, last: calls.append(1) or (1.0 if fused else 1.5))
+    assert calls and report.fusion_measured == 2
+
+    def refuse(*_):
+        raise AssertionError("a cached re-run timed a fusion unit")
+
+    second, again = run(refuse)
+    assert again.fusion_measured == 2
+    assert annotation.read_fusions(second).units == annotation.read_fusions(first).units
+    assert dict((p.key, p.value) for p in second.metadata_props)["convpass.fusions"] == dict((p.key, p.value) for p in first.metadata_props)["convpass.fusions"]
+
+
 def test_the_layout_plan_lets_convs_around_a_fused_groupnorm_stay_nhwc():
     """conv -> GroupNorm (exported form) + SiLU -> conv, NHWC convs cheaper: with the unit fused its
     Reshapes do not pin it, and both convs run NHWC with no transpose between them."""

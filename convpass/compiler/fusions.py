@@ -25,6 +25,8 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -171,8 +173,12 @@ def _signature(unit: Unit, view: IrView) -> tuple:
 
 
 def decide_fusions(model: ir.Model, units: Sequence[Sequence[Unit]], value_shapes: Sequence[Mapping[str, Sequence[Any]]],
-                   device: str, timer: Timer | None, notes: list[str]) -> dict[str, tuple[str, tuple[str, ...], list[FusionDecision]]]:
-    """Every unit's decisions for ``device`` (rules 1-2); ``timer``: None records ``not measured``."""
+                   device: str, timer: Timer | None, notes: list[str], store: Any = None,
+                   fingerprint: Any = None, timed_now: list[str] | None = None) -> dict[str, tuple[str, tuple[str, ...], list[FusionDecision]]]:
+    """Every unit's decisions for ``device`` (rules 1-2); ``timer``: None records ``not measured``
+    unless ``store`` (the tuning cache) holds the unit's timings on ``fingerprint``, which a
+    measured unit's timings are written to: a cached re-run times nothing and writes the same
+    model. ``timed_now`` collects the signatures timed in this call (not found in ``store``)."""
     record: dict[str, tuple[str, tuple[str, ...], list[FusionDecision]]] = {}
     timed: dict[tuple, dict[str, float] | None] = {}
     failed: list[str] = []
@@ -180,11 +186,10 @@ def decide_fusions(model: ir.Model, units: Sequence[Sequence[Unit]], value_shape
         view = IrView(model.graph, value_shapes[profile] if profile < len(value_shapes) else {})
         for unit in profile_units:
             times = None
-            if timer is not None:
-                sig = (_signature(unit, view), profile)
-                if sig not in timed:
-                    timed[sig] = _measure(model, unit, view, timer, failed)
-                times = timed[sig]
+            sig = _signature(unit, view)
+            if sig not in timed:
+                timed[sig] = _stored_or_measured(model, unit, view, sig, timer, failed, store, fingerprint, timed_now)
+            times = timed[sig]
             if times is None:
                 decision = FusionDecision(device, profile, None, NOT_MEASURED)
             else:
@@ -195,6 +200,29 @@ def decide_fusions(model: ir.Model, units: Sequence[Sequence[Unit]], value_shape
         notes.append(f"{len(failed)} fusion unit(s) could not be timed ({'; '.join(failed[:3])}): recorded as not measured, "
                      "the executor applies the rule")
     return record
+
+
+def signature_text(sig: tuple) -> str:
+    """A unit signature as the tuning cache keys it: a hash of its kind, ops, attributes and shapes."""
+    return "fusion-" + hashlib.sha256(repr(sig).encode()).hexdigest()[:32]
+
+
+def _stored_or_measured(model: ir.Model, unit: Unit, view: IrView, sig: tuple, timer: Timer | None, failed: list[str],
+                        store: Any, fingerprint: Any, timed_now: list[str] | None = None) -> dict[str, float] | None:
+    """The unit's timings from the tuning cache, else timed now (and kept there), else None."""
+    key = signature_text(sig)
+    if store is not None and fingerprint is not None:
+        found = store.get_fusion(fingerprint, key)
+        if found is not None and {"fused_nchw", "unfused_nchw"} <= set(found):
+            return found
+    if timer is None:
+        return None
+    times = _measure(model, unit, view, timer, failed)
+    if timed_now is not None:
+        timed_now.append(key)
+    if times is not None and store is not None and fingerprint is not None and not getattr(store, "readonly", False):
+        store.put_fusion(fingerprint, key, times)
+    return times
 
 
 def _measure(model: ir.Model, unit: Unit, view: IrView, timer: Timer, failed: list[str]) -> dict[str, float] | None:

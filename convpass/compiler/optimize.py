@@ -283,6 +283,8 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
         if report.tuning_seconds is not None:
             line += f" ({report.tuning_seconds:.1f} s)"
         console.print(line)
+        if report.measured == 0 and report.cached and not report.fusion_timed_now:
+            console.print("  every decision came from the tuning cache: nothing was timed")
     if report.engine_decisions:
         console.print(f"  {report.engine_decisions} of {report.decisions_recorded} conv decisions run a cuDNN graph-API engine")
     if report.own_kernel_decisions:

@@ -77,6 +77,7 @@ class OptimizeReport:
     fusion_measured: int = 0  # their decisions (unit x device x profile) timed on the GPU
     fusion_fused: int = 0  # of those, the ones measured to run fused
     fusion_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # units per kind (norm, bias)
+    fusion_timed_now: list[str] = dataclasses.field(default_factory=list)  # unit signatures timed in this run (not cached)
     kernels: str | None = None  # what became of the kernel side-car (compiler.optimize.write_kernels)
 
 
@@ -168,7 +169,9 @@ def decide_and_annotate(
             report.by_device[str(backend.device)] = (decided, len(problems) - decided)
         device = str(backend.device or "")
         timer = fusion_timer if fusion_timer is not None else (fusions.gpu_timer() if getattr(backend, "measures", False) else None)
-        for key, (kind, names, decisions) in fusions.decide_fusions(model, units, value_shapes, device, timer, report.notes).items():
+        store = getattr(backend, "cache", None)  # the tuning cache: fusion timings kept beside the conv measurements
+        for key, (kind, names, decisions) in fusions.decide_fusions(model, units, value_shapes, device, timer, report.notes, store,
+                                                                    backend.device, report.fusion_timed_now).items():
             record.setdefault(key, (kind, names, []))[2].extend(decisions)
         fused = [fusions.fused_nodes(u, record, device, p) for p, u in enumerate(units)]
         overrides = _plan_layouts(model, backend, options, uses, report, math_of or {}, fused)

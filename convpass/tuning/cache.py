@@ -32,11 +32,12 @@ No pickle is used anywhere: rows are plain columns, exchange files are plain JSO
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sqlite3
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,26 @@ class TuningCache(CacheFile):
         except (TypeError, ValueError):  # a stored row that is no time: as if none were stored
             return None
 
+
+    def put_fusion(self, device: DeviceFingerprint, signature: str, times: Mapping[str, float]) -> None:
+        """Record the timings of a fusion unit of ``signature`` (its kind, ops and shapes, as
+        :mod:`convpass.compiler.fusions` names them) on ``device`` (overwrites an older row)."""
+        row = (str(device), signature, json.dumps({k: float(v) for k, v in times.items()}, sort_keys=True), time.time())
+        self._run(lambda c: c.execute("INSERT OR REPLACE INTO fusion_timings (device, signature, times, measured_at) VALUES (?, ?, ?, ?)", row),
+                  write=True)
+
+    def get_fusion(self, device: DeviceFingerprint, signature: str) -> dict[str, float] | None:
+        """The timings :meth:`put_fusion` recorded, or None (also for a stored value that is not one)."""
+        if not self._has_fusions:
+            return None
+        found = self._run(lambda c: c.execute("SELECT times FROM fusion_timings WHERE device = ? AND signature = ?",
+                                              (str(device), signature)).fetchone(), write=False)
+        try:
+            times = json.loads(found[0]) if found else None
+        except (TypeError, ValueError):
+            return None
+        ok = isinstance(times, dict) and all(isinstance(v, (int, float)) and v == v and v >= 0 for v in times.values())
+        return {str(k): float(v) for k, v in times.items()} if ok else None
     def devices(self) -> list[tuple[DeviceFingerprint, int]]:
         """The devices the cache knows, each with its number of distinct problem keys."""
         rows = self._run(

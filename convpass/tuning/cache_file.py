@@ -34,8 +34,9 @@ Damage and foreign files
     in its place.
 
 Schema versions
-    1: measurements only. 2: adds ``transposes``. A version-1 file is upgraded in place when opened
-    (the table is added; nothing else changes).
+    1: measurements only. 2: adds ``transposes``. 3: adds ``fusion_timings``. An older file is
+    upgraded in place when opened to write (the tables are added; nothing else changes); opened
+    read-only it is read as it is.
 
 No pickle is used anywhere: rows are plain columns.
 """
@@ -66,7 +67,7 @@ from convpass.tuning.cache_rows import COLUMNS, CacheError, CacheWarning, short
 
 __all__ = ["SCHEMA_VERSION", "CacheFile", "default_cache_path"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _APP_TAG = "convpass-tuning-cache"
 _BUSY_TIMEOUT_MS = 5_000
@@ -139,6 +140,17 @@ _TRANSPOSES_TABLE = """CREATE TABLE IF NOT EXISTS transposes (
     PRIMARY KEY (device, dims, dtype)
 )"""
 
+# Added in schema version 3 (a version-1 or -2 file gets it when opened): the timings of fusion
+# units (convpass.compiler.fusions), one row per (device, unit signature), so that a cached re-run
+# times nothing and writes the same model.
+_FUSIONS_TABLE = """CREATE TABLE IF NOT EXISTS fusion_timings (
+    device      TEXT NOT NULL,
+    signature   TEXT NOT NULL,
+    times       TEXT NOT NULL,
+    measured_at REAL NOT NULL,
+    PRIMARY KEY (device, signature)
+)"""
+
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (
     name  TEXT PRIMARY KEY,
@@ -162,6 +174,7 @@ CREATE TABLE IF NOT EXISTS measurements (
 );
 CREATE INDEX IF NOT EXISTS measurements_device_shape ON measurements (device, shape);
 {_TRANSPOSES_TABLE};
+{_FUSIONS_TABLE};
 INSERT OR IGNORE INTO meta (name, value) VALUES ('format', '{_APP_TAG}');
 INSERT OR IGNORE INTO meta (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}');
 """
@@ -283,6 +296,7 @@ class CacheFile:
         self._flock_fd: int | None = None
         self._flock_depth = 0
         self._has_transposes = True  # a version-1 cache read without upgrading it has none
+        self._has_fusions = True  # a version-1 or -2 cache read without upgrading it has none
         self._integrity = True  # run SQLite's quick_check when opening (not for the read-only probe of a write)
         if os.path.lexists(self.path) and not self.path.is_dir():
             try:
@@ -457,7 +471,7 @@ class CacheFile:
         except _Damaged:
             pass
         finally:
-            self.readonly, self._integrity, self._has_transposes = False, True, True
+            self.readonly, self._integrity, self._has_transposes, self._has_fusions = False, True, True, True
 
     def _check_readonly(self, conn: sqlite3.Connection) -> None:
         """:meth:`_check_and_init` for a read-only cache: check, change nothing."""
@@ -496,17 +510,18 @@ class CacheFile:
         if meta.get("format") == _APP_TAG and str(version).isdigit() and int(str(version)) > SCHEMA_VERSION:
             raise CacheError(f"tuning cache {self.path} was written by a newer convpass (schema {version}; this one reads up to "
                              f"{SCHEMA_VERSION}): refused, nothing was changed; upgrade convpass or give another path with --cache")
-        if meta.get("format") != _APP_TAG or not {"meta", "measurements"} <= tables or tables - {"meta", "measurements", "transposes"}:
+        if meta.get("format") != _APP_TAG or not {"meta", "measurements"} <= tables or tables - {"meta", "measurements", "transposes", "fusion_timings"}:
             found = f"meta format {printable(short(meta.get('format')))}" if meta else f"tables {printable(short(sorted(tables), 120))}"
             raise CacheError(f"tuning cache {self.path} is another program's SQLite database ({found}), not a convpass tuning cache: "
                              "refused, nothing was changed; give another path with --cache or CONVPASS_CACHE")
-        if version == "1" and "transposes" not in tables:
+        if version in ("1", "2") and ("transposes" in tables) == (version == "2") and "fusion_timings" not in tables:
             if self.readonly:
-                self._has_transposes = False
+                self._has_transposes, self._has_fusions = "transposes" in tables, False
             else:
                 conn.execute(_TRANSPOSES_TABLE)
+                conn.execute(_FUSIONS_TABLE)
                 conn.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(SCHEMA_VERSION),))
-        elif version != str(SCHEMA_VERSION) or "transposes" not in tables:
+        elif version != str(SCHEMA_VERSION) or not {"transposes", "fusion_timings"} <= tables:
             self._damaged(f"schema version {printable(short(version))} with tables {sorted(tables)}, expected {SCHEMA_VERSION}")
         cols = tuple(r[1] for r in conn.execute("PRAGMA table_info(measurements)"))
         if set(cols) != set(COLUMNS):
