@@ -24,7 +24,8 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import channels_last_array, host_library
 from convpass.kernels import pooling, tensor_ops
 from convpass.runtime.executor import Executor
-from convpass.ops.nn import _pool_geometry, resize_arguments, resize_geometry
+from convpass.ops.nn import _pool_geometry
+from convpass.ops.resize import resize_arguments, resize_geometry
 from convpass.ops.registry import NodeInfo, decode_attributes, lookup
 
 @pytest.fixture(scope="module")
