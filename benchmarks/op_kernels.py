@@ -81,15 +81,15 @@ CUPY_FUSED = "cupy_fused"  # variant option: fused groups run CuPy's Elementwise
 @contextlib.contextmanager
 def _cupy_fused_groups() -> Iterator[None]:
     """Plans compiled inside run their fused groups with CuPy's kernel, not the broadcasting one."""
-    from convpass.kernels import elementwise
+    from convpass.kernels import broadcast
 
-    saved = elementwise.BroadcastKernel.__call__, elementwise.needs_fallback
-    elementwise.BroadcastKernel.__call__ = lambda self, args, out=None: None
-    elementwise.needs_fallback = lambda plan, group: True
+    saved = broadcast.BroadcastKernel.__call__, broadcast.needs_fallback
+    broadcast.BroadcastKernel.__call__ = lambda self, args, out=None: None
+    broadcast.needs_fallback = lambda plan, group: True
     try:
         yield
     finally:
-        elementwise.BroadcastKernel.__call__, elementwise.needs_fallback = saved
+        broadcast.BroadcastKernel.__call__, broadcast.needs_fallback = saved
 
 
 def _executor_variant(model, x, reps: int, batches: int, channels_last: bool, **options) -> tuple[float, Any]:

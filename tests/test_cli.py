@@ -358,8 +358,9 @@ def test_run_compare_without_onnxruntime_is_a_clear_error(model, capsys, monkeyp
 
 def test_tune_json_is_valid(tmp_path, capsys, monkeypatch):
     from convpass.fleet import driver
+    from convpass.fleet.report import FleetReport
 
-    report = driver.FleetReport(cluster="local", cache=str(tmp_path / "c.db"), models=[])
+    report = FleetReport(cluster="local", cache=str(tmp_path / "c.db"), models=[])
     monkeypatch.setattr(driver, "tune", lambda *a, **k: report)
     (tmp_path / "out").mkdir()
     assert main(["tune", str(SAMPLE), "-o", str(tmp_path / "out"), "--json", "-q"]) == 0

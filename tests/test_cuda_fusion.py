@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from convpass.kernels import broadcast, elementwise_launch
 from convpass.kernels import elementwise as cuda_fusion
 from convpass.runtime.executor import Executor
 
@@ -256,7 +257,7 @@ def test_group_kernel_names_depend_on_code_and_dtype_only():
 
 
 def test_geometry_merges_what_every_operand_walks_contiguously():
-    geo = cuda_fusion.broadcast_geometry
+    geo = broadcast.broadcast_geometry
     # BatchNormalization's (C, 1, 1) parameters over NCHW: N, C, H * W
     g = geo((2, 3, 4, 5), [((2, 3, 4, 5), (60, 20, 5, 1)), ((3, 1, 1), (1, 1, 1))], (60, 20, 5, 1), False)
     assert (g.n, g.extents) == (120, (1, 3, 20))
@@ -287,23 +288,23 @@ def test_geometry_merges_what_every_operand_walks_contiguously():
 
 
 def test_launch_and_entry_follow_the_geometry():
-    g = cuda_fusion.Geometry(10**6, (1, 1, 10**6), ((0, 0, 0, 1),))
+    g = broadcast.Geometry(10**6, (1, 1, 10**6), ((0, 0, 0, 1),))
     assert g.launch(4) == (-(-10**6 // 1024), 256) and g.launch(2) == (-(-10**6 // 512), 256) and g.dims == 1
-    assert cuda_fusion.Geometry(100, (1, 1, 100), ((0, 0, 0, 1),)).launch(4) == (1, 256)
-    assert [cuda_fusion.Geometry(120, e, ()).dims for e in ((1, 1, 40), (1, 3, 20), (3, 4, 5))] == [2, 3, 4]
+    assert broadcast.Geometry(100, (1, 1, 100), ((0, 0, 0, 1),)).launch(4) == (1, 256)
+    assert [broadcast.Geometry(120, e, ()).dims for e in ((1, 1, 40), (1, 3, 20), (3, 4, 5))] == [2, 3, 4]
 
 
 def test_constants_of_one_shape_share_their_offsets():
     nodes, extra, inits, opset = CASES["batchnorm_relu"]
     plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y", inits=inits, opset=opset), _feeds([], np.float32))
     (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
-    assert cuda_fusion.broadcast_classes(plan, group) == (0, 1, 1)  # x, the folded scale and shift
-    source = cuda_fusion.broadcast_source(group, (0, 1, 1))
-    assert source.name != cuda_fusion.broadcast_source(group).name
+    assert broadcast.broadcast_classes(plan, group) == (0, 1, 1)  # x, the folded scale and shift
+    source = broadcast.broadcast_source(group, (0, 1, 1))
+    assert source.name != broadcast.broadcast_source(group).name
     assert source.code.count("const int oc_") == 3  # x, the parameters, the output
     # folded: multiplies and adds only, so more elements per thread than for heavier math
-    assert cuda_fusion.unroll_for(group) == cuda_fusion.UNROLL
-    assert "T v0[%d];" % cuda_fusion.UNROLL in source.code
+    assert broadcast.unroll_for(group) == broadcast.UNROLL
+    assert "T v0[%d];" % broadcast.UNROLL in source.code
 
 
 def test_batchnorm_with_constant_parameters_is_folded_to_a_scale_and_shift():
@@ -365,8 +366,8 @@ def test_broadcasting_kernel_source_matches_the_numpy_ops(tmp_path, case, layout
     feeds = _feeds(extra, np.float32)
     plan, ref = _plan(model, feeds)
     (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
-    classes = cuda_fusion.broadcast_classes(plan, group)
-    source = cuda_fusion.broadcast_source(group, classes)
+    classes = broadcast.broadcast_classes(plan, group)
+    source = broadcast.broadcast_source(group, classes)
     lib = host_library(tmp_path, "using namespace std;\n" + source.code + _SETTER, "bcast")
     env = dict(zip(plan.slot_names, plan.template))
     env.update(feeds)
@@ -378,7 +379,7 @@ def test_broadcasting_kernel_source_matches_the_numpy_ops(tmp_path, case, layout
     if layout == "concat-slice":
         buffer = np.full((2, 7, 4, 5), -7.0, np.float32)
         out = buffer[:, 2:5]
-    kern = cuda_fusion.BroadcastKernel(np, group, classes, entry=lambda name: _host_launcher(lib, name))
+    kern = broadcast.BroadcastKernel(np, group, classes, entry=lambda name: _host_launcher(lib, name))
     got = kern(args, out)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"{case} {layout}")
     if layout == "nhwc" and got.ndim == 4:
@@ -401,11 +402,11 @@ def test_cupys_kernel_is_built_only_for_shapes_the_broadcasting_kernel_may_not_t
     nodes, extra, inits, opset = CASES["silu"]
     plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y"), _feeds([], np.float32))
     (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
-    assert not cuda_fusion.needs_fallback(plan, group)
+    assert not broadcast.needs_fallback(plan, group)
     five = (1, 2, 3, 4, 5)
     plan5, _ = _plan(_model(nodes, [("X", five)], "Y"), {"X": np.ones(five, np.float32)})
     (group5,) = cuda_fusion.plan_groups(plan5, [None] * len(plan5.steps))
-    assert cuda_fusion.needs_fallback(plan5, group5)  # rank 5 may leave five dimensions after merging
+    assert broadcast.needs_fallback(plan5, group5)  # rank 5 may leave five dimensions after merging
 
 
 def test_a_fused_launch_runs_the_broadcasting_kernel_and_falls_back_to_cupys():
@@ -415,7 +416,7 @@ def test_a_fused_launch_runs_the_broadcasting_kernel_and_falls_back_to_cupys():
     (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
     calls = []
 
-    def broadcast(args, out=None):
+    def broadcasting(args, out=None):
         calls.append("broadcast")
         return None if len(calls) > 1 else np.asarray(ref)  # takes the first shape only
 
@@ -426,13 +427,13 @@ def test_a_fused_launch_runs_the_broadcasting_kernel_and_falls_back_to_cupys():
     env = list(plan.template)
     env[group.inputs[0]] = feeds["X"]
     counters = {"fused_elementwise": 0}
-    cuda_fusion.FusedLaunch(plan, group, broadcast, fallback, counters).run(env)
-    cuda_fusion.FusedLaunch(plan, group, broadcast, fallback, counters).run(env)
+    elementwise_launch.FusedLaunch(plan, group, broadcasting, fallback, counters).run(env)
+    elementwise_launch.FusedLaunch(plan, group, broadcasting, fallback, counters).run(env)
     assert calls == ["broadcast", "broadcast", "cupy"] and counters["fused_elementwise"] == 2
     with pytest.raises(RuntimeError, match="needs CuPy's kernel"):
-        cuda_fusion.FusedLaunch(plan, group, broadcast, None, counters).run(env)
+        elementwise_launch.FusedLaunch(plan, group, broadcasting, None, counters).run(env)
     with pytest.raises(ValueError):
-        cuda_fusion.FusedLaunch(plan, group, None, None, counters)
+        elementwise_launch.FusedLaunch(plan, group, None, None, counters)
 
 
 def test_constant_inputs_are_packed_so_a_class_has_one_set_of_strides():
@@ -441,10 +442,10 @@ def test_constant_inputs_are_packed_so_a_class_has_one_set_of_strides():
     inits = [_const("a", a), _const("b", np.ones((4, 5)))]
     plan, _ = _plan(_model(nodes, [("X", X_SHAPE)], "Y", inits=inits), _feeds([], np.float32))
     (group,) = cuda_fusion.plan_groups(plan, [None] * len(plan.steps))
-    assert cuda_fusion.broadcast_classes(plan, group) == (0, 1, 1)
+    assert broadcast.broadcast_classes(plan, group) == (0, 1, 1)
     slot = group.inputs[1]
     plan.template[slot] = np.asfortranarray(plan.template[slot])  # a constant stored column-major
-    launch = cuda_fusion.FusedLaunch(plan, group, lambda args, out=None: None, None, {"fused_elementwise": 0})
+    launch = elementwise_launch.FusedLaunch(plan, group, lambda args, out=None: None, None, {"fused_elementwise": 0})
     fixed = [f for f in launch._fixed if f is not None]
     assert all(f.flags.c_contiguous for f in fixed) and len({f.strides for f in fixed}) == 1
     np.testing.assert_array_equal(fixed[0], plan.template[slot])

@@ -24,7 +24,8 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import channels_last_array, host_library
 from convpass.kernels import pooling, tensor_ops
 from convpass.runtime.executor import Executor
-from convpass.ops.nn import _pool_geometry, resize_arguments, resize_geometry
+from convpass.ops.nn import _pool_geometry
+from convpass.ops.resize import resize_arguments, resize_geometry
 from convpass.ops.registry import NodeInfo, decode_attributes, lookup
 
 @pytest.fixture(scope="module")
@@ -270,7 +271,7 @@ def test_fused_norm_apply_kernel_compiles_for_hopper(dtype, tmp_path):
     """The generated apply kernel of a fused GroupNorm + SiLU + residual (statistics and parameters
     read as float beside the tensor's storage type) compiles for sm_90 without spills."""
     from fused_models import block, feeds
-    from convpass.kernels import elementwise, group_norm
+    from convpass.kernels import broadcast, group_norm
 
     ex = Executor(block(), device="cpu")
     ex.run(None, feeds((2, 8, 5, 6)))
@@ -278,7 +279,7 @@ def test_fused_norm_apply_kernel_compiles_for_hopper(dtype, tmp_path):
     spec = ex.last_plan.steps[-1].node.prepared
     kinds = ["constant", "constant", "value"]
     group = group_norm.apply_group(spec, dtype, kinds)
-    src = elementwise.broadcast_source(group, group_norm.apply_classes(kinds, [(8, 1, 1), (8, 1, 1), (2, 8, 5, 6)]))
+    src = broadcast.broadcast_source(group, group_norm.apply_classes(kinds, [(8, 1, 1), (8, 1, 1), (2, 8, 5, 6)]))
     path = tmp_path / f"{src.name}.cu"
     path.write_text(src.code)
     done = subprocess.run([NVCC, "-std=c++17", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(path)],

@@ -30,6 +30,9 @@ from convpass.tuning.cache import TuningCache
 from convpass.cli.main import main
 from convpass.tuning.decide import select
 from convpass.fleet import driver
+from convpass.fleet import models as fleet_models
+from convpass.fleet import report as fleet_report
+from convpass.fleet.model_procs import ModelSpec
 from convpass.fleet.local import LocalExecutor
 from convpass.fleet.measurers import RecordedMeasurer
 from convpass.fleet.model_procs import ModelProcesses, ModelProcessError, prepare
@@ -51,7 +54,7 @@ def lab(tmp_path_factory):
         c.put(H200, [m for rows in recorded.recorded_rows("oracle").values() for m in rows])
         c.put(H200_TUNING_RUN, [m for rows in recorded.recorded_rows("tuning").values() for m in rows])
     paths = [recorded.save(getattr(recorded, name)(), root, name) for name in MODELS]
-    specs = driver.specs_with_batches(paths, ["1,32"])  # as the command line: resolved when collected
+    specs = fleet_models.specs_with_batches(paths, ["1,32"])  # as the command line: resolved when collected
     assert [s.batches for s in specs] == [(1, 32)] * 4
     return {"root": root, "recorded": root / "recorded.db", "paths": paths, "specs": specs}
 
@@ -124,21 +127,21 @@ def _check_nothing_lost(doc, cache_path):
 
 
 def test_problems_are_collected_once_across_models_and_profiles(lab, tmp_path):
-    models, distinct = driver.collect(lab["specs"], OPTIONS, tmp_path)
+    models, distinct = fleet_models.collect(lab["specs"], OPTIONS, tmp_path)
     assert [len(m.problems) for m in models] == [8, 8, 6, 4]
     stem, block = set(models[0].problems), set(models[1].problems)
     assert len(stem & block) == 6  # 1x1 64->64, 3x3 64->64, 1x1 64->256 at batch 1 and 32
     assert len(distinct) == 18 and len(set(distinct)) == 18
     assert distinct[:8] == models[0].problems  # first seen, first listed
     assert [m.output.name for m in models] == [f"{n}.tuned.onnx" for n in MODELS]
-    same_twice = driver.ModelSpec(lab["paths"][0], ("input=1x3x224x224", "input=1x3x224x224"))
-    models, distinct = driver.collect([same_twice], OPTIONS, tmp_path)
+    same_twice = ModelSpec(lab["paths"][0], ("input=1x3x224x224", "input=1x3x224x224"))
+    models, distinct = fleet_models.collect([same_twice], OPTIONS, tmp_path)
     assert len(models[0].report.profiles) == 2 and len(distinct) == 4
 
 
 def test_problems_are_tuned_model_by_model_largest_first(lab, tmp_path):
-    models, distinct = driver.collect(lab["specs"], OPTIONS, tmp_path)
-    order = driver.tuning_order(models)
+    models, distinct = fleet_models.collect(lab["specs"], OPTIONS, tmp_path)
+    order = fleet_models.tuning_order(models)
     assert sorted(order, key=distinct.index) == distinct
     flops = [p.primary.flops for p in order]
     start = 0
@@ -158,21 +161,21 @@ def test_batches_follow_each_models_inputs(tmp_path):
     onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), dynamic)
     fixed = tmp_path / "fixed.onnx"
     onnx.save(conv_model("Conv", [1, 3, 8, 8], (4, 3, 3, 3)), fixed)
-    specs, notes = driver.specs_from_batches([dynamic, fixed], ["1,32", "dyn=2"])
+    specs, notes = fleet_models.specs_from_batches([dynamic, fixed], ["1,32", "dyn=2"])
     assert [s.shapes for s in specs] == [("x=2x3x8x8",), ("x=1x3x8x8",)]
     assert notes == ["fixed.onnx: batch 32 left out: input 'x' has a fixed batch of 1, not 32"]
     with pytest.raises(convpass.core.errors.ConvpassError, match="none of the batch sizes"):
-        driver.specs_from_batches([fixed], ["8"])
+        fleet_models.specs_from_batches([fixed], ["8"])
     with pytest.raises(convpass.core.errors.ConvpassError, match="not given: other"):
-        driver.specs_from_batches([fixed], ["other=1"])
+        fleet_models.specs_from_batches([fixed], ["other=1"])
     # tune resolves them when it collects each model (in a model process), with the same result
-    lazy = driver.specs_with_batches([dynamic, fixed], ["1,32", "dyn=2"])
+    lazy = fleet_models.specs_with_batches([dynamic, fixed], ["1,32", "dyn=2"])
     assert [(s.shapes, s.batches) for s in lazy] == [((), (2,)), ((), (1, 32))]
     assert [prepare(s, OPTIONS)[3:] for s in lazy] == [(("x=2x3x8x8",), []), (("x=1x3x8x8",), notes)]
     with pytest.raises(convpass.core.errors.ConvpassError, match="none of the batch sizes"):
-        prepare(driver.specs_with_batches([fixed], ["8"])[0], OPTIONS)
+        prepare(fleet_models.specs_with_batches([fixed], ["8"])[0], OPTIONS)
     with pytest.raises(convpass.core.errors.ConvpassError, match="nowhere.onnx: no such file"):
-        driver.specs_with_batches([tmp_path / "nowhere.onnx"], ["1"])
+        fleet_models.specs_with_batches([tmp_path / "nowhere.onnx"], ["1"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,7 +300,7 @@ def test_a_model_is_written_as_soon_as_its_problems_are_settled(lab, tmp_path):
     sec = doc["seconds"]
     assert sec["first_model"] <= sec["collect"] <= sec["total"] and sec["first_task"] + sec["tune"] + sec["write"] <= sec["total"]
     console = Console(record=True, width=400)
-    driver.print_report(report, console)
+    fleet_report.print_report(report, console)
     assert f"; {doc['written_during_tune']} of 4 model(s) written while tuning" in console.export_text()
 
 
@@ -319,7 +322,7 @@ def test_an_interrupt_after_a_model_was_written_says_which_were_written(lab, tmp
     for key, d in _decisions([stem]).items():  # written from its complete measurements only
         assert (d[5], d[0]) == _recorded_choice(d[5], "oracle") and d[4] == "measure", key
     console = Console(record=True, width=400)
-    driver.print_report(first, console)
+    fleet_report.print_report(first, console)
     text = console.export_text()
     assert f"wrote {stem}" in text
     assert "1 model(s) complete before the interrupt were written (above); not written: " + ", ".join(map(str, lab["paths"][1:])) in text
@@ -346,7 +349,7 @@ def test_a_model_that_cannot_be_prepared_stops_the_workers_while_they_start(lab,
     executor = LocalExecutor(workers=2)
     started = time.monotonic()
     with pytest.raises(convpass.core.errors.ShapeError, match=f"^{bad}: Conv 'conv': dim 0 of its input 'x' is 'N'"):
-        driver.tune([*lab["specs"], driver.ModelSpec(bad)], tmp_path / "out", OPTIONS, cluster=executor,
+        driver.tune([*lab["specs"], ModelSpec(bad)], tmp_path / "out", OPTIONS, cluster=executor,
                     cache=tmp_path / "driver.db", measurer=SlowStart(lab["recorded"], H200), console=Console(quiet=True))
     assert time.monotonic() - started < 30  # the workers were stopped while starting (their start takes 60 s)
     assert len(executor._procs) == 2 and multiprocessing.active_children() == []
@@ -382,14 +385,14 @@ def test_models_are_tuned_while_later_ones_are_collected(lab, tmp_path, slow_mod
     models after it, collected meanwhile by the other model process, wait for it (tasks keep the
     model order); a copy of the stem adds no task and is written from the stem's measurements."""
     copy = recorded.save(recorded.resnet_stem(), tmp_path, "stem_copy")
-    specs = [lab["specs"][0], driver.ModelSpec(slow_model, batches=(1, 32)), driver.ModelSpec(copy, batches=(1, 32)), lab["specs"][1]]
+    specs = [lab["specs"][0], ModelSpec(slow_model, batches=(1, 32)), ModelSpec(copy, batches=(1, 32)), lab["specs"][1]]
     seen = []
     report = _tune(lab, tmp_path, specs=specs, model_processes=2, on_progress=lambda p: seen.append((p.finished + p.failed, p.total)))
     doc = report.to_json()
     assert (8, 8) in seen  # every task of the stem settled before anything else was known
     assert sorted({total for _, total in seen} - {0}) == [8, 16]  # then the rest at once: never the block's 2 before the slow model's 6
     assert doc["seconds"]["first_task"] < doc["seconds"]["collect"]
-    assert [p for t in report.tasks for p in t.problems] == driver.tuning_order(report.models)  # as if every model had been collected first
+    assert [p for t in report.tasks for p in t.problems] == fleet_models.tuning_order(report.models)  # as if every model had been collected first
     assert doc["tasks"] == doc["measured"] == doc["problems"] == 16 and doc["cache_writes"]["max_per_task"] == 1
     assert [m["problems"] for m in doc["models"]] == [8, 6, 8, 8] and all(m["collected"] for m in doc["models"])
     assert len(report.written) == 4
@@ -400,7 +403,7 @@ def test_models_are_tuned_while_later_ones_are_collected(lab, tmp_path, slow_mod
 def test_a_model_that_cannot_be_prepared_while_others_are_tuned_loses_nothing(lab, tmp_path, slow_model):
     bad = tmp_path / "dynamic.onnx"
     onnx.save(conv_model("Conv", ["N", 3, 8, 8], (4, 3, 3, 3)), bad)
-    specs = [lab["specs"][0], driver.ModelSpec(slow_model, batches=(1, 32)), driver.ModelSpec(bad)]
+    specs = [lab["specs"][0], ModelSpec(slow_model, batches=(1, 32)), ModelSpec(bad)]
     with pytest.raises(convpass.core.errors.ShapeError) as raised:
         _tune(lab, tmp_path, specs=specs, model_processes=1)
     message = str(raised.value)

@@ -168,6 +168,7 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     from rich.console import Console
 
     from convpass.fleet import driver
+    from convpass.fleet import models as fleet_models
     from convpass.fleet.local import LocalExecutor
     from convpass.fleet.measurers import RecordedMeasurer
     from convpass.core.options import TuneOptions
@@ -176,7 +177,7 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     with TuningCache(source) as c:
         c.put(H200, [m for rows in recorded.recorded_rows("oracle").values() for m in rows])
     models = [recorded.save(recorded.resnet_stem(), tmp_path, "resnet_stem"), recorded.save(recorded.inverted_residual(), tmp_path, "ir")]
-    specs, _ = driver.specs_from_batches(models, ["1,32"])
+    specs, _ = fleet_models.specs_from_batches(models, ["1,32"])
     work = tmp_path / "work"
     for name, workers in (("one", 1), ("two", 2), ("retime", 1)):
         (work / name).mkdir(parents=True)

@@ -1,7 +1,7 @@
 """A fleet task is one geometry's problems (the same conv with different epilogues), so that every
 decision compares rows that one worker measured: in two 2-H200 fleet checks (2026-11-27) an r3d_18
 conv read 20% faster in the tasks one GPU ran than in the other's, and a problem whose bare conv came
-from one GPU's task and its fused call from the other's was decided 1.065-1.08x off. The grouping (driver.Geometries), the
+from one GPU's task and its fused call from the other's was decided 1.065-1.08x off. The grouping (fleet.models.Geometries), the
 scheduler's rules for a task that replaces an earlier one, the driver's settling of problems that
 two tasks measure, and the measurer's one-after-the-other measuring with the earlier rows standing."""
 
@@ -11,6 +11,9 @@ import types
 
 from convpass.tuning.cache_rows import Measurement
 from convpass.fleet import driver
+from convpass.fleet import models as fleet_models
+from convpass.fleet.model_procs import ModelSpec
+from convpass.fleet.report import FleetReport
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer
 from convpass.core.options import TuneOptions
@@ -28,7 +31,7 @@ def row(shape: ConvShape, algo: str = "implicit_gemm") -> Measurement:
 
 
 def test_the_problems_of_one_geometry_are_one_group_and_a_later_one_takes_the_earlier_in():
-    g = driver.Geometries()
+    g = fleet_models.Geometries()
     relu, plain, other = ConvProblem((A,), "bias+relu"), ConvProblem((A,), "bias"), ConvProblem((C,), "bias")
     assert g.add([relu, other, plain]) == [((relu, plain), []), ((other,), [])]
     add = ConvProblem((A,), "bias+add+relu")
@@ -127,7 +130,7 @@ def test_a_problem_two_tasks_measure_settles_with_the_first_that_finishes():
     """The driver's side: a model waiting for a problem completes with the first task of it that
     finished; a task that failed leaves the problem to another still measuring it; a replaced one
     leaves it to its replacement; a problem no task finished is failed."""
-    report = driver.FleetReport("stand-in", "c.db", [])
+    report = FleetReport("stand-in", "c.db", [])
     stream = driver._Stream(report, TuneOptions(), procs=None, started=0.0)
     stream.failed = {H200: set()}
     completed = []
@@ -167,7 +170,7 @@ def test_a_later_model_adding_an_epilogue_to_a_finished_geometry_waits_only_for_
     task finished stays settled, so a failing new task cannot keep the model from being written."""
     from convpass.tuning.cache import TuningCache
 
-    report = driver.FleetReport("stand-in", "c.db", [driver.ModelProblems(driver.ModelSpec(tmp_path / f"m{i}.onnx"), tmp_path / f"m{i}.tuned.onnx")
+    report = FleetReport("stand-in", "c.db", [fleet_models.ModelProblems(ModelSpec(tmp_path / f"m{i}.onnx"), tmp_path / f"m{i}.tuned.onnx")
                                                       for i in range(3)])
     report.devices = [H200]
     stream = driver._Stream(report, TuneOptions(), procs=None, started=0.0)

@@ -150,7 +150,7 @@ def test_a_scatter_reduction_without_ufunc_at_reduces_duplicates_in_order(ufunc,
     ScatterElements with ``reduction="mul"`` reduce in rounds there. The rounds give what NumPy's
     ``ufunc.at`` gives, duplicate targets included, for index arrays over the leading dims
     (ScatterND) and over all of them (ScatterElements)."""
-    from convpass.ops.tensor import _reduce_at_in_rounds
+    from convpass.ops.indexing import _reduce_at_in_rounds
 
     rng = np.random.default_rng(index_rank)
     x = rng.uniform(0.5, 1.5, (4, 3, 5))

@@ -66,15 +66,18 @@ def tune_command(args: argparse.Namespace) -> int:
     from convpass.cli.options import decision_options
     from convpass.cli.output import emit_json
     from convpass.fleet import driver
+    from convpass.fleet import models as fleet_models
+    from convpass.fleet import report as fleet_report
+    from convpass.fleet.model_procs import ModelSpec
 
     if args.retries < 0:
         raise OptionError(f"--retries must be >= 0, got {args.retries}")
     if args.task_timeout is not None and args.task_timeout <= 0:
         raise OptionError(f"--task-timeout must be > 0 seconds, got {args.task_timeout:g}")
     if args.batch:
-        specs = driver.specs_with_batches(args.models, args.batch)
+        specs = fleet_models.specs_with_batches(args.models, args.batch)
     else:
-        specs = [driver.ModelSpec(Path(m), tuple(args.shape)) for m in args.models]
+        specs = [ModelSpec(Path(m), tuple(args.shape)) for m in args.models]
     console = Console(stderr=True, quiet=args.quiet, soft_wrap=True)  # -q: no progress bar and no report
     try:
         report = driver.tune(
@@ -92,6 +95,6 @@ def tune_command(args: argparse.Namespace) -> int:
         print(f"convpass: interrupted; what was measured is in the tuning cache; a model in {args.output_dir} "
               "written by this run is complete (written atomically)", file=sys.stderr)
         return 130
-    driver.print_report(report, console)
+    fleet_report.print_report(report, console)
     emit_json(args, {"schema": "convpass.tune/1", **report.to_json()})
     return 130 if report.interrupted else 0

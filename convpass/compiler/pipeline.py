@@ -28,10 +28,9 @@ from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, c
 from convpass.core.errors import ConvpassError
 from convpass.core.model_io import load_model, to_proto
 from convpass.core.options import CLI, OptionNames, TuneOptions, check_precision_data, tune_options
+from convpass.compiler.passes import manager
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
-from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
-from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
 from convpass.compiler import fusions
@@ -109,19 +108,16 @@ def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, de
 
 def prepare_model(model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], report: OptimizeReport,
                   names: OptionNames = CLI) -> dict[ConvProblem, list[ProblemUse]]:
-    """The graph passes before any decision (in place): fold conv weights and BatchNormalizations, resolve shapes per
-    profile, canonicalize, collect the distinct problems. Fills the report's counts; returns every
-    problem with its uses, in graph order. ``names``: how messages name the shape profiles."""
+    """The graph passes before any decision (in place; :func:`convpass.compiler.passes.manager.preparation`):
+    fold conv weights and BatchNormalizations, resolve shapes per profile, canonicalize, collect the
+    distinct problems. Fills the report's counts; returns every problem with its uses, in graph
+    order. ``names``: how messages name the shape profiles."""
     fold = FoldConvWeightsPass()
-    fold(model)
-    report.notes.extend(fold.notes)  # folded weights that grew the model
-    FoldBatchNormsPass()(model)  # as the executor folds them: the tuner times the step that runs
     resolve = ResolveShapesPass(shapes, names)
-    resolve(model)
-    report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile
-    CanonicalizeConvsPass()(model)
     collect = CollectConvProblemsPass(options.directions, options.fusions)
-    collect(model)
+    manager.run(manager.preparation(fold, resolve, collect), model)
+    report.notes.extend(fold.notes)  # folded weights that grew the model
+    report.notes.extend(resolve.notes)  # tensors the CPU run resolved, per profile
     report.profiles = model.meta[PROFILES_KEY]
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type in ("Conv", "ConvTranspose") and node.domain in ("", "ai.onnx"):

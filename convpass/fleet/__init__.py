@@ -4,6 +4,8 @@
   start and then tune them, model by model as they are collected; pick the target devices,
   schedule, write each tuned model (one decision table per device type) as soon as its problems
   are settled, while the workers measure the rest;
+* :mod:`convpass.fleet.models` - the models' specs, their problems as collected and the order in
+  which those are measured; :mod:`convpass.fleet.report` - what a run did, as JSON and as text;
 * :mod:`convpass.fleet.model_procs` - the processes beside the driver that collect (graph passes)
   and write the models, so that the driver's own process only hands out tasks;
 * :mod:`convpass.fleet.scheduler` - tasks on worker slots: retries, lost workers, timeouts,

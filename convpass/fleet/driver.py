@@ -16,9 +16,9 @@
    problems no model before it had, the largest first, as tasks for each measured device whose
    rows the cache does not already cover; the scheduler (:mod:`convpass.fleet.scheduler`) hands
    them out while later models are still being collected, so the progress bar's total grows as
-   they come. A problem two models share is measured once. This is :func:`tuning_order`, taken
-   model by model. The problems of one geometry (the same conv with different epilogues) are one
-   task, measured one after the other by one worker (:class:`Geometries`; the scheduler's rules
+   they come. A problem two models share is measured once. This is :func:`~convpass.fleet.models.tuning_order`,
+   taken model by model. The problems of one geometry (the same conv with different epilogues) are one
+   task, measured one after the other by one worker (:class:`~convpass.fleet.models.Geometries`; the scheduler's rules
    say why): a later model's problem of a geometry already given comes as a task that measures the
    geometry's earlier problems again with it, and replaces the earlier task where that has not
    started. The driver writes every finished task's rows into its cache as they arrive, so
@@ -27,7 +27,7 @@
    failed), in a model process while the workers measure the other models' problems: atomically,
    with one decision table per target device, decided from the cache by the same rule as
    ``optimize --device-name``; a problem that failed is ``auto`` for that device. Models complete
-   one after another in :func:`tuning_order`, so after the last task only the models it completed
+   one after another in that order, so after the last task only the models it completed
    are left to write, and the process that collected the last model still holds it prepared.
    An interrupted run writes nothing more: the models written before it are complete, the report
    lists which were written and which not.
@@ -41,14 +41,14 @@ Layout: decisions are per conv (``--layout per-conv``, the default here) or one 
 ``--layout auto`` plans the whole graph with transpose timings that only a GPU in the same process
 measures, and the tuning cache does not hold them: it is refused here rather than silently changed.
 
-Importing this module is cheap (no ONNX, onnx-ir or graph passes): the command line launches the
-workers first and imports those while they start.
+The models' specs, collection and tuning order are in :mod:`convpass.fleet.models`, the run's
+report in :mod:`convpass.fleet.report`. Importing these modules is cheap (no ONNX, onnx-ir or graph
+passes): the command line launches the workers first and imports those while they start.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,173 +59,17 @@ from rich.console import Console
 
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError, OptionError
-from convpass.core.profiles import parse_batches, profiles_for_batches
-from convpass.core.files import check_readable
-from convpass.core.text import markup
+from convpass.core.options import TuneOptions
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer, Measurer
-from convpass.fleet.model_procs import (  # noqa: F401  (FleetBackend: part of this module's interface)
-    CollectJob,
-    Collected,
-    FleetBackend,
-    ModelProcesses,
-    ModelSpec,
-    RemoteTraceback,
-    WriteJob,
-    default_count,
-    prepare,
-)
-from convpass.core.options import TuneOptions
+from convpass.fleet.model_procs import CollectJob, Collected, ModelProcesses, ModelSpec, RemoteTraceback, WriteJob, default_count
+from convpass.fleet.models import Geometries, ModelProblems, group_order, outputs_of
+from convpass.fleet.report import FleetReport
 
 if TYPE_CHECKING:
-    import onnx_ir as ir
-
-    from convpass.tuning.cache import TuningCache
-    from convpass.compiler.passes.collect_conv_problems import ProblemUse
-    from convpass.core.problem import ConvProblem
     from convpass.compiler.pipeline import OptimizeReport
-    from convpass.core.problem import ConvShape
-
-OUTPUT_SUFFIX = ".tuned.onnx"
-
-
-def specs_with_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Sequence[str]) -> list[ModelSpec]:
-    """Models with one profile per batch size (``--batch 1,32 --batch r3d_18=1,8``, as ``convpass
-    bench``), resolved when each model is collected (see :class:`ModelSpec`): nothing is read here
-    but the file names."""
-    default, per_model = parse_batches(list(batch_specs))
-    stems = {Path(p).stem for p in paths}
-    unknown = sorted(set(per_model) - stems)
-    if unknown:
-        raise OptionError(f"--batch names model(s) not given: {', '.join(unknown)}")
-    specs = []
-    for p in paths:
-        path = Path(p)
-        if not path.exists():
-            raise ConvpassError(f"{path}: no such file")
-        check_readable(path, "model")  # a FIFO or a device: refused before anything reads it
-        specs.append(ModelSpec(path, batches=tuple(per_model.get(path.stem, default))))
-    return specs
-
-
-def specs_from_batches(paths: Sequence[str | os.PathLike[str]], batch_specs: Sequence[str]) -> tuple[list[ModelSpec], list[str]]:
-    """As :func:`specs_with_batches`, with the profiles resolved now (every model is read): the models with
-    their ``--shape`` profiles, and notes on the batches left out."""
-    import onnx
-
-    from convpass.core.model_io import load_model
-
-    specs, notes = [], []
-    for lazy in specs_with_batches(paths, batch_specs):
-        path = lazy.path
-        try:
-            proto = onnx.load(path, load_external_data=False)
-        except Exception:  # noqa: BLE001  (not ONNX, truncated...: load_model says precisely what)
-            load_model(path)
-            raise
-        shapes, left_out = profiles_for_batches(path, proto, lazy.batches)
-        notes += left_out
-        specs.append(ModelSpec(path, shapes))
-    return specs, notes
-
-
-Prepared = tuple["ir.Model", "dict[ConvProblem, list[ProblemUse]]"]
-
-
-@dataclasses.dataclass
-class ModelProblems:
-    spec: ModelSpec
-    output: Path
-    problems: list["ConvProblem"] = dataclasses.field(default_factory=list)
-    report: "OptimizeReport | None" = None  # None: not collected
-    # The model as collect prepared it, kept for one model only (see collect) until it is written.
-    prepared: Prepared | None = dataclasses.field(default=None, repr=False)
-
-    @property
-    def collected(self) -> bool:
-        return self.report is not None
-
-
-def outputs_of(specs: Sequence[ModelSpec], output_dir: Path) -> list[Path]:
-    """``DIR/<model stem>.tuned.onnx`` per model; two models that would share one are refused."""
-    outputs: dict[Path, Path] = {}
-    for spec in specs:
-        out = output_dir / (spec.path.stem + OUTPUT_SUFFIX)
-        if out in outputs:
-            raise ConvpassError(f"{spec.path} and {outputs[out]} would both be written to {out}: rename one")
-        outputs[out] = spec.path
-    return list(outputs)
-
-
-def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) -> tuple[list[ModelProblems], list["ConvProblem"]]:
-    """Every model's problems (graph passes only, nothing decided), in this process, and the
-    distinct problems of all of them, in first-seen order. (:func:`tune` collects in model
-    processes, model by model, with the same result.)
-
-    The last model that brings new problems keeps its prepared form: in :func:`tuning_order` it
-    completes last. The others are not kept: a registry may hold hundreds of models, too many to
-    keep in memory."""
-    models: list[ModelProblems] = []
-    seen: set[ConvProblem] = set()
-    last_new: ModelProblems | None = None
-    for spec, out in zip(specs, outputs_of(specs, output_dir)):
-        model, uses, report, _, _ = prepare(spec, options)
-        models.append(ModelProblems(spec, out, list(uses), report))
-        if not seen.issuperset(uses):
-            seen.update(uses)
-            if last_new is not None:
-                last_new.prepared = None
-            last_new = models[-1]
-            last_new.prepared = (model, uses)
-    return models, list(dict.fromkeys(p for m in models for p in m.problems))
-
-
-def tuning_order(models: Sequence[ModelProblems]) -> list["ConvProblem"]:
-    """The distinct problems in the order workers take them: grouped by the first model that needs
-    them (in model order), the largest (FLOPs) first within a group.
-
-    Why: a model is written as soon as all of its problems are settled. In this order the models
-    complete one after another while the GPUs go on measuring, and are written meanwhile; with every
-    problem largest first across all models (load balancing alone), every model would complete only
-    at the very end and all the writing would be serial work after tuning. It is also the order in
-    which models can be tuned while later ones are still being collected. What it costs is at the
-    run's tail: the run ends on the smallest problems of the last group, not on the smallest of all,
-    so the GPUs still finish within about one small problem of each other (only a last group with
-    fewer problems than GPUs could end on a large one)."""
-    first: dict[ConvProblem, int] = {}
-    for i, m in enumerate(models):
-        for p in m.problems:
-            first.setdefault(p, i)
-    return sorted(first, key=lambda p: (first[p], -p.primary.flops))
-
-
-def group_order(problems: Sequence["ConvProblem"], seen: set["ConvProblem"]) -> list["ConvProblem"]:
-    """One model's group of :func:`tuning_order`: its problems not in ``seen``, largest first."""
-    return sorted((p for p in dict.fromkeys(problems) if p not in seen), key=lambda p: -p.primary.flops)
-
-
-class Geometries:
-    """The problems given so far, grouped by geometry: problems whose candidate geometries meet are
-    one group, measured in one task (module docstring, step 3)."""
-
-    def __init__(self) -> None:
-        self.group_of: dict[ConvShape, tuple[ConvProblem, ...]] = {}  # geometry -> its group (first-given order)
-
-    def add(self, problems: Sequence["ConvProblem"]) -> list[tuple[tuple["ConvProblem", ...], list[tuple["ConvProblem", ...]]]]:
-        """The groups that new ``problems`` make or join, in the order of their first new problem,
-        each with the earlier groups (given before this call) it takes in."""
-        before = dict(self.group_of)
-        for p in problems:
-            met = dict.fromkeys(self.group_of[s] for s in p.candidates if s in self.group_of)
-            group = tuple(dict.fromkeys([*(q for g in met for q in g), p]))
-            for q in group:
-                for shape in q.candidates:
-                    self.group_of[shape] = group
-        out = []
-        for group in dict.fromkeys(self.group_of[p.primary] for p in problems):
-            earlier = dict.fromkeys(before[s] for q in group for s in q.candidates if s in before)
-            out.append((group, list(earlier)))
-        return out
+    from convpass.core.problem import ConvProblem
+    from convpass.tuning.cache import TuningCache
 
 
 def resolve_devices(
@@ -257,94 +101,6 @@ def resolve_devices(
             cache_only += [d for d in matches if d not in cache_only]
         targets += [d for d in matches if d not in targets]
     return targets, cache_only
-
-
-@dataclasses.dataclass
-class FleetReport:
-    """What a fleet run did; :meth:`to_json` is the ``--json`` summary."""
-
-    cluster: str
-    cache: str
-    models: list[ModelProblems]
-    problems: int = 0  # distinct problems of the models collected
-    devices: list[DeviceFingerprint] = dataclasses.field(default_factory=list)
-    cache_only: list[DeviceFingerprint] = dataclasses.field(default_factory=list)
-    tasks: list[sched.Task] = dataclasses.field(default_factory=list)
-    cached: int = 0
-    schedule: sched.ScheduleResult | None = None
-    written: list[Path] = dataclasses.field(default_factory=list)  # in the order they were written
-    written_during_tune: int = 0  # of them, while tasks were still running
-    interrupted: bool = False
-    notes: list[str] = dataclasses.field(default_factory=list)
-    # Seconds from the start of the run (they overlap): workers (all started), first_model (the
-    # first model collected), collect (every model collected), first_task (given to a worker);
-    # and spans: tune (first task to the last task settled), write (the models left to write after
-    # tuning), total. See print_report / seconds_line.
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        s = self.schedule
-        by_id = {t.id: t for t in self.tasks}
-
-        def task_json(task_id: int, reasons: list[str]) -> dict[str, Any]:
-            t = by_id[task_id]
-            return {"device": str(t.device), "problem": str(t), "attempts": s.attempts.get(task_id, 0) if s else 0, "reasons": reasons}
-
-        finished = s.finished if s else {}
-        superseded = s.superseded if s else {}
-        measured_pairs = {(by_id[i].device, p) for i in finished for p in by_id[i].problems}
-        return {
-            "cluster": self.cluster,
-            "cache": self.cache,
-            "devices": [str(d) for d in self.devices],
-            "cache_only_devices": [str(d) for d in self.cache_only],
-            "slots": [{"id": x.id, "device": str(x.device), "where": x.where} for x in (s.slots if s else [])],
-            "workers_not_started": s.not_started if s else [],
-            "models": [
-                {
-                    "model": str(m.spec.path),
-                    "output": str(m.output) if m.output in self.written else None,
-                    "collected": m.collected,
-                    "profiles": [p.name for p in m.report.profiles] if m.report else [],
-                    "convs": m.report.convs if m.report else 0,
-                    "untuned_convs": [{"node": n, "why": w} for n, w in m.report.skipped] if m.report else [],
-                    "problems": len(m.problems),
-                    "decided": {d: v[0] for d, v in m.report.by_device.items()} if m.report else {},
-                    "undecided": {d: v[1] for d, v in m.report.by_device.items()} if m.report else {},
-                }
-                for m in self.models
-            ],
-            "problems": self.problems,
-            "tasks": len(self.tasks) - len(superseded) + self.cached,  # (geometry's problems, cluster device) pairs
-            "cached": self.cached,
-            "measured": len(finished),
-            "problems_measured": len(measured_pairs),  # (problem, device) pairs
-            "problems_measured_again": sum(len(by_id[i].problems) for i in finished) - len(measured_pairs),
-            "superseded": len(superseded),
-            "failed": [task_json(i, r) for i, r in sorted(s.failed.items())] if s else [],
-            "missing": [str(by_id[t]) for t in sorted(set(by_id) - set(finished) - set(s.failed if s else {}) - set(superseded))],
-            "retried": s.retried if s else 0,
-            "retries": [task_json(i, r) for i, r in sorted(s.reasons.items()) if i in finished] if s else [],
-            "workers_lost": [{"slot": sid, "reason": why} for sid, why in (s.lost if s else [])],
-            "slots_retired": s.retired if s else {},
-            "measured_by_slot": _count(finished.values()),
-            "busy_s_by_slot": {sid: round(v, 3) for sid, v in sorted(s.busy.items())} if s else {},
-            "task_seconds": [{"device": str(by_id[i].device), "problem": str(by_id[i]), "problems": len(by_id[i].problems),
-                              "depthwise": by_id[i].problems[0].primary.is_depthwise,
-                              "slot": finished.get(i), "seconds": round(v, 6)} for i, v in sorted(s.task_seconds.items())] if s else [],
-            "cache_writes": {"tasks": len(s.writes), "max_per_task": max(s.writes.values(), default=0)} if s else {},
-            "written_during_tune": self.written_during_tune,
-            "interrupted": self.interrupted,
-            "notes": self.notes,
-            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
-        }
-
-
-def _count(values) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
 
 
 def make_executor(cluster: str) -> sched.Executor:
@@ -680,59 +436,3 @@ def _schedule(executor, db, options, retries, task_timeout, slots, not_started, 
 
         runner = sched.Scheduler(executor, db, options, retries=retries, task_timeout=task_timeout, on_progress=show, on_settled=stream.settled)
         return runner.run([], slots, not_started, feed=stream)
-
-
-def seconds_line(seconds: Mapping[str, float]) -> str:
-    """The report's line of :attr:`FleetReport.seconds`: the run's total as the time to the first
-    task, the tuning and the writing after it; then when the overlapping steps ended."""
-    tuned = "first_task" in seconds
-    parts = [f"first task at {seconds['first_task']:.1f}" if tuned else "no task",
-             *(f"{what} {seconds[k]:.1f}" for k, what in (("tune", "tuning"), ("write", "writing after it")) if k in seconds and (tuned or k != "tune"))]
-    points = [f"{what} {seconds[k]:.1f}" for k, what in (("workers", "workers started"), ("first_model", "first model collected"),
-                                                       ("collect", "all collected")) if k in seconds]
-    return f"total {seconds.get('total', 0.0):.1f} = " + " + ".join(parts) + (f"; since the start: {', '.join(points)}" if points else "")
-
-
-def print_report(report: FleetReport, console: Console) -> None:
-    doc = report.to_json()
-    console.print(
-        f"[bold]convpass tune[/]: {len(report.models)} model(s), {report.problems} distinct problems, "
-        f"{len(report.devices)} device type(s); cluster {report.cluster}: "
-        + (", ".join(f"{x['id']} ({DeviceFingerprint.parse(x['device']).name})" for x in doc["slots"]) or "no workers")
-    )
-    for why in doc["workers_not_started"]:
-        console.print(f"  [yellow]note[/]: {markup(why)}")
-    for device in report.cache_only:
-        console.print(f"  {markup(device)}: no worker of this type; decisions from the tuning cache only")
-    console.print(
-        f"  {doc['tasks']} tasks (a geometry's problems on one device type): {doc['cached']} already in the tuning cache, "
-        f"{doc['measured']} measured ({doc['problems_measured']} problems), {len(doc['failed'])} failed"
-        + (f", {doc['retried']} retries" if doc["retried"] else "")
-        + (f", {doc['problems_measured_again']} problems measured again with a later model's problem of their geometry"
-           if doc["problems_measured_again"] else "")
-        + (f", {doc['superseded']} replaced by a later model's task of the same geometry" if doc["superseded"] else "")
-    )
-    console.print(f"  seconds: {seconds_line(report.seconds)}; {report.written_during_tune} of {len(report.models)} model(s) written while tuning")
-    for lost in doc["workers_lost"]:
-        console.print(f"  [yellow]worker lost[/] {markup(lost['slot'])}: {markup(lost['reason'])}")
-    for sid, why in doc["slots_retired"].items():
-        console.print(f"  [yellow]retired[/] {markup(sid)}: {markup(why)}")
-    for f in doc["failed"]:
-        console.print(f"  [red]failed[/] {markup(f['problem'])} on {markup(f['device'])} after {f['attempts']} attempt(s): {markup(f['reasons'][-1])} -> algo=auto")
-    for note in report.notes:
-        console.print(f"  [yellow]note[/]: {markup(note)}")
-    for m in doc["models"]:
-        if m["output"] is not None:
-            decided = ", ".join(f"{DeviceFingerprint.parse(d).name} {n}/{m['problems']}" for d, n in m["decided"].items())
-            console.print(f"  wrote {markup(m['output'])}: {m['convs']} convs, {m['problems']} problems; decided {markup(decided or '-')}")
-    if report.interrupted:
-        not_written = [m["model"] for m in doc["models"] if m["output"] is None]
-        written = (
-            f"{len(report.written)} model(s) complete before the interrupt were written (above)"
-            + (f"; not written: {', '.join(not_written)}" if not_written else "")
-            if report.written else "no model was written"
-        )
-        console.print(
-            f"  [yellow]interrupted[/]: {doc['problems_measured']} measured problems are in {report.cache}; {written}; "
-            "run the same command again to measure only the rest"
-        )

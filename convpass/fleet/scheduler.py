@@ -20,7 +20,7 @@ Rules:
   task at a time. How slots exist is the executor's business (:mod:`convpass.fleet.local`,
   :mod:`convpass.fleet.ray_cluster`); the bookkeeping here is the same for all of them.
 * A free slot takes the first pending task of its device type in the order the tasks were given
-  (the driver orders them: :func:`convpass.fleet.driver.tuning_order`); a task tried again goes
+  (the driver orders them: :func:`convpass.fleet.models.tuning_order`); a task tried again goes
   back to its place in that order, to another slot of its type while one is alive.
 * A finished task's rows are written to the cache at once, in one transaction (just after its
   worker was given its next task): nothing finished is lost whatever happens later, and a task is

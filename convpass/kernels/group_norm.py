@@ -24,7 +24,7 @@ only (no warp shuffles), so a block of one thread is valid: the CPU tests run th
 C++ thread by thread.
 
 Apply: ``y = epilogue((x - mean) * rstd * scale + shift)`` is a generated element-wise kernel
-(:class:`convpass.kernels.elementwise.BroadcastKernel`) over the *frame* of the tensor: ``x``
+(:class:`convpass.kernels.broadcast.BroadcastKernel`) over the *frame* of the tensor: ``x``
 (``(N, C, *spatial)``) seen without a copy as ``(N, G, C / G, S)``, or ``(N, S, G, C / G)`` in
 channels-last storage, so that the statistics ``(N, G)`` and the per-channel parameters broadcast
 over it and every thread walks memory in order (:func:`frame`). The epilogue's operands (a
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from convpass.kernels import elementwise
+from convpass.kernels import broadcast, elementwise
 from convpass.kernels.launch import Launch
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import channels_last, elements
@@ -388,8 +388,8 @@ class FusedNormLaunch(Launch):
         self.sms = sms
         group = apply_group(spec, self.dtype, kinds)
         classes = apply_classes(kinds, shapes)
-        apply_src = elementwise.broadcast_source(group, classes, elementwise.unroll_for(group))
-        self.kernel = elementwise.BroadcastKernel(cupy, group, classes, entry=lambda name: self.entry(apply_src, name))
+        apply_src = broadcast.broadcast_source(group, classes, broadcast.unroll_for(group))
+        self.kernel = broadcast.BroadcastKernel(cupy, group, classes, entry=lambda name: self.entry(apply_src, name))
         self.fallback = fallback
         self.part = self.stats = None
 

@@ -5,7 +5,7 @@ Resize
     interpolation matrix for linear / cubic), each a pass over a growing tensor plus the moves
     around it. ``resize_2d`` does all of it in one pass: per output element, the taps of the two
     trailing axes from per-axis tables (input index and weight per output index and tap) built from
-    the op library's own :class:`~convpass.ops.nn.ResizeGeometry`, so both compute the
+    the op library's own :class:`~convpass.ops.resize.ResizeGeometry`, so both compute the
     same function (nearest: one tap of weight 1, bit-exact; linear: the same weights, summed in
     float32 in one go). Inputs and outputs with any strides (channels-first or channels-last).
     Resizes of the batch or channel axis, and tf_crop_and_resize's extrapolation, stay with the op
@@ -29,7 +29,7 @@ import numpy as np
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import copy_into, elements
 from convpass.kernels.launch import Launch, Placement
-from convpass.ops.nn import resize_arguments, resize_geometry
+from convpass.ops.resize import resize_arguments, resize_geometry
 
 __all__ = ["ConcatLaunch", "ResizeLaunch", "lower_resize", "resize_2d", "resize_taps"]
 
@@ -72,7 +72,7 @@ def source(dtype: Any) -> compiler.KernelSource:
 
 def resize_taps(kind: str | None, table: Any, in_len: int, out_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Per output index, the input indices and weights of its taps: ``(idx[out, taps], w[out, taps])``
-    (int32, float32) from a :func:`~convpass.ops.nn._resize_axis` table; ``kind`` None: the
+    (int32, float32) from a :func:`~convpass.ops.resize._resize_axis` table; ``kind`` None: the
     identity (an axis that does not change). Unused taps have weight 0."""
     if kind is None:
         return np.arange(out_len, dtype=np.int32).reshape(-1, 1), np.ones((out_len, 1), np.float32)

@@ -20,6 +20,7 @@ from convpass.tuning.cache import TuningCache  # noqa: E402
 from convpass.core.algo import Algo  # noqa: E402
 from convpass.core.fusion import FUSED_CALL_CANDIDATES  # noqa: E402
 from convpass.fleet import driver  # noqa: E402
+from convpass.fleet.model_procs import ModelSpec  # noqa: E402
 from convpass.fleet.local import LocalExecutor, visible_gpus  # noqa: E402
 from convpass.fleet.measurers import CudnnMeasurer  # noqa: E402
 from convpass.core.model_io import load_model  # noqa: E402
@@ -70,7 +71,7 @@ def test_the_worker_measures_what_the_tuner_measures(tmp_path):
 
 def test_a_fleet_run_uses_every_gpu_and_a_rerun_measures_nothing(tmp_path):
     path = MODELS / "mobile_block.onnx"
-    specs = [driver.ModelSpec(path, ("input=1x3x32x32", "input=8x3x32x32"))]
+    specs = [ModelSpec(path, ("input=1x3x32x32", "input=8x3x32x32"))]
     out = tmp_path / "out"
     out.mkdir()
     report = driver.tune(specs, out, OPTIONS, cluster=LocalExecutor(), cache=tmp_path / "c.db", console=Console(quiet=True))

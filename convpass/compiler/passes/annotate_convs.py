@@ -28,9 +28,9 @@ from convpass.core import annotation
 from convpass.core.annotation import ConvDecision, ModelInfo
 from convpass.core.algo import Algo
 from convpass.tuning.decide import Choice
-from convpass.compiler.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
+from convpass.compiler.passes import state
 from convpass.compiler.passes.collect_conv_problems import ConvProblem, node_problems
-from convpass.compiler.passes.resolve_shapes import VALUE_SHAPES_KEY
+from convpass.compiler.passes.state import CANONICAL_KEY, VALUE_SHAPES_KEY
 from convpass.core.problem import memory_format_name
 
 
@@ -95,7 +95,10 @@ class DeviceChoices:
 
 
 class AnnotateConvsPass(ir.passes.InPlacePass):
-    """Records the choices on the conv nodes and makes the model self-describing (module rules)."""
+    """Records the choices on the conv nodes and makes the model self-describing (module rules).
+
+    Requires the problems ``CollectConvProblemsPass`` collects; ensures no canonical conv is left a
+    standard op (:mod:`~convpass.compiler.passes.state`)."""
 
     def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",), fusions: bool = False,
                  errors: Mapping[str, tuple[float | None, float | None]] | None = None) -> None:
@@ -107,6 +110,12 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
         self.tables = tuple(tables)
         self.info = info
         self.directions = tuple(directions)
+
+    def requires(self, model: ir.Model) -> None:
+        state.require(self, model, state.PROBLEMS_COLLECTED)
+
+    def ensures(self, model: ir.Model) -> None:
+        state.ensure(self, model, state.ANNOTATED)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))

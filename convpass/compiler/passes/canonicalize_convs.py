@@ -28,19 +28,14 @@ from typing import Any
 
 import onnx_ir as ir
 
+from convpass.compiler.passes import state
+from convpass.compiler.passes.state import CANONICAL_KEY as META_KEY, SHAPES_KEY, SKIP_KEY, node_label
 from convpass.core.geometry import CONV_OPS, CanonicalConv, canonicalize_conv
 from convpass.core.errors import ConvAttributeError, UnsupportedConvError
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["CONV_OPS", "META_KEY", "CanonicalConv", "CanonicalizeConvsPass", "canonicalize_conv"]
-
-META_KEY = "convpass.canonical"
-
-
-def node_label(node: ir.Node) -> str:
-    """A node's name, or its first output's name when it has none."""
-    return node.name or (node.outputs[0].name if node.outputs and node.outputs[0].name else f"<{node.op_type}>")
+__all__ = ["CONV_OPS", "META_KEY", "CanonicalConv", "CanonicalizeConvsPass", "canonicalize_conv", "node_label"]
 
 
 def attribute_values(node: ir.Node) -> dict[str, Any]:
@@ -50,13 +45,18 @@ def attribute_values(node: ir.Node) -> dict[str, Any]:
 class CanonicalizeConvsPass(ir.passes.InPlacePass):
     """Computes the canonical cuDNN form of every conv for every profile (see the module rules).
 
-    Needs ``ResolveShapesPass`` to have run. Nodes marked to skip (``convpass.skip`` in their meta,
-    e.g. dynamic weights) are left alone. The graph is not modified.
+    Requires the shapes ``ResolveShapesPass`` resolves; ensures every tuned conv's canonical form
+    per profile (:mod:`~convpass.compiler.passes.state`). Nodes marked to skip (``convpass.skip``
+    in their meta, e.g. dynamic weights) are left alone. The graph is not modified.
     """
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from convpass.compiler.passes.resolve_shapes import SHAPES_KEY, SKIP_KEY
+    def requires(self, model: ir.Model) -> None:
+        state.require(self, model, state.SHAPES_RESOLVED)
 
+    def ensures(self, model: ir.Model) -> None:
+        state.ensure(self, model, state.CANONICAL)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         for node in ir.traversal.RecursiveGraphIterator(model.graph):  # bodies of If / Loop / Scan too
             if node.op_type not in CONV_OPS or node.domain not in ("", "ai.onnx") or SKIP_KEY in node.meta:
                 continue

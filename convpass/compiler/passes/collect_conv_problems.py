@@ -23,11 +23,9 @@ from collections.abc import Mapping, Sequence
 import onnx_ir as ir
 
 from convpass.core.fusion import absorbed
-from convpass.compiler.passes.canonicalize_convs import META_KEY as CANONICAL_KEY
-from convpass.compiler.passes.resolve_shapes import VALUE_SHAPES_KEY
+from convpass.compiler.passes import state
+from convpass.compiler.passes.state import CANONICAL_KEY, PROBLEMS_KEY, VALUE_SHAPES_KEY
 from convpass.core.problem import ConvProblem, Direction
-
-PROBLEMS_KEY = "convpass.problems"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +113,22 @@ def node_problems(node: ir.Node, profile: int, directions: Sequence[Direction], 
 
 
 class CollectConvProblemsPass(ir.passes.InPlacePass):
-    """Lists the distinct problems of the model with their uses (see the module rules)."""
+    """Lists the distinct problems of the model with their uses (see the module rules).
+
+    Requires the canonical forms ``CanonicalizeConvsPass`` computes; ensures a use of every
+    canonical conv at every profile (:mod:`~convpass.compiler.passes.state`)."""
 
     def __init__(self, directions: Sequence[Direction] = ("fwd",), fusions: bool = False) -> None:
         super().__init__()
         self.directions = tuple(directions)
         self.fusions = fusions
         self.problems: dict[ConvProblem, list[ProblemUse]] = {}
+
+    def requires(self, model: ir.Model) -> None:
+        state.require(self, model, state.CANONICAL)
+
+    def ensures(self, model: ir.Model) -> None:
+        state.ensure(self, model, state.PROBLEMS_COLLECTED)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.problems = {}

@@ -17,8 +17,9 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from convpass.compiler.passes.canonicalize_convs import node_label
+from convpass.compiler.passes import state
 from convpass.compiler.passes.fold_conv_weights import _MIN_IR_WITHOUT_INPUT_INITIALIZERS
+from convpass.compiler.passes.state import node_label
 from convpass.ops import batchnorm_folding
 from convpass.ops.registry import NodeInfo, decode_attributes
 
@@ -27,11 +28,16 @@ __all__ = ["FoldBatchNormsPass"]
 
 class FoldBatchNormsPass(ir.passes.InPlacePass):
     """Folds inference BatchNormalizations into the convs they follow (module rules). ``folded``:
-    the names of the BatchNormalization nodes folded by the last call."""
+    the names of the BatchNormalization nodes folded by the last call. Requires the folded conv
+    weights of ``FoldConvWeightsPass`` (:mod:`~convpass.compiler.passes.state`): a conv whose weight
+    is still computed would keep its BatchNormalization, which the executor folds."""
 
     def __init__(self) -> None:
         super().__init__()
         self.folded: list[str] = []
+
+    def requires(self, model: ir.Model) -> None:
+        state.require(self, model, state.WEIGHTS_FOLDED)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.folded = []

@@ -42,8 +42,8 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from convpass.compiler.passes.canonicalize_convs import CONV_OPS, node_label
-from convpass.compiler.passes.resolve_shapes import SKIP_KEY
+from convpass.compiler.passes import state
+from convpass.compiler.passes.state import CONV_OPS, SKIP_KEY, node_label
 from convpass.core.errors import ExecutorError
 from convpass.kernels.backends import host_backend
 from convpass.ops.constant_folding import fold_constants
@@ -64,11 +64,15 @@ class _Dynamic(Exception):
 
 class FoldConvWeightsPass(ir.passes.InPlacePass):
     """Makes every conv weight / bias an initializer, or marks the conv as not tunable (module
-    rules). :attr:`notes`: the report's lines on folded weights that grew the model."""
+    rules). :attr:`notes`: the report's lines on folded weights that grew the model. Ensures the
+    folded weights later passes require (:mod:`~convpass.compiler.passes.state`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.notes: list[str] = []
+
+    def ensures(self, model: ir.Model) -> None:
+        state.ensure(self, model, state.WEIGHTS_FOLDED)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.notes = []

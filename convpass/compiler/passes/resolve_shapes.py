@@ -45,16 +45,14 @@ from convpass.core.annotation import Profile
 from convpass.core.errors import ShapeError
 from convpass.core.options import CLI, OptionNames, parse_profiles
 from convpass.compiler.passes.cpu_shapes import CpuShapes, resolve_on_cpu
+from convpass.compiler.passes import state
+from convpass.compiler.passes.state import CONV_OPS, PROFILES_KEY, SHAPES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, VALUE_TYPES_KEY
 from convpass.compiler.passes.subgraph_shapes import BodyShapes
 
 logger = logging.getLogger("convpass")
 
-SHAPES_KEY = "convpass.shapes"
-SKIP_KEY = "convpass.skip"
-PROFILES_KEY = "convpass.profiles"
-VALUE_SHAPES_KEY = "convpass.value_shapes"  # model.meta: per profile, {value name: dims}
-VALUE_TYPES_KEY = "convpass.value_types"  # model.meta: {value name: ONNX element type}, as inference gave them
-CONV_OPS = ("Conv", "ConvTranspose")
+__all__ = ["CONV_OPS", "MODEL_SHAPES", "PROFILES_KEY", "SHAPES_KEY", "SKIP_KEY", "VALUE_SHAPES_KEY", "VALUE_TYPES_KEY", "ResolveShapesPass"]
+
 MODEL_SHAPES = "model shapes"  # the name of the profile of the model's own shapes (no --shape)
 
 _DTYPES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
@@ -196,7 +194,8 @@ class ResolveShapesPass(ir.passes.InPlacePass):
     """Resolves conv input / weight shapes for each shape profile (see the module rules).
 
     After a run, :attr:`notes` says, per profile, which tensors needed the CPU run and which convs'
-    shapes depend on input values."""
+    shapes depend on input values. Requires the folded conv weights of ``FoldConvWeightsPass``;
+    ensures every tuned conv's shapes per profile (:mod:`~convpass.compiler.passes.state`)."""
 
     def __init__(self, shape_specs: Sequence[str | Mapping[str, Sequence[int]]] = (), names: OptionNames = CLI) -> None:
         super().__init__()
@@ -204,6 +203,12 @@ class ResolveShapesPass(ir.passes.InPlacePass):
         self.shape_specs = parse_profiles(shape_specs, names)
         self.notes: list[str] = []
         self.cpu_runs: list[CpuShapes] = []  # one per profile that needed the CPU
+
+    def requires(self, model: ir.Model) -> None:
+        state.require(self, model, state.WEIGHTS_FOLDED)  # a computed weight's conv is marked to skip, or folded
+
+    def ensures(self, model: ir.Model) -> None:
+        state.ensure(self, model, state.SHAPES_RESOLVED)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         inputs = {v.name: v for v in model.graph.inputs if not v.is_initializer()}

@@ -32,8 +32,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
-from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
+from convpass.compiler.passes import manager
 from convpass.compiler.passes.reduce_precision import ReducePrecisionPass
 from convpass.compiler.passes.resolve_shapes import VALUE_TYPES_KEY
 from convpass.compiler.precision import budget
@@ -117,8 +116,7 @@ def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shap
     plus ``report.precision``."""
     name_nodes(model)
     given = ir.serde.serialize_model(model)
-    FoldConvWeightsPass()(model)
-    FoldBatchNormsPass()(model)  # in float32, as the written model has them: every candidate starts from here
+    manager.run(manager.folding(), model)  # in float32, as the written model has them: every candidate starts from here
     original = ir.serde.serialize_model(model)
     scratch = steps.report()
     uses = steps.prepare(model, options, shapes, scratch)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from convpass.native import cublas as blas, nvrtc as compiler
-from convpass.kernels import elementwise, group_norm, matmul, normalization, pooling, tensor_ops
+from convpass.kernels import broadcast, elementwise, elementwise_launch, group_norm, matmul, normalization, pooling, tensor_ops
 from convpass.runtime.cuda import memory
 from convpass.native.cuda import ELEMENTWISE, first_line
 from convpass.kernels.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
@@ -53,7 +53,7 @@ class OpLaunch(Launch):
         args = [env[s] if s >= 0 else None for s in self.inputs]
         node, ctx, fn = self.node, self.ctx, self.fn
         if self.storage_order:
-            outs = elementwise.in_storage_order(args, lambda *a: fn(ctx, node, *a), node.impl.value_inputs)
+            outs = elementwise_launch.in_storage_order(args, lambda *a: fn(ctx, node, *a), node.impl.value_inputs)
         else:
             outs = fn(ctx, node, *args)
         store_outputs(env, self.outputs, outs)
@@ -103,21 +103,21 @@ def _fused_launch(rt: Any, plan: Any, group: Any) -> Any:
     when they do not build: its ops then run one by one."""
     what = "+".join(group.ops)
     try:
-        broadcast = elementwise.BroadcastKernel(rt.cp, group, elementwise.broadcast_classes(plan, group))
+        kernel = broadcast.BroadcastKernel(rt.cp, group, broadcast.broadcast_classes(plan, group))
     except Exception as e:  # noqa: BLE001  (a compiler or driver error: CuPy's kernel, below)
         rt.note_once("fusion-broadcast", f"broadcasting element-wise kernel for {what} did not build ({first_line(e)}): CuPy's kernel runs it")
-        broadcast = None
+        kernel = None
     fallback = None
-    if broadcast is None or elementwise.needs_fallback(plan, group):
+    if kernel is None or broadcast.needs_fallback(plan, group):
         try:
             fallback = elementwise.kernel(rt.cp, group)
             fallback(*[rt.cp.zeros((1,), dtype=group.dtype) for _ in group.inputs])  # compiles now, or loads CuPy's cache
         except Exception as e:  # noqa: BLE001
             rt.note_once("fusion", f"fused element-wise kernel for {what} did not build ({first_line(e)}): those ops run one by one")
             fallback = None
-    if broadcast is None and fallback is None:
+    if kernel is None and fallback is None:
         return None
-    return elementwise.FusedLaunch(plan, group, broadcast, fallback, rt.counters)
+    return elementwise_launch.FusedLaunch(plan, group, kernel, fallback, rt.counters)
 
 
 def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
@@ -179,7 +179,7 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
     # liveness: a fused group's members read their inputs at the root, so they are freed there
     free = [tuple(st.free) for st in steps]
     for launch in launches:
-        if isinstance(launch, elementwise.FusedLaunch):
+        if isinstance(launch, elementwise_launch.FusedLaunch):
             moved = [s for k in launch.absorbs for s in free[k]]
             for k in launch.absorbs:
                 free[k] = ()
