@@ -172,3 +172,24 @@ def test_oversized_conv_transpose_output_is_left_untuned(caplog):
     tuned = convpass.optimize(model, quiet=True)
     assert tuned.graph.node[0].domain == "" and "left untuned" in caplog.text
     onnx.checker.check_model(tuned, full_check=True)  # (ONNX Runtime 1.31 itself refuses this case)
+
+
+def test_one_geometry_for_the_compiler_and_the_executor():
+    """What cuDNN cannot run still has its ONNX geometry (the reference kernels run it), with the
+    reason; the compiler's entry refuses it. One rule, one type."""
+    import pytest
+
+    from convpass.core.errors import UnsupportedConvError
+    from convpass.core.geometry import ConvGeometry, canonicalize_conv, conv_geometry
+    from convpass.ops.conv import conv_geometry as executor_geometry
+
+    g = conv_geometry("Conv", {"pads": [1] * 8}, (1, 2, 4, 4, 4, 4), (3, 2, 3, 3, 3, 3))
+    assert isinstance(g, ConvGeometry) and g.shapes == () and "4-D convolution" in g.refusal
+    assert g.output_shape == (1, 3, 4, 4, 4, 4)
+    with pytest.raises(UnsupportedConvError, match="4-D convolution"):
+        canonicalize_conv("Conv", {"pads": [1] * 8}, (1, 2, 4, 4, 4, 4), (3, 2, 3, 3, 3, 3))
+    wide = conv_geometry("ConvTranspose", {"strides": [2, 2], "output_shape": [10, 10]}, (1, 4, 4, 4), (4, 2, 3, 3))
+    assert wide.shapes == () and "larger than the transposed conv produces" in wide.refusal
+    assert wide.output_shape == (1, 2, 10, 10) and min(wide.extra_pads) < 0  # zeros ONNX adds
+    same = executor_geometry("Conv", {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (1, 3, 9, 10), (4, 3, 4, 3))
+    assert same == canonicalize_conv("Conv", {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (1, 3, 9, 10), (4, 3, 4, 3))

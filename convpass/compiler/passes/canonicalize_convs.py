@@ -30,12 +30,12 @@ import onnx_ir as ir
 
 from convpass.compiler.passes import state
 from convpass.compiler.passes.state import CANONICAL_KEY as META_KEY, SHAPES_KEY, SKIP_KEY, node_label
-from convpass.core.geometry import CONV_OPS, CanonicalConv, canonicalize_conv
+from convpass.core.geometry import CONV_OPS, ConvGeometry, canonicalize_conv
 from convpass.core.errors import ConvAttributeError, UnsupportedConvError
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["CONV_OPS", "META_KEY", "CanonicalConv", "CanonicalizeConvsPass", "canonicalize_conv", "node_label"]
+__all__ = ["CONV_OPS", "META_KEY", "CanonicalizeConvsPass", "ConvGeometry", "canonicalize_conv", "node_label"]
 
 
 def attribute_values(node: ir.Node) -> dict[str, Any]:
