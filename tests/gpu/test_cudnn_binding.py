@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'convpass[gpu]')")
 
-from convpass.native.cudnn import api, library
+from convpass.native.cudnn import api, arrays, descriptors, library
 from convpass.core import cudnn_enums as enums  # noqa: E402
 from convpass.core.cudnn_enums import CudnnError, CudnnNotFound  # noqa: E402
 from convpass.core.problem import ConvShape, ProblemKey  # noqa: E402
@@ -148,7 +148,7 @@ def make(shape, dtype: str, layout: str, rng):
     else:
         store = _to_bf16_bits(a)
     exact = _from_bf16_bits(store) if dtype == "bfloat16" else store
-    d = api.empty_like_layout(shape, dtype, layout)
+    d = arrays.empty_like_layout(shape, dtype, layout)
     d[...] = cupy.asarray(store)
     return d, exact.astype(np.float64)
 
@@ -233,7 +233,7 @@ class Problem:
         self.key = key
         self.s = key.shape
         self.dtype = key.shape.dtype
-        self.descs = api.ConvDescriptors(key)
+        self.descs = descriptors.ConvDescriptors(key)
         rng = np.random.default_rng(seed)
         self.x, self.x64 = make(self.s.x_shape, self.dtype, key.layout, rng)
         self.w, self.w64 = make(self.s.w_shape, self.dtype, key.layout, rng)
@@ -376,12 +376,12 @@ def test_alpha_beta_accumulate():
 
 
 def test_layout_helpers_and_checks():
-    a = api.empty_like_layout((2, 3, 4, 5), "float32", "nhwc")
-    assert a.shape == (2, 3, 4, 5) and api.layout_of(a) == "nhwc"
-    assert tuple(s // 4 for s in a.strides) == api.strides_for((2, 3, 4, 5), "nhwc")
-    b = api.as_layout(a, "nchw")
-    assert api.layout_of(b) == "nchw" and api.as_layout(b, "nchw") is b
-    assert api.empty_like_layout((1, 2, 3), "bfloat16", "nchw").dtype == np.uint16
+    a = arrays.empty_like_layout((2, 3, 4, 5), "float32", "nhwc")
+    assert a.shape == (2, 3, 4, 5) and arrays.layout_of(a) == "nhwc"
+    assert tuple(s // 4 for s in a.strides) == descriptors.strides_for((2, 3, 4, 5), "nhwc")
+    b = arrays.as_layout(a, "nchw")
+    assert arrays.layout_of(b) == "nchw" and arrays.as_layout(b, "nchw") is b
+    assert arrays.empty_like_layout((1, 2, 3), "bfloat16", "nchw").dtype == np.uint16
 
     p = Problem(key_of("nhwc_fp32"))
     wrong = cupy.ascontiguousarray(p.x)  # NCHW memory for an NHWC problem
@@ -396,7 +396,7 @@ def test_layout_helpers_and_checks():
 
 
 def test_descriptors_close_and_context_manager():
-    with api.ConvDescriptors(key_of("3d")) as d:
+    with descriptors.ConvDescriptors(key_of("3d")) as d:
         assert d.conv and d.x and d.w and d.y and d.bias and d.activation("relu")
     assert d.closed
     d.close()  # idempotent

@@ -6,14 +6,16 @@
 * :mod:`convpass.native.cudnn.descriptors` derives descriptor parameters from a ``ProblemKey`` (pure
   Python) and builds the descriptors (``ConvDescriptors``).
 * :mod:`convpass.native.cudnn.api` holds handles, heuristics, search, workspace sizes, execution and the
-  call listeners.
+  call listeners; :mod:`convpass.native.cudnn.arrays` the arrays they are given (storage dtypes,
+  memory formats, the checks against the descriptors, workspaces).
 * :mod:`convpass.native.cudnn.graph_api` is the second tuning space: cuDNN's graph-API engine
   configurations through NVIDIA's ``nvidia-cudnn-frontend`` package (optional; not imported here).
 
 Importing this package neither imports CuPy nor loads cuDNN; both happen on first use.
 """
 
-from convpass.native.cudnn.api import AlgoPerf, CudnnCall, Handle, add_call_listener, as_layout, conv_bias_activation_forward, empty_like_layout, find, get_handle, heuristic, layout_of, record_calls, remove_call_listener, run, storage_dtype, workspace_size
+from convpass.native.cudnn.api import AlgoPerf, CudnnCall, Handle, add_call_listener, conv_bias_activation_forward, find, get_handle, heuristic, record_calls, remove_call_listener, run, workspace_size
+from convpass.native.cudnn.arrays import as_layout, empty_like_layout, layout_of, storage_dtype
 from convpass.native.cudnn.descriptors import ConvDescriptors, DescriptorParams, descriptor_params, strides_for
 from convpass.core.cudnn_enums import CudnnError, CudnnNotFound, algo_id, algo_name, algo_names, is_deterministic
 

@@ -1,12 +1,8 @@
 """The convolution calls: handles, heuristics, search, workspace sizes and execution.
 
 Arrays are CuPy arrays (or raw device pointers as ints), streams CuPy streams (or raw ``cudaStream_t``
-ints). Every array is described by its *logical* channels-first shape (``x``: ``n, c, *spatial``,
-``w``: ``k, c/g, *kernel``, ``y``: ``n, k, *out``); a problem key with layout ``nhwc`` expects all
-three channels-last in memory (see :func:`empty_like_layout`). Arrays are checked against the
-descriptors (shape, dtype, strides) before any cuDNN call, so a wrong layout is an error rather than
-garbage. ``bfloat16`` data is held in ``uint16`` arrays of raw bits unless the caller's CuPy has a
-bfloat16 dtype.
+ints); the arrays' rules (logical channels-first shapes, memory formats, the checks before any cuDNN
+call, workspaces) are in :mod:`convpass.native.cudnn.arrays`.
 
 Directions (always over the forward geometry ``y = conv(x, w)``):
 
@@ -28,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import functools
 import sys
 import threading
 import weakref
@@ -37,39 +32,26 @@ from typing import Callable, Iterator
 
 from convpass.core import cudnn_enums as enums
 from convpass.native.cudnn import library
-from convpass.native.cudnn.descriptors import ConvDescriptors, TensorParams, descriptor_params, strides_for
+from convpass.native.cudnn.arrays import checked_pointer, require_cupy, workspace_arg
+from convpass.native.cudnn.descriptors import ConvDescriptors, TensorParams
 from convpass.core.cudnn_enums import CudnnError
 from convpass.core.problem import ProblemKey
 
 __all__ = [
     "AlgoPerf",
-    "ConvDescriptors",
     "CudnnCall",
     "Handle",
     "add_call_listener",
-    "as_layout",
     "conv_bias_activation_forward",
-    "descriptor_params",
-    "empty_like_layout",
     "find",
     "get_handle",
     "heuristic",
-    "layout_of",
+    "make_handle_for",
     "record_calls",
     "remove_call_listener",
     "run",
-    "storage_dtype",
-    "strides_for",
     "workspace_size",
 ]
-
-
-def _cupy():
-    try:
-        import cupy
-    except ImportError as e:  # pragma: no cover - exercised only without the GPU extra
-        raise ImportError("convpass.native.cudnn needs CuPy for device arrays: pip install 'convpass[gpu]'") from e
-    return cupy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +61,7 @@ def _cupy():
 
 def _stream_ptr(stream) -> int:
     if stream is None:
-        return int(_cupy().cuda.get_current_stream().ptr)
+        return int(require_cupy().cuda.get_current_stream().ptr)
     if isinstance(stream, int):
         return stream
     return int(stream.ptr)
@@ -93,7 +75,7 @@ class Handle:
     """
 
     def __init__(self, device: int | None = None) -> None:
-        cupy = _cupy()
+        cupy = require_cupy()
         self.device = int(cupy.cuda.runtime.getDevice() if device is None else device)
         self.thread = threading.get_ident()
         h = c_void_p()
@@ -144,7 +126,7 @@ def get_handle(stream=None) -> Handle:
     """The calling thread's handle for the current device, pointed at ``stream`` (a CuPy stream or
     raw ``cudaStream_t``; ``None``: CuPy's current stream). Created on first use, or taken over from
     :func:`make_handle_for`."""
-    cupy = _cupy()
+    cupy = require_cupy()
     device = int(cupy.cuda.runtime.getDevice())
     handles = getattr(_tls, "handles", None)
     if handles is None:
@@ -163,7 +145,7 @@ def make_handle_for(thread: threading.Thread, device: int | None = None) -> None
     ``device`` (default: the current one). Creating a handle loads cuDNN's libraries; a thread that
     has other start-up work (reading a model) lets a helper thread do it meanwhile. The handle is
     only ever used by ``thread``, after this returns."""
-    cupy = _cupy()
+    cupy = require_cupy()
     dev = int(cupy.cuda.runtime.getDevice() if device is None else device)
     key = (thread.ident, dev)
     if dev in _held.get(thread, ()) or key in _made_ahead:  # it has one already (e.g. a second executor)
@@ -179,123 +161,6 @@ def _handle_ptr(handle) -> int:
             raise ValueError("the cuDNN handle is closed")
         return handle.ptr
     return int(handle)
-
-
-# ---------------------------------------------------------------------------------------------
-# arrays
-# ---------------------------------------------------------------------------------------------
-
-_ACCEPTED_DTYPES = {
-    "float32": ("float32",),
-    "float16": ("float16",),
-    "bfloat16": ("bfloat16", "uint16", "int16"),  # raw bits are fine: cuDNN only sees bytes
-}
-
-
-def storage_dtype(dtype):
-    """The NumPy / CuPy dtype that holds data of a convpass dtype name (``bfloat16`` -> ``uint16``
-    raw bits); any other dtype is returned as ``numpy.dtype(dtype)``."""
-    import numpy as np
-
-    if isinstance(dtype, str) and dtype == "bfloat16":
-        return np.dtype(np.uint16)
-    return np.dtype(dtype)
-
-
-def empty_like_layout(shape, dtype, layout: str):
-    """An uninitialized CuPy array of *logical* shape ``(n, c, *spatial)`` stored in ``layout``.
-
-    For ``nhwc`` it allocates ``(n, *spatial, c)`` and returns the transposed view, so indexing and
-    shapes stay channels-first while memory is channels-last (like PyTorch's channels_last).
-    """
-    cupy = _cupy()
-    shape = tuple(int(s) for s in shape)
-    dt = storage_dtype(dtype)
-    if layout == "nchw":
-        return cupy.empty(shape, dtype=dt)
-    if layout != "nhwc":
-        raise ValueError(f"unknown layout {layout!r}; expected 'nchw' or 'nhwc'")
-    nd = len(shape)
-    physical = (shape[0], *shape[2:], shape[1])
-    return cupy.empty(physical, dtype=dt).transpose(0, nd - 1, *range(1, nd - 1))
-
-
-def as_layout(array, layout: str):
-    """``array`` (logical channels-first) in ``layout``: itself when already so, else a copy."""
-    if layout_of(array) in (layout, "both"):
-        return array
-    out = empty_like_layout(array.shape, array.dtype, layout)
-    out[...] = array
-    return out
-
-
-def _matches(shape, strides, want) -> bool:
-    return all(d == 1 or s == w for d, s, w in zip(shape, strides, want))
-
-
-def layout_of(array) -> str | None:
-    """``"nchw"`` or ``"nhwc"`` when ``array`` is densely packed in that memory format, ``"both"``
-    when it is both (e.g. c == 1), ``None`` otherwise."""
-    itemsize = array.itemsize
-    return _layout_of(tuple(array.shape), tuple(s // itemsize for s in array.strides))
-
-
-@functools.lru_cache(maxsize=1024)
-def _layout_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
-    # asked before every launch of an epilogue or engine (85,000 times in a ResNet-50's tuning):
-    # few geometries, so remembered
-    nchw = _matches(shape, strides, strides_for(shape, "nchw"))
-    nhwc = _matches(shape, strides, strides_for(shape, "nhwc"))
-    if nchw and nhwc:
-        return "both"
-    return "nchw" if nchw else "nhwc" if nhwc else None
-
-
-def _ptr(array, role: str, t: TensorParams, dtype: str, layout: str) -> int:
-    """Device pointer of ``array`` after checking it against the descriptor it will be read with
-    (``t.strides`` None: any strides, the caller described them)."""
-    if isinstance(array, int):
-        return array
-    shape = getattr(array, "shape", None)
-    if shape is None or not hasattr(array, "data"):
-        raise TypeError(f"{role}: expected a CuPy array or a device pointer (int), got {type(array).__name__}")
-    shape = tuple(shape)
-    if shape != t.dims and not (role == "bias" and shape == (t.dims[1],)):
-        raise ValueError(f"{role}: shape {shape} does not match the problem's {t.dims}")
-    dt = str(array.dtype)
-    if dt not in _ACCEPTED_DTYPES[dtype]:
-        raise ValueError(f"{role}: dtype {dt} does not match the problem's {dtype}")
-    if shape == t.dims:
-        strides = tuple(s // array.itemsize for s in array.strides)
-        if t.strides is not None and not _matches(shape, strides, t.strides):
-            raise ValueError(
-                f"{role}: element strides {strides} are not a packed {layout} tensor of shape {shape} "
-                f"(expected {t.strides}); use empty_like_layout / as_layout"
-            )
-    elif array.strides[0] != array.itemsize:
-        raise ValueError(f"{role}: a 1-D bias must be contiguous")
-    return int(array.data.ptr)
-
-
-def _workspace_arg(workspace) -> tuple[int | None, int, object]:
-    """(pointer, bytes, object to keep alive) for a workspace given as None, a byte count (allocated
-    here), a CuPy array, a CuPy MemoryPointer or a ``(ptr, nbytes)`` pair."""
-    if workspace is None:
-        return None, 0, None
-    if isinstance(workspace, int):
-        if workspace <= 0:
-            return None, 0, None
-        buf = _cupy().empty(workspace, dtype="uint8")
-        return int(buf.data.ptr), int(workspace), buf
-    if isinstance(workspace, tuple):
-        ptr, size = workspace
-        return int(ptr), int(size), None
-    if hasattr(workspace, "nbytes") and hasattr(workspace, "data"):
-        return int(workspace.data.ptr), int(workspace.nbytes), workspace
-    if hasattr(workspace, "mem") and hasattr(workspace, "ptr"):  # cupy.cuda.MemoryPointer
-        size = int(workspace.mem.size) - (int(workspace.ptr) - int(workspace.mem.ptr))
-        return int(workspace.ptr), size, workspace
-    raise TypeError(f"workspace: expected None, an int, a CuPy array or MemoryPointer, or (ptr, nbytes); got {workspace!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,10 +285,10 @@ def find(descs: ConvDescriptors, direction: str | None, x, w, y, workspace=None,
     direction = _direction(descs, direction)
     h = _handle_ptr(handle)
     p = descs.params
-    xp = _ptr(x, "x", p.x, p.dtype, p.layout)
-    wp = _ptr(w, "w", p.w, p.dtype, p.layout)
-    yp = _ptr(y, "y", p.y, p.dtype, p.layout)
-    ws_ptr, ws_size, keep = _workspace_arg(workspace)
+    xp = checked_pointer(x, "x", p.x, p.dtype, p.layout)
+    wp = checked_pointer(w, "w", p.w, p.dtype, p.layout)
+    yp = checked_pointer(y, "y", p.y, p.dtype, p.layout)
+    ws_ptr, ws_size, keep = workspace_arg(workspace)
     n = _max_count(direction, h)
     perf = (_PerfStruct * n)()
     got = c_int()
@@ -549,15 +414,15 @@ def run(
     info = enums.algo_info(direction, algo_name)
     h, handle = _resolve(handle)
     p = descs.params
-    xp = _ptr(x, "x", p.x, p.dtype, p.layout)
-    wp = _ptr(w, "w", p.w, p.dtype, p.layout)
+    xp = checked_pointer(x, "x", p.x, p.dtype, p.layout)
+    wp = checked_pointer(w, "w", p.w, p.dtype, p.layout)
     if y_strides is not None and direction != "fwd":
         raise ValueError("y_strides is for the forward direction")
     y_desc = descs.output(y_strides)
-    yp = _ptr(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
+    yp = checked_pointer(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
     if workspace is None:
         workspace = _workspace_size(descs, direction, info.id, h)
-    ws_ptr, ws_size, keep = _workspace_arg(workspace)
+    ws_ptr, ws_size, keep = workspace_arg(workspace)
     a, b = c_float(alpha), c_float(beta)
     if direction == "fwd":
         args = (h, byref(a), descs.x, xp, descs.w, wp, descs.conv, info.id, ws_ptr, ws_size, byref(b), y_desc, yp)
@@ -611,17 +476,17 @@ def conv_bias_activation_forward(
         raise ValueError("alpha2 != 0 needs a residual tensor z")
     h, handle = _resolve(handle)
     p = descs.params
-    xp = _ptr(x, "x", p.x, p.dtype, p.layout)
-    wp = _ptr(w, "w", p.w, p.dtype, p.layout)
+    xp = checked_pointer(x, "x", p.x, p.dtype, p.layout)
+    wp = checked_pointer(w, "w", p.w, p.dtype, p.layout)
     if y_strides is not None and z is not None and z is not y:
         raise ValueError("a strided y takes no separate residual z")
     y_desc = descs.output(y_strides)
-    yp = _ptr(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
-    zp = yp if z is None or z is y else _ptr(z, "z", p.y, p.dtype, p.layout)
-    bp = _ptr(bias, "bias", p.bias, p.dtype, p.layout)
+    yp = checked_pointer(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
+    zp = yp if z is None or z is y else checked_pointer(z, "z", p.y, p.dtype, p.layout)
+    bp = checked_pointer(bias, "bias", p.bias, p.dtype, p.layout)
     if workspace is None:
         workspace = _workspace_size(descs, "fwd", info.id, h)
-    ws_ptr, ws_size, keep = _workspace_arg(workspace)
+    ws_ptr, ws_size, keep = workspace_arg(workspace)
     a1, a2 = c_float(alpha1), c_float(alpha2)
     args = (
         h,

@@ -412,7 +412,7 @@ def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
     """Run both plans on the same random inputs; :class:`GraphApiError` unless bit for bit equal."""
     import cupy as cp
 
-    from convpass.native.cudnn.api import empty_like_layout
+    from convpass.native.cudnn.arrays import empty_like_layout
 
     shape, layout = built.key.shape, built.key.layout
 
