@@ -63,7 +63,7 @@ def test_the_worker_measures_what_the_tuner_measures(tmp_path):
 
     assert rows_of(rows) == rows_of(stored)
     for ms in (rows, stored):
-        calls = [m for m in ms if m.method == "measure" and fusion_of(m.algo) and not depthwise.is_own(base_algo(m.algo))]
+        calls = [m for m in ms if m.method == "measure" and Algo.parse(m.algo).fusion and not Algo.parse(m.algo).is_own]
         measured = {(m.key, m.algo) for m in ms if m.method == "measure" and was_measured(m) and not Algo.parse(m.algo).fusion}
         assert calls and all((m.key, str(Algo.parse(m.algo).bare)) in measured for m in calls)
         assert max(Counter(m.key for m in calls).values()) <= FUSED_CALL_CANDIDATES
