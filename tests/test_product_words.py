@@ -16,6 +16,8 @@ inspect`` of ``models/residual_cnn.onnx``):
   some GPU belongs in docs/measurements/, with the comment keeping the design reason and pointing
   there.
 
+Every ``docs/measurements/`` study the package points to must exist.
+
 The CLI is run with no GPU detected (``detect`` patched to None), so its output is the same on
 every machine: on a GPU, ``optimize`` rightly names the user's own device.
 """
@@ -91,6 +93,12 @@ def test_the_package_speaks_of_the_product():
     assert len(files) > 100  # the scan reaches the package
     found = [f for p in files for f in findings(p.read_text(encoding="utf-8"), p.relative_to(REPO).as_posix())]
     assert not found, "\n".join(found)
+
+
+def test_every_study_the_package_points_to_exists():
+    linked = {m for p in PACKAGE.rglob("*.py") for m in re.findall(r"docs/measurements/[\w.-]+\.md", p.read_text(encoding="utf-8"))}
+    assert linked  # the package points to its studies
+    assert [m for m in sorted(linked) if not (REPO / m).is_file()] == []
 
 
 def test_the_cli_output_speaks_of_the_product(tmp_path, capsys, monkeypatch):
