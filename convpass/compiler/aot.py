@@ -86,7 +86,8 @@ def current_sidecar(model: str | os.PathLike[str]) -> str | None:
     verified on a GPU of this architecture for the model's own profiles, by this convpass and
     CuPy, and every cuDNN plan in it is of this cuDNN and frontend. A cached re-run of
     ``optimize`` writes the same model again, and compiling its kernels again would take most of
-    the run (12 s of a ResNet-50's on an H200). Never raises: a side-car it cannot judge is None."""
+    the run (docs/measurements/2026-11-26-tuning-time-cached-rerun.md). Never raises: a side-car
+    it cannot judge is None."""
     try:
         return _current_sidecar(model)
     except Exception as e:  # noqa: BLE001  (compiled again: what was asked is still written)

@@ -95,8 +95,8 @@ def optimize(
         directions: ``"fwd"``, or ``"fwd,dgrad,wgrad"`` (or a list) to also tune the training
             passes of Conv.
         cache: The tuning cache file. None: ``$CONVPASS_CACHE``, else the user cache folder.
-        device_name: Take decisions from the tuning cache for this GPU (``"H200"`` or a full
-            fingerprint) instead of measuring; the cache must exist.
+        device_name: Take decisions from the tuning cache for this GPU (part of its name, e.g.
+            ``"H200"``, or a full fingerprint) instead of measuring; the cache must exist.
         kernels: With ``output`` on a machine with a GPU, also compile the GPU kernels the tuned
             model needs and write them beside it (``<output>.kernels``).
         quiet: Print nothing but warnings (the summary goes to stderr otherwise).

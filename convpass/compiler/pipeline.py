@@ -481,7 +481,7 @@ def inspect(model: str | os.PathLike[str] | onnx.ModelProto | bytes, *, device: 
         model: A tuned model: a path, serialized bytes or an ``onnx.ModelProto``. A model that was
             not tuned is read too: its convolutions are listed once each, ``source="untuned"``.
         device: Keep only the decision tables of the devices it names: a full device fingerprint
-            or part of a GPU name (``"H100"``). None: every table.
+            or part of a GPU name (e.g. ``"H100"``). None: every table.
 
     Returns:
         Records in graph order, each a dict with ``node``, ``op``, ``device``, ``profile``,

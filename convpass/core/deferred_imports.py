@@ -3,8 +3,8 @@
 onnx-ir (1.0 and 1.1) imports SymPy at its own import, for arithmetic on symbolic dimensions
 (``SymbolicDim("N") + 1``), and builds a table of SymPy functions when it imports its
 ``_symbolic_shapes`` module. convpass never does that arithmetic, yet every ``convpass optimize``,
-``inspect`` or ``tune`` paid for the import: 0.5 s on the development machine, 1.9 s on an H200
-device machine (2026-11-27: a third of a cached re-run there).
+``inspect`` or ``tune`` paid for the import, up to a third of a cached re-run
+(docs/measurements/2026-11-27-tuning-time-third-pass.md).
 
 :func:`defer_sympy` puts a one-shot finder first on ``sys.meta_path``. It is called where convpass
 is about to import onnx-ir for its own work: the CLI's entry (:func:`convpass.cli.main.main`), the

@@ -5,9 +5,9 @@ the bias, a residual ``Add`` whose other operand ``z`` is ready before the conv,
 that is the only reader. :func:`absorbed` is that rule, asked by the compiler (which tunes the
 step: :mod:`convpass.compiler.passes.collect_conv_problems`) and by the runtime (which runs it:
 :func:`convpass.kernels.convolution.lower_convs`) over their own graphs. The tuner must time the
-step, not the bare conv: on an H200 (cuDNN 9.19) the same algorithm ran 1.5-5x slower through
-cuDNN's fused bias + activation call than its bare conv was timed at (DenseNet-121 and
-MobileNetV3 at batch 32: another kernel, or an old non-tensor-core one, for some shapes).
+step, not the bare conv: for some shapes the same algorithm ran several times slower through
+cuDNN's fused bias + activation call than its bare conv was timed at (another kernel, or an old
+non-tensor-core one; docs/measurements/2026-11-23-conv-epilogues.md).
 
 Names
 -----
@@ -31,7 +31,8 @@ Rules
   (b) the fused call, per legacy algorithm (a row whose algorithm is ``<algo>+<epilogue>``,
   :class:`convpass.core.algo.Algo` with its ``fusion``). The tuner times (b) for the :data:`FUSED_CALL_CANDIDATES` fastest legacy
   algorithms of each key only: the fused call reuses the algorithm's kernels or falls back to
-  slower ones, and it never ran faster than the bare conv in the H200 profiles.
+  slower ones, and it never ran faster than the bare conv in the profiles measured
+  (docs/measurements/2026-11-23-conv-epilogues.md).
 * **Recorded.** A decision whose ``fusion`` names a legacy epilogue and that has no graph-API
   engine runs the fused call (annotation schema 5); a legacy decision without one runs (a). A
   model tuned before schema 5 recorded no fused call: its convs run as they were timed, (a).

@@ -5,17 +5,16 @@ Rules:
 
 * A task is one geometry's problems for one device type (a fingerprint): the problems whose
   candidate geometries meet (the same conv with different epilogues), measured one after the other
-  by one worker, as one GPU's tuner measures them. A decision compares rows of its geometry with
-  its own fused calls; rows two workers measured are not comparable (in two 2-H200 fleet checks
-  an r3d_18 conv read 20% faster in the tasks one GPU ran than in the task the other ran, and a
-  problem decided from both tasks' rows was 1.065-1.08x off; why that GPU's tasks read faster was
-  not found). A task may replace earlier ones (``replaces``, every earlier task of
-  its geometry): a later model's problem of a geometry already given is measured with that
-  geometry's earlier problems. A replaced task not started yet, or one that would be tried again,
-  is dropped (``ScheduleResult.superseded``); the task replacing one that is running waits for it;
-  and when a task that replaces finished ones is written, their rows it did not measure again are
-  deleted (rows of other runs stay). So the rows this run wrote of a geometry are one task's. It
-  runs only on a slot of that type;
+  by one worker, as one GPU's tuner measures them. A decision compares rows of its geometry with its
+  own fused calls; rows two workers measured are not comparable (one conv read markedly faster in
+  the tasks one GPU ran than in the task the other ran, and a problem decided from both tasks' rows
+  was off; docs/measurements/2026-11-27-fleet-rows-of-two-gpus.md). A task may replace earlier ones
+  (``replaces``, every earlier task of its geometry): a later model's problem of a geometry already
+  given is measured with that geometry's earlier problems. A replaced task not started yet, or one
+  that would be tried again, is dropped (``ScheduleResult.superseded``); the task replacing one that
+  is running waits for it; and when a task that replaces finished ones is written, their rows it did
+  not measure again are deleted (rows of other runs stay). So the rows this run wrote of a geometry
+  are one task's. It runs only on a slot of that type;
   a slot is one worker holding one GPU (or one process, for measurers that need none), running one
   task at a time. How slots exist is the executor's business (:mod:`convpass.fleet.local`,
   :mod:`convpass.fleet.ray_cluster`); the bookkeeping here is the same for all of them.

@@ -13,10 +13,11 @@ per class of operands that share strides (:func:`broadcast_classes`: a BatchNorm
 parameters), with the terms of absent dimensions compiled out (one entry per dimension count).
 Each thread loads :data:`UNROLL` adjacent elements (:data:`UNROLL_HEAVY` for heavier math)
 before it stores any. CuPy's ``ElementwiseKernel`` of the same code keeps one load in flight per
-thread and indexes every operand on its own; on an H200, in one-op models replayed as graphs
-(benchmarks/op_kernels.py), this kernel ran a bias Add 2.0x faster, ConvNeXt's layer scale +
-residual 1.6x, bias + erf GELU 1.19x and BatchNormalization + Relu 1.5x (its parameters folded,
-as :mod:`convpass.kernels.elementwise` says; unfolded it was 1.18x in a raw-launch probe). CuPy's kernel still
+thread and indexes every operand on its own; in one-op models replayed as graphs
+(benchmarks/op_kernels.py), this kernel ran a bias Add, ConvNeXt's layer scale + residual, bias +
+erf GELU and BatchNormalization + Relu (its parameters folded, as
+:mod:`convpass.kernels.elementwise` says) faster than CuPy's
+(docs/measurements/2026-11-23-broadcast-kernel.md). CuPy's kernel still
 runs the shapes this one does not take (more than :data:`MAX_DIMS` dimensions after merging,
 2^31 elements or more).
 """
@@ -39,9 +40,7 @@ __all__ = ["ENTRIES", "MAX_DIMS", "UNROLL", "UNROLL_HEAVY", "BroadcastKernel", "
 
 # elements per thread, all loaded before any is stored: 4 for groups of a few multiplies and adds,
 # 2 where the math is heavier (erf, exp, division, ...): the best of 2, 4 and 8 for each kind in a
-# raw-launch probe on an H200 (bias Add and layer scale 2.0x CuPy's kernel at 4; bias + erf GELU
-# 1.19x and unfolded BatchNormalization + Relu 1.18x at 2, where 4 lost a third of that and 8 was
-# slower than CuPy)
+# raw-launch probe (at 8 the kernel was slower than CuPy's)
 UNROLL = 4
 UNROLL_HEAVY = 2
 _HEAVY_MATH = ("erf", "exp", "log", "tanh", "sqrt", "pow", "/")

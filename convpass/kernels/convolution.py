@@ -51,7 +51,7 @@ Decisions:
 * Graph-API engines (a decision with ``engine``): the plan of ``y = conv(x, w)`` is built at
   plan-compile time (:class:`convpass.native.cudnn.graph_api.EnginePlan`) and enqueued on the stream, so
   it is captured like any launch; the residual, the bias and a Relu follow in one element-wise pass.
-  cuDNN compiles some engines when their plan is built (0.15-0.6 s each on an H200), so built
+  cuDNN compiles some engines when their plan is built (a fraction of a second each), so built
   plans are stored in the model's kernel side-car (``convpass compile`` records them, as it does
   the CuPy kernels) and loaded from there in milliseconds; plans built at start-up anyway (no
   side-car, another cuDNN, a refused entry) that took :data:`ENGINE_BUILD_NOTE_S` or more in all

@@ -1,8 +1,8 @@
 """convpass's own depthwise convolution kernel: a tuning candidate beside cuDNN's algorithms.
 
-cuDNN's kernels for depthwise convolutions (``groups == C == K``) ran 4-20x above the memory
-bound on an H200 (cuDNN 9.19, batch 32: a 5x5 NCHW conv over 960 channels at 7x7 took 36 us for
-12 MB of traffic; ConvNeXt's 7x7 convs were most of its conv time). A depthwise conv reads each
+cuDNN's kernels for depthwise convolutions (``groups == C == K``) run far above the memory bound
+(ConvNeXt's 7x7 convs were most of its conv time; docs/measurements/2026-11-23-depthwise-kernel.md).
+A depthwise conv reads each
 input element ``KH * KW`` times from cache and does ``KH * KW`` multiply-adds per output: it is a
 stencil, which a plain kernel runs near the memory bound. This one is a candidate the tuner times
 and checks like any cuDNN algorithm (:data:`ALGO`); it runs only where it measured fastest.
@@ -55,9 +55,9 @@ __all__ = ["ALGO", "MAX_SPAN", "MAX_TAPS", "THREAD_ORDERS", "DepthwiseKernel", "
 ALGO = "convpass_depthwise"  # the family's name; a candidate is ALGO + "_r<R>" (:func:`algo_name`)
 MAX_TAPS = 121  # 11x11: the unrolled body stays small
 MAX_SPAN = 48  # inputs of one kernel row a thread keeps in registers
-# Outputs per thread the tuner tries, by horizontal stride: on an H200 (batch 32, fp32) R = 8 was
-# fastest for most stride-1 convs (ConvNeXt's 7x7: 119 us against 172 us at R = 4), R = 4 for
-# some 3x3 NCHW ones (39 us against 63 us), and R = 2 or 4 at stride 2.
+# Outputs per thread the tuner tries, by horizontal stride: R = 8 was fastest for most stride-1
+# convs (ConvNeXt's 7x7 among them), R = 4 for some 3x3 NCHW ones, and R = 2 or 4 at stride 2
+# (docs/measurements/2026-11-23-depthwise-kernel.md).
 STRIPS = {1: (4, 8)}
 STRIPS_STRIDED = (2, 4)
 _BLOCK = 256

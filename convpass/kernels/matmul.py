@@ -19,8 +19,9 @@ Rules (:func:`lower_matmul`):
 * Lowered only when there is an epilogue to fuse (a bias, a residual or a ReLU): a bare product
   stays with the op library's ``cublasGemmEx``. A bias read by an activation cuBLASLt does not
   have (ConvNeXt's erf GELU, a SiLU) joins the epilogue too, and the activation's fused group then
-  runs over contiguous same-shape rows: on an H200, ConvNeXt's first MLP Linear at batch 32 took
-  328 us against 375 us as cuBLAS + the bias-and-GELU kernel (benchmarks/op_kernels.py).
+  runs over contiguous same-shape rows: ConvNeXt's first MLP Linear ran faster this way than as
+  cuBLAS + the bias-and-GELU kernel (benchmarks/op_kernels.py;
+  docs/measurements/2026-11-23-matmul-epilogues.md).
 * A case cuBLASLt does not take at run time (no algorithm for the shape, an operand not 16-byte
   aligned, the library cannot be loaded) runs the product and the absorbed ops one by one, with
   the same result; a cuBLASLt call that fails in an eager run is noted once, and that launch runs

@@ -10,12 +10,12 @@ Every op here is a reduction over *rows* of a C-contiguous tensor seen as ``(row
 * GroupNormalization (opset 21: per-channel scale and bias): rows = N * G, L = (C / G) * spatial
   size.
 * Softmax / LogSoftmax over the last axis, and the opset < 13 forms (which flatten ``axis..``):
-  cuDNN's ``cudnnSoftmaxForward`` (:class:`SoftmaxLaunch`), measured 1.7x faster than a
-  hand-written warp-per-row kernel on an H200 (benchmarks/op_kernels.py).
+  cuDNN's ``cudnnSoftmaxForward`` (:class:`SoftmaxLaunch`), measured faster than a hand-written
+  warp-per-row kernel (benchmarks/op_kernels.py; docs/measurements/2026-11-23-runtime-between-convs.md).
 
 The op library writes each normalization as a dozen NumPy-style calls (casts, two means,
-subtract, square, sqrt, reciprocal, multiply, add), each a pass over the whole tensor: 4-10x
-slower, and slower than cuDNN's batch-norm-as-instance-norm, than these kernels. Statistics are
+subtract, square, sqrt, reciprocal, multiply, add), each a pass over the whole tensor: several
+times slower, and slower than cuDNN's batch-norm-as-instance-norm, than these kernels. Statistics are
 in float32 (float16 tensors too, as ONNX's default ``stash_type=1`` says), the variance is that of
 the centred row (two passes over the row, not ``E[x^2] - E[x]^2``, which cancels), the result is
 written once. Four shapes of launch, chosen when the plan is compiled (:func:`norm_kind`):
@@ -51,7 +51,7 @@ __all__ = ["NORM_DTYPES", "NormLaunch", "SoftmaxLaunch", "lower_norm", "lower_so
 _BLOCK = 256  # threads of the block and split kernels
 _ROWS_PER_BLOCK = 8  # warps of a 256-thread block in the warp kernels
 _CHUNK = 16384  # elements per chunk of the split kernels
-_FILL_ROWS = 264  # two blocks per SM of an H100 / H200: enough rows for the block kernel
+_FILL_ROWS = 264  # two blocks per SM of a 132-SM GPU: enough rows for the block kernel
 
 _SOURCE = r"""
 #HEADER
@@ -316,9 +316,9 @@ def row_norm(cupy: Any, x: Any, g: Any, b: Any | None, *, rows: int, length: int
 # lowering
 
 
-# Row shapes where cuDNN's batch norm ran InstanceNormalization faster than convpass's kernel on an
-# H200 (benchmarks/op_kernels.py: 32x64x3136, 36 us against 42 us); the kernel won by 3-20x on long
-# rows (split launches: GroupNorm(1, C) of 1-D audio models).
+# Row shapes where cuDNN's batch norm ran InstanceNormalization faster than convpass's kernel
+# (benchmarks/op_kernels.py); the kernel won by far on long rows (split launches: GroupNorm(1, C)
+# of 1-D audio models).
 CUDNN_INSTANCE_NORM_KINDS = frozenset({"block_16", "block"})
 
 

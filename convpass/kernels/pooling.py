@@ -2,18 +2,17 @@
 
 The op library writes pooling as a padded copy of the input, a strided window view and a
 reduction over it (AveragePool twice: once more over a tensor of ones for the divisor), and its
-padding goes through ``cupy.pad``: 4-11x slower than cuDNN here (benchmarks/op_kernels.py). Each
+padding goes through ``cupy.pad``: several times slower than cuDNN (benchmarks/op_kernels.py). Each
 pooling is one launch instead, on the input as it is stored (channels-first, channels-last, or a
 slice of a Concat buffer: arrays are passed with their strides), writing its output where the plan
 wants it:
 
 * :class:`StripPool`, convpass's strip kernel, for 2-D max and average poolings (any pads, strides,
   dilations, ``ceil_mode``, ``count_include_pad``): the depthwise kernel's scheme, several outputs
-  per thread and the window unrolled. Measured on an H200 (``benchmarks/op_kernels.py --only Pool``,
-  fp32, batch 32, both layouts alike; benchmarks/results/op-kernels-pooling-h200-2026-11-23.txt):
-  MaxPool 3x3/2 58 us against cuDNN's 83, AveragePool 3x3/1 incl. pad 46 against 82, AveragePool
-  2x2/2 45 against 51, MaxPool ceil_mode (no cuDNN form) 59 against pool_window's 128. Inside Inception-v3 at batch 32 (``convpass
-  bench --profile-ops``, two runs on H200s) its pooling took 0.755 ms, against 1.785 ms with cuDNN;
+  per thread and the window unrolled. It beat cuDNN's pooling on every case both run, in both
+  layouts, alone (``benchmarks/op_kernels.py --only Pool``) and inside Inception-v3 (``convpass
+  bench --profile-ops``), and ``pool_window`` where cuDNN has no form (ceil_mode)
+  (docs/measurements/2026-11-23-runtime-between-convs.md);
 * cuDNN's ``cudnnPoolingForward`` (:mod:`convpass.native.cudnn.pooling`) for the 3-D max and average
   poolings it expresses (symmetric pads, no dilation, no ceil-mode tail; :data:`CUDNN_FAMILIES`),
   and wherever ``pooling="cudnn"`` asks for it;
@@ -30,13 +29,13 @@ run one per block) is one launch too
 (:func:`lower_global_pool`), in the input's memory format: a warp per ``(n, c)`` row for
 channels-first inputs; for channels-last ones, a block per batch item and 32 channels whose threads
 read 32 adjacent channels (coalesced) and stride over the positions, then reduce through shared
-memory. Float32 accumulation; the max propagates NaN. Measured on an H200 (batch 32), the two
-measurements disagree: inside EfficientNet-B0 its 17 squeeze-excitation poolings took 0.749 ms
-through the op library's CuPy reduction and 0.230 ms through this kernel (MobileNetV3 0.133 ->
-0.077, GhostNet 0.104 -> 0.069: ``convpass bench --profile-ops``); alone in a one-op model
-(``benchmarks/op_kernels.py --only GlobalAveragePool``) CuPy's reduction was faster for 96x112x112
-(39 against 52 us) and 1152x7x7, slower for 480x14x14. The kernel is the default for what models
-run; why CuPy's reduction is slower inside them is not known.
+memory. Float32 accumulation; the max propagates NaN. Two measurements disagree
+(docs/measurements/2026-11-23-runtime-between-convs.md): inside models (EfficientNet-B0's
+squeeze-excitation poolings, MobileNetV3, GhostNet: ``convpass bench --profile-ops``) this kernel
+took a third to two thirds of the op library's CuPy reduction; alone in a one-op model
+(``benchmarks/op_kernels.py --only GlobalAveragePool``) CuPy's reduction was faster for some
+shapes. The kernel is the default for what models run; why CuPy's reduction is slower inside them
+is not known.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ __all__ = ["CUDNN_FAMILIES", "MAX_ELEMENTS", "POOL_DTYPES", "GlobalPoolLaunch", 
            "pool_window"]
 
 # Window poolings cuDNN runs where StripPool does not take them and cuDNN expresses them (3-D);
-# pool_window was 1.5-2.6x slower than cuDNN (MaxPool 3x3/2 124 against 83 us, H200, batch 32).
+# pool_window was slower than cuDNN there (docs/measurements/2026-11-23-runtime-between-convs.md).
 CUDNN_FAMILIES: frozenset[str] = frozenset({"max", "average"})
 MAX_ELEMENTS = (1 << 31) - 1  # the kernel's 32-bit index arithmetic
 

@@ -274,7 +274,7 @@ class Blas:
     def __del__(self) -> None:
         # A backend is freed by Python's cyclic garbage collector, which may run inside another
         # plan's stream capture; destroying a cuBLAS handle frees device memory, which invalidates
-        # that capture (a later launch in it then fails: cuBLAS status 13 on an H200). So the
+        # that capture (a later launch in it then fails: cuBLAS status 13). So the
         # handles are destroyed later, at a point that never captures (:func:`reap`). (Captures
         # also pause the collector, common.quiet_for_capture; this covers the other ways in.)
         if not sys.is_finalizing():
@@ -389,8 +389,8 @@ class Blas:
 
     def warm(self, allow_tf32: bool, epilogues: bool) -> None:
         """One small product through each path the plans will take (cuBLAS, and cuBLASLt with a
-        bias epilogue), finished: a fresh process's first cuBLAS call readies the library (about
-        0.05 s on an H200), which a helper thread then pays instead of the plan's."""
+        bias epilogue), finished: a fresh process's first cuBLAS call readies the library (tens of
+        milliseconds), which a helper thread then pays instead of the plan's."""
         a = self.cp.zeros((64, 64), dtype=np.float32)
         self.matmul(a, a, allow_tf32)
         if epilogues:

@@ -82,9 +82,9 @@ def storage(a: Any) -> Any:
 def copy_into(dst: Any, src: Any) -> None:
     """``dst[...] = src``, walked in memory order. CuPy's copy walks the logical order and merges
     only adjacent dimensions, so channels-last arrays seen channels-first were copied with a stride
-    of C elements between neighbouring threads (a UNet's NHWC skip Concats: 5.2 ms on an H200 at
-    batch 32, against 1.7 ms for the same copies in NCHW); both in their channels-last view, the
-    copy is rows of channels."""
+    of C elements between neighbouring threads (a UNet's NHWC skip Concats took three times as long
+    as the same copies in NCHW; docs/measurements/2026-11-23-nhwc-passthrough.md); both in their
+    channels-last view, the copy is rows of channels."""
     from convpass.core.layout import storage_order
 
     order = storage_order(dst)
@@ -175,7 +175,7 @@ def quiet_for_capture() -> Iterator[None]:
     paused: a collection may free what an older plan or backend left (its CuPy memory pool gives
     its blocks back to the device, a library handle frees device memory), and freeing device
     memory inside a capture invalidates it: the capture's next launch then fails (cuBLAS status
-    13 / 14 on an H200)."""
+    13 or 14)."""
     join_helpers()
     enabled = gc.isenabled()
     gc.disable()
@@ -229,8 +229,8 @@ def open_ahead(device: Any) -> Callable[[], None]:
 
 def retain_primary_context(index: int) -> Callable[[], None]:
     """Initialize CUDA's driver and create device ``index``'s primary context through the driver
-    API (libcuda by ctypes, which lets go of the GIL): 0.2 s of a fresh process on an H200 that
-    then runs beside CuPy's import (0.2 s, which holds the GIL). The CUDA runtime, and so CuPy,
+    API (libcuda by ctypes, which lets go of the GIL): a large part of a fresh process's start,
+    which then runs beside CuPy's import (which holds the GIL). The CUDA runtime, and so CuPy,
     uses that same primary context, and keeps it for the life of the process. Returns the function
     that releases this reference. Raises OSError without a driver, RuntimeError with the driver's
     error code."""

@@ -22,10 +22,10 @@ __all__ = ["DeviceFingerprint", "cudnn_version_string", "detect", "driver_call",
 def detect() -> DeviceFingerprint | None:
     """The fingerprint of the current CUDA device, or None when no GPU / CuPy / cuDNN is usable.
 
-    Asked of the CUDA driver (libcuda, by ctypes), not of CuPy: importing CuPy to ask took 0.3 s
-    of a 1.7 s cached ``convpass optimize`` on an H200, which then has nothing else to use CuPy
-    for. CuPy must still be installed (the tuner and the executor run on it). The current device
-    is CuPy's: the one whose context is current on this thread, else device 0.
+    Asked of the CUDA driver (libcuda, by ctypes), not of CuPy: importing CuPy to ask was a large
+    part of a cached ``convpass optimize``, which then has nothing else to use CuPy for. CuPy must
+    still be installed (the tuner and the executor run on it). The current device is CuPy's: the
+    one whose context is current on this thread, else device 0.
 
     CuPy's import is not tried here: a CuPy that cannot use this GPU (a broken install, a driver
     older than its CUDA) fails at the first measurement, not as "no GPU".
@@ -58,7 +58,7 @@ _driver_thread: threading.Thread | None = None
 
 
 def start_driver() -> None:
-    """Start CUDA's driver (``cuInit``: 0.2 s of a cached ``convpass optimize`` on an H200, spent
+    """Start CUDA's driver (``cuInit``: a large part of a cached ``convpass optimize``, spent
     without the GIL) and load cuDNN on a helper thread, once per process, so that a later
     :func:`detect` finds both ready while the caller imports and reads its model meanwhile. Which
     device is current is still decided by :func:`detect`, on the caller's thread. A failure here

@@ -77,8 +77,8 @@ def kernel_label(source: str) -> str:
 
 def _digest(text: str) -> str:
     """SHA-256 of ``text``, remembered: CuPy passes the same ``extra_source`` (the content of its
-    headers) with every kernel, and hashing it each time was 0.03-0.05 s of a fresh ConvNeXt start
-    on an H200 (a dict finds the same string object by identity, without hashing it again)."""
+    headers) with every kernel, and hashing it each time was a visible part of a fresh ConvNeXt
+    start (a dict finds the same string object by identity, without hashing it again)."""
     digest = _DIGESTS.get(text)
     if digest is None:
         digest = _DIGESTS[text] = hashlib.sha256(text.encode()).hexdigest()

@@ -37,8 +37,8 @@ from convpass.tuning.shape_bench import ShapeBench, best_after, make_row, was_me
 
 __all__ = ["FFT_TILING_MAX_GROUPS", "Candidates", "skip_reason"]
 
-# cuDNN's legacy API runs FFT tiling once per group: on depthwise convs one launch takes seconds
-# (measured on an H200: 22 s for g=960 at 14x14). Above this many groups it is skipped unless forced.
+# cuDNN's legacy API runs FFT tiling once per group: on depthwise convs of hundreds of channels one
+# launch takes seconds to tens of seconds. Above this many groups it is skipped unless forced.
 FFT_TILING_MAX_GROUPS = 8
 
 

@@ -1,6 +1,7 @@
 """Timing on the GPU, done the way that gives numbers worth recording.
 
-* Clocks are warmed once per session by a large matrix product (idle GPUs sit at low clocks).
+* Clocks are warmed by a large matrix product before timing, at most once every 30 s (idle GPUs
+  sit at low clocks).
 * Every launch gets a warm-up first (module loading and lazy kernel selection stay out).
 * Launches run back to back between CUDA events, in groups captured once into a CUDA graph and
   replayed, so small kernels are timed as the GPU runs them, not as fast as Python can launch them
@@ -10,26 +11,27 @@
 * Inputs rotate among several random sets whose total size exceeds the L2 cache, so small problems
   are timed from device memory as in a real network, not from a warm cache.
 * A candidate clearly slower than the best one already timed for the same problem is stopped after
-  its estimate (and says so): over :data:`EARLY_STOP_RATIO` times the best and :data:`EARLY_STOP_MIN_MS`
-  above it. It will not be chosen, and timing it fully would only cost tuning time: on an H200 most
-  of cuDNN's ~40 graph-API engine configurations per conv are 1.5-4x the best, and timing them in
-  full was most of a ResNet-50's tuning time. One that passes the estimate but whose first
+  its estimate (and says so): over :data:`EARLY_STOP_RATIO` times the best and
+  :data:`EARLY_STOP_MIN_MS` above it. It will not be chosen, and timing it fully would only cost
+  tuning time: most of cuDNN's graph-API engine configurations for a conv are well above the best,
+  and timing them in full was most of a ResNet-50's tuning time
+  (docs/measurements/2026-11-24-tuning-time.md). One that passes the estimate but whose first
   :data:`LATE_STOP_GROUPS` groups both take over :data:`LATE_STOP_RATIO` times the best is stopped
   there, where it is also 2 µs above the best (``Timing.stopped_by`` says so, ``early_stop`` stays
   False): groups are precise to a few percent, so its time is a measurement like any other, from
-  fewer groups; half of the candidates timed in full in a four-model tuning ended over 1.2x their
-  problem's best.
+  fewer groups; about half of the candidates timed in full ended well above their problem's best
+  (docs/measurements/2026-11-27-tuning-time-third-pass.md).
 * An estimate under :data:`CONFIRM_RATIO` times the best (and :data:`CONFIRM_LATENCY_MS`) that
   would stop a candidate is taken once more, and the lower reading counts: what one replay carries
   besides the kernels (the graph's launch latency, a large part of one replay of a few
   microsecond-kernels; once 0.125 ms in a one-launch graph) must not stop it. From
   :data:`CONFIRM_REPLAYS` replays back to back when its graph lasts under :data:`CONFIRM_GRAPH_MS`,
   else from one more replay.
-* Candidates timed one after the other drift with the GPU's state between their timings (a few
-  percent on an H200, though each timing is precise to 1% over its groups), which flips choices
-  between near-equal ones from run to run. So the tuner replays the captured groups of the close
-  ones in turn, round after round (:func:`head_to_head`; which ones: ``shape_bench.ShapeBench.settle``),
-  and orders them by that.
+* Candidates timed one after the other drift with the GPU's state between their timings (by more
+  than each timing's own precision over its groups), which flips choices between near-equal ones
+  from run to run. So the tuner replays the captured groups of the close ones in turn, round after
+  round (:func:`head_to_head`; which ones: ``shape_bench.ShapeBench.settle``), and orders them by
+  that.
 * A first launch over 4x the best and :data:`SLOW_LAUNCH_MS` is launched once more, eagerly; when
   that one is too, the candidate is stopped there (``a second launch over 4x the best and 2 ms``): a slow
   algorithm is not captured into any graph.
@@ -55,25 +57,26 @@ def cupy():
 
 
 # A launch slower than this (and 4x the best) twice in a row ends a candidate before its estimate.
-# The second launch is eager and may still be loading: on an H100, second launches of kernels
-# measured at 4-18 us took 0.25-1.07 ms, and a 4x-only rule stopped 8 such candidates in one fleet
-# check, the best of a geometry among them (a decision 2x off). Below this the estimate decides.
+# The second launch is eager and may still be loading: second launches of microsecond kernels can
+# take a millisecond, and a 4x-only rule stopped the best candidate of a geometry that way (a
+# decision 2x off; docs/measurements/2026-11-27-fleet-tuner-defects.md). Below this the estimate
+# decides.
 SLOW_LAUNCH_MS = 2.0
 # The first estimate (a captured graph of 4 launches, after a warm-up launch) is within ~20% of the
 # full timing; a candidate this far above the best is not a close call.
 EARLY_STOP_RATIO = 1.5
 EARLY_STOP_MIN_MS = 0.002  # tiny kernels: a graph launch's own latency weighs in a 4-launch estimate
 # An estimate under CONFIRM_RATIO times the best, plus CONFIRM_LATENCY_MS (a graph's launch latency
-# spread over its launches reached 4.8 us a launch on an H100), that would stop a candidate is taken
+# spread over its launches, a few microseconds a launch), that would stop a candidate is taken
 # again: over CONFIRM_REPLAYS replays of its graph when the graph lasts under CONFIRM_GRAPH_MS, else
 # over one.
-# One replay of 4 launches read 2.2-7.5 us kernels (their full timings) as 4.1-12.3 us on an H100,
-# and 23-53 candidates per panel tuning within 1.15x of their best were dropped, own kernels whose
-# fused epilogue then went untimed among them (a 2-GPU run's decision 1.48x off the 1-GPU run's).
-# A batch-32 problem rotates one input set, so its estimate is one launch: an H200 read ResNet-50's
-# fused 1x1 stride-2 conv + residual (0.046 ms in full) as 0.171 ms (1.8x the best), stopped it,
-# and ran the bare conv and a separate pass instead (0.096 ms; the model's conv time 2.7% higher,
-# in one run of four). Taking them again costs 0.2 s of GPU time in a ResNet-50 tuning.
+# One replay of 4 launches reads microsecond kernels up to about twice their full timings, which
+# dropped candidates close to their best, own kernels whose fused epilogue then went untimed among
+# them (docs/measurements/2026-11-27-fleet-tuner-defects.md). A batch-32 problem rotates one input
+# set, so its estimate is one launch: one such reading stopped ResNet-50's fused 1x1 stride-2 conv +
+# residual, and the bare conv and a separate pass ran instead, slower
+# (docs/measurements/2026-11-27-tuning-time-after-fleet-fixes.md). Taking them again costs a small
+# part of a tuning's GPU time.
 CONFIRM_RATIO = 3.0
 CONFIRM_LATENCY_MS = 0.005
 CONFIRM_GRAPH_MS = 0.2
@@ -180,8 +183,8 @@ def relative_error(out, ref) -> float:
 
     ``out`` in its storage dtype (float32 or float16; bfloat16 through :func:`to_float32`), ``ref``
     of the same logical shape, in any memory order. Both sums of squares come from one pass over
-    the data and one transfer: this runs for every candidate a tuning checks (thousands), and the
-    eight CuPy calls it took before cost 0.3 ms each time on an H200 (0.1 ms now).
+    the data and one transfer: this runs for every candidate a tuning checks (thousands), so a
+    chain of separate CuPy calls would cost several times more per check.
     """
     global _error_sums
     cp = cupy()
@@ -192,7 +195,7 @@ def relative_error(out, ref) -> float:
             "complex<double>(((double)x - r) * ((double)x - r), (double)r * r)",
             "a + b", "s = a", "complex<double>(0, 0)", "convpass_error_sums")
     # Over all axes but the batch and the first spatial one: CuPy's reduction runs one block per
-    # output, and a scalar's single block took 5 ms over a batch-32 output (H200)
+    # output, and a scalar's single block takes milliseconds over a batch-32 output
     axes = tuple(a for a in range(ref.ndim) if a not in (0, 2))
     sums = complex(_error_sums(out, ref.astype(cp.float32, copy=False), axis=axes).sum().get())
     if not math.isfinite(sums.real):
@@ -259,8 +262,8 @@ def time_launches(
     probe = min(sets, 4)
     graph = _capture(launch, sets, probe, stream)
     if graph is not None:
-        # uploaded, not replayed once untimed: 0.2-0.4 ms less per candidate; estimates 1.00-1.20x
-        # of the full timing instead of 1.00-1.14x (H200), inside the early stop's 1.5x
+        # uploaded, not replayed once untimed: a fraction of a millisecond less per candidate, and
+        # the estimates stay well inside the early stop's 1.5x of the full timing
         graph.upload(stream)
     estimate = timed(graph, probe)
     launched += probe
@@ -297,8 +300,9 @@ def time_launches(
 def head_to_head(groups: list[tuple[Any, int]], rounds: int = HEAD_TO_HEAD_ROUNDS) -> list[float]:
     """Median per-launch time of each captured group (``(graph, launches)``, from
     :attr:`Timing.group`), replayed in turn, ``rounds`` times round: candidates timed one after
-    the other drift apart with the GPU's state between their timings (an H200 timed one conv 65.6
-    and 68.8 us in two runs, each within 0.8% over its groups), candidates timed in turn share it.
+    the other drift apart with the GPU's state between their timings (two runs can differ by more
+    than each run's spread over its groups; docs/measurements/2026-11-27-fleet-tuner-defects.md),
+    candidates timed in turn share it.
     Must run on the stream the groups were captured on."""
     cp = cupy()
     stream = cp.cuda.get_current_stream()

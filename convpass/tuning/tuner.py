@@ -158,8 +158,8 @@ class CudnnTuner:
 
 def measure_transpose(dims: tuple[int, ...], dtype: str) -> float:
     """Measured time (ms) of converting a ``dims`` tensor from channels-first to channels-last, on
-    the current GPU with its clocks warmed first, as for every conv it is weighed against (an H200
-    probe timed cold and warm copies within 1% of each other; the warm-up keeps the harness one)."""
+    the current GPU with its clocks warmed first, as for every conv it is weighed against (cold and
+    warm copies time alike; the warm-up keeps the harness one)."""
     import cupy as cp
 
     from convpass.native.cudnn import empty_like_layout

@@ -18,9 +18,9 @@ Rules (per shape profile):
   reads a channel slice of a shared buffer (a dense block's next conv reading the features so
   far) reads it free in NCHW (contiguous per sample) but copies it to a packed tensor in NHWC
   (strided rows): with both in NHWC that copy is charged (priced as a transpose of the slice). (Before
-  families were tied, DenseNet-121 at batch 32 on an H200 ran in 5.76 ms with its Concats in NCHW
-  and 9.40 ms when every Concat passed NHWC through on its own: members of one buffer in two
-  formats.)
+  families were tied, DenseNet-121 ran much slower when every Concat passed NHWC through on its
+  own than with its Concats in NCHW: members of one buffer in two formats;
+  docs/measurements/2026-11-23-nhwc-passthrough.md.)
   Shape and Size (:data:`METADATA_OPS`) read no data (the executor folds them to constants), so
   reading a tensor in either format costs them nothing. A ReduceMean / ReduceMax over exactly the
   spatial axes (:func:`spatial_reductions`: a squeeze-excitation or ECA gate's pooling, ``x.mean((2,
@@ -39,8 +39,8 @@ Rules (per shape profile):
   ``(0, r-1, 1, ..., r-2)``) reads ordinary rows and gives a channels-last tensor for free: its
   output is on the NHWC side (:func:`channel_moves`). Without this rule the plan saw ConvNeXt's
   permutes as fixed NCHW ops and kept its depthwise convs in NCHW, where each LayerNorm then
-  copied its input (H200, batch 32: 0.08 ms per stage-1 LayerNorm instead of 0.026, and the 7x7
-  depthwise convs at 0.22 ms instead of about 0.11 in NHWC).
+  copied its input, and the 7x7 depthwise convs ran about twice as long as in NHWC
+  (docs/measurements/2026-11-23-wide-panel-one-run.md).
 * An edge between two nodes whose formats differ costs one transpose of the tensor on that edge
   (measured on the GPU, by tensor size; nothing for a tensor whose two formats are one memory
   order: one channel, or one spatial position). A value is converted once per node that reads it.

@@ -228,8 +228,8 @@ class CudaBackend(Backend):
             return self.cp.asnumpy(x)
 
     def erf(self, x: Any) -> Any:
-        # A kernel of our own, not cupyx.scipy.special.erf: importing cupyx imports SciPy, 0.3 s of
-        # a fresh process's start-up (measured on the H200 machine). float16 is computed in float32.
+        # A kernel of our own, not cupyx.scipy.special.erf: importing cupyx imports SciPy, a large
+        # part of a fresh process's start-up. float16 is computed in float32.
         if self._erf_kernel is None:
             self._erf_kernel = self.cp.ElementwiseKernel("T x", "T y", "y = erf(x)", "convpass_erf")
         wide = x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
