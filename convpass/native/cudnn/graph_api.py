@@ -3,8 +3,9 @@ of fused graphs ``y = act(conv(x, w) + b)``.
 
 The legacy API offers 8 forward algorithms; cuDNN 9's graph API offers the engine configurations
 its heuristics (modes A and B) and fallback list return for an operation graph, with their knobs
-(tile sizes, split-K, ...). On an H200 the depthwise convolutions of EfficientNet-B0 at batch 32
-ran 2-3x faster on graph-API engines in NHWC than on any legacy algorithm. This module reaches
+(tile sizes, split-K, ...). Some convolutions run several times faster on graph-API engines than
+on any legacy algorithm (EfficientNet-B0's depthwise convs in NHWC:
+docs/measurements/2026-11-23-graph-api-engines.md). This module reaches
 that API through NVIDIA's own Python binding, the ``nvidia-cudnn-frontend`` package (imported as
 ``cudnn``; in ``pip install convpass[gpu]``, or ``convpass[graph]`` alone), and is the one place that knows it.
 
@@ -12,23 +13,22 @@ Rules
 -----
 * **One operation graph per problem key.** Every engine candidate is an engine configuration of
   the graph ``y = conv_fprop(x, w)``: the forward direction only, over the key's shapes, memory
-  format and data type, compute in float32. The bias is not part of the graph: on an H200
-  (cuDNN 9.19) the fast depthwise engine offered for the bare conv was not offered once a bias add
-  was in the graph (the tuner then found only generic engines, 2-8x slower), so the executor adds
+  format and data type, compute in float32. The bias is not part of the graph: the fast depthwise
+  engine offered for the bare conv was not offered once a bias add was in the graph (the tuner
+  then found only generic engines, several times slower), so the executor adds
   the bias after the conv, and the tuner times an engine with that pass (a legacy algorithm often
   has its bias fused into its call: timed by the bare conv, engines won where they lost in the
   network).
 * **Fused epilogues** (:data:`FUSIONS`). Where a conv's only readers are an activation cuDNN's
   graph API can fuse, the tuner also measures the graph ``y = act(conv(x, w) + b)``: conv, bias
   and activation in one engine, named by the part after the conv (``bias+swish``: SiLU, read in
-  ONNX as ``Mul(y, Sigmoid(y))``). On an H200 the fused depthwise convs of EfficientNet-B0 cost
-  about what the bare conv does (0.038 against 0.036 ms), which removes two passes over the
-  output (the bias and the SiLU kernel). A ``bias + relu`` graph was not offered the fast
-  depthwise engine there (10-15x slower) and the legacy API already fuses a ReLU, so it is not a
-  candidate.
+  ONNX as ``Mul(y, Sigmoid(y))``). A fused depthwise conv costs about what the bare conv does,
+  which removes two passes over the output (the bias and the SiLU kernel). A ``bias + relu``
+  graph was not offered the fast depthwise engine (an order of magnitude slower) and the legacy
+  API already fuses a ReLU, so it is not a candidate (docs/measurements/2026-11-23-graph-api-engines.md).
 * **Math modes.** Engines are candidates with TF32 allowed (``default``, ``tensor_op``). For
   ``fma`` (TF32 off) none is offered: the frontend's numerical-note filter does not remove the
-  tensor-core engines from the list it enumerates (an H200 test measured TF32-sized errors on
+  tensor-core engines from the list it enumerates (a test measured TF32-sized errors on
   "filtered" configurations), so TF32-off convolutions keep the legacy algorithms, whose math type
   is exact.
 * **Names.** A configuration is named as cuDNN names its plans: ``eng<id>`` followed by
@@ -41,8 +41,7 @@ Rules
 * **Stored plans.** A built plan serializes (:meth:`EnginePlan.serialize`: the frontend's own
   form behind a JSON header naming the problem key, the configuration, the tensor uids and the
   cuDNN and frontend versions) and loads back in another process in milliseconds
-  (:meth:`EnginePlan.load`), against 0.15-0.4 s to build one that cuDNN compiles (H200, cuDNN
-  9.19). A stored plan is only loaded by the cuDNN and frontend versions that wrote it, for the
+  (:meth:`EnginePlan.load`), against tenths of a second to build one that cuDNN compiles. A stored plan is only loaded by the cuDNN and frontend versions that wrote it, for the
   same key and configuration: anything else raises :class:`GraphApiError`, and the caller builds
   the plan instead. It runs through the frontend's ``execute`` (a loaded graph has no plan list
   to index). :func:`plan_id` names a stored plan in the kernel side-car.
@@ -247,7 +246,7 @@ class Enumerated:
     """``key``'s operation graph (the bare conv, or ``fusion``'s) with cuDNN's configurations
     enumerated on it: plans of any of them are built on this one graph (:class:`EnginePlan`), so a
     tuner timing all of them enumerates once per key, not once per candidate (which was a third
-    of a ResNet-50's tuning time on an H200)."""
+    of a ResNet-50's tuning time: docs/measurements/2026-11-24-tuning-time.md)."""
 
     key: ProblemKey
     fusion: str
@@ -309,8 +308,8 @@ class EnginePlan:
                 self._graph, t = _graph(fe, key, self._handle, fusion)
                 # The configuration is found again among cuDNN's own for this graph, by name:
                 # rebuilding it from (engine id, knobs) through the frontend's knob enum gave
-                # configurations that cuDNN refused to finalize (H200, frontend 1.32: its enum is not
-                # cuDNN's knob numbering). Mode A alone first (the instant heuristic: start-up
+                # configurations that cuDNN refused to finalize (the frontend's enum is not cuDNN's
+                # knob numbering). Mode A alone first (the instant heuristic: start-up
                 # time), the full list when needed.
                 try:
                     names = _enumerate(fe, self._graph, key, ("A",))

@@ -10,8 +10,8 @@ Discovery order (the first that loads, and reports cuDNN 9 or later, wins):
 
 cuDNN 9 ships as a thin "shim" ``libcudnn.so.9`` that dlopens its sub-libraries
 (``libcudnn_graph``, ``_ops``, ``_cnn``, ``_engines_*``, ...) by soname at first use. When another
-cuDNN 9 is registered with the system loader (the device machines have a system 9.14 beside the
-wheel's 9.19), that lookup can pick the wrong copy and fail with
+cuDNN 9 is registered with the system loader (a system cuDNN 9 of another minor version beside
+the wheel's), that lookup can pick the wrong copy and fail with
 ``CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED`` / ``..._VERSION_MISMATCH``. So when the shim is loaded
 from a folder, its sub-libraries found in that same folder are preloaded first (``RTLD_GLOBAL``,
 dependencies first): a later dlopen by soname then reuses them. A sub-library that fails to preload
