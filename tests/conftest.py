@@ -275,8 +275,8 @@ class _FakeTensor:
 def no_plan_side_car(monkeypatch, stored=None, recorded=None):
     """The executor's stored cuDNN plans stood in for: ``stored`` (plan id -> KernelEntry) is the
     side-car in use, ``recorded`` (a list) collects what a recording side-car would store."""
-    from convpass.native.cudnn import graph_api
     from convpass.native import prebuilt
+    from convpass.native.cudnn import graph_api
 
     monkeypatch.setattr(graph_api, "plan_id", lambda key, config: f"plan-{config.algo}")
     monkeypatch.setattr(prebuilt, "stored", lambda ident: (stored or {}).get(ident))

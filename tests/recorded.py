@@ -28,10 +28,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from convpass.tuning.cache_rows import Measurement
 from convpass.core.cudnn_enums import is_deterministic
 from convpass.core.device import DeviceFingerprint
 from convpass.core.problem import ConvShape, ProblemKey
+from convpass.tuning.cache_rows import Measurement
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = sorted((REPO / "benchmarks" / "results").glob("tune-quality-h200-2026-11-22-*.json"))

@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from conftest import residual_block_model, silu_model
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import residual_block_model, silu_model
 from convpass.compiler.pipeline import OptimizeReport, prepare_model
 from convpass.core.fusion import absorbed
 from convpass.core.options import TuneOptions

@@ -3,8 +3,6 @@ without a GPU."""
 
 from __future__ import annotations
 
-import pytest
-
 from convpass.bench.account import _route_times, render
 from convpass.cli.main import main
 from convpass.core.problem import ConvShape

@@ -6,9 +6,9 @@ import math
 
 import onnx
 import pytest
+from conftest import REPO
 from onnx import helper
 
-from conftest import REPO
 from convpass.core import annotation
 from convpass.core.annotation import AnnotationError, ConvDecision, ModelInfo, Profile
 from convpass.core.problem import ConvShape, ProblemKey

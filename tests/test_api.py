@@ -10,9 +10,9 @@ import pydoc
 import numpy as np
 import onnx
 import pytest
+from conftest import conv_model, random_input, run_ort
 
 import convpass
-from conftest import conv_model, random_input, run_ort
 from convpass.core.errors import ConvpassError, OptionError, ShapeError
 
 KEYWORDS = ["shapes", "mode", "tf32", "layout", "engines", "fprop_algo", "dgrad_algo", "wgrad_algo", "matmul_tf32",

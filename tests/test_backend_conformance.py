@@ -28,8 +28,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from convpass.runtime.onnx_backend import ConvpassBackend
 from convpass.runtime import prepare_model
+from convpass.runtime.onnx_backend import ConvpassBackend
 
 # case name (fnmatch pattern) -> why we deliberately don't pass it
 EXCLUDED: dict[str, str] = {

@@ -18,17 +18,31 @@ import math
 import sys
 
 import pytest
+from conftest import MODELS, REPO
 
-from convpass.cli import bench as bench_cli
 from convpass.bench import (
-    contenders, convpass_contender, document, measure, opprofile, ort_contender, peers, plot, ranking, records, render,
-    render_summary, roofline, schema, stats, targets, torch_contender,
+    contenders,
+    convpass_contender,
+    document,
+    measure,
+    opprofile,
+    ort_contender,
+    peers,
+    plot,
+    ranking,
+    records,
+    render,
+    render_summary,
+    roofline,
+    schema,
+    stats,
+    targets,
+    torch_contender,
 )
+from convpass.cli import bench as bench_cli
 from convpass.core import profiles
 from convpass.core.problem import ProblemKey
 from convpass.kernels.plan import GraphStatus
-
-from conftest import MODELS, REPO
 
 RECORDED_V1 = REPO / "tests" / "data" / "bench-h200-2026-11-22-panel.trimmed.json"
 
@@ -283,7 +297,7 @@ def test_wrong_convpass_fails_every_target():
 # targets: per batch group, worst case, CUDA graph capture
 
 
-def _ratio_case(model: str, batch: int, ratio: float, graph: GraphStatus | None = GraphStatus(True, "9 launch(es) in one CUDA graph")) -> dict:
+def _ratio_case(model: str, batch: int, ratio: float, graph: GraphStatus | None = GraphStatus(True, "9 launch(es) in one CUDA graph")) -> dict:  # noqa: B008  (a frozen value)
     """A case where convpass runs at ``ratio`` x the best ORT configuration (10 ms), 2x faster than PyTorch."""
     cs = [records.contender("convpass", "convpass", times_ms=[10.0 * ratio], rel_err=0.0, tolerance=5e-3,
                            cold_start_s=0.1, cuda_graph=records.graph_status_record(graph) if graph else None),

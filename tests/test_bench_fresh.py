@@ -10,7 +10,6 @@ command with ``--fresh-process``, its children real, on the CPU.
 from __future__ import annotations
 
 import copy
-import os
 import json
 import subprocess
 import sys
@@ -18,11 +17,10 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from conftest import MODELS, REPO, run_ort
 
 from convpass.bench import contenders, document, fresh, peers, ranking, records, render, render_summary, schema, stats
 from convpass.core.errors import ConvpassError
-
-from conftest import MODELS, REPO, run_ort
 
 MODEL = MODELS / "residual_cnn.onnx"  # fixed batch 1: input 1x3x64x64
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from conftest import MODELS, REPO  # noqa: E402
+
 from convpass.bench import contenders, measure, ort_contender, ranking, records, torch_contender  # noqa: E402
 from convpass.bench.reference import reference_outputs  # noqa: E402
 from convpass.core.profiles import input_shapes  # noqa: E402

@@ -21,16 +21,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import MODELS, REPO
+from test_bench import ENV, SETTINGS, _fake_cupy, _t
 
 from convpass.bench import (
-    contenders, document, measure, ort_contender, peers, ranking, records, render, render_summary, schema, targets,
+    contenders,
+    document,
+    measure,
+    ort_contender,
+    peers,
+    ranking,
+    records,
+    render,
+    render_summary,
+    schema,
+    targets,
     torch_contender,
 )
 from convpass.cli import bench as bench_cli
 from convpass.core.errors import ConvpassError
-
-from conftest import MODELS, REPO
-from test_bench import ENV, SETTINGS, _fake_cupy, _t
 
 REFUSAL = ("[ONNXRuntimeError] : 1 : FAIL : This session cannot use the graph capture feature as requested by the user as "
            "all compute graph nodes have not been partitioned to the CUDA execution provider.\nsecond line of ORT's message")

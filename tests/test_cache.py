@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from convpass.cli.cache import add_cache_parser, cache_command
+from convpass.core.device import DeviceFingerprint
+from convpass.core.problem import ConvShape, ProblemKey
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_file import default_cache_path
 from convpass.tuning.cache_rows import CacheError, CacheWarning, Measurement
-from convpass.core.device import DeviceFingerprint
-from convpass.core.problem import ConvShape, ProblemKey
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 H100 = DeviceFingerprint("NVIDIA H100 80GB HBM3", "9.0", 132, 91000)

@@ -7,11 +7,10 @@ import itertools
 
 import numpy as np
 import pytest
-from onnx import TensorProto
-
 from conftest import conv_model, random_input, run_ort
-from convpass.core.errors import ConvAttributeError
+
 from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
+from convpass.core.errors import ConvAttributeError
 
 
 def _windows(spatial_out, kernel, strides, dilations):
@@ -160,10 +159,10 @@ def test_invalid_attributes_are_named(op_type, attrs, x_shape, w_shape, message)
 
 
 def test_oversized_conv_transpose_output_is_left_untuned(caplog):
-    import convpass
     import onnx
-
     from conftest import conv_model
+
+    import convpass
     from convpass.core.errors import UnsupportedConvError
 
     with pytest.raises(UnsupportedConvError, match="larger than"):

@@ -16,9 +16,9 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
+from conftest import REPO, conv_model, run_ort
 from onnx import TensorProto, helper
 
-from conftest import REPO, conv_model, run_ort
 from convpass.cli.main import build_parser, main
 from convpass.cli.schemas import SCHEMAS
 
@@ -131,7 +131,7 @@ def test_optimize_says_how_many_were_decided_and_how(model, tmp_path, capsys):
 
 
 def test_optimize_from_the_cache_counts_cached_decisions(model, tmp_path, capsys):
-    from test_decide import ROWS, H200
+    from test_decide import H200, ROWS
 
     from convpass.tuning.cache import TuningCache
 
@@ -199,7 +199,7 @@ def test_inspect_table_fits_the_terminal_and_prints_names_as_text(tmp_path, caps
 
 
 def test_cache_json_and_a_mistyped_cache_path(tmp_path, capsys):
-    from test_decide import ROWS, H200
+    from test_decide import H200, ROWS
 
     from convpass.tuning.cache import TuningCache
 

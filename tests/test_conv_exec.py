@@ -12,8 +12,8 @@ import types
 
 import numpy as np
 import pytest
-
 from conftest import no_plan_side_car, numpy_candidates, numpy_epilogue_kernel, offer_configs
+
 from convpass.core import annotation
 from convpass.core.algo import Algo
 from convpass.core.problem import ConvShape

@@ -304,7 +304,7 @@ def test_constants_of_one_shape_share_their_offsets():
     assert source.code.count("const int oc_") == 3  # x, the parameters, the output
     # folded: multiplies and adds only, so more elements per thread than for heavier math
     assert broadcast.unroll_for(group) == broadcast.UNROLL
-    assert "T v0[%d];" % broadcast.UNROLL in source.code
+    assert f"T v0[{broadcast.UNROLL}];" in source.code
 
 
 def test_batchnorm_with_constant_parameters_is_folded_to_a_scale_and_shift():

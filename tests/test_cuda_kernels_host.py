@@ -19,14 +19,15 @@ import types
 
 import numpy as np
 import pytest
+from conftest import channels_last_array, host_library
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import channels_last_array, host_library
 from convpass.kernels import pooling, tensor_ops
-from convpass.runtime.executor import Executor
 from convpass.ops.nn import _pool_geometry
-from convpass.ops.resize import resize_arguments, resize_geometry
 from convpass.ops.registry import NodeInfo, decode_attributes, lookup
+from convpass.ops.resize import resize_arguments, resize_geometry
+from convpass.runtime.executor import Executor
+
 
 @pytest.fixture(scope="module")
 def pool_lib(tmp_path_factory):
@@ -271,6 +272,7 @@ def test_fused_norm_apply_kernel_compiles_for_hopper(dtype, tmp_path):
     """The generated apply kernel of a fused GroupNorm + SiLU + residual (statistics and parameters
     read as float beside the tensor's storage type) compiles for sm_90 without spills."""
     from fused_models import block, feeds
+
     from convpass.kernels import broadcast, group_norm
 
     ex = Executor(block(), device="cpu")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from convpass.runtime.cuda import memory
 from convpass.kernels.launch import Launch
+from convpass.runtime.cuda import memory
 from convpass.runtime.executor import Executor
 
 N = helper.make_node

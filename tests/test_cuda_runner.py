@@ -13,9 +13,9 @@ import types
 
 import pytest
 
-from convpass.runtime.cuda import runner
 from convpass.kernels.launch import Launch
 from convpass.ops.registry import NodeInfo
+from convpass.runtime.cuda import runner
 
 
 def _launch(name: str, op: str, step: int) -> Launch:

@@ -11,11 +11,11 @@ import types
 import pytest
 
 from convpass.core import annotation
-from convpass.native import cudnn
 from convpass.core.cudnn_enums import CudnnError
 from convpass.core.problem import ConvShape, ProblemKey
-from convpass.native import cuda as common
 from convpass.kernels.convolution import Convolutions
+from convpass.native import cuda as common
+from convpass.native import cudnn
 from convpass.runtime.executor import _by_profile
 
 

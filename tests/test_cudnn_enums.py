@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from convpass.core import cudnn_enums as enums
-from convpass.native.cudnn import library
-from convpass.native.cudnn.descriptors import descriptor_params, strides_for
 from convpass.core.cudnn_enums import CudnnError, CudnnNotFound
 from convpass.core.problem import ConvShape, ProblemKey
+from convpass.native.cudnn import library
+from convpass.native.cudnn.descriptors import descriptor_params, strides_for
 
 
 def test_import_does_not_need_cupy_or_cudnn():

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import conv_model, random_input, run_ort
 
 import convpass
-from conftest import conv_model, random_input, run_ort
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.core import annotation
-from convpass.tuning.cache import TuningCache
-from convpass.tuning.cache_rows import Measurement
-from convpass.tuning.decide import select
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError
 from convpass.core.options import TuneOptions
-from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.core.problem import ConvProblem
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.candidates import skip_reason
+from convpass.tuning.decide import select
 from convpass.tuning.tuner import candidate_keys, complete
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
@@ -136,8 +136,8 @@ def test_cache_only_optimize_leaves_unknown_problems_auto(tmp_path):
 
 
 def test_nothing_decided_from_the_cache_says_nothing_about_layouts(tmp_path):
-    from convpass.core.model_io import load_model
     from convpass.compiler.pipeline import optimize_model
+    from convpass.core.model_io import load_model
 
     _fill_cache(tmp_path / "c.db", ROWS)
     model = load_model(conv_model("Conv", (1, 3, 16, 16), (4, 3, 3, 3)))  # a problem the cache has not seen
@@ -168,8 +168,8 @@ def test_fft_tiling_is_skipped_on_many_groups_unless_forced():
 
 
 def test_cache_only_layout_auto_says_it_cannot_plan(tmp_path):
-    from convpass.core.model_io import load_model
     from convpass.compiler.pipeline import optimize_model
+    from convpass.core.model_io import load_model
 
     _fill_cache(tmp_path / "c.db", ROWS)
     model = load_model(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3), pads=[1, 1, 1, 1]))
@@ -192,8 +192,8 @@ def _decisions(report_model, source=False):
 
 
 def test_cache_only_plans_layouts_with_recorded_transposes(tmp_path):
-    from convpass.core.model_io import load_model
     from convpass.compiler.pipeline import optimize_model
+    from convpass.core.model_io import load_model
 
     _fill_cache(tmp_path / "c.db", ROWS)
     with TuningCache(tmp_path / "c.db") as cache:
@@ -215,8 +215,8 @@ def test_measured_and_cached_runs_plan_the_same_layouts(tmp_path, monkeypatch):
     import sys
     import types
 
-    from convpass.core.model_io import load_model
     from convpass.compiler.pipeline import optimize_model
+    from convpass.core.model_io import load_model
     from convpass.tuning import tuner
 
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=lambda **_: contextlib.nullcontext())))

@@ -15,22 +15,21 @@ import types
 import numpy as np
 import onnx
 import pytest
+from conftest import channels_last_array, host_library, numpy_candidates
 from onnx import helper, numpy_helper
 
 import convpass
-from conftest import channels_last_array, host_library, numpy_candidates
 from convpass.core import annotation
-from convpass.tuning.cache import TuningCache
-from convpass.tuning.cache_rows import Measurement
-from convpass.core.cudnn_enums import algo_names
-from convpass.tuning.decide import EPILOGUE_METHOD, legacy_fallback, select
 from convpass.core.algo import Algo
+from convpass.core.cudnn_enums import algo_names
 from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem
-from convpass.core.problem import ConvShape
+from convpass.core.problem import ConvProblem, ConvShape
 from convpass.kernels import depthwise
 from convpass.tuning import tuner
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
+from convpass.tuning.decide import EPILOGUE_METHOD, legacy_fallback, select
 
 
 def _shape(c=6, hw=(9, 11), ker=(3, 3), pads=(1, 1), strides=(1, 1), dil=(1, 1), n=2, dtype="float32") -> ConvShape:
@@ -364,8 +363,8 @@ class _Rt:
 
 @pytest.mark.parametrize("algo,usable", [(R8, True), ("convpass_depthwise_r99", False), ("convpass_depthwise_rx", False)])
 def test_the_executor_builds_a_recorded_kernel_or_says_why_not(monkeypatch, algo, usable):
-    from convpass.ops.conv import ConvCall
     from convpass.kernels.convolution import Convolutions
+    from convpass.ops.conv import ConvCall
 
     monkeypatch.setattr(depthwise.DepthwiseKernel, "build", lambda self, cp: None)
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)

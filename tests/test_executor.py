@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import MODELS, conv_model, random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import MODELS, conv_model, random_input, run_ort
 from convpass.core import annotation
 from convpass.runtime import Executor, ExecutorError, check_support
 
@@ -843,9 +843,9 @@ def test_open_ahead_waits_for_nothing_on_the_host_and_never_raises(monkeypatch):
     there is nothing to start, and a GPU that cannot be set up is said where the backend is made."""
     import threading
 
+    from convpass.kernels.backends import host_backend
     from convpass.native import cuda as native_cuda
     from convpass.runtime import devices
-    from convpass.kernels.backends import host_backend
 
     before = threading.active_count()
     assert devices.open_ahead("cpu")() is None and devices.open_ahead(host_backend())() is None

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import conv_model, random_input, run_ort
 from onnx import TensorProto, helper
 
-from conftest import conv_model, random_input, run_ort
 from convpass.runtime import Executor, ExecutorError
 
 

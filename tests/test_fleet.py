@@ -20,26 +20,25 @@ from pathlib import Path
 
 import onnx
 import pytest
+import recorded
+from conftest import REPO, conv_model
+from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu, SlowReplay, SlowStart
+from recorded import H200, H200_TUNING_RUN
 from rich.console import Console
 
 import convpass
-import recorded
-from conftest import REPO, conv_model
-from convpass.core import annotation
-from convpass.tuning.cache import TuningCache
 from convpass.cli.main import main
-from convpass.tuning.decide import select
+from convpass.core import annotation
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ProblemKey
 from convpass.fleet import driver
 from convpass.fleet import models as fleet_models
 from convpass.fleet import report as fleet_report
-from convpass.fleet.model_procs import ModelSpec
 from convpass.fleet.local import LocalExecutor
 from convpass.fleet.measurers import RecordedMeasurer
-from convpass.fleet.model_procs import ModelProcesses, ModelProcessError, prepare
-from convpass.core.options import TuneOptions
-from convpass.core.problem import ProblemKey
-from fleet_faults import HangsOnce, KilledMidTask, NotStarting, ReplayPerGpu, SlowReplay, SlowStart
-from recorded import H200, H200_TUNING_RUN
+from convpass.fleet.model_procs import ModelProcessError, ModelProcesses, ModelSpec, prepare
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.decide import select
 
 OPTIONS = TuneOptions(layout="per-conv")
 MODELS = ("resnet_stem", "resnet_block", "inverted_residual", "resnet_unrecorded")

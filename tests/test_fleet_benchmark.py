@@ -10,14 +10,13 @@ import re
 import sys
 
 import pytest
-
 import recorded
 from conftest import REPO
+from recorded import H200
+
+from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
-from convpass.core.problem import ConvProblem
-from convpass.core.problem import ProblemKey
-from recorded import H200
 
 _spec = importlib.util.spec_from_file_location("fleet_scaling", REPO / "benchmarks" / "fleet_scaling.py")
 fleet_scaling = importlib.util.module_from_spec(_spec)
@@ -167,11 +166,11 @@ def test_report_reads_the_phases_it_is_given(tmp_path, capsys):
     wall times are this machine's, not a GPU's): the plumbing, not the targets."""
     from rich.console import Console
 
+    from convpass.core.options import TuneOptions
     from convpass.fleet import driver
     from convpass.fleet import models as fleet_models
     from convpass.fleet.local import LocalExecutor
     from convpass.fleet.measurers import RecordedMeasurer
-    from convpass.core.options import TuneOptions
 
     source = tmp_path / "recorded.db"
     with TuningCache(source) as c:

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import types
 
-from convpass.tuning.cache_rows import Measurement
+from recorded import H200
+
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ConvProblem, ConvShape
 from convpass.fleet import driver
 from convpass.fleet import models as fleet_models
-from convpass.fleet.model_procs import ModelSpec
-from convpass.fleet.report import FleetReport
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer
-from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem
-from convpass.core.problem import ConvShape
-from recorded import H200
+from convpass.fleet.model_procs import ModelSpec
+from convpass.fleet.report import FleetReport
+from convpass.tuning.cache_rows import Measurement
 
 A = ConvShape("fwd", 1, 64, 64, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1))
 B = ConvShape("fwd", 32, 64, 64, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1))

@@ -11,10 +11,11 @@ pytestmark = pytest.mark.fleet  # CI runs these in a step of their own, with Ray
 ray = pytest.importorskip("ray")
 
 from conftest import REPO  # noqa: E402
-from convpass.fleet.ray_cluster import RayExecutor  # noqa: E402
 from fleet_faults import KilledMidTask  # noqa: E402
 from recorded import H200  # noqa: E402
 from test_fleet import RECORDED_PROBLEMS, _check_decisions, _check_nothing_lost, _tune, lab  # noqa: E402,F401
+
+from convpass.fleet.ray_cluster import RayExecutor  # noqa: E402
 
 
 @pytest.fixture(scope="module")

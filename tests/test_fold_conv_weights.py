@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from conftest import random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import convpass
-from conftest import random_input, run_ort
 from convpass.compiler.passes import fold_conv_weights
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.resolve_shapes import SKIP_KEY

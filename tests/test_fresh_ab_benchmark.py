@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import onnx
 import pytest
-
 from conftest import REPO, conv_model, random_input
+
 from convpass.bench import fresh
 
 _spec = importlib.util.spec_from_file_location("fresh_ab", REPO / "benchmarks" / "fresh_ab.py")

@@ -12,28 +12,28 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from conftest import no_plan_side_car, numpy_candidates, offer_configs, silu_model
 from onnx import helper
 
 import convpass
-from conftest import no_plan_side_car, numpy_candidates, offer_configs, silu_model
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
+from convpass.compiler.passes.collect_conv_problems import ConvProblem, conv_fusion
 from convpass.core import annotation
+from convpass.core.algo import Algo
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
+from convpass.native.cudnn import graph_api
+from convpass.native.cudnn.graph_api import EngineConfig
+from convpass.tuning import tuner
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
-from convpass.native.cudnn import graph_api
-from convpass.core.algo import Algo
-from convpass.native.cudnn.graph_api import EngineConfig
+from convpass.tuning.decide import EPILOGUE_METHOD, cost_ms, epilogue_ms, select
+
+H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 
 
 def fusion_of(text):
     return Algo.parse(text).fusion if text else ""
-from convpass.tuning.decide import EPILOGUE_METHOD, cost_ms, epilogue_ms, select
-from convpass.core.device import DeviceFingerprint
-from convpass.core.options import TuneOptions
-from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
-from convpass.compiler.passes.collect_conv_problems import ConvProblem, conv_fusion
-from convpass.tuning import tuner
-
-H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 SWISH = "bias+swish"
 FUSED = "engine:eng5_k2=1+bias+swish"
 X = (2, 16, 12, 12)
@@ -203,9 +203,9 @@ def test_the_fusion_attribute_round_trips_and_older_schemas_read_without_it():
 
 
 def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_engine(tmp_path):
-    from convpass.runtime import Executor
     from convpass.core.fusion import absorbed
     from convpass.kernels.convolution import _PlanSteps
+    from convpass.runtime import Executor
 
     tuned = _tuned(tmp_path, 0.025)
     ex = Executor(tuned, device="cpu")
@@ -315,8 +315,8 @@ class _Plan:
 
 @pytest.fixture
 def convs(monkeypatch):
-    from convpass.native import cudnn
     from convpass.kernels import conv_resources, convolution
+    from convpass.native import cudnn
 
     warned = []
     rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))

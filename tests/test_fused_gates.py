@@ -8,15 +8,14 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from fused_models import N, const, feeds
 from onnx import TensorProto, helper
 
-from fused_models import N, const, feeds
 from convpass.kernels import elementwise, pooling
 from convpass.runtime.executor import Executor
 
 
 def eca(shape=(2, 64, 7, 7), k=5, residual=True):
-    c = shape[1]
     rng = np.random.default_rng(0)
     nodes = [
         N("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=0, name="pool"),

@@ -15,10 +15,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import _SHIM, CXX
+from fused_models import N, activation, block, channels_last, const, feeds, norm
 from onnx import TensorProto, helper
 
-from conftest import _SHIM, CXX
-from fused_models import N, activation, block, channels_last, const, feeds, norm, opset_of
 from convpass.core import annotation
 from convpass.kernels import group_norm
 from convpass.kernels.backends import host_backend

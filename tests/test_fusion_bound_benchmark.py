@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib.util
 
 from conftest import REPO
-from convpass.tuning.cache_rows import Measurement
+
 from convpass.core.problem import ProblemKey
+from convpass.tuning.cache_rows import Measurement
 
 _spec = importlib.util.spec_from_file_location("fusion_bound", REPO / "benchmarks" / "fusion_bound.py")
 fusion_bound = importlib.util.module_from_spec(_spec)

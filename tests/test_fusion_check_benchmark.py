@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import onnx
-
 from fused_models import block
 
 

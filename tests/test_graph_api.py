@@ -10,28 +10,28 @@ import types
 
 import onnx
 import pytest
+from conftest import conv_model, no_plan_side_car, numpy_candidates, offer_configs
 
 import convpass
-from conftest import conv_model, no_plan_side_car, numpy_candidates, offer_configs
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.core import annotation
+from convpass.core.algo import Algo
+from convpass.core.device import DeviceFingerprint
+from convpass.core.errors import OptionError
+from convpass.core.options import TuneOptions
+from convpass.core.problem import ConvProblem
+from convpass.native.cudnn import graph_api
+from convpass.native.cudnn.graph_api import EngineConfig
+from convpass.tuning import tuner
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
-from convpass.native.cudnn import graph_api
-from convpass.core.algo import Algo
-from convpass.native.cudnn.graph_api import EngineConfig
+from convpass.tuning.decide import CacheBackend, choice_from, legacy_fallback, select
+
+H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 
 
 def is_engine(text):
     return bool(text) and Algo.parse(text).is_engine
-from convpass.tuning.decide import CacheBackend, choice_from, legacy_fallback, select
-from convpass.core.device import DeviceFingerprint
-from convpass.core.errors import OptionError
-from convpass.core.options import TuneOptions
-from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
-from convpass.core.problem import ConvProblem
-from convpass.tuning import tuner
-
-H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 SHAPE = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 3, 8, 8), (4, 3, 3, 3)).shapes[0]
 PROBLEM = ConvProblem((SHAPE,))
 ENG5 = "engine:eng5"
@@ -208,8 +208,8 @@ class _Notes:
 
 
 def test_plans_built_at_start_up_are_reported_once_they_take_time():
-    from convpass.runtime.cuda.startup import note_engine_builds
     from convpass.native.cuda import StartupCompileWarning
+    from convpass.runtime.cuda.startup import note_engine_builds
 
     quick = _Notes()
     why = "the model's kernel side-car does not store it"

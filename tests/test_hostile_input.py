@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import conv_model, random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import convpass
-from conftest import conv_model, random_input, run_ort
 from convpass.cli.main import main
 from convpass.core.errors import ExecutorError
 

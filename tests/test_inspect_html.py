@@ -13,11 +13,11 @@ from pathlib import Path
 
 import onnx
 import pytest
-
 from conftest import conv_model
+from test_decide import H200, ROWS
+
 from convpass.cli.main import main
 from convpass.tuning.cache import TuningCache
-from test_decide import H200, ROWS
 
 VOID = {"meta", "input", "br", "img", "link", "hr", "rect"}  # rect: SVG, written self-closed
 HOSTILE = "</script><script>alert(1)</script> <b>&amp; [bold]x"

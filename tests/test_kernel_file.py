@@ -10,17 +10,15 @@ import zipfile
 
 import onnx
 import pytest
+from conftest import conv_model, random_input
 
 import convpass
-
-from conftest import conv_model, random_input
-from convpass.compiler.aot import KernelReport
+from convpass.compiler.aot import KernelReport, parse_archs
 from convpass.core import kernel_file
-from convpass.compiler.aot import parse_archs
 from convpass.core.errors import ConvpassError
 from convpass.core.kernel_file import KernelEntry, KernelFileError
-from convpass.runtime import Executor
 from convpass.native import prebuilt
+from convpass.runtime import Executor
 
 ENTRIES = [KernelEntry("a" * 32, "90", "cupy_copy", b"\x7fELF binary one"), KernelEntry("b" * 32, "80", "norm_block", b"another binary")]
 
@@ -350,10 +348,10 @@ def test_a_sidecar_that_cannot_be_judged_is_compiled_again(fake_cupy, graph_api_
 
 
 def test_optimize_keeps_a_current_sidecar_and_rebuilds_a_stale_one(fake_cupy, graph_api_here, tmp_path, monkeypatch):
-    import convpass.compiler.aot
-    import convpass.runtime.cuda
     from rich.console import Console
 
+    import convpass.compiler.aot
+    import convpass.runtime.cuda
     from convpass.compiler.optimize import write_kernels as _write_kernels
 
     compiled = []
@@ -394,10 +392,10 @@ def test_kernel_key_hashes_cupy_s_header_source_once(monkeypatch):
 def test_optimize_names_each_conv_that_runs_slower_in_place_than_tuned(tmp_path, monkeypatch, caplog):
     """The side-car's child times every tuned conv inside its plan; what runs over 1.15x its tuned
     time is a warning naming the conv (the counts in one line)."""
-    import convpass.compiler.aot
-    import convpass.runtime.cuda
     from rich.console import Console
 
+    import convpass.compiler.aot
+    import convpass.runtime.cuda
     from convpass.compiler.optimize import write_kernels as _write_kernels
 
     rows = [{"node": "fast", "profile": 0, "tuned_ms": 0.1, "in_place_ms": 0.105, "algo": "gemm", "memory_format": "NHWC", "ratio": 1.05},

@@ -12,7 +12,6 @@ API, resolved lazily) is the one module above ``cli`` that may reach into ``comp
 from __future__ import annotations
 
 import ast
-import collections
 from pathlib import Path
 
 import networkx as nx

@@ -9,8 +9,9 @@ import shutil
 
 import recorded
 from conftest import REPO
-from convpass.tuning.cache import TuningCache
 from recorded import H200
+
+from convpass.tuning.cache import TuningCache
 
 _spec = importlib.util.spec_from_file_location("layout_plans", REPO / "benchmarks" / "layout_plans.py")
 layout_plans = importlib.util.module_from_spec(_spec)
@@ -68,13 +69,13 @@ def test_pinned_ops_are_the_ones_next_to_nodes_that_may_go_nhwc():
 def test_a_cache_with_both_layouts_and_transposes_gives_the_plan(tmp_path, capsys):
     # two 3x3 convs whose recorded NHWC times are half their NCHW times, and cheap transposes:
     # the plan puts both in NHWC and pays the graph input's and output's transposes
+    import numpy as np
     import onnx
     import onnx_ir as ir
     from onnx import TensorProto, helper, numpy_helper
 
-    import numpy as np
-    from convpass.tuning.cache_rows import Measurement
     from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
+    from convpass.tuning.cache_rows import Measurement
 
     w = numpy_helper.from_array(np.ones((4, 4, 3, 3), np.float32), "w")
     nodes = [helper.make_node("Conv", ["input", "w"], ["a"], pads=[1, 1, 1, 1], name="c0"),

@@ -5,7 +5,6 @@ timing invented), the annotation (schema 5) and the executor's use of the record
 
 from __future__ import annotations
 
-
 import dataclasses
 import types
 
@@ -13,21 +12,22 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from conftest import numpy_candidates, numpy_shape_bench
 from onnx import helper, numpy_helper
 
 import convpass
-from conftest import numpy_candidates, numpy_shape_bench
-from convpass.core import annotation, fusion as epilogue
-from convpass.tuning.cache import TuningCache
-from convpass.tuning.cache_rows import Measurement
-from convpass.core.cudnn_enums import algo_names
-from convpass.tuning.decide import EPILOGUE_METHOD, choice_from, cost_ms, epilogue_ms, select
-from convpass.core.device import DeviceFingerprint
-from convpass.core.options import TuneOptions
 from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.compiler.passes.collect_conv_problems import ConvProblem, conv_fusion
+from convpass.core import annotation
+from convpass.core import fusion as epilogue
 from convpass.core.algo import Algo
+from convpass.core.cudnn_enums import algo_names
+from convpass.core.device import DeviceFingerprint
+from convpass.core.options import TuneOptions
 from convpass.tuning import tuner
+from convpass.tuning.cache import TuningCache
+from convpass.tuning.cache_rows import Measurement
+from convpass.tuning.decide import EPILOGUE_METHOD, choice_from, cost_ms, epilogue_ms, select
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 X = (2, 8, 6, 6)
@@ -116,6 +116,7 @@ def test_the_pipeline_collects_each_convs_epilogue():
     """conftest's residual block as torch exports it (no shapes inside the graph; the residual is the
     graph input): the problems carry bias+relu and bias+add+relu."""
     from conftest import residual_block_model
+
     from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
     model = ir.serde.deserialize_model(residual_block_model())
@@ -324,8 +325,8 @@ def test_a_cache_with_every_bare_row_gets_only_the_epilogue_measured(monkeypatch
 
 @pytest.fixture
 def bench(monkeypatch):
-    from convpass.native import cudnn
     from convpass.kernels import conv_exec
+    from convpass.native import cudnn
     from convpass.tuning import harness
 
     timings: list[float] = []
@@ -430,8 +431,8 @@ def test_the_executor_runs_the_epilogue_the_way_the_decision_recorded(fused_call
 def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
     """A legacy epilogue belongs to the legacy call: an engine recorded beside one (an edited model)
     is the bare conv's configuration, not a fused graph cuDNN's graph API has no name for."""
-    from convpass.ops.conv import ConvCall
     from convpass.kernels.conv_resolve import ConvResolver
+    from convpass.ops.conv import ConvCall
 
     seen = []
     monkeypatch.setattr(ConvResolver, "_engine_plan",

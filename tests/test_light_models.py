@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from conftest import random_input, run_ort
 
 import convpass
-from conftest import random_input, run_ort
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 MODELS = sorted(LIGHT.glob("light_*.onnx"))

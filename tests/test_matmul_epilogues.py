@@ -13,8 +13,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from convpass.kernels import matmul as cuda_matmul
-from convpass.runtime.executor import Executor
 from convpass.ops.registry import OpContext
+from convpass.runtime.executor import Executor
 
 N = helper.make_node
 M, K, C = 6, 8, 5  # rows, inner size, output features

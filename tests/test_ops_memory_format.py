@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convpass.kernels.backends import host_backend
 from convpass.core.layout import storage_order
+from convpass.kernels.backends import host_backend
 from convpass.ops.registry import NodeInfo, OpContext, lookup
 
 _RNG = np.random.default_rng(7)

@@ -10,13 +10,13 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from conftest import MODELS, conv_model, random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
+from test_canonicalize import CASES
 
 import convpass
-from conftest import MODELS, conv_model, random_input, run_ort
 from convpass.core import annotation
 from convpass.core.errors import ConvpassError, ModelLoadError, OptionError, ShapeError
-from test_canonicalize import CASES
 
 
 def _check_tuned(original: onnx.ModelProto, tuned: onnx.ModelProto, feeds: dict, rtol=1e-5, atol=1e-5) -> None:
@@ -76,10 +76,10 @@ def test_dynamic_batch_with_two_profiles(tmp_path):
 
 
 def test_identical_problems_are_listed_once():
-    from convpass.core.model_io import load_model
     from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
     from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass
     from convpass.compiler.passes.resolve_shapes import ResolveShapesPass
+    from convpass.core.model_io import load_model
 
     w = numpy_helper.from_array(np.ones((3, 3, 3, 3), np.float32), "w")
     nodes = [helper.make_node("Conv", [a, "w"], [b], name=f"c{i}", pads=[1, 1, 1, 1]) for i, (a, b) in enumerate([("x", "y1"), ("y1", "y2"), ("y2", "y3")])]
@@ -352,8 +352,8 @@ def test_the_checker_refuses_an_invalid_model_however_it_comes(tmp_path):
 def test_large_model_paths(tmp_path, monkeypatch):
     """Past the protobuf limit, initializers go to shape inference as typed inputs and the output is
     written with external data; exercised here by lowering both thresholds to zero."""
-    from convpass.core import model_io
     from convpass.compiler.passes import resolve_shapes
+    from convpass.core import model_io
 
     monkeypatch.setattr(resolve_shapes, "_INLINE_LIMIT", 0)
     monkeypatch.setattr(model_io, "_EXTERNAL_DATA_THRESHOLD", 0)
@@ -473,8 +473,8 @@ def test_re_optimizing_a_tuned_model_resolves_shapes_through_its_tuned_convs():
     """A tuned model edited and optimized again: a conv downstream whose input shape ONNX cannot
     infer (a Reshape to a computed shape) is resolved by the CPU run, which takes the tuned convs
     by their standard op's rules (shapes only), not as ops it does not know."""
-    from convpass.core.model_io import load_model
     from convpass.compiler.pipeline import build_options, optimize_model
+    from convpass.core.model_io import load_model
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((4, 4, 3, 3)) * 0.1).astype(np.float32), n) for n in ("w1", "w2")]

@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
-import convpass
+from conftest import as_float32, panel_models, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import as_float32, panel_models, run_ort
+import convpass
 
 PANEL = Path(os.environ.get("CONVPASS_PANEL", "")) if os.environ.get("CONVPASS_PANEL") else None
 MODELS = panel_models()

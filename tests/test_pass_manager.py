@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from conftest import conv_model
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import conv_model
 from convpass.compiler.passes import manager, state
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
 from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass

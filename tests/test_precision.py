@@ -14,16 +14,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import MODELS, REPO
+from precision_fakes import RATES, synthetic_cache
 
 import convpass
-from conftest import MODELS, REPO
 from convpass.cli.main import main as cli_main
 from convpass.compiler.pipeline import build_options, inspect
 from convpass.compiler.precision.data import InputSet, load_feeds, model_error
 from convpass.compiler.precision.evaluate import CpuEvaluator, round_to_tf32
 from convpass.core import annotation
 from convpass.core.errors import ConvpassError, OptionError
-from precision_fakes import RATES, synthetic_cache
 
 MODEL = MODELS / "residual_cnn.onnx"
 # slow made-up rates: the sample model's convs are tiny, and the float16 plan should pay for its casts

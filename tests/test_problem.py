@@ -56,7 +56,7 @@ def test_parse_refuses_non_keys(text):
 
 
 def test_memory_format_names():
-    assert [memory_format_name(r, l) for r in (1, 2, 3) for l in ("nchw", "nhwc")] == ["NCW", "NWC", "NCHW", "NHWC", "NCDHW", "NDHWC"]
+    assert [memory_format_name(r, layout) for r in (1, 2, 3) for layout in ("nchw", "nhwc")] == ["NCW", "NWC", "NCHW", "NHWC", "NCDHW", "NDHWC"]
     assert layout_from_memory_format("ndhwc") == (3, "nhwc")
     with pytest.raises(ValueError):
         layout_from_memory_format("CHWN")

@@ -28,7 +28,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 PACKAGE = REPO / "convpass"

@@ -14,7 +14,6 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
-
 from conftest import MODELS, REPO
 
 README = REPO / "README.md"

@@ -6,19 +6,19 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
+from shufflenet_like import shufflenet_like
 
 import convpass
-from conftest import random_input, run_ort
-from convpass.core import annotation
-from convpass.core.errors import ShapeError
-from convpass.core.model_io import load_model, to_proto
-from convpass.core.options import TuneOptions
 from convpass.compiler.passes.cpu_shapes import value_dependence
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.resolve_shapes import SHAPES_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
 from convpass.compiler.pipeline import optimize_model
-from shufflenet_like import shufflenet_like
+from convpass.core import annotation
+from convpass.core.errors import ShapeError
+from convpass.core.model_io import load_model, to_proto
+from convpass.core.options import TuneOptions
 
 
 def _check_tuned(original: onnx.ModelProto, tuned: onnx.ModelProto, feeds: dict) -> None:

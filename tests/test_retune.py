@@ -8,9 +8,10 @@ import time
 import numpy as np
 import onnx
 import pytest
+from conftest import conv_model, random_input, run_ort
+from test_hostile_input import check_output, tree
 
 import convpass
-from conftest import conv_model, random_input, run_ort
 from convpass.cli.main import main
 from convpass.core import annotation
 from convpass.core.device import DeviceFingerprint
@@ -18,7 +19,6 @@ from convpass.core.errors import ConvpassError
 from convpass.core.problem import ConvShape
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
-from test_hostile_input import check_output, tree
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import convpass
-from conftest import random_input, run_ort
 from convpass.core import annotation
 
 RNG = np.random.default_rng(5)
@@ -142,7 +142,7 @@ def test_body_convs_take_cached_decisions_beside_the_main_graph_s_layout_plan(tm
     graph, a body's conv takes its own best layout; every conv gets its cached decision."""
     import time
 
-    from convpass.compiler.pipeline import build_options, prepare_model, OptimizeReport
+    from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
     from convpass.core.device import DeviceFingerprint
     from convpass.core.model_io import load_model
     from convpass.tuning.cache import TuningCache

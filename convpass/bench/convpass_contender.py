@@ -145,7 +145,7 @@ def run_convpass(tuned_path: Path, tuning: dict[str, Any], records: Sequence[Map
     c = contender("convpass", "convpass", config, cold_start_s=cold, times_ms=times, tf32=tf32, cuda_graph=graph)
     c["tuning"] = tuning
     check(c, [first_host, last_host], ref, tf32, dtype)  # the steady-state (graph-replayed) output too
-    del ex, last
+    ex = last = None  # the executor and its outputs freed before the next contender (names kept for run())
     free_gpu_memory()
     return c
 

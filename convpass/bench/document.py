@@ -23,10 +23,10 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from convpass.bench import ranking, targets as targets_mod
+from convpass.bench import ranking
+from convpass.bench import targets as targets_mod
 from convpass.bench.schema import SCHEMA_ID
 from convpass.core.model_io import write_text_atomically
 

@@ -112,8 +112,8 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
     }
     try:
-        from convpass.native.cudnn import library
         from convpass.core.device import cudnn_version_string
+        from convpass.native.cudnn import library
 
         env["cudnn"] = cudnn_version_string(library.version())
         env["cudnn_path"] = library.path()

@@ -21,7 +21,7 @@ def _jsonschema() -> Any:
     return jsonschema
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(schema_json: str) -> Any:
     jsonschema = _jsonschema()
     return jsonschema.Draft202012Validator(json.loads(schema_json))

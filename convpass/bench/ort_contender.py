@@ -136,7 +136,7 @@ def _run_one(path: Path, feeds_host: Mapping[str, np.ndarray], dev_feeds: Mappin
     except Exception as e:  # noqa: BLE001
         return contender(name, family, cfg, status="failed", reason=first_line(e), tf32=tf32)
     finally:
-        del sess, binding
+        sess = binding = None  # freed before the next configuration
     c = contender(name, family, cfg, cold_start_s=session_s + first_s, session_s=session_s, first_run_s=first_s,
                   times_ms=times, tf32=tf32)
     check(c, [first_host, last_host], ref, tf32, dtype)

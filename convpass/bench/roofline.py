@@ -162,7 +162,7 @@ def measure_peaks(matmul_n: int = 8192, copy_bytes: int = 1 << 30, repeats: int 
         peaks["fp32_flops_per_s"] = _best_rate(cp, lambda: cp.matmul(a, b, out=c), 2.0 * n**3, 4, repeats)
     finally:
         linalg.set_compute_type(cp.float32, old)
-    del a, b, c
+    a = b = c = None  # freed before the copy test
     count = int(copy_bytes) // 4
     src = cp.ones(count, dtype=cp.float32)
     dst = cp.empty_like(src)
@@ -171,6 +171,6 @@ def measure_peaks(matmul_n: int = 8192, copy_bytes: int = 1 << 30, repeats: int 
     peaks["copy_bytes_per_s"] = _best_rate(
         cp, lambda: dst.data.copy_from_device_async(src.data, nbytes, stream), 2.0 * nbytes, 10, repeats
     )
-    del src, dst
+    src = dst = None
     cp.get_default_memory_pool().free_all_blocks()
     return peaks

@@ -212,7 +212,7 @@ def _run_one(name: str, family: str, cfg: dict[str, Any], built: tuple[Any, floa
     except Exception as e:  # noqa: BLE001
         return contender(name, family, cfg, status="failed", reason=first_line(e), tf32=bool(tf32))
     finally:
-        del m, fn
+        m = fn = None  # freed before the next mode
     c = contender(name, family, cfg, cold_start_s=cold, times_ms=times, tf32=bool(tf32),
                   compile_s=first_call if compiled else None)
     check(c, [first_host, last_host], ref, tf32, dtype)

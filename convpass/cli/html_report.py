@@ -47,7 +47,7 @@ _SCRIPT = """
 (function () {
   var data = JSON.parse(document.getElementById("convpass-data").textContent);
   var sections = document.querySelectorAll("section.conv");
-  if (data.schema !== "%s" || sections.length !== data.sections.length) {
+  if (data.schema !== "SCHEMA_ID" || sections.length !== data.sections.length) {
     throw new Error("convpass report: " + sections.length + " sections for " + data.sections.length + " records");
   }
   var box = document.getElementById("filter");
@@ -64,7 +64,7 @@ _SCRIPT = """
   done.textContent = "report rendered: " + sections.length + " sections";
   document.body.appendChild(done);
 })();
-""" % SCHEMA
+""".replace("SCHEMA_ID", SCHEMA)
 
 
 def _e(value: Any) -> str:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from convpass.cli.options import add_decision_options, decision_options
 from convpass.cli.output import add_common_options, add_json_options, configure_logging, emit_json, message_console
 from convpass.core.errors import ConvpassError
-from convpass.core.options import LAYOUT_CHOICES
 from convpass.core.files import os_error
+from convpass.core.options import LAYOUT_CHOICES
 from convpass.core.text import printable
 from convpass.core.version import __version__
 

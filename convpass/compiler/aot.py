@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from convpass.core import kernel_file
-from convpass.core.files import check_output, check_readable
 from convpass.core.errors import ConvpassError
+from convpass.core.files import check_output, check_readable
 
 logger = logging.getLogger("convpass")
 
@@ -223,8 +223,8 @@ def _record(request: Mapping[str, Any]) -> dict[str, Any]:
 
     import cupy
 
-    from convpass.runtime import Executor
     from convpass.native import prebuilt
+    from convpass.runtime import Executor
 
     warnings.filterwarnings("ignore", message=r".*compiled at start-up")  # what this process is for
     started = time.perf_counter()

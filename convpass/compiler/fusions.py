@@ -26,7 +26,6 @@ Rules:
 from __future__ import annotations
 
 import hashlib
-
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,8 +35,10 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from convpass.core.annotation import ANNOTATED_OPS, DOMAIN as ANNOTATED, MEASURED, NOT_MEASURED, FusionDecision, FusionRecord, fusion_entries
-from convpass.core.fusion_units import RULES, BiasUnit, GraphView, NormUnit, find_units as find_graph_units, unit_key
+from convpass.core.annotation import ANNOTATED_OPS, MEASURED, NOT_MEASURED, FusionDecision, FusionRecord, fusion_entries
+from convpass.core.annotation import DOMAIN as ANNOTATED
+from convpass.core.fusion_units import RULES, BiasUnit, GraphView, NormUnit, unit_key
+from convpass.core.fusion_units import find_units as find_graph_units
 
 logger = logging.getLogger("convpass")
 

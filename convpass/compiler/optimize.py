@@ -21,8 +21,8 @@ from rich.markup import escape
 
 from convpass.compiler.passes.strip_annotations import changes
 from convpass.compiler.pipeline import _UNIT_KINDS, OptimizeReport, inputs_of, optimize_model, precision_line, spec_of, untuned
-from convpass.core.files import check_output
 from convpass.core.errors import ConvpassError, OptionError
+from convpass.core.files import check_output
 from convpass.core.model_io import load_model, save_model, to_proto
 from convpass.core.options import API, CLI, OptionNames, TuneOptions, parse_profiles, tune_options
 from convpass.core.text import printable as _printable

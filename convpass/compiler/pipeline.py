@@ -19,23 +19,23 @@ import onnx
 import onnx_ir as ir
 from rich.console import Console
 
-from convpass.native import device as device_mod
-from convpass.core import annotation
-from convpass.core.algo import Algo
-from convpass.core.version import __version__
-from convpass.core.annotation import ModelInfo, Profile, SCHEMA_VERSION
-from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
-from convpass.core.errors import ConvpassError
-from convpass.core.model_io import load_model, to_proto
-from convpass.core.options import CLI, OptionNames, TuneOptions, check_precision_data, tune_options
+from convpass.compiler import fusions
 from convpass.compiler.passes import manager
 from convpass.compiler.passes.annotate_convs import AnnotateConvsPass, DeviceChoices
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass, ConvProblem, ProblemUse
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.plan_layouts import plan_layouts
-from convpass.compiler import fusions
 from convpass.compiler.passes.resolve_shapes import MODEL_SHAPES, PROFILES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, ResolveShapesPass
-from convpass.compiler.passes.strip_annotations import Previous, StripAnnotationsPass, changes, is_tuned
+from convpass.compiler.passes.strip_annotations import Previous, StripAnnotationsPass, is_tuned
+from convpass.core import annotation
+from convpass.core.algo import Algo
+from convpass.core.annotation import SCHEMA_VERSION, ModelInfo, Profile
+from convpass.core.errors import ConvpassError
+from convpass.core.model_io import load_model, to_proto
+from convpass.core.options import CLI, OptionNames, TuneOptions, check_precision_data, tune_options
+from convpass.core.version import __version__
+from convpass.native import device as device_mod
+from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
 
 logger = logging.getLogger("convpass")
 
@@ -350,7 +350,7 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
                     costs[layout] = cost_ms(pick, epilogue, problem.fusion)
             conv_costs[node] = costs
 
-        def cost(value: ir.Value) -> float:
+        def cost(value: ir.Value, shapes: Mapping[str, Sequence[Any]] = shapes) -> float:  # this profile's shapes
             dims = shapes.get(value.name)
             if not dims or any(not isinstance(d, int) for d in dims):
                 return 0.0

@@ -76,7 +76,7 @@ def conv_function(annotated_op: str, opset_version: int) -> onnx.FunctionProto:
         ref = onnx.AttributeProto()
         ref.name = name
         ref.ref_attr_name = name
-        ref.type = attr_type
+        ref.type = attr_type  # type: ignore[assignment]
         body.attribute.append(ref)
     return helper.make_function(
         DOMAIN,

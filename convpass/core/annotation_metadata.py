@@ -63,7 +63,7 @@ class Profile:
         return {"name": self.name, "inputs": {k: list(v) for k, v in self.inputs.items()}}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Profile":
+    def from_json(cls, data: Mapping[str, Any]) -> Profile:
         inputs = {str(k): tuple(int(d) for d in v) for k, v in data["inputs"].items()}
         for k, dims in inputs.items():
             if len(dims) > 64 or any(not 0 < d < 2**63 for d in dims):
@@ -112,7 +112,7 @@ class ModelInfo:
                 return i
         return None
 
-    def for_table(self, table: int) -> "ModelInfo":
+    def for_table(self, table: int) -> ModelInfo:
         """This metadata with ``device`` (and its cuDNN version) naming table ``table``'s device."""
         device = self.devices[table] if self.devices else ""
         return dataclasses.replace(self, device=device, cudnn_version=_cudnn_of(device))

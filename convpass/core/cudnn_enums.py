@@ -15,7 +15,7 @@ Nothing here needs a GPU, cuDNN or CuPy.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 DIRECTIONS = ("fwd", "dgrad", "wgrad")
 

@@ -31,7 +31,7 @@ class DeviceFingerprint:
         return cudnn_version_string(self.cudnn_version)
 
     @classmethod
-    def parse(cls, text: str) -> "DeviceFingerprint":
+    def parse(cls, text: str) -> DeviceFingerprint:
         m = re.fullmatch(r"(?P<name>.+)\|sm_(?P<cc>\d+\.\d+)\|(?P<sms>\d+)sm\|cudnn(?P<ver>\d+)", text.strip())
         if not m or len(text) > 512 or printable(m["name"]) != m["name"] or len(m["sms"]) > 9 or len(m["ver"]) > 9:
             # (a name with control characters would reach terminals raw; counts past 10^9 are no GPU's)

@@ -146,8 +146,8 @@ def write(
     try:
         with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr(_MANIFEST, json.dumps(manifest, indent=1))
-            for e in entries:
-                z.writestr(e.file, e.payload)
+            for entry in entries:
+                z.writestr(entry.file, entry.payload)
         os.replace(tmp, out)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
@@ -179,8 +179,8 @@ def read(path: str | os.PathLike[str], *, model_sha256: str | None = None) -> Ke
             entries = {}
             budget = [TOTAL_LIMIT]
             for item in manifest["kernels"]:
-                e = _entry(z, p, item, budget)
-                entries[(e.key, e.arch)] = e
+                entry = _entry(z, p, item, budget)
+                entries[(entry.key, entry.arch)] = entry
     except zipfile.BadZipFile as e:
         raise KernelFileError(f"{p} is not a convpass kernel side-car (not a zip file: {e}); delete it or run `convpass compile` again") from None
     if model_sha256 is not None and manifest["model_sha256"] != model_sha256:
@@ -268,7 +268,7 @@ def _entry(z: zipfile.ZipFile, p: Path, item: Any, budget: list[int]) -> KernelE
     budget[0] -= len(payload)
     if len(payload) != size or got != digest:
         raise KernelFileError(f"{p}: the binary {file} of kernel {name} does not match its SHA-256 (corrupt or altered)")
-    e = KernelEntry(key, arch, name, payload)
-    if e.file != file:
+    found = KernelEntry(key, arch, name, payload)
+    if found.file != file:
         raise KernelFileError(f"{p}: entry {file} is not named after its key and arch")
-    return e
+    return found

@@ -63,7 +63,10 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | bytes) -> ir.Model:
     if base_dir is not None:
         ir.external_data.set_base_dir(model.graph, base_dir)
     model.meta["convpass.source_has_external_data"] = _has_external_data(proto)
-    model.meta[SOURCE_FILES_KEY] = _source_files(Path(source), proto, base_dir) if base_dir is not None else []
+    files: list = []
+    if base_dir is not None and isinstance(source, (str, os.PathLike)):
+        files = _source_files(Path(source), proto, base_dir)
+    model.meta[SOURCE_FILES_KEY] = files
     return model
 
 
@@ -194,7 +197,7 @@ def _save_with_external_data(model: ir.Model, path: Path, data_name: str, thresh
     try:
         outside = [v for v in model.graph.initializers.values() if v.const_value is not None and v.const_value.nbytes > threshold]
         if outside:
-            tensors = ir.external_data.convert_tensors_to_external([v.const_value for v in outside], path.parent, data_name)
+            tensors = ir.external_data.convert_tensors_to_external([v.const_value for v in outside if v.const_value is not None], path.parent, data_name)
             for value, tensor in zip(outside, tensors):
                 moved.append((value, value.const_value))
                 value.const_value = tensor

@@ -142,10 +142,10 @@ class ConvShape:
             ker *= s
         return 2 * self.n * self.k * out * (self.c // self.groups) * ker
 
-    def with_direction(self, direction: Direction) -> "ConvShape":
+    def with_direction(self, direction: Direction) -> ConvShape:
         return dataclasses.replace(self, direction=direction)
 
-    def key(self, layout: Layout, math: MathMode) -> "ProblemKey":
+    def key(self, layout: Layout, math: MathMode) -> ProblemKey:
         return ProblemKey(self, layout, math)
 
     def __str__(self) -> str:
@@ -191,7 +191,7 @@ class ProblemKey:
         return f"{self.shape}|{self.layout}|{self.math}"
 
     @classmethod
-    def parse(cls, text: str) -> "ProblemKey":
+    def parse(cls, text: str) -> ProblemKey:
         m = _KEY_RE.match(text.strip())
         if not m:
             raise ValueError(f"not a convpass problem key: {text!r}")

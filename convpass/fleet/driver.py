@@ -62,7 +62,7 @@ from convpass.core.errors import ConvpassError, OptionError
 from convpass.core.options import TuneOptions
 from convpass.fleet import scheduler as sched
 from convpass.fleet.measurers import CudnnMeasurer, Measurer
-from convpass.fleet.model_procs import CollectJob, Collected, ModelProcesses, ModelSpec, RemoteTraceback, WriteJob, default_count
+from convpass.fleet.model_procs import Collected, CollectJob, ModelProcesses, ModelSpec, RemoteTraceback, WriteJob, default_count
 from convpass.fleet.models import Geometries, ModelProblems, group_order, outputs_of
 from convpass.fleet.report import FleetReport
 
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
 
 def resolve_devices(
-    names: Sequence[str], slots: Sequence[sched.Slot], not_started: Sequence[str], cache: "TuningCache"
+    names: Sequence[str], slots: Sequence[sched.Slot], not_started: Sequence[str], cache: TuningCache
 ) -> tuple[list[DeviceFingerprint], list[DeviceFingerprint]]:
     """The target devices (module docstring, step 3), in the order named, and which of them are
     cache-only (no worker measures them)."""
@@ -216,10 +216,10 @@ def _import_for_results() -> None:
     """What unpickling the model processes' answers and checking the cache for each new problem
     import (the tuner's completeness rule: no GPU library), imported now, while the workers start,
     rather than in the middle of handing out tasks."""
+    import convpass.compiler.pipeline  # noqa: F401
+    import convpass.core.problem  # noqa: F401
     import convpass.tuning.cache  # noqa: F401
     import convpass.tuning.decide  # noqa: F401
-    import convpass.core.problem  # noqa: F401
-    import convpass.compiler.pipeline  # noqa: F401
     import convpass.tuning.tuner  # noqa: F401
 
 
@@ -268,7 +268,7 @@ class _Stream:
         self.written_at: dict[int, float] = {}  # model index -> time.time() when it was written
         self.stopped = False
 
-    def begin(self, db: "TuningCache", measured_here: list[DeviceFingerprint], measurer: Measurer) -> None:
+    def begin(self, db: TuningCache, measured_here: list[DeviceFingerprint], measurer: Measurer) -> None:
         self.db, self.devices, self.measurer = db, measured_here, measurer
         self.failed = {d: set() for d in self.report.devices}
 
@@ -340,7 +340,7 @@ class _Stream:
                 payload.__cause__ = RemoteTraceback(where)
             raise payload
 
-    def _written(self, index: int, answer: tuple["OptimizeReport", float]) -> None:
+    def _written(self, index: int, answer: tuple[OptimizeReport, float]) -> None:
         m = self.report.models[index]
         m.report, self.written_at[index] = answer  # the report counted again from the model written
         self.report.written.append(m.output)

@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
+from convpass.core.options import TuneOptions
 from convpass.fleet import worker
 from convpass.fleet.measurers import Measurer
 from convpass.fleet.scheduler import FEED_POLL_S, Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
-from convpass.core.options import TuneOptions
 
 START_TIMEOUT_S = 300.0  # CUDA context, cuDNN load and clock warm-up; generous for a busy host
 STOP_GRACE_S = 2.0

@@ -29,9 +29,9 @@ from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:  # not at run time: the driver imports this module before launching its workers
+    from convpass.core.problem import ConvProblem
     from convpass.tuning.cache import TuningCache
     from convpass.tuning.cache_rows import Measurement
-    from convpass.core.problem import ConvProblem
 
 
 class MeasureError(Exception):
@@ -47,11 +47,11 @@ class Measurer(Protocol):
         """In the worker, once before its first problem: set up, warm up; the device it measures."""
         ...
 
-    def measure(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> list["Measurement"]:
+    def measure(self, problems: Sequence[ConvProblem], options: TuneOptions) -> list[Measurement]:
         """Every row measured for ``problems``, one geometry's (raises :class:`MeasureError` when it cannot)."""
         ...
 
-    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
+    def complete(self, device: DeviceFingerprint, rows: Sequence[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
         """In the driver: whether ``rows`` stored for ``device`` hold what :meth:`measure` would return."""
         ...
 
@@ -94,8 +94,7 @@ class CudnnMeasurer:
         """One small convolution through the tuner (heuristic, reference, check, timing), rows
         dropped: what cuDNN and CuPy load or compile on first use is loaded now, not in the first
         problem. Best effort: a problem it shows would show in the first task as well."""
-        from convpass.core.problem import ConvProblem
-        from convpass.core.problem import ConvShape
+        from convpass.core.problem import ConvProblem, ConvShape
 
         shape = ConvShape("fwd", 1, 8, 8, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1))
         try:
@@ -105,7 +104,7 @@ class CudnnMeasurer:
 
             logging.getLogger("convpass").debug("fleet worker warm-up: %s", e)
 
-    def measure(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> list["Measurement"]:
+    def measure(self, problems: Sequence[ConvProblem], options: TuneOptions) -> list[Measurement]:
         from convpass.tuning.tuner import measure_problem
 
         if self._stream is None:
@@ -118,7 +117,7 @@ class CudnnMeasurer:
                 rows += measure_problem(problem, options, have)
         return rows
 
-    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
+    def complete(self, device: DeviceFingerprint, rows: Sequence[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
         from convpass.tuning.tuner import problem_complete
 
         return problem_complete(list(rows), problem, options)
@@ -132,7 +131,7 @@ class RecordedMeasurer:
     def __init__(self, cache_path: str | os.PathLike[str], device: DeviceFingerprint) -> None:
         self.cache_path = Path(cache_path)
         self.device = device
-        self._cache: "TuningCache | None" = None
+        self._cache: TuningCache | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"cache_path": self.cache_path, "device": self.device}
@@ -140,7 +139,7 @@ class RecordedMeasurer:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.cache_path, self.device, self._cache = state["cache_path"], state["device"], None
 
-    def _recorded(self, device: DeviceFingerprint, problem: "ConvProblem") -> list["Measurement"]:
+    def _recorded(self, device: DeviceFingerprint, problem: ConvProblem) -> list[Measurement]:
         from convpass.tuning.cache import TuningCache
         from convpass.tuning.decide import cached_rows
 
@@ -155,7 +154,7 @@ class RecordedMeasurer:
             raise MeasureError(f"recorded tuning cache {self.cache_path} does not exist")
         return self.device
 
-    def measure(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> list["Measurement"]:
+    def measure(self, problems: Sequence[ConvProblem], options: TuneOptions) -> list[Measurement]:
         rows: dict[tuple, Measurement] = {}
         for problem in problems:
             recorded = self._recorded(self.device, problem)
@@ -164,6 +163,6 @@ class RecordedMeasurer:
             rows.update(((m.key, m.algo, m.method), m) for m in recorded)
         return list(rows.values())
 
-    def complete(self, device: DeviceFingerprint, rows: Sequence["Measurement"], problem: "ConvProblem", options: TuneOptions) -> bool:
+    def complete(self, device: DeviceFingerprint, rows: Sequence[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
         recorded = {(m.key, m.algo, m.method) for m in self._recorded(device, problem)}
         return bool(recorded) and recorded <= {(m.key, m.algo, m.method) for m in rows}

@@ -42,10 +42,10 @@ from convpass.core.errors import ConvpassError
 from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:
+    from convpass.compiler.pipeline import OptimizeReport
+    from convpass.core.problem import ConvProblem
     from convpass.tuning.cache import TuningCache
     from convpass.tuning.decide import Choice
-    from convpass.core.problem import ConvProblem
-    from convpass.compiler.pipeline import OptimizeReport
 
 # What a model process imports before its first job (the forkserver imports it once for all).
 PRELOAD = ["convpass.fleet.preload", "convpass.compiler.pipeline", "convpass.tuning.cache", "convpass.core.model_io", "convpass.bench.contenders"]
@@ -73,8 +73,8 @@ class CollectJob:
 
 @dataclasses.dataclass(frozen=True)
 class Collected:
-    problems: list["ConvProblem"]  # in graph order
-    report: "OptimizeReport"
+    problems: list[ConvProblem]  # in graph order
+    report: OptimizeReport
     shapes: tuple[str, ...]  # the profiles it was prepared with (batches resolved)
     notes: list[str]  # batches left out
 
@@ -87,7 +87,7 @@ class WriteJob:
     cwd: str
     cache: str  # the driver's tuning cache, read only
     # device, whether the fleet measures on it (not a cache-only device), problems failed here
-    tables: list[tuple[DeviceFingerprint, bool, list["ConvProblem"]]]
+    tables: list[tuple[DeviceFingerprint, bool, list[ConvProblem]]]
 
 
 class FleetBackend:
@@ -96,7 +96,7 @@ class FleetBackend:
     decision names the strategy that took it, measured in this run or an earlier one, as the
     tuner's do (``DecisionBackend.measures``); on a cache-only device, ``cache``."""
 
-    def __init__(self, cache: "TuningCache", device: DeviceFingerprint, measures: bool, failed: set["ConvProblem"]) -> None:
+    def __init__(self, cache: TuningCache, device: DeviceFingerprint, measures: bool, failed: set[ConvProblem]) -> None:
         from convpass.tuning.decide import CacheBackend
 
         self.device = device
@@ -104,7 +104,7 @@ class FleetBackend:
         self.measures = measures
         self.failed = failed
 
-    def decide(self, problems: Sequence["ConvProblem"], options: TuneOptions) -> dict["ConvProblem", "Choice | None"]:
+    def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
         out = self._from_cache.decide([p for p in problems if p not in self.failed], options)
         for p in problems:
             choice = out.get(p)
@@ -118,11 +118,11 @@ class FleetBackend:
 # ---- the graph work (in a model process, or in the caller's for collect()) -----------------------
 
 
-def prepare(spec: ModelSpec, options: TuneOptions) -> tuple[Any, dict, "OptimizeReport", tuple[str, ...], list[str]]:
+def prepare(spec: ModelSpec, options: TuneOptions) -> tuple[Any, dict, OptimizeReport, tuple[str, ...], list[str]]:
     """Read a model and run the graph passes for its profiles: (model, problems with their uses,
     report, the profiles, notes on batches left out)."""
-    from convpass.core.model_io import load_model
     from convpass.compiler.pipeline import OptimizeReport, prepare_model, untuned
+    from convpass.core.model_io import load_model
 
     model = load_model(spec.path)
     untuned(model, spec.path, retune=False, hint="tune the model it was tuned from (`convpass optimize --retune` re-tunes a tuned one)")
@@ -150,11 +150,11 @@ def batch_profiles(model: Any, spec: ModelSpec) -> tuple[tuple[str, ...], list[s
     return profiles_for_batches(spec.path, inputs, spec.batches)
 
 
-def write(job: WriteJob, prepared: tuple[Any, dict, "OptimizeReport"] | None, cache: "TuningCache") -> "OptimizeReport":
+def write(job: WriteJob, prepared: tuple[Any, dict, OptimizeReport] | None, cache: TuningCache) -> OptimizeReport:
     """Decide the model's problems from the cache, one table per device, and write it (atomically).
     ``prepared``: the model as collect left it, else it is prepared again."""
-    from convpass.core.model_io import save_model
     from convpass.compiler.pipeline import decide_and_annotate
+    from convpass.core.model_io import save_model
 
     if prepared is None:
         model, uses, report, _, _ = prepare(job.spec, job.options)  # counted again from the model written

@@ -77,8 +77,8 @@ Prepared = tuple["ir.Model", "dict[ConvProblem, list[ProblemUse]]"]
 class ModelProblems:
     spec: ModelSpec
     output: Path
-    problems: list["ConvProblem"] = dataclasses.field(default_factory=list)
-    report: "OptimizeReport | None" = None  # None: not collected
+    problems: list[ConvProblem] = dataclasses.field(default_factory=list)
+    report: OptimizeReport | None = None  # None: not collected
     # The model as collect prepared it, kept for one model only (see collect) until it is written.
     prepared: Prepared | None = dataclasses.field(default=None, repr=False)
 
@@ -98,7 +98,7 @@ def outputs_of(specs: Sequence[ModelSpec], output_dir: Path) -> list[Path]:
     return list(outputs)
 
 
-def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) -> tuple[list[ModelProblems], list["ConvProblem"]]:
+def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) -> tuple[list[ModelProblems], list[ConvProblem]]:
     """Every model's problems (graph passes only, nothing decided), in this process, and the
     distinct problems of all of them, in first-seen order. (:func:`convpass.fleet.driver.tune`
     collects in model processes, model by model, with the same result.)
@@ -121,7 +121,7 @@ def collect(specs: Sequence[ModelSpec], options: TuneOptions, output_dir: Path) 
     return models, list(dict.fromkeys(p for m in models for p in m.problems))
 
 
-def tuning_order(models: Sequence[ModelProblems]) -> list["ConvProblem"]:
+def tuning_order(models: Sequence[ModelProblems]) -> list[ConvProblem]:
     """The distinct problems in the order workers take them: grouped by the first model that needs
     them (in model order), the largest (FLOPs) first within a group.
 
@@ -140,7 +140,7 @@ def tuning_order(models: Sequence[ModelProblems]) -> list["ConvProblem"]:
     return sorted(first, key=lambda p: (first[p], -p.primary.flops))
 
 
-def group_order(problems: Sequence["ConvProblem"], seen: set["ConvProblem"]) -> list["ConvProblem"]:
+def group_order(problems: Sequence[ConvProblem], seen: set[ConvProblem]) -> list[ConvProblem]:
     """One model's group of :func:`tuning_order`: its problems not in ``seen``, largest first."""
     return sorted((p for p in dict.fromkeys(problems) if p not in seen), key=lambda p: -p.primary.flops)
 
@@ -152,7 +152,7 @@ class Geometries:
     def __init__(self) -> None:
         self.group_of: dict[ConvShape, tuple[ConvProblem, ...]] = {}  # geometry -> its group (first-given order)
 
-    def add(self, problems: Sequence["ConvProblem"]) -> list[tuple[tuple["ConvProblem", ...], list[tuple["ConvProblem", ...]]]]:
+    def add(self, problems: Sequence[ConvProblem]) -> list[tuple[tuple[ConvProblem, ...], list[tuple[ConvProblem, ...]]]]:
         """The groups that new ``problems`` make or join, in the order of their first new problem,
         each with the earlier groups (given before this call) it takes in."""
         before = dict(self.group_of)

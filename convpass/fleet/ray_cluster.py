@@ -34,10 +34,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from convpass.core.errors import ConvpassError
+from convpass.core.options import TuneOptions
 from convpass.fleet.measurers import Measurer
 from convpass.fleet.scheduler import FEED_POLL_S, Event, Failed, Finished, Lost, Ready, Slot, StartFailed, Task
 from convpass.fleet.worker import WorkerCore, describe
-from convpass.core.options import TuneOptions
 
 START_TIMEOUT_S = 300.0
 
@@ -131,7 +131,7 @@ class RayExecutor:
             sid, kind, _ = self._refs.pop(ref)
             events += self._outcome(ref, sid, kind)
         now = time.monotonic()
-        for ref, (sid, kind, deadline) in list(self._refs.items()):
+        for _ref, (sid, kind, deadline) in list(self._refs.items()):
             if kind == "start" and now > deadline:
                 self.kill(sid)
                 events.append(StartFailed(sid, f"not ready after {START_TIMEOUT_S:.0f} s"))

@@ -50,17 +50,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import TYPE_CHECKING, Protocol
 
 from convpass.core.device import DeviceFingerprint
 from convpass.core.options import TuneOptions
 
 if TYPE_CHECKING:  # not at run time: this module is imported before the driver launches its workers
+    from convpass.core.problem import ConvProblem, ConvShape
+    from convpass.fleet.measurers import Measurer
     from convpass.tuning.cache import TuningCache
     from convpass.tuning.cache_rows import Measurement
-    from convpass.fleet.measurers import Measurer
-    from convpass.core.problem import ConvProblem
-    from convpass.core.problem import ConvShape
 
 SLOT_LOSSES = 3
 FEED_POLL_S = 0.02  # how long the loop may wait on the workers before asking an open or busy feed again
@@ -72,11 +71,11 @@ class Task:
 
     id: int
     device: DeviceFingerprint
-    problems: tuple["ConvProblem", ...]
+    problems: tuple[ConvProblem, ...]
     replaces: tuple[int, ...] = ()  # ids of the earlier tasks of its geometry, whose problems this one measures again
 
     @property
-    def shapes(self) -> set["ConvShape"]:
+    def shapes(self) -> set[ConvShape]:
         """The candidate geometries of its problems: what its rows may be of."""
         return {shape for p in self.problems for shape in p.candidates}
 
@@ -100,7 +99,7 @@ class Slot:
 class Finished:
     slot_id: str
     task_id: int
-    rows: list["Measurement"]
+    rows: list[Measurement]
     seconds: float
 
 
@@ -134,7 +133,7 @@ class StartFailed:
     reason: str
 
 
-Event = Union[Finished, Failed, Lost, Ready, StartFailed]
+Event = Finished | Failed | Lost | Ready | StartFailed
 
 
 class Executor(Protocol):
@@ -142,7 +141,7 @@ class Executor(Protocol):
 
     name: str
 
-    def launch(self, measurer: "Measurer") -> None:
+    def launch(self, measurer: Measurer) -> None:
         """Start the workers without waiting for them (the driver collects problems meanwhile)."""
         ...
 
@@ -235,7 +234,7 @@ class Scheduler:
     def __init__(
         self,
         executor: Executor,
-        cache: "TuningCache",
+        cache: TuningCache,
         options: TuneOptions,
         retries: int = 2,
         task_timeout: float | None = None,
@@ -295,7 +294,7 @@ class _Run:
         self.pending: dict[DeviceFingerprint, list[Task]] = {}
         self.replaced_by: dict[int, int] = {}  # task id -> the task that replaces it
         self.wrote: dict[int, set[tuple]] = {}  # task id -> the rows (key, algo, method) it wrote
-        self.received: list[tuple[Task, str, list["Measurement"]]] = []  # finished, rows not written yet
+        self.received: list[tuple[Task, str, list[Measurement]]] = []  # finished, rows not written yet
         self.add(tasks)
 
     def add(self, tasks: Sequence[Task]) -> None:

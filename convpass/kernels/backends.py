@@ -55,9 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from convpass.ops import conv as conv_kernels
 from convpass.kernels.plan import GraphStatus, Plan
-
+from convpass.ops import conv as conv_kernels
 
 
 class Backend:

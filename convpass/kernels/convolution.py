@@ -77,8 +77,7 @@ from typing import Any
 from convpass.core import annotation
 from convpass.core.fusion import absorbed, legacy_name
 from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, conv_exec, fusion_counter, step_epilogue
-from convpass.kernels.conv_resolve import (ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec,
-                                           summarize)
+from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.launch import Launch
 from convpass.native import cudnn

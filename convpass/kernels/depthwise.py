@@ -147,7 +147,7 @@ extern "C" __global__ void depthwise_conv(
 }
 """
 
-_FUNCTIONS: dict[tuple["DepthwiseKernel", int], Any] = {}
+_FUNCTIONS: dict[tuple[DepthwiseKernel, int], Any] = {}
 
 
 def _or_null(a: Any) -> Any:
@@ -176,7 +176,7 @@ class DepthwiseKernel:
             raise ValueError(f"{algo_name(self.r)} cannot compute {self.shape}: {why}")
 
     @classmethod
-    def of(cls, algo: str, shape: ConvShape, layout: str) -> "DepthwiseKernel":
+    def of(cls, algo: str, shape: ConvShape, layout: str) -> DepthwiseKernel:
         """The kernel a recorded algorithm names, for ``shape`` in ``layout``; ValueError when it
         names none or cannot compute the shape."""
         return cls(shape, layout == "nhwc", strip_of(algo))

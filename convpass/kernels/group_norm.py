@@ -207,7 +207,7 @@ def _positions(shape: Sequence[int], strides: Sequence[int]) -> int | None:
     """The element stride that walks the spatial positions of ``(N, C, *spatial)`` in order (0
     for one position), or None when they are not one evenly strided run."""
     dims = [(int(d), int(s)) for d, s in zip(shape[2:], strides[2:]) if int(d) > 1]
-    for (d0, s0), (d1, s1) in zip(dims, dims[1:]):
+    for (_d0, s0), (d1, s1) in zip(dims, dims[1:]):
         if s0 != s1 * d1:
             return None
     return dims[-1][1] if dims else 0
@@ -327,7 +327,7 @@ def apply_classes(operand_kinds: Sequence[str], operand_shapes: Sequence[tuple[i
     return tuple(classes)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: int) -> int:
     import cupy
 

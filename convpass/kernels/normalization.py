@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from convpass.native import nvrtc as compiler
 from convpass.kernels.launch import Launch
+from convpass.native import nvrtc as compiler
 
 __all__ = ["NORM_DTYPES", "NormLaunch", "SoftmaxLaunch", "lower_norm", "lower_softmax", "row_norm"]
 

@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from convpass.kernels.launch import Launch
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import elements
-from convpass.kernels.launch import Launch
 from convpass.ops.nn import _pool_geometry
 
 __all__ = ["CUDNN_FAMILIES", "MAX_ELEMENTS", "POOL_DTYPES", "GlobalPoolLaunch", "PoolLaunch", "StripPool", "global_pool", "lower_global_pool", "lower_pool",
@@ -312,7 +312,7 @@ class StripPool:
     r: int
 
     @classmethod
-    def for_spec(cls, spec: dict[str, Any], channels_last: bool) -> "StripPool | None":
+    def for_spec(cls, spec: dict[str, Any], channels_last: bool) -> StripPool | None:
         """The kernel of a 2-D max or average pooling spec (:func:`lower_pool`), or None when it
         does not take it (LpPool, other ranks, a row window wider than :data:`STRIP_MAX_SPAN`)."""
         if spec["mode"] not in _STRIP_COMBINE or len(spec["kernel"]) != 2:

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from convpass.kernels.launch import Launch, Placement
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import copy_into, elements
-from convpass.kernels.launch import Launch, Placement
 from convpass.ops.resize import resize_arguments, resize_geometry
 
 __all__ = ["ConcatLaunch", "ResizeLaunch", "lower_resize", "resize_2d", "resize_taps"]

@@ -48,7 +48,7 @@ COMPILATIONS: list[str] = []
 _LOCK = threading.RLock()
 _STATE: dict[str, Any] = {"installed": None}  # None: not tried; True; or the reason it cannot be
 _LOADED: dict[tuple[str, str], KernelEntry] = {}  # (key, arch) -> binary, from every side-car used
-_RECORDERS: list["Recorder"] = []
+_RECORDERS: list[Recorder] = []
 _NAME = re.compile(r"__global__\s+void\s+(\w+)\s*\(")
 
 

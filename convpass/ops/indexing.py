@@ -132,8 +132,8 @@ def _scatter_elements(ctx: OpContext, node: NodeInfo, x: Any, idx: Any, updates:
 
 @register("Range", 11, value_inputs=(0, 1, 2))
 def _range(ctx: OpContext, node: NodeInfo, start: Any, limit: Any, delta: Any) -> Any:
-    s, l, d = ctx.scalar(start), ctx.scalar(limit), ctx.scalar(delta)
-    n = max(int(math.ceil((l - s) / d)), 0)
+    s, lim, d = ctx.scalar(start), ctx.scalar(limit), ctx.scalar(delta)
+    n = max(int(math.ceil((lim - s) / d)), 0)
     dtype = start.dtype
     if np.dtype(dtype).kind in "iu":
         return ctx.xp.asarray(s + d * np.arange(n, dtype=np.int64), dtype=dtype)

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from convpass.core import annotation
-from convpass.ops.conv import ConvCall, conv_geometry
 from convpass.core.errors import ExecutorError
 from convpass.core.layout import storage_order
 from convpass.ops.arrays import _axes, _axis, _like, acc
+from convpass.ops.conv import ConvCall, conv_geometry
 from convpass.ops.registry import NodeInfo, OpContext, register
 
 # ---------------------------------------------------------------------------------------------

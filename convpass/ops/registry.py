@@ -51,14 +51,14 @@ class NodeInfo:
     inputs: list[str]
     outputs: list[str]
     # The registration the node runs with (set at load).
-    impl: "OpImpl | None" = None
+    impl: OpImpl | None = None
     # Per-plan data an op prepared for fixed input shapes (conv geometry + decision).
     prepared: Any = None
 
     def attr(self, name: str, default: Any = None) -> Any:
         return self.attrs.get(name, default)
 
-    def with_prepared(self, prepared: Any) -> "NodeInfo":
+    def with_prepared(self, prepared: Any) -> NodeInfo:
         return dataclasses.replace(self, prepared=prepared)
 
 

@@ -4,14 +4,14 @@
 ``supported_ops()`` lists the op table. See :mod:`convpass.runtime.executor`.
 """
 
-from convpass.kernels.backends import Backend, CpuBackend
-from convpass.runtime.devices import cuda_available, default_device, get_backend
 from convpass.core.errors import ExecutorError
+from convpass.kernels.backends import Backend, CpuBackend
+from convpass.kernels.plan import ConvSummary, GraphStatus, Plan
+from convpass.ops.registry import supported_ops
+from convpass.runtime.devices import cuda_available, default_device, get_backend
 from convpass.runtime.executor import Executor
 from convpass.runtime.model_graph import NodeArg
 from convpass.runtime.support import SupportReport, check_support, is_supported, prepare_model
-from convpass.kernels.plan import ConvSummary, GraphStatus, Plan
-from convpass.ops.registry import supported_ops
 
 __all__ = [
     "Backend",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from convpass.kernels.backends import Backend, host_backend
 from convpass.core.errors import ExecutorError
+from convpass.kernels.backends import Backend, host_backend
 
 DEVICES = ("cpu", "cuda")
 

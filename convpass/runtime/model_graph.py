@@ -173,7 +173,7 @@ def _toposort(nodes: list[NodeInfo], available: set[str]) -> list[NodeInfo]:
                     raise ExecutorError(f"value {o!r} is produced by two nodes")
                 produced_by[o] = i
     deps = []
-    for i, n in enumerate(nodes):
+    for _i, n in enumerate(nodes):
         d = set()
         for inp in n.inputs:
             if not inp or inp in available:

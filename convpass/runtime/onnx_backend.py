@@ -20,8 +20,8 @@ import onnx
 from onnx import helper
 from onnx.backend.base import Backend, BackendRep, namedtupledict
 
-from convpass.runtime import devices as _devices
 from convpass.core.errors import ExecutorError
+from convpass.runtime import devices as _devices
 from convpass.runtime.executor import Executor, is_supported
 
 

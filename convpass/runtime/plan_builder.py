@@ -205,7 +205,7 @@ class PlanBuilder:
 
         for n in arrays:
             slot(n)
-        for node, ins, outs in steps:
+        for _node, ins, outs in steps:
             for n in ins:
                 if n:
                     slot(n)
@@ -222,7 +222,7 @@ class PlanBuilder:
             elif v is None and n in constants:
                 template[i] = self._device_constant(n, constants[n], plan_consts)
         last_use: dict[str, int] = {}
-        for idx, (node, ins, outs) in enumerate(steps):
+        for idx, (_node, ins, outs) in enumerate(steps):
             for n in ins:
                 if n:
                     last_use[n] = idx

@@ -99,7 +99,7 @@ class TuningCache(CacheFile):
     their own instance on the same file.
     """
 
-    def __enter__(self) -> "TuningCache":
+    def __enter__(self) -> TuningCache:
         return self
 
     def __exit__(self, *exc: object) -> None:

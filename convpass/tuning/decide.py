@@ -70,7 +70,7 @@ class DecisionBackend(Protocol):
         ...
 
 
-def epilogue_ms(measurements: Iterable["Measurement"], problem: ConvProblem) -> dict[ProblemKey, float]:
+def epilogue_ms(measurements: Iterable[Measurement], problem: ConvProblem) -> dict[ProblemKey, float]:
     """Per key, the measured time of ``problem``'s fused epilogue run as its own pass (module
     docstring); empty for a problem without a fusion."""
     if not problem.fusion:
@@ -79,7 +79,7 @@ def epilogue_ms(measurements: Iterable["Measurement"], problem: ConvProblem) -> 
             if m.method == EPILOGUE_METHOD and m.algo == problem.fusion and m.status == "ok" and m.time_ms is not None}
 
 
-def cost_ms(m: "Measurement", epilogue: dict[ProblemKey, float], fusion: str = "") -> float | None:
+def cost_ms(m: Measurement, epilogue: dict[ProblemKey, float], fusion: str = "") -> float | None:
     """What a timed configuration costs with its problem's epilogue ``fusion`` (``epilogue``: from
     :func:`epilogue_ms`): a fused call or graph its own time, an unfused one its time plus the pass
     (module docstring: an unfused engine under a legacy epilogue, its own time)."""
@@ -91,7 +91,7 @@ def cost_ms(m: "Measurement", epilogue: dict[ProblemKey, float], fusion: str = "
     return m.time_ms + epilogue.get(m.key, 0.0)
 
 
-def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKey, float] | None = None) -> Callable[["Measurement"], bool]:
+def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKey, float] | None = None) -> Callable[[Measurement], bool]:
     """Whether a measured configuration satisfies the user's constraints for this problem (a fused
     call or graph: only the problem's own fusion, where ``epilogue`` has its key). The options are
     read once per problem: a cached re-run asks this of every cached row (50,000 for a ResNet-50)."""
@@ -102,7 +102,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
     math_modes = {shape.dtype: options.math_modes(shape.dtype) for shape in problem.candidates}
     epilogue = epilogue or {}
 
-    def ok(m: "Measurement") -> bool:
+    def ok(m: Measurement) -> bool:
         algo = Algo.parse(m.algo)
         return (
             m.status == "ok"
@@ -119,7 +119,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
     return ok
 
 
-def select(measurements: Iterable["Measurement"], problem: ConvProblem, options: TuneOptions) -> "Measurement | None":
+def select(measurements: Iterable[Measurement], problem: ConvProblem, options: TuneOptions) -> Measurement | None:
     """The configuration to run, by the strategy of the problem's direction.
 
     measure / forced: the fastest configuration convpass timed itself (with the problem's epilogue:
@@ -154,11 +154,11 @@ def select(measurements: Iterable["Measurement"], problem: ConvProblem, options:
     return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion), m.algo), default=best)
 
 
-def _layout_pref(m: "Measurement") -> int:
+def _layout_pref(m: Measurement) -> int:
     return 0 if m.key.layout == "nchw" else 1
 
 
-def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = (), problem: ConvProblem | None = None) -> Choice:
+def choice_from(m: Measurement, source: str, rows: Iterable[Measurement] = (), problem: ConvProblem | None = None) -> Choice:
     """The Choice of a selected measurement; ``rows`` (the problem's measurements) give an engine's
     legacy fallback and, with ``problem``, the epilogue its time includes (:func:`cost_ms`: the
     recorded time is what the conv's step costs)."""
@@ -168,7 +168,7 @@ def choice_from(m: "Measurement", source: str, rows: Iterable["Measurement"] = (
                   fallback=legacy_fallback(rows, m.key) if Algo.parse(m.algo).is_engine else None)
 
 
-def legacy_fallback(rows: Iterable["Measurement"], key: ProblemKey) -> str | None:
+def legacy_fallback(rows: Iterable[Measurement], key: ProblemKey) -> str | None:
     """The legacy algorithm nearest to a graph-API engine chosen for ``key``: the fastest cuDNN
     legacy algorithm measured for the same key, else cuDNN's heuristic first choice; None without
     either."""
@@ -180,7 +180,7 @@ def legacy_fallback(rows: Iterable["Measurement"], key: ProblemKey) -> str | Non
     return min(ranked, key=lambda m: m.heuristic_rank).algo if ranked else None
 
 
-def cached_rows(cache: "TuningCache", device: DeviceFingerprint, problem: ConvProblem) -> list["Measurement"]:
+def cached_rows(cache: TuningCache, device: DeviceFingerprint, problem: ConvProblem) -> list[Measurement]:
     """Every measurement the cache holds for a problem on a device (all its candidate geometries)."""
     return [m for shape in problem.candidates for m in cache.get(device, shape)]
 
@@ -190,11 +190,11 @@ class CacheBackend:
 
     measures = False
 
-    def __init__(self, cache: "TuningCache | None", device: DeviceFingerprint | None) -> None:
+    def __init__(self, cache: TuningCache | None, device: DeviceFingerprint | None) -> None:
         self.cache = cache
         self.device = device
         # every cached measurement of every decided problem: the layout planner chooses among them
-        self.rows: dict[ConvProblem, list["Measurement"]] = {}
+        self.rows: dict[ConvProblem, list[Measurement]] = {}
 
     def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
         out: dict[ConvProblem, Choice | None] = {}

@@ -13,9 +13,10 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from conftest import MODELS  # noqa: E402
+from test_inspect_html import _data, _parse  # noqa: E402
+
 from convpass.cli.main import main  # noqa: E402
 from convpass.cli.schemas import SCHEMAS  # noqa: E402
-from test_inspect_html import _data, _parse  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

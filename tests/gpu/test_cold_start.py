@@ -23,10 +23,11 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
 from conftest import MODELS, REPO, run_ort  # noqa: E402
-from convpass.core import kernel_file  # noqa: E402
 from test_executor_cuda import PANEL_BATCH, PANEL_OPTIONS, _feeds, _rel, _tolerance  # noqa: E402
+
+import convpass  # noqa: E402
+from convpass.core import kernel_file  # noqa: E402
 
 SAMPLES = sorted(MODELS.glob("*.onnx"))
 PANEL = REPO / ".panel"
@@ -115,6 +116,7 @@ def test_graph_api_plans_are_loaded_from_the_side_car_not_built(tmp_path):
     compiled, no warning) and computes what ONNX Runtime does. Without the side-car the same
     process builds them and says why once."""
     from conftest import silu_model
+
     from convpass.native.cudnn import graph_api
 
     if graph_api.unavailable():

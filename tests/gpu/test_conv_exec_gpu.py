@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
 from conftest import MODELS, silu_model  # noqa: E402
+
+import convpass  # noqa: E402
 from convpass.kernels import conv_exec  # noqa: E402
 from convpass.kernels.convolution import ConvLaunch  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'convpass[gpu]')")
 
-from convpass.native.cudnn import api, arrays, descriptors, library
 from convpass.core import cudnn_enums as enums  # noqa: E402
 from convpass.core.cudnn_enums import CudnnError, CudnnNotFound  # noqa: E402
 from convpass.core.problem import ConvShape, ProblemKey  # noqa: E402
+from convpass.native.cudnn import api, arrays, descriptors, library
 
 try:
     if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from conftest import MODELS, REPO  # noqa: E402
+
 from convpass.native import device  # noqa: E402
 
 

@@ -23,13 +23,14 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
-from convpass.core import annotation  # noqa: E402
-from conftest import MODELS, REPO, as_float32, conv_model, panel_models, residual_block_model, run_ort  # noqa: E402
-from convpass.native import cudnn  # noqa: E402
-from convpass.runtime import Executor  # noqa: E402
 import test_cuda_fusion as fusion_cases  # noqa: E402
 import test_matmul_epilogues as matmul_cases  # noqa: E402
+from conftest import MODELS, REPO, as_float32, conv_model, panel_models, residual_block_model, run_ort  # noqa: E402
+
+import convpass  # noqa: E402
+from convpass.core import annotation  # noqa: E402
+from convpass.native import cudnn  # noqa: E402
+from convpass.runtime import Executor  # noqa: E402
 
 SAMPLES = sorted(MODELS.glob("*.onnx"))
 PANEL = REPO / ".panel"
@@ -416,12 +417,12 @@ def test_conv_epilogues_are_tuned_and_run_the_way_they_were_timed(engines, tmp_p
     each epilogue timed as one pass after the conv and as cuDNN's fused call of the fastest legacy
     algorithms (checked against the reference first); the executor then makes the fused call
     exactly where the decision recorded one, and otherwise the conv and one pass."""
-    from convpass.tuning.cache import TuningCache
-    from convpass.tuning.decide import EPILOGUE_METHOD
-    from convpass.native.device import detect
     from convpass.core.algo import Algo
     from convpass.core.problem import ProblemKey
+    from convpass.native.device import detect
     from convpass.runtime.cuda import CudaBackend
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.decide import EPILOGUE_METHOD
 
     model = residual_block_model()
     tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines=engines)
@@ -716,11 +717,11 @@ def test_own_depthwise_kernels_are_tuned_checked_and_run_as_recorded(layout, tmp
     epilogues where they were recorded, and matches ONNX Runtime."""
     import dataclasses
 
-    from convpass.tuning.cache import TuningCache
-    from convpass.native.device import detect
     from convpass.core.algo import Algo
     from convpass.core.problem import ProblemKey
+    from convpass.native.device import detect
     from convpass.runtime.cuda import CudaBackend
+    from convpass.tuning.cache import TuningCache
 
     def is_own(text):
         return Algo.parse(text).is_own

@@ -16,9 +16,10 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
 import test_fold_conv_weights as patterns  # noqa: E402
 from conftest import run_ort  # noqa: E402
+
+import convpass  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 
 TF32_TOL = 5e-3

@@ -17,11 +17,12 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
 from conftest import MODELS, as_float32, conv_model, residual_block_model, run_ort, silu_model  # noqa: E402
+
+import convpass  # noqa: E402
+from convpass.compiler.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
 from convpass.core import annotation  # noqa: E402
 from convpass.native.cudnn import as_layout, graph_api  # noqa: E402
-from convpass.compiler.passes.canonicalize_convs import canonicalize_conv  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 
 
@@ -261,8 +262,8 @@ def test_a_silu_model_runs_fused_engines_in_its_cuda_graph(tmp_path):
     """Tuned with every space in NHWC, then each SiLU conv forced onto its fastest fused configuration the
     tuner kept (so the fused path runs whatever won): outputs match ONNX Runtime CPU, the Sigmoid
     and Mul steps are absorbed, and the plan is captured."""
-    from convpass.tuning.cache import TuningCache
     from convpass.runtime.cuda import ExecutorWarning
+    from convpass.tuning.cache import TuningCache
 
     model = silu_model((2, 16, 12, 12))
     # NHWC: cuDNN 9.19 on an H200 offered no fused graph in NCHW for these convs (nor for FUSED_CASES)

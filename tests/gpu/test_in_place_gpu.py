@@ -12,6 +12,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from conftest import MODELS  # noqa: E402
+
 from convpass.compiler.pipeline import optimize_model  # noqa: E402
 from convpass.core import annotation  # noqa: E402
 from convpass.core.model_io import load_model, to_proto  # noqa: E402

@@ -333,9 +333,9 @@ def test_an_uncapturable_op_is_named_and_the_rest_replays_as_graphs():
 def test_own_depthwise_kernel_matches_cudnn(kernel, stride, dilation, layout, dtype):
     """convpass's depthwise kernel, every variant the tuner times, against cuDNN's deterministic
     FMA algorithm on the same inputs (float16: both accumulate in float32)."""
-    from convpass.native import cudnn
     from convpass.core.problem import ConvShape
     from convpass.kernels.depthwise import DepthwiseKernel, candidates
+    from convpass.native import cudnn
 
     pad = dilation * (kernel // 2)
     shape = ConvShape("fwd", 3, 24, 24, (17, 19), (kernel, kernel), (pad, pad), (stride, stride), (dilation, dilation), groups=24, dtype=dtype)

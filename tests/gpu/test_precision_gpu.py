@@ -19,15 +19,16 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
 from conftest import REPO  # noqa: E402
+from precision_fakes import residual_model  # noqa: E402
+
+import convpass  # noqa: E402
 from convpass.compiler.pipeline import inspect  # noqa: E402
 from convpass.compiler.precision.data import InputSet, model_error  # noqa: E402
 from convpass.compiler.precision.evaluate import CpuEvaluator, CudaEvaluator  # noqa: E402
 from convpass.core import annotation  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
 from convpass.core.problem import ConvProblem, ConvShape  # noqa: E402
-from precision_fakes import residual_model  # noqa: E402
 
 BATCH = 16
 SPEC = f"input={BATCH}x64x56x56"

@@ -9,9 +9,10 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
 from conftest import random_input  # noqa: E402
 from test_subgraph_convs import _annotated, _same_outputs, if_model, loop_model, scan_model  # noqa: E402
+
+import convpass  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -11,12 +11,13 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-import convpass  # noqa: E402
 from conftest import MODELS, conv_model, random_input, run_ort  # noqa: E402
+
+import convpass  # noqa: E402
+from convpass.compiler.pipeline import optimize_model  # noqa: E402
 from convpass.core import annotation  # noqa: E402
 from convpass.core.model_io import load_model, to_proto  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
-from convpass.compiler.pipeline import optimize_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

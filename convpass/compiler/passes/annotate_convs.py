@@ -24,14 +24,14 @@ from typing import Any
 
 import onnx_ir as ir
 
-from convpass.core import annotation
-from convpass.core.annotation import ConvDecision, ModelInfo
-from convpass.core.algo import Algo
-from convpass.tuning.decide import Choice
 from convpass.compiler.passes import state
 from convpass.compiler.passes.collect_conv_problems import ConvProblem, node_problems
 from convpass.compiler.passes.state import CANONICAL_KEY, VALUE_SHAPES_KEY
+from convpass.core import annotation
+from convpass.core.algo import Algo
+from convpass.core.annotation import ConvDecision, ModelInfo
 from convpass.core.problem import memory_format_name
+from convpass.tuning.decide import Choice
 
 
 def _ir_attr(name: str, value: Any) -> ir.Attr:

@@ -29,9 +29,10 @@ from typing import Any
 import onnx_ir as ir
 
 from convpass.compiler.passes import state
-from convpass.compiler.passes.state import CANONICAL_KEY as META_KEY, SHAPES_KEY, SKIP_KEY, node_label
-from convpass.core.geometry import CONV_OPS, ConvGeometry, canonicalize_conv
+from convpass.compiler.passes.state import CANONICAL_KEY as META_KEY
+from convpass.compiler.passes.state import SHAPES_KEY, SKIP_KEY, node_label
 from convpass.core.errors import ConvAttributeError, UnsupportedConvError
+from convpass.core.geometry import CONV_OPS, ConvGeometry, canonicalize_conv
 
 logger = logging.getLogger("convpass")
 

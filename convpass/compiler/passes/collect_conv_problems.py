@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
 
-from convpass.core.fusion import absorbed
 from convpass.compiler.passes import state
 from convpass.compiler.passes.state import CANONICAL_KEY, PROBLEMS_KEY, VALUE_SHAPES_KEY
+from convpass.core.fusion import absorbed
 from convpass.core.problem import ConvProblem, Direction
 
 

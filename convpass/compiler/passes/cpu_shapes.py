@@ -269,8 +269,8 @@ def resolve_on_cpu(
     unknown or the run needs a graph input whose profile shape is not concrete (the caller reports).
     """
     from convpass.core.errors import ExecutorError
-    from convpass.runtime.executor import Executor
     from convpass.ops.registry import SUPPORTED_ELEM_TYPES
+    from convpass.runtime.executor import Executor
 
     unknown = [v for v in sought if not concrete(shapes.get(v.name))]
     if not unknown:

@@ -44,7 +44,6 @@ class FoldBatchNormsPass(ir.passes.InPlacePass):
         graph = model.graph
         opset = model.opset_imports.get("", 1)
         infos = {id(n): _info(n, opset) for n in graph}
-        nodes = {id(n): n for n in graph}
         values = {v.name: v for n in graph for v in (*n.inputs, *n.outputs) if v is not None}
         values.update({v.name: v for v in graph.inputs})
         outputs = {v.name for v in graph.outputs}

@@ -41,13 +41,13 @@ from collections.abc import Mapping, Sequence
 import onnx
 import onnx_ir as ir
 
+from convpass.compiler.passes import state
+from convpass.compiler.passes.cpu_shapes import CpuShapes, resolve_on_cpu
+from convpass.compiler.passes.state import CONV_OPS, PROFILES_KEY, SHAPES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, VALUE_TYPES_KEY
+from convpass.compiler.passes.subgraph_shapes import BodyShapes
 from convpass.core.annotation import Profile
 from convpass.core.errors import ShapeError
 from convpass.core.options import CLI, OptionNames, parse_profiles
-from convpass.compiler.passes.cpu_shapes import CpuShapes, resolve_on_cpu
-from convpass.compiler.passes import state
-from convpass.compiler.passes.state import CONV_OPS, PROFILES_KEY, SHAPES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, VALUE_TYPES_KEY
-from convpass.compiler.passes.subgraph_shapes import BodyShapes
 
 logger = logging.getLogger("convpass")
 

@@ -96,7 +96,7 @@ class BodyShapes:
     def collect(self, inferred: onnx.ModelProto, shapes: dict[str, Dims], types: dict[str, int]) -> None:
         """Rules 3 and 4: every body's shapes into ``shapes`` (and element types into ``types``),
         the values of a Loop whose carried shapes change from trip to trip out of it."""
-        for node, _, g in bodies(inferred.graph):
+        for _node, _, g in bodies(inferred.graph):
             for vi in [*g.input, *g.value_info, *g.output]:
                 if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
                     types.setdefault(vi.name, vi.type.tensor_type.elem_type)

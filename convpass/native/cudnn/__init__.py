@@ -14,10 +14,23 @@
 Importing this package neither imports CuPy nor loads cuDNN; both happen on first use.
 """
 
-from convpass.native.cudnn.api import AlgoPerf, CudnnCall, Handle, add_call_listener, conv_bias_activation_forward, find, get_handle, heuristic, record_calls, remove_call_listener, run, workspace_size
+from convpass.core.cudnn_enums import CudnnError, CudnnNotFound, algo_id, algo_name, algo_names, is_deterministic
+from convpass.native.cudnn.api import (
+    AlgoPerf,
+    CudnnCall,
+    Handle,
+    add_call_listener,
+    conv_bias_activation_forward,
+    find,
+    get_handle,
+    heuristic,
+    record_calls,
+    remove_call_listener,
+    run,
+    workspace_size,
+)
 from convpass.native.cudnn.arrays import as_layout, empty_like_layout, layout_of, storage_dtype
 from convpass.native.cudnn.descriptors import ConvDescriptors, DescriptorParams, descriptor_params, strides_for
-from convpass.core.cudnn_enums import CudnnError, CudnnNotFound, algo_id, algo_name, algo_names, is_deterministic
 
 __all__ = [
     "AlgoPerf",

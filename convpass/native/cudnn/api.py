@@ -27,15 +27,15 @@ import dataclasses
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from ctypes import byref, c_float, c_int, c_size_t, c_void_p
-from typing import Callable, Iterator
 
 from convpass.core import cudnn_enums as enums
+from convpass.core.cudnn_enums import CudnnError
+from convpass.core.problem import ProblemKey
 from convpass.native.cudnn import library
 from convpass.native.cudnn.arrays import checked_pointer, require_cupy, workspace_arg
 from convpass.native.cudnn.descriptors import ConvDescriptors, TensorParams
-from convpass.core.cudnn_enums import CudnnError
-from convpass.core.problem import ProblemKey
 
 __all__ = [
     "AlgoPerf",
@@ -84,7 +84,7 @@ class Handle:
         self.ptr: int | None = h.value
         self._stream: int | None = None
 
-    def set_stream(self, stream=None) -> "Handle":
+    def set_stream(self, stream=None) -> Handle:
         """Point the handle at a CuPy stream (or raw ``cudaStream_t``); ``None``: the current one."""
         ptr = _stream_ptr(stream)
         if ptr != self._stream:
@@ -119,7 +119,7 @@ _tls = threading.local()
 _made_ahead: dict[tuple[int, int], Handle] = {}
 # Devices each thread holds a handle of its own for: make_handle_for has nothing to do for them.
 # Keyed by the Thread object, not its ident: idents are reused once a thread ends.
-_held: "weakref.WeakKeyDictionary[threading.Thread, set[int]]" = weakref.WeakKeyDictionary()
+_held: weakref.WeakKeyDictionary[threading.Thread, set[int]] = weakref.WeakKeyDictionary()
 
 
 def get_handle(stream=None) -> Handle:

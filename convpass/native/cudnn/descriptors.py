@@ -247,7 +247,7 @@ class ConvDescriptors:
         if first_error is not None:
             raise first_error
 
-    def __enter__(self) -> "ConvDescriptors":
+    def __enter__(self) -> ConvDescriptors:
         return self
 
     def __exit__(self, *exc) -> None:

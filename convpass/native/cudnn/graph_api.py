@@ -118,7 +118,7 @@ class EngineConfig:
         return str(Algo("engine", self.name, self.fusion))
 
     @classmethod
-    def parse(cls, text: str, fusion: str = "") -> "EngineConfig":
+    def parse(cls, text: str, fusion: str = "") -> EngineConfig:
         """From ``eng67_k2=16_k13=0`` or ``engine:eng67_k2=16_k13=0`` (``+bias+swish`` or
         ``fusion`` for a fused graph)."""
         bad = f"{text!r} is not a cuDNN engine configuration (expected e.g. 'engine:eng67_k2=16_k13=0')"
@@ -176,7 +176,7 @@ def versions() -> dict[str, str]:
     return {"cudnn": str(fe.backend_version()), "frontend": str(getattr(fe, "__version__", ""))}
 
 
-def plan_id(key: ProblemKey, config: "EngineConfig") -> str:
+def plan_id(key: ProblemKey, config: EngineConfig) -> str:
     """The name of ``config``'s stored plan for ``key`` under this cuDNN and frontend (a hash: the
     kernel side-car keys entries by it)."""
     doc = {"format": PLAN_FORMAT, **versions(), "key": str(key), "algo": config.algo}
@@ -349,7 +349,7 @@ class EnginePlan:
         return data
 
     @classmethod
-    def load(cls, key: ProblemKey, config: EngineConfig, data: bytes) -> "EnginePlan":
+    def load(cls, key: ProblemKey, config: EngineConfig, data: bytes) -> EnginePlan:
         """A plan from :meth:`serialize`'s bytes, for exactly ``key`` and ``config`` under the
         cuDNN and frontend versions that wrote it (else :class:`GraphApiError`, nothing loaded)."""
         fe = _require()

@@ -57,7 +57,7 @@ _FIX = (
 )
 
 _lock = threading.Lock()
-_state: "_Loaded | None" = None
+_state: _Loaded | None = None
 
 
 class _Loaded:

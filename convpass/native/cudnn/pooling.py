@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from ctypes import byref, c_float, c_void_p
 from collections.abc import Sequence
+from ctypes import byref, c_float, c_void_p
 
 from convpass.core import cudnn_enums as enums
 from convpass.native.cudnn import library

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from convpass.native import cublas as blas, nvrtc as compiler
 from convpass.kernels import broadcast, elementwise, elementwise_launch, group_norm, matmul, normalization, pooling, tensor_ops
-from convpass.runtime.cuda import memory
-from convpass.native.cuda import ELEMENTWISE, first_line
 from convpass.kernels.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
 from convpass.kernels.launch import Launch
-from convpass.runtime.cuda.runner import CompiledPlan
 from convpass.kernels.plan import store_outputs
+from convpass.native import cublas as blas
+from convpass.native import nvrtc as compiler
+from convpass.native.cuda import ELEMENTWISE, first_line
 from convpass.ops.registry import OpContext
+from convpass.runtime.cuda import memory
+from convpass.runtime.cuda.runner import CompiledPlan
 
 __all__ = ["OpLaunch", "compile_plan"]
 

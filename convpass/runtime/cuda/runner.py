@@ -30,10 +30,10 @@ import dataclasses
 import logging
 from typing import Any
 
-from convpass.native.cuda import CaptureBreak, first_line, quiet_for_capture
-from convpass.kernels.launch import Launch
 from convpass.core.errors import ExecutorError
+from convpass.kernels.launch import Launch
 from convpass.kernels.plan import GraphStatus, unshare_outputs
+from convpass.native.cuda import CaptureBreak, first_line, quiet_for_capture
 
 logger = logging.getLogger("convpass")
 
