@@ -161,6 +161,10 @@ class ConvResolver:
         self._by_call[id(call)] = (call, dtype, fusion, cache_key)
         return self._execs[cache_key]
 
+    def executions(self) -> list[Any]:
+        """The execution objects resolved so far."""
+        return list(self._execs.values())
+
     def replace(self, call: ConvCall, dtype: Any, fusion: str | None, ex: Any) -> None:
         """From now on ``call`` runs ``ex`` (a fallback after a recorded choice failed to run)."""
         self._execs[self._cache_key(call, dtype, fusion)] = ex  # _by_call points here

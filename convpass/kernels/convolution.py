@@ -111,6 +111,11 @@ class Convolutions:
         return self.resolver.engine_builds
 
     @property
+    def executions(self) -> list[Any]:
+        """The execution objects resolved so far, one per (convolution, dtype, fusion)."""
+        return self.resolver.executions()
+
+    @property
     def mismatch_nodes(self) -> list[str]:
         """The nodes whose decisions were taken on another GPU."""
         return self.resolver.mismatch_nodes

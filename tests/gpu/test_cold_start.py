@@ -53,7 +53,7 @@ cache = os.environ["CUPY_CACHE_DIR"]
 print(json.dumps({
     "compilations": list(prebuilt.COMPILATIONS),
     "plans_built": [list(b) for b in ex._backend.convs.engine_builds],  # cuDNN plans built, not loaded
-    "engines": sum(1 for ex_ in ex._backend.convs._execs.values() if getattr(ex_, "engine", None) is not None),
+    "engines": sum(1 for ex_ in ex._backend.convs.executions if getattr(ex_, "engine", None) is not None),
     "cache_files": sorted(os.listdir(cache)) if os.path.isdir(cache) else [],
     "warnings": [str(w.message) for w in caught],
     "trusted": ex.trusted,
