@@ -255,7 +255,11 @@ def test_an_interrupted_driver_keeps_what_was_measured_and_a_rerun_measures_the_
     assert first.interrupted and doc["interrupted"] and first.written == []
     assert not list((tmp_path / "out").iterdir())  # no model, not even half of one
     kept = doc["measured"]
-    assert kept >= 5 and len(doc["missing"]) == 18 - kept - len(doc["failed"])
+    # under load the interrupt can come before the last model's problems are collected: then its
+    # tasks do not exist yet, and the model says so
+    collected = [m for m in doc["models"] if m["collected"]]
+    assert kept >= 5 and len(doc["missing"]) == doc["tasks"] - kept - len(doc["failed"])
+    assert doc["tasks"] == 18 or len(collected) < len(MODELS)
     assert len(_stored(tmp_path / "driver.db")) == kept
     again = _tune(lab, tmp_path).to_json()
     assert again["cached"] == kept and again["measured"] == RECORDED_PROBLEMS - kept
