@@ -467,7 +467,15 @@ class CacheFile:
         format (:meth:`_damaged`); a damaged one of this format is left to the open, which moves it aside."""
         self.readonly, self._integrity = True, False
         try:
-            _retry(self._connect_and_check, self.path).close()
+            try:
+                _retry(self._connect_and_check, self.path).close()
+            except CacheError:
+                if not os.path.exists(f"{self.path}.lock"):
+                    raise
+                # another convpass process may be starting a fresh cache here this moment (after
+                # moving a damaged one aside): look again once it is done, under the open lock
+                with self._file_lock():
+                    _retry(self._connect_and_check, self.path).close()
         except _Damaged:
             pass
         finally:
