@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import dataclasses
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import MODELS, REPO
@@ -1075,6 +1077,21 @@ def test_the_tuned_model_gets_its_kernel_sidecar_or_says_why_not(tmp_path):
     line = render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, **_stand_in_kernels("m.tuned.onnx")})
     assert line.endswith("; kernels ahead of time (0.250 s): m.tuned.onnx.kernels: 3 kernel(s) compiled ahead of time "
                          "(sm_90: 3) (stand-in)")
+
+
+def test_the_in_place_check_of_the_kernel_compile_is_kept_and_its_slow_convs_named():
+    from convpass.compiler.aot import KernelReport
+
+    conv = {"node": "c1", "profile": 0, "algo": "IMPLICIT_GEMM", "memory_format": "nhwc", "tuned_ms": 0.1}
+    docs = ({"reliable": True, "convs": [dict(conv, in_place_ms=0.2, ratio=2.0), dict(conv, node="c2", in_place_ms=0.1, ratio=1.0)]},)
+    report = KernelReport(Path("m.kernels"), 3, {"90": 3}, ["1x3x8x8"], [], 1.0, in_place=docs)
+    got = convpass_contender.in_place_record(report)
+    assert (got["timed"], got["judged"], len(got["slow"])) == (2, True, 1) and "'c1'" in got["slow"][0]
+    assert convpass_contender.in_place_record(dataclasses.replace(report, in_place=())) is None
+    unjudged = convpass_contender.in_place_record(dataclasses.replace(report, in_place=(dict(docs[0], reliable=False),)))
+    assert (unjudged["judged"], unjudged["slow"]) == (False, [])
+    line = render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, **_stand_in_kernels("m.tuned.onnx"), "in_place": got})
+    assert "; in place: 2 tuned conv launch(es) timed inside the plan, 1 more than 15% over their tuned time\n    conv 'c1'" in line
 
 
 def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):

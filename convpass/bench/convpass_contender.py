@@ -92,16 +92,27 @@ def write_kernels(tuned_path: Path) -> dict[str, Any]:
     """The tuned model's kernel side-car, compiled as ``convpass optimize`` compiles it on a GPU
     (:mod:`convpass.compiler.aot`; always compiled here, never kept from an earlier run, so ``kernels_s``
     is the compile time), so that the executor starts as a deployment's does: ``kernels`` (what
-    was written, or why not) and ``kernels_s``."""
+    was written, or why not), ``kernels_s`` and ``in_place`` (:func:`in_place_record`)."""
     from convpass.compiler.aot import compile_kernels
     from convpass.core.errors import ConvpassError
 
     t0 = time.perf_counter()
     try:
-        written = compile_kernels(tuned_path).line()
+        report = compile_kernels(tuned_path)
     except ConvpassError as e:
-        written = f"not written: {str(e).strip().splitlines()[0]}"
-    return {"kernels": written, "kernels_s": time.perf_counter() - t0}
+        return {"kernels": f"not written: {str(e).strip().splitlines()[0]}", "kernels_s": time.perf_counter() - t0}
+    return {"kernels": report.line(), "kernels_s": time.perf_counter() - t0, "in_place": in_place_record(report)}
+
+
+def in_place_record(report: Any) -> dict[str, Any] | None:
+    """The in-place check that compiling the kernels ran (:mod:`convpass.runtime.in_place`): its
+    line, the tuned conv launches timed, and one line per conv more than 15% over its tuned time
+    (None when it did not run)."""
+    line = report.in_place_line()
+    if line is None:
+        return None
+    return {"line": line, "timed": sum(len(d["convs"]) for d in report.in_place),
+            "judged": all(d.get("reliable") for d in report.in_place), "slow": report.slow_convs()}
 
 
 def run_convpass(tuned_path: Path, tuning: dict[str, Any], records: Sequence[Mapping[str, Any]], dev_feeds: Mapping[str, Any],

@@ -104,6 +104,9 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
         line += f"; kernels: {t['kernels']}"
     elif t.get("kernels"):
         line += f"; kernels ahead of time ({_s(t.get('kernels_s'))} s): {t['kernels']}"
+    placed = t.get("in_place")
+    if placed:
+        line += f"; {placed['line']}" + "".join(f"\n    {s}" for s in placed.get("slow", ()))
     return line
 
 
