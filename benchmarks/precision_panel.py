@@ -44,7 +44,7 @@ import onnx
 
 import convpass
 from convpass.bench import contenders as cont
-from convpass.bench import peers
+from convpass.bench import environment, measure, ort_contender, peers, torch_contender
 from convpass.compiler.precision.data import model_error
 from convpass.core import annotation
 
@@ -73,15 +73,15 @@ def _shape(dims: Sequence[int | None], batch: int, entry: dict | None) -> tuple[
 def _time_convpass(path: Path, x_dev, runs: int, warmup: int) -> tuple[float, np.ndarray]:
     from convpass.runtime.executor import Executor
 
-    cont.free_gpu_memory()
+    measure.free_gpu_memory()
     ex = Executor(str(path), device="cuda", output_kind="device")
     out: list[Any] = []
 
     def run() -> None:
         out[:] = ex.run(None, x_dev)
 
-    cont.warm_gpu()
-    times = cont.time_steady(run, cont.device_sync, runs, warmup)
+    measure.warm_gpu()
+    times = measure.time_steady(run, measure.device_sync, runs, warmup)
     host = [np.asarray(o.get()) for o in out]
     out.clear()
     return float(np.median(times)), host
@@ -106,11 +106,11 @@ def _fp16_model(original: Path, spec: str, cache: str, work: Path) -> tuple[Path
 def _time_ort(path: Path, name: str, x: np.ndarray, ref: list[np.ndarray], runs: int, warmup: int) -> dict[str, Any]:
     import onnxruntime as ort
 
-    cp = cont._cupy()
+    cp = measure.cupy()
     best: dict[str, Any] = {}
     for search, nhwc in ORT_SEARCH:
         cfg = {"cudnn_conv_algo_search": search, "prefer_nhwc": nhwc, "use_tf32": 1}
-        cont.free_gpu_memory()
+        measure.free_gpu_memory()
         try:
             so = ort.SessionOptions()
             so.log_severity_level = 3
@@ -122,8 +122,8 @@ def _time_ort(path: Path, name: str, x: np.ndarray, ref: list[np.ndarray], runs:
             for o in sess.get_outputs():
                 binding.bind_output(o.name, "cuda", dev)
             sess.run_with_iobinding(binding)
-            cont.warm_gpu()
-            times = cont.time_steady(lambda: sess.run_with_iobinding(binding), cont.device_sync, runs, warmup)
+            measure.warm_gpu()
+            times = measure.time_steady(lambda: sess.run_with_iobinding(binding), measure.device_sync, runs, warmup)
             outs = [np.asarray(o.numpy()) for o in binding.get_outputs()]
             entry = {"config": f"{search}-{'nhwc' if nhwc else 'nchw'}", "ms": float(np.median(times)),
                      "error": model_error([outs], [ref], "max-rel")}
@@ -136,7 +136,7 @@ def _time_ort(path: Path, name: str, x: np.ndarray, ref: list[np.ndarray], runs:
 
 
 def _time_torch(model_path: Path, panel_json: str | None, x: np.ndarray, ref: list[np.ndarray], runs: int, warmup: int) -> dict[str, Any]:
-    reason = cont.torch_unavailable_reason()
+    reason = torch_contender.torch_unavailable_reason()
     if reason is not None:
         return {"skipped": reason}
     entry, why = peers.panel_entry(model_path, panel_json)
@@ -160,8 +160,8 @@ def _time_torch(model_path: Path, panel_json: str | None, x: np.ndarray, ref: li
         run()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
-        cont.warm_gpu()
-        times = cont.time_steady(run, torch.cuda.synchronize, runs, warmup)
+        measure.warm_gpu()
+        times = measure.time_steady(run, torch.cuda.synchronize, runs, warmup)
     y = peers.first_tensor(out[0]).detach().float().cpu().numpy()
     out.clear()
     return {"ms": float(np.median(times)), "error": model_error([[y]], [ref[:1]], "max-rel"), "compile_s": compile_s}
@@ -176,7 +176,7 @@ def bench_case(path: Path, batch: int, cache: str, work: Path, runs: int, warmup
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)  # the held-out input
     ref, _, _ = cont.reference_outputs(path, {name: x})
     case: dict[str, Any] = {"model": path.stem, "batch": batch, "input": spec}
-    x_dev = {name: cont._cupy().asarray(x)}
+    x_dev = {name: measure.cupy().asarray(x)}
     for label, options in CONFIGS.items():
         out = work / f"{path.stem}.b{batch}.{label}.onnx"
         t0 = time.perf_counter()
@@ -188,7 +188,7 @@ def bench_case(path: Path, batch: int, cache: str, work: Path, runs: int, warmup
                        "calibration_error": record.get("calibration", {}).get("error"),
                        "holdout_error": record.get("holdout", {}).get("error"), "within_budget": record.get("within_budget")}
     if with_peers:
-        reason = cont.ort_unavailable_reason()
+        reason = ort_contender.ort_unavailable_reason()
         if reason is None:
             fp16, how = _fp16_model(path, spec, cache, work)
             case["ort_fp16"] = dict(_time_ort(fp16, name, x, ref, runs, warmup), conversion=how)
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = summarize(cases)
     print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"cases": cases, "summary": lines, "environment": cont.environment()}, indent=1))
+        Path(args.out).write_text(json.dumps({"cases": cases, "summary": lines, "environment": environment.environment()}, indent=1))
     return 0
 
 

@@ -14,7 +14,8 @@
 #       one worker per GPU takes the next queued model and benches it (its batches in one process,
 #       the machine's cores split between the workers with taskset, one tuning-cache copy each) until
 #       SECONDS (default 540) have passed; a model cut off by that limit goes back to the head of the
-#       queue for the next call, and one that fails is kept with its log
+#       queue for the next call, and one that fails is kept with its log; GPUS=0,1 names the GPUs
+#       the workers use (default: every GPU)
 #   bash scripts/bench-panel.sh report             merge every benched model: $OUT/bench.{txt,json,png}
 # Per-model reports and JSON stay in .bench-panel/; after every phase all of it goes to $OUT as one
 # file, bench-panel.tar (with the tuning cache and the workers' copies, zstd-compressed: carry the
@@ -39,7 +40,9 @@ cache=${CONVPASS_TUNE_CACHE:-/tmp/tune.db}
 . scripts/device-env.sh
 device_env || exit 1
 [ -f "$cache" ] || [ ! -f .tunecache/tune.db ] || cp .tunecache/tune.db "$cache"
-bench_defaults=(--runs 15 --warmup 3 --tf32 on --profile-ops --no-roofline --no-kernels)
+bench_defaults=(--runs 15 --warmup 3 --tf32 on --profile-ops --no-roofline)
+# KERNELS=1: compile each tuned model's kernels ahead of time, which runs the in-place check too
+[ "${KERNELS:-0}" = 1 ] || bench_defaults+=(--no-kernels)
 # the largest cases first, so that the small ones fill the end of a call
 heavy_first="r2plus1d_18 conv_tasnet_base r3d_18 unet espcn efficientnet_v2_s fcn_resnet50 densenet121 inception_v3 mobilevit_s convnext_tiny"
 
@@ -114,11 +117,14 @@ phase() {
       shift
       local seconds=540
       [[ "${1:-}" =~ ^[0-9]+$ ]] && { seconds=$1; shift; }
-      local gpus cores n i per
-      gpus=$(nvidia-smi -L | wc -l); cores=$(nproc); per=$((cores / gpus))
+      local gpus cores n i k=0 per
+      # $GPUS (a comma list) keeps some GPUs for other work; default: every GPU
+      if [ -n "${GPUS:-}" ]; then IFS=, read -r -a gpus <<<"$GPUS"; else mapfile -t gpus < <(seq 0 $(($(nvidia-smi -L | wc -l) - 1))); fi
+      cores=$(nproc); per=$((cores / ${#gpus[@]}))
       local deadline=$((SECONDS + seconds))
-      for ((i = 0; i < gpus; i++)); do
-        worker "$i" "$((i * per))-$((i * per + per - 1))" "$deadline" "$@" &
+      for i in "${gpus[@]}"; do
+        worker "$i" "$((k * per))-$((k * per + per - 1))" "$deadline" "$@" &
+        k=$((k + 1))
       done
       wait
       n=$(wc -l <"$work/queue")
