@@ -2,6 +2,8 @@
 # installs convpass from this tree without the registry, unpacks nvidia-cudnn-frontend when it is
 # staged in .cudnnfe/ (cuDNN's graph-API engines, issue 12), and points Python at what was staged
 # in /tmp: the frontend (/tmp/cudnnfe-site), onnxruntime-gpu (/tmp/ortgpu), Ray (/tmp/site).
+# Wheels carried in .whl/ (jsonschema and its dependencies: the device image has no jsonschema,
+# which convpass requires) are installed into /tmp/site when jsonschema cannot be imported.
 # Expects $out (the calling script's log folder). Returns non-zero with the install log on failure.
 device_env() {
   export PYTHONUNBUFFERED=1
@@ -15,6 +17,12 @@ device_env() {
     cat .cudnnfe/[0-9]*/part | .cudnnfe/tool/zstd -d -q | tar xf - -C /tmp/cudnnfe-wheels
     python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/cudnnfe-site /tmp/cudnnfe-wheels/*.whl \
         >"$out/install.log" 2>&1 || { cat "$out/install.log"; rm -rf /tmp/cudnnfe-site; return 1; }
+  fi
+  # convpass's own pure-Python needs that the device image lacks (jsonschema and its dependencies),
+  # carried as wheels in .whl/ (the device tool's README says how to download wheels for it)
+  if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import jsonschema" 2>/dev/null && [ ! -d /tmp/site/jsonschema ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >>"$out/install.log" 2>&1 || { cat "$out/install.log"; return 1; }
   fi
   local p
   for p in /tmp/site /tmp/ortgpu /tmp/cudnnfe-site; do
