@@ -1092,6 +1092,18 @@ def test_the_in_place_check_of_the_kernel_compile_is_kept_and_its_slow_convs_nam
     assert (unjudged["judged"], unjudged["slow"]) == (False, [])
     line = render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, **_stand_in_kernels("m.tuned.onnx"), "in_place": got})
     assert "; in place: 2 tuned conv launch(es) timed inside the plan, 1 more than 15% over their tuned time\n    conv 'c1'" in line
+    assert line.count("\n") == 1 and "more" not in line.splitlines()[-1]
+    # a real model may have a hundred slow convs: five are named, the rest counted in one line
+    many = dataclasses.replace(report, in_place=({"reliable": True, "convs": [
+        dict(conv, node=f"c{i}", in_place_ms=0.2, ratio=2.0) for i in range(12)]},))
+    got = convpass_contender.in_place_record(many)
+    assert len(got["slow"]) == 12  # the record keeps every one
+    tail = render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": got}).splitlines()[1:]
+    assert [s.split("'")[1] for s in tail[:-1]] == ["c0", "c1", "c2", "c3", "c4"] and tail[-1] == "    ... and 7 more"
+    five = dict(got, slow=got["slow"][:5])
+    assert render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": five}).count("\n") == 5
+    six = dict(got, slow=got["slow"][:6])
+    assert render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": six}).endswith("\n    ... and 1 more")
 
 
 def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):
