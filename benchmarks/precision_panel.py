@@ -19,7 +19,8 @@ For every model and batch, in one process on one GPU:
 Printed: one row per case, then per batch the geometric mean of the speedup of ``auto 1e-2`` over
 all-TF32, the worst held-out errors against their budgets, the worst ratio of ``auto 1e-3`` to
 all-FP32, and ``auto 1e-2`` against the faster peer, each with the target it answers and met / not
-met. ``--out FILE`` writes every figure as JSON::
+met. ``--out FILE`` writes every figure as JSON, atomically after every case (``complete``: false
+until the last one), so a run cut off keeps the cases it finished::
 
     python models/export_panel.py --out /tmp/panel
     python benchmarks/precision_panel.py --panel /tmp/panel --batches 1,16 --cache /tmp/prec.db --peers --out prec.json
@@ -43,10 +44,11 @@ import numpy as np
 import onnx
 
 import convpass
-from convpass.bench import contenders as cont
 from convpass.bench import environment, measure, ort_contender, peers, torch_contender
+from convpass.bench.reference import reference_outputs
 from convpass.compiler.precision.data import model_error
 from convpass.core import annotation
+from convpass.core.model_io import write_text_atomically
 
 CONFIGS = {"fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"},
            "auto-1e-2": {"precision": "auto", "max_error": 1e-2}, "auto-1e-3": {"precision": "auto", "max_error": 1e-3}}
@@ -104,10 +106,12 @@ def _fp16_model(original: Path, spec: str, cache: str, work: Path) -> tuple[Path
 
 
 def _time_ort(path: Path, name: str, x: np.ndarray, ref: list[np.ndarray], runs: int, warmup: int) -> dict[str, Any]:
+    """The fastest of :data:`ORT_SEARCH` (its figures, at the top level) and every configuration
+    tried (``tried``; none of them holds the list)."""
     import onnxruntime as ort
 
     cp = measure.cupy()
-    best: dict[str, Any] = {}
+    tried: list[dict[str, Any]] = []
     for search, nhwc in ORT_SEARCH:
         cfg = {"cudnn_conv_algo_search": search, "prefer_nhwc": nhwc, "use_tf32": 1}
         measure.free_gpu_memory()
@@ -123,16 +127,15 @@ def _time_ort(path: Path, name: str, x: np.ndarray, ref: list[np.ndarray], runs:
                 binding.bind_output(o.name, "cuda", dev)
             sess.run_with_iobinding(binding)
             measure.warm_gpu()
-            times = measure.time_steady(lambda: sess.run_with_iobinding(binding), measure.device_sync, runs, warmup)
+            times = measure.time_steady(lambda s=sess, b=binding: s.run_with_iobinding(b), measure.device_sync, runs, warmup)
             outs = [np.asarray(o.numpy()) for o in binding.get_outputs()]
             entry = {"config": f"{search}-{'nhwc' if nhwc else 'nchw'}", "ms": float(np.median(times)),
                      "error": model_error([outs], [ref], "max-rel")}
         except Exception as e:  # noqa: BLE001 - reported, the others still run
             entry = {"config": f"{search}-{'nhwc' if nhwc else 'nchw'}", "failed": peers.first_line(e)}
-        if "ms" in entry and ("ms" not in best or entry["ms"] < best["ms"]):
-            best = entry
-        best.setdefault("tried", []).append(entry)
-    return best
+        tried.append(entry)
+    best = min((e for e in tried if "ms" in e), key=lambda e: e["ms"], default={})
+    return {**best, "tried": tried}
 
 
 def _time_torch(model_path: Path, panel_json: str | None, x: np.ndarray, ref: list[np.ndarray], runs: int, warmup: int) -> dict[str, Any]:
@@ -174,7 +177,7 @@ def bench_case(path: Path, batch: int, cache: str, work: Path, runs: int, warmup
     shape = _shape(dims, batch, entry)
     spec = f"{name}={'x'.join(map(str, shape))}"
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)  # the held-out input
-    ref, _, _ = cont.reference_outputs(path, {name: x})
+    ref, _, _ = reference_outputs(path, {name: x})
     case: dict[str, Any] = {"model": path.stem, "batch": batch, "input": spec}
     x_dev = {name: measure.cupy().asarray(x)}
     for label, options in CONFIGS.items():
@@ -271,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     work = Path(tempfile.mkdtemp(prefix="convpass-precision-"))
     cache = args.cache or str(work / "tuning.db")
-    cases = []
+    env = environment.environment()
+    cases: list[dict[str, Any]] = []
     for path in paths:
         for batch in batches:
             print(f"{path.stem} batch {batch} ...", file=sys.stderr, flush=True)
@@ -282,11 +286,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 traceback.print_exc()
                 case = {"model": path.stem, "batch": batch, "error": peers.first_line(e)}
             cases.append(case)
-    lines = summarize(cases)
-    print("\n".join(lines))
+            if args.out:
+                write_out(args.out, cases, env, complete=False)
+    print("\n".join(summarize(cases)))
     if args.out:
-        Path(args.out).write_text(json.dumps({"cases": cases, "summary": lines, "environment": environment.environment()}, indent=1))
+        write_out(args.out, cases, env, complete=True)
     return 0
+
+
+def write_out(path: str, cases: list[dict[str, Any]], env: dict[str, Any], complete: bool) -> None:
+    """The figures so far as JSON, through a temporary file beside ``path`` and a rename."""
+    doc = {"cases": cases, "summary": summarize(cases), "environment": env, "complete": complete}
+    write_text_atomically(path, json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

@@ -1092,6 +1092,69 @@ def test_the_in_place_check_of_the_kernel_compile_is_kept_and_its_slow_convs_nam
     assert (unjudged["judged"], unjudged["slow"]) == (False, [])
     line = render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, **_stand_in_kernels("m.tuned.onnx"), "in_place": got})
     assert "; in place: 2 tuned conv launch(es) timed inside the plan, 1 more than 15% over their tuned time\n    conv 'c1'" in line
+    assert line.count("\n") == 1 and "more" not in line.splitlines()[-1]
+    # a real model may have a hundred slow convs: five are named, the rest counted in one line
+    many = dataclasses.replace(report, in_place=({"reliable": True, "convs": [
+        dict(conv, node=f"c{i}", in_place_ms=0.2, ratio=2.0) for i in range(12)]},))
+    got = convpass_contender.in_place_record(many)
+    assert len(got["slow"]) == 12  # the record keeps every one
+    tail = render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": got}).splitlines()[1:]
+    assert [s.split("'")[1] for s in tail[:-1]] == ["c0", "c1", "c2", "c3", "c4"] and tail[-1] == "    ... and 7 more"
+    five = dict(got, slow=got["slow"][:5])
+    assert render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": five}).count("\n") == 5
+    six = dict(got, slow=got["slow"][:6])
+    assert render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": six}).endswith("\n    ... and 1 more")
+
+
+def _in_place(slow: int, judged: bool = True) -> dict:
+    """A convpass tuning record's in-place check with ``slow`` slow convs (made up)."""
+    lines = [f"conv 'c{i}' (profile 0) runs 0.2000 ms in place against 0.1000 ms tuned (2.00x > 1.15x)" for i in range(slow)]
+    return {"line": f"in place: 20 tuned conv launch(es) timed inside the plan, {slow} more than 15% over their tuned time",
+            "timed": 20, "judged": judged, "slow": lines if judged else []}
+
+
+def test_the_in_place_slow_convs_target_counts_every_case_and_leaves_out_what_it_cannot_judge():
+    cases = [_case(m, b) for m, b in CONVPASS_SAMPLE]  # resnet50 b1, resnet50 b32, mobilenet_v3_large b1
+    fourth = _case("resnet50", 1)
+    fourth["batch"] = 8
+    tunings = [records.find(c, "convpass")["tuning"] for c in [*cases, fourth]]
+    tunings[0]["in_place"] = _in_place(0)
+    tunings[1]["in_place"] = _in_place(12)
+    tunings[2]["in_place"] = _in_place(0, judged=False)  # timed with host gaps; the fourth: no check ran
+    doc = document.build_document(ENV, SETTINGS, None, [*cases, fourth])
+    assert schema.validate_document(doc) == [], schema.validate_document(doc)
+    broken = json.loads(json.dumps(doc))
+    records.find(broken["cases"][1], "convpass")["tuning"]["in_place"]["slow"] = 12
+    assert any(".tuning.in_place.slow: 12 is not of type 'array'" in e for e in schema.validate_document(broken))
+    t = _t(doc["summary"], "in_place_slow_convs")
+    assert (t["measure"], t["rule"], t["at_most"]) == ("in_place_slow_convs", "every_case", 0)
+    assert t["per_case"] == {"resnet50 b1": 0, "resnet50 b32": 12} and t["n"] == 2
+    assert t["failing"] == ["resnet50 b32"] and (t["worst"], t["worst_case"]) == (12, "resnet50 b32")
+    assert t["not_measured"] == ["resnet50 b8"] and t["not_judged"] == ["mobilenet_v3_large b1"]
+    assert t["verdict"] == "not met"
+    text = render.format_report(doc).splitlines()
+    assert ("    in_place_slow_convs: tuned convs more than 15% over their tuned time when timed inside the plan "
+            "(the in-place check), per case") in text
+    assert ("      worst 12 (resnet50 b32); above 0: resnet50 b32 12; 2 case(s); target <= 0 in every case: NOT MET "
+            "(not measured for resnet50 b8; bench without --no-kernels, on a GPU; timed with host gaps, not judged for "
+            "mobilenet_v3_large b1)") in text
+    # none slow where judged: met, what was left out still listed
+    tunings[1]["in_place"] = _in_place(0)
+    t = _t(document.build_document(ENV, SETTINGS, None, [*cases, fourth])["summary"], "in_place_slow_convs")
+    assert t["verdict"] == "met" and t["failing"] == [] and t["not_judged"] == ["mobilenet_v3_large b1"]
+    # a wrong convpass output fails it, as every target that reads convpass
+    records.judge(records.find(cases[0], "convpass"), 0.5, 5e-3)
+    assert _t(document.build_document(ENV, SETTINGS, None, cases)["summary"], "in_place_slow_convs")["verdict"] == "not met"
+    # no check ran anywhere (--no-kernels, or no GPU): not measured, with how to take it
+    s = document.build_document(ENV, SETTINGS, None, [fourth])["summary"]
+    assert _t(s, "in_place_slow_convs")["verdict"] == "not measured"
+    assert ("      no case measured; target <= 0 in every case: NOT MEASURED (not measured for any case; bench without "
+            "--no-kernels, on a GPU)") in render_summary.format_summary(s).splitlines()
+    # only checks timed with host gaps: not measured either, and said why
+    s = document.build_document(ENV, SETTINGS, None, [cases[2]])["summary"]
+    assert _t(s, "in_place_slow_convs")["verdict"] == "not measured"
+    assert ("      no case measured; target <= 0 in every case: NOT MEASURED (timed with host gaps, not judged for "
+            "mobilenet_v3_large b1)") in render_summary.format_summary(s).splitlines()
 
 
 def test_bench_end_to_end_with_stand_ins(monkeypatch, tmp_path, capsys):

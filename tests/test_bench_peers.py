@@ -452,6 +452,10 @@ def test_targets_option_reads_another_file_and_refuses_a_malformed_one(tmp_path)
         "no bound": {"targets": [{"name": "a", "judges": "a", "measure": "vs_all", "rule": "every_case"}]},
         "two names": {"targets": [{"name": "a", "judges": "a", "measure": "vs_all", "rule": "geomean", "at_most": 1}] * 2},
         "a bound on a status": {"targets": [{"name": "a", "judges": "a", "measure": "cuda_graph", "rule": "every_case", "at_most": 1}]},
+        "a mean of counts": {"targets": [{"name": "a", "judges": "a", "measure": "in_place_slow_convs", "rule": "geomean",
+                                          "at_most": 0}]},
+        "a floor on counts": {"targets": [{"name": "a", "judges": "a", "measure": "in_place_slow_convs", "rule": "every_case",
+                                           "at_least": 0}]},
     }
     for what, content in bad.items():
         mine.write_text(json.dumps(content))

@@ -1,14 +1,30 @@
-"""benchmarks/precision_panel.py's verdicts from case figures (no GPU: the figures are given)."""
+"""benchmarks/precision_panel.py on the CPU: its verdicts from case figures, a case built as on the
+GPU machine (CuPy, the clocks, the executor's device, ONNX Runtime's CUDA EP and the tuner's GPU
+stood in for) written as JSON, and its ``--out`` file written after every case."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
+import types
+from types import SimpleNamespace
 
-from conftest import REPO
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import MODELS, REPO
+from precision_fakes import RATES, synthetic_cache
+
+import convpass
 
 _spec = importlib.util.spec_from_file_location("precision_panel", REPO / "benchmarks" / "precision_panel.py")
 precision_panel = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(precision_panel)
+
+MODEL = MODELS / "residual_cnn.onnx"
+SLOW = {k: v / 1000 for k, v in RATES.items()}  # made-up rates slow enough for float16 to pay for its casts
 
 
 def _case(model, batch, tf32, auto2, auto3, fp32, err2=1e-3, err3=1e-4, peer=None):
@@ -33,3 +49,141 @@ def test_the_summary_judges_every_target():
     assert "2 models: geomean 1.29 of the peer's time: not met" in text  # sqrt(1/1.2 * 2/1)
     assert "failed: c b16: out of memory" in text
     assert "1.50x tf32" in precision_panel._row(cases[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# a case built as on the GPU machine, its GPU parts stood in for, and the JSON it is written as
+
+
+class _FakeCupy:
+    """``measure.cupy()`` on the CPU: device arrays are host arrays, a pointer indexes them."""
+
+    def __init__(self):
+        self.arrays = []
+        self.cuda = SimpleNamespace(Device=lambda: SimpleNamespace(id=0))
+
+    def asarray(self, a):
+        self.arrays.append(np.asarray(a))
+        return SimpleNamespace(data=SimpleNamespace(ptr=len(self.arrays) - 1))
+
+
+class _OrtWithFakeCuda(types.ModuleType):
+    """onnxruntime whose CUDA EP is stood in for (:attr:`Session`); the rest is the real module."""
+
+    def __getattr__(self, name):
+        return getattr(ort, name)
+
+
+def _fake_ort(cupy: _FakeCupy, refuse: str) -> types.ModuleType:
+    """onnxruntime whose CUDA EP is ONNX Runtime's CPU EP (IOBinding on ``cupy``'s arrays), and
+    which refuses the configuration ``refuse`` (``SEARCH-layout``)."""
+    real = ort
+
+    class Session:
+        def __init__(self, path, so, providers):
+            (_, options), = providers
+            if f"{options['cudnn_conv_algo_search']}-{'nhwc' if options['prefer_nhwc'] == '1' else 'nchw'}" == refuse:
+                raise RuntimeError("CUDNN failure 9: CUDNN_STATUS_NOT_SUPPORTED\nmore detail")
+            self.cpu = real.InferenceSession(path, providers=["CPUExecutionProvider"])
+            self.feeds, self.outs = {}, []
+
+        def io_binding(self):
+            session = self
+
+            class Binding:
+                def bind_input(self, name, device, device_id, dtype, shape, ptr):
+                    session.feeds[name] = cupy.arrays[ptr].reshape(shape)
+
+                def bind_output(self, name, device, device_id):
+                    pass
+
+                def get_outputs(self):
+                    return [SimpleNamespace(numpy=lambda o=o: o) for o in session.outs]
+
+            return Binding()
+
+        def get_outputs(self):
+            return self.cpu.get_outputs()
+
+        def run_with_iobinding(self, binding):
+            self.outs = self.cpu.run(None, self.feeds)
+
+    fake = _OrtWithFakeCuda("onnxruntime")
+    fake.InferenceSession = lambda path, so=None, providers=(): (  # the reference's own session is the real one
+        real.InferenceSession(path, so, providers=providers) if providers == ["CPUExecutionProvider"] else Session(path, so, providers))
+    return fake
+
+
+def _cpu_stand_ins(monkeypatch, tmp_path):
+    """The GPU parts of ``bench_case`` stood in for on the CPU: CuPy and the clocks, the convpass
+    executor (its CPU device), ONNX Runtime's CUDA EP (its CPU EP), and the tuner (a synthetic
+    tuning cache of a made-up GPU, so that ``--precision auto`` decides)."""
+    from convpass.runtime.executor import Executor
+
+    cupy = _FakeCupy()
+    cache = tmp_path / "tuning.db"
+    synthetic_cache(cache, onnx.load(MODEL), rates=SLOW)
+    real_optimize = convpass.optimize
+
+    def optimize(*args, **kw):
+        return real_optimize(*args, **{**kw, "device_name": "Synthetic", "kernels": False})
+
+    def time_convpass(path, x_dev, runs, warmup):
+        ex = Executor(str(path), device="cpu")
+        return 1.0 + len(str(path)) % 7 / 10, ex.run(None, {k: cupy.arrays[v.data.ptr] for k, v in x_dev.items()})
+
+    measure = precision_panel.measure
+    for name, value in {"cupy": lambda: cupy, "warm_gpu": lambda: None, "free_gpu_memory": lambda: None,
+                        "device_sync": lambda: None}.items():
+        monkeypatch.setattr(measure, name, value)
+    monkeypatch.setattr(precision_panel, "convpass", SimpleNamespace(optimize=optimize))
+    monkeypatch.setattr(precision_panel, "_time_convpass", time_convpass)
+    monkeypatch.setattr(precision_panel.ort_contender, "ort_unavailable_reason", lambda: None)
+    monkeypatch.setitem(sys.modules, "onnxruntime", _fake_ort(cupy, refuse="HEURISTIC-nhwc"))
+    return str(cache)
+
+
+def test_a_case_built_as_on_the_gpu_is_written_as_json(monkeypatch, tmp_path):
+    cache = _cpu_stand_ins(monkeypatch, tmp_path)
+    case = precision_panel.bench_case(MODEL, 1, cache, tmp_path, 2, 1, True, None)
+    again = json.loads(json.dumps(case))  # no record holds itself, none is shared
+    assert again == case
+    assert set(precision_panel.CONFIGS) <= set(case) and all(case[k]["ms"] > 0 for k in precision_panel.CONFIGS)
+    assert case["fp32"]["error"] < 1e-5 and case["auto-1e-2"]["within_budget"] is True
+    peer = case["ort_fp16"]
+    assert [t["config"] for t in peer["tried"]] == [f"{s}-{'nhwc' if n else 'nchw'}" for s, n in precision_panel.ORT_SEARCH]
+    assert peer["tried"][3] == {"config": "HEURISTIC-nhwc", "failed": "RuntimeError: CUDNN failure 9: CUDNN_STATUS_NOT_SUPPORTED"}
+    timed = [t for t in peer["tried"] if "ms" in t]
+    assert len(timed) == 3 and peer["ms"] == min(t["ms"] for t in timed) and peer["config"] in {t["config"] for t in timed}
+    assert all("tried" not in t for t in peer["tried"])
+    assert peer["error"] < 1e-2 and peer["conversion"].startswith("convpass --precision fp16 graph")
+    assert set(case["torch_compile_fp16"]) == {"skipped"}  # no torch with CUDA here
+    row = precision_panel._row(case)
+    assert row.startswith("residual_cnn") and f"ort fp16 {peer['ms']:.3f} ms" in row
+
+
+def test_the_out_file_is_written_after_every_case_and_keeps_them_when_the_run_is_cut_off(monkeypatch, tmp_path):
+    out = tmp_path / "prec.json"
+    finished = _case("residual_cnn", 1, 2.0, 1.0, 1.5, 3.0)
+
+    def bench_case(path, batch, *rest):
+        if batch == 1:
+            return finished
+        if batch == 2:
+            return {}  # one case failing (a KeyError in its row) is reported and the panel goes on
+        assert json.loads(out.read_text())["cases"][0] == finished  # on disk before the next case ran
+        raise KeyboardInterrupt  # the time limit
+
+    monkeypatch.setattr(precision_panel, "bench_case", bench_case)
+    monkeypatch.setattr(precision_panel.environment, "environment", lambda: {"device": "made up"})
+    with pytest.raises(KeyboardInterrupt):
+        precision_panel.main(["--model", str(MODEL), "--batches", "1,2,16", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["environment"] == {"device": "made up"}
+    assert doc["cases"] == [finished, {"model": "residual_cnn", "batch": 2, "error": "KeyError: 'tf32'"}]
+    assert "failed: residual_cnn b2: KeyError: 'tf32'" in doc["summary"] and "batch 1, 1 models:" in doc["summary"]
+    assert [p.name for p in tmp_path.iterdir()] == ["prec.json"]  # no temporary file left beside it
+    monkeypatch.setattr(precision_panel, "bench_case", lambda path, batch, *rest: finished)
+    assert precision_panel.main(["--model", str(MODEL), "--batches", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["cases"] == [finished]

@@ -78,7 +78,8 @@ def check_text(c: Mapping[str, Any]) -> str:
 
 
 def tuning_line(t: Mapping[str, Any] | None) -> str | None:
-    """One line on how convpass's decisions were taken (measured or all from the tuning cache)."""
+    """One line on how convpass's decisions were taken (measured or all from the tuning cache), the
+    kernels compiled ahead of time and their in-place check (with its slow convs beneath)."""
     if not t:
         return None
     measured, cached, failed = t.get("measured"), t.get("cached"), t.get("failed")
@@ -106,8 +107,18 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
         line += f"; kernels ahead of time ({_s(t.get('kernels_s'))} s): {t['kernels']}"
     placed = t.get("in_place")
     if placed:
-        line += f"; {placed['line']}" + "".join(f"\n    {s}" for s in placed.get("slow", ()))
+        line += f"; {placed['line']}" + "".join(f"\n    {s}" for s in slow_conv_lines(placed.get("slow") or []))
     return line
+
+
+SLOW_CONV_LINES = 5  # slow convs named per case; the rest counted
+
+
+def slow_conv_lines(slow: Sequence[str]) -> list[str]:
+    """The first :data:`SLOW_CONV_LINES` slow convs of the in-place check, then "... and N more"."""
+    shown = list(slow[:SLOW_CONV_LINES])
+    rest = len(slow) - len(shown)
+    return shown + ([f"... and {rest} more"] if rest else [])
 
 
 def roofline_line(r: Mapping[str, Any] | None) -> str | None:

@@ -64,13 +64,16 @@ def ranking_line(r: Mapping[str, Any]) -> str:
 
 
 def _tail(s: Mapping[str, Any], hint: str = "") -> str:
-    """What a target's verdict leaves out: unmeasured cases (all of them in a word), invalid convpass results."""
+    """What a target's verdict leaves out: unmeasured cases (all of them in a word), cases measured
+    but not judged, invalid convpass results."""
     parts = []
     missing = s.get("not_measured") or []
     if missing:
         parts.append("not measured for any case" if not s.get("n") else f"not measured for {', '.join(missing)}")
         if hint and not s.get("convpass_invalid"):
             parts.append(hint)
+    if s.get("not_judged"):
+        parts.append(f"timed with host gaps, not judged for {', '.join(s['not_judged'])}")
     if s.get("convpass_invalid"):
         parts.append(f"convpass output wrong or failed for {', '.join(s['convpass_invalid'])}")
     return f" ({'; '.join(parts)})" if parts else ""
@@ -89,7 +92,7 @@ def _geomean_line(t: Mapping[str, Any], unit: str, hint: str) -> str:
 
 
 def _every_case_line(t: Mapping[str, Any], unit: str, hint: str) -> str:
-    if not t["n"] and not t["not_measured"] and not t.get("convpass_invalid"):
+    if not t["n"] and not t["not_measured"] and not t.get("not_judged") and not t.get("convpass_invalid"):
         return f"no case to judge; target {_bound(t, unit)} in every case: {t['verdict'].upper()}"
     if not t["n"]:
         return f"no case measured; target {_bound(t, unit)} in every case: {t['verdict'].upper()}{_tail(t, hint)}"

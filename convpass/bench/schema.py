@@ -66,7 +66,7 @@ CONTENDER_SCHEMA = _obj({
 }, {
     "reason": STR, "cold_start_s": NUM, "session_s": NUM, "first_run_s": NUM, "compile_s": NUM, "median_ms": NUM, "p10_ms": NUM,
     "p90_ms": NUM, "min_ms": NUM, "runs": INT, "rel_err": NUM, "tolerance": NUM, "tf32": BOOL, "ratio_to_best_peer": NUM,
-    "tuning": {"type": "object"},
+    "tuning": _obj({}, {"in_place": _obj({"line": STR, "timed": INT, "judged": BOOL, "slow": STRS})}),
     "cuda_graph": _obj({"captured": _opt(BOOL), "reason": STR, "node": STR, "text": STR}),
     "fresh": FRESH_SCHEMA,
 })
@@ -104,6 +104,7 @@ _TARGET_SCHEMA = _obj({
     "not_measured": STRS,
 }, {
     "at_most": NUM, "at_least": NUM, "geomean": NUM, "worst": NUM, "worst_case": STR, "convpass_invalid": STRS, "captured": STRS,
+    "not_judged": STRS,
     "per_case": {"type": "object"}, "failing": {"type": ["array", "object"]},
     "groups": _list(_obj({"group": {"enum": list(BATCH_GROUPS)}, "batches": _list(INT), "verdict": {"enum": list(VERDICTS)},
                           "n": INT, "geomean": _opt(NUM), "per_case": _map(NUM), "not_measured": STRS, "convpass_invalid": STRS})),

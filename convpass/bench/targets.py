@@ -10,7 +10,8 @@ is a JSON object whose ``targets`` is a list; each target has
   ``ratios`` (``vs_ort_any``, ``vs_torch_compile``, ``cold_start_speedup_vs_ort_exhaustive``,
   ``non_conv_share``...), or ``cuda_graph`` (convpass ran as one captured CUDA graph),
   ``op_profile`` (the op profile was reported), ``fresh_compilations`` (run-time compilations and
-  CuPy cache files in convpass's fresh process);
+  CuPy cache files in convpass's fresh process), ``in_place_slow_convs`` (the tuned convs that the
+  in-place check of the kernel compile found slow: convpass's ``tuning.in_place.slow``);
 * ``rule`` — ``every_case`` (every case within the bound; the worst case named, the failing ones
   listed), ``geomean`` (the geometric mean over the cases within the bound) or
   ``geomean_per_batch_group`` (the same over the batch-1 cases and over the batch > 1 cases apart);
@@ -21,8 +22,9 @@ is a JSON object whose ``targets`` is a list; each target has
 
 Verdicts: a case where convpass gave no valid result (wrong output or failure; for the
 fresh-process measures, its fresh process's) makes the targets that read it ``not met``; cases
-where the measure could not be taken are left out and listed; with none taken the verdict is
-``not measured``.
+where the measure could not be taken are left out and listed (``not_measured``; for
+``in_place_slow_convs`` also ``not_judged``: checks timed with host gaps, which name no slow
+conv); with none taken the verdict is ``not measured``.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ CASE_FILTERS: dict[str, Callable[[Mapping[str, Any]], bool]] = {
 @dataclasses.dataclass(frozen=True)
 class Measure:
     """What a target reads off each case. ``kind``: ``ratio`` (a number of ``case["ratios"]``),
-    ``captured``, ``reported`` or ``compilations``; ``unit``: ``x``, ``s`` or ``%`` (a share shown
-    as a percentage); ``valid``: whose invalid results fail the target (``convpass``, ``fresh``, or
+    ``captured``, ``reported``, ``compilations`` or ``slow_convs``; ``unit``: ``x``, ``s``, ``%`` (a
+    share shown as a percentage) or ``n`` (a count); ``valid``: whose invalid results fail the target (``convpass``, ``fresh``, or
     none); ``hint``: how to take it when no case did."""
 
     title: str
@@ -82,7 +84,10 @@ MEASURES: dict[str, Measure] = {
                           hint="run with --profile-ops"),
     "fresh_compilations": Measure("run-time compilations in convpass's fresh process (count / files in CuPy's empty kernel cache)",
                                   kind="compilations", valid="fresh", hint=_FRESH),
+    "in_place_slow_convs": Measure("tuned convs over their tuned time inside the plan (the kernel compile's in-place check)",
+                                   kind="slow_convs", unit="n", hint="bench without --no-kernels, on a GPU"),
 }
+COUNT_KINDS = ("compilations", "slow_convs")  # counts, judged in every case against at_most
 
 FILE_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -136,8 +141,8 @@ def check(doc: Any, where: str = "targets") -> list[dict[str, Any]]:
                 raise ConvpassError(f"--targets {where}: target {name!r}: measure {t['measure']!r} takes rule every_case and no bound")
         elif len(bounds) != 1:
             raise ConvpassError(f"--targets {where}: target {name!r}: give one of at_most / at_least")
-        elif measure.kind == "compilations" and (bounds != ["at_most"] or t["rule"] != "every_case"):
-            raise ConvpassError(f"--targets {where}: target {name!r}: measure fresh_compilations takes rule every_case and at_most")
+        elif measure.kind in COUNT_KINDS and (bounds != ["at_most"] or t["rule"] != "every_case"):
+            raise ConvpassError(f"--targets {where}: target {name!r}: measure {t['measure']} takes rule every_case and at_most")
     return targets
 
 
@@ -269,11 +274,34 @@ def _compilations(target: Mapping[str, Any], cases: Sequence[Mapping[str, Any]],
     return rec | {"verdict": _verdict(ok), "n": len(per_case), "per_case": per_case, "failing": failing, "not_measured": missing}
 
 
+def _slow_convs(target: Mapping[str, Any], cases: Sequence[Mapping[str, Any]], measure: Measure) -> dict[str, Any]:
+    """The slow convs the in-place check of the kernel compile named per case, at most the bound.
+    A case whose check did not run (no kernels compiled, no GPU) is not measured; one whose check
+    was timed with host gaps names no slow conv and is left out as ``not_judged``."""
+    rec = _base(target, cases, measure)
+    per_case: dict[str, float] = {}
+    missing, unjudged = [], []
+    for case in cases:
+        placed = ((find(case, "convpass") or {}).get("tuning") or {}).get("in_place")
+        if not placed:
+            missing.append(case_label(case))
+        elif not placed.get("judged"):
+            unjudged.append(case_label(case))
+        else:
+            per_case[case_label(case)] = len(placed.get("slow") or ())
+    worst = max(per_case.items(), key=lambda kv: kv[1]) if per_case else None
+    failing = [k for k, v in per_case.items() if not _within(v, target)]
+    ok = False if rec["convpass_invalid"] else (None if not per_case else not failing)
+    return rec | {"verdict": _verdict(ok), "n": len(per_case), "worst": worst[1] if worst else None,
+                  "worst_case": worst[0] if worst else None, "failing": failing, "per_case": per_case, "not_measured": missing,
+                  "not_judged": unjudged}
+
+
 def judge(target: Mapping[str, Any], cases: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One target's verdict on the (annotated) cases it applies to."""
     measure = MEASURES[target["measure"]]
     cases = [c for c in cases if CASE_FILTERS[target.get("cases", "all")](c)]
-    kind = {"captured": _captured, "reported": _reported, "compilations": _compilations}.get(measure.kind)
+    kind = {"captured": _captured, "reported": _reported, "compilations": _compilations, "slow_convs": _slow_convs}.get(measure.kind)
     if kind is not None:
         return kind(target, cases, measure)
     rule = {"every_case": _every_case, "geomean": _geomean, "geomean_per_batch_group": _per_batch_group}[target["rule"]]
