@@ -15,6 +15,7 @@ from convpass.bench.records import RANKABLE, convpass_graph, find
 from convpass.bench.render_summary import fmt_s as _s
 from convpass.bench.render_summary import fmt_x as _x
 from convpass.bench.render_summary import format_summary
+from convpass.compiler.aot import SHOWN_SLOW
 
 
 def _ms(v: Any) -> str:
@@ -106,7 +107,10 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
         line += f"; kernels ahead of time ({_s(t.get('kernels_s'))} s): {t['kernels']}"
     placed = t.get("in_place")
     if placed:
-        line += f"; {placed['line']}" + "".join(f"\n    {s}" for s in placed.get("slow", ()))
+        slow = list(placed.get("slow", ()))  # worst first
+        line += f"; {placed['line']}" + "".join(f"\n    {s}" for s in slow[:SHOWN_SLOW])
+        if len(slow) > SHOWN_SLOW:
+            line += f"\n    ... and {len(slow) - SHOWN_SLOW} more (the JSON record lists every one)"
     return line
 
 
