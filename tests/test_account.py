@@ -39,3 +39,11 @@ def test_without_a_gpu_the_account_says_so(capsys, tmp_path):
 
     assert main(["account", str(MODELS / "residual_cnn.onnx")]) == 1
     assert "needs a usable GPU" in capsys.readouterr().err
+
+
+def test_the_table_says_the_floor_taken_off_the_in_place_times():
+    rows = [{"node": "a", "memory_format": "NHWC", "tuned_ms": 0.1, "in_place_ms": 0.12, "in_place_raw_ms": 0.123, "floor_ms": 0.003,
+             "best_ms": 0.09}]
+    lines = render(rows)
+    assert lines[-2].split()[:2] == ["sum", "0.1000"] and "raw" not in lines[0]
+    assert lines[-1] == "in_place: each launch as timed less the timing's own 0.0030 ms per launch (an empty kernel timed the same way)"

@@ -1099,11 +1099,11 @@ def test_the_in_place_check_of_the_kernel_compile_is_kept_and_its_slow_convs_nam
     got = convpass_contender.in_place_record(many)
     assert len(got["slow"]) == 12  # the record keeps every one
     tail = render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": got}).splitlines()[1:]
-    assert [s.split("'")[1] for s in tail[:-1]] == ["c0", "c1", "c2", "c3", "c4"] and tail[-1] == "    ... and 7 more"
+    assert [s.split("'")[1] for s in tail[:-1]] == ["c0", "c1", "c2", "c3", "c4"] and tail[-1] == "    ... and 7 more (the JSON record lists every one)"
     five = dict(got, slow=got["slow"][:5])
     assert render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": five}).count("\n") == 5
     six = dict(got, slow=got["slow"][:6])
-    assert render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": six}).endswith("\n    ... and 1 more")
+    assert render.tuning_line({"optimize_s": 2.0, "measured": 3, "cached": 0, "in_place": six}).endswith("\n    ... and 1 more (the JSON record lists every one)")
 
 
 def _in_place(slow: int, judged: bool = True) -> dict:

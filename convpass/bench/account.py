@@ -4,7 +4,8 @@ cuDNN offers by the routes its peers use (``convpass account MODEL``).
 For every tuned conv and profile, one row:
 
 * ``tuned``: the decision's recorded time (the conv's step with its epilogue, timed alone);
-* ``in place``: its launch timed inside the plan it runs in (:mod:`convpass.runtime.in_place`);
+* ``in place``: its launch timed inside the plan it runs in, less the timing's own cost per launch
+  (:mod:`convpass.runtime.in_place`; the rows keep the time as timed and that floor too);
 * per memory format (NCHW, NHWC), the best measured time of the bare conv by each route:
   ``legacy`` (cuDNN's legacy algorithms; ``heuristic``: its first choice, what frameworks run
   without a search), ``engines A`` / ``engines B`` / ``fallback`` (graph-API engine
@@ -154,7 +155,8 @@ def account(model: Any, cache: Any = None, *, torch: bool = True, measure_missin
                 continue
             key = ProblemKey.parse(s.recorded_problem_key)
             row: dict[str, Any] = {"node": s.node, "profile": profile, "problem_key": str(key), "algo": s.algo,
-                                   "memory_format": s.memory_format, "tuned_ms": s.time_ms, "in_place_ms": placed[s.node].in_place_ms}
+                                   "memory_format": s.memory_format, "tuned_ms": s.time_ms, "in_place_ms": placed[s.node].in_place_ms,
+                                   "in_place_raw_ms": placed[s.node].raw_ms, "floor_ms": placed[s.node].floor_ms}
             found = store.get(device, key.shape)
             if measure_missing and not any(m.method == "measure" and m.key.math == key.math for m in found):
                 options = TuneOptions(tf32="on" if key.tf32 else "off", layout="per-conv")
@@ -190,4 +192,7 @@ def render(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                      " ".join((f"{r[c]:.4f}" if isinstance(r.get(c), float) else "-").rjust(11) for c in cols))
     sums = {c: sum(r[c] for r in rows if isinstance(r.get(c), float)) for c in cols}
     lines.append("sum".ljust(36) + " " * 7 + " ".join(f"{sums[c]:.4f}".rjust(11) for c in cols))
+    floors = sorted({f"{r['floor_ms']:.4f}" for r in rows if isinstance(r.get("floor_ms"), float)}, key=float)
+    if floors:
+        lines.append(f"in_place: each launch as timed less the timing's own {' / '.join(floors)} ms per launch (an empty kernel timed the same way)")
     return lines

@@ -15,6 +15,7 @@ from convpass.bench.records import RANKABLE, convpass_graph, find
 from convpass.bench.render_summary import fmt_s as _s
 from convpass.bench.render_summary import fmt_x as _x
 from convpass.bench.render_summary import format_summary
+from convpass.compiler.aot import SHOWN_SLOW
 
 
 def _ms(v: Any) -> str:
@@ -107,18 +108,16 @@ def tuning_line(t: Mapping[str, Any] | None) -> str | None:
         line += f"; kernels ahead of time ({_s(t.get('kernels_s'))} s): {t['kernels']}"
     placed = t.get("in_place")
     if placed:
-        line += f"; {placed['line']}" + "".join(f"\n    {s}" for s in slow_conv_lines(placed.get("slow") or []))
+        line += f"; {placed['line']}" + "".join(f"\n    {s}" for s in slow_conv_lines(placed.get("slow") or []))  # worst first
     return line
 
 
-SLOW_CONV_LINES = 5  # slow convs named per case; the rest counted
-
-
 def slow_conv_lines(slow: Sequence[str]) -> list[str]:
-    """The first :data:`SLOW_CONV_LINES` slow convs of the in-place check, then "... and N more"."""
-    shown = list(slow[:SLOW_CONV_LINES])
+    """The first :data:`convpass.compiler.aot.SHOWN_SLOW` slow convs of the in-place check (worst
+    first), then "... and N more"."""
+    shown = list(slow[:SHOWN_SLOW])
     rest = len(slow) - len(shown)
-    return shown + ([f"... and {rest} more"] if rest else [])
+    return shown + ([f"... and {rest} more (the JSON record lists every one)"] if rest else [])
 
 
 def roofline_line(r: Mapping[str, Any] | None) -> str | None:

@@ -113,10 +113,17 @@ def _compile(args: argparse.Namespace) -> int:
     from convpass.core.options import CLI, parse_profiles
 
     report = compile_kernels(args.model, archs=parse_archs(args.arch), shapes=parse_profiles(args.shape, CLI))
-    message_console(args).print(report.line(), markup=False)
+    console = message_console(args)
+    console.print(report.line(), markup=False)
+    in_place = report.in_place_line()
+    if in_place:
+        console.print(in_place, markup=False)
+    for slow in report.slow_shown(args.model):  # as optimize says it: the worst named, the rest counted
+        logging.getLogger("convpass").warning("%s", slow)
     emit_json(args, {"schema": "convpass.compile/1", "model": str(args.model), "sidecar": str(report.path),
                      "kernels": report.kernels, "archs": dict(report.archs), "profiles": list(report.profiles),
-                     "plans": report.plans, "failed": list(report.failed), "seconds": report.seconds})
+                     "plans": report.plans, "failed": list(report.failed), "seconds": report.seconds,
+                     "in_place": list(report.in_place) or None})
     return 0
 
 

@@ -57,6 +57,18 @@ _ERROR = {
     "required": ["name", "max_abs_error", "max_rel_error", "ok"],
 }
 
+_NUMBER = {"type": "number"}
+_IN_PLACE = {  # per profile: convpass.runtime.in_place.InPlaceReport.to_json(); null when it did not run
+    "type": ["array", "null"],
+    "items": {"type": "object", "properties": {
+        "how": _STR, "reliable": {"type": "boolean"}, "slow_ratio": _NUMBER, "floor_ms": _NUMBER,
+        "convs": {"type": "array", "items": {"type": "object", "properties": {
+            "node": _STR, "profile": _INT, "tuned_ms": _NUMBER, "in_place_ms": _NUMBER, "raw_ms": _NUMBER,
+            "floor_ms": _NUMBER, "ratio": _NUMBER, "algo": _STR, "memory_format": _STR},
+            "required": ["node", "profile", "tuned_ms", "in_place_ms", "raw_ms", "floor_ms", "ratio"]}}},
+        "required": ["how", "reliable", "floor_ms", "convs"]},
+}
+
 SCHEMAS: dict[str, dict[str, Any]] = {
     "convpass.optimize/1": _doc("convpass.optimize/1", {
         "model": _STR, "output": _OPT_STR, "convolutions": _INT,
@@ -70,12 +82,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object", "properties": {"chosen": {"type": "number"}, "heuristic": {"type": "number"}, "convs": _INT}}},
         "notes": {"type": "array", "items": _STR},
         "kernels": _OPT_STR,
-    }),
+        "in_place": _IN_PLACE,
+    }, ["model", "output", "convolutions", "untuned", "problems", "profiles", "backend", "device", "decisions", "tuning",
+        "conv_time_ms", "notes", "kernels"]),
     "convpass.compile/1": _doc("convpass.compile/1", {
         "model": _STR, "sidecar": _STR, "kernels": _INT, "archs": {"type": "object", "additionalProperties": _INT},
         "profiles": {"type": "array", "items": _STR}, "plans": _INT, "failed": {"type": "array", "items": _STR},
-        "seconds": {"type": "number"},
-    }),
+        "seconds": {"type": "number"}, "in_place": _IN_PLACE,
+    }, ["model", "sidecar", "kernels", "archs", "profiles", "plans", "failed", "seconds"]),
     "convpass.inspect/1": _doc("convpass.inspect/1", {
         "model": _STR, "records": {"type": "array", "items": _RECORD}, "kernels": _OPT_STR,
     }),

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -34,7 +35,9 @@ from convpass.core.files import check_output, check_readable
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["KernelReport", "compile_kernels", "current_sidecar", "parse_archs"]
+__all__ = ["SHOWN_SLOW", "KernelReport", "compile_kernels", "current_sidecar", "parse_archs"]
+
+SHOWN_SLOW = 5  # slow convs printed by name; the rest are counted (every one is in the JSON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,25 +55,37 @@ class KernelReport:
     in_place: tuple[dict[str, Any], ...] = ()  # per profile: convpass.runtime.in_place.InPlaceReport.to_json()
 
     def slow_convs(self) -> list[str]:
-        """A line per tuned conv that ran more than the in-place check allows over its tuned time."""
+        """A line per tuned conv that ran more than the in-place check allows over its tuned time,
+        the one with the most excess time (in place less tuned) first."""
         from convpass.runtime.in_place import SLOW_RATIO
 
-        out = []
-        for doc in self.in_place:
-            if doc.get("reliable"):
-                out += [f"conv {c['node']!r} (profile {c['profile']}) runs {c['in_place_ms']:.4f} ms in place against "
-                        f"{c['tuned_ms']:.4f} ms tuned ({c['ratio']:.2f}x > {SLOW_RATIO}x; {c['algo']}, {c['memory_format']})"
-                        for c in doc["convs"] if c["ratio"] > SLOW_RATIO]
-        return out
+        slow = [c for doc in self.in_place if doc.get("reliable") for c in doc["convs"] if c["ratio"] > SLOW_RATIO]
+        slow.sort(key=lambda c: c["tuned_ms"] - c["in_place_ms"])
+        return [f"conv {c['node']!r} (profile {c['profile']}) runs {c['in_place_ms']:.4f} ms in place against "
+                f"{c['tuned_ms']:.4f} ms tuned ({c['ratio']:.2f}x > {SLOW_RATIO}x; {c['algo']}, {c['memory_format']})"
+                + (f"; timed {c['raw_ms']:.4f} ms less the {c['floor_ms']:.4f} ms floor" if "raw_ms" in c else "")
+                for c in slow]
+
+    def slow_shown(self, model: str | os.PathLike[str]) -> list[str]:
+        """What ``optimize`` prints of :meth:`slow_convs`: the :data:`SHOWN_SLOW` worst, then how
+        many more and where each one is shown."""
+        slow = self.slow_convs()
+        more = len(slow) - SHOWN_SLOW
+        tail = [f"... and {more} more (convpass account {shlex.quote(str(model))} shows every conv)"] if more > 0 else []
+        return slow[:SHOWN_SLOW] + tail
 
     def in_place_line(self) -> str | None:
-        """How many tuned convs were timed in place, and how many ran slow."""
+        """How many tuned convs were timed in place, how many ran slow, and the floor taken off."""
         if not self.in_place:
             return None
         timed = sum(len(d["convs"]) for d in self.in_place)
         unreliable = sum(1 for d in self.in_place if not d.get("reliable"))
         note = f"; {unreliable} profile(s) timed with host gaps, not judged" if unreliable else ""
-        return f"in place: {timed} tuned conv launch(es) timed inside the plan, {len(self.slow_convs())} more than 15% over their tuned time{note}"
+        floors = [d["floor_ms"] for d in self.in_place if d.get("floor_ms") is not None]  # absent in older records
+        span = sorted({f"{min(floors):.4f}", f"{max(floors):.4f}"}, key=float) if floors else []
+        floor = f" (each less the timing's own {'-'.join(span)} ms per launch)" if span else ""
+        return (f"in place: {timed} tuned conv launch(es) timed inside the plan, {len(self.slow_convs())} more than 15% "
+                f"over their tuned time{floor}{note}")
 
     def line(self) -> str:
         per = ", ".join(f"sm_{a}: {n}" for a, n in sorted(self.archs.items(), key=lambda x: int(x[0])))

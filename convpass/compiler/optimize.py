@@ -208,14 +208,15 @@ def run_optimize(
         save_model(ir_model, output, protect)
     print_report(report, console, str(output) if output is not None else None)
     if output is not None:
-        report.kernels = write_kernels(Path(output), kernels, console)
+        report.kernels, report.in_place = write_kernels(Path(output), kernels, console)
     return ir_model, report
 
 
-def write_kernels(output: Path, kernels: bool, console: Console) -> str:
+def write_kernels(output: Path, kernels: bool, console: Console) -> tuple[str, tuple[dict[str, Any], ...]]:
     """The tuned model's kernel side-car (:mod:`convpass.compiler.aot`). The one beside ``output`` is kept
     when it was compiled for exactly this model here (a cached re-run writes the same bytes), and
-    deleted otherwise, since it no longer matches. Returns the line that says what became of it."""
+    deleted otherwise, since it no longer matches. Returns the line that says what became of it,
+    and the in-place check that compiling it ran (per profile; none when nothing was compiled)."""
     from convpass.compiler.aot import compile_kernels, current_sidecar
     from convpass.core.kernel_file import sidecar_path
     from convpass.runtime.cuda import unavailable_reason
@@ -223,13 +224,13 @@ def write_kernels(output: Path, kernels: bool, console: Console) -> str:
     reason = unavailable_reason() if kernels else None
     kept = current_sidecar(output) if kernels and reason is None else None
     if kept is not None:
-        return _say(console, "kernels: " + kept)
+        return _say(console, "kernels: " + kept), ()
     sidecar_path(output).unlink(missing_ok=True)
     if not kernels:
-        return "kernels: not compiled (not asked for)"
+        return "kernels: not compiled (not asked for)", ()
     if reason is not None:
         return _say(console, f"kernels: not compiled ahead of time here ({reason}); `convpass compile {output}` on the target GPU "
-                             "writes them")
+                             "writes them"), ()
     try:
         report = compile_kernels(output)
     except ConvpassError as e:
@@ -238,14 +239,14 @@ def write_kernels(output: Path, kernels: bool, console: Console) -> str:
             logger.warning("%s", message)
         else:
             console.print(f"[yellow]warning[/]: {_safe(message)}")
-        return "kernels: " + message
+        return "kernels: " + message, ()
     line = _say(console, "kernels: " + report.line())
     in_place = report.in_place_line()
     if in_place:
         _say(console, in_place)
-    for slow in report.slow_convs():  # what was timed alone runs slower where it runs: said, naming the conv
+    for slow in report.slow_shown(output):  # what was timed alone runs slower where it runs: the worst named, the rest counted
         logger.warning("%s", slow)
-    return line
+    return line, report.in_place
 
 
 def _printable_lines(text: object) -> str:
@@ -354,4 +355,5 @@ def report_json(report: OptimizeReport, model: str, output: str | None) -> dict[
         "conv_time_ms": {name: {"chosen": c, "heuristic": h, "convs": n} for name, (c, h, n) in report.conv_time_ms.items()},
         "notes": list(report.notes),
         "kernels": report.kernels,
+        "in_place": list(report.in_place) or None,
     }

@@ -78,6 +78,7 @@ class OptimizeReport:
     fusion_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # units per kind (norm, bias)
     fusion_timed_now: list[str] = dataclasses.field(default_factory=list)  # unit signatures timed in this run (not cached)
     kernels: str | None = None  # what became of the kernel side-car (compiler.optimize.write_kernels)
+    in_place: tuple[dict[str, Any], ...] = ()  # per profile: the in-place check compiling the kernels ran
 
 
 def _make_backend(options: TuneOptions, cache_path: str | os.PathLike | None, device_name: str | None, report: OptimizeReport, console: Console,

@@ -1,6 +1,7 @@
 """Tuned convs timed in place on a real GPU: the plan runs the recorded algorithm, each conv's time
-in place is near its tuned time, and a decision whose recorded time is a tenth of the truth (a
-deliberately mismatched plan) is caught."""
+in place is near its tuned time once the timing's own per-launch floor is taken off (small convs
+at batch 1 are not flagged for it), and a decision whose recorded time is a tenth of the truth (a
+deliberately mismatched plan) is caught. ``optimize --json`` carries the check with its floor."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from convpass.core.model_io import load_model, to_proto  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 from convpass.runtime.in_place import SLOW_RATIO, check_in_place  # noqa: E402
+
+MAX_FLOOR_MS = 0.010  # an empty launch between two events: a few microseconds on a current GPU
 
 SHAPE = "input=1x3x64x64"
 
@@ -62,3 +65,38 @@ def test_a_mismatched_plan_is_caught(tuned):
     ex = Executor(damaged, device="cuda", cuda_graph=False)
     report = check_in_place(ex, _feeds())
     assert report.reliable and report.slow and all(c.ratio > SLOW_RATIO for c in report.slow)
+
+
+def test_the_floor_is_an_empty_launch_and_batch_1_convs_are_not_flagged_for_it(tuned):
+    ex = Executor(tuned, device="cuda", cuda_graph=False)
+    report = check_in_place(ex, _feeds())
+    raw_flagged = sum(c.raw_ms / c.tuned_ms > SLOW_RATIO for c in report.convs)
+    print(f"\nfloor {report.floor_ms:.4f} ms; {raw_flagged} of {len(report.convs)} flagged without it; {report.how}")
+    print("\n".join(c.line() for c in report.convs))
+    assert report.reliable and report.convs and 0 < report.floor_ms < MAX_FLOOR_MS
+    for c in report.convs:
+        assert c.floor_ms == report.floor_ms and c.in_place_ms == max(c.raw_ms - c.floor_ms, 0.0)
+    assert report.slow == [], [c.line() for c in report.slow]
+
+
+def test_optimize_json_carries_the_check_with_its_floor(tmp_path, capsys, caplog):
+    import json
+
+    from convpass.cli.main import main
+    from convpass.compiler.aot import SHOWN_SLOW
+
+    tuned = tmp_path / "t.onnx"
+    with caplog.at_level("WARNING", logger="convpass"):
+        assert main(["optimize", str(MODELS / "residual_cnn.onnx"), "-o", str(tuned), "--shape", SHAPE, "--tf32", "on",
+                     "--cache", str(tmp_path / "c.db"), "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    (profile,) = doc["in_place"]
+    print(captured.err)
+    assert profile["reliable"] and 0 < profile["floor_ms"] < MAX_FLOOR_MS and profile["convs"]
+    assert all(c["floor_ms"] == profile["floor_ms"] and c["raw_ms"] >= c["in_place_ms"] for c in profile["convs"])
+    assert "(each less the timing's own" in captured.err
+    slow = [c for c in profile["convs"] if c["ratio"] > SLOW_RATIO]
+    named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("conv '")]
+    assert len(named) == min(len(slow), SHOWN_SLOW)
+    assert any(r.getMessage().startswith("... and ") for r in caplog.records) == (len(slow) > SHOWN_SLOW)
