@@ -1,0 +1,51 @@
+"""An all-FP32 plan (``--precision fp32``) computes in float32 on the GPU: a BiT-like pre-activation
+block at BiT's stage-1 size (GroupNorm as the TorchScript exporter writes it, weight-standardized
+convs as it writes timm's StdConv2d), tuned on this GPU, each conv's and each GroupNorm unit's own
+error against float64 on the GPU's own input (benchmarks/local_errors.py).
+
+Float32 arithmetic gives local errors near 1e-7 (the CPU executor: 3e-7 at most on the whole of
+BiT); TF32 gives about 1e-4. The bound, 1e-5, separates the two: a conv over it names its recorded
+algorithm and math, a GroupNorm unit over it the fused normalization kernels.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("cupy")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from test_local_errors_benchmark import _script, bit_block  # noqa: E402
+
+import convpass  # noqa: E402
+
+LOCAL_FP32 = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _need_gpu():
+    from convpass.native import device
+
+    if device.detect() is None:
+        pytest.skip("no usable GPU / cuDNN")
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_an_fp32_plan_computes_every_conv_and_groupnorm_in_float32(batch, tmp_path):
+    script = _script()
+    model = bit_block(c=64, hw=56)
+    tuned = convpass.optimize(model, shapes=[f"x={batch}x64x56x56"], precision="fp32", cache=tmp_path / "c.db", quiet=True)
+    feeds = {"x": np.random.default_rng(1).standard_normal((batch, 64, 56, 56)).astype(np.float32)}
+    result = script.local_errors(model, tuned, feeds, script.executor_runner("cuda"))
+    convs = [r for r in result["nodes"] if r["kind"] == "conv"]
+    assert len(convs) == 3 and all(r["math_mode"] == "fma" for r in convs), convs
+    over = [r for r in result["nodes"] if not r["local"] <= LOCAL_FP32]
+    assert not over, f"local errors over {LOCAL_FP32:g}: {over}"
+    assert result["end_to_end"] <= 1e-4

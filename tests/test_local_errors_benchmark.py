@@ -1,0 +1,85 @@
+"""benchmarks/local_errors.py on the CPU: a BiT-like pre-activation block (GroupNorm as the TorchScript
+exporter writes it, weight-standardized convs as it writes timm's StdConv2d), each conv's and each
+GroupNorm unit's own error against float64, and a node whose output is off is the one named."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from fused_models import norm
+from onnx import TensorProto, helper
+from test_fold_conv_weights import _Graph, _std_conv_weight
+
+
+def _script():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "local_errors.py"
+    spec = importlib.util.spec_from_file_location("local_errors", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bit_block(c: int = 16, hw: int = 9) -> onnx.ModelProto:
+    """x -> GN + Relu -> StdConv 1x1 -> GN + Relu -> StdConv 3x3 (stride 2, bias) ... and x -> StdConv 1x1
+    (stride 2) -> Add."""
+    rng = np.random.default_rng(0)
+    g = _Graph()
+    nodes, inits, t = norm("gn17", "n1", "x", c, 4, rng, eps=1e-5)
+    g.nodes += nodes
+    g.inits += inits
+    h = g.op("Conv", [t, _std_conv_weight(g, rng.standard_normal((c, c, 1, 1)).astype(np.float32) * 0.1, 1e-8, "c1_")], "h")
+    nodes, inits, t2 = norm("gn17", "n2", h, c, 4, rng, eps=1e-5)
+    g.nodes += nodes
+    g.inits += inits
+    bias = g.init("b2", rng.standard_normal(c).astype(np.float32))
+    y2 = g.op("Conv", [t2, _std_conv_weight(g, rng.standard_normal((c, c, 3, 3)).astype(np.float32), 1e-8, "c2_"), bias], "y2",
+              pads=[1, 1, 1, 1], strides=[2, 2])
+    short = g.op("Conv", [t, _std_conv_weight(g, rng.standard_normal((c, c, 1, 1)).astype(np.float32), 1e-8, "sc_")], "short", strides=[2, 2])
+    g.op("Add", [y2, short], "y")
+    graph = helper.make_graph(g.nodes, "bit", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", c, hw, hw])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", c, (hw + 1) // 2, (hw + 1) // 2])], g.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_every_conv_and_groupnorm_has_a_float32_sized_local_error_on_the_cpu(tmp_path, capsys):
+    path = tmp_path / "bit.onnx"
+    onnx.save(bit_block(), path)
+    out = tmp_path / "errors.json"
+    assert _script().main(["--model", str(path), "--batch", "2", "--device", "cpu", "--cache", str(tmp_path / "c.db"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    kinds = [r["kind"] for r in result["nodes"]]
+    assert kinds.count("conv") == 3 and kinds.count("groupnorm") == 2
+    assert all(r["local"] < 1e-6 for r in result["nodes"]), result["nodes"]
+    assert all(r["math_mode"] for r in result["nodes"] if r["kind"] == "conv")
+    assert result["end_to_end"] < 1e-5
+    assert "largest local error" in capsys.readouterr().out
+
+
+def test_a_node_computed_off_is_the_one_with_the_large_local_error():
+    """The device runner returns the exposed values with one conv's output off by 1e-3: its local
+    error says so, the nodes before it stay at float32's size, and the nodes after it carry it in
+    their cumulative error only."""
+    import convpass
+
+    script = _script()
+    model = bit_block()
+    tuned = convpass.optimize(model, shapes=["x=1x16x9x9"], quiet=True)
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 16, 9, 9)).astype(np.float32)}
+    cpu = script.executor_runner("cpu")
+
+    def skewed(m, f):
+        outs = cpu(m, f)
+        names = [o.name for o in m.graph.output]
+        if "h" in names:
+            outs[names.index("h")] = outs[names.index("h")] * np.float32(1 + 1e-3)
+        return outs
+
+    rows = {r["node"]: r for r in script.local_errors(model, tuned, feeds, skewed)["nodes"]}
+    assert 5e-4 < rows["h"]["local"] < 2e-3
+    assert rows["n2/InstanceNormalization"]["local"] < 1e-6, "a GroupNorm of the skewed input is still computed right"
+    assert rows["n1/InstanceNormalization"]["local"] < 1e-6 and rows["short"]["local"] < 1e-6
+    assert max(r["local"] for n, r in rows.items() if n != "h") < 1e-6
