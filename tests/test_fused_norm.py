@@ -442,6 +442,63 @@ def test_the_layout_plan_lets_convs_around_a_fused_groupnorm_stay_nhwc():
     assert set(fused.layouts.values()) == {"nhwc"} and fused.transposes == 2  # the graph's input and output only
 
 
+def _conv_gn_conv():
+    """conv0 -> GroupNorm (exported form) + SiLU -> conv1: the model, its one unit, its shapes."""
+    import onnx_ir as ir
+
+    from convpass.compiler.fusions import find_units
+
+    rng = np.random.default_rng(0)
+    shape = (2, 8, 5, 6)
+    nodes, inits, t = norm("gn17", "n1", "h0", 8, 4, rng)
+    more, t = activation("silu", "a1", t)
+    nodes = [N("Conv", ["x", "w0"], ["h0"], name="conv0")] + nodes + more + [N("Conv", [t, "w1"], ["y"], name="conv1")]
+    inits += [const("w0", rng.standard_normal((8, 8, 1, 1))), const("w1", rng.standard_normal((8, 8, 1, 1)))]
+    model = ir.serde.deserialize_model(_model(nodes, inits, shape, "y"))
+    shapes = {v: shape for v in ("x", "h0", "n1_back", "n1_m", "n1_out", "a1_s", "a1_y", "y")} | {"n1_r": (2, 4, 60), "n1_in": (2, 4, 60)}
+    (units,) = find_units(model, [shapes])
+    return model, units[0], shapes
+
+
+def test_a_unit_timed_in_both_formats_costs_its_time_and_runs_in_its_conv_s_storage():
+    """The fused step runs in the storage its input conv writes: timed 20x slower channels-last,
+    the plan keeps that conv and the step NCHW and transposes once before the NHWC conv after it;
+    untimed, the step is free in either format and everything runs NHWC."""
+    from convpass.compiler.passes.plan_layouts import plan_layouts
+
+    model, unit, _ = _conv_gn_conv()
+    conv0, conv1 = (n for n in model.graph if n.op_type == "Conv")
+    convs = {conv0: {"nchw": 1.0, "nhwc": 0.5}, conv1: {"nchw": 1.0, "nhwc": 0.5}}
+    step = {unit.nodes[0]: {"nchw": 0.1, "nhwc": 2.0}}
+    free = plan_layouts(model.graph, convs, lambda v: 0.1, [unit.nodes])
+    assert set(free.layouts.values()) == {"nhwc"} and free.timed_units == 0 and free.cost_ms == pytest.approx(1.2)
+    timed = plan_layouts(model.graph, convs, lambda v: 0.1, [unit.nodes], unit_costs=step)
+    assert timed.layouts == {conv0: "nchw", conv1: "nhwc"} and timed.timed_units == 1
+    assert timed.cost_ms == pytest.approx(1.0 + 0.1 + 0.5 + 0.1 + 0.1)  # conv0, step, conv1, the transpose before conv1, the output's
+    cheap_nhwc = plan_layouts(model.graph, convs, lambda v: 0.1, [unit.nodes], unit_costs={unit.nodes[0]: {"nchw": 0.1, "nhwc": 0.12}})
+    assert set(cheap_nhwc.layouts.values()) == {"nhwc"} and cheap_nhwc.cost_ms == pytest.approx(0.5 + 0.12 + 0.5 + 0.1 + 0.1)
+    # a step whose input no planned conv writes runs in whatever storage arrives: its times are not weighed
+    untuned = plan_layouts(model.graph, {conv1: convs[conv1]}, lambda v: 0.1, [unit.nodes], unit_costs=step)
+    assert untuned.timed_units == 0 and untuned.layouts == {conv1: "nhwc"}
+
+
+def test_the_plan_reads_a_fused_unit_s_times_from_its_decision():
+    from convpass.compiler import fusions
+
+    model, unit, _ = _conv_gn_conv()
+    key = "|".join(unit.names)
+
+    def record(fused, times):
+        return {key: ("norm", tuple(unit.names), [annotation.FusionDecision("gpu", 0, fused, annotation.MEASURED, times)])}
+
+    both = {"fused_nchw": 0.1, "fused_nhwc": 0.4, "unfused_nchw": 0.2}
+    assert fusions.fused_unit_costs([unit], record(True, both), "gpu", 0) == {unit.nodes[0]: {"nchw": 0.1, "nhwc": 0.4}}
+    assert fusions.fused_unit_costs([unit], record(True, both), "gpu", 1) == {}  # another profile: no decision
+    assert fusions.fused_unit_costs([unit], record(True, both), "other", 0) == {}  # another device
+    assert fusions.fused_unit_costs([unit], record(False, both), "gpu", 0) == {}  # runs unfused
+    assert fusions.fused_unit_costs([unit], record(True, {"fused_nchw": 0.1}), "gpu", 0) == {}  # timed in one format
+
+
 # ---------------------------------------------------------------------------------------------
 # conv bias units
 

@@ -20,7 +20,8 @@ Rules:
    (:data:`convpass.core.fusion_units.RULES`).
 3. The layout plan treats the units that run fused (measured so, or not measured: the rule fuses
    every normalization unit) as one node each that reads and writes either memory format
-   (:func:`convpass.compiler.passes.plan_layouts.plan_layouts`'s ``units``).
+   (:func:`convpass.compiler.passes.plan_layouts.plan_layouts`'s ``units``); a unit timed fused in
+   both formats costs its time in the format the plan gives it (:func:`fused_unit_costs`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from convpass.core.fusion_units import find_units as find_graph_units
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["IrView", "Timer", "decide_fusions", "find_units", "fused_nodes", "gpu_timer", "unit_model", "write_record"]
+__all__ = ["IrView", "Timer", "decide_fusions", "find_units", "fused_nodes", "fused_unit_costs", "gpu_timer", "unit_model", "write_record"]
 
 Timer = Callable[[onnx.ModelProto, str, bool, bool], float]  # (unit model, input name, fused, channels-last) -> ms
 
@@ -256,6 +257,23 @@ def fused_nodes(units: Sequence[Unit], record: Mapping[str, tuple[str, tuple[str
         fused = unit.kind in RULES if decision is None or decision.fused is None else decision.fused
         if fused:
             out.append(list(unit.nodes))
+    return out
+
+
+def fused_unit_costs(units: Sequence[Unit], record: Mapping[str, tuple[str, tuple[str, ...], Sequence[FusionDecision]]], device: str,
+                     profile: int) -> dict[ir.Node, dict[str, float]]:
+    """The time per memory format of each normalization unit that runs fused on ``device`` for
+    ``profile`` and was timed in both (rule 1's ``fused_nchw`` and ``fused_nhwc``), by the unit's
+    first node: the layout plan's cost of the step in the format it runs in (rule 3)."""
+    out = {}
+    for unit in units:
+        entry = record.get(unit_key(unit.names)) if unit.kind == "norm" else None
+        decision = next((d for d in entry[2] if d.device == device and d.profile == profile), None) if entry else None
+        if decision is None or not decision.fused:
+            continue
+        times = decision.times_ms
+        if all(isinstance(times.get(k), (int, float)) for k in ("fused_nchw", "fused_nhwc")):
+            out[unit.nodes[0]] = {"nchw": float(times["fused_nchw"]), "nhwc": float(times["fused_nhwc"])}
     return out
 
 

@@ -302,9 +302,10 @@ def print_report(report: OptimizeReport, console: Console, output: str | None = 
     if report.measured is not None:
         for name, plan in report.layout_plans.items():
             nhwc = sum(1 for v in plan.layouts.values() if v == "nhwc")
+            units = f" and {plan.timed_units} fused unit(s) timed in both formats" if plan.timed_units else ""
             console.print(
                 f"  layout plan \\[{_safe(name)}]: {nhwc} of {len(plan.layouts)} convs NHWC, {plan.transposes} transposes; "
-                f"{plan.cost_ms:.3f} ms with transposes (per-conv best layouts alone: {plan.per_conv_best_ms:.3f} ms of convs)"
+                f"{plan.cost_ms:.3f} ms with transposes{units} (per-conv best layouts alone: {plan.per_conv_best_ms:.3f} ms of convs)"
             )
         for name, (chosen, heuristic, count) in report.conv_time_ms.items():
             console.print(

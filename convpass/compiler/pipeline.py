@@ -171,7 +171,8 @@ def decide_and_annotate(
                                                                     backend.device, report.fusion_timed_now).items():
             record.setdefault(key, (kind, names, []))[2].extend(decisions)
         fused = [fusions.fused_nodes(u, record, device, p) for p, u in enumerate(units)]
-        overrides = _plan_layouts(model, backend, options, uses, report, math_of or {}, fused)
+        unit_costs = [fusions.fused_unit_costs(u, record, device, p) for p, u in enumerate(units)]
+        overrides = _plan_layouts(model, backend, options, uses, report, math_of or {}, fused, unit_costs)
         _tuning_summary(report, backend, uses, overrides)
         tables.append(DeviceChoices(choices, overrides))
         if len(problems) > decided:
@@ -303,13 +304,15 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
 
 
 def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport,
-                  math_of: Mapping[str, str], fused: Sequence[Sequence[Sequence[ir.Node]]] = ()) -> dict:
+                  math_of: Mapping[str, str], fused: Sequence[Sequence[Sequence[ir.Node]]] = (),
+                  unit_costs: Sequence[Mapping[ir.Node, Mapping[str, float]]] = ()) -> dict:
     """With ``--layout auto``: each conv's layout from the min-cut plan over the whole graph (conv
     times + transpose times, measured by the tuner or recorded in the tuning cache), then its best
     configuration in that layout. Where the cache lacks a transpose time the plan needs, each conv
     takes its own best layout, with a note. Convs with a math of their own (``math_of``) choose
     under it, in the plan or, without one, in their own best layout. ``fused``: per profile, the
-    node lists of the fusion units that run fused (one movable step each)."""
+    node lists of the fusion units that run fused (one movable step each); ``unit_costs``, per
+    profile, their times per format where they were timed in both."""
     rows = getattr(backend, "rows", None)
     transpose_ms = getattr(backend, "transpose_ms", None)
     if rows is None or (options.layout == "auto" and transpose_ms is None):
@@ -366,7 +369,8 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
                 return 0.0
             return ms
 
-        plan = plan_layouts(model.graph, conv_costs, cost, fused[i] if i < len(fused) else (), shapes)
+        plan = plan_layouts(model.graph, conv_costs, cost, fused[i] if i < len(fused) else (), shapes,
+                            unit_costs[i] if i < len(unit_costs) else None)
         if missing:
             continue  # not planned: the notes below
         for node, layout in plan.layouts.items():

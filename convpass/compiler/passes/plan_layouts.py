@@ -31,7 +31,14 @@ Rules (per shape profile):
 * A fusion unit the executor runs fused (``units``: :mod:`convpass.core.fusion_units`, e.g. a
   GroupNorm exported as Reshape -> InstanceNormalization -> Reshape -> Mul -> Add, with its SiLU)
   reads and writes either format as one step: its nodes are movable and tied together (infinite
-  edges both ways), so its inner Reshapes do not pin it to NCHW.
+  edges both ways), so its inner Reshapes do not pin it to NCHW. The fused step runs in the
+  storage its input arrives in (the cuda backend converts nothing before it), so where that input
+  is a conv's output and the step was timed in both formats (``unit_costs``:
+  :func:`convpass.compiler.fusions.fused_unit_costs`), the unit is tied to that conv and costs its
+  time in their common format, as a conv does; any other unit costs nothing in either format. (A
+  channels-last GroupNorm step measured up to 4x its channels-first time on large feature maps;
+  free in either format, the plan kept such units in NHWC beside NHWC convs where a channels-first
+  conv before the step and a transpose after it were cheaper.)
 * A Transpose that moves the channels last (perm ``(0, 2, ..., r-1, 1)``, rank 4 or 5: the
   ``permute(0, 2, 3, 1)`` of ConvNeXt's LayerNorm and MLP) reads its input in NHWC: of a
   channels-last tensor it is a free view with C-contiguous rows, of an NCHW one a copy. Its output
@@ -83,9 +90,10 @@ _NS_PER_MS = 1_000_000
 @dataclasses.dataclass(frozen=True)
 class LayoutPlan:
     layouts: dict[ir.Node, str]
-    cost_ms: float  # conv times + transposes of the plan
+    cost_ms: float  # conv times + timed fused units' times + transposes of the plan
     per_conv_best_ms: float  # conv times if every conv took its own best layout (transposes ignored)
     transposes: int
+    timed_units: int = 0  # fused units whose time per format the plan weighed (part of cost_ms)
 
 
 def plan_layouts(
@@ -94,12 +102,18 @@ def plan_layouts(
     transpose_ms: Callable[[ir.Value], float],
     units: Iterable[Iterable[ir.Node]] = (),
     shapes: Mapping[str, Sequence[Any]] | None = None,
+    unit_costs: Mapping[ir.Node, Mapping[str, float]] | None = None,
 ) -> LayoutPlan:
     """The min-cut layout assignment (see the module rules); ``units``: the node sets of the
     fusion units that run fused; ``shapes``: value name -> dims of the profile (where values do
-    not carry their shapes)."""
+    not carry their shapes); ``unit_costs``: a fused unit's first node -> its time per format
+    (``{"nchw": ms, "nhwc": ms}``; a unit without both runs free in either)."""
     units = [list(u) for u in units if u]
     conv_costs = {n: c for n, c in conv_costs.items() if c}
+    # a timed unit whose input a conv writes: (unit's first node, that conv) -> the unit's costs
+    fed = {u[0]: _input_conv(u[0], conv_costs) for u in units}
+    unit_costs = {u[0]: dict(unit_costs[u[0]]) for u in units
+                  if unit_costs and fed[u[0]] is not None and _both(unit_costs.get(u[0]))}
     if not conv_costs:
         return LayoutPlan({}, 0.0, 0.0, 0)
     g = nx.DiGraph()
@@ -121,7 +135,8 @@ def plan_layouts(
     movable = movable_nodes(graph, conv_costs, units, shapes)
     moves = channel_moves(graph)
     families = concat_families(n for n in graph if n.domain in ("", "ai.onnx"))
-    ties = [list(unit) for unit in units] + [[root, node] for node, root in families.items() if node is not root]
+    ties = ([list(unit) for unit in units] + [[root, node] for node, root in families.items() if node is not root]
+            + [[root, fed[root]] for root in unit_costs])  # a timed unit runs in the storage its conv writes
     for tied in ties:  # one step, or one buffer: one format
         for node in tied[1:]:
             add(tied[0], node, INF)
@@ -129,8 +144,8 @@ def plan_layouts(
     # a node's vertex is where it reads its inputs; a channel move's outputs get a vertex of their own
     out_vertex = {node: (node, "out") for node in moves}
     for node in graph:
-        if node in conv_costs:
-            costs = conv_costs[node]
+        if node in conv_costs or node in unit_costs:
+            costs = conv_costs.get(node) or unit_costs[node]
             add(source, node, costs.get("nhwc", INF))
             add(node, sink, costs.get("nchw", INF))
         elif node in moves:
@@ -170,7 +185,18 @@ def plan_layouts(
     # Constants (weights, BN params) are pre-transformed once: no run-time cost.
     _, (s_side, _) = nx.minimum_cut(g, source, sink)
     fmt = {n: ("nchw" if n in s_side or n not in g else "nhwc") for n in movable}
-    return _evaluate(graph, fmt, conv_costs, transpose_ms, families)
+    return _evaluate(graph, fmt, conv_costs, transpose_ms, families, unit_costs)
+
+
+def _input_conv(first: ir.Node, conv_costs: Mapping[ir.Node, Any]) -> ir.Node | None:
+    """The conv (with costs) whose output a unit's first node reads as its data input, if any."""
+    x = first.inputs[0] if first.inputs else None
+    producer = x.producer() if x is not None else None
+    return producer if producer in conv_costs else None
+
+
+def _both(costs: Mapping[str, float] | None) -> bool:
+    return bool(costs) and all(isinstance(costs.get(k), (int, float)) and costs[k] >= 0 for k in ("nchw", "nhwc"))
 
 
 def _dims(value: ir.Value | None, shapes: Mapping[str, Sequence[Any]] | None) -> list[Any] | None:
@@ -283,15 +309,17 @@ def _reads_into_family(value: ir.Value, consumer: ir.Node, families: Mapping[ir.
     return root is not None and root is not consumer and any(v is value for v in root.inputs)
 
 
-def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None) -> LayoutPlan:
-    """Total cost of an assignment: conv times plus a transpose (one that costs anything) per
-    (value, reader) whose formats differ (``families``: :func:`concat_families`, when known).
+def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=None) -> LayoutPlan:
+    """Total cost of an assignment: conv times, timed fused units' times (``unit_costs``, by a
+    unit's first node) plus a transpose (one that costs anything) per (value, reader) whose formats
+    differ (``families``: :func:`concat_families`, when known).
 
     (A value read by several consumers in the other format is counted once per consumer: the
     executor may share one transposed copy, so this slightly over-estimates mixed plans.)
     """
     layouts = {n: fmt[n] for n in conv_costs}
     total = sum(conv_costs[n].get(layouts[n], INF) for n in layouts)
+    total += sum(costs[fmt.get(n, "nchw")] for n, costs in (unit_costs or {}).items())
     transposes = 0
     moves = channel_moves(graph)
     if families is None:
@@ -318,4 +346,4 @@ def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None) -> LayoutPlan
                 total += ms
                 transposes += 1
     best = sum(min(c.values()) for c in conv_costs.values())
-    return LayoutPlan(layouts, total, best, transposes)
+    return LayoutPlan(layouts, total, best, transposes, len(unit_costs or {}))
