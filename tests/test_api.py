@@ -15,7 +15,7 @@ from conftest import conv_model, random_input, run_ort
 import convpass
 from convpass.core.errors import ConvpassError, OptionError, ShapeError
 
-KEYWORDS = ["shapes", "mode", "tf32", "layout", "engines", "fprop_algo", "dgrad_algo", "wgrad_algo", "matmul_tf32",
+KEYWORDS = ["shapes", "mode", "tf32", "layout", "engines", "prune", "fprop_algo", "dgrad_algo", "wgrad_algo", "matmul_tf32",
             "workspace_limit", "deterministic", "directions", "cache", "device_name", "kernels", "quiet", "retune", "precision", "max_error",
             "error_metric", "calibration", "holdout"]
 

@@ -221,7 +221,7 @@ def test_measured_and_cached_runs_plan_the_same_layouts(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=lambda **_: contextlib.nullcontext())))
     measured: list = []
-    monkeypatch.setattr(tuner, "measure_problem", lambda problem, options, have=(): measured.append(problem) or list(ROWS))
+    monkeypatch.setattr(tuner, "measure_problem", lambda problem, options, have=(), pruner=None: measured.append(problem) or list(ROWS))
     monkeypatch.setattr(tuner, "problem_complete", lambda rows, problem, options: bool(rows))
     transposes: list = []
     monkeypatch.setattr(tuner, "measure_transpose", lambda dims, dtype: transposes.append(dims) or 0.05)

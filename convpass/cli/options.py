@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from convpass.core.options import ALGO_KEYWORDS, ALGORITHMS, CLI, ENGINE_CHOICES, MODES, TF32_CHOICES, TuneOptions, tune_options
+from convpass.core.options import ALGO_KEYWORDS, ALGORITHMS, CLI, ENGINE_CHOICES, MODES, PRUNE_CHOICES, TF32_CHOICES, TuneOptions, tune_options
 
 __all__ = ["add_decision_options", "decision_options", "tune_options_of"]
 
@@ -44,6 +44,9 @@ def add_decision_options(p: argparse.ArgumentParser, layouts: Sequence[str], lay
                    help="candidates for forward convs under --mode measure: legacy (cuDNN's legacy algorithms), graph "
                    "(its graph-API engine configurations; needs nvidia-cudnn-frontend, in pip install 'convpass[gpu]'), "
                    "or all (default; legacy only, with a warning, where the graph API is not installed)")
+    g.add_argument("--prune", default="off", choices=PRUNE_CHOICES,
+                   help="off (default: every candidate measured) or learned: within a geometry class, candidates in order of how "
+                   "often they won on this GPU in the tuning cache, and those that never won nor came near in enough problems skipped")
 
 
 def decision_options(args: argparse.Namespace) -> dict:
@@ -60,6 +63,7 @@ def decision_options(args: argparse.Namespace) -> dict:
         deterministic=args.deterministic,
         directions=args.directions,
         engines=args.engines,
+        prune=args.prune,
     )
 
 

@@ -74,6 +74,8 @@ def tune_command(args: argparse.Namespace) -> int:
         raise OptionError(f"--retries must be >= 0, got {args.retries}")
     if args.task_timeout is not None and args.task_timeout <= 0:
         raise OptionError(f"--task-timeout must be > 0 seconds, got {args.task_timeout:g}")
+    if args.prune != "off":
+        raise OptionError("--prune learned applies to convpass optimize: the fleet's workers measure every candidate")
     if args.batch:
         specs = fleet_models.specs_with_batches(args.models, args.batch)
     else:

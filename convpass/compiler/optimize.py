@@ -45,6 +45,7 @@ def optimize(
     tf32: str = "auto",
     layout: str = "auto",
     engines: str = "all",
+    prune: str = "off",
     fprop_algo: str | None = None,
     dgrad_algo: str | None = None,
     wgrad_algo: str | None = None,
@@ -84,6 +85,9 @@ def optimize(
             (each conv its own best), ``"nchw"`` or ``"nhwc"``.
         engines: Forward candidates under ``mode="measure"``: ``"legacy"`` (cuDNN's legacy
             algorithms), ``"graph"`` (graph-API engine configurations) or ``"all"``.
+        prune: ``"off"`` (every candidate measured) or ``"learned"`` (candidates ordered and
+            skipped by what the tuning cache's history on this GPU says of their geometry class;
+            see docs/cli.md, ``--prune``).
         fprop_algo: Forward algorithm: ``"normal"`` (heuristic), ``"performance"`` (Find) or a
             cuDNN algorithm name (``"implicit_gemm"``, ...), which is then forced. None: ``mode``.
         dgrad_algo: Backward-data algorithm, as ``fprop_algo`` (``"algo_0"``, ``"algo_1"``, ...).
@@ -120,7 +124,7 @@ def optimize(
             cannot be read or tuned, or an output that cannot be written; nothing is written then.
     """
     return to_proto(optimize_ir(
-        model, output, shapes=shapes, mode=mode, tf32=tf32, layout=layout, engines=engines, fprop_algo=fprop_algo,
+        model, output, shapes=shapes, mode=mode, tf32=tf32, layout=layout, engines=engines, prune=prune, fprop_algo=fprop_algo,
         dgrad_algo=dgrad_algo, wgrad_algo=wgrad_algo, matmul_tf32=matmul_tf32, workspace_limit=workspace_limit,
         deterministic=deterministic, directions=directions, cache=cache, device_name=device_name, kernels=kernels,
         quiet=quiet, retune=retune, precision=precision, max_error=max_error, error_metric=error_metric, calibration=calibration,
@@ -137,6 +141,7 @@ def optimize_ir(
     tf32: str = "auto",
     layout: str = "auto",
     engines: str = "all",
+    prune: str = "off",
     fprop_algo: str | None = None,
     dgrad_algo: str | None = None,
     wgrad_algo: str | None = None,
@@ -158,7 +163,7 @@ def optimize_ir(
     """:func:`optimize`, returning the onnx-ir model instead, without the protobuf copy (0.1 s
     for a 100 MB model). Takes the same arguments and raises the same errors."""
     options = tune_options(dict(
-        mode=mode, tf32=tf32, layout=layout, engines=engines, fprop_algo=fprop_algo, dgrad_algo=dgrad_algo,
+        mode=mode, tf32=tf32, layout=layout, engines=engines, prune=prune, fprop_algo=fprop_algo, dgrad_algo=dgrad_algo,
         wgrad_algo=wgrad_algo, matmul_tf32=matmul_tf32, workspace_limit=workspace_limit, deterministic=deterministic,
         directions=directions, precision=precision, max_error=max_error, error_metric=error_metric,
     ), API)

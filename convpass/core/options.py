@@ -28,6 +28,9 @@ ALGO_KEYWORDS = ("normal", "performance")
 # legacy: cuDNN's legacy algorithms only; graph: graph-API engine configurations (forward convs;
 # dgrad / wgrad stay legacy); all: both, the fastest wins (convpass.native.cudnn.graph_api).
 ENGINE_CHOICES = ("legacy", "graph", "all")
+# off: every candidate measured; learned: candidates ordered and cut by what the tuning cache's
+# history on the device says of their geometry class (convpass.tuning.prune).
+PRUNE_CHOICES = ("off", "learned")
 # Precision per conv (docs/precision.md): auto = chosen within --max-error by measurement; the others
 # force one precision on every conv. None (the default): the model's data types stay and --tf32
 # decides float32 convs by speed alone.
@@ -109,6 +112,7 @@ class TuneOptions:
     precision: str | None = None
     max_error: float | None = None
     error_metric: str = "max-rel"
+    prune: str = "off"
 
     def __post_init__(self) -> None:
         _check(self, CLI)
@@ -181,6 +185,7 @@ def _check(options: TuneOptions, names: OptionNames) -> None:
     """Every rule on the values of :class:`TuneOptions`; messages name options by ``names``."""
     _choice(names("mode"), options.mode, MODES)
     _choice(names("engines"), options.engines, ENGINE_CHOICES)
+    _choice(names("prune"), options.prune, PRUNE_CHOICES)
     _choice(names("tf32"), options.tf32, TF32_CHOICES)
     _choice(names("layout"), options.layout, LAYOUT_CHOICES)
     for direction in ("fwd", "dgrad", "wgrad"):

@@ -211,6 +211,11 @@ class TuningCache(CacheFile):
         )
         return self._measurements(rows, key)
 
+    def device_rows(self, device: DeviceFingerprint) -> list[Measurement]:
+        """Every measurement of ``device``, in one query (a run's history: :mod:`convpass.tuning.prune`)."""
+        rows = self._run(lambda c: c.execute(_SELECT + " WHERE device = ?", (str(device),)).fetchall(), write=False)
+        return self._measurements(rows)
+
     def put_transpose(self, device: DeviceFingerprint, dims: Iterable[int], dtype: str, time_ms: float) -> None:
         """Record the measured time of converting a ``dims`` tensor of ``dtype`` between
         channels-first and channels-last on ``device`` (overwrites an older row)."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 from convpass.core import fusion as epilogue
 from convpass.core.algo import Algo
@@ -35,7 +35,10 @@ from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import EPILOGUE_METHOD
 from convpass.tuning.shape_bench import ShapeBench, best_after, make_row, was_measured
 
-__all__ = ["FFT_TILING_MAX_GROUPS", "Candidates", "skip_reason"]
+__all__ = ["FFT_TILING_MAX_GROUPS", "Candidates", "Order", "skip_reason"]
+
+# A pruning plan's order: candidates in the tuner's order -> (to time, in order; skipped, with why).
+Order: TypeAlias = Callable[[list[str]], tuple[list[str], list[tuple[str, str]]]]
 
 # cuDNN's legacy API runs FFT tiling once per group: on depthwise convs of hundreds of channels one
 # launch takes seconds to tens of seconds. Above this many groups it is skipped unless forced.
@@ -188,10 +191,12 @@ class Candidates:
 
     # ------------------------------------------------------------------ graph-API engines
 
-    def measure_engines(self, key: ProblemKey, best_ms: float | None, fusion: str = "") -> list[Measurement]:
+    def measure_engines(self, key: ProblemKey, best_ms: float | None, fusion: str = "", order: Order | None = None) -> list[Measurement]:
         """Every graph-API engine configuration of ``key`` (``y = conv(x, w)``, or the graph of
         ``fusion``), checked against the reference and timed like the legacy algorithms. Always at
-        least one row: ``engine:none`` (unsupported) when cuDNN offers no configuration."""
+        least one row: ``engine:none`` (unsupported) when cuDNN offers no configuration. ``order``
+        (:meth:`convpass.tuning.prune.KeyPlan.order`): the configurations to time, in its order,
+        and those to skip, each a ``skipped`` row saying why."""
         from convpass.native.cudnn import graph_api
 
         now = time.time()
@@ -204,6 +209,11 @@ class Candidates:
         if not found:
             return [make_row(key, none, "unsupported", None, 0, True, now, "measure", note="cuDNN offers no engine configuration")]
         rows = []
+        if order is not None:
+            kept, skipped = order([c.algo for c in found])
+            rows = [make_row(key, algo, "skipped", None, 0, True, now, "measure", note=why) for algo, why in skipped]
+            by_algo = {c.algo: c for c in found}
+            found = [by_algo[a] for a in kept]
         for config in found:
             row = self._measure_engine(key, config, best_ms, enumerated)
             rows.append(row)

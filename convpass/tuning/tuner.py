@@ -51,6 +51,7 @@ from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.candidates import Candidates
 from convpass.tuning.decide import EPILOGUE_METHOD, Choice, cached_rows, choice_from, cost_ms, epilogue_ms, select
+from convpass.tuning.prune import PRUNED, History, Pruner, needs_fallback
 from convpass.tuning.shape_bench import ShapeBench, best_after, make_row, was_measured
 
 logger = logging.getLogger("convpass")
@@ -82,10 +83,12 @@ class CudnnTuner:
         self.rows: dict[ConvProblem, list[Measurement]] = {}
         self._transpose_ms: dict[tuple, float] = {}
         self._measure_stream: Any = None
+        self.pruner: Pruner | None = None
 
     # ---------------------------------------------------------------------------------------
     def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
         started = time.perf_counter()
+        self.pruner = self._pruner(options)
         out: dict[ConvProblem, Choice | None] = {}
         columns = (TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"), TimeRemainingColumn())
         with Progress(*columns, console=self.console, transient=True) as progress:
@@ -94,7 +97,24 @@ class CudnnTuner:
                 out[problem] = self._decide_one(problem, options)
                 progress.advance(task)
         self.summary.seconds = time.perf_counter() - started
+        if self.pruner is not None:
+            rule = self.pruner.rule
+            logger.info("--prune learned: %d candidate(s) skipped (families that never won nor came within %.0f%% in %d or more "
+                        "problems of their geometry class on this GPU); %d key(s) searched in full (a class with fewer known "
+                        "problems, or every %d-th of a class)", self.pruner.skipped, 100 * rule.near, rule.min_problems,
+                        self.pruner.full, rule.explore_every)
         return out
+
+    def _pruner(self, options: TuneOptions) -> Pruner | None:
+        """The pruning rule of this run: the cache's history on this device, read once; None with
+        ``--prune off`` or where the device has no history (then everything is measured, and said)."""
+        if options.prune != "learned":
+            return None
+        history = History.learn(self.cache.device_rows(self.device))
+        if not history:
+            logger.info("--prune learned: the tuning cache has no history on %s: every candidate is measured", self.device)
+            return None
+        return Pruner(history)
 
     def _decide_one(self, problem: ConvProblem, options: TuneOptions) -> Choice | None:
         strategy, _ = options.strategy(problem.direction)
@@ -104,7 +124,7 @@ class CudnnTuner:
             self.summary.cached += 1
         else:
             with self._stream():
-                fresh = measure_problem(problem, options, rows)
+                fresh = measure_problem(problem, options, rows, self.pruner)
             self.cache.put(self.device, fresh)
             self.summary.measured += 1
             fresh_ids = {(m.key, m.algo, m.method) for m in fresh}
@@ -179,7 +199,8 @@ def measure_transpose(dims: tuple[int, ...], dtype: str) -> float:
         return harness.time_launches(convert, sets).time_ms
 
 
-def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[Measurement] = ()) -> list[Measurement]:
+def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[Measurement] = (),
+                    pruner: Pruner | None = None) -> list[Measurement]:
     """Measure one problem on the current GPU as ``options`` ask and return every row; writes
     nothing (the caller stores the rows: the tuner in its cache, a fleet worker by sending them to
     the driver). Runs with a non-default CuPy stream current; warms the clocks first.
@@ -187,6 +208,10 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     ``have``: rows already stored for the problem. When they hold every legacy measurement, only
     the graph-API engines are measured (a cache filled before engines existed is not re-timed);
     when they also hold the engines, only the problem's fused epilogue.
+
+    ``pruner`` (:mod:`convpass.tuning.prune`): the legacy algorithms and engines of each key are
+    timed in its order and those it skips are ``skipped`` rows saying why; where none of the kept
+    ones ran, the skipped ones are timed too.
     """
     strategy, forced = options.strategy(problem.direction)
     harness.warm_clocks()
@@ -198,18 +223,19 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     have = list(have)
     best = None
     legacy_fusion = legacy and epilogue.is_legacy(fusion)
-    if legacy and complete(have, keys, strategy, forced, legacy=True, engines=False):
+    pruned_ok = options.prune == "learned"
+    if legacy and complete(have, keys, strategy, forced, legacy=True, engines=False, pruned_ok=pruned_ok):
         legacy = False
-        if engines and complete(have, keys, strategy, forced, legacy=False, engines=True):
+        if engines and complete(have, keys, strategy, forced, legacy=False, engines=True, pruned_ok=pruned_ok):
             engines = False
         timed = [m.time_ms for m in have if m.key in keys and m.status == "ok" and m.method == "measure" and m.time_ms]
         best = min(timed, default=None)
-    if legacy_fusion and complete(have, keys, strategy, forced, legacy=False, engines=False, fusion=fusion):
+    if legacy_fusion and complete(have, keys, strategy, forced, legacy=False, engines=False, fusion=fusion, pruned_ok=pruned_ok):
         legacy_fusion = False
     if own and own_complete(have, keys, own_fusion):
         own = False
     return _measure(problem, options, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have,
-                    own=own, own_fusion=own_fusion)
+                    own=own, own_fusion=own_fusion, pruner=pruner if strategy == "measure" else None)
 
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
@@ -220,7 +246,7 @@ def problem_complete(rows: list[Measurement], problem: ConvProblem, options: Tun
     fusion = problem.fusion if (engines and not epilogue.is_legacy(problem.fusion)) or (legacy and epilogue.is_legacy(problem.fusion)) else ""
     keys = candidate_keys(problem, options)
     own_fusion = problem.fusion if epilogue.is_legacy(problem.fusion) else ""
-    return (complete(rows, keys, strategy, forced, legacy, engines, fusion)
+    return (complete(rows, keys, strategy, forced, legacy, engines, fusion, pruned_ok=options.prune == "learned")
             and (not own_space(problem, options, legacy) or own_complete(rows, keys, own_fusion)))
 
 
@@ -272,7 +298,7 @@ def spaces(problem: ConvProblem, options: TuneOptions) -> tuple[bool, bool]:
 
 def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
              engines: bool = False, best: float | None = None, fusion: str = "", have: Sequence[Measurement] = (),
-             own: bool = False, own_fusion: str = "") -> list[Measurement]:
+             own: bool = False, own_fusion: str = "", pruner: Pruner | None = None) -> list[Measurement]:
     """Every row of the problem's ``keys`` this call is asked for: the legacy algorithms, the
     graph-API engines, the epilogue ``fusion`` (a legacy one: its pass and the fused calls of
     the fastest legacy algorithms timed here or in ``have``; a graph-API one: its activation pass
@@ -317,6 +343,10 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                     # cuDNN's own pick first: a good early "best" lets slow candidates stop early.
                     preferred = [p.algo for p in ok_ranked]
                     to_time.sort(key=lambda a: preferred.index(a) if a in preferred else len(preferred))
+                    plan = pruner.plan(key) if pruner is not None else None
+                    if plan is not None:
+                        to_time, skipped = plan.order(to_time)
+                        rows.extend(make_row(key, algo, "skipped", None, 0, True, now, "measure", note=why) for algo, why in skipped)
                     for algo in to_time:
                         t0 = time.perf_counter()
                         row = candidates.measure_legacy(descs, key, algo, best, forced=strategy == "forced")
@@ -332,15 +362,44 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                             rows.append(row)
                             best = best_after(best, row) if not Algo.parse(row.algo).fusion else best
                     if engines:
-                        for row in candidates.measure_engines(key, best):
+                        for row in candidates.measure_engines(key, best, order=plan.order if plan is not None else None):
                             rows.append(row)
                             best = best_after(best, row)
+                    if plan is not None:
+                        rows, best = _fallback(rows, key, candidates, descs, best, engines)
+                        pruner.skipped += sum(1 for m in rows if m.key == key and is_pruned(m))
                     if fusion and not epilogue.is_legacy(fusion):
                         rows.extend(candidates.measure_fused(key, fusion, best))
                 rows = bench.settle(rows, problem, options, have)
         finally:
             candidates.release()
     return rows
+
+
+def is_pruned(m: Measurement) -> bool:
+    """Whether ``m`` is the row of a candidate the pruning rule skipped."""
+    return m.status == "skipped" and m.note.startswith(PRUNED)
+
+
+def _fallback(rows: list[Measurement], key: ProblemKey, candidates: Candidates, descs: Any, best: float | None,
+              engines: bool) -> tuple[list[Measurement], float | None]:
+    """``rows`` with ``key``'s pruned candidates timed after all where none of its kept ones ran
+    (the only candidate that supports a problem is never skipped), and the best time after them."""
+    pruned = [m for m in rows if m.key == key and is_pruned(m)]
+    if not pruned or not needs_fallback(rows, key):
+        return rows, best
+    logger.info("--prune learned: no kept candidate of %s ran: its %d skipped candidate(s) are timed too", key, len(pruned))
+    rows = [m for m in rows if not (m.key == key and is_pruned(m))]
+    legacy = [m.algo for m in pruned if not Algo.parse(m.algo).is_engine]
+    for algo in legacy:
+        rows.append(candidates.measure_legacy(descs, key, algo, best))
+        best = best_after(best, rows[-1])
+    engine_algos = {m.algo for m in pruned if Algo.parse(m.algo).is_engine}
+    if engines and engine_algos:
+        for row in candidates.measure_engines(key, best, order=lambda algos: ([a for a in algos if a in engine_algos], [])):
+            rows.append(row)
+            best = best_after(best, row)
+    return rows, best
 
 
 def fused_call_candidates(rows: Sequence[Measurement], key: ProblemKey) -> list[str]:
@@ -362,17 +421,20 @@ def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKe
 
 
 def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
-             engines: bool = False, fusion: str = "") -> bool:
+             engines: bool = False, fusion: str = "", pruned_ok: bool = False) -> bool:
     """Whether the cache already holds everything this strategy needs for these keys (graph-API
     engines: at least one engine row per key, which :meth:`~convpass.tuning.candidates.Candidates.measure_engines` always
     writes, an ``unsupported`` one when cuDNN offers none; a ``fusion``: its epilogue row and at
     least one fused row per key, which :meth:`~convpass.tuning.candidates.Candidates.measure_fused` always writes for a
     graph-API fusion and :meth:`~convpass.tuning.candidates.Candidates.measure_legacy_epilogue` for a legacy one where a
-    legacy algorithm of the key was timed)."""
+    legacy algorithm of the key was timed). A key with candidates the pruning rule skipped is
+    complete only with ``pruned_ok`` (``--prune learned``): without pruning they are measured."""
     from convpass.core.cudnn_enums import algo_names
 
     for key in keys:
         mine = [m for m in rows if m.key == key]
+        if not pruned_ok and any(is_pruned(m) for m in mine):
+            return False
         if not any(m.method == "heuristic" for m in mine):
             return False
         timed = {m.algo for m in mine if m.method == "measure"}
