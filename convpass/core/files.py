@@ -1,7 +1,7 @@
 """The files convpass reads and writes: refused when special, read within bounds, never overwritten
 by mistake.
 
-Reading (:func:`check_readable`, :func:`read_bytes`, :func:`read_text`):
+Reading (:func:`check_readable`, :func:`open_readable`, :func:`read_bytes`, :func:`read_text`):
 
 1. Only regular files are read. A FIFO, a device (``/dev/zero``), a socket or a folder is refused
    before anything could block on it or read it without end: the check is made on the open file
@@ -26,10 +26,12 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from convpass.core.errors import FileError
 
-__all__ = ["MODEL_LIMIT", "check_output", "check_readable", "kind_of", "os_error", "read_bytes", "read_text", "same_file"]
+__all__ = ["MODEL_LIMIT", "check_output", "check_readable", "kind_of", "open_readable", "os_error", "read_bytes", "read_text",
+           "same_file"]
 
 MODEL_LIMIT = 2**31 - 1  # protobuf's limit on one serialized message: no ONNX file can be larger
 
@@ -76,8 +78,9 @@ def _check_stat(st: os.stat_result, label: str, what: str, limit: int | None) ->
         raise FileError(f"{what} {label} is {_size(st.st_size)}, more than the {_size(limit)} convpass reads: refused")
 
 
-def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MODEL_LIMIT) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them (rules 1, 2)."""
+def open_readable(path: str | os.PathLike[str], what: str = "file", limit: int = MODEL_LIMIT) -> tuple[BinaryIO, os.stat_result]:
+    """The regular file ``path`` opened for binary reading, and its ``stat`` (rules 1, 2, checked on
+    the open file): for readers that stream it (an archive). The caller closes it."""
     label = os.fspath(path)
     try:
         fd = os.open(label, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -93,7 +96,14 @@ def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MO
     except BaseException:
         os.close(fd)
         raise
-    with os.fdopen(fd, "rb") as f:
+    return os.fdopen(fd, "rb"), st
+
+
+def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MODEL_LIMIT) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them (rules 1, 2)."""
+    label = os.fspath(path)
+    f, st = open_readable(path, what, limit)
+    with f:
         try:
             data = f.read(min(st.st_size, limit) + 1)  # a file that grew since the check is still cut at the limit
         except OSError as e:

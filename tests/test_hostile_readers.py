@@ -1,0 +1,156 @@
+"""Hostile input for the readers and writers added after tests/test_hostile_input.py: the input files
+of ``optimize --precision auto``, ``--json-file`` / ``--html`` outputs, ``account``, ``bench
+--targets`` / ``--from-json`` and the tuning cache's fusion timings.
+
+As there, each test asserts the exit code, that a refusal is one ``convpass: error:`` line naming
+the file or option, and that no file changed and none appeared (inputs, the tuning cache, the
+would-be outputs and temporary files beside them), compared before and after.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import MODELS
+from precision_fakes import synthetic_cache
+from test_hostile_input import cli, cli_process, tree
+
+PRECISION_MODEL = MODELS / "residual_cnn.onnx"  # input (1, 3, 64, 64) float32
+GOOD = np.zeros((1, 3, 64, 64), np.float32)
+
+
+@pytest.fixture(scope="module")
+def synthetic_db(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hostile-readers") / "synthetic.db"
+    synthetic_cache(path, onnx.load(PRECISION_MODEL))
+    return path
+
+
+def _precision_folder(tmp_path: Path, synthetic_db: Path) -> tuple[Path, Path]:
+    """The model and a copy of the synthetic cache in ``tmp_path`` (so that the test sees any change to them)."""
+    model, cache = tmp_path / "m.onnx", tmp_path / "cache.db"
+    shutil.copyfile(PRECISION_MODEL, model)
+    shutil.copyfile(synthetic_db, cache)
+    return model, cache
+
+
+def _optimize_auto(model: Path, cache: Path, *files: str) -> list[str]:
+    return ["optimize", model, "-o", model.parent / "t.onnx", "--cache", cache, "--device-name", "Synthetic", "--no-kernels",
+            "--precision", "auto", "--max-error", "1e-2", *files]
+
+
+# ---------------------------------------------------------------------------------------------
+# optimize --precision auto: the --calibration / --holdout .npz files
+
+
+def _npy_bytes(header: dict, data: bytes) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue() + data
+
+
+def _hostile_npz(path: Path, case: str) -> None:
+    if case == "truncated":
+        np.savez(path, input=GOOD)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif case == "not a zip":
+        path.write_text("input = zeros(1, 3, 64, 64)\n")
+    elif case == "a .npy":
+        np.save(open(path, "wb"), GOOD)
+    elif case == "object array":
+        np.savez(path, input=np.array([{"a": 1}, None], dtype=object))
+    elif case == "huge declared shape":  # 4 TB declared over 64 bytes: nothing may be allocated for it
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("input.npy", _npy_bytes({"descr": "<f4", "fortran_order": False, "shape": (1000, 3, 64, 64 * 80_000)}, b"\0" * 64))
+    elif case == "a member that is no array":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("input", b"raw bytes")
+    elif case == "empty archive":
+        zipfile.ZipFile(path, "w").close()
+    elif case == "float64":
+        np.savez(path, input=GOOD.astype(np.float64))
+    elif case in ("NaN", "Inf"):
+        bad = GOOD.copy()
+        bad[0, 1, 2, 3] = np.nan if case == "NaN" else -np.inf
+        np.savez(path, input=bad)
+    else:
+        raise AssertionError(case)
+
+
+NPZ_CASES = {
+    "truncated": r"--calibration .*in.npz is a damaged NumPy file \(.*\): refused",
+    "not a zip": r"--calibration .*in.npz is not a NumPy .npy or .npz file: refused",
+    "a .npy": r"--calibration .*in.npz: a .npy file holds one unnamed array; give an .npz archive .*np.savez\(FILE, input=",
+    "object array": r"--calibration .*in.npz, array 'input' holds Python objects \(a pickle, .*\): refused",
+    "huge declared shape": r"--calibration .*in.npz, array 'input' declares shape \(1000, 3, 64, 5120000\) of float32 \(3932160000000 bytes\) but holds 64 bytes: refused",
+    "a member that is no array": r"--calibration .*in.npz: member 'input' is not a .npy array: refused",
+    "empty archive": r"--calibration .*in.npz: holds no array for the model input\(s\) input \(it holds none\)",
+    "float64": r"--calibration .*in.npz: array 'input' is float64 of rank 4; the model takes float32 of rank 4",
+    "NaN": r"--calibration .*in.npz: array 'input' holds 1 NaN or infinite value\(s\); the error cannot be measured on them",
+    "Inf": r"--calibration .*in.npz: array 'input' holds 1 NaN or infinite value\(s\)",
+}
+
+
+@pytest.mark.parametrize("case", NPZ_CASES)
+def test_hostile_calibration_files_are_one_line_and_change_nothing(tmp_path, capsys, synthetic_db, case):
+    model, cache = _precision_folder(tmp_path, synthetic_db)
+    _hostile_npz(tmp_path / "in.npz", case)
+    before = tree(tmp_path)
+    cli(capsys, *_optimize_auto(model, cache, "--calibration", tmp_path / "in.npz"), match=NPZ_CASES[case])
+    assert tree(tmp_path) == before
+
+
+def test_a_calibration_archive_that_inflates_past_the_limit_is_refused_before_it_is_inflated(tmp_path, capsys, synthetic_db, monkeypatch):
+    from convpass.compiler.precision import data
+
+    model, cache = _precision_folder(tmp_path, synthetic_db)
+    np.savez_compressed(tmp_path / "bomb.npz", input=np.zeros((1, 3, 64, 64 * 64), np.float32))  # 3 MiB of zeros in 4 KiB
+    assert (tmp_path / "bomb.npz").stat().st_size < 1 << 16
+    monkeypatch.setattr(data, "INPUT_LIMIT", 1 << 20)
+    inflated = []
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", lambda *a, **k: inflated.append(1))  # nothing may be inflated
+    before = tree(tmp_path)
+    cli(capsys, *_optimize_auto(model, cache, "--holdout", tmp_path / "bomb.npz"),
+        match=r"--holdout .*bomb.npz inflates to 3145856 bytes, more than the 1048576 convpass reads: refused")
+    assert tree(tmp_path) == before and not inflated
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "folder"])
+def test_a_calibration_fifo_or_folder_is_refused_before_it_is_read(tmp_path, synthetic_db, kind):
+    """In a process of its own: a FIFO read would block it (the test fails at the timeout, not forever)."""
+    model, cache = _precision_folder(tmp_path, synthetic_db)
+    special = tmp_path / "in.npz"
+    os.mkfifo(special) if kind == "FIFO" else special.mkdir()
+    before = tree(tmp_path)
+    message = r"FIFO \(named pipe\), not a regular file: refused" if kind == "FIFO" else r"folder, not a regular file: refused"
+    cli_process(*_optimize_auto(model, cache, "--calibration", special), match=r"--calibration .*in.npz is a " + message)
+    assert tree(tmp_path) == before
+
+
+def test_the_bounded_reader_reads_what_numpy_writes(tmp_path):
+    """Plain, compressed, Fortran-ordered, big-endian, version-2 headers, several arrays: the same
+    arrays as ``np.load`` gives."""
+    from convpass.core.array_file import read_arrays
+
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "f": np.asfortranarray(rng.standard_normal((3, 5))),
+              "be": np.arange(6, dtype=">i4").reshape(2, 3), "b": rng.integers(0, 2, (7,)).astype(bool), "s": np.float16(1.5),
+              "e": np.zeros((0, 4), np.int64)}
+    np.savez(tmp_path / "a.npz", **arrays)
+    np.savez_compressed(tmp_path / "c.npz", **arrays)
+    for path in (tmp_path / "a.npz", tmp_path / "c.npz"):
+        got = read_arrays(path)
+        assert list(got) == list(arrays)
+        for k, want in arrays.items():
+            assert got[k].dtype == want.dtype and got[k].shape == want.shape and np.array_equal(got[k], want), k
+        assert got["f"].flags.f_contiguous and got["x"].flags.writeable
+    with open(tmp_path / "v2.npy", "wb") as f:
+        np.lib.format.write_array(f, arrays["x"], version=(2, 0))
+    assert np.array_equal(read_arrays(tmp_path / "v2.npy")[""], arrays["x"])
