@@ -154,3 +154,23 @@ def test_the_bounded_reader_reads_what_numpy_writes(tmp_path):
     with open(tmp_path / "v2.npy", "wb") as f:
         np.lib.format.write_array(f, arrays["x"], version=(2, 0))
     assert np.array_equal(read_arrays(tmp_path / "v2.npy")[""], arrays["x"])
+
+
+def test_run_input_archives_are_read_within_bounds_too(tmp_path, capsys, monkeypatch):
+    """``run --input`` reads .npy / .npz files by the same bounded reader: an archive that would
+    inflate past the limit is refused from its directory, a header promising more than the file holds
+    before anything is allocated."""
+    from conftest import conv_model
+
+    from convpass.cli import feeds
+
+    onnx.save(conv_model("Conv", (1, 3, 64, 64), (4, 3, 3, 3)), tmp_path / "m.onnx")
+    np.savez_compressed(tmp_path / "bomb.npz", x=np.zeros((1, 3, 64, 64 * 64), np.float32))
+    _hostile_npz(tmp_path / "huge.npz", "huge declared shape")
+    monkeypatch.setattr(feeds, "INPUT_FILE_LIMIT", 1 << 20)
+    before = tree(tmp_path)
+    cli(capsys, "run", tmp_path / "m.onnx", "--device", "cpu", "-i", tmp_path / "bomb.npz",
+        match=r"--input .*bomb.npz inflates to 3145856 bytes, more than the 1048576 convpass reads: refused")
+    cli(capsys, "run", tmp_path / "m.onnx", "--device", "cpu", "-i", f"x={tmp_path / 'huge.npz'}",
+        match=r"--input .*huge.npz, array 'input' declares shape \(1000, 3, 64, 5120000\) of float32 .* but holds 64 bytes: refused")
+    assert tree(tmp_path) == before
