@@ -9,6 +9,7 @@ would-be outputs and temporary files beside them), compared before and after.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
@@ -20,7 +21,7 @@ import onnx
 import pytest
 from conftest import MODELS
 from precision_fakes import synthetic_cache
-from test_hostile_input import cli, cli_process, tree
+from test_hostile_input import _cache_with_rows, _outputs, _raise, cli, cli_process, save, small_model, tree
 
 PRECISION_MODEL = MODELS / "residual_cnn.onnx"  # input (1, 3, 64, 64) float32
 GOOD = np.zeros((1, 3, 64, 64), np.float32)
@@ -174,3 +175,106 @@ def test_run_input_archives_are_read_within_bounds_too(tmp_path, capsys, monkeyp
     cli(capsys, "run", tmp_path / "m.onnx", "--device", "cpu", "-i", f"x={tmp_path / 'huge.npz'}",
         match=r"--input .*huge.npz, array 'input' declares shape \(1000, 3, 64, 5120000\) of float32 .* but holds 64 bytes: refused")
     assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# --json-file on every verb, inspect --html: checked before any work, written atomically, never over an input
+
+
+RECORDED_BENCH = Path(__file__).parent / "data" / "bench-h200-2026-11-22-panel.trimmed.json"
+
+
+def _verb_args(tmp_path: Path, verb: str) -> list:
+    """A command line of ``verb`` that reads ``m.onnx`` (or, for bench, ``doc.json``) and the tuning cache ``cache.db``."""
+    m = tmp_path / "m.onnx"
+    return {"optimize": ["optimize", m, "-o", tmp_path / "t.onnx", "--device-name", "H200"],
+            "tune": ["tune", m, "-o", tmp_path / "tuned"],
+            "compile": ["compile", m],
+            "inspect": ["inspect", m],
+            "run": ["run", m, "--device", "cpu"],
+            "cache": ["cache", "stats"],
+            "account": ["account", m],
+            "bench": ["bench", "--from-json", tmp_path / "doc.json"]}[verb]
+
+
+def _json_file_setup(tmp_path: Path, monkeypatch) -> None:
+    save(small_model(), tmp_path / "m.onnx")
+    _cache_with_rows(tmp_path / "cache.db")
+    shutil.copyfile(RECORDED_BENCH, tmp_path / "doc.json")
+    monkeypatch.setenv("CONVPASS_CACHE", str(tmp_path / "cache.db"))  # the default cache of every verb
+
+
+OUTPUT_CASES = ["the model itself", "a link to the model", "the tuning cache", "a device node", "a FIFO", "a folder", "an empty path",
+                "a missing folder"]
+
+
+@pytest.mark.parametrize("case", OUTPUT_CASES)
+@pytest.mark.parametrize("verb", ["optimize", "tune", "compile", "inspect", "run", "cache", "account", "bench"])
+def test_json_file_refusals_on_every_verb_before_any_work(tmp_path, capsys, monkeypatch, verb, case):
+    """Refused up front (tune, compile and account would first need a GPU and minutes of work)."""
+    _json_file_setup(tmp_path, monkeypatch)
+    target, message = _outputs(tmp_path)[case]
+    if case in ("the model itself", "a link to the model"):
+        if verb == "cache":
+            pytest.skip("cache reads no model")
+        if verb == "bench":
+            target, message = tmp_path / "doc.json", r"is a --from-json document: refusing to overwrite it"
+            if case == "a link to the model":
+                (tmp_path / "link.json").symlink_to(target)
+                target = tmp_path / "link.json"
+        if verb == "tune":
+            message = message.replace("the input model", "an input model")  # one of several
+    before = tree(tmp_path)
+    cli(capsys, *_verb_args(tmp_path, verb), "--json-file", target, match="--json-file.*" + message)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", OUTPUT_CASES)
+def test_inspect_html_refusals(tmp_path, capsys, monkeypatch, case):
+    _json_file_setup(tmp_path, monkeypatch)
+    target, message = _outputs(tmp_path)[case]
+    before = tree(tmp_path)
+    cli(capsys, "inspect", tmp_path / "m.onnx", "--html", target, match="--html.*" + message)
+    assert tree(tmp_path) == before
+
+
+def test_json_file_is_not_the_command_s_other_outputs(tmp_path, capsys, monkeypatch):
+    _json_file_setup(tmp_path, monkeypatch)
+    (tmp_path / "t.onnx").write_text("an older tuned model")
+    before = tree(tmp_path)
+    cli(capsys, *_verb_args(tmp_path, "optimize"), "--json-file", tmp_path / "t.onnx", match=r"--json-file .*t.onnx is the output model: refusing")
+    cli(capsys, "inspect", tmp_path / "m.onnx", "--html", tmp_path / "r.json", "--json-file", tmp_path / "r.json",
+        match=r"--json-file .*r.json is the --html report: refusing")
+    cli(capsys, "cache", "export", tmp_path / "e.json", "--json-file", tmp_path / "e.json", match=r"--json-file .*e.json is the cache export")
+    cli(capsys, *_verb_args(tmp_path, "compile"), "--json-file", tmp_path / "m.onnx.kernels",
+        match=r"--json-file .*m.onnx.kernels is the kernel side-car: refusing")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("verb", ["inspect", "cache", "bench", "inspect --html"])
+def test_json_file_and_html_writes_leave_nothing_half_written(tmp_path, capsys, monkeypatch, verb):
+    """A failure while writing (the disk full, at the write or the rename) leaves the older file as it
+    was and no temporary file beside it."""
+    _json_file_setup(tmp_path, monkeypatch)
+    (tmp_path / "r.out").write_text("an older report")
+    args = _verb_args(tmp_path, verb.split()[0]) + (["--html", tmp_path / "r.out"] if verb == "inspect --html" else ["--json-file", tmp_path / "r.out"])
+    before = tree(tmp_path)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    real_replace = os.replace
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "replace", lambda a, b: _raise(full)() if str(b).endswith("r.out") else real_replace(a, b))
+        cli(capsys, *args, match=r"cannot write .*r.out: No space left on device \(the disk is full")
+    assert tree(tmp_path) == before
+    real_fdopen = os.fdopen
+
+    def failing_writer(fd, *a, **k):
+        f = real_fdopen(fd, *a, **k)
+        f.write = _raise(full)
+        return f
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fdopen", failing_writer)
+        cli(capsys, *args, match=r"cannot write .*r.out: No space left on device")
+    assert tree(tmp_path) == before
+    cli(capsys, *args, expected=0)
+    assert (tmp_path / "r.out").read_text() != "an older report"

@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
+from convpass.cli.output import write_report
 from convpass.core.errors import ConvpassError
-from convpass.core.model_io import write_text_atomically
 
 __all__ = ["add_account_parser"]
 
@@ -36,8 +36,8 @@ def account_command(args: argparse.Namespace) -> int:
     if not rows:
         raise ConvpassError(f"{args.model}: no tuned convolution to account for (was it optimized on a GPU?)")
     doc = json.dumps({"format": "convpass.account/1", "model": str(args.model), "convs": rows}, indent=1)
-    if args.json_file:
-        write_text_atomically(args.json_file, doc)
+    if args.json_file is not None:
+        write_report(args, "json_file", doc)
     if args.json:
         print(doc)
     else:

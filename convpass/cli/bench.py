@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 from convpass.bench import document, opprofile, plot, render, schema, stats, targets
 from convpass.bench.peers import COMPILE_MODES, DEFAULT_COMPILE_MODES, parse_compile_modes
+from convpass.cli.output import check_outputs, protected
 from convpass.core.errors import ConvpassError
 from convpass.core.files import read_text
 from convpass.core.profiles import DEFAULT_BATCHES, CaseSkipped, parse_batches  # noqa: F401  (parse_batches: used by tests as this module's)
@@ -180,8 +181,8 @@ def _out(doc: dict[str, Any], args: argparse.Namespace) -> None:
     errors = schema.validate_document(doc)
     if errors:  # a bug in this module, not the user's: say so, still write what we have
         print(f"convpass bench: warning: the JSON document does not match its schema: {errors[0]}", file=sys.stderr)
-    if args.json_file:
-        document.write_json(args.json_file, doc)
+    if args.json_file is not None:
+        document.write_json(args.json_file, doc, "--json-file", protected(args, "json_file"))
         print(f"wrote {args.json_file}", file=sys.stderr)
     if args.json:
         sys.stdout.write(document.to_json(doc))
@@ -314,8 +315,8 @@ def bench_command(args: argparse.Namespace) -> int:
 
     def keep(cases: list[dict[str, Any]]) -> dict[str, Any]:
         doc = document.build_document(env, settings, peaks, cases, created, notes, judged)
-        if args.json_file:  # every finished case is kept, should a later one be interrupted
-            document.write_json(args.json_file, doc)
+        if args.json_file is not None:  # every finished case is kept, should a later one be interrupted
+            document.write_json(args.json_file, doc, "--json-file", protected(args, "json_file"))
         return doc
 
     cases: list[dict[str, Any]] = []
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     try:
+        check_outputs(args)
         return args.func(args)
     except ConvpassError as e:
         print(f"convpass: error: {e}", file=sys.stderr)

@@ -8,13 +8,17 @@ Reading (:func:`check_readable`, :func:`open_readable`, :func:`read_bytes`, :fun
    (opened non-blocking, so a FIFO with no writer does not hang the open), not on the path alone.
 2. Every read has a size limit; a larger file is refused with its size and the limit.
 
-Writing (:func:`check_output`):
+Writing (:func:`check_output`, :func:`write_text_atomically`):
 
 3. An output path must be a file path: not empty, not a folder, in a folder that exists.
 4. An existing output must be a regular file: a device node, a FIFO or a socket is never
    replaced (a rename onto ``/dev/null`` as root would replace the device node).
 5. An output must not be one of the files the same command reads (the input model, its external
    data, the tuning cache): writing it would destroy the input the output is made from.
+
+6. An output is written to a temporary file beside it, then renamed into place: a reader, or an
+   interrupted run, never sees half a file, and a failure leaves whatever was there before and no
+   temporary file.
 
 OS errors while writing are turned into one line with :func:`os_error`.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,7 +36,7 @@ from typing import BinaryIO
 from convpass.core.errors import FileError
 
 __all__ = ["MODEL_LIMIT", "check_output", "check_readable", "kind_of", "open_readable", "os_error", "read_bytes", "read_text",
-           "same_file"]
+           "same_file", "write_text_atomically"]
 
 MODEL_LIMIT = 2**31 - 1  # protobuf's limit on one serialized message: no ONNX file can be larger
 
@@ -161,4 +166,30 @@ def check_output(
     for other, name in protect:
         if other is not None and os.fspath(other) and same_file(out, other):
             raise FileError(f"{what} {label} is {name}: refusing to overwrite it; choose another output path")
+    return out
+
+
+def write_text_atomically(
+    path: str | os.PathLike[str],
+    text: str,
+    what: str = "output",
+    protect: Iterable[tuple[str | os.PathLike[str], str]] = (),
+) -> Path:
+    """``text`` written to ``path`` as UTF-8 (rules 3 to 6; ``what`` and ``protect`` as for
+    :func:`check_output`); :class:`FileError` on a refusal or an OS error."""
+    out = check_output(path, what, protect)
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+    try:  # (created as open() creates files, the umask applied: the output's mode is any new file's)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:
+        raise os_error(out, e) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise os_error(out, e) from None
+        raise
     return out
