@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import shutil
 import zipfile
@@ -21,7 +22,7 @@ import onnx
 import pytest
 from conftest import MODELS
 from precision_fakes import synthetic_cache
-from test_hostile_input import _cache_with_rows, _outputs, _raise, cli, cli_process, save, small_model, tree
+from test_hostile_input import HOSTILE, _cache_with_rows, _outputs, _raise, cli, cli_process, save, small_model, tree
 
 PRECISION_MODEL = MODELS / "residual_cnn.onnx"  # input (1, 3, 64, 64) float32
 GOOD = np.zeros((1, 3, 64, 64), np.float32)
@@ -278,3 +279,23 @@ def test_json_file_and_html_writes_leave_nothing_half_written(tmp_path, capsys, 
     assert tree(tmp_path) == before
     cli(capsys, *args, expected=0)
     assert (tmp_path / "r.out").read_text() != "an older report"
+
+
+# ---------------------------------------------------------------------------------------------
+# convpass account: names from the model reach the terminal escaped; the JSON is JSON
+
+
+def test_account_escapes_names_from_the_model_and_writes_valid_json(tmp_path, capsys, monkeypatch):
+    """(The account needs a GPU: its rows are given here as a tuned model on one would give them.)"""
+    from convpass.bench import account
+
+    rows = [{"node": HOSTILE, "profile": 0, "memory_format": "NHWC\x1b[2J", "tuned_ms": 0.1, "in_place_ms": float("nan"),
+             "best_ms": 0.0, "in_place_over_best": float("inf"), "floor_ms": 0.001}]
+    monkeypatch.setattr(account, "account", lambda *a, **k: rows)
+    save(small_model(), tmp_path / "m.onnx")
+    out, _ = cli(capsys, "account", tmp_path / "m.onnx", "--json-file", tmp_path / "a.json", expected=0)
+    assert "\\x1b]0;pwned" in out and "\\x1b[2J" in out
+    doc = json.loads((tmp_path / "a.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert doc["convs"][0]["node"] == HOSTILE and doc["convs"][0]["in_place_ms"] is None and doc["convs"][0]["in_place_over_best"] is None
+    out, _ = cli(capsys, "account", tmp_path / "m.onnx", "--json", expected=0)
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["convs"][0]["node"] == HOSTILE
