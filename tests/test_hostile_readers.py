@@ -299,3 +299,48 @@ def test_account_escapes_names_from_the_model_and_writes_valid_json(tmp_path, ca
     assert doc["convs"][0]["node"] == HOSTILE and doc["convs"][0]["in_place_ms"] is None and doc["convs"][0]["in_place_over_best"] is None
     out, _ = cli(capsys, "account", tmp_path / "m.onnx", "--json", expected=0)
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["convs"][0]["node"] == HOSTILE
+
+
+# ---------------------------------------------------------------------------------------------
+# bench --targets FILE (malformed JSON, unknown measures and rules, a missing list: tests/test_bench_peers.py)
+
+
+_TARGET = {"name": "any_peer", "judges": "convpass against every peer", "measure": "vs_all", "rule": "every_case", "at_most": 2.0}
+
+
+@pytest.mark.parametrize("case,message", [
+    ("nested 100,000 deep", r"--targets .*t.json: cannot read a targets file \(JSON nested too deeply\)"),
+    ("NaN bound", r"--targets .*t.json: cannot read a targets file \(NaN is not JSON\)"),
+    ("Infinity bound", r"--targets .*t.json: cannot read a targets file \(-Infinity is not JSON\)"),
+    ("1e999 bound", r"--targets .*t.json: target 'any_peer': at_most must be a finite number, not inf"),
+    ("a bound of the wrong type", r"--targets .*t.json: \$.targets\[0\].at_least: '1.0' is not of type 'number'"),
+    ("a 500 kB rule name", r"--targets .*t.json: \$.targets\[0\].rule: 'xxxx.* \.\.\. .*' is not one of"),
+    ("over 1 MiB", r"--targets file .*t.json is 1.0 MiB, more than the 1.0 MiB convpass reads: refused"),
+])
+def test_hostile_targets_files_are_one_line_and_change_nothing(tmp_path, capsys, case, message):
+    path = tmp_path / "t.json"
+    if case == "nested 100,000 deep":
+        path.write_text('{"targets": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif case in ("NaN bound", "Infinity bound", "1e999 bound"):
+        value = {"NaN bound": "NaN", "Infinity bound": "-Infinity", "1e999 bound": "1e999"}[case]
+        path.write_text(json.dumps({"targets": [_TARGET]}).replace("2.0", value))
+    elif case == "a bound of the wrong type":
+        path.write_text(json.dumps({"targets": [{**_TARGET, "at_most": None, "at_least": "1.0"}]}).replace('"at_most": null, ', ""))
+    elif case == "a 500 kB rule name":
+        path.write_text(json.dumps({"targets": [{**_TARGET, "rule": "x" * 500_000}]}))
+    else:
+        path.write_text(json.dumps({"targets": [_TARGET], "about": " " * (1 << 20)}))
+    shutil.copyfile(RECORDED_BENCH, tmp_path / "doc.json")
+    before = tree(tmp_path)
+    _, err = cli(capsys, "bench", "--from-json", tmp_path / "doc.json", "--targets", path, match=message)
+    assert len(err) < 1000
+    assert tree(tmp_path) == before
+
+
+def test_a_targets_fifo_is_refused_before_it_is_read(tmp_path):
+    os.mkfifo(tmp_path / "t.json")
+    shutil.copyfile(RECORDED_BENCH, tmp_path / "doc.json")
+    before = tree(tmp_path)
+    cli_process("bench", "--from-json", tmp_path / "doc.json", "--targets", tmp_path / "t.json",
+                match=r"--targets file .*t.json is a FIFO \(named pipe\), not a regular file: refused")
+    assert tree(tmp_path) == before
