@@ -13,6 +13,7 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -343,4 +344,53 @@ def test_a_targets_fifo_is_refused_before_it_is_read(tmp_path):
     before = tree(tmp_path)
     cli_process("bench", "--from-json", tmp_path / "doc.json", "--targets", tmp_path / "t.json",
                 match=r"--targets file .*t.json is a FIFO \(named pipe\), not a regular file: refused")
+    assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# bench --from-json documents (other JSON and a wrong schema: tests/test_bench.py)
+
+
+def _recorded(tmp_path: Path, edit=None) -> Path:
+    doc = json.loads(RECORDED_BENCH.read_text())
+    if edit is not None:
+        edit(doc)
+    (tmp_path / "doc.json").write_text(json.dumps(doc))
+    return tmp_path / "doc.json"
+
+
+def test_strings_of_a_recorded_document_reach_the_terminal_escaped(tmp_path, capsys):
+    def edit(doc):
+        doc["environment"]["device"] = "NVIDIA " + HOSTILE
+        doc["cases"][0]["model"] = HOSTILE
+        doc["cases"][0]["contenders"][1]["name"] = HOSTILE
+        doc["notes"].append(HOSTILE)
+
+    _recorded(tmp_path, edit)
+    before = tree(tmp_path)
+    out, _ = cli(capsys, "bench", "--from-json", tmp_path / "doc.json", expected=0)  # (cli asserts that no raw control character is printed)
+    assert "\\x1b]0;pwned\\x07" in out and "[bold red]x[/]" in out
+    assert tree(tmp_path) == before
+
+
+def test_a_recorded_contender_missing_optional_times_renders(tmp_path, capsys):
+    """The schema leaves a contender's times optional: one recorded with its session time alone is shown with ``-``."""
+    def edit(doc):
+        for key in ("cold_start_s", "first_run_s"):
+            del doc["cases"][0]["contenders"][1][key]
+
+    _recorded(tmp_path, edit)
+    out, _ = cli(capsys, "bench", "--from-json", tmp_path / "doc.json", expected=0)
+    assert re.search(r"ort EXHAUSTIVE nchw +- \(0.075\+-\)", out), out[:2000]
+
+
+def test_a_recorded_document_over_the_limit_or_special_is_refused_before_it_is_parsed(tmp_path):
+    from convpass.bench.document import DOCUMENT_LIMIT
+
+    (tmp_path / "big.json").write_text(" " * (DOCUMENT_LIMIT + 1))
+    os.mkfifo(tmp_path / "fifo.json")
+    before = tree(tmp_path)
+    cli_process("bench", "--from-json", tmp_path / "big.json",
+                match=r"--from-json document .*big.json is 64.0 MiB, more than the 64.0 MiB convpass reads: refused")
+    cli_process("bench", "--from-json", tmp_path / "fifo.json", match=r"--from-json document .*fifo.json is a FIFO \(named pipe\), not a regular file: refused")
     assert tree(tmp_path) == before

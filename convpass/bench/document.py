@@ -30,6 +30,8 @@ from convpass.bench import targets as targets_mod
 from convpass.bench.schema import SCHEMA_ID
 from convpass.core.files import write_text_atomically
 
+DOCUMENT_LIMIT = 64 << 20  # bytes of a recorded document --from-json reads (a run of many cases is a few MB)
+
 
 def summarize(cases: Sequence[Mapping[str, Any]], targets: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The rankings against every peer group and each target's verdict (default: the packaged
