@@ -394,3 +394,71 @@ def test_a_recorded_document_over_the_limit_or_special_is_refused_before_it_is_p
                 match=r"--from-json document .*big.json is 64.0 MiB, more than the 64.0 MiB convpass reads: refused")
     cli_process("bench", "--from-json", tmp_path / "fifo.json", match=r"--from-json document .*fifo.json is a FIFO \(named pipe\), not a regular file: refused")
     assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuning cache's fusion timings: a stored row that is not one is skipped with a warning
+
+
+def _cache_with_fusion_rows(path: Path) -> None:
+    """The timings of the two fusion units of ``fused_models.block()`` on the H200 of ``_cache_with_rows``,
+    as a GPU run of optimize keeps them."""
+    import types
+
+    from fused_models import block
+
+    from convpass.compiler import pipeline
+    from convpass.core.device import DeviceFingerprint
+    from convpass.core.model_io import load_model
+    from convpass.core.options import TuneOptions
+    from convpass.tuning.cache import TuningCache
+
+    _cache_with_rows(path)
+    cache = TuningCache(path)
+    model = load_model(block())
+    report = pipeline.OptimizeReport()
+    uses = pipeline.prepare_model(model, TuneOptions(), ["x=2x8x5x6"], report)
+    backend = types.SimpleNamespace(device=DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900), cache=cache,
+                                    decide=lambda problems, options: {p: None for p in problems})
+    pipeline.decide_and_annotate(model, TuneOptions(), uses, [backend], report, fusion_timer=lambda *_: 1.0)
+    cache.close()
+    assert report.fusion_measured == 2
+
+
+@pytest.mark.parametrize("times", ["not JSON", "[" * 100_000 + "]" * 100_000, '{"fused_nchw": Infinity, "unfused_nchw": 1}',
+                                   '{"fused_nchw": 1e999, "unfused_nchw": 1}', '{"fused_nchw": true, "unfused_nchw": 1}',
+                                   '{"fused_nchw": "fast", "unfused_nchw": 1}', '{"fused_nchw": -1, "unfused_nchw": 1}', "[1, 2]",
+                                   '{"fused_nchw": 1}', b"\xff\xfe", 42, None])
+def test_stored_fusion_timings_that_are_not_timings_are_skipped_with_a_warning(tmp_path, capsys, times):
+    import sqlite3
+
+    from fused_models import block
+
+    from convpass.core import annotation
+
+    cache = tmp_path / "cache.db"
+    _cache_with_fusion_rows(cache)
+    with sqlite3.connect(cache) as c:
+        c.execute("PRAGMA ignore_check_constraints = 1")
+        rows = c.execute("SELECT signature FROM fusion_timings").fetchall()
+        assert len(rows) == 2
+        if times is None:  # (NOT NULL in the schema: a table another program made without it)
+            c.execute("ALTER TABLE fusion_timings RENAME TO old")
+            c.execute("CREATE TABLE fusion_timings (device TEXT, signature TEXT, times TEXT, measured_at REAL, PRIMARY KEY (device, signature))")
+            c.execute("INSERT INTO fusion_timings SELECT * FROM old")
+            c.execute("DROP TABLE old")
+        c.execute("UPDATE fusion_timings SET times = ? WHERE signature = ?", (times, rows[0][0]))
+    c.close()
+    onnx.save(block(), tmp_path / "m.onnx")
+    before = tree(tmp_path)
+    with pytest.warns(Warning) as caught:
+        cli(capsys, "optimize", tmp_path / "m.onnx", "-o", tmp_path / "t.onnx", "--device-name", "H200", "--cache", cache,
+            "--shape", "x=2x8x5x6", expected=0)
+    warned = [str(w.message) for w in caught if "fusion" in str(w.message)]
+    assert len(warned) == 1 and re.search(r"tuning cache .*cache.db: skipped the stored timings of 1 fusion unit\(s\) that are not "
+                                          r"valid timings \(the first: ", warned[0]), [str(w.message) for w in caught]
+    after = tree(tmp_path)
+    assert {k: v for k, v in after.items() if k != "t.onnx"} == before  # the cache unchanged: nothing is timed without a GPU
+    record = annotation.read_fusions(onnx.load(tmp_path / "t.onnx"))
+    sources = sorted(d.source for _, _, ds in record.units.values() for d in ds)
+    assert sources == [annotation.MEASURED, annotation.NOT_MEASURED]  # the good row still serves
