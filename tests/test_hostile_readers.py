@@ -462,3 +462,64 @@ def test_stored_fusion_timings_that_are_not_timings_are_skipped_with_a_warning(t
     record = annotation.read_fusions(onnx.load(tmp_path / "t.onnx"))
     sources = sorted(d.source for _, _, ds in record.units.values() for d in ds)
     assert sources == [annotation.MEASURED, annotation.NOT_MEASURED]  # the good row still serves
+
+
+# ---------------------------------------------------------------------------------------------
+# bench --plot: the same rules as --json-file
+
+
+@pytest.mark.parametrize("case", ["the recorded document", "the tuning cache", "a FIFO", "a folder", "a device node", "an empty path"])
+def test_plot_refusals_before_any_work(tmp_path, capsys, monkeypatch, case):
+    _json_file_setup(tmp_path, monkeypatch)
+    if case == "the recorded document":
+        target, message = tmp_path / "doc.json", r"is a --from-json document: refusing to overwrite it"
+    else:
+        target, message = _outputs(tmp_path)[case]
+    before = tree(tmp_path)
+    cli(capsys, "bench", "--from-json", tmp_path / "doc.json", "--plot", target, match="--plot.*" + message)
+    assert tree(tmp_path) == before
+
+
+def test_a_plot_is_written_atomically(tmp_path, monkeypatch):
+    """The chart is drawn in memory and written as every output is: a failure while drawing or
+    writing leaves the older file and no temporary file."""
+    from convpass.bench import plot
+
+    doc = json.loads(RECORDED_BENCH.read_text())
+    saved = []
+
+    class Fig:
+        def tight_layout(self):
+            pass
+
+        def savefig(self, fname, dpi=None, format=None):
+            if format == "svg":
+                raise ValueError("broken figure")
+            saved.append(format)
+            fname.write(b"\x89PNG chart")
+
+    class Ax:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    class Plt:
+        def subplots(self, figsize=None):
+            return Fig(), Ax()
+
+        def close(self, fig):
+            pass
+
+    (tmp_path / "c.png").write_bytes(b"an older chart")
+    (tmp_path / "c.svg").write_bytes(b"an older chart")
+    before = tree(tmp_path)
+    with pytest.raises(plot.ConvpassError, match=r"--plot .*c.svg: cannot draw the chart \(broken figure\)"):
+        plot.write_plot(doc, str(tmp_path / "c.svg"), importer=Plt)
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: _raise(OSError(errno.ENOSPC, "No space left on device"))() if str(b).endswith("c.png")
+                        else real_replace(a, b))
+    with pytest.raises(plot.ConvpassError, match=r"cannot write .*c.png: No space left on device"):
+        plot.write_plot(doc, str(tmp_path / "c.png"), importer=Plt)
+    assert tree(tmp_path) == before
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert plot.write_plot(doc, str(tmp_path / "c.png"), importer=Plt) == str(tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes() == b"\x89PNG chart" and saved == ["png", "png"]

@@ -195,7 +195,7 @@ def _out(doc: dict[str, Any], args: argparse.Namespace) -> None:
         sys.stdout.write(document.to_json(doc))
     if args.plot:
         try:
-            plot.write_plot(doc, args.plot)
+            plot.write_plot(doc, args.plot, protect=protected(args, "plot"))
         except plot.PlotUnavailable as e:
             raise ConvpassError(str(e)) from None
         _say(f"wrote {args.plot}", file=sys.stderr)

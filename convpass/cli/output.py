@@ -6,7 +6,7 @@
 * ``--json`` prints the verb's result as one JSON document on stdout (its schema: docs/cli.md,
   :mod:`convpass.cli.schemas`), and nothing else goes to stdout then: messages, warnings and
   progress go to stderr. ``--json-file PATH`` writes the same document to a file, atomically.
-* ``--json-file`` and ``--html`` are checked before the verb does any work (:func:`check_outputs`)
+* ``--json-file``, ``--html`` (inspect) and ``--plot`` (bench) are checked before the verb does any work (:func:`check_outputs`)
   and again when written (:func:`convpass.core.files.write_text_atomically`): never a folder, a
   device, a FIFO, nor one of the files the command reads or writes otherwise (:func:`protected`:
   the input model, the tuning cache, the output model, ...).
@@ -119,9 +119,9 @@ def protected(args: argparse.Namespace, option: str) -> list[tuple[str, str]]:
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """``--json-file`` and ``--html`` as outputs that may be written (module docstring), before the
+    """``--json-file``, ``--html`` and ``--plot`` as outputs that may be written (module docstring), before the
     verb does any work; :class:`~convpass.core.errors.FileError` otherwise."""
-    for attr, option in (("json_file", "--json-file"), ("html", "--html")):
+    for attr, option in (("json_file", "--json-file"), ("html", "--html"), ("plot", "--plot")):
         path = getattr(args, attr, None)
         if path is not None:
             check_output(path, option, protected(args, attr))

@@ -8,7 +8,7 @@ Reading (:func:`check_readable`, :func:`open_readable`, :func:`read_bytes`, :fun
    (opened non-blocking, so a FIFO with no writer does not hang the open), not on the path alone.
 2. Every read has a size limit; a larger file is refused with its size and the limit.
 
-Writing (:func:`check_output`, :func:`write_text_atomically`):
+Writing (:func:`check_output`, :func:`write_bytes_atomically`, :func:`write_text_atomically`):
 
 3. An output path must be a file path: not empty, not a folder, in a folder that exists.
 4. An existing output must be a regular file: a device node, a FIFO or a socket is never
@@ -36,7 +36,7 @@ from typing import BinaryIO
 from convpass.core.errors import FileError
 
 __all__ = ["MODEL_LIMIT", "check_output", "check_readable", "kind_of", "open_readable", "os_error", "read_bytes", "read_text",
-           "same_file", "write_text_atomically"]
+           "same_file", "write_bytes_atomically", "write_text_atomically"]
 
 MODEL_LIMIT = 2**31 - 1  # protobuf's limit on one serialized message: no ONNX file can be larger
 
@@ -169,13 +169,13 @@ def check_output(
     return out
 
 
-def write_text_atomically(
+def write_bytes_atomically(
     path: str | os.PathLike[str],
-    text: str,
+    data: bytes,
     what: str = "output",
     protect: Iterable[tuple[str | os.PathLike[str], str]] = (),
 ) -> Path:
-    """``text`` written to ``path`` as UTF-8 (rules 3 to 6; ``what`` and ``protect`` as for
+    """``data`` written to ``path`` (rules 3 to 6; ``what`` and ``protect`` as for
     :func:`check_output`); :class:`FileError` on a refusal or an OS error."""
     out = check_output(path, what, protect)
     tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
@@ -184,8 +184,8 @@ def write_text_atomically(
     except OSError as e:
         raise os_error(out, e) from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, out)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
@@ -193,3 +193,13 @@ def write_text_atomically(
             raise os_error(out, e) from None
         raise
     return out
+
+
+def write_text_atomically(
+    path: str | os.PathLike[str],
+    text: str,
+    what: str = "output",
+    protect: Iterable[tuple[str | os.PathLike[str], str]] = (),
+) -> Path:
+    """``text`` written to ``path`` as UTF-8 (:func:`write_bytes_atomically`)."""
+    return write_bytes_atomically(path, text.encode("utf-8"), what, protect)
