@@ -48,7 +48,7 @@ from convpass.bench import environment, measure, ort_contender, peers, torch_con
 from convpass.bench.reference import reference_outputs
 from convpass.compiler.precision.data import model_error
 from convpass.core import annotation
-from convpass.core.model_io import write_text_atomically
+from convpass.core.files import write_text_atomically
 
 CONFIGS = {"fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"},
            "auto-1e-2": {"precision": "auto", "max_error": 1e-2}, "auto-1e-3": {"precision": "auto", "max_error": 1e-3}}

@@ -984,9 +984,9 @@ def test_plot_with_a_fake_pyplot(tmp_path):
         def tight_layout(self):
             pass
 
-        def savefig(self, path, dpi=None):
+        def savefig(self, path, dpi=None, format=None):
             calls.append("savefig")
-            open(path, "wb").close()
+            path.write(b"chart")
 
     class Plt:
         def subplots(self, figsize=None):

@@ -149,9 +149,9 @@ def test_npz_inputs_are_checked_against_the_model(tmp_path):
     with pytest.raises(OptionError, match="rank 3; the model takes float32 of rank 4"):
         load_feeds([tmp_path / "rank.npz"], proto, "holdout")
     (tmp_path / "text.npz").write_text("no")
-    with pytest.raises(OptionError, match="not a NumPy .npz archive"):
+    with pytest.raises(ConvpassError, match="is not a NumPy .npy or .npz file"):
         load_feeds([tmp_path / "text.npz"], proto, "calibration")
-    with pytest.raises(OptionError, match="no such file"):
+    with pytest.raises(ConvpassError, match="no such file"):
         load_feeds([tmp_path / "missing.npz"], proto, "calibration")
 
 

@@ -182,13 +182,16 @@ def account(model: Any, cache: Any = None, *, torch: bool = True, measure_missin
 
 
 def render(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The account as text lines: one per conv, then the sums per column."""
+    """The account as text lines: one per conv, then the sums per column. Names from the model are
+    :func:`~convpass.core.text.printable`."""
+    from convpass.core.text import printable
+
     cols = ["tuned_ms", "in_place_ms", "best_ms"] + [f"{r} {lay}" for r in ROUTES for lay in ("nchw", "nhwc")]
     cols = [c for c in cols if any(isinstance(r.get(c), float) for r in rows)]
     head = "node".ljust(36) + " fmt   " + " ".join(c.replace("_ms", "")[:11].rjust(11) for c in cols)
     lines = [head]
     for r in rows:
-        lines.append(str(r["node"])[:36].ljust(36) + f" {r['memory_format']:5} " +
+        lines.append(printable(r["node"])[:36].ljust(36) + f" {printable(r['memory_format']):5} " +
                      " ".join((f"{r[c]:.4f}" if isinstance(r.get(c), float) else "-").rjust(11) for c in cols))
     sums = {c: sum(r[c] for r in rows if isinstance(r.get(c), float)) for c in cols}
     lines.append("sum".ljust(36) + " " * 7 + " ".join(f"{sums[c]:.4f}".rjust(11) for c in cols))

@@ -28,7 +28,9 @@ from typing import Any
 from convpass.bench import ranking
 from convpass.bench import targets as targets_mod
 from convpass.bench.schema import SCHEMA_ID
-from convpass.core.model_io import write_text_atomically
+from convpass.core.files import write_text_atomically
+
+DOCUMENT_LIMIT = 64 << 20  # bytes of a recorded document --from-json reads (a run of many cases is a few MB)
 
 
 def summarize(cases: Sequence[Mapping[str, Any]], targets: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -95,7 +97,9 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def write_json(path: str | os.PathLike, doc: Mapping[str, Any]) -> None:
-    """Atomically: a reader (or an interrupted run) never sees half a document."""
-    write_text_atomically(path, to_json(doc))
+def write_json(path: str | os.PathLike, doc: Mapping[str, Any], what: str = "--json-file",
+               protect: Sequence[tuple[str | os.PathLike, str]] = ()) -> None:
+    """Atomically: a reader (or an interrupted run) never sees half a document; never over one of
+    the files ``protect`` names, or a special file (:func:`convpass.core.files.write_text_atomically`)."""
+    write_text_atomically(path, to_json(doc), what, protect)
 

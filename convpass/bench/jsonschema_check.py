@@ -32,11 +32,16 @@ def where(path: Iterable[Any]) -> str:
     return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
 
 
+def _short(text: str, limit: int = 300) -> str:
+    """``text`` cut in the middle past ``limit`` characters: a value from a file may be megabytes long."""
+    return text if len(text) <= limit else f"{text[:limit // 2]} ... {text[-limit // 2:]}"
+
+
 def _message(error: Any) -> str:
     if error.validator == "required":
         missing = str(error.message).split("'")[1] if "'" in error.message else "?"
         return f"{where([*error.absolute_path, missing])}: missing"
-    return f"{where(error.absolute_path)}: {error.message}"
+    return _short(f"{where(error.absolute_path)}: {error.message}")
 
 
 def errors(value: Any, schema: dict[str, Any]) -> list[str]:

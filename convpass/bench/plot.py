@@ -5,10 +5,14 @@ the best ONNX Runtime configuration, with the bounds of the targets that judge t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import io
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from convpass.bench.records import find, rankable
+from convpass.core.errors import ConvpassError
+from convpass.core.files import write_bytes_atomically
 
 
 class PlotUnavailable(RuntimeError):
@@ -43,8 +47,11 @@ def _bounds(doc: Mapping[str, Any]) -> list[tuple[float, str]]:
     return out
 
 
-def write_plot(doc: Mapping[str, Any], path: str, importer: Callable[[], Any] | None = None) -> str:
-    """Write the chart to ``path`` and return it; :class:`PlotUnavailable` when matplotlib is missing."""
+def write_plot(doc: Mapping[str, Any], path: str, importer: Callable[[], Any] | None = None,
+               protect: Sequence[tuple[str, str]] = ()) -> str:
+    """Write the chart to ``path`` (in the format its suffix names, PNG without one) and return it:
+    drawn in memory, then written as every output is (:func:`convpass.core.files.write_bytes_atomically`,
+    never over a file ``protect`` names); :class:`PlotUnavailable` when matplotlib is missing."""
     plt = pyplot(importer)
     cases = doc.get("cases", [])
     labels = [f"{c.get('model')} b{c.get('batch')}" for c in cases]
@@ -72,6 +79,12 @@ def write_plot(doc: Mapping[str, Any], path: str, importer: Callable[[], Any] | 
     ax.set_title(f"convpass bench on {env.get('device') or 'GPU'} (lower is better; 0 = not measured / wrong)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
+    except ValueError as e:  # a format matplotlib does not write
+        raise ConvpassError(f"--plot {path}: cannot draw the chart ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    finally:
+        plt.close(fig)
+    write_bytes_atomically(path, image.getvalue(), "--plot", protect)
     return path

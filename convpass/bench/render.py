@@ -64,9 +64,9 @@ def graph_mark(case: Mapping[str, Any]) -> str:
 
 def _cold_detail(c: Mapping[str, Any]) -> str:
     if c.get("family") in ("ort", "ort-graph") and isinstance(c.get("session_s"), (int, float)):
-        return f"{_s(c['cold_start_s'])} ({_s(c['session_s'])}+{_s(c['first_run_s'])})"
+        return f"{_s(c.get('cold_start_s'))} ({_s(c['session_s'])}+{_s(c.get('first_run_s'))})"
     if c.get("family") == "torch-compile" and isinstance(c.get("compile_s"), (int, float)):
-        return f"{_s(c['cold_start_s'])} (first call {_s(c['compile_s'])})"
+        return f"{_s(c.get('cold_start_s'))} (first call {_s(c['compile_s'])})"
     return _s(c.get("cold_start_s"))
 
 

@@ -30,7 +30,7 @@ conv); with none taken the verdict is ``not measured``.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,9 +39,12 @@ from convpass.bench import jsonschema_check, opprofile
 from convpass.bench.ranking import PEER_GROUPS, ratio_key
 from convpass.bench.records import BATCH_GROUPS, batch_group, case_label, convpass_graph, convpass_invalid, find, fresh_invalid
 from convpass.bench.stats import geomean
+from convpass.core import json_text
 from convpass.core.errors import ConvpassError
+from convpass.core.files import read_text
 
 DEFAULT_FILE = Path(__file__).with_name("targets.json")
+TARGETS_LIMIT = 1 << 20  # bytes of a targets file
 VERDICTS = ("met", "not met", "not measured")
 RULES = ("every_case", "geomean", "geomean_per_batch_group")
 CASE_FILTERS: dict[str, Callable[[Mapping[str, Any]], bool]] = {
@@ -114,11 +117,13 @@ FILE_SCHEMA: dict[str, Any] = {
 
 def load(path: str | Path | None = None) -> list[dict[str, Any]]:
     """The targets of ``path`` (default :data:`DEFAULT_FILE`), checked; ConvpassError naming the
-    file and the target when one is malformed."""
+    file and the target when one is malformed. The file is read as every file convpass reads
+    (no FIFO or device, at most 1 MiB) and parsed strictly (:mod:`convpass.core.json_text`)."""
     where = Path(path) if path is not None else DEFAULT_FILE
+    text = read_text(where, "--targets file", TARGETS_LIMIT)
     try:
-        doc = json.loads(where.read_text())
-    except (OSError, ValueError) as e:
+        doc = json_text.loads(text)
+    except ValueError as e:
         raise ConvpassError(f"--targets {where}: cannot read a targets file ({e})") from None
     return check(doc, str(where))
 
@@ -141,6 +146,8 @@ def check(doc: Any, where: str = "targets") -> list[dict[str, Any]]:
                 raise ConvpassError(f"--targets {where}: target {name!r}: measure {t['measure']!r} takes rule every_case and no bound")
         elif len(bounds) != 1:
             raise ConvpassError(f"--targets {where}: target {name!r}: give one of at_most / at_least")
+        elif not math.isfinite(t[bounds[0]]):
+            raise ConvpassError(f"--targets {where}: target {name!r}: {bounds[0]} must be a finite number, not {t[bounds[0]]}")
         elif measure.kind in COUNT_KINDS and (bounds != ["at_most"] or t["rule"] != "every_case"):
             raise ConvpassError(f"--targets {where}: target {name!r}: measure {t['measure']} takes rule every_case and at_most")
     return targets

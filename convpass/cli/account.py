@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from convpass.cli.output import write_report
 from convpass.core.errors import ConvpassError
-from convpass.core.model_io import write_text_atomically
 
 __all__ = ["add_account_parser"]
 
@@ -31,15 +30,16 @@ def add_account_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 
 def account_command(args: argparse.Namespace) -> int:
     from convpass.bench.account import account, render
+    from convpass.bench.document import to_json
 
     rows = account(args.model, args.cache, torch=not args.no_torch, measure_missing=not args.no_measure)
     if not rows:
         raise ConvpassError(f"{args.model}: no tuned convolution to account for (was it optimized on a GPU?)")
-    doc = json.dumps({"format": "convpass.account/1", "model": str(args.model), "convs": rows}, indent=1)
-    if args.json_file:
-        write_text_atomically(args.json_file, doc)
+    doc = to_json({"format": "convpass.account/1", "model": str(args.model), "convs": rows})  # NaN / Inf (not JSON): null
+    if args.json_file is not None:
+        write_report(args, "json_file", doc)
     if args.json:
-        print(doc)
+        print(doc, end="")
     else:
         print("\n".join(render(rows)))
     return 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import sys
 import tempfile
 from collections.abc import Callable
@@ -33,9 +32,12 @@ from typing import Any, TextIO
 
 from convpass.bench import document, opprofile, plot, render, schema, stats, targets
 from convpass.bench.peers import COMPILE_MODES, DEFAULT_COMPILE_MODES, parse_compile_modes
+from convpass.cli.output import check_outputs, protected
+from convpass.core import json_text
 from convpass.core.errors import ConvpassError
 from convpass.core.files import read_text
 from convpass.core.profiles import DEFAULT_BATCHES, CaseSkipped, parse_batches  # noqa: F401  (parse_batches: used by tests as this module's)
+from convpass.core.text import printable
 
 DEFAULT_FRESH_TIMEOUT = 600.0
 PEERS = ("ort", "ort-graph", "torch", "torch-compile")  # the families --vs names (convpass.bench.contenders.PEERS)
@@ -154,6 +156,12 @@ def gpu_unavailable_reason() -> str | None:
 # the command
 
 
+def _say(*parts: str, file: TextIO | None = None, flush: bool = False) -> None:
+    """``print`` for the bench's text: what comes from models and recorded documents (names, devices,
+    notes) reaches the terminal :func:`~convpass.core.text.printable`."""
+    print(*(printable(p, keep_newlines=True) for p in parts), file=file or sys.stdout, flush=flush)
+
+
 def _report_stream(args: argparse.Namespace) -> TextIO:
     """Where the text report goes: stdout, or stderr when stdout carries the JSON document."""
     return sys.stderr if args.json else sys.stdout
@@ -179,18 +187,18 @@ def _require_plot(args: argparse.Namespace) -> None:
 def _out(doc: dict[str, Any], args: argparse.Namespace) -> None:
     errors = schema.validate_document(doc)
     if errors:  # a bug in this module, not the user's: say so, still write what we have
-        print(f"convpass bench: warning: the JSON document does not match its schema: {errors[0]}", file=sys.stderr)
-    if args.json_file:
-        document.write_json(args.json_file, doc)
-        print(f"wrote {args.json_file}", file=sys.stderr)
+        _say(f"convpass bench: warning: the JSON document does not match its schema: {errors[0]}", file=sys.stderr)
+    if args.json_file is not None:
+        document.write_json(args.json_file, doc, "--json-file", protected(args, "json_file"))
+        _say(f"wrote {args.json_file}", file=sys.stderr)
     if args.json:
         sys.stdout.write(document.to_json(doc))
     if args.plot:
         try:
-            plot.write_plot(doc, args.plot)
+            plot.write_plot(doc, args.plot, protect=protected(args, "plot"))
         except plot.PlotUnavailable as e:
             raise ConvpassError(str(e)) from None
-        print(f"wrote {args.plot}", file=sys.stderr)
+        _say(f"wrote {args.plot}", file=sys.stderr)
 
 
 def _from_json(args: argparse.Namespace) -> int:
@@ -198,16 +206,17 @@ def _from_json(args: argparse.Namespace) -> int:
     judged = _load_targets(args)
     docs = []
     for f in args.from_json:
+        text = read_text(f, "--from-json document", document.DOCUMENT_LIMIT)  # no FIFO or device, bounded
         try:
-            docs.append(json.loads(read_text(f, "bench JSON document")))  # no FIFO or device, bounded
-        except (OSError, ValueError, RecursionError, ConvpassError) as e:
+            docs.append(json_text.loads(text))
+        except ValueError as e:
             raise ConvpassError(f"--from-json {f}: cannot read a bench JSON document ({e})") from None
         errors = schema.validate_document(docs[-1], recorded=True)
         if errors:
             raise ConvpassError(f"--from-json {f}: not a convpass bench document ({errors[0]})")
     doc = document.merge_documents(docs, judged)
     doc["settings"]["targets_file"] = _targets_file(args)
-    print(render.format_report(doc), file=_report_stream(args))
+    _say(render.format_report(doc), file=_report_stream(args))
     _out(doc, args)
     return 0
 
@@ -262,7 +271,7 @@ def bench_command(args: argparse.Namespace) -> int:
     _require_plot(args)
     reason = gpu_unavailable_reason()
     if reason is not None:
-        print(f"convpass bench: no usable GPU here: {reason}; nothing was benchmarked", file=sys.stderr)
+        _say(f"convpass bench: no usable GPU here: {reason}; nothing was benchmarked", file=sys.stderr)
         return 2
     paths = [Path(m) for m in args.models]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -281,7 +290,7 @@ def bench_command(args: argparse.Namespace) -> int:
     out = _report_stream(args)
 
     def log(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+        _say(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     env = environment()
@@ -310,12 +319,12 @@ def bench_command(args: argparse.Namespace) -> int:
         "fresh_process": {"timeout_s": args.fresh_timeout} if args.fresh_process else None,
         "argv": sys.argv[1:],
     }
-    print(render.format_environment(env, settings, peaks), file=out, flush=True)
+    _say(render.format_environment(env, settings, peaks), file=out, flush=True)
 
     def keep(cases: list[dict[str, Any]]) -> dict[str, Any]:
         doc = document.build_document(env, settings, peaks, cases, created, notes, judged)
-        if args.json_file:  # every finished case is kept, should a later one be interrupted
-            document.write_json(args.json_file, doc)
+        if args.json_file is not None:  # every finished case is kept, should a later one be interrupted
+            document.write_json(args.json_file, doc, "--json-file", protected(args, "json_file"))
         return doc
 
     cases: list[dict[str, Any]] = []
@@ -341,12 +350,12 @@ def bench_command(args: argparse.Namespace) -> int:
                 case["model_order"] = 1 + sum(c["model"] == case["model"] for c in cases)
                 cases.append(case)
                 keep(cases)
-                print("\n" + render.format_case(case), file=out, flush=True)
+                _say("\n" + render.format_case(case), file=out, flush=True)
             _same_executor(path, [c for c in cases if c["model"] == path.stem], args, Path(tmp), log)
             keep(cases)
     module_cache.clear()
     doc = keep(cases)
-    print("\n" + render.format_tail(doc), file=out)
+    _say("\n" + render.format_tail(doc), file=out)
     _out(doc, args)
     return 0
 
@@ -368,7 +377,7 @@ def _same_executor(path: Path, model_cases: list[dict[str, Any]], args: argparse
         if case["batch"] in records:
             case["same_executor"] = records[case["batch"]]
             annotate_case(case)
-            print("  " + (render.same_executor_line(case) or ""), file=_report_stream(args), flush=True)
+            _say("  " + (render.same_executor_line(case) or ""), file=_report_stream(args), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,9 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     try:
+        check_outputs(args)
         return args.func(args)
     except ConvpassError as e:
-        print(f"convpass: error: {e}", file=sys.stderr)
+        _say(f"convpass: error: {e}", file=sys.stderr)
         return 1
 
 

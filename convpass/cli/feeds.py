@@ -4,7 +4,8 @@ Rules:
 
 1. ``--input NAME=FILE.npy`` gives one input; ``--input FILE.npy`` is that for a model with one
    input. ``--input FILE.npz`` gives every input named by an array in the archive;
-   ``--input NAME=FILE.npz`` takes the array ``NAME`` from it, or its only array.
+   ``--input NAME=FILE.npz`` takes the array ``NAME`` from it, or its only array. Files are read
+   within bounds (:mod:`convpass.core.array_file`: at most 4 GiB, inflated; no pickle).
 2. Every input no file gives is generated, seeded by ``--seed`` (default 0): floats from the
    standard normal distribution, integers uniform in 0..3, booleans true or false with
    probability 1/2.
@@ -23,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from convpass.core.array_file import read_arrays
 from convpass.core.errors import ConvpassError
-from convpass.core.files import check_readable
 
 __all__ = ["Feed", "make_feeds", "parse_run_shapes"]
 
@@ -55,17 +56,7 @@ def parse_run_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
 def _load(spec: str, name: str | None, path: str) -> dict[str, np.ndarray]:
     if not os.path.exists(path):
         raise ConvpassError(f"--input {spec!r}: file not found: {path}")
-    check_readable(path, f"--input {spec!r}: file")  # no FIFO or device: np.load would block on it or read without end
-    try:
-        with open(path, "rb") as f:
-            loaded = np.load(f, allow_pickle=False)
-            if isinstance(loaded, np.lib.npyio.NpzFile):
-                with loaded:
-                    arrays = {key: loaded[key] for key in loaded.files}
-            else:
-                arrays = {"": loaded}
-    except Exception as e:  # noqa: BLE001  (any unreadable file)
-        raise ConvpassError(f"--input {spec!r}: cannot read {path} as .npy or .npz ({e})") from None
+    arrays = read_arrays(path, "--input", INPUT_FILE_LIMIT)  # no FIFO or device, no pickle, bounded (convpass.core.array_file)
     if "" in arrays:
         return {name: arrays[""]} if name else {"": arrays[""]}
     if name is None:
@@ -75,6 +66,9 @@ def _load(spec: str, name: str | None, path: str) -> dict[str, np.ndarray]:
     if len(arrays) == 1:
         return {name: next(iter(arrays.values()))}
     raise ConvpassError(f"--input {spec!r}: {path} holds no array named {name!r} (it holds {', '.join(sorted(arrays)) or 'none'})")
+
+
+INPUT_FILE_LIMIT = 4 << 30  # one input file's bytes, and its arrays inflated, at most 4 GiB
 
 
 def _from_files(specs: Sequence[str], input_names: list[str]) -> dict[str, Feed]:

@@ -17,7 +17,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from convpass.cli.output import add_json_options, emit_json, message_console, printable, result_console, write_text_atomic
+from convpass.cli.output import add_json_options, emit_json, message_console, printable, result_console, write_report
 
 __all__ = ["SCHEMA", "add_inspect_parser", "inspect_command"]
 
@@ -129,7 +129,7 @@ def _write_html(args: argparse.Namespace, records: list[dict[str, Any]], kernels
         where = f"tuning cache {source.path}" if source.cache is not None else f"not available ({source.why_not})"
     finally:
         source.close()
-    write_text_atomic(args.html, render(str(args.model), records, comparisons, cache=where, kernels=kernels), "--html")
+    write_report(args, "html", render(str(args.model), records, comparisons, cache=where, kernels=kernels))
     message_console(args).print(f"wrote {args.html}", markup=False)
 
 

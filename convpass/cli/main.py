@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from convpass.cli.options import add_decision_options, decision_options
-from convpass.cli.output import add_common_options, add_json_options, configure_logging, emit_json, message_console
+from convpass.cli.output import add_common_options, add_json_options, check_outputs, configure_logging, emit_json, message_console
 from convpass.core.errors import ConvpassError
 from convpass.core.files import os_error
 from convpass.core.options import LAYOUT_CHOICES
@@ -203,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose, args.quiet)
     logging.getLogger("convpass").debug("convpass %s on Python %s: %s", __version__, platform.python_version(), " ".join(argv))
     try:
+        check_outputs(args)  # --json-file, --html: refused before any work, not after it
         return args.func(args)
     except ConvpassError as e:
         print(f"convpass: error: {printable(e, keep_newlines=True)}", file=sys.stderr)

@@ -6,6 +6,10 @@
 * ``--json`` prints the verb's result as one JSON document on stdout (its schema: docs/cli.md,
   :mod:`convpass.cli.schemas`), and nothing else goes to stdout then: messages, warnings and
   progress go to stderr. ``--json-file PATH`` writes the same document to a file, atomically.
+* ``--json-file``, ``--html`` (inspect) and ``--plot`` (bench) are checked before the verb does any work (:func:`check_outputs`)
+  and again when written (:func:`convpass.core.files.write_text_atomically`): never a folder, a
+  device, a FIFO, nor one of the files the command reads or writes otherwise (:func:`protected`:
+  the input model, the tuning cache, the output model, ...).
 * A result a person reads goes to stdout (:func:`result_console`); messages go to stderr.
 """
 
@@ -15,19 +19,18 @@ import argparse
 import json
 import logging
 import os
-import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
 
-from convpass.core.errors import ConvpassError
+from convpass.core.files import check_output, write_text_atomically
 from convpass.core.text import PrintableFilter
 from convpass.core.text import printable as _printable
 
-__all__ = ["add_common_options", "add_json_options", "configure_logging", "emit_json", "message_console", "printable",
-           "result_console", "write_text_atomic"]
+__all__ = ["add_common_options", "add_json_options", "check_outputs", "configure_logging", "emit_json", "message_console",
+           "printable", "protected", "result_console", "write_report"]
 
 _HANDLER_NAME = "convpass-cli"
 
@@ -83,39 +86,56 @@ def message_console(args: argparse.Namespace) -> Console:
     return Console(stderr=True, quiet=bool(getattr(args, "quiet", False)), highlight=False, soft_wrap=True)
 
 
+# what each option's files are, in refusals: (attribute, what it is, its side files)
+_FILES = (("model", "the input model", (".kernels", "the kernel side-car")), ("models", "an input model", None),
+          ("output", "the output model", (".kernels", "the output's kernel side-car")), ("html", "the --html report", None),
+          ("json_file", "the --json-file document", None), ("calibration", "a --calibration file", None),
+          ("holdout", "a --holdout file", None), ("from_json", "a --from-json document", None), ("targets", "the --targets file", None),
+          ("panel_json", "the --panel-json file", None), ("plot", "the --plot chart", None), ("file", "the cache export", None))
+
+
+def _paths(value: Any) -> Iterator[str]:
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(v, (str, os.PathLike)) and os.fspath(v):
+            yield os.fspath(v)
+
+
+def protected(args: argparse.Namespace, option: str) -> list[tuple[str, str]]:
+    """``(path, what it is)`` of every file the command reads or writes other than ``option``'s
+    (an attribute of ``args``: ``json_file``, ``html``): the tuning cache (``--cache``, else the
+    default), the models, their side-cars, the other outputs, ``run``'s input files."""
+    from convpass.tuning.cache_file import default_cache_path
+
+    out = [(os.fspath(getattr(args, "cache", None) or default_cache_path()), "the tuning cache")]
+    for attr, what, side in _FILES:
+        if attr == option:
+            continue
+        for path in _paths(getattr(args, attr, None)):
+            out.append((path, what))
+            if side is not None:
+                out.append((path + side[0], side[1]))
+    out += [(spec.partition("=")[2] or spec, "a --input file") for spec in _paths(getattr(args, "input", None))]
+    return out
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--json-file``, ``--html`` and ``--plot`` as outputs that may be written (module docstring), before the
+    verb does any work; :class:`~convpass.core.errors.FileError` otherwise."""
+    for attr, option in (("json_file", "--json-file"), ("html", "--html"), ("plot", "--plot")):
+        path = getattr(args, attr, None)
+        if path is not None:
+            check_output(path, option, protected(args, attr))
+
+
+def write_report(args: argparse.Namespace, attr: str, text: str) -> None:
+    """``text`` into the file of ``args.<attr>`` (``json_file``, ``html``), atomically, checked again."""
+    write_text_atomically(getattr(args, attr), text, "--" + attr.replace("_", "-"), protected(args, attr))
+
+
 def emit_json(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """The verb's result document: on stdout under ``--json``, into ``--json-file``'s file."""
     text = json.dumps(document, indent=2, allow_nan=False, default=str)
     if getattr(args, "json", False):
         print(text, flush=True)
-    path = getattr(args, "json_file", None)
-    if path:
-        write_text_atomic(path, text + "\n", "--json-file")
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str, option: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it into place; refuses a
-    target that exists and is not a regular file (a folder, a device, a FIFO). ``option`` names the
-    option the path came from, for the message."""
-    target = Path(path)
-    if str(path) == "":
-        raise ConvpassError(f"{option}: empty path")
-    if target.exists() and not target.is_file():
-        raise ConvpassError(f"{option} {path}: exists and is not a regular file; nothing was written")
-    folder = target.resolve().parent
-    if not folder.is_dir():
-        raise ConvpassError(f"{option} {path}: folder {folder} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    except OSError as e:
-        raise ConvpassError(f"{option} {path}: cannot write in {folder} ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise ConvpassError(f"{option} {path}: cannot write ({e.strerror})") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if getattr(args, "json_file", None) is not None:
+        write_report(args, "json_file", text + "\n")

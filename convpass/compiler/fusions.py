@@ -214,8 +214,8 @@ def _stored_or_measured(model: ir.Model, unit: Unit, view: IrView, sig: tuple, t
     """The unit's timings from the tuning cache, else timed now (and kept there), else None."""
     key = signature_text(sig)
     if store is not None and fingerprint is not None:
-        found = store.get_fusion(fingerprint, key)
-        if found is not None and {"fused_nchw", "unfused_nchw"} <= set(found):
+        found = store.get_fusion(fingerprint, key, required=("fused_nchw", "unfused_nchw"))
+        if found is not None:
             return found
     if timer is None:
         return None

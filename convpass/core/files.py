@@ -1,20 +1,24 @@
 """The files convpass reads and writes: refused when special, read within bounds, never overwritten
 by mistake.
 
-Reading (:func:`check_readable`, :func:`read_bytes`, :func:`read_text`):
+Reading (:func:`check_readable`, :func:`open_readable`, :func:`read_bytes`, :func:`read_text`):
 
 1. Only regular files are read. A FIFO, a device (``/dev/zero``), a socket or a folder is refused
    before anything could block on it or read it without end: the check is made on the open file
    (opened non-blocking, so a FIFO with no writer does not hang the open), not on the path alone.
 2. Every read has a size limit; a larger file is refused with its size and the limit.
 
-Writing (:func:`check_output`):
+Writing (:func:`check_output`, :func:`write_bytes_atomically`, :func:`write_text_atomically`):
 
 3. An output path must be a file path: not empty, not a folder, in a folder that exists.
 4. An existing output must be a regular file: a device node, a FIFO or a socket is never
    replaced (a rename onto ``/dev/null`` as root would replace the device node).
 5. An output must not be one of the files the same command reads (the input model, its external
    data, the tuning cache): writing it would destroy the input the output is made from.
+
+6. An output is written to a temporary file beside it, then renamed into place: a reader, or an
+   interrupted run, never sees half a file, and a failure leaves whatever was there before and no
+   temporary file.
 
 OS errors while writing are turned into one line with :func:`os_error`.
 """
@@ -23,13 +27,16 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from convpass.core.errors import FileError
 
-__all__ = ["MODEL_LIMIT", "check_output", "check_readable", "kind_of", "os_error", "read_bytes", "read_text", "same_file"]
+__all__ = ["MODEL_LIMIT", "check_output", "check_readable", "kind_of", "open_readable", "os_error", "read_bytes", "read_text",
+           "same_file", "write_bytes_atomically", "write_text_atomically"]
 
 MODEL_LIMIT = 2**31 - 1  # protobuf's limit on one serialized message: no ONNX file can be larger
 
@@ -76,8 +83,9 @@ def _check_stat(st: os.stat_result, label: str, what: str, limit: int | None) ->
         raise FileError(f"{what} {label} is {_size(st.st_size)}, more than the {_size(limit)} convpass reads: refused")
 
 
-def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MODEL_LIMIT) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them (rules 1, 2)."""
+def open_readable(path: str | os.PathLike[str], what: str = "file", limit: int = MODEL_LIMIT) -> tuple[BinaryIO, os.stat_result]:
+    """The regular file ``path`` opened for binary reading, and its ``stat`` (rules 1, 2, checked on
+    the open file): for readers that stream it (an archive). The caller closes it."""
     label = os.fspath(path)
     try:
         fd = os.open(label, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -93,7 +101,14 @@ def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MO
     except BaseException:
         os.close(fd)
         raise
-    with os.fdopen(fd, "rb") as f:
+    return os.fdopen(fd, "rb"), st
+
+
+def read_bytes(path: str | os.PathLike[str], what: str = "file", limit: int = MODEL_LIMIT) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them (rules 1, 2)."""
+    label = os.fspath(path)
+    f, st = open_readable(path, what, limit)
+    with f:
         try:
             data = f.read(min(st.st_size, limit) + 1)  # a file that grew since the check is still cut at the limit
         except OSError as e:
@@ -152,3 +167,39 @@ def check_output(
         if other is not None and os.fspath(other) and same_file(out, other):
             raise FileError(f"{what} {label} is {name}: refusing to overwrite it; choose another output path")
     return out
+
+
+def write_bytes_atomically(
+    path: str | os.PathLike[str],
+    data: bytes,
+    what: str = "output",
+    protect: Iterable[tuple[str | os.PathLike[str], str]] = (),
+) -> Path:
+    """``data`` written to ``path`` (rules 3 to 6; ``what`` and ``protect`` as for
+    :func:`check_output`); :class:`FileError` on a refusal or an OS error."""
+    out = check_output(path, what, protect)
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+    try:  # (created as open() creates files, the umask applied: the output's mode is any new file's)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:
+        raise os_error(out, e) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, out)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise os_error(out, e) from None
+        raise
+    return out
+
+
+def write_text_atomically(
+    path: str | os.PathLike[str],
+    text: str,
+    what: str = "output",
+    protect: Iterable[tuple[str | os.PathLike[str], str]] = (),
+) -> Path:
+    """``text`` written to ``path`` as UTF-8 (:func:`write_bytes_atomically`)."""
+    return write_bytes_atomically(path, text.encode("utf-8"), what, protect)

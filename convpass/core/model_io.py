@@ -214,18 +214,3 @@ def _save_with_external_data(model: ir.Model, path: Path, data_name: str, thresh
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
     return ir.serde.serialize_model(model)
-
-
-def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file beside it and a rename: a reader, or an
-    interrupted run, never sees half a file, and a failure leaves whatever was there before."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target

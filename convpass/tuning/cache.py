@@ -37,7 +37,7 @@ import os
 import sqlite3
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from convpass.tuning.cache_rows import (
     CacheWarning,
     Measurement,
     dims_text,
+    fusion_times,
     short,
     stored_row,
     transpose_row,
@@ -246,18 +247,25 @@ class TuningCache(CacheFile):
         self._run(lambda c: c.execute("INSERT OR REPLACE INTO fusion_timings (device, signature, times, measured_at) VALUES (?, ?, ?, ?)", row),
                   write=True)
 
-    def get_fusion(self, device: DeviceFingerprint, signature: str) -> dict[str, float] | None:
-        """The timings :meth:`put_fusion` recorded, or None (also for a stored value that is not one)."""
+    def get_fusion(self, device: DeviceFingerprint, signature: str, required: Collection[str] = ()) -> dict[str, float] | None:
+        """The timings :meth:`put_fusion` recorded (holding at least the ``required`` names), or None.
+        A stored value that is not such timings (written by hand or by another program: not JSON,
+        nested too deeply, a time that is not a finite number >= 0, a name missing) is as if none
+        were stored, and a :class:`CacheWarning` says so: the unit is timed again where a GPU
+        measures, else recorded as not measured."""
         if not self._has_fusions:
             return None
         found = self._run(lambda c: c.execute("SELECT times FROM fusion_timings WHERE device = ? AND signature = ?",
                                               (str(device), signature)).fetchone(), write=False)
-        try:
-            times = json.loads(found[0]) if found else None
-        except (TypeError, ValueError):
+        if found is None:
             return None
-        ok = isinstance(times, dict) and all(isinstance(v, (int, float)) and v == v and v >= 0 for v in times.values())
-        return {str(k): float(v) for k, v in times.items()} if ok else None
+        try:
+            return fusion_times(found[0], required)
+        except ValueError as e:
+            warnings.warn(f"tuning cache {self.path}: skipped the stored timings of 1 fusion unit(s) that are not valid timings "
+                          f"(the first: {printable(short(str(e), 160))})", CacheWarning, stacklevel=2)
+            return None
+
     def devices(self) -> list[tuple[DeviceFingerprint, int]]:
         """The devices the cache knows, each with its number of distinct problem keys."""
         rows = self._run(

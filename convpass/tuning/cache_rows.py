@@ -1,5 +1,5 @@
 """A row of the tuning cache: the :class:`Measurement` type, the checks of its fields, and its
-stored form; a transpose timing's row; the errors the tuning cache raises.
+stored form; a transpose timing's row; a fusion unit's stored timings; the errors the tuning cache raises.
 
 A measurement is one candidate algorithm for one problem key on one device, and what happened to
 it (:mod:`convpass.tuning.cache` says what the store holds). Every field is checked when a
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
+from convpass.core import json_text
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError
 from convpass.core.problem import ProblemKey
@@ -31,6 +32,7 @@ __all__ = [
     "Measurement",
     "check_field",
     "dims_text",
+    "fusion_times",
     "is_int",
     "is_real",
     "short",
@@ -46,6 +48,7 @@ TRANSPOSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 _INT64_MAX = 2**63 - 1  # SQLite's INTEGER
 _LATEST_TIME = 253402300799  # 9999-12-31T23:59:59 UTC: a date Python can print
+_FUSION_TIMES_LIMIT = 1 << 16  # characters of a fusion unit's stored timings (a few names and numbers)
 
 # The columns of the measurements table, in the order of :func:`stored_row`.
 COLUMNS = (
@@ -212,3 +215,24 @@ def valid_transpose(row: tuple[Any, ...]) -> bool:
         return True
     except (ValueError, TypeError):
         return False
+
+
+def fusion_times(stored: object, required: Collection[str] = ()) -> dict[str, float]:
+    """A fusion unit's timings from the ``times`` column of its stored row: a JSON object of names
+    to finite times >= 0 (ms) holding every ``required`` name; ValueError saying what it is instead."""
+    if isinstance(stored, bytes):
+        stored = stored.decode("utf-8", errors="strict")  # (UnicodeDecodeError is a ValueError)
+    if not isinstance(stored, str):
+        raise ValueError(f"times must be JSON text, got {short(stored)}")
+    if len(stored) > _FUSION_TIMES_LIMIT:
+        raise ValueError(f"times is {len(stored)} characters long, more than the {_FUSION_TIMES_LIMIT} of any timings")
+    times = json_text.loads(stored)
+    if not isinstance(times, dict):
+        raise ValueError(f"times must be a JSON object of names and times, got {short(times)}")
+    for name, value in times.items():
+        if not is_real(value) or value < 0:
+            raise ValueError(f"time {short(name)} must be a finite number >= 0, got {short(value)}")
+    missing = [n for n in required if n not in times]
+    if missing:
+        raise ValueError(f"times has no {', '.join(missing)}")
+    return {str(k): float(v) for k, v in times.items()}

@@ -13,7 +13,8 @@ reference is all zeros has error 0 if the candidate's is too, else infinity.
 
 Input sets: each ``--calibration`` / ``--holdout`` file is a NumPy ``.npz`` archive holding one
 array per model input (by input name), of the model's rank, dtype and fixed dims (any size where
-a dim is symbolic); each file is one feed. Without files, one random-normal feed (mean 0, variance 1, float32) per shape profile,
+a dim is symbolic), not empty, every value finite; each file is one feed. A file is read within
+bounds (:mod:`convpass.core.array_file`: no FIFO or folder, no pickle, at most 1 GiB inflated). Without files, one random-normal feed (mean 0, variance 1, float32) per shape profile,
 seed 0 for calibration and seed 1 for the held-out set: real data is better (activations of
 random inputs are not those of images, speech or text), and optimize says so.
 
@@ -32,11 +33,13 @@ import numpy as np
 import onnx
 
 from convpass.core.annotation import Profile
+from convpass.core.array_file import ARRAY_LIMIT, read_arrays
 from convpass.core.errors import ConvpassError, OptionError
 
 Feeds = dict[str, np.ndarray]
 METRICS = ("max-rel", "rel-l2")
 RANDOM_SEEDS = {"calibration": 0, "holdout": 1}
+INPUT_LIMIT = ARRAY_LIMIT  # bytes of one input file, and of its arrays inflated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,28 +81,33 @@ def load_feeds(paths: Sequence[str | os.PathLike], model: onnx.ModelProto, name:
     feeds = []
     for path in paths:
         flag = f"--{name} {path}"
-        try:
-            with np.load(Path(path), allow_pickle=False) as archive:
-                arrays = {k: archive[k] for k in archive.files}
-        except FileNotFoundError:
-            raise OptionError(f"{flag}: no such file") from None
-        except (OSError, ValueError) as e:
-            raise OptionError(f"{flag}: not a NumPy .npz archive ({e})") from None
+        arrays = read_arrays(path, f"--{name}", INPUT_LIMIT)
+        if "" in arrays:
+            raise OptionError(f"{flag}: a .npy file holds one unnamed array; give an .npz archive of one array per model input, "
+                              f"by name (np.savez(FILE, {next(iter(inputs), 'input')}=array))")
         missing = [k for k in inputs if k not in arrays]
         if missing:
-            raise OptionError(f"{flag}: holds no array for the model input(s) {', '.join(missing)} (it holds {', '.join(arrays) or 'none'})")
-        feed = {}
-        for k, (dims, dtype) in inputs.items():
-            a = arrays[k]
-            if a.ndim != len(dims) or a.dtype != dtype:
-                raise OptionError(f"{flag}: array {k!r} is {a.dtype} of rank {a.ndim}; the model takes {dtype} of rank {len(dims)}")
-            fixed = [i for i, d in enumerate(dims) if d is not None and a.shape[i] != d]
-            if fixed:
-                raise OptionError(f"{flag}: array {k!r} has shape {a.shape}; the model fixes dim {fixed[0]} at {dims[fixed[0]]}")
-            feed[k] = a
-        feeds.append(feed)
+            held = ", ".join(list(arrays)[:10]) + (f" and {len(arrays) - 10} more" if len(arrays) > 10 else "")
+            raise OptionError(f"{flag}: holds no array for the model input(s) {', '.join(missing)} (it holds {held or 'none'})")
+        feeds.append({k: _checked(arrays[k], k, dims, dtype, flag) for k, (dims, dtype) in inputs.items()})
     shown = ", ".join(Path(p).name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
     return InputSet(name, tuple(feeds), f"{len(feeds)} file(s): {shown}")
+
+
+def _checked(a: np.ndarray, k: str, dims: Sequence[int | None], dtype: np.dtype, flag: str) -> np.ndarray:
+    """The array ``a`` for model input ``k`` if it fits (module docstring), else OptionError."""
+    if a.ndim != len(dims) or a.dtype != dtype:
+        raise OptionError(f"{flag}: array {k!r} is {a.dtype} of rank {a.ndim}; the model takes {dtype} of rank {len(dims)}")
+    fixed = [i for i, d in enumerate(dims) if d is not None and a.shape[i] != d]
+    if fixed:
+        raise OptionError(f"{flag}: array {k!r} has shape {a.shape}; the model fixes dim {fixed[0]} at {dims[fixed[0]]}")
+    if a.size == 0:
+        raise OptionError(f"{flag}: array {k!r} has shape {a.shape}: no values to measure the error on")
+    if a.dtype.kind in "fc":
+        bad = a.size - int(np.count_nonzero(np.isfinite(a)))
+        if bad:
+            raise OptionError(f"{flag}: array {k!r} holds {bad} NaN or infinite value(s); the error cannot be measured on them")
+    return a
 
 
 def random_feeds(model: onnx.ModelProto, profiles: Sequence[Profile], name: str) -> InputSet:
