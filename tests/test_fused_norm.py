@@ -417,31 +417,6 @@ def test_fusion_timings_are_kept_in_the_tuning_cache_so_a_cached_rerun_times_not
     assert dict((p.key, p.value) for p in second.metadata_props)["convpass.fusions"] == dict((p.key, p.value) for p in first.metadata_props)["convpass.fusions"]
 
 
-def test_the_layout_plan_lets_convs_around_a_fused_groupnorm_stay_nhwc():
-    """conv -> GroupNorm (exported form) + SiLU -> conv, NHWC convs cheaper: with the unit fused its
-    Reshapes do not pin it, and both convs run NHWC with no transpose between them."""
-    import onnx_ir as ir
-
-    from convpass.compiler.fusions import IrView, find_units
-    from convpass.compiler.passes.plan_layouts import plan_layouts
-
-    rng = np.random.default_rng(0)
-    shape = (2, 8, 5, 6)
-    nodes, inits, t = norm("gn17", "n1", "h0", 8, 4, rng)
-    more, t = activation("silu", "a1", t)
-    nodes = [N("Conv", ["x", "w0"], ["h0"], name="conv0")] + nodes + more + [N("Conv", [t, "w1"], ["y"], name="conv1")]
-    inits += [const("w0", rng.standard_normal((8, 8, 1, 1))), const("w1", rng.standard_normal((8, 8, 1, 1)))]
-    model = ir.serde.deserialize_model(_model(nodes, inits, shape, "y"))
-    shapes = {v: shape for v in ("x", "h0", "n1_back", "n1_m", "n1_out", "a1_s", "a1_y", "y")} | {"n1_r": (2, 4, 60), "n1_in": (2, 4, 60)}
-    (units,) = find_units(model, [shapes])
-    assert len(units) == 1 and units[0].names[-1] == "a1/Mul" and IrView(model.graph, shapes).shape(units[0].x) == shape
-    convs = {n: {"nchw": 1.0, "nhwc": 0.5} for n in model.graph if n.op_type == "Conv"}
-    alone = plan_layouts(model.graph, convs, lambda v: 0.4)
-    assert set(alone.layouts.values()) == {"nchw"}  # the Reshapes pin the GroupNorm: NHWC would cost two transposes
-    fused = plan_layouts(model.graph, convs, lambda v: 0.4, [units[0].nodes])
-    assert set(fused.layouts.values()) == {"nhwc"} and fused.transposes == 2  # the graph's input and output only
-
-
 def _conv_gn_conv():
     """conv0 -> GroupNorm (exported form) + SiLU -> conv1: the model, its one unit, its shapes."""
     import onnx_ir as ir
@@ -457,7 +432,23 @@ def _conv_gn_conv():
     model = ir.serde.deserialize_model(_model(nodes, inits, shape, "y"))
     shapes = {v: shape for v in ("x", "h0", "n1_back", "n1_m", "n1_out", "a1_s", "a1_y", "y")} | {"n1_r": (2, 4, 60), "n1_in": (2, 4, 60)}
     (units,) = find_units(model, [shapes])
+    assert len(units) == 1
     return model, units[0], shapes
+
+
+def test_the_layout_plan_lets_convs_around_a_fused_groupnorm_stay_nhwc():
+    """conv -> GroupNorm (exported form) + SiLU -> conv, NHWC convs cheaper: with the unit fused its
+    Reshapes do not pin it, and both convs run NHWC with no transpose between them."""
+    from convpass.compiler.fusions import IrView
+    from convpass.compiler.passes.plan_layouts import plan_layouts
+
+    model, unit, shapes = _conv_gn_conv()
+    assert unit.names[-1] == "a1/Mul" and IrView(model.graph, shapes).shape(unit.x) == (2, 8, 5, 6)
+    convs = {n: {"nchw": 1.0, "nhwc": 0.5} for n in model.graph if n.op_type == "Conv"}
+    alone = plan_layouts(model.graph, convs, lambda v: 0.4)
+    assert set(alone.layouts.values()) == {"nchw"}  # the Reshapes pin the GroupNorm: NHWC would cost two transposes
+    fused = plan_layouts(model.graph, convs, lambda v: 0.4, [unit.nodes])
+    assert set(fused.layouts.values()) == {"nhwc"} and fused.transposes == 2  # the graph's input and output only
 
 
 def test_a_unit_timed_in_both_formats_costs_its_time_and_runs_in_its_conv_s_storage():
