@@ -497,3 +497,36 @@ def test_re_optimizing_a_tuned_model_resolves_shapes_through_its_tuned_convs():
     report = optimize_model(model, build_options({}), ["x=2x4x8x8"])
     (note,) = [n for n in report.notes if "resolved by running" in n]
     assert "'y2'" in note and "depends on input values" not in " ".join(report.notes)
+
+
+@pytest.mark.parametrize("kw,math", [
+    ({"tf32": "off"}, "fma"), ({"precision": "fp32"}, "fma"),
+    ({"tf32": "on"}, "default"), ({"precision": "tf32"}, "default"),
+    ({}, annotation.AUTO),
+])
+def test_an_undecided_conv_records_the_math_its_options_force(kw, math):
+    """Without a GPU nothing is tuned: each conv is left to cuDNN's heuristic at run time, under the
+    math the options ask for (FMA for --tf32 off / --precision fp32, so that the executor's heuristic
+    does not run TF32), and ``auto`` where both are allowed."""
+    tuned = convpass.optimize(onnx.load(str(MODELS / "residual_cnn.onnx")), quiet=True, **kw)
+    _, nodes = annotation.read_annotations(tuned)
+    decisions = [d for node in nodes for d in node.decisions]
+    assert decisions and all(d.is_auto for d in decisions)
+    assert {d.math_mode for d in decisions} == {math}
+
+
+def test_an_untuned_conv_runs_cudnn_s_heuristic_under_the_math_its_model_records(monkeypatch):
+    import types
+
+    from convpass.kernels.conv_resolve import ConvResolver
+    from convpass.ops.conv import ConvCall
+
+    seen = []
+    monkeypatch.setattr(ConvResolver, "heuristic_exec",
+                        lambda self, call, source, note, math="default": seen.append((source, math)) or "ran")
+    rt = types.SimpleNamespace(cp=None)
+    geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2, shapes=[types.SimpleNamespace(dtype="float32")])
+    for math in ("fma", "default", annotation.AUTO):
+        decision = annotation.ConvDecision(math_mode=math)
+        assert ConvResolver(rt, None)._make_exec(ConvCall("c1", geometry, decision), np.float32) == "ran"
+    assert seen == [("untuned", "fma"), ("untuned", "default"), ("untuned", "default")]

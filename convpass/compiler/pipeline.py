@@ -197,7 +197,7 @@ def decide_and_annotate(
         devices=devices,
         precision=report.precision or {},
     )
-    AnnotateConvsPass(tables, info, options.directions, options.fusions, errors)(model)
+    AnnotateConvsPass(tables, info, options.directions, options.fusions, errors, *_undecided_math(options, math_of or {}))(model)
     fusions.write_record(model, record)
     _count_engines(model, report)
     _count_fusions(record, report)
@@ -301,6 +301,15 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
                 count += 1
         if count:
             report.conv_time_ms[profile.name] = (total_c, total_b, count)
+
+
+def _undecided_math(options: TuneOptions, math_of: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """The cuDNN math an undecided float32 conv records (``fma`` under --tf32 off or --precision
+    fp32, ``default`` under --tf32 on or --precision tf32, ``auto`` where both are allowed), and
+    per conv with a precision of its own (``math_of``: ``on`` / ``off``)."""
+    modes = options.math_modes("float32")
+    own = {"on": "default", "off": "fma"}
+    return (modes[0] if len(modes) == 1 else annotation.AUTO), {name: own[t] for name, t in math_of.items() if t in own}
 
 
 def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport,

@@ -186,7 +186,9 @@ class ConvResolver:
         d = call.decision
         math = d.math_mode if d is not None and d.math_mode in MATH_MODES else "default"
         if d is None or d.algo == annotation.AUTO:
-            return self.heuristic_exec(call, "untuned", "")
+            # untuned: cuDNN's heuristic, under the math the model asks for (an untuned conv of an
+            # --tf32 off / --precision fp32 model runs FMA math, not TF32); "auto": default math
+            return self.heuristic_exec(call, "untuned", "", math)
         if self.device_mismatch:
             self.mismatch_nodes.append(node)
             return self.heuristic_exec(call, "fallback", f"tuned on {self.rt.recorded_device}", math)

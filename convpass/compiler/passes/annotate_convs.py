@@ -57,10 +57,13 @@ def decision_for(
     overrides: Mapping[tuple[ir.Node, int], Choice] | None = None,
     fusions: bool = False,
     value_shapes: Sequence[Mapping[str, Sequence[int]]] = (),
+    undecided_math: str = annotation.AUTO,
 ) -> ConvDecision:
     """The ConvDecision of a node at a profile: the layout plan's choice for this node if there is
     one (``overrides``), else the backend's choice for its problem (``fusions``, ``value_shapes``:
-    as collected)."""
+    as collected). Undecided, a float32 conv records ``undecided_math``: the math its options
+    force (``fma`` under --tf32 off or --precision fp32), so that cuDNN's heuristic runs it under
+    that math at run time."""
     canonical = node.meta[CANONICAL_KEY][profile]
     own, *training = node_problems(node, profile, directions, fusions, value_shapes)
     chosen = (overrides or {}).get((node, profile)) or choices.get(own)
@@ -69,7 +72,8 @@ def decision_for(
         c = choices.get(problem)
         extra[f"{problem.direction}_algo"] = annotation.AUTO if c is None else c.algo
     if chosen is None:
-        return ConvDecision(problem_key=str(own.primary), **extra)
+        math = undecided_math if own.primary.dtype == "float32" else annotation.AUTO
+        return ConvDecision(problem_key=str(own.primary), math_mode=math, **extra)
     algo = Algo.parse(chosen.algo)
     return ConvDecision(
         algo=(chosen.fallback or annotation.AUTO) if algo.is_engine else str(algo.bare),
@@ -101,8 +105,12 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
     standard op (:mod:`~convpass.compiler.passes.state`)."""
 
     def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",), fusions: bool = False,
-                 errors: Mapping[str, tuple[float | None, float | None]] | None = None) -> None:
+                 errors: Mapping[str, tuple[float | None, float | None]] | None = None,
+                 undecided_math: str = annotation.AUTO, undecided_math_of: Mapping[str, str] | None = None) -> None:
         super().__init__()
+        # the math an undecided float32 conv records: the options' (one math type, or auto), or its own
+        self.undecided_math = undecided_math
+        self.undecided_math_of = dict(undecided_math_of or {})
         self.errors = dict(errors or {})
         self.fusions = fusions
         if len(tables) != info.tables:
@@ -128,7 +136,8 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
             if not node.name:
                 node.name = f"{node.op_type}_{counters[node.op_type]}"
             decisions = [
-                decision_for(node, p, table.choices, self.directions, table.overrides, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ()))
+                decision_for(node, p, table.choices, self.directions, table.overrides, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ()),
+                             self.undecided_math_of.get(node.name, self.undecided_math))
                 for table in self.tables
                 for p in range(len(node.meta[CANONICAL_KEY]))
             ]
