@@ -49,17 +49,29 @@ def test_the_history_is_read_once_per_run_and_only_with_prune_learned(tmp_path, 
     problems = [ConvProblem((shape(1, 200 + i),)) for i in range(3)]
     t.decide(problems, TuneOptions(prune="learned"))
     assert len(reads) == 1 and len(seen) == 3 and seen[0] is not None and all(p is seen[0] for p in seen)
+    assert t.summary.pruning.startswith("--prune learned: 0 candidate(s) skipped")  # the fake measures nothing itself
     seen.clear(), reads.clear()
+    t.summary = tuner.TuningSummary()
     t.decide([ConvProblem((shape(1, 300),))], TuneOptions())
-    assert not reads and seen == [None]
+    assert not reads and seen == [None] and t.summary.pruning == ""
 
 
-def test_no_pruning_on_a_device_without_history(tmp_path, monkeypatch, caplog):
+def test_no_pruning_on_a_device_without_history(tmp_path, monkeypatch):
     other = DeviceFingerprint("NVIDIA H100 80GB HBM3", "9.0", 132, 91900)
     t, seen, reads = _tuner(tmp_path, monkeypatch, other)
-    with caplog.at_level("INFO", logger="convpass"):
-        t.decide([ConvProblem((shape(1, 200),))], TuneOptions(prune="learned"))
-    assert reads == [other] and seen == [None] and "no history" in caplog.text
+    t.decide([ConvProblem((shape(1, 200),))], TuneOptions(prune="learned"))
+    assert reads == [other] and seen == [None] and "no history" in t.summary.pruning
+
+
+def test_what_pruning_did_is_a_note_of_optimize_at_the_default_verbosity():
+    from convpass.compiler import pipeline
+
+    report = pipeline.OptimizeReport()
+    summary = tuner.TuningSummary(pruning="--prune learned: 3 candidate(s) skipped")
+    pipeline._tuning_summary(report, types.SimpleNamespace(summary=summary), {}, {})
+    assert report.notes == ["--prune learned: 3 candidate(s) skipped"]
+    pipeline._tuning_summary(again := pipeline.OptimizeReport(), types.SimpleNamespace(summary=tuner.TuningSummary()), {}, {})
+    assert again.notes == []
 
 
 def test_pruned_rows_complete_a_key_only_under_prune_learned():

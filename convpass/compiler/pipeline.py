@@ -282,6 +282,8 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
         return
     report.measured, report.cached, report.failed = summary.measured, summary.cached, summary.failed
     report.tuning_seconds = summary.seconds
+    if getattr(summary, "pruning", ""):
+        report.notes.append(summary.pruning)  # --prune learned: said at the default verbosity, not only with -v
     chosen, baseline = getattr(backend, "chosen_ms", {}), getattr(backend, "baseline_ms", {})
     for i, profile in enumerate(report.profiles):
         total_c = total_b = 0.0

@@ -64,6 +64,7 @@ class TuningSummary:
     failed: int = 0  # problems left undecided (no configuration passed)
     cached_decided: int = 0  # of the cached problems, those decided
     seconds: float = 0.0
+    pruning: str = ""  # with --prune learned: what it skipped, or why it skipped nothing
 
 
 class CudnnTuner:
@@ -99,10 +100,11 @@ class CudnnTuner:
         self.summary.seconds = time.perf_counter() - started
         if self.pruner is not None:
             rule = self.pruner.rule
-            logger.info("--prune learned: %d candidate(s) skipped (families that never won nor came within %.0f%% in %d or more "
-                        "problems of their geometry class on this GPU); %d key(s) searched in full (a class with fewer known "
-                        "problems, or every %d-th of a class)", self.pruner.skipped, 100 * rule.near, rule.min_problems,
-                        self.pruner.full, rule.explore_every)
+            self.summary.pruning = (
+                f"--prune learned: {self.pruner.skipped} candidate(s) skipped (families that never won nor came within "
+                f"{100 * rule.near:.0f}% in {rule.min_problems} or more problems of their geometry class on this GPU); "
+                f"{self.pruner.full} key(s) searched in full (a class with fewer known problems, or every {rule.explore_every}-th of a class)")
+            logger.debug("%s", self.summary.pruning)
         return out
 
     def _pruner(self, options: TuneOptions) -> Pruner | None:
@@ -112,7 +114,8 @@ class CudnnTuner:
             return None
         history = History.learn(self.cache.device_rows(self.device))
         if not history:
-            logger.info("--prune learned: the tuning cache has no history on %s: every candidate is measured", self.device)
+            self.summary.pruning = f"--prune learned: the tuning cache has no history on {self.device}: every candidate is measured"
+            logger.debug("%s", self.summary.pruning)
             return None
         return Pruner(history)
 
