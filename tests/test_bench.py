@@ -488,11 +488,19 @@ class _FakeProfiledExecutor:
 class _FakeClock:
     """Scripted holds: ``queued`` says, per timed run, whether the hold outlasted the run's enqueue."""
 
-    def __init__(self, queued: list[bool] | None) -> None:
+    def __init__(self, queued: list[bool] | None, empty_ms: float | None = None) -> None:
         self.queued = list(queued) if queued is not None else None
         self.holds: list[float] = []
         self.syncs = 0
         self.note = "" if queued is not None else "no hold kernel (CompileException: nvrtc missing)"
+        self.empty_ms = empty_ms  # an empty launch's time between its events (None: no empty kernel)
+        self.empties = 0
+
+    def empty(self):
+        if self.empty_ms is None or self.queued is None:
+            return None
+        self.empties += 1
+        return _FakeEvent(0.0), _FakeEvent(self.empty_ms)
 
     def sync(self) -> None:
         self.syncs += 1
@@ -518,6 +526,22 @@ def test_profile_executor_times_only_runs_queued_whole():
     assert p["host_gaps_excluded"] is True and p["runs"] == 2 and p["launches"] == 7
     assert p["total_ms"] == pytest.approx(0.75) and "queued whole behind a hold kernel" in p["method"]
     assert "mean of 2 run(s)" in p["method"]
+
+
+def test_profile_executor_takes_the_timing_s_own_cost_off_every_launch():
+    """An event pair costs GPU time of its own: an empty launch timed the same way is taken off each
+    launch (a step that launches nothing reads 0, not the floor), and the floor is reported."""
+    samples = [("Conv", "Conv", 0.100), ("Reshape", "Reshape", 0.003), ("fused Relu", "Relu", 0.010)]
+    ex = _FakeProfiledExecutor(samples)
+    clock = _FakeClock([True] * 3, empty_ms=0.004)
+    p = opprofile.profile_executor(ex, {}, runs=2, clock=clock, host_clock=lambda: 0.0)
+    assert p["floor_ms"] == pytest.approx(0.004) and clock.empties == 2 * opprofile.FLOOR_LAUNCHES
+    ms = {r["label"]: r["ms"] for r in p["labels"]}
+    assert ms == {"Conv": pytest.approx(0.096), "Reshape": 0.0, "fused Relu": pytest.approx(0.006)}
+    assert p["conv_ms"] == pytest.approx(0.096) and p["non_conv_ms"] == pytest.approx(0.006)
+    assert "each launch less the timing's own 0.0040 ms" in p["method"]
+    plain = opprofile.profile_executor(_FakeProfiledExecutor(samples), {}, runs=2, clock=_FakeClock([True] * 3), host_clock=lambda: 0.0)
+    assert plain["floor_ms"] is None and plain["conv_ms"] == pytest.approx(0.100) and "no empty kernel" in plain["method"]
 
 
 def test_profile_executor_says_when_host_gaps_are_included():

@@ -24,7 +24,11 @@ type for ops run by the op library) and ``op_type`` is the ONNX op type of the l
 Measurement (:func:`profile_executor`)
 --------------------------------------
 Each launch's GPU time, the tuned model run eagerly with each run queued whole behind a hold
-kernel (:mod:`convpass.runtime.cuda.timing`, which says how and when host gaps are included).
+kernel (:mod:`convpass.runtime.cuda.timing`, which says how and when host gaps are included),
+less the timing's own cost per launch: an event pair costs a few microseconds of GPU time, which
+a step that launches nothing (a Reshape that is a view) would otherwise report as its time, and
+every small kernel carries. The floor is an empty kernel timed the same way in each run
+(``floor_ms``; :data:`convpass.runtime.in_place.FLOOR_LAUNCHES` of them), as the in-place check does.
 
 The clock is injectable (:class:`CupyClock` is the real one): the aggregation and the retry logic
 are tested on a CPU with synthetic events.
@@ -37,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from convpass.runtime.cuda.timing import Clock, CupyClock, timed_runs
+from convpass.runtime.in_place import FLOOR_LAUNCHES
 
 __all__ = [
     "FAMILIES", "FAMILY_OPS", "OP_FAMILY", "PROFILE_RUNS", "CupyClock", "aggregate", "failed", "family_line",
@@ -156,11 +161,17 @@ def profile_executor(executor: Any, feeds: Mapping[str, Any], runs: int = PROFIL
     (module docstring). ``executor.backend.step_events`` is set during the timed runs only.
     """
     clock = clock or CupyClock()
-    run = timed_runs(executor, feeds, runs, clock=clock, warmup=warmup, host_clock=host_clock)
-    kept, whole = run.runs, run.whole
-    samples = [(label, op_type, clock.elapsed_ms(a, b)) for run in kept for label, op_type, a, b, *_ in run]
+    timed = timed_runs(executor, feeds, runs, clock=clock, warmup=warmup, host_clock=host_clock, floor=FLOOR_LAUNCHES)
+    kept, whole = timed.runs, timed.whole
+    floor = timed.floor_ms(clock)
+    less = floor or 0.0
+    samples = [(label, op_type, max(clock.elapsed_ms(a, b) - less, 0.0)) for run in kept for label, op_type, a, b, *_ in run]
     head = f"eager (cuda_graph=False), CUDA events around each launch, mean of {len(kept)} run(s)"
-    return aggregate(samples, len(kept), host_gaps_excluded=whole, method=f"{head}; {run.how}")
+    each = (f"; each launch less the timing's own {floor:.4f} ms (an empty launch timed the same way)" if floor is not None
+            else "; the timing's own cost per launch included (no empty kernel)")
+    out = aggregate(samples, len(kept), host_gaps_excluded=whole, method=f"{head}; {timed.how}{each}")
+    out["floor_ms"] = floor
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

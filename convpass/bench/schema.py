@@ -76,6 +76,7 @@ OP_PROFILE_SCHEMA = _obj({"status": {"enum": ["ok", "failed"]}}, {
     "non_conv_ms": NUM, "non_conv_pct": NUM, "top_non_conv_family": {"enum": list(opprofile.FAMILIES)}, "top_non_conv_ms": NUM,
     "families": _map(_obj({"ms": NUM, "launches": INT})),
     "labels": _list(_obj({"label": STR, "op_type": STR, "family": {"enum": list(opprofile.FAMILIES)}, "ms": NUM, "launches": INT})),
+    "floor_ms": NUM,
 })
 
 ROOFLINE_SCHEMA = _obj({
