@@ -482,3 +482,29 @@ def test_a_convtranspose_takes_its_only_reader_relu_into_its_bias_pass(second_re
         assert (launch.label, launch.epilogue, launch.absorbs) == ("ConvTranspose+relu", "relu", (1,))
     (unfused,) = lower_convs(ex.last_plan, None, fuse=False, fuse_residual=False).values()
     assert unfused.epilogue is None
+
+
+@pytest.mark.parametrize("fusion", ["", "bias+swish"])
+def test_an_engine_recorded_without_a_legacy_algorithm_runs_its_engine(monkeypatch, fusion):
+    """An engine whose legacy fallback was not measured is recorded with ``algo == "auto"`` beside
+    its engine (annotate_convs.decision_for): it runs its engine, not cuDNN's heuristic as if it were
+    untuned; a decision without an engine still runs the heuristic."""
+    from convpass.kernels.conv_resolve import ConvResolver
+    from convpass.ops.conv import ConvCall
+
+    built, heuristic = [], []
+    monkeypatch.setattr(ConvResolver, "_engine_plan",
+                        lambda self, node, key, config: built.append(config) or types.SimpleNamespace(config=config, workspace_bytes=0))
+    monkeypatch.setattr(ConvResolver, "heuristic_exec",
+                        lambda self, call, source, note, math="default": heuristic.append(source) or "heuristic")
+    rt = _Rt()
+    rt.recorded_device, rt.current_device, rt.note_once = "", None, lambda tag, message: rt.warned.append(message)
+    geometry = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, X, (8, 8, 3, 3))
+    decision = annotation.ConvDecision(engine="eng5", fusion=fusion, memory_format="nhwc", math_mode="default", problem_key=str(KEY))
+    assert decision.algo == annotation.AUTO and not decision.is_auto
+    ex = ConvResolver(rt, None)._make_exec(ConvCall("c1", geometry, decision), np.float32, fusion)
+    assert ex != "heuristic" and ex.source == "recorded" and ex.engine is not None, heuristic
+    assert [c.fusion for c in built] == [fusion] and not rt.warned and not heuristic
+    untuned = annotation.ConvDecision(memory_format="nhwc", math_mode="default", problem_key=str(KEY))
+    assert ConvResolver(rt, None)._make_exec(ConvCall("c1", geometry, untuned), np.float32, fusion) == "heuristic"
+    assert heuristic == ["untuned"] and not rt.warned

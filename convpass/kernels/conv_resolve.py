@@ -185,9 +185,11 @@ class ConvResolver:
             return REFERENCE
         d = call.decision
         math = d.math_mode if d is not None and d.math_mode in MATH_MODES else "default"
-        if d is None or d.algo == annotation.AUTO:
+        if d is None or d.is_auto:
             # untuned: cuDNN's heuristic, under the math the model asks for (an untuned conv of an
-            # --tf32 off / --precision fp32 model runs FMA math, not TF32); "auto": default math
+            # --tf32 off / --precision fp32 model runs FMA math, not TF32); "auto": default math.
+            # An engine recorded beside algo "auto" (no legacy fallback measured) is tuned: below
+            # it runs its engine, and the heuristic only where the engine cannot run (warned)
             return self.heuristic_exec(call, "untuned", "", math)
         if self.device_mismatch:
             self.mismatch_nodes.append(node)

@@ -38,7 +38,7 @@ epilogue runs fused in cuDNN's call, the conv writes a packed output that is cop
 
 Decisions:
 
-* Untuned convs (no decision) and ``algo == "auto"``: cuDNN's heuristic first choice that is
+* Untuned convs (no decision, or ``algo == "auto"`` without an engine): cuDNN's heuristic first choice that is
   usable, in NCHW, with the recorded math mode when there is one (``default`` otherwise): one
   :class:`~convpass.native.cuda.ExecutorWarning` per executor counts them.
 * Re-validation: when the model's recorded device fingerprint is not this GPU, recorded
