@@ -240,3 +240,25 @@ def test_the_executor_tells_its_backend_the_graph_s_op_types_before_any_plan():
     ex = Executor(model, device=backend)
     assert Recording.told == [{"MatMul", "Relu"}]
     assert ex.run(None, {"x": np.ones((3, 4), np.float32)})[0].tolist() == [[4.0, 4.0]] * 3
+
+
+@pytest.mark.parametrize("why_none,warns", [("", True), ("there is no kernel side-car m.onnx.kernels beside the model", False)])
+def test_a_side_car_that_cannot_be_loaded_for_want_of_the_compiler_seam_is_said(monkeypatch, why_none, warns):
+    """Without CuPy's compiler seam no binary loads and nothing is counted as compiled at start-up,
+    so the note at the first run never comes: a side-car given is said to be unused at once."""
+    from pathlib import Path
+
+    from convpass.native import prebuilt
+    from convpass.runtime.cuda import startup
+
+    monkeypatch.setattr(prebuilt, "install", lambda: "CuPy 99 has no _compile_module_with_cache")
+    monkeypatch.setattr(prebuilt, "use", lambda kernels: pytest.fail("no seam to load through"))
+    said = []
+    backend = types.SimpleNamespace(note_once=lambda tag, message, **kw: said.append(message))
+    kernels = types.SimpleNamespace(path=Path("/models/m.onnx.kernels")) if warns else None
+    startup.use_kernel_file(backend, kernels, why_none)
+    assert backend.kernel_file is None and "CuPy 99" in backend._kernels_why
+    if warns:
+        assert len(said) == 1 and "m.onnx.kernels" in said[0] and "CuPy 99" in said[0] and "compile and cuDNN plans are built at start-up" in said[0], said
+    else:
+        assert said == []

@@ -21,7 +21,8 @@ from convpass.native.cuda import StartupCompileWarning
 
 def use_kernel_file(backend: Any, kernels: Any, why_none: str) -> None:
     """The model's kernel side-car: its binaries replace start-up compilation (:mod:`convpass.native.prebuilt`).
-    A refused side-car is warned about now; kernels built anyway are warned about at the first run."""
+    A refused side-car, or one that cannot be loaded here (no compiler seam in this CuPy), is warned
+    about now; kernels built anyway are warned about at the first run."""
     reason = prebuilt.install()
     if reason is not None:
         why_none = f"kernels cannot be loaded prebuilt here: {reason}"
@@ -31,6 +32,10 @@ def use_kernel_file(backend: Any, kernels: Any, why_none: str) -> None:
     backend._kernels_why = why_none
     if kernels is None and why_none.startswith("the side-car was refused"):
         backend.note_once("kernels", f"kernel side-car: {why_none.removeprefix('the side-car was refused: ')}; kernels compile at start-up")
+    elif kernels is not None and reason is not None:
+        # without the seam nothing is counted as compiled, so the note at the first run never comes: said now
+        backend.note_once("kernels", f"kernel side-car {kernels.path.name} is not used: {why_none}; kernels compile and "
+                                     "cuDNN plans are built at start-up", category=StartupCompileWarning)
 
 
 def note_startup_compilations(backend: Any, built: list[str]) -> None:
