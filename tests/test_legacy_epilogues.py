@@ -508,3 +508,30 @@ def test_an_engine_recorded_without_a_legacy_algorithm_runs_its_engine(monkeypat
     untuned = annotation.ConvDecision(memory_format="nhwc", math_mode="default", problem_key=str(KEY))
     assert ConvResolver(rt, None)._make_exec(ConvCall("c1", geometry, untuned), np.float32, fusion) == "heuristic"
     assert heuristic == ["untuned"] and not rt.warned
+
+
+@pytest.mark.parametrize("fma_usable", [True, False])
+def test_the_heuristic_says_when_it_cannot_keep_the_math_asked_for(monkeypatch, fma_usable):
+    """An untuned conv of a --tf32 off model asks cuDNN's heuristic for FMA math; where none of its
+    algorithms is usable under FMA it runs under default math (TF32 allowed), and says so."""
+    from convpass.kernels import conv_resolve
+    from convpass.ops.conv import ConvCall
+
+    class Resources:
+        def descriptors(self, key):
+            if key.math == "fma" and not fma_usable:
+                raise ValueError("no FMA descriptors")
+            return key.math
+
+        def workspace_bytes(self, key, algo):
+            return 0
+
+    monkeypatch.setattr(conv_resolve.cudnn, "heuristic", lambda descs: [types.SimpleNamespace(ok=True, algo="implicit_gemm")])
+    monkeypatch.setattr(conv_resolve, "conv_exec", lambda key, algo, **kw: types.SimpleNamespace(key=key, algo=algo))
+    rt = _Rt()
+    geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2, shapes=[SHAPE])
+    got = conv_resolve.ConvResolver(rt, Resources()).heuristic_exec(ConvCall("c1", geometry, None), "untuned", "", "fma")
+    assert got.conv.key.math == ("fma" if fma_usable else "default")
+    assert bool(rt.warned) is not fma_usable
+    if not fma_usable:
+        assert "'c1'" in rt.warned[0] and "under fma math" in rt.warned[0] and "TF32 allowed" in rt.warned[0]

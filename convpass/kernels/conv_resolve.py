@@ -318,8 +318,8 @@ class ConvResolver:
         return ProblemKey(g.shapes[0], layout, math), ""
 
     def heuristic_exec(self, call: ConvCall, source: str, note: str, math: str = "default") -> Any:
-        """cuDNN's heuristic first choice that is usable, in NCHW, with ``math`` (else default math),
-        preferring a workspace under :data:`HEURISTIC_WORKSPACE_LIMIT`; :data:`REFERENCE`, warned,
+        """cuDNN's heuristic first choice that is usable, in NCHW, with ``math`` (else default math,
+        warned), preferring a workspace under :data:`HEURISTIC_WORKSPACE_LIMIT`; :data:`REFERENCE`, warned,
         when cuDNN offers none."""
         g = call.geometry
         attempts = [("nchw", math)] + ([("nchw", "default")] if math != "default" else [])
@@ -345,6 +345,9 @@ class ConvResolver:
             small = [u for u in usable if u[1] <= HEURISTIC_WORKSPACE_LIMIT]
             algo, ws = (small or usable)[0]
             conv = conv_exec(key, algo, cp=self.cp, descs=descs, workspace_bytes=ws)
+            if m != math:
+                self.rt.warn_node(call.node_name, f"node {call.node_name!r}: cuDNN's heuristic offers no usable algorithm under "
+                                                  f"{math} math for {g.shapes[0]}: running it under default math (TF32 allowed)")
             return ConvResolution(call.node_name, g.op_type, g, conv, _insert_axis(g, key), source, note)
         self.rt.warn_node(call.node_name, f"node {call.node_name!r}: cuDNN offers no usable algorithm for {g.shapes[0]}: running CuPy reference kernels")
         return REFERENCE
