@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import shutil
 import subprocess
+import sys
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +20,17 @@ REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "models"
 
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}
+
+
+def benchmark_script(name: str) -> types.ModuleType:
+    """``benchmarks/<name>.py`` loaded as the module ``name``, registered in ``sys.modules`` (a dataclass
+    there looks its module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def conv_model(
