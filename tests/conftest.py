@@ -421,6 +421,24 @@ def host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
+def host_args(args) -> list:
+    """A kernel launch's arguments as ctypes values for the host-compiled kernel (:func:`host_library`):
+    arrays as pointers, numpy uint32 / int32 / float32 as such, anything else as a 64-bit integer."""
+    out = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            out.append(ctypes.c_void_p(a.ctypes.data))
+        elif isinstance(a, np.uint32):
+            out.append(ctypes.c_uint(int(a)))
+        elif isinstance(a, np.int32):
+            out.append(ctypes.c_int(int(a)))
+        elif isinstance(a, np.float32):
+            out.append(ctypes.c_float(float(a)))
+        else:
+            out.append(ctypes.c_longlong(int(a)))
+    return out
+
+
 def channels_last_array(shape, rng) -> np.ndarray:
     """A float32 array of logical shape ``shape`` (``(n, c, *spatial)``) stored channels-last: a
     transposed view of a packed ``(n, *spatial, c)`` array."""
