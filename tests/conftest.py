@@ -439,6 +439,24 @@ def host_args(args) -> list:
     return out
 
 
+def newer_schema_cache(path: Path) -> Path:
+    """A tuning cache at ``path`` whose schema version says a newer convpass wrote it (checkpointed:
+    the database file alone holds it)."""
+    import sqlite3
+
+    from convpass.tuning.cache import TuningCache
+
+    with TuningCache(path):
+        pass
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
+    c.close()
+    with sqlite3.connect(path) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+    return path
+
+
 def channels_last_array(shape, rng) -> np.ndarray:
     """A float32 array of logical shape ``shape`` (``(n, c, *spatial)``) stored channels-last: a
     transposed view of a packed ``(n, *spatial, c)`` array."""
