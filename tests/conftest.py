@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import shutil
 import subprocess
+import sys
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +20,17 @@ REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "models"
 
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}
+
+
+def benchmark_script(name: str) -> types.ModuleType:
+    """``benchmarks/<name>.py`` loaded as the module ``name``, registered in ``sys.modules`` (a dataclass
+    there looks its module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def conv_model(
@@ -405,6 +419,42 @@ def host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
     lib = tmp_path / f"lib{name}.so"
     subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
     return ctypes.CDLL(str(lib))
+
+
+def host_args(args) -> list:
+    """A kernel launch's arguments as ctypes values for the host-compiled kernel (:func:`host_library`):
+    arrays as pointers, numpy uint32 / int32 / float32 as such, anything else as a 64-bit integer."""
+    out = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            out.append(ctypes.c_void_p(a.ctypes.data))
+        elif isinstance(a, np.uint32):
+            out.append(ctypes.c_uint(int(a)))
+        elif isinstance(a, np.int32):
+            out.append(ctypes.c_int(int(a)))
+        elif isinstance(a, np.float32):
+            out.append(ctypes.c_float(float(a)))
+        else:
+            out.append(ctypes.c_longlong(int(a)))
+    return out
+
+
+def newer_schema_cache(path: Path) -> Path:
+    """A tuning cache at ``path`` whose schema version says a newer convpass wrote it (checkpointed:
+    the database file alone holds it)."""
+    import sqlite3
+
+    from convpass.tuning.cache import TuningCache
+
+    with TuningCache(path):
+        pass
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
+    c.close()
+    with sqlite3.connect(path) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+    return path
 
 
 def channels_last_array(shape, rng) -> np.ndarray:

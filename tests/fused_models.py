@@ -6,7 +6,7 @@
 * ``instance``: InstanceNormalization of the tensor itself;
 
 each followed by an activation (``silu`` = Sigmoid + Mul, or any ONNX activation op) and optionally
-a residual Add, around 3x3 convs.
+a residual Add, around 3x3 convs; and ECA's channel-attention gate (:func:`eca`).
 """
 
 from __future__ import annotations
@@ -84,6 +84,31 @@ def block(form: str = "gn17", act: str = "silu", shape=(2, 8, 5, 6), groups: int
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", tp, ["n", *shape[1:]])],
                               [helper.make_tensor_value_info(t, tp, ["n", *shape[1:]])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset_of(form, act))], ir_version=9)
+
+
+def eca(shape=(2, 64, 7, 7), k: int = 5, residual: bool = True):
+    """ECA's channel-attention gate as torch exports it: ReduceMean over H, W (keepdims 0) -> 1-D conv
+    across channels (kernel ``k``) -> Sigmoid -> Reshape -> Expand to x's shape -> Mul (then Add x and
+    Relu if ``residual``)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        N("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=0, name="pool"),
+        N("Reshape", ["m", "s1"], ["m1"], name="to_1d"),
+        N("Conv", ["m1", "w"], ["c1"], pads=[k // 2, k // 2], name="eca_conv"),
+        N("Sigmoid", ["c1"], ["g"], name="gate"),
+        N("Reshape", ["g", "s2"], ["g4"], name="to_4d"),
+        N("Shape", ["x"], ["xs"], name="shape"),
+        N("Expand", ["g4", "xs"], ["ge"], name="expand"),
+        N("Mul", ["x", "ge"], ["y0"], name="apply"),
+    ]
+    out = "y0"
+    if residual:
+        nodes += [N("Add", ["y0", "x"], ["y1"], name="residual"), N("Relu", ["y1"], ["y"], name="relu")]
+        out = "y"
+    inits = [const("s1", [0, 1, -1], np.int64), const("s2", [0, -1, 1, 1], np.int64), const("w", rng.standard_normal((1, 1, k)))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, shape)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
 def feeds(shape, seed: int = 1, dtype=np.float32, offset: float = 2.0) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MODELS, REPO
+from conftest import MODELS, REPO, benchmark_script
 
 from convpass.bench import (
     contenders,
@@ -1334,11 +1334,7 @@ def test_module_entry_point(monkeypatch, capsys, tmp_path):
 
 
 def test_executor_speed_profile_ops_uses_the_bench_measurement(monkeypatch, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("executor_speed", REPO / "benchmarks" / "executor_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_script("executor_speed")
     ex = _FakeProfiledExecutor(_samples(1))
     monkeypatch.setattr(mod, "_warm_eager", lambda path, batch, cache: (ex, {}))
     monkeypatch.setattr(opprofile, "CupyClock", lambda: _FakeClock([True] * 20))

@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from conftest import newer_schema_cache
 
 from convpass.cli.cache import add_cache_parser, cache_command
 from convpass.core.device import DeviceFingerprint
@@ -376,14 +377,7 @@ def _damage_cases(tmp_path: Path) -> dict[str, bytes]:
     out["foreign"] = foreign.read_bytes()
 
     newer = tmp_path / "newer.db"
-    with TuningCache(newer):
-        pass
-    with sqlite3.connect(newer) as c:
-        c.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
-    c.close()
-    with sqlite3.connect(newer) as c:
-        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    c.close()
+    newer_schema_cache(newer)
     out["schema_version"] = newer.read_bytes()
     return out
 

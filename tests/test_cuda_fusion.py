@@ -9,12 +9,12 @@ kernels themselves, on CuPy, are checked in tests/gpu/test_executor_cuda.py.
 
 from __future__ import annotations
 
-import ctypes
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
+from conftest import host_args
 from onnx import TensorProto, helper, numpy_helper
 
 from convpass.kernels import broadcast, elementwise_launch
@@ -327,14 +327,7 @@ def _host_launcher(lib, entry):
     kernel = getattr(lib, entry)
 
     def launch(grid, block, args):
-        conv = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                conv.append(ctypes.c_void_p(a.ctypes.data))
-            elif isinstance(a, np.uint32):
-                conv.append(ctypes.c_uint(int(a)))
-            else:
-                conv.append(ctypes.c_longlong(int(a)))
+        conv = host_args(args)
         (gx,), (bx,) = grid, block
         for bx_ in range(gx):
             for tx in range(bx):

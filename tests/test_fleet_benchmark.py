@@ -4,24 +4,19 @@ of one run re-timed on another run's clock (the tuner's run-to-run noise)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
-import sys
 
 import pytest
 import recorded
-from conftest import REPO
+from conftest import REPO, benchmark_script
 from recorded import H200
 
 from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
 
-_spec = importlib.util.spec_from_file_location("fleet_scaling", REPO / "benchmarks" / "fleet_scaling.py")
-fleet_scaling = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = fleet_scaling  # (its dataclass looks its module up)
-_spec.loader.exec_module(fleet_scaling)
+fleet_scaling = benchmark_script("fleet_scaling")
 
 
 OPTIONS = fleet_scaling.tune_options()

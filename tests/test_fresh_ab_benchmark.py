@@ -3,22 +3,17 @@ children, real processes), and the check that each child imported its own tree."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 
 import numpy as np
 import onnx
 import pytest
-from conftest import REPO, conv_model, random_input
+from conftest import REPO, benchmark_script, conv_model, random_input
 
 from convpass.bench import fresh
 
-_spec = importlib.util.spec_from_file_location("fresh_ab", REPO / "benchmarks" / "fresh_ab.py")
-fresh_ab = importlib.util.module_from_spec(_spec)
-sys.modules["fresh_ab"] = fresh_ab
-_spec.loader.exec_module(fresh_ab)
+fresh_ab = benchmark_script("fresh_ab")
 
 
 @pytest.fixture

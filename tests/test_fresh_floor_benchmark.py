@@ -3,15 +3,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+from conftest import benchmark_script
 
-from conftest import REPO
-
-_spec = importlib.util.spec_from_file_location("fresh_floor", REPO / "benchmarks" / "fresh_floor.py")
-fresh_floor = importlib.util.module_from_spec(_spec)
-sys.modules["fresh_floor"] = fresh_floor
-_spec.loader.exec_module(fresh_floor)
+fresh_floor = benchmark_script("fresh_floor")
 
 
 def test_the_python_steps_are_timed_and_a_step_that_cannot_run_says_why():

@@ -8,33 +8,11 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from fused_models import N, const, feeds
+from fused_models import N, const, eca, feeds
 from onnx import TensorProto, helper
 
 from convpass.kernels import elementwise, pooling
 from convpass.runtime.executor import Executor
-
-
-def eca(shape=(2, 64, 7, 7), k=5, residual=True):
-    rng = np.random.default_rng(0)
-    nodes = [
-        N("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=0, name="pool"),
-        N("Reshape", ["m", "s1"], ["m1"], name="to_1d"),
-        N("Conv", ["m1", "w"], ["c1"], pads=[k // 2, k // 2], name="eca_conv"),
-        N("Sigmoid", ["c1"], ["g"], name="gate"),
-        N("Reshape", ["g", "s2"], ["g4"], name="to_4d"),
-        N("Shape", ["x"], ["xs"], name="shape"),
-        N("Expand", ["g4", "xs"], ["ge"], name="expand"),
-        N("Mul", ["x", "ge"], ["y0"], name="apply"),
-    ]
-    out = "y0"
-    if residual:
-        nodes += [N("Add", ["y0", "x"], ["y1"], name="residual"), N("Relu", ["y1"], ["y"], name="relu")]
-        out = "y"
-    inits = [const("s1", [0, 1, -1], np.int64), const("s2", [0, -1, 1, 1], np.int64), const("w", rng.standard_normal((1, 1, k)))]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, shape)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
 @pytest.mark.parametrize("residual", [False, True])

@@ -6,16 +6,14 @@ geometry, the model's record and what the executor does with it, and the layout 
 
 from __future__ import annotations
 
-import ctypes
 import json
-import subprocess
 import types
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import _SHIM, CXX
+from conftest import host_args, host_library
 from fused_models import N, activation, block, channels_last, const, feeds, norm
 from onnx import TensorProto, helper
 
@@ -161,18 +159,12 @@ _SETTER = ('\nextern "C" void set_index(unsigned bx, unsigned by, unsigned tx, u
 def host_entry(tmp_path_factory):
     """``entry(source, name)`` for FusedNormLaunch: the source compiled as host C++, launched block by
     block and thread by thread (blocks of one thread: the kernels' block cooperation is trivial then)."""
-    if CXX is None:
-        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
     libs = {}
     d = tmp_path_factory.mktemp("group_norm")
 
     def lib_for(src):
         if src.name not in libs:
-            path = d / f"{src.name}.cpp"
-            path.write_text(_SHIM + "using namespace std;\n" + src.code + _SETTER)
-            so = d / f"lib{src.name}.so"
-            subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(path)], check=True, capture_output=True)
-            libs[src.name] = ctypes.CDLL(str(so))
+            libs[src.name] = host_library(d, "using namespace std;\n" + src.code + _SETTER, src.name)
         return libs[src.name]
 
     def entry(src, name):
@@ -180,18 +172,7 @@ def host_entry(tmp_path_factory):
         kernel = getattr(lib, name)
 
         def launch(grid, block_, args):
-            conv = []
-            for a in args:
-                if isinstance(a, np.ndarray):
-                    conv.append(ctypes.c_void_p(a.ctypes.data))
-                elif isinstance(a, np.uint32):
-                    conv.append(ctypes.c_uint(int(a)))
-                elif isinstance(a, np.int32):
-                    conv.append(ctypes.c_int(int(a)))
-                elif isinstance(a, np.float32):
-                    conv.append(ctypes.c_float(float(a)))
-                else:
-                    conv.append(ctypes.c_longlong(int(a)))
+            conv = host_args(args)
             gx, gy = (*grid, 1)[:2]
             bx, by = (*block_, 1)[:2]
             assert bx * by == 1 or name == "gn_finalize" or name.startswith("convpass_broadcast"), "threads of one block run in turn"

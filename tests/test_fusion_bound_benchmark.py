@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-
-from conftest import REPO
+from conftest import REPO, benchmark_script
 
 from convpass.core.problem import ProblemKey
 from convpass.tuning.cache_rows import Measurement
 
-_spec = importlib.util.spec_from_file_location("fusion_bound", REPO / "benchmarks" / "fusion_bound.py")
-fusion_bound = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fusion_bound)
+fusion_bound = benchmark_script("fusion_bound")
 
 NCHW = ProblemKey.parse("fwd|n=32|c=64|k=64|in=56x56|ker=1x1|pad=0x0|str=1x1|dil=1x1|g=1|float32|nchw|default")
 NHWC = ProblemKey.parse("fwd|n=32|c=64|k=64|in=56x56|ker=1x1|pad=0x0|str=1x1|dil=1x1|g=1|float32|nhwc|default")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import conv_model, random_input, run_ort
+from conftest import conv_model, newer_schema_cache, random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import convpass
@@ -864,7 +864,6 @@ def test_bad_rows_already_stored_are_skipped_with_a_warning(tmp_path, capsys, co
 
 
 def _foreign_caches(tmp_path: Path) -> dict[str, Path]:
-    from convpass.tuning.cache import TuningCache
 
     out = {}
     out["a model"] = save(small_model(), tmp_path / "model.db")
@@ -876,14 +875,7 @@ def _foreign_caches(tmp_path: Path) -> dict[str, Path]:
         c.execute("INSERT INTO users VALUES (1, 'ada')")
     c.close()
     newer = out["a newer convpass's cache"] = tmp_path / "newer.db"
-    with TuningCache(newer):
-        pass
-    with sqlite3.connect(newer) as c:
-        c.execute("UPDATE meta SET value = '99' WHERE name = 'schema_version'")
-    c.close()
-    with sqlite3.connect(newer) as c:
-        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    c.close()
+    newer_schema_cache(newer)
     return out
 
 

@@ -3,19 +3,16 @@ model, on a machine without a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
 import recorded
-from conftest import REPO
+from conftest import REPO, benchmark_script
 from recorded import H200
 
 from convpass.tuning.cache import TuningCache
 
-_spec = importlib.util.spec_from_file_location("layout_plans", REPO / "benchmarks" / "layout_plans.py")
-layout_plans = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(layout_plans)
+layout_plans = benchmark_script("layout_plans")
 
 
 def _panel(tmp_path):

@@ -4,23 +4,14 @@ GroupNorm unit's own error against float64, and a node whose output is off is th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
+from conftest import benchmark_script
 from fused_models import norm
 from onnx import TensorProto, helper
 from test_fold_conv_weights import _Graph, _std_conv_weight
-
-
-def _script():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "local_errors.py"
-    spec = importlib.util.spec_from_file_location("local_errors", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def bit_block(c: int = 16, hw: int = 9) -> onnx.ModelProto:
@@ -49,7 +40,7 @@ def test_every_conv_and_groupnorm_has_a_float32_sized_local_error_on_the_cpu(tmp
     path = tmp_path / "bit.onnx"
     onnx.save(bit_block(), path)
     out = tmp_path / "errors.json"
-    assert _script().main(["--model", str(path), "--batch", "2", "--device", "cpu", "--cache", str(tmp_path / "c.db"), "--json", str(out)]) == 0
+    assert benchmark_script("local_errors").main(["--model", str(path), "--batch", "2", "--device", "cpu", "--cache", str(tmp_path / "c.db"), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     kinds = [r["kind"] for r in result["nodes"]]
     assert kinds.count("conv") == 3 and kinds.count("groupnorm") == 2
@@ -65,7 +56,7 @@ def test_a_node_computed_off_is_the_one_with_the_large_local_error():
     their cumulative error only."""
     import convpass
 
-    script = _script()
+    script = benchmark_script("local_errors")
     model = bit_block()
     tuned = convpass.optimize(model, shapes=["x=1x16x9x9"], quiet=True)
     feeds = {"x": np.random.default_rng(1).standard_normal((1, 16, 9, 9)).astype(np.float32)}

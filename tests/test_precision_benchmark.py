@@ -4,7 +4,6 @@ stood in for) written as JSON, and its ``--out`` file written after every case."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
@@ -14,14 +13,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import MODELS, REPO
+from conftest import MODELS, benchmark_script
 from precision_fakes import RATES, synthetic_cache
 
 import convpass
 
-_spec = importlib.util.spec_from_file_location("precision_panel", REPO / "benchmarks" / "precision_panel.py")
-precision_panel = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(precision_panel)
+precision_panel = benchmark_script("precision_panel")
 
 MODEL = MODELS / "residual_cnn.onnx"
 SLOW = {k: v / 1000 for k, v in RATES.items()}  # made-up rates slow enough for float16 to pay for its casts

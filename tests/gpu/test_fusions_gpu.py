@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fused_models import N, activation, block, const, feeds, norm  # noqa: E402
+from fused_models import N, activation, block, const, eca, feeds, norm  # noqa: E402
 
 from convpass.runtime import Executor  # noqa: E402
 from convpass.runtime.cuda import StartupCompileWarning  # noqa: E402
@@ -164,21 +164,7 @@ def test_global_pooling_without_keepdims_and_a_gate_through_expand(channels_last
     the fused Mul, not copied."""
     c, k = 64, 5
     shape = (2, c, 14, 14)
-    rng = np.random.default_rng(0)
-    nodes = [
-        N("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=0, name="pool"),
-        N("Reshape", ["m", "s1"], ["m1"], name="to_1d"),
-        N("Conv", ["m1", "w"], ["c1"], pads=[k // 2, k // 2], name="eca_conv"),
-        N("Sigmoid", ["c1"], ["g"], name="gate"),
-        N("Reshape", ["g", "s2"], ["g4"], name="to_4d"),
-        N("Shape", ["x"], ["xs"], name="shape"),
-        N("Expand", ["g4", "xs"], ["ge"], name="expand"),
-        N("Mul", ["x", "ge"], ["y"], name="apply"),
-    ]
-    inits = [const("s1", [0, 1, -1], np.int64), const("s2", [0, -1, 1, 1], np.int64), const("w", rng.standard_normal((1, 1, k)))]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    model = eca(shape, k, residual=False)
     for graph_mode in (False, True):
         ex = _check(model, feeds(shape), TF32_TOL[np.float32], graph=graph_mode, channels_last=channels_last)
         labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]

@@ -63,11 +63,14 @@ configuration in its planned layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
 import onnx_ir as ir
+
+from convpass.compiler.passes.min_cut import INF, add_capacity
 
 AGNOSTIC_OPS = frozenset(
     {
@@ -83,8 +86,6 @@ SPATIAL_REDUCTIONS = frozenset({"ReduceMean", "ReduceMax"})  # global pooling wh
 # read only their input's shape: a tensor's format is nothing to them (exported models compute
 # UNet's Pad widths and many Reshape targets from Shape of the feature maps)
 METADATA_OPS = frozenset({"Shape", "Size"})
-INF = float("inf")
-_NS_PER_MS = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,18 +120,7 @@ def plan_layouts(
     g = nx.DiGraph()
     source, sink = "<nchw>", "<nhwc>"
 
-    def add(u, v, capacity):
-        if capacity <= 0:
-            return
-        if capacity != INF:
-            # integer nanoseconds: networkx's max-flow is exact only on integers; on float
-            # capacities its partition missed the minimum cut by up to 0.07 ms on EfficientNet-V2-S
-            # (and differed from run to run, with the order of the graph's nodes in memory)
-            capacity = max(1, round(capacity * _NS_PER_MS))
-        if g.has_edge(u, v):
-            g[u][v]["capacity"] += capacity
-        else:
-            g.add_edge(u, v, capacity=capacity)
+    add = functools.partial(add_capacity, g)  # integer nanoseconds (min_cut's rules)
 
     movable = movable_nodes(graph, conv_costs, units, shapes)
     moves = channel_moves(graph)

@@ -35,12 +35,14 @@ The result names, for every conv with costs, the precision it runs in, and the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 import networkx as nx
 import numpy as np
 import onnx_ir as ir
 
+from convpass.compiler.passes.min_cut import INF, add_capacity
 from convpass.compiler.passes.plan_layouts import METADATA_OPS
 
 PRECISION_AGNOSTIC = frozenset(
@@ -61,8 +63,6 @@ _DATA_INPUTS = {"Resize": (0,), "Upsample": (0,), "Pad": (0, 2), "Dropout": (0,)
 _DATA_OUTPUTS = {"MaxPool": (0,), "Dropout": (0,)}
 RANGES = {"fp16": float(np.finfo(np.float16).max)}
 DTYPES = {"fp16": ir.DataType.FLOAT16}
-INF = float("inf")
-_NS_PER_MS = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,15 +169,7 @@ def plan_precision(
     g = nx.DiGraph()
     source, sink = "<wide>", "<reduced>"
 
-    def add(u, v, capacity):
-        if capacity <= 0:
-            return
-        if capacity != INF:
-            capacity = max(1, round(capacity * _NS_PER_MS))
-        if g.has_edge(u, v):
-            g[u][v]["capacity"] += capacity
-        else:
-            g.add_edge(u, v, capacity=capacity)
+    add = functools.partial(add_capacity, g)  # integer nanoseconds (min_cut's rules)
 
     for node in graph:
         if node not in movable:

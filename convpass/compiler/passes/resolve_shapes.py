@@ -44,7 +44,7 @@ import onnx_ir as ir
 from convpass.compiler.passes import state
 from convpass.compiler.passes.cpu_shapes import CpuShapes, resolve_on_cpu
 from convpass.compiler.passes.state import CONV_OPS, PROFILES_KEY, SHAPES_KEY, SKIP_KEY, VALUE_SHAPES_KEY, VALUE_TYPES_KEY
-from convpass.compiler.passes.subgraph_shapes import BodyShapes
+from convpass.compiler.passes.subgraph_shapes import BodyShapes, set_dims
 from convpass.core.annotation import Profile
 from convpass.core.errors import ShapeError
 from convpass.core.options import CLI, OptionNames, parse_profiles
@@ -121,7 +121,7 @@ class _ShapeInference:
         for value_info in graph.input:
             dims = profile.inputs.get(value_info.name)
             if dims is not None:
-                _set_dims(value_info, dims)
+                set_dims(value_info, dims)
         # the pins of this call only: graph outputs as declared, value_info empty
         del graph.output[:]
         graph.output.extend(self._outputs)
@@ -129,7 +129,7 @@ class _ShapeInference:
         outputs = {vi.name: vi for vi in graph.output}
         for name, (dims, elem) in (pins or {}).items():
             if name in outputs:
-                _set_dims(outputs[name], dims)
+                set_dims(outputs[name], dims)
             else:
                 graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, list(dims)))
         self.bodies.reset()
@@ -176,18 +176,6 @@ def _scopes(graph: ir.Graph) -> dict[ir.Graph, tuple[ir.Node, str]]:
                 for g in attr.value:
                     out[g] = (node, name)
     return out
-
-
-def _set_dims(value_info: onnx.ValueInfoProto, dims: Sequence[int | str | None]) -> None:
-    shape = value_info.type.tensor_type.shape
-    shape.ClearField("dim")
-    for d in dims:
-        if isinstance(d, int):
-            shape.dim.add().dim_value = d
-        elif isinstance(d, str):
-            shape.dim.add().dim_param = d
-        else:
-            shape.dim.add()
 
 
 class ResolveShapesPass(ir.passes.InPlacePass):

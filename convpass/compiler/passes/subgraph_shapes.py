@@ -50,7 +50,8 @@ def _dims(vi: onnx.ValueInfoProto) -> Dims | None:
     return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
 
 
-def _set_dims(vi: onnx.ValueInfoProto, dims: Sequence[int | str | None]) -> None:
+def set_dims(vi: onnx.ValueInfoProto, dims: Sequence[int | str | None]) -> None:
+    """Write ``dims`` into a tensor value info's shape: ints as values, strings as symbols, None unknown."""
     shape = vi.type.tensor_type.shape
     shape.ClearField("dim")
     for d in dims:
@@ -89,7 +90,7 @@ class BodyShapes:
         for node, _, g in bodies(self.proto.graph):
             for vi, dims in zip(g.input, _feeding(node, g, shapes)):
                 if dims is not None and _dims(vi) != dims:
-                    _set_dims(vi, dims)
+                    set_dims(vi, dims)
                     changed = True
         return changed
 
