@@ -18,6 +18,7 @@ from fused_models import N, activation, block, channels_last, const, feeds, norm
 from onnx import TensorProto, helper
 
 from convpass.core import annotation
+from convpass.core.errors import ExecutorError
 from convpass.kernels import group_norm
 from convpass.kernels.backends import host_backend
 from convpass.kernels.launch import Placement
@@ -69,16 +70,25 @@ def _reference64(x, groups, eps, scale, shift, act):
     return {"silu": lambda v: v / (1 + np.exp(-v)), "Relu": lambda v: np.maximum(v, 0)}[act](y)
 
 
+# (offset, scale) of the inputs: a mean 50 standard deviations away from zero (the variance must not
+# cancel); a group variance of epsilon's size (1e-6 in fused_models.norm), where an epsilon left out
+# or misplaced is 30% off (with a variance of 1 it would be 5e-7 off, inside any float32 tolerance)
+INPUTS = {"far_mean": (50.0, 1.0), "variance_near_eps": (2.0, 1e-3)}
+
+
+@pytest.mark.parametrize("inputs", INPUTS)
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("act", ["silu", "Relu"])
-def test_the_fused_step_matches_a_float64_reference_in_both_memory_orders(layout, act):
+def test_the_fused_step_matches_a_float64_reference_in_both_memory_orders(layout, act, inputs):
     shape = (2, 64, 6, 7)
     model = block("gn21", act, shape, 32, residual=False)  # scale and shift in the core: the epilogue is the activation
     ex = Executor(model, device="cpu")
     _run_twice(ex, feeds(shape))
     step = next(s for s in ex.last_plan.steps if s.node.op_type == "FusedNorm")
     env = list(ex.last_plan.template)
-    x = feeds(shape, seed=3, offset=50.0)["x"]  # a mean 50 standard deviations away from zero
+    offset, scale = INPUTS[inputs]
+    x = feeds(shape, seed=3, offset=offset)["x"] * np.float32(scale)
+    assert step.node.prepared.eps == pytest.approx(1e-6)
     args = [channels_last(x) if layout == "nhwc" else x] + [env[s] for s in step.inputs[1:]]
     got = step.fn(OpContext(host_backend()), step.node, *args)
     want = _reference64(x, 32, step.node.prepared.eps, env[step.inputs[1]], env[step.inputs[2]], act)
@@ -210,7 +220,8 @@ def test_the_kernels_match_the_fused_step(host_entry, shape, groups, where):
     launch.prepare()
     rng = np.random.default_rng(5)
     env = list(plan.template)
-    x = (rng.standard_normal(shape) * 3 + 7).astype(np.float32)
+    # a group variance (9e-6) of epsilon's order (1e-6): an epsilon the kernels leave out is 5% off
+    x = ((rng.standard_normal(shape) * 3 + 7) * 1e-3).astype(np.float32)
     z = rng.standard_normal(shape).astype(np.float32)
     residual = step.inputs[-1]
     want = step.fn(ctx, step.node, x, *[env[s] for s in step.inputs[1:-1]], z)
@@ -307,7 +318,7 @@ def test_the_record_round_trips_and_refuses_a_newer_or_damaged_one():
         next(p for p in m.metadata_props if p.key == annotation.FUSIONS_KEY).value = text
         with pytest.raises(annotation.AnnotationError, match=match):
             annotation.read_fusions(m)
-        with pytest.raises(Exception, match=match):
+        with pytest.raises(ExecutorError, match=match):  # the executor's own error, one line
             Executor(m, device="cpu")
 
 
