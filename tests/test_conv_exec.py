@@ -146,14 +146,27 @@ def test_an_object_is_made_like_another_only_of_the_same_algorithm(stand_ins):
 # ---------------------------------------------------------------------------------------------
 # a launch is the step
 
+def _summing_to_half(a: np.ndarray) -> np.ndarray:
+    """``a`` as float32 shifted to sum to 0.5: the stand-ins' conv output ``x.sum()`` is then 0.5, so
+    that ``act(x.sum() + b + z)`` (``b``, ``z`` standard normal) is positive for some elements and
+    clipped for others, and a conv without epilogue gives 0.5."""
+    a = a.astype(np.float32)
+    return a - a.mean(dtype=np.float32) + np.float32(0.5 / a.size)
+
+
 def test_a_legacy_launch_runs_the_conv_then_its_epilogue_over_the_directions_output(stand_ins):
     rng = np.random.default_rng(0)
-    x, w = rng.standard_normal(DW.x_shape).astype(np.float32), np.ones(DW.w_shape, np.float32)
+    x, w = _summing_to_half(rng.standard_normal(DW.x_shape)), np.ones(DW.w_shape, np.float32)
     b, z = rng.standard_normal(8).astype(np.float32), rng.standard_normal(DW.y_shape).astype(np.float32)
     y = np.empty(DW.y_shape, np.float32)
     conv = conv_exec.conv_exec(KEY, "implicit_gemm", "bias+add+relu", cp=np, descs="descs")
     conv.launch(x, w, y, None, b, z)
-    np.testing.assert_allclose(y, np.maximum(x.sum() + b.reshape(1, -1, 1, 1) + z, 0), rtol=1e-6)
+    want = np.maximum(x.sum() + b.reshape(1, -1, 1, 1) + z, 0)
+    assert 0.2 < (want > 0).mean() < 0.8  # the ReLU clips some, not all: a bias or residual left out shows
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-5)
+    # an epilogue of the ReLU alone (a conv without bias): the conv's negative output clipped
+    conv_exec.conv_exec(KEY, "implicit_gemm", "relu", cp=np, descs="descs").launch(x - 0.01, w, y, None)
+    np.testing.assert_array_equal(y, 0.0)  # relu(0.5 - 5.76)
     with pytest.raises(ValueError, match="needs its residual"):
         conv.launch(x, w, y, None, b)
     # backward data (a ConvTranspose): the epilogue over x, the direction's output
@@ -249,7 +262,7 @@ def test_the_tuner_times_the_launch_the_executor_runs(stand_ins, monkeypatch, ca
     import cupy as fake_cp  # the stand-in numpy_candidates installed
 
     rng = np.random.default_rng(1)
-    x = rng.standard_normal(DW.x_shape).astype(np.float32)
+    x = _summing_to_half(rng.standard_normal(DW.x_shape))
     w = np.ones(DW.w_shape, np.float32)
     b = None if step.get("bias") is False else rng.standard_normal(8).astype(np.float32)
     z = rng.standard_normal(DW.y_shape).astype(np.float32) if step.get("residual") else None
@@ -266,7 +279,9 @@ def test_the_tuner_times_the_launch_the_executor_runs(stand_ins, monkeypatch, ca
     assert all(t.args[:3] + t.args[4:] == launch.args[:3] + launch.args[4:] for t in same), (launch.args, same[0].args)
     # and the executor's launch computed the step
     v = x.sum() + (0 if b is None else b.reshape(1, -1, 1, 1)) + (0 if z is None else z)
-    want = v / (1 + np.exp(-v)) if fusion else (np.maximum(v, 0) if step.get("relu") else v)
-    np.testing.assert_allclose(y, np.broadcast_to(want, y.shape), rtol=1e-5)
+    want = np.broadcast_to(v / (1 + np.exp(-v)) if fusion else (np.maximum(v, 0) if step.get("relu") else v), y.shape)
+    if b is not None:  # the epilogue's operands change the output: some elements positive, some not
+        assert 0.1 < (want > 0).mean() < 0.9, want
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
     counted = {k for k, n in convs.rt.counters.items() if n}
     assert counted == set(convs.resolve(ConvCall("conv", _geometry(), decision), x.dtype, fusion).steps[launch.identity.epilogue].counts)
