@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import MODELS, REPO
+from conftest import MODELS, REPO, conv_model, run_ort
 from precision_fakes import RATES, synthetic_cache
 
 import convpass
@@ -132,6 +132,23 @@ def test_the_cpu_evaluator_emulates_half_and_tf32():
     convs = [n.name for n in proto.graph.node if n.op_type == "Conv"]
     tf32 = model_error(evaluator.outputs(proto, convs, inputs), ref, "max-rel")
     assert exact < 1e-5 and 1e-5 < tf32 < 1e-2, (exact, tf32)
+
+
+def test_tf32_emulation_rounds_both_operands_of_the_named_conv_only():
+    """The evaluator's TF32 conv is the float32 conv of the TF32-rounded input and weight (ONNX
+    Runtime on the rounded tensors), to well within the difference TF32 makes; a conv not named runs
+    in float32."""
+    model = conv_model("Conv", (2, 16, 12, 12), (8, 16, 3, 3), pads=[1, 1, 1, 1], bias=False)
+    x = np.random.default_rng(5).standard_normal((2, 16, 12, 12)).astype(np.float32)
+    inputs = InputSet("calibration", ({"x": x},), "test")
+    rounded = onnx.ModelProto.FromString(model.SerializeToString())
+    w = onnx.numpy_helper.to_array(rounded.graph.initializer[0])
+    rounded.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(round_to_tf32(w), "w"))
+    want = [[run_ort(rounded, {"x": round_to_tf32(x)})[0]]]
+    exact = [[run_ort(model, {"x": x})[0]]]
+    assert model_error(exact, want, "max-rel") > 1e-4  # what TF32 changes
+    assert model_error(CpuEvaluator().outputs(model, ["conv"], inputs), want, "max-rel") < 1e-5
+    assert model_error(CpuEvaluator().outputs(model, [], inputs), exact, "max-rel") < 1e-5
 
 
 def test_npz_inputs_are_checked_against_the_model(tmp_path):
