@@ -1,4 +1,5 @@
-"""The scripts beside the package (``benchmarks/``, ``models/``, ``scripts/``) against the package
+"""The scripts beside the package (``benchmarks/``, ``models/``, ``scripts/``) and the GPU tests
+(``tests/gpu/``, which the CPU suite never runs) against the package
 they use: every ``convpass`` module or name they import exists, and every attribute they read off
 an imported convpass module (``cont.warm_gpu``, ``convpass.bench.measure.cupy``) is there.
 
@@ -20,7 +21,7 @@ from types import ModuleType
 import pytest
 from conftest import REPO
 
-SCRIPTS = sorted(p for folder in ("benchmarks", "models", "scripts") for p in (REPO / folder).glob("*.py"))
+SCRIPTS = sorted(p for folder in ("benchmarks", "models", "scripts", "tests/gpu") for p in (REPO / folder).glob("*.py"))
 _MISSING = object()
 
 
@@ -104,7 +105,7 @@ def missing_attributes(path: Path, source: str | None = None) -> list[str]:
 
 def test_there_are_scripts_to_check():
     folders = {p.parent.name for p in SCRIPTS}
-    assert folders == {"benchmarks", "models", "scripts"} and REPO / "benchmarks" / "precision_panel.py" in SCRIPTS
+    assert folders == {"benchmarks", "models", "scripts", "gpu"} and REPO / "benchmarks" / "precision_panel.py" in SCRIPTS
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))

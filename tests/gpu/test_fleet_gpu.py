@@ -17,7 +17,7 @@ cp = pytest.importorskip("cupy")
 from conftest import MODELS, conv_model  # noqa: E402
 
 from convpass.compiler.pipeline import OptimizeReport, prepare_model  # noqa: E402
-from convpass.core import annotation, device  # noqa: E402
+from convpass.core import annotation  # noqa: E402
 from convpass.core.algo import Algo  # noqa: E402
 from convpass.core.fusion import FUSED_CALL_CANDIDATES  # noqa: E402
 from convpass.core.model_io import load_model  # noqa: E402
@@ -26,6 +26,7 @@ from convpass.fleet import driver  # noqa: E402
 from convpass.fleet.local import LocalExecutor, visible_gpus  # noqa: E402
 from convpass.fleet.measurers import CudnnMeasurer  # noqa: E402
 from convpass.fleet.model_procs import ModelSpec  # noqa: E402
+from convpass.native import device  # noqa: E402
 from convpass.tuning.cache import TuningCache  # noqa: E402
 from convpass.tuning.tuner import CudnnTuner, was_measured  # noqa: E402
 

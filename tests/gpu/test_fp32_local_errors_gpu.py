@@ -22,7 +22,8 @@ pytest.importorskip("cupy")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from test_local_errors_benchmark import _script, bit_block  # noqa: E402
+from conftest import benchmark_script  # noqa: E402
+from test_local_errors_benchmark import bit_block  # noqa: E402
 
 import convpass  # noqa: E402
 
@@ -39,7 +40,7 @@ def _need_gpu():
 
 @pytest.mark.parametrize("batch", [1, 16])
 def test_an_fp32_plan_computes_every_conv_and_groupnorm_in_float32(batch, tmp_path):
-    script = _script()
+    script = benchmark_script("local_errors")
     model = bit_block(c=64, hw=56)
     tuned = convpass.optimize(model, shapes=[f"x={batch}x64x56x56"], precision="fp32", cache=tmp_path / "c.db", quiet=True)
     feeds = {"x": np.random.default_rng(1).standard_normal((batch, 64, 56, 56)).astype(np.float32)}

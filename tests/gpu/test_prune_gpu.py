@@ -12,9 +12,9 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from convpass.core import device  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
 from convpass.core.problem import ConvProblem  # noqa: E402
+from convpass.native import device  # noqa: E402
 from convpass.tuning.cache import TuningCache  # noqa: E402
 from convpass.tuning.prune import PRUNED  # noqa: E402
 from convpass.tuning.tuner import CudnnTuner  # noqa: E402
