@@ -187,6 +187,25 @@ def test_concats_that_share_a_buffer_take_one_format():
     assert concat_families(graph) == {c1: c1, c2: c2}
 
 
+def test_with_several_samples_an_nchw_slice_is_copied_too():
+    """At a batch above one an NCHW channel slice of the buffer is not packed either (its samples lie
+    the buffer's channels apart): f2 copies c1 in both formats, so the copy favours neither and the
+    faster NHWC convs win where at batch 1 (or an unknown batch) the copy kept the block in NCHW."""
+    from convpass.compiler.passes.plan_layouts import _evaluate, movable_nodes
+
+    graph, convs, (c1, c2) = _dense_block()
+    costs = {n: {"nchw": 10, "nhwc": 8.7} for n in convs}
+    for batch, layout, total in ((1, "nchw", 30), (16, "nhwc", 30.1)):
+        shapes = {v.name: (batch, 8, 4, 4) for node in graph for v in node.outputs} | {"x": (batch, 8, 4, 4)}
+        plan = plan_layouts(graph, costs, lambda v: 1, shapes=shapes)
+        assert set(plan.layouts.values()) == {layout}, batch
+        # the NCHW plan at batch 16 pays the slice's copy too: 30 + 1
+        fmt = dict.fromkeys(movable_nodes(graph, costs, shapes=shapes), "nchw")
+        nchw = _evaluate(graph, fmt, costs, lambda v: 1, shapes=shapes).cost_ms
+        assert nchw == pytest.approx(30 if batch == 1 else 31)
+        assert plan.cost_ms == pytest.approx(total)
+
+
 def test_a_family_cannot_be_split_between_formats():
     """A conv that wants NCHW reads the family's small Concat; the family as a whole decides."""
     from convpass.compiler.passes.plan_layouts import _evaluate, movable_nodes

@@ -16,8 +16,13 @@ Rules (per shape profile):
   the root reads is not counted again at the Concats inside it). Concats of different families
   (Inception's inner ``cat`` placed into the block's) are joined by ordinary edges. A conv that
   reads a channel slice of a shared buffer (a dense block's next conv reading the features so
-  far) reads it free in NCHW (contiguous per sample) but copies it to a packed tensor in NHWC
-  (strided rows): with both in NHWC that copy is charged (priced as a transpose of the slice). (Before
+  far) copies it to a packed tensor first (:func:`convpass.native.cudnn.as_layout`; priced as a
+  transpose of the slice), except an NCHW slice of one sample, which is packed: at batch 1 the copy
+  is charged only with buffer and conv both in NHWC (strided rows); with more samples an NCHW slice's
+  samples lie the buffer's channels apart, so it is copied in every pair of formats and favours
+  neither. (Charged free in NCHW at every batch, an ESRGAN-style RRDB net's dense convs stayed in
+  NCHW at batch 16, where cuDNN's kernels converted every input and output to NHWC inside the call
+  and the slices were copied all the same: its conv time was about 1.7x its NHWC plan's.) (Before
   families were tied, DenseNet-121 ran much slower when every Concat passed NHWC through on its
   own than with its Concats in NCHW: members of one buffer in two formats;
   docs/measurements/2026-11-23-nhwc-passthrough.md.)
@@ -156,10 +161,13 @@ def plan_layouts(
                 if node in movable or consumer in movable or node in moves or consumer in moves:
                     cost = transpose_ms(value)
                     if consumer in conv_costs and families.get(node, node) is not node:
-                        # a conv reading a channel slice of a shared Concat buffer: in NCHW the slice is
-                        # contiguous per sample; in NHWC it is strided rows, which the conv copies to a
-                        # packed tensor first (about a transpose's bytes). Costs (buffer, conv): NCHW/NCHW 0,
-                        # apart a transpose, NHWC/NHWC the copy: cut as T*[buffer NHWC] + T*[buffer NCHW, conv NHWC]
+                        # a conv reading a channel slice of a shared Concat buffer (module rules)
+                        if not _packed_nchw_slice(value, shapes):
+                            continue  # copied to a packed tensor in any pair of formats: no preference
+                        # one sample: in NCHW the slice is packed; in NHWC it is strided rows, which the
+                        # conv copies to a packed tensor first (about a transpose's bytes). Costs (buffer,
+                        # conv): NCHW/NCHW 0, apart a transpose, NHWC/NHWC the copy: cut as
+                        # T*[buffer NHWC] + T*[buffer NCHW, conv NHWC]
                         add(source, here, cost)
                         add(here, consumer, cost)
                         continue
@@ -175,7 +183,16 @@ def plan_layouts(
     # Constants (weights, BN params) are pre-transformed once: no run-time cost.
     _, (s_side, _) = nx.minimum_cut(g, source, sink)
     fmt = {n: ("nchw" if n in s_side or n not in g else "nhwc") for n in movable}
-    return _evaluate(graph, fmt, conv_costs, transpose_ms, families, unit_costs)
+    return _evaluate(graph, fmt, conv_costs, transpose_ms, families, unit_costs, shapes)
+
+
+def _packed_nchw_slice(value: ir.Value, shapes: Mapping[str, Sequence[Any]] | None) -> bool:
+    """Whether a channel slice ``value`` of a shared Concat buffer is a packed NCHW tensor: with one
+    sample, or an unknown batch (taken as one). With a known batch of more, its samples lie the whole
+    buffer's channels apart, and the conv reading it copies it to a packed tensor first, as it does a
+    channels-last slice."""
+    dims = _dims(value, shapes)
+    return not (dims and isinstance(dims[0], int) and dims[0] > 1)
 
 
 def _input_conv(first: ir.Node, conv_costs: Mapping[ir.Node, Any]) -> ir.Node | None:
@@ -299,7 +316,7 @@ def _reads_into_family(value: ir.Value, consumer: ir.Node, families: Mapping[ir.
     return root is not None and root is not consumer and any(v is value for v in root.inputs)
 
 
-def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=None) -> LayoutPlan:
+def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=None, shapes=None) -> LayoutPlan:
     """Total cost of an assignment: conv times, timed fused units' times (``unit_costs``, by a
     unit's first node) plus a transpose (one that costs anything) per (value, reader) whose formats
     differ (``families``: :func:`concat_families`, when known).
@@ -328,8 +345,9 @@ def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=No
             if here != there and (ms := transpose_ms(value)) > 0:
                 total += ms
                 transposes += 1
-            elif here == there == "nhwc" and node in conv_costs and producer is not None and families.get(producer, producer) is not producer:
-                total += transpose_ms(value)  # an NHWC conv copies its channel slice of a shared NHWC buffer
+            elif (here == there and node in conv_costs and producer is not None and families.get(producer, producer) is not producer
+                  and (here == "nhwc" or not _packed_nchw_slice(value, shapes))):
+                total += transpose_ms(value)  # the conv copies its channel slice of a shared buffer to a packed tensor
         written = writes.get(node) or fmt.get(node, "nchw")
         for value in node.outputs:
             if value.is_graph_output() and written != "nchw" and (ms := transpose_ms(value)) > 0:
