@@ -40,6 +40,7 @@ from convpass.core.annotation import ANNOTATED_OPS, MEASURED, NOT_MEASURED, Fusi
 from convpass.core.annotation import DOMAIN as ANNOTATED
 from convpass.core.fusion_units import RULES, BiasUnit, GraphView, NormUnit, unit_key
 from convpass.core.fusion_units import find_units as find_graph_units
+from convpass.kernels import group_norm
 
 logger = logging.getLogger("convpass")
 
@@ -167,11 +168,12 @@ def unit_model(model: ir.Model, unit: Unit, view: IrView) -> tuple[onnx.ModelPro
 
 
 def _signature(unit: Unit, view: IrView) -> tuple:
-    """What decides a unit's times: its ops and attributes, and the shapes and types it reads."""
+    """What decides a unit's times: its ops and attributes, the shapes and types it reads, and the
+    revision of the fused kernels that run it (:data:`convpass.kernels.group_norm.REVISION`)."""
     ops = tuple((view.op(n), tuple(sorted((k, repr(a.value)) for k, a in n.attributes.items()))) for n in unit.nodes)
     produced = {v for n in unit.nodes for v in n.outputs}
     reads = tuple((view.shape(v), str(view.dtype(v))) for n in unit.nodes for v in n.inputs if v is not None and v not in produced)
-    return unit.kind, ops, reads
+    return (unit.kind, ops, reads) if unit.kind != NormUnit.kind else (unit.kind, ops, reads, group_norm.REVISION)
 
 
 def decide_fusions(model: ir.Model, units: Sequence[Sequence[Unit]], value_shapes: Sequence[Mapping[str, Sequence[Any]]],

@@ -13,8 +13,10 @@ allocated when the plan is compiled, so the launches can be captured):
   Concat slice too): a block per (sample, run of positions), its threads laid out as channel
   lanes (reading adjacent channels of one position: coalesced, ``v`` channels each) and position
   lanes; the lanes' moments are merged per group in shared memory;
-* ``gn_finalize`` — one thread per (sample, group) merges its chunks' moments and writes the mean
-  and ``1 / sqrt(var + eps)``.
+* ``gn_finalize`` — one block per (sample, group) merges its chunks' moments (its threads a
+  strided share each, then the block's tree) and writes the mean and ``1 / sqrt(var + eps)``. (One
+  thread per (sample, group) merging every chunk in turn made a channels-last step of one sample,
+  with hundreds of chunks, several times slower than its channels-first form.)
 
 Each thread accumulates its values shifted by the first one it reads (sums of ``v - shift`` and
 their squares: no cancellation while the shift is near the data), turns them into (count, mean,
@@ -52,10 +54,14 @@ from convpass.native import nvrtc as compiler
 from convpass.native.cuda import channels_last, elements
 from convpass.ops.fused import FUSED_DOMAIN, NormSpec
 
-__all__ = ["DTYPES", "FusedNormLaunch", "MAX_CL_CHANNELS", "apply_group", "frame", "lower_fused_norm", "moments_plan", "source"]
+__all__ = ["DTYPES", "FusedNormLaunch", "MAX_CL_CHANNELS", "REVISION", "apply_group", "frame", "lower_fused_norm", "moments_plan", "source"]
 
 DTYPES = compiler.DTYPES
 _THREADS = 256
+_FINALIZE_THREADS = 128  # at most, per (sample, group): a channels-last step of one sample has hundreds of chunks
+# Bumped when these kernels' speed changes: fused units' timings in a tuning cache are keyed by it
+# (convpass.compiler.fusions), so a cached re-run times them again instead of planning with stale ones.
+REVISION = 2
 _TARGET_BLOCKS_PER_SM = 4
 _MIN_ROW_CHUNK = 2048  # elements a rows block reads at least
 _CL_VALS = (1, 2, 4, 8, 16)  # channels per channel lane of the channels-last kernels
@@ -171,17 +177,21 @@ __device__ __forceinline__ void moments_cl(const TYPE* __restrict__ x, float* __
 
 #ENTRIES
 
-// one thread per (sample, group): the chunks' moments merged; stats = (mean, 1 / sqrt(var + eps))
+// one block per (sample, group): its threads merge the chunks' moments k, k + T, ..., then the block's;
+// stats = (mean, 1 / sqrt(var + eps))
 extern "C" __global__ void gn_finalize(const float* __restrict__ part, float* __restrict__ stats, unsigned rows, int chunks, float eps) {
-    const unsigned r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
+    const unsigned r = blockIdx.x;
+    if (r >= rows) return;  // the whole block: no thread waits at a barrier below
     float n = 0.f, mean = 0.f, m2 = 0.f;
-    for (int k = 0; k < chunks; ++k) {
+    for (int k = threadIdx.x; k < chunks; k += blockDim.x) {
         const float* p = part + 3 * ((long long)r * chunks + k);
         chan(n, mean, m2, p[0], p[1], p[2]);
     }
-    stats[2 * r] = mean;
-    stats[2 * r + 1] = 1.f / sqrtf(m2 / n + eps);
+    block_merge(n, mean, m2);
+    if (threadIdx.x == 0) {
+        stats[2 * r] = mean;
+        stats[2 * r + 1] = 1.f / sqrtf(m2 / n + eps);
+    }
 }
 """
 
@@ -434,8 +444,8 @@ class FusedNormLaunch(Launch):
         src = source(x.dtype)
         self.entry(src, f"gn_moments_{geo['kernel']}")(geo["grid"], geo["block"], (x, self.part, *geo["args"]))
         rows = x.shape[0] * g
-        block = min(128, self.threads)
-        self.entry(src, "gn_finalize")(((rows + block - 1) // block,), (block,),
+        block = min(_FINALIZE_THREADS, self.threads, 32 * math.ceil(geo["chunks"] / 32))
+        self.entry(src, "gn_finalize")((rows,), (block,),
                                        (self.part, self.stats, np.uint32(rows), np.int32(geo["chunks"]), np.float32(spec.eps)))
         mean, rstd = _stats_frames(xp, self.stats, x.shape[0], g, last)
         scale, shift = _param_frames(xp, [env[self.inputs[1]], env[self.inputs[2]]], g, last)
