@@ -18,9 +18,18 @@ with and without the extra outputs: an output the graph exposes ends a fusion un
 fused with its residual Add runs it as a pass of its own), so the two runs may differ slightly;
 the algorithms and math modes are the recorded ones in both.
 
+``--truth f64`` also runs the original model in float64 (:mod:`convpass.compiler.precision.float64`:
+every value float64, on the convpass CPU executor) and measures against it what ``--truth ort``
+takes as the reference: per node, ONNX Runtime CPU float32's own drift (``ort/f64``) and the
+device's (``dev/f64``), both relative L2; end to end, ONNX Runtime CPU float32 and the tuned model on
+the device, max-abs-relative and relative L2 (``model_error``'s ``max-rel`` and ``rel-l2``). A model
+that amplifies float32 rounding shows it in ``ort/f64``: no float32 computation is closer to ONNX
+Runtime float32 than about twice that.
+
     python benchmarks/local_errors.py --model bit.onnx --tuned bit_fp32.onnx --batch 1
     python benchmarks/local_errors.py --model bit.onnx --precision fp32 --cache /tmp/c.db --batch 16 --json out.json
     python benchmarks/local_errors.py --model bit.onnx --precision fp32 --batch 1 --device cpu    # CPU executor
+    python benchmarks/local_errors.py --model bit.onnx --precision fp32 --batch 1 --truth f64     # and the float64 truth
 """
 
 from __future__ import annotations
@@ -148,9 +157,11 @@ def executor_runner(device: str) -> Runner:
     return run
 
 
-def local_errors(original: onnx.ModelProto, tuned: onnx.ModelProto, feeds: dict[str, np.ndarray], run: Runner) -> dict[str, Any]:
+def local_errors(original: onnx.ModelProto, tuned: onnx.ModelProto, feeds: dict[str, np.ndarray], run: Runner,
+                 truth: bool = False) -> dict[str, Any]:
     """Per conv and GroupNorm unit: its local and cumulative error (module docstring); the model's
-    end-to-end errors, with and without the extra outputs."""
+    end-to-end errors, with and without the extra outputs; with ``truth``, the errors of ONNX
+    Runtime float32 and of the device against the float64 truth."""
     import convpass
 
     found = sites(tuned)
@@ -176,18 +187,75 @@ def local_errors(original: onnx.ModelProto, tuned: onnx.ModelProto, feeds: dict[
 
     def end_to_end(outs: Sequence[np.ndarray]) -> float:
         return max(float(np.abs(np.asarray(o, np.float64) - r).max() / max(np.abs(r).max(), 1e-30)) for o, r in zip(outs[:n_out], ref[:n_out]))
-    return {"nodes": rows, "end_to_end": end_to_end(plain), "end_to_end_exposed": end_to_end(got)}
+    result = {"nodes": rows, "end_to_end": end_to_end(plain), "end_to_end_exposed": end_to_end(got)}
+    if truth:
+        result["truth"] = _against_truth(_expose(original, names, None), feeds, rows, found, ref_of, got_of, ref[:n_out], plain[:n_out])
+    return result
+
+
+def _against_truth(exposed: onnx.ModelProto, feeds: dict[str, np.ndarray], rows: list[dict[str, Any]], found: list[dict[str, Any]],
+                   ref_of: dict[str, np.ndarray], got_of: dict[str, np.ndarray], ref: Sequence[np.ndarray], plain: Sequence[np.ndarray]) -> dict[str, Any]:
+    """ONNX Runtime float32's and the device's errors against the float64 truth: per node (``ort_truth``,
+    ``device_truth`` added to ``rows``) and end to end."""
+    from convpass.compiler.precision.float64 import float64_outputs, relative_errors
+
+    (outs,) = float64_outputs(exposed, [feeds])
+    truth_of = {**feeds, **dict(zip([o.name for o in exposed.graph.output], outs))}
+    for row, s in zip(rows, found):
+        row.update(ort_truth=_rel(ref_of[s["y"]], truth_of[s["y"]]), device_truth=_rel(got_of[s["y"]], truth_of[s["y"]]))
+    final = outs[:len(ref)]
+    return {"ort_float32": relative_errors([ref], [final]), "device": relative_errors([plain], [final])}
+
+
+def ort_float64_gaps(model: onnx.ModelProto) -> list[str]:
+    """The op types of ``model`` (float32) whose float64 form ONNX Runtime's CPU provider cannot run:
+    each is tried alone, as a one-node float64 model with the node's own attributes and input shapes."""
+    import onnxruntime as ort
+
+    from convpass.compiler.precision import float64
+
+    m = onnx.shape_inference.infer_shapes(model)
+    types = {vi.name: vi.type for vi in (*m.graph.input, *m.graph.value_info, *m.graph.output)}
+    types.update({t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in m.graph.initializer})
+    tried: dict[str, bool] = {}
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    for node in m.graph.node:
+        if node.op_type in tried or node.domain not in ("", "ai.onnx") or node.op_type in ("Constant",):
+            continue
+        ins = [i for i in node.input if i]
+        if not all(i in types for i in ins) or not any(types[i].tensor_type.elem_type in float64.FLOAT_TYPES for i in ins):
+            continue
+        lone = helper.make_graph([node], "one", [helper.make_value_info(i, types[i]) for i in dict.fromkeys(ins)],
+                                 [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o])
+        one = float64.to_float64(helper.make_model(lone, opset_imports=list(model.opset_import), ir_version=model.ir_version))
+        try:
+            ort.InferenceSession(one.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            tried[node.op_type] = True
+        except Exception:  # noqa: BLE001 - ORT raises its own exception types
+            tried[node.op_type] = False
+    return sorted(op for op, ok in tried.items() if not ok)
+
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [f"{'node':64s} {'kind':9s} {'local':>8s} {'cumul.':>8s}  decision"]
+    truth = "truth" in result
+    lines = [f"{'node':64s} {'kind':9s} {'local':>8s} {'cumul.':>8s}" + (f" {'ort/f64':>8s} {'dev/f64':>8s}" if truth else "") + "  decision"]
     for r in result["nodes"]:
         decision = " ".join(str(r[k]) for k in ("algo", "memory_format", "math_mode") if r.get(k) is not None)
-        lines.append(f"{r['node'][-64:]:64s} {r['kind']:9s} {r['local']:8.1e} {r['cumulative']:8.1e}  {decision}")
+        against = f" {r['ort_truth']:8.1e} {r['device_truth']:8.1e}" if truth else ""
+        lines.append(f"{r['node'][-64:]:64s} {r['kind']:9s} {r['local']:8.1e} {r['cumulative']:8.1e}{against}  {decision}")
     worst = max(result["nodes"], key=lambda r: r["local"], default=None)
     if worst is not None:
         lines.append(f"largest local error: {worst['local']:.1e} at {worst['node']} ({worst['kind']})")
     lines.append(f"end to end (max-abs-relative): {result['end_to_end']:.2e}; with the nodes exposed: {result['end_to_end_exposed']:.2e}")
+    if truth:
+        for who, label in (("ort_float32", "ONNX Runtime CPU float32"), ("device", "the tuned model on the device")):
+            e = result["truth"][who]
+            lines.append(f"{label} against the float64 truth: max-abs-relative {e['max-rel']:.2e}, relative L2 {e['rel-l2']:.2e}")
+        if result["truth"].get("ort_float64_gaps"):
+            lines.append(f"(the truth runs on the convpass CPU executor: ONNX Runtime CPU has no float64 kernel for "
+                         f"{', '.join(result['truth']['ort_float64_gaps'])})")
     return "\n".join(lines)
 
 
@@ -200,11 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1, help="the standard-normal input's seed (1: the held-out set's)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--truth", default="ort", choices=("ort", "f64"),
+                    help="f64: also measure ONNX Runtime float32 and the device against the model computed in float64")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     import convpass
 
-    original = onnx.load(str(args.model))
+    original = onnx.load(str(args.model))  # with its external data: the float64 truth converts it
     inits = {t.name for t in original.graph.initializer}
     (inp,) = [i for i in original.graph.input if i.name not in inits]
     dims = [d.dim_value if d.HasField("dim_value") else None for d in inp.type.tensor_type.shape.dim]
@@ -217,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         tuned = convpass.optimize(original, shapes=[f"{inp.name}={'x'.join(map(str, shape))}"], precision=args.precision,
                                   cache=args.cache, quiet=True)
     feeds = {inp.name: np.random.default_rng(args.seed).standard_normal(shape).astype(np.float32)}
-    result = local_errors(original, tuned, feeds, executor_runner(args.device))
+    result = local_errors(original, tuned, feeds, executor_runner(args.device), truth=args.truth == "f64")
+    if args.truth == "f64":
+        result["truth"]["ort_float64_gaps"] = ort_float64_gaps(original)
     print(_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
