@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tuned", type=Path, default=None, help="its tuned model; without it, --precision tunes one here")
     ap.add_argument("--precision", default="fp32", help="the precision to tune with when no --tuned is given (default fp32)")
     ap.add_argument("--cache", default=None, help="tuning cache (default: convpass's)")
+    ap.add_argument("--fprop-algo", default=None,
+                    help="tune with this forward algorithm for every conv (optimize's fprop_algo; e.g. implicit_precomp_gemm, "
+                         "to see what a transform algorithm's rounding costs)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1, help="the standard-normal input's seed (1: the held-out set's)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned = onnx.load(str(args.tuned))
     else:
         tuned = convpass.optimize(original, shapes=[f"{inp.name}={'x'.join(map(str, shape))}"], precision=args.precision,
-                                  cache=args.cache, quiet=True)
+                                  cache=args.cache, fprop_algo=args.fprop_algo, quiet=True)
     feeds = {inp.name: np.random.default_rng(args.seed).standard_normal(shape).astype(np.float32)}
     result = local_errors(original, tuned, feeds, executor_runner(args.device), truth=args.truth == "f64")
     if args.truth == "f64":
