@@ -95,9 +95,9 @@ class Fusion:
 
 
 def _leaky_relu(name: str, alpha: float) -> Fusion:
-    """``bias+leakyrelu<alpha>``: cuDNN's ``CUDNN_POINTWISE_RELU_FWD`` with
-    ``CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE`` = alpha (the frontend's ``leaky_relu``, its
-    ``negative_slope``; lower clip 0, no upper clip): ``y if y > 0 else alpha * y``, ONNX's
+    """``bias+leakyrelu<alpha>``: cuDNN's pointwise ``CUDNN_POINTWISE_RELU_FWD`` (100) with
+    ``CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE`` (5) = alpha, as the frontend's ``leaky_relu``
+    sets it from its ``negative_slope`` (lower clip 0, no upper clip): ``y if y > 0 else alpha * y``, ONNX's
     LeakyRelu (equal at 0)."""
     a32 = float(np.float32(alpha))
     lit = f"{a32!r}f"  # a float literal that is exactly the float32 alpha
