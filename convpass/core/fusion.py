@@ -22,7 +22,7 @@ An epilogue is named by what follows the conv, in order:
 
 These are the :data:`LEGACY` epilogues: cuDNN's legacy ``cudnnConvolutionBiasActivationForward``
 runs each in one call (identity or ReLU activation, ``z`` through ``alpha2``). The graph API's fused
-graphs (:func:`convpass.native.cudnn.graph_api.fusion`) use the same naming:
+graphs (:func:`convpass.native.cudnn.graph_api.fusion_of`) use the same naming:
 
 =========================  ===========================================================
 ``bias+swish``             ``y = silu(conv + b)`` (ONNX: ``Mul(y, Sigmoid(y))``)

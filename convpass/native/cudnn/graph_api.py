@@ -97,8 +97,8 @@ class Fusion:
 def _leaky_relu(name: str, alpha: float) -> Fusion:
     """``bias+leakyrelu<alpha>``: cuDNN's pointwise ``CUDNN_POINTWISE_RELU_FWD`` (100) with
     ``CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE`` (5) = alpha, as the frontend's ``leaky_relu``
-    sets it from its ``negative_slope`` (lower clip 0, no upper clip): ``y if y > 0 else alpha * y``, ONNX's
-    LeakyRelu (equal at 0)."""
+    sets it from its ``negative_slope`` (lower clip 0, no upper clip): ``y if y > 0 else alpha *
+    y``, ONNX's LeakyRelu (equal at 0)."""
     a32 = float(np.float32(alpha))
     lit = f"{a32!r}f"  # a float literal that is exactly the float32 alpha
 
@@ -112,15 +112,19 @@ _SWISH = Fusion(SWISH, "swish", lambda xp, a: a / (a.dtype.type(1) + xp.exp(-a))
 FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu")  # every Fusion.counter
 
 
+@functools.lru_cache(maxsize=64)
 def fusion_of(name: str) -> Fusion:
     """The fused epilogue ``name`` names (:mod:`convpass.core.fusion`: ``bias+swish``,
-    ``bias+leakyrelu<alpha>``); ValueError for any other name."""
+    ``bias+leakyrelu<alpha>``); ValueError for any other name. Made once per name (a launch's
+    counters ask for it)."""
     if name == SWISH:
         return _SWISH
     alpha = leakyrelu_alpha(name)
     if alpha is None:
         raise ValueError(f"{name!r} is not a fused epilogue convpass knows ({SWISH}, {LEAKYRELU}<alpha> e.g. {leakyrelu_name(0.2)})")
     return _leaky_relu(name, alpha)
+
+
 _NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
 
 
