@@ -104,6 +104,36 @@ def silu_model(x_shape: Sequence[int] = (2, 16, 12, 12), seed: int = 0) -> onnx.
     return model
 
 
+def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float | None] = (0.2, 0.1), seed: int = 0) -> onnx.ModelProto:
+    """ESRGAN's dense-block pattern: Conv 3x3 (bias) -> LeakyRelu(alphas[0]) ("c1" -> "l1"), Conv 3x3
+    of that (bias) -> LeakyRelu(alphas[1]) ("c2" -> "l2"; None: no alpha attribute, ONNX's 0.01),
+    Concat of both activations (the first one read twice), then a 1x1 Conv whose output is the
+    graph's. Weights scaled so about half of each conv's outputs are negative."""
+    rng = np.random.default_rng(seed)
+    c = x_shape[1]
+
+    def init(name, *shape, scale=1.0):
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    def leaky(i, alpha):
+        extra = {} if alpha is None else {"alpha": alpha}
+        return helper.make_node("LeakyRelu", [f"y{i}"], [f"a{i}"], name=f"l{i}", **extra)
+
+    inits = [init("w1", c, c, 3, 3, scale=(9 * c) ** -0.5), init("b1", c, scale=0.1), init("w2", c, c, 3, 3, scale=(9 * c) ** -0.5),
+             init("b2", c, scale=0.1), init("w3", c, 2 * c, 1, 1, scale=(2 * c) ** -0.5), init("b3", c, scale=0.1)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="c1", pads=[1, 1, 1, 1]), leaky(1, alphas[0]),
+        helper.make_node("Conv", ["a1", "w2", "b2"], ["y2"], name="c2", pads=[1, 1, 1, 1]), leaky(2, alphas[1]),
+        helper.make_node("Concat", ["a1", "a2"], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "w3", "b3"], ["out"], name="c3"),
+    ]
+    graph = helper.make_graph(nodes, "leaky", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, list(x_shape))], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
 def residual_block_model() -> onnx.ModelProto:
     """x -> Conv -> Relu -> Conv -> Add(x) -> Relu, biases as initializers (as torch exports it)."""
     rng = np.random.default_rng(7)
@@ -208,6 +238,10 @@ class _FakeFrontend:
 
             def swish(self, input, name):
                 fe.calls.append(("swish",))
+                return _FakeTensor(6)
+
+            def leaky_relu(self, input, negative_slope, name):
+                fe.calls.append(("leaky_relu", negative_slope))
                 return _FakeTensor(6)
 
             def validate(self):

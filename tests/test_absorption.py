@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import residual_block_model, silu_model
+from conftest import leaky_model, residual_block_model, silu_model
 from onnx import TensorProto, helper, numpy_helper
 
 from convpass.compiler.pipeline import OptimizeReport, prepare_model
@@ -61,7 +61,7 @@ def _runtime(proto: onnx.ModelProto) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("name", ["residual_cnn", "mobile_block", "audio_frontend_1d", "video_block_3d", "encoder_decoder", "silu", "residual_block", "bn_relu"])
+@pytest.mark.parametrize("name", ["residual_cnn", "mobile_block", "audio_frontend_1d", "video_block_3d", "encoder_decoder", "silu", "residual_block", "bn_relu", "leaky"])
 def test_compiler_and_runtime_absorb_the_same_epilogue(name):
     if name == "silu":
         proto = silu_model()
@@ -69,6 +69,8 @@ def test_compiler_and_runtime_absorb_the_same_epilogue(name):
         proto = residual_block_model()
     elif name == "bn_relu":
         proto = _bn_relu_model()
+    elif name == "leaky":
+        proto = leaky_model()
     else:
         proto = onnx.load(MODELS / f"{name}.onnx")
         if name == "mobile_block":

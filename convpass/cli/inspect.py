@@ -64,7 +64,7 @@ def _size(n: int | None) -> str:
 
 def _decision(r: dict[str, Any]) -> str:
     """The algorithm or engine that runs the conv, with the epilogue fused into its call
-    (``implicit_gemm +bias+relu``, ``engine eng67_k2=16 +bias+swish``)."""
+    (``implicit_gemm +bias+relu``, ``engine eng67_k2=16 +bias+swish``, ``engine eng5 +bias+leakyrelu0.2``)."""
     name = f"engine {r['engine']}" if r.get("engine") else r["algo"]
     if name is None:
         return "-"

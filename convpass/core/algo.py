@@ -11,6 +11,7 @@ text                                   family       what runs
 ``implicit_precomp_gemm+bias+relu``    ``legacy``   cuDNN's fused conv + bias (+ residual) + ReLU call
 ``engine:eng67_k2=16_k13=0``           ``engine``   a graph-API engine configuration of the bare conv
 ``engine:eng5_k2=1+bias+swish``        ``engine``   an engine configuration of a fused graph
+``engine:eng5+bias+leakyrelu0.2``      ``engine``   the same, a LeakyRelu of alpha 0.2 fused
 ``engine:none``                        ``engine``   the marker row: cuDNN offers no configuration
 ``convpass_depthwise_r8``              ``own``      convpass's own kernel (``+bias...``: fused)
 ``bias+relu``                          ``pass``     the epilogue as one element-wise pass (a cache row)

@@ -42,9 +42,11 @@ Format (schema version 7)
                       pass; :mod:`convpass.native.cudnn.graph_api`); ``""`` = the legacy ``algo`` runs. The
                       device fingerprint of the table names the cuDNN version it was measured with
   ``fusion``          (optional, schema 4) the epilogue fused into ``engine``'s graph, named by what
-                      follows the conv: ``bias+swish`` = ``y = silu(conv(x, w) + b)``, the graph the
-                      engine configuration belongs to (the executor runs the node's bias and its
-                      SiLU readers in that one call); ``""`` = the bare conv. (schema 5) With no
+                      follows the conv: ``bias+swish`` = ``y = silu(conv(x, w) + b)``,
+                      ``bias+leakyrelu<alpha>`` (``bias+leakyrelu0.2``) = ``y = leaky_relu(conv(x, w)
+                      + b, alpha)``, the graph the engine configuration belongs to (the executor
+                      runs the node's bias and its SiLU / LeakyRelu readers in that one call); ``""``
+                      = the bare conv. (schema 5) With no
                       ``engine``: the legacy epilogue (:mod:`convpass.core.fusion`: ``bias``,
                       ``bias+relu``, ``bias+add``, ``bias+add+relu``) fused into ``algo``'s call,
                       cuDNN's ``cudnnConvolutionBiasActivationForward``; ``""`` = the conv runs

@@ -353,7 +353,10 @@ ACTIVATION_MODES: Mapping[str, int] = {
     "identity": 5,
     "swish": 6,
 }
-# The only activations cudnnConvolutionBiasActivationForward accepts.
+# The only activations cudnnConvolutionBiasActivationForward accepts. LeakyReLU has no mode here:
+# it runs fused only in a graph-API engine (the pointwise mode CUDNN_POINTWISE_RELU_FWD = 100 with
+# CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE = 5 set to alpha, which nvidia-cudnn-frontend's
+# ``leaky_relu`` sets: convpass.native.cudnn.graph_api.fusion_of).
 FUSED_ACTIVATIONS = ("relu", "identity")
 
 # cudnnNanPropagation_t

@@ -22,7 +22,22 @@ An epilogue is named by what follows the conv, in order:
 
 These are the :data:`LEGACY` epilogues: cuDNN's legacy ``cudnnConvolutionBiasActivationForward``
 runs each in one call (identity or ReLU activation, ``z`` through ``alpha2``). The graph API's fused
-graphs (``bias+swish``: :data:`convpass.native.cudnn.graph_api.FUSIONS`) use the same naming.
+graphs (:func:`convpass.native.cudnn.graph_api.fusion_of`) use the same naming:
+
+=========================  ===========================================================
+``bias+swish``             ``y = silu(conv + b)`` (ONNX: ``Mul(y, Sigmoid(y))``)
+``bias+leakyrelu<alpha>``  ``y = leaky_relu(conv + b, alpha)`` (ONNX: ``LeakyRelu``), e.g.
+                           ``bias+leakyrelu0.2``
+=========================  ===========================================================
+
+A LeakyRelu's ``alpha`` is part of its name (:func:`leakyrelu_name`), written as the shortest
+decimal that reads back to the same float32 (ONNX stores ``alpha`` as a float32): the name is the
+one string that travels through the problem (``ConvProblem.fusion``), the tuning cache (the
+algorithm ``engine:eng5+bias+leakyrelu0.2`` and the epilogue-pass row ``bias+leakyrelu0.2``) and
+the annotation (the ``fusion`` attribute), so alpha 0.2 and 0.1 are distinct problems, cache rows
+and engine graphs with no new field, column or schema version anywhere; one spelling per alpha
+(``bias+leakyrelu0.20`` is no name) keeps one cache row per alpha. Older names and annotations
+read unchanged.
 
 Rules
 -----
@@ -44,10 +59,18 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-__all__ = ["FUSED_CALL_CANDIDATES", "LEGACY", "Absorbed", "StepGraph", "absorbed", "is_legacy", "legacy_name", "parts"]
+import numpy as np
+
+__all__ = [
+    "FUSED_CALL_CANDIDATES", "LEAKYRELU", "LEGACY", "SWISH", "Absorbed", "StepGraph", "absorbed", "is_graph_fusion", "is_legacy",
+    "leakyrelu_alpha", "leakyrelu_name", "legacy_name", "parts",
+]
 
 LEGACY: tuple[str, ...] = ("bias", "bias+relu", "bias+add", "bias+add+relu")
 FUSED_CALL_CANDIDATES = 2  # legacy algorithms per key whose fused call the tuner times
+SWISH = "bias+swish"  # the graph-API fusion of a SiLU
+LEAKYRELU = "bias+leakyrelu"  # the graph-API fusion of a LeakyRelu: its alpha follows (leakyrelu_name)
+ONNX_LEAKYRELU_ALPHA = 0.01  # ONNX's default alpha
 
 
 def legacy_name(residual: bool, relu: bool) -> str:
@@ -58,6 +81,34 @@ def legacy_name(residual: bool, relu: bool) -> str:
 def is_legacy(name: str | None) -> bool:
     """Whether ``name`` is an epilogue cuDNN's legacy fused call runs."""
     return name in LEGACY
+
+
+def leakyrelu_name(alpha: float) -> str:
+    """The fusion of a LeakyRelu of ``alpha``: ``bias+leakyrelu`` and alpha as the shortest decimal
+    that reads back to the same float32 (``0.2`` -> ``bias+leakyrelu0.2``). ValueError for an
+    alpha that is not finite (no engine computes it, and no name could read back)."""
+    a = np.float32(alpha)
+    if not np.isfinite(a):
+        raise ValueError(f"LeakyRelu alpha {alpha!r} is not finite")
+    text = np.format_float_positional(a, trim="-")
+    return LEAKYRELU + ("0" if text == "-0" else text)
+
+
+def leakyrelu_alpha(name: str | None) -> float | None:
+    """The alpha a ``bias+leakyrelu<alpha>`` fusion names, or None when ``name`` is no such name
+    (another epilogue, or an alpha not written as :func:`leakyrelu_name` writes it)."""
+    if not name or not name.startswith(LEAKYRELU):
+        return None
+    try:
+        alpha = float(name[len(LEAKYRELU):])
+        return alpha if leakyrelu_name(alpha) == name else None
+    except ValueError:
+        return None
+
+
+def is_graph_fusion(name: str | None) -> bool:
+    """Whether ``name`` is an epilogue fused into a graph-API engine's graph (the table above)."""
+    return name == SWISH or leakyrelu_alpha(name) is not None
 
 
 def parts(name: str) -> tuple[bool, bool]:
@@ -103,6 +154,9 @@ class StepGraph(Protocol):
     def free(self, node: Any) -> bool:
         """Whether ``node`` may still be absorbed (no earlier conv's step took it)."""
 
+    def attribute(self, node: Any, name: str, default: Any) -> Any:
+        """The node's attribute ``name`` (its value; ``default`` when the node has none)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Absorbed:
@@ -116,14 +170,16 @@ class Absorbed:
     output: Any = None
 
 
-def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, swish: bool = True) -> Absorbed:
+def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: bool = True) -> Absorbed:
     """What the step of ``conv`` absorbs (the rules, in order):
 
     1. A ConvTranspose absorbs a ``Relu`` that is its only reader (``relu``: its bias is always
        its own pass after cuDNN's backward data, which the Relu joins).
     2. A Conv absorbs nothing unless its bias is a constant and its output is no graph output.
-    3. ``bias+swish`` (when ``swish``: graph-API fused graphs are candidates): the output is read
-       only by ``Mul(y, Sigmoid(y))``, the Sigmoid by nothing else.
+    3. The graph-API fusions, when ``graph_fusions`` (their engines are candidates):
+       ``bias+swish`` when the output is read only by ``Mul(y, Sigmoid(y))``, the Sigmoid by
+       nothing else; ``bias+leakyrelu<alpha>`` when its only reader is a one-input
+       ``LeakyRelu`` (its ``alpha``, ONNX's 0.01 when it has none, in the name).
     4. ``bias+add`` / ``bias+add+relu`` (when ``residual``): the only reader is an ``Add`` whose
        other operand has the output's shape and type and is ready before the conv; then a ``Relu``
        that is the Add's only reader joins.
@@ -139,10 +195,15 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, swish: bool = Tr
     ins = g.inputs(conv)
     if op != "Conv" or y is None or len(ins) < 3 or ins[2] is None or not g.is_constant(ins[2]) or g.is_output(y):
         return Absorbed("", output=y)
-    if swish:
+    if graph_fusions:
         pair = _swish_readers(g, y)
         if pair is not None:
-            return Absorbed("bias+swish", pair, output=g.outputs(pair[1])[0])
+            return Absorbed(SWISH, pair, output=g.outputs(pair[1])[0])
+        leaky = _only_reader(g, y, "LeakyRelu")
+        if leaky is not None:
+            alpha = float(g.attribute(leaky, "alpha", ONNX_LEAKYRELU_ALPHA))
+            if np.isfinite(np.float32(alpha)):
+                return Absorbed(leakyrelu_name(alpha), (leaky,), output=g.outputs(leaky)[0])
     add = _only_reader(g, y, "Add", inputs=2) if residual else None
     if add is not None:
         a, b = g.inputs(add)

@@ -28,7 +28,7 @@ Rules
    ``x`` (dgrad), ``w`` (wgrad); the epilogue runs over that output.
 2. Epilogues: ``""`` (none), ``"relu"`` (a ConvTranspose's absorbed Relu, no bias), the legacy
    ones (``bias``, ``bias+relu``, ``bias+add``, ``bias+add+relu``), and a fused graph's
-   (``bias+swish``, an engine's only). ``bias``: the ``(K,)`` values, contiguous where
+   (``bias+swish``, ``bias+leakyrelu<alpha>``: an engine's only). ``bias``: the ``(K,)`` values, contiguous where
    :attr:`ConvExec.contiguous_bias` says so; ``z``: the residual, shaped as the output.
 3. Outputs: packed in the key's memory format, or where :attr:`ConvExec.output_strides` allows a
    slice of a larger buffer (a Concat's): ``"same_order"`` in the key's memory order (cuDNN's
@@ -82,8 +82,9 @@ def _pass_parts(name: str) -> tuple[bool, bool, bool]:
 
 
 def fusion_counter(fusion: str) -> str:
-    """The backend counter of launches that ran a fused graph-API epilogue (``fused_bias_swish``)."""
-    return "fused_" + fusion.replace("+", "_")
+    """The backend counter of launches that ran a fused graph-API epilogue (``fused_bias_swish``,
+    ``fused_bias_leakyrelu`` for any alpha)."""
+    return graph_api.fusion_of(fusion).counter
 
 
 def _fused_counter(residual: bool, relu: bool) -> str:

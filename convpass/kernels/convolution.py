@@ -23,8 +23,8 @@ call cuDNN refuses falls back to the unfused form for good. A ConvTranspose adds
 element-wise pass after cuDNN's backward data; a Relu that is its only reader joins that pass.
 
 Fused graph-API epilogues: a Conv whose decision records a fused engine (``fusion``, e.g.
-``bias+swish``) and whose output is read only by that epilogue in the plan (``Mul(y, Sigmoid(y))``)
-runs conv, bias and activation in the engine's one call, and its launch absorbs the epilogue's
+``bias+swish``, ``bias+leakyrelu0.2``) and whose output is read only by that epilogue in the plan
+(``Mul(y, Sigmoid(y))``, a ``LeakyRelu`` of that alpha) runs conv, bias and activation in the engine's one call, and its launch absorbs the epilogue's
 steps. When the plan does not offer the epilogue (fusion off, another graph) the recorded legacy
 ``algo`` runs, with one warning; when the fused plan cannot be built, the same, and the epilogue's
 steps run as usual.
@@ -75,13 +75,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from convpass.core import annotation
-from convpass.core.fusion import absorbed, legacy_name
-from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, conv_exec, fusion_counter, step_epilogue
+from convpass.core.fusion import absorbed, is_graph_fusion, legacy_name
+from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, conv_exec, step_epilogue
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.launch import Launch
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, copy_into, elements, first_line, storage
+from convpass.native.cudnn import graph_api
 from convpass.native.cudnn.graph_api import GraphApiError
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
@@ -89,7 +90,7 @@ from convpass.ops.conv import ConvCall, ConvGeometry
 logger = logging.getLogger("convpass")
 
 # the backend and the lowering reach the conv family through this module
-__all__ = ["ENGINE_BUILD_NOTE_S", "ENGINE_COMPILATIONS", "REFERENCE", "ConvLaunch", "Convolutions", "fusion_counter", "lower_convs", "summarize"]
+__all__ = ["ENGINE_BUILD_NOTE_S", "ENGINE_COMPILATIONS", "REFERENCE", "ConvLaunch", "Convolutions", "lower_convs", "summarize"]
 
 
 class Convolutions:
@@ -178,16 +179,13 @@ class Convolutions:
         return self._into(self._activate(y, after), out) if after else y
 
     def _activate(self, y: Any, fusion: str) -> Any:
-        """``fusion``'s activation over ``y`` in place, with CuPy ufuncs: only where a fused engine
-        could not run after its launch absorbed the epilogue (warned), never on the planned path."""
+        """``fusion``'s activation over ``y`` in place, with CuPy ufuncs (the reference of
+        :func:`~convpass.native.cudnn.graph_api.fusion_of`): only where a fused engine could not
+        run after its launch absorbed the epilogue (warned), never on the planned path."""
         if not fusion:
             return y
-        cp = self.cp
         phys = storage(y)
-        t = cp.negative(phys)
-        cp.exp(t, out=t)
-        cp.add(t, phys.dtype.type(1), out=t)
-        cp.divide(phys, t, out=phys)  # the one fusion today: SiLU, y / (1 + exp(-y))
+        phys[...] = graph_api.fusion_of(fusion).apply(self.cp, phys)
         return y
 
     def _into(self, y: Any, out: Any) -> Any:
@@ -450,13 +448,17 @@ class _PlanSteps:
     def free(self, k: int) -> bool:
         return k > self.conv and k not in self.taken
 
+    def attribute(self, k: int, name: str, default: Any) -> Any:
+        return self.steps[k].node.attr(name, default)
+
 
 def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool) -> dict[int, ConvLaunch]:
     """A launch per Conv / ConvTranspose step of ``plan``, each absorbing what
     :func:`convpass.core.fusion.absorbed` gives its step (the rule the tuner timed); the steps they
-    absorb are listed in each launch's ``absorbs``. A ``bias+swish`` step runs fused only when its
-    recorded decision is that fused graph and its plan builds here; otherwise the conv runs with
-    its bias and the Sigmoid and Mul run as the plan's own steps."""
+    absorb are listed in each launch's ``absorbs``. A graph-API fusion's step (``bias+swish``,
+    ``bias+leakyrelu<alpha>``) runs fused only when its recorded decision is that fused graph and
+    its plan builds here; otherwise the conv runs with its bias and the activation's nodes (Sigmoid
+    and Mul, the LeakyRelu) run as the plan's own steps."""
     steps = plan.steps
     taken: set[int] = set()
     view = _PlanSteps(plan, taken)
@@ -470,7 +472,7 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
         if fuse and node.prepared.geometry.shapes:
             view.conv = i
             a = absorbed(view, i, residual=fuse_residual)
-            if a.epilogue == "bias+swish":
+            if is_graph_fusion(a.epilogue):
                 d = node.prepared.decision
                 x = plan.info(st.inputs[0])
                 if d is not None and d.fusion == a.epilogue and x is not None and _runs_fused(convs.resolve(node.prepared, x[1], a.epilogue)):

@@ -42,10 +42,11 @@ def _engine_algo(engine: str, fusion: str = "") -> str:
     """The recorded engine's algorithm name; ``fusion`` counts only when it is a graph-API fusion (a
     legacy epilogue beside an engine is the conv's business, not the name's). An engine that does
     not parse is shown as recorded: building the conv warns about it and runs the legacy algorithm."""
-    from convpass.native.cudnn.graph_api import FUSIONS, EngineConfig
+    from convpass.core.fusion import is_graph_fusion
+    from convpass.native.cudnn.graph_api import EngineConfig
 
     try:
-        return EngineConfig.parse(engine, fusion if fusion in FUSIONS else "").algo
+        return EngineConfig.parse(engine, fusion if is_graph_fusion(fusion) else "").algo
     except ValueError:
         return engine
 

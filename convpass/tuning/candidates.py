@@ -63,9 +63,9 @@ def _activation_kernel(fusion: str) -> Any:
     from convpass.native.cudnn import graph_api
 
     if fusion not in _activation_kernels:
-        expression = graph_api.FUSIONS[fusion].cuda
+        f = graph_api.fusion_of(fusion)
         _activation_kernels[fusion] = cp.ElementwiseKernel(
-            "T x", "T y", f"float v = (float)x; y = (T)({expression});", f"convpass_{graph_api.FUSIONS[fusion].frontend_op}")
+            "T x", "T y", f"float v = (float)x; y = (T)({f.cuda});", f"convpass_{f.frontend_op}")
     return _activation_kernels[fusion]
 
 
@@ -259,7 +259,7 @@ class Candidates:
             bias = harness.random_array((1, shape.k) + (1,) * len(shape.spatial), shape.dtype, "nchw", 5)
             expected = self.bench.reference() + harness.to_float32(bias, shape.dtype)
             if fusion:
-                expected = graph_api.FUSIONS[fusion].apply(cp, expected)
+                expected = graph_api.fusion_of(fusion).apply(cp, expected)
             self._engine_biases[fusion] = (bias.reshape(-1), expected)
         return self._engine_biases[fusion]
 

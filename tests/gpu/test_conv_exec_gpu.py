@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from conftest import MODELS, silu_model  # noqa: E402
+from conftest import MODELS, leaky_model, silu_model  # noqa: E402
 
 import convpass  # noqa: E402
 from convpass.kernels import conv_exec  # noqa: E402
@@ -26,6 +26,7 @@ CASES = {
     "residual_cnn": (lambda: onnx.load(MODELS / "residual_cnn.onnx"), {"input": (1, 3, 64, 64)}),  # legacy calls, fused residuals
     "mobile_block": (lambda: onnx.load(MODELS / "mobile_block.onnx"), {"input": (2, 3, 32, 32)}),  # depthwise: own kernels
     "silu": (silu_model, {"x": (2, 16, 12, 12)}),  # graph-API engines, the fused bias+swish graph
+    "leaky": (leaky_model, {"x": (2, 8, 12, 12)}),  # the fused bias+leakyrelu0.2 / 0.1 graphs
 }
 
 

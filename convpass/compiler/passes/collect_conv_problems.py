@@ -10,7 +10,8 @@ Rules:
 * A forward Conv with a constant bias is a problem with its ``fusion``: the epilogue its step
   absorbs by :func:`convpass.core.fusion.absorbed` (the one rule the runtime follows too), which
   the tuner times with it. With ``fusions`` on (graph-API engines tuned) that includes
-  ``bias+swish``, a SiLU ``Mul(y, Sigmoid(y))`` fused into the engine's graph.
+  ``bias+swish``, a SiLU ``Mul(y, Sigmoid(y))`` fused into the engine's graph, and
+  ``bias+leakyrelu<alpha>`` (``bias+leakyrelu0.2``), a ``LeakyRelu`` fused the same way.
 * Results: ``model.meta["convpass.problems"]`` (and ``self.problems``): an insertion-ordered dict
   ``ConvProblem -> [ProblemUse, ...]``.
 """
@@ -88,6 +89,10 @@ class _IrSteps:
     def free(self, node: ir.Node) -> bool:
         return True
 
+    def attribute(self, node: ir.Node, name: str, default: object) -> object:
+        attr = node.attributes.get(name)
+        return default if attr is None else attr.value
+
 
 def conv_fusion(node: ir.Node, graph_fusions: bool = True, shapes: Mapping[str, Sequence[int]] | None = None) -> str:
     """The epilogue a Conv node runs in its step (:func:`convpass.core.fusion.absorbed`, the rule
@@ -96,7 +101,7 @@ def conv_fusion(node: ir.Node, graph_fusions: bool = True, shapes: Mapping[str, 
     (:data:`convpass.compiler.passes.resolve_shapes.VALUE_SHAPES_KEY`)."""
     if node.op_type != "Conv":
         return ""
-    return absorbed(_IrSteps(shapes or {}), node, swish=graph_fusions).epilogue
+    return absorbed(_IrSteps(shapes or {}), node, graph_fusions=graph_fusions).epilogue
 
 
 def node_problems(node: ir.Node, profile: int, directions: Sequence[Direction], fusions: bool = False,

@@ -19,10 +19,12 @@ Rules
   the bias after the conv, and the tuner times an engine with that pass (a legacy algorithm often
   has its bias fused into its call: timed by the bare conv, engines won where they lost in the
   network).
-* **Fused epilogues** (:data:`FUSIONS`). Where a conv's only readers are an activation cuDNN's
+* **Fused epilogues** (:func:`fusion_of`). Where a conv's only readers are an activation cuDNN's
   graph API can fuse, the tuner also measures the graph ``y = act(conv(x, w) + b)``: conv, bias
   and activation in one engine, named by the part after the conv (``bias+swish``: SiLU, read in
-  ONNX as ``Mul(y, Sigmoid(y))``). A fused depthwise conv costs about what the bare conv does,
+  ONNX as ``Mul(y, Sigmoid(y))``; ``bias+leakyrelu<alpha>``: ONNX's ``LeakyRelu``, its alpha in
+  the name, :func:`convpass.core.fusion.leakyrelu_name`, which cuDNN's legacy fused call cannot
+  run: its activations are identity and ReLU). A fused depthwise conv costs about what the bare conv does,
   which removes two passes over the output (the bias and the SiLU kernel). A ``bias + relu``
   graph was not offered the fast depthwise engine (an order of magnitude slower) and the legacy
   API already fuses a ReLU, so it is not a candidate (docs/measurements/2026-11-23-graph-api-engines.md).
@@ -63,11 +65,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from convpass.core.algo import ENGINE_PREFIX, Algo
+from convpass.core.fusion import LEAKYRELU, SWISH, is_graph_fusion, leakyrelu_alpha, leakyrelu_name
 from convpass.core.problem import ProblemKey
 
 __all__ = [
-    "FUSIONS", "PLAN_FORMAT", "EngineConfig", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs",
+    "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs",
     "plan_id", "unavailable",
 ]
 
@@ -77,21 +82,49 @@ PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePla
 
 @dataclasses.dataclass(frozen=True)
 class Fusion:
-    """A fused epilogue: what follows the conv in the graph, the frontend op of its activation,
-    and the activation itself over an array module (NumPy or CuPy: the tuner's reference)."""
+    """A fused epilogue: what follows the conv in the graph, the frontend op of its activation
+    (called with ``frontend_args``), and the activation itself over an array module (NumPy or
+    CuPy: the tuner's reference and the executor's fallback)."""
 
     name: str
     frontend_op: str
-    apply: Callable[[Any, Any], Any]  # (xp, float32 array) -> the activation of it
+    apply: Callable[[Any, Any], Any]  # (xp, float array) -> the activation of it, same dtype
     cuda: str  # the activation of a float ``v`` in CUDA C (the tuner times it as its own pass)
+    frontend_args: tuple[tuple[str, float], ...] = ()
+    counter: str = ""  # the executor's counter of launches that ran it fused (one per kind, any alpha)
 
 
-FUSIONS: dict[str, Fusion] = {
-    f.name: f
-    for f in (
-        Fusion("bias+swish", "swish", lambda xp, a: a / (1.0 + xp.exp(-a)), "v / (1.0f + expf(-v))"),
-    )
-}
+def _leaky_relu(name: str, alpha: float) -> Fusion:
+    """``bias+leakyrelu<alpha>``: cuDNN's pointwise ``CUDNN_POINTWISE_RELU_FWD`` (100) with
+    ``CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE`` (5) = alpha, as the frontend's ``leaky_relu``
+    sets it from its ``negative_slope`` (lower clip 0, no upper clip): ``y if y > 0 else alpha *
+    y``, ONNX's LeakyRelu (equal at 0)."""
+    a32 = float(np.float32(alpha))
+    lit = f"{a32!r}f"  # a float literal that is exactly the float32 alpha
+
+    def apply(xp: Any, v: Any) -> Any:
+        return xp.where(v > 0, v, v * v.dtype.type(a32))
+
+    return Fusion(name, "leaky_relu", apply, f"(v > 0.0f ? v : {lit} * v)", (("negative_slope", a32),), "fused_bias_leakyrelu")
+
+
+_SWISH = Fusion(SWISH, "swish", lambda xp, a: a / (a.dtype.type(1) + xp.exp(-a)), "v / (1.0f + expf(-v))", counter="fused_bias_swish")
+FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu")  # every Fusion.counter
+
+
+@functools.lru_cache(maxsize=64)
+def fusion_of(name: str) -> Fusion:
+    """The fused epilogue ``name`` names (:mod:`convpass.core.fusion`: ``bias+swish``,
+    ``bias+leakyrelu<alpha>``); ValueError for any other name. Made once per name (a launch's
+    counters ask for it)."""
+    if name == SWISH:
+        return _SWISH
+    alpha = leakyrelu_alpha(name)
+    if alpha is None:
+        raise ValueError(f"{name!r} is not a fused epilogue convpass knows ({SWISH}, {LEAKYRELU}<alpha> e.g. {leakyrelu_name(0.2)})")
+    return _leaky_relu(name, alpha)
+
+
 _NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
 
 
@@ -102,7 +135,7 @@ class GraphApiError(RuntimeError):
 @dataclasses.dataclass(frozen=True, order=True)
 class EngineConfig:
     """An engine id and its knob values (knob id -> value), as cuDNN numbers them, of the bare
-    conv graph or of a fused one (``fusion``: a key of :data:`FUSIONS`)."""
+    conv graph or of a fused one (``fusion``: a name :func:`fusion_of` knows)."""
 
     engine_id: int
     knobs: tuple[tuple[int, int], ...] = ()
@@ -127,10 +160,10 @@ class EngineConfig:
         except ValueError:
             raise ValueError(bad) from None
         m = _NAME.fullmatch(algo.name)
-        if not m or (algo.fusion and algo.fusion not in FUSIONS):
+        if not m or (algo.fusion and not is_graph_fusion(algo.fusion)):
             raise ValueError(bad)
-        if fusion and fusion not in FUSIONS:
-            raise ValueError(f"{fusion!r} is not a fused epilogue convpass knows ({', '.join(FUSIONS)})")
+        if fusion and not is_graph_fusion(fusion):
+            fusion_of(fusion)  # raises: names the fusions convpass knows
         if fusion and algo.fusion and fusion != algo.fusion:
             raise ValueError(f"{text!r} names the fusion {algo.fusion!r}, not {fusion!r}")
         knobs = tuple(sorted((int(k), int(v)) for k, v in re.findall(r"_k(\d+)=(-?\d+)", m[2])))
@@ -222,7 +255,8 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
         # a [1, K, 1, ...] tensor; its strides are packed whichever way the spatial ones of 1 go
         b = g.tensor(name="b", dim=[1, k] + [1] * (rank - 2), stride=[k, 1] + [k] * (rank - 2), data_type=dt)
         y = g.bias(input=y, bias=b, name="bias")
-        y = getattr(g, FUSIONS[fusion].frontend_op)(input=y, name="act")
+        f = fusion_of(fusion)
+        y = getattr(g, f.frontend_op)(input=y, **dict(f.frontend_args), name="act")
         tensors["b"] = b
     tensors["y"] = y
     y.set_output(True).set_dim(list(p.y.dims)).set_stride(list(p.y.strides)).set_data_type(dt)
@@ -262,7 +296,7 @@ class Enumerated:
 
 def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
     """Every backend engine configuration cuDNN offers for ``key``'s graph, the bare conv or the
-    ``fusion`` of :data:`FUSIONS` (heuristic modes A and B, then the fallback list). None for
+    ``fusion`` (:func:`fusion_of`; heuristic modes A and B, then the fallback list). None for
     TF32 off (see the rules)."""
     fe = _require()
     import cupy as cp

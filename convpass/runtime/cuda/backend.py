@@ -42,11 +42,11 @@ import numpy as np
 
 from convpass.core.errors import ExecutorError
 from convpass.kernels.backends import Backend
-from convpass.kernels.convolution import Convolutions, fusion_counter
+from convpass.kernels.convolution import Convolutions
 from convpass.kernels.plan import GraphStatus, Plan
 from convpass.native import prebuilt
 from convpass.native.cuda import CaptureBreak, ExecutorWarning, unavailable_reason
-from convpass.native.cudnn.graph_api import FUSIONS
+from convpass.native.cudnn.graph_api import FUSION_COUNTERS
 from convpass.ops.conv import ConvCall
 from convpass.runtime.cuda import device as cuda_device
 from convpass.runtime.cuda import lowering, matmul_path, runner, startup
@@ -68,7 +68,7 @@ def launch_counters() -> collections.Counter[str]:
     return collections.Counter({
         "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
         "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
-        "own_kernel_calls": 0, **{fusion_counter(f): 0 for f in FUSIONS},
+        "own_kernel_calls": 0, **dict.fromkeys(FUSION_COUNTERS, 0),
     })
 
 
