@@ -104,11 +104,13 @@ def silu_model(x_shape: Sequence[int] = (2, 16, 12, 12), seed: int = 0) -> onnx.
     return model
 
 
-def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float | None] = (0.2, 0.1), seed: int = 0) -> onnx.ModelProto:
-    """ESRGAN's dense-block pattern: Conv 3x3 (bias) -> LeakyRelu(alphas[0]) ("c1" -> "l1"), Conv 3x3
-    of that (bias) -> LeakyRelu(alphas[1]) ("c2" -> "l2"; None: no alpha attribute, ONNX's 0.01),
-    Concat of both activations (the first one read twice), then a 1x1 Conv whose output is the
-    graph's. Weights scaled so about half of each conv's outputs are negative."""
+def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float | None] = (0.2, 0.1), seed: int = 0,
+                join: str = "Add") -> onnx.ModelProto:
+    """Conv 3x3 (bias) -> LeakyRelu(alphas[0]) ("c1" -> "l1"), Conv 3x3 of that (bias) ->
+    LeakyRelu(alphas[1]) ("c2" -> "l2"; None: no alpha attribute, ONNX's 0.01), both activations
+    joined by ``join`` ("j"; the first one read twice): ``"Add"``, or ``"Concat"`` (ESRGAN's dense
+    block, where neither conv absorbs its LeakyRelu: a fused step writes no Concat slice), then a 1x1
+    Conv whose output is the graph's. Weights scaled so about half of each conv's outputs are negative."""
     rng = np.random.default_rng(seed)
     c = x_shape[1]
 
@@ -120,11 +122,11 @@ def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float 
         return helper.make_node("LeakyRelu", [f"y{i}"], [f"a{i}"], name=f"l{i}", **extra)
 
     inits = [init("w1", c, c, 3, 3, scale=(9 * c) ** -0.5), init("b1", c, scale=0.1), init("w2", c, c, 3, 3, scale=(9 * c) ** -0.5),
-             init("b2", c, scale=0.1), init("w3", c, 2 * c, 1, 1, scale=(2 * c) ** -0.5), init("b3", c, scale=0.1)]
+             init("b2", c, scale=0.1), init("w3", c, (2 if join == "Concat" else 1) * c, 1, 1, scale=(2 * c) ** -0.5), init("b3", c, scale=0.1)]
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="c1", pads=[1, 1, 1, 1]), leaky(1, alphas[0]),
         helper.make_node("Conv", ["a1", "w2", "b2"], ["y2"], name="c2", pads=[1, 1, 1, 1]), leaky(2, alphas[1]),
-        helper.make_node("Concat", ["a1", "a2"], ["cat"], name="cat", axis=1),
+        helper.make_node("Concat", ["a1", "a2"], ["cat"], name="j", axis=1) if join == "Concat" else helper.make_node("Add", ["a1", "a2"], ["cat"], name="j"),
         helper.make_node("Conv", ["cat", "w3", "b3"], ["out"], name="c3"),
     ]
     graph = helper.make_graph(nodes, "leaky", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],

@@ -179,7 +179,8 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
     3. The graph-API fusions, when ``graph_fusions`` (their engines are candidates):
        ``bias+swish`` when the output is read only by ``Mul(y, Sigmoid(y))``, the Sigmoid by
        nothing else; ``bias+leakyrelu<alpha>`` when its only reader is a one-input
-       ``LeakyRelu`` (its ``alpha``, ONNX's 0.01 when it has none, in the name).
+       ``LeakyRelu`` (its ``alpha``, ONNX's 0.01 when it has none, in the name); either only when
+       no Concat reads the activation's output (:func:`_read_by_concat`).
     4. ``bias+add`` / ``bias+add+relu`` (when ``residual``): the only reader is an ``Add`` whose
        other operand has the output's shape and type and is ready before the conv; then a ``Relu``
        that is the Add's only reader joins.
@@ -197,10 +198,10 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
         return Absorbed("", output=y)
     if graph_fusions:
         pair = _swish_readers(g, y)
-        if pair is not None:
+        if pair is not None and not _read_by_concat(g, g.outputs(pair[1])[0]):
             return Absorbed(SWISH, pair, output=g.outputs(pair[1])[0])
         leaky = _only_reader(g, y, "LeakyRelu")
-        if leaky is not None:
+        if leaky is not None and not _read_by_concat(g, g.outputs(leaky)[0]):
             alpha = float(g.attribute(leaky, "alpha", ONNX_LEAKYRELU_ALPHA))
             if np.isfinite(np.float32(alpha)):
                 return Absorbed(leakyrelu_name(alpha), (leaky,), output=g.outputs(leaky)[0])
@@ -218,6 +219,13 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
     if relu is not None:
         return Absorbed(legacy_name(False, True), (relu,), output=g.outputs(relu)[0])
     return Absorbed(legacy_name(False, False), output=y)
+
+
+def _read_by_concat(g: StepGraph, value: Any) -> bool:
+    """Whether a Concat reads ``value``. A graph-API fused step writes a packed output, which the
+    plan then copies into the Concat's buffer (a copy the tuner does not time), where the
+    activation's own pass writes its slice of the buffer directly: such a step is not fused."""
+    return any(g.op(r) == "Concat" for r in g.readers(value))
 
 
 def _only_reader(g: StepGraph, value: Any, op_type: str, inputs: int = 1) -> Any:
