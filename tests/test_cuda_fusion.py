@@ -347,11 +347,13 @@ def _stored_channels_last(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
 
-@pytest.mark.parametrize("layout", ["nchw", "nhwc", "mixed", "concat-slice"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "mixed", "concat-slice", "concat-slice-nhwc"])
 @pytest.mark.parametrize("case", ["batchnorm_relu", "bias_gelu", "se_gate", "expand_gate", "prelu", "arithmetic", "silu"])
 def test_broadcasting_kernel_source_matches_the_numpy_ops(tmp_path, case, layout):
     """The generated kernel, compiled as host C++ and run thread by thread over its real launch
-    grid, on operands stored channels-first, channels-last, both, and into a Concat slice."""
+    grid, on operands stored channels-first, channels-last, both, and into a Concat slice (of a
+    channels-first or a channels-last buffer, walked in the slice's memory order: its innermost
+    step one element)."""
     from conftest import host_library
 
     nodes, extra, inits, opset = CASES[case]
@@ -369,8 +371,10 @@ def test_broadcasting_kernel_source_matches_the_numpy_ops(tmp_path, case, layout
     if layout in ("nhwc", "mixed"):
         args = [_stored_channels_last(a) if (layout == "nhwc" or k == 0) else a for k, a in enumerate(args)]
     out = buffer = None
-    if layout == "concat-slice":
+    if layout.startswith("concat-slice"):
         buffer = np.full((2, 7, 4, 5), -7.0, np.float32)
+        if layout.endswith("nhwc"):
+            buffer = _stored_channels_last(buffer)
         out = buffer[:, 2:5]
     kern = broadcast.BroadcastKernel(np, group, classes, entry=lambda name: _host_launcher(lib, name))
     got = kern(args, out)
@@ -379,6 +383,9 @@ def test_broadcasting_kernel_source_matches_the_numpy_ops(tmp_path, case, layout
         assert got.strides[1] == 4, "the output keeps the inputs' channels-last storage"
     if buffer is not None:
         assert got.base is buffer.base or np.shares_memory(got, buffer)
+        if got.ndim == 4:
+            [(_, _, _, scalars, _)] = kern._plans.values()
+            assert int(scalars[-1]) == 1, "the output walked in its memory order"
         assert (buffer[:, :2] == -7).all() and (buffer[:, 5:] == -7).all(), "nothing written outside the slice"
 
 
