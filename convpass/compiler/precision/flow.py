@@ -68,7 +68,7 @@ class Steps:
     """The pipeline's steps this flow runs (handed in: the pipeline imports this module, not the reverse).
 
     ``prepare(model, options, shapes, report) -> uses``, ``decide(model, options, uses, backends,
-    report, math_of, errors)``, ``report() -> a new OptimizeReport``."""
+    report, precision_of, errors)``, ``report() -> a new OptimizeReport``."""
 
     prepare: Callable[..., Any]
     decide: Callable[..., None]
