@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,14 @@ def copy_ms(dims: Sequence[int], itemsize: int) -> float:
     return 0.002 + 2 * n * itemsize / 2e12 * 1e3
 
 
-def rows_for(problem: ConvProblem, rates: Mapping[tuple[str, str], float] = RATES, dtypes=("float32", "float16")) -> list[Measurement]:
+# the algorithms of every problem, each a factor on the rate model's time
+GEMM_ONLY = {"implicit_gemm": 1.0}
+# a transform algorithm faster than the GEMM-based one (as Winograd is on 3x3 convs)
+WITH_TRANSFORMS = {"implicit_gemm": 1.0, "winograd_nonfused": 0.5, "fft_tiling": 0.7}
+
+
+def rows_for(problem: ConvProblem, rates: Mapping[tuple[str, str], float] = RATES, dtypes=("float32", "float16"),
+             algos: Mapping[str, float] = GEMM_ONLY) -> list[Measurement]:
     out = []
     for shape in problem.candidates:
         for dtype in dtypes:
@@ -48,14 +55,15 @@ def rows_for(problem: ConvProblem, rates: Mapping[tuple[str, str], float] = RATE
             for layout in ("nchw", "nhwc"):
                 for math in ("default", "fma") if dtype == "float32" else ("default",):
                     t = conv_ms(s, math, rates) * (1.0 if layout == "nchw" else 1.05)
-                    out.append(Measurement(s.key(layout, math), "implicit_gemm", "ok", t, 0, True, 1.0, "measure"))
+                    out += [Measurement(s.key(layout, math), algo, "ok", t * f, 0, True, 1.0, "measure") for algo, f in algos.items()]
     return out
 
 
 def synthetic_cache(path: Path, model: onnx.ModelProto, shapes: Sequence[str] = (), rates=RATES,
-                    dtypes: Sequence[str] = ("float32", "float16")) -> TuningCache:
-    """A tuning cache at ``path`` holding rows for every problem of ``model`` (float32 and float16)
-    and transpose times for every tensor shape of it."""
+                    dtypes: Sequence[str] = ("float32", "float16"),
+                    algos: Callable[[ConvProblem], Mapping[str, float]] = lambda problem: GEMM_ONLY) -> TuningCache:
+    """A tuning cache at ``path`` holding rows for every problem of ``model`` (float32 and float16;
+    the algorithms ``algos`` names for it) and transpose times for every tensor shape of it."""
     from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
     from convpass.core.model_io import load_model
 
@@ -63,7 +71,7 @@ def synthetic_cache(path: Path, model: onnx.ModelProto, shapes: Sequence[str] = 
     uses = prepare_model(work, build_options({}), shapes, OptimizeReport())
     cache = TuningCache(path)
     for problem in uses:
-        cache.put(DEVICE, rows_for(problem, rates, dtypes))
+        cache.put(DEVICE, rows_for(problem, rates, dtypes, algos(problem)))
     seen = set()
     for profile in work.meta.get(VALUE_SHAPES_KEY, []):
         for dims in profile.values():

@@ -72,7 +72,11 @@ def test_precision_options_set_the_math_modes():
     assert build_options({"precision": "fp32"}).math_modes("float32") == ("fma",)
     assert build_options({"precision": "tf32"}).math_modes("float32") == ("default",)
     assert build_options({"precision": "auto", "max_error": 1e-3}).math_modes("float32") == ("default", "fma")
-    assert build_options({"precision": "auto", "max_error": 1e-3, "tf32": "off"}).wide_precisions == ("fp32",)
+    assert build_options({"precision": "auto", "max_error": 1e-3, "tf32": "off"}).wide_precisions == ("fp32", "fp32-strict")
+    assert build_options({"precision": "auto", "max_error": 1e-3, "tf32": "on"}).wide_precisions == ("tf32",)
+    assert build_options({"precision": "fp32-strict"}).math_modes("float32") == ("fma",)
+    assert build_options({"precision": "fp16"}).wide_precisions == ("tf32", "fp32")  # as before fp32-strict
+    assert not build_options({"precision": "fp32-strict"}).transforms and build_options({"precision": "fp32"}).transforms
     assert build_options({}).math_modes("float32") == ("default", "fma")  # --tf32 auto, as before
 
 
@@ -194,7 +198,7 @@ def test_auto_returns_a_plan_within_budget_measured_end_to_end(cache, budget):
         assert set(precisions.values()) == {"fp16"}  # the fastest plan fits
         assert record["casts"] == 2  # the whole body in float16: the input in, the pooled features out
     else:
-        assert "fp32" in precisions.values() or "tf32" in precisions.values()
+        assert {"fp32-strict", "fp32", "tf32"} & set(precisions.values())
     # the error the record states is the tuned model's own, run again here by the same evaluator
     x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32)
     inputs = InputSet("calibration", ({"input": x},), "seed 0")
@@ -204,17 +208,18 @@ def test_auto_returns_a_plan_within_budget_measured_end_to_end(cache, budget):
 
 
 def test_a_tighter_budget_never_runs_fewer_convs_in_full_precision(cache):
-    order = {"fp16": 0, "tf32": 1, "fp32": 2}
+    order = {"fp16": 0, "tf32": 1, "fp32": 2, "fp32-strict": 3}
     loose = {r["node"]: order[r["precision"]] for r in inspect(_optimize(cache, precision="auto", max_error=1e-3))}
     tight = {r["node"]: order[r["precision"]] for r in inspect(_optimize(cache, precision="auto", max_error=3e-5))}
     assert sum(tight.values()) >= sum(loose.values())
 
 
-def test_an_impossible_budget_writes_fp32_and_says_so(cache, capsys):
+def test_an_impossible_budget_writes_the_top_level_and_says_so(cache, capsys):
     tuned = convpass.optimize(str(MODEL), cache=cache, device_name="Synthetic", kernels=False, precision="auto", max_error=1e-12)
     record = _record(tuned)
-    assert not record["within_budget"] and record["convs"] == {"fp32": 6}
-    assert "even with every conv in fp32" in capsys.readouterr().err
+    assert not record["within_budget"] and record["convs"] == {"fp32-strict": 6}
+    assert "even with every conv in fp32-strict" in capsys.readouterr().err
+    assert {r["precision"] for r in inspect(tuned)} == {"fp32-strict"}
 
 
 def test_inspect_shows_each_layers_precision_and_error(cache, tmp_path, capsys, monkeypatch):
@@ -222,9 +227,9 @@ def test_inspect_shows_each_layers_precision_and_error(cache, tmp_path, capsys, 
     out = tmp_path / "t.onnx"
     _optimize(cache, str(out), precision="auto", max_error=1e-4)
     records = inspect(str(out))
-    assert all(r["precision"] in ("fp16", "tf32", "fp32") for r in records)
-    for r in records:  # every conv below fp32 has its contribution; every conv its fp16 sensitivity
-        assert (r["precision_error"] is not None) == (r["precision"] != "fp32"), r
+    assert all(r["precision"] in ("fp16", "tf32", "fp32", "fp32-strict") for r in records)
+    for r in records:  # every conv below the top (fp32-strict) has its contribution; every conv its fp16 sensitivity
+        assert (r["precision_error"] is not None) == (r["precision"] != "fp32-strict"), r
         assert r["precision_sensitivity"] is not None and r["precision_sensitivity"] > 0
     assert cli_main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out

@@ -1,5 +1,5 @@
 """The budget loop against a fake planner and fake errors with known per-layer contributions: it
-converges, never returns a plan over budget, and says so when even FP32 is."""
+converges, never returns a plan over budget, and says so when even the top level (FP32-strict) is."""
 
 from __future__ import annotations
 
@@ -14,26 +14,27 @@ TOP = LEVELS[-1]
 
 
 class FakePlanner:
-    """Independent convs: each takes the cheapest level at or above its floor (fp16 < tf32 < fp32 in time)."""
+    """Independent convs: each takes the cheapest level at or above its floor (fp16 < tf32 < fp32 <
+    fp32-strict in time)."""
 
     levels = LEVELS
 
     def __init__(self, n: int, times=None) -> None:
         self.convs = tuple(f"c{i}" for i in range(n))
-        self.times = times or {c: {"fp16": 1.0, "tf32": 2.0, "fp32": 5.0} for c in self.convs}
+        self.times = times or {c: {"fp16": 1.0, "tf32": 2.0, "fp32": 5.0, "fp32-strict": 6.0} for c in self.convs}
         self.plans = 0
 
     def plan(self, floors):
         self.plans += 1
         precisions = {}
         for c in self.convs:
-            allowed = LEVELS[LEVELS.index(floors[c]):]
-            precisions[c] = min(allowed, key=lambda p: (self.times[c][p], -LEVELS.index(p)))
+            allowed = self.levels[self.levels.index(floors[c]):]
+            precisions[c] = min(allowed, key=lambda p: (self.times[c][p], -self.levels.index(p)))
         return Assignment(precisions, frozenset(c for c, p in precisions.items() if p == "fp16"),
                           sum(self.times[c][p] for c, p in precisions.items()))
 
     def alone(self, conv, precision):
-        precisions = {c: TOP for c in self.convs}
+        precisions = {c: self.levels[-1] for c in self.convs}
         precisions[conv] = precision
         return Assignment(precisions, frozenset({conv}) if precision == "fp16" else frozenset())
 
@@ -55,7 +56,7 @@ class FakeErrors:
 def _layers(n, seed, scale=1e-3):
     rng = random.Random(seed)
     return {f"c{i}": {"fp16": rng.uniform(0.1, 1.0) * scale * (10 if i % 7 == 0 else 1),
-                      "tf32": rng.uniform(0.01, 0.1) * scale} for i in range(n)}
+                      "tf32": rng.uniform(0.01, 0.1) * scale, "fp32": rng.uniform(0.001, 0.01) * scale} for i in range(n)}
 
 
 def test_the_fastest_plan_is_kept_when_within_budget():
@@ -83,7 +84,7 @@ def test_the_loop_converges_within_budget_and_moves_the_most_sensitive_first(com
 
 
 def test_the_loop_does_not_move_every_conv_when_a_few_suffice():
-    layers = {f"c{i}": {"fp16": 1e-5, "tf32": 1e-6} for i in range(10)}
+    layers = {f"c{i}": {"fp16": 1e-5, "tf32": 1e-6, "fp32": 1e-7} for i in range(10)}
     layers["c3"]["fp16"] = 5e-3  # one bad layer
     planner, errors = FakePlanner(10), FakeErrors(layers)
     result = fit_budget(planner, errors, 1e-3)
@@ -91,11 +92,11 @@ def test_the_loop_does_not_move_every_conv_when_a_few_suffice():
     assert sum(p == "fp16" for p in result.assignment.precisions.values()) == 9 and result.rounds == 1
 
 
-def test_over_budget_even_in_fp32_returns_the_fp32_plan_with_a_message():
+def test_over_budget_even_at_the_top_returns_the_top_plan_with_a_message():
     planner, errors = FakePlanner(4), FakeErrors(_layers(4, 1), floor=1e-3)
     result = fit_budget(planner, errors, 1e-4)
-    assert not result.within_budget and set(result.assignment.precisions.values()) == {"fp32"}
-    assert "over the budget" in result.message and "fp32" in result.message
+    assert not result.within_budget and set(result.assignment.precisions.values()) == {"fp32-strict"}
+    assert "over the budget" in result.message and "every conv in fp32-strict" in result.message
     assert result.calibration_error == pytest.approx(1e-3)
 
 
@@ -147,3 +148,31 @@ def test_a_forced_plan_is_measured_with_each_conv_alone():
     assert not result.within_budget and "over the budget" in result.message
     assert result.contribution("c1") == pytest.approx(errors.per_layer["c1"]["fp16"])
     assert result.evaluations == 3 + 2
+
+
+def test_the_strict_level_is_the_top_and_the_loop_reaches_it_for_a_budget_only_it_meets():
+    """A model that amplifies the rounding of transform algorithms: every conv in fp32 is over the
+    budget, every conv in fp32-strict within it. The loop moves convs to the strict level until the
+    plan fits, and the plan it returns was measured within the budget."""
+    assert LEVELS == ("fp16", "tf32", "fp32", "fp32-strict")
+    layers = {f"c{i}": {"fp16": 1e-2, "tf32": 5e-3, "fp32": 1.5e-3 * (i + 1)} for i in range(6)}
+    for combine in ("l2", "sum"):
+        planner, errors = FakePlanner(6), FakeErrors(layers, combine)
+        assert errors(Assignment({c: "fp32" for c in planner.convs}), "calibration") > 1e-3  # fp32 everywhere: over
+        result = fit_budget(planner, errors, 1e-3)
+        assert result.within_budget and result.calibration_error <= 1e-3
+        strict = {c for c, p in result.assignment.precisions.items() if p == "fp32-strict"}
+        assert strict and "c5" in strict  # the most amplified conv runs without transforms
+        assert result.calibration_error == errors(result.assignment, "calibration")
+        # the sensitivities at fp32 were measured with every other conv at the top: fp32-strict
+        assert result.sensitivity["c0"]["fp32"] == pytest.approx(1.5e-3)
+
+
+def test_a_budget_only_the_strict_level_meets_is_never_returned_over_budget():
+    for seed in range(20):
+        rng = random.Random(seed)
+        layers = {f"c{i}": {"fp16": rng.uniform(1e-3, 1e-2), "tf32": rng.uniform(1e-4, 1e-3), "fp32": rng.uniform(1e-5, 5e-4)}
+                  for i in range(10)}
+        for budget in (1e-4, 3e-5, 1e-5):
+            result = fit_budget(FakePlanner(10), FakeErrors(layers), budget)
+            assert result.within_budget and result.calibration_error <= budget, (seed, budget)

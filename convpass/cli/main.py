@@ -19,7 +19,7 @@ from convpass.cli.options import add_decision_options, decision_options
 from convpass.cli.output import add_common_options, add_json_options, check_outputs, configure_logging, emit_json, message_console
 from convpass.core.errors import ConvpassError
 from convpass.core.files import os_error
-from convpass.core.options import LAYOUT_CHOICES
+from convpass.core.options import LAYOUT_CHOICES, PRECISION_CHOICES
 from convpass.core.text import printable
 from convpass.core.version import __version__
 
@@ -59,10 +59,12 @@ def _add_optimize(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _add_precision_options(p: argparse.ArgumentParser) -> None:
     """Precision per conv within an error budget (docs/precision.md)."""
-    p.add_argument("--precision", choices=["auto", "fp32", "tf32", "fp16", "bf16"],
-                   help="auto: each conv's precision (FP32, TF32, FP16) chosen by measured speed within --max-error, the "
-                   "model's error measured end to end; fp32 / tf32 / fp16: that precision for every conv (errors measured "
-                   "and recorded). Default: the model's data types, --tf32 deciding float32 convs")
+    p.add_argument("--precision", choices=list(PRECISION_CHOICES),
+                   help="auto: each conv's precision (FP32-strict, FP32, TF32, FP16) chosen by measured speed within "
+                   "--max-error, the model's error measured end to end; fp32-strict / fp32 / tf32 / fp16: that precision "
+                   "for every conv (errors measured and recorded). fp32 is FP32 arithmetic (TF32 off) with any cuDNN "
+                   "algorithm, Winograd and FFT included; fp32-strict the same with GEMM-based and direct algorithms "
+                   "only, the most accurate. Default: the model's data types, --tf32 deciding float32 convs")
     p.add_argument("--max-error", type=float, metavar="E", help="the largest error of the outputs to accept (with --precision auto)")
     p.add_argument("--error-metric", default="max-rel", choices=["max-rel", "rel-l2"],
                    help="max-rel (default): max |y - y_ref| / max |y_ref|; rel-l2: ||y - y_ref|| / ||y_ref||; the worst output")

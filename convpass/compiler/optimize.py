@@ -107,10 +107,12 @@ def optimize(
         retune: Tune a model convpass tuned already again (with the profiles it records unless
             ``shapes`` are given); the report says which decisions changed. Without it such a
             model is refused.
-        precision: Each conv's precision: ``"auto"`` (FP32, TF32 or FP16 chosen by measured speed
-            within ``max_error``, the model's error measured end to end), ``"fp32"``, ``"tf32"``,
-            ``"fp16"`` (that precision for every conv), or None (the model's own types; ``tf32``
-            decides float32 convs). See docs/precision.md.
+        precision: Each conv's precision: ``"auto"`` (FP32-strict, FP32, TF32 or FP16 chosen by
+            measured speed within ``max_error``, the model's error measured end to end),
+            ``"fp32-strict"`` (FP32 arithmetic, GEMM-based and direct algorithms only: no Winograd,
+            no FFT), ``"fp32"`` (FP32 arithmetic, any algorithm), ``"tf32"``, ``"fp16"`` (that
+            precision for every conv), or None (the model's own types; ``tf32`` decides float32
+            convs). See docs/precision.md.
         max_error: With ``precision="auto"``: the largest error of the outputs to accept.
         error_metric: ``"max-rel"`` (max |y - y_ref| / max |y_ref|) or ``"rel-l2"``.
         calibration: ``.npz`` files of inputs the error is measured on (empty: random normal).

@@ -32,7 +32,7 @@ from convpass.core.algo import Algo
 from convpass.core.annotation import SCHEMA_VERSION, ModelInfo, Profile
 from convpass.core.errors import ConvpassError
 from convpass.core.model_io import load_model, to_proto
-from convpass.core.options import CLI, OptionNames, TuneOptions, check_precision_data, tune_options
+from convpass.core.options import CLI, STRICT, WIDE_PRECISIONS, OptionNames, TuneOptions, check_precision_data, tune_options
 from convpass.core.version import __version__
 from convpass.native import device as device_mod
 from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, select
@@ -135,14 +135,15 @@ def decide_and_annotate(
     uses: dict[ConvProblem, list[ProblemUse]],
     backends: Sequence[DecisionBackend],
     report: OptimizeReport,
-    math_of: Mapping[str, str] | None = None,
+    precision_of: Mapping[str, str] | None = None,
     errors: Mapping[str, tuple[float | None, float | None]] | None = None,
     fusion_timer: fusions.Timer | None = None,
 ) -> None:
     """Decide every problem with each backend (one decision table per backend's device, in order)
     and write the tables into the prepared model. No backends: one table of ``auto`` decisions.
-    ``math_of``: per conv (node name), ``--tf32`` for it alone (``on`` / ``off``: its precision,
-    chosen by the precision plan); ``errors``: per conv, its measured error contribution and
+    ``precision_of``: per conv (node name), the float32 precision the precision plan gives it alone
+    (``tf32``, ``fp32``, ``fp32-strict``: its math, and whether transform algorithms may run it);
+    ``errors``: per conv, its measured error contribution and
     sensitivity (:class:`AnnotateConvsPass`). Fusion units are decided per backend's device too
     (:mod:`convpass.compiler.fusions`: timed where the backend measures on this GPU, or with
     ``fusion_timer``; else not measured) and recorded beside the tables."""
@@ -172,7 +173,7 @@ def decide_and_annotate(
             record.setdefault(key, (kind, names, []))[2].extend(decisions)
         fused = [fusions.fused_nodes(u, record, device, p) for p, u in enumerate(units)]
         unit_costs = [fusions.fused_unit_costs(u, record, device, p) for p, u in enumerate(units)]
-        overrides = _plan_layouts(model, backend, options, uses, report, math_of or {}, fused, unit_costs)
+        overrides = _plan_layouts(model, backend, options, uses, report, precision_of or {}, fused, unit_costs)
         _tuning_summary(report, backend, uses, overrides)
         tables.append(DeviceChoices(choices, overrides))
         if len(problems) > decided:
@@ -197,7 +198,8 @@ def decide_and_annotate(
         devices=devices,
         precision=report.precision or {},
     )
-    AnnotateConvsPass(tables, info, options.directions, options.fusions, errors, *_undecided_math(options, math_of or {}))(model)
+    AnnotateConvsPass(tables, info, options.directions, options.fusions, errors, *_undecided_math(options, precision_of or {}),
+                      strict=frozenset(n for n, level in (precision_of or {}).items() if level == STRICT))(model)
     fusions.write_record(model, record)
     _count_engines(model, report)
     _count_fusions(record, report)
@@ -305,23 +307,26 @@ def _tuning_summary(report: OptimizeReport, backend: DecisionBackend, uses: dict
             report.conv_time_ms[profile.name] = (total_c, total_b, count)
 
 
-def _undecided_math(options: TuneOptions, math_of: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+def _undecided_math(options: TuneOptions, precision_of: Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """The cuDNN math an undecided float32 conv records (``fma`` under --tf32 off or --precision
-    fp32, ``default`` under --tf32 on or --precision tf32, ``auto`` where both are allowed), and
-    per conv with a precision of its own (``math_of``: ``on`` / ``off``)."""
+    fp32 / fp32-strict, ``default`` under --tf32 on or --precision tf32, ``auto`` where both are
+    allowed), and per conv with a precision of its own (``precision_of``)."""
     modes = options.math_modes("float32")
-    own = {"on": "default", "off": "fma"}
-    return (modes[0] if len(modes) == 1 else annotation.AUTO), {name: own[t] for name, t in math_of.items() if t in own}
+    own = {name: _node_options(options, None, level).math_modes("float32")[0]
+           for name, level in precision_of.items() if level in WIDE_PRECISIONS}
+    return (modes[0] if len(modes) == 1 else annotation.AUTO), own
+
+
 
 
 def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOptions, uses: dict, report: OptimizeReport,
-                  math_of: Mapping[str, str], fused: Sequence[Sequence[Sequence[ir.Node]]] = (),
+                  precision_of: Mapping[str, str], fused: Sequence[Sequence[Sequence[ir.Node]]] = (),
                   unit_costs: Sequence[Mapping[ir.Node, Mapping[str, float]]] = ()) -> dict:
     """With ``--layout auto``: each conv's layout from the min-cut plan over the whole graph (conv
     times + transpose times, measured by the tuner or recorded in the tuning cache), then its best
     configuration in that layout. Where the cache lacks a transpose time the plan needs, each conv
-    takes its own best layout, with a note. Convs with a math of their own (``math_of``) choose
-    under it, in the plan or, without one, in their own best layout. ``fused``: per profile, the
+    takes its own best layout, with a note. Convs with a precision of their own (``precision_of``)
+    choose under it, in the plan or, without one, in their own best layout. ``fused``: per profile, the
     node lists of the fusion units that run fused (one movable step each); ``unit_costs``, per
     profile, their times per format where they were timed in both."""
     rows = getattr(backend, "rows", None)
@@ -329,9 +334,9 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
     if rows is None or (options.layout == "auto" and transpose_ms is None):
         if options.layout == "auto":
             report.layout_mode = "per-conv"
-        return _math_overrides(backend, options, uses, math_of, rows) if rows is not None else {}
+        return _precision_overrides(backend, options, uses, precision_of, rows) if rows is not None else {}
     if options.layout != "auto":
-        return _math_overrides(backend, options, uses, math_of, rows)
+        return _precision_overrides(backend, options, uses, precision_of, rows)
     overrides = {}
     missing: set[tuple] = set()
     measures = getattr(backend, "measures", False)  # as the backend's own decisions (DecisionBackend.measures)
@@ -339,13 +344,13 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
     picks: dict[tuple, Any] = {}
 
     def pick_in(problem: Any, layout: str, node: ir.Node) -> Any:
-        """The problem's configuration in ``layout`` (under the node's own math, if any), chosen once
-        (convs share problems, and each is asked for its costs and then for its pick: three times
-        per conv and profile)."""
-        tf32 = math_of.get(node.name, options.tf32)
-        if (problem, layout, tf32) not in picks:
-            picks[(problem, layout, tf32)] = select(rows.get(problem, []), problem, _node_options(options, layout, tf32))
-        return picks[(problem, layout, tf32)]
+        """The problem's configuration in ``layout`` (under the node's own precision, if any), chosen
+        once (convs share problems, and each is asked for its costs and then for its pick: three
+        times per conv and profile)."""
+        level = precision_of.get(node.name)
+        if (problem, layout, level) not in picks:
+            picks[(problem, layout, level)] = select(rows.get(problem, []), problem, _node_options(options, layout, level))
+        return picks[(problem, layout, level)]
     for i, profile in enumerate(report.profiles):
         shapes = value_shapes[i] if i < len(value_shapes) else {}
         own: dict = {}  # node -> its own-direction problem at this profile
@@ -401,30 +406,31 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             f"tensor shape(s) the plan needs ({shown}{', ...' if len(missing) > 3 else ''}): each conv takes its own best "
             "layout here (as --layout per-conv); tuning the model once on a GPU of this type records them"
         )
-        return _math_overrides(backend, options, uses, math_of, rows)
+        return _precision_overrides(backend, options, uses, precision_of, rows)
     return overrides
 
 
-def _node_options(options: TuneOptions, layout: str | None, tf32: str) -> TuneOptions:
-    """The options one conv chooses under: ``layout`` (None: the options') and its own ``--tf32``."""
+def _node_options(options: TuneOptions, layout: str | None, level: str | None) -> TuneOptions:
+    """The options one conv chooses under: ``layout`` (None: the options') and its own float32
+    precision ``level`` (``tf32``, ``fp32``, ``fp32-strict``; None: the options')."""
     changes: dict[str, Any] = {} if layout is None else {"layout": layout}
-    if tf32 != options.tf32:
-        changes.update(tf32=tf32, precision=None, max_error=None)
+    if level is not None and level != options.precision:
+        changes.update(tf32="on" if level == "tf32" else "off", precision=level, max_error=None)
     return dataclasses.replace(options, **changes) if changes else options
 
 
-def _math_overrides(backend: DecisionBackend, options: TuneOptions, uses: dict, math_of: Mapping[str, str], rows: dict) -> dict:
-    """Without a layout plan: each conv with a math of its own (``math_of``) takes its best
+def _precision_overrides(backend: DecisionBackend, options: TuneOptions, uses: dict, precision_of: Mapping[str, str], rows: dict) -> dict:
+    """Without a layout plan: each conv with a precision of its own (``precision_of``) takes its best
     configuration under it, in any layout the options allow."""
     overrides = {}
     measures = getattr(backend, "measures", False)
     for problem, problem_uses in uses.items():
         for use in problem_uses:
-            tf32 = math_of.get(use.node.name)
-            if tf32 is None or (use.node.op_type == "ConvTranspose") != (problem.direction == "dgrad") or problem.direction == "wgrad":
+            level = precision_of.get(use.node.name)
+            if level is None or (use.node.op_type == "ConvTranspose") != (problem.direction == "dgrad") or problem.direction == "wgrad":
                 continue
             found = rows.get(problem, [])
-            pick = select(found, problem, _node_options(options, None, tf32))
+            pick = select(found, problem, _node_options(options, None, level))
             if pick is not None:
                 source = options.strategy(problem.direction)[0] if measures else "cache"
                 overrides[(use.node, use.profile)] = choice_from(pick, source, found, problem)

@@ -20,6 +20,14 @@ text                                   family       what runs
 
 :meth:`Algo.parse` reads any of them and ``str(algo)`` writes it back unchanged. Nothing here
 imports a backend: the compiler and the tuner ask "is this an engine?" of the type, not of cuDNN.
+
+**Transform algorithms** (:attr:`Algo.is_transform`, :func:`is_transform`) compute the convolution
+in another basis: Winograd's minimal-filtering transform or the FFT. Their rounding error is about
+ten times that of a GEMM-based or direct algorithm in FP32, which the ``fp32-strict`` precision
+excludes (docs/precision.md). They are the legacy algorithms of :data:`TRANSFORM_ALGORITHMS`, in
+every direction. Graph-API engines are not told apart (convpass does not read the numerical notes
+cuDNN reports for an engine configuration): none counts as a transform. Engines are candidates only
+with TF32 allowed, so the FMA-math precisions never choose one. Convpass's own kernels are direct.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import dataclasses
 import functools
 from typing import Literal
 
-__all__ = ["AUTO", "ENGINE_PREFIX", "OWN_PREFIX", "Algo", "Family"]
+__all__ = ["AUTO", "ENGINE_PREFIX", "OWN_PREFIX", "TRANSFORM_ALGORITHMS", "Algo", "Family", "is_transform"]
 
 Family = Literal["legacy", "engine", "own", "pass", "auto"]
 AUTO = "auto"
@@ -36,6 +44,9 @@ ENGINE_PREFIX = "engine:"
 OWN_PREFIX = "convpass_"
 # The names an epilogue pass row starts with (the pass's own name is the epilogue's).
 _PASS_HEADS = ("bias",)
+# The legacy algorithms that compute in a transformed basis (module docstring), of every direction:
+# forward, backward data and backward filter use these same names.
+TRANSFORM_ALGORITHMS = frozenset({"winograd", "winograd_nonfused", "fft", "fft_tiling"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,11 @@ class Algo:
     def is_legacy(self) -> bool:
         return self.family == "legacy"
 
+    @property
+    def is_transform(self) -> bool:
+        """Whether this is a transform algorithm, Winograd or FFT (module docstring)."""
+        return self.family == "legacy" and self.name in TRANSFORM_ALGORITHMS
+
     def bare_of(self, family: Family) -> bool:
         """Whether this is an algorithm of ``family`` running nothing fused."""
         return self.family == family and not self.fusion
@@ -113,6 +129,12 @@ class Algo:
         if self.family in ("pass", "auto"):
             raise ValueError(f"{self} runs no conv to fuse an epilogue into")
         return dataclasses.replace(self, fusion=fusion)
+
+
+def is_transform(text: str | None) -> bool:
+    """Whether a recorded algorithm text names a transform algorithm (module docstring); False for
+    none or an empty text."""
+    return Algo.parse(text).is_transform if text else False
 
 
 @functools.lru_cache(maxsize=8192)

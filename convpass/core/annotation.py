@@ -69,8 +69,13 @@ Format (schema version 7)
 * **Precision** (schema 7; docs/precision.md). A conv's precision is read from its decision, not
   stored twice: ``fp16`` / ``bf16`` when its problem key's data type is float16 / bfloat16 (the
   graph holds the conv in that type, with Casts at its region's boundary), else ``tf32`` or ``fp32``
-  by its math mode (``fma`` = fp32). Where ``optimize`` measured errors (``--precision``), each conv
-  node also has, once per node (not per table or profile):
+  by its math mode (``fma`` = fp32). A conv asked to run at ``fp32-strict`` (FMA math, no Winograd
+  or FFT algorithm) has, once per node, the attribute ``precision`` = ``"fp32-strict"`` (optional,
+  written only then; a reader that ignores it reads the conv as fp32, so the schema stays 7); its
+  decision reads as ``fp32-strict`` where it honours the level (math ``fma``, an algorithm decided
+  and none of ``algo``, ``dgrad_algo``, ``wgrad_algo`` a transform algorithm:
+  :func:`convpass.core.algo.is_transform`), else as ``fp32``. Where ``optimize`` measured errors
+  (``--precision``), each conv node also has, once per node (not per table or profile):
 
   ``precision_error``        the model's error with this conv alone at its recorded precision and
                              every other conv in FP32 (its error contribution; NaN = not measured)
@@ -120,6 +125,7 @@ from convpass.core.annotation_decisions import (
     CONV_OPS,
     DECISION_ATTRIBUTES,
     DOMAIN,
+    LEVEL_ATTRIBUTE,
     PRECISION_ATTRIBUTES,
     SOURCES,
     AnnotationError,
@@ -130,6 +136,7 @@ from convpass.core.annotation_decisions import (
     check_direction,
     decision_attributes,
     is_annotated_conv,
+    level_attributes,
     precision_attributes,
     read_node,
     standard_op_type,
@@ -184,6 +191,7 @@ __all__ = [
     "META_PREFIX",
     "MIN_IR_VERSION",
     "NOT_MEASURED",
+    "LEVEL_ATTRIBUTE",
     "PRECISION_ATTRIBUTES",
     "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
@@ -203,6 +211,7 @@ __all__ = [
     "fusion_entries",
     "is_annotated_conv",
     "metadata_entries",
+    "level_attributes",
     "precision_attributes",
     "read_annotations",
     "read_fusions",

@@ -17,7 +17,9 @@ from typing import Any
 import onnx
 from onnx import helper
 
+from convpass.core.algo import is_transform
 from convpass.core.errors import ConvpassError
+from convpass.core.options import STRICT
 
 __all__ = [
     "ANNOTATED_OPS",
@@ -26,6 +28,7 @@ __all__ = [
     "CONV_OPS",
     "DECISION_ATTRIBUTES",
     "DOMAIN",
+    "LEVEL_ATTRIBUTE",
     "PRECISION_ATTRIBUTES",
     "SOURCES",
     "AnnotationError",
@@ -36,6 +39,7 @@ __all__ = [
     "check_direction",
     "decision_attributes",
     "is_annotated_conv",
+    "level_attributes",
     "precision_attributes",
     "read_node",
     "standard_op_type",
@@ -65,6 +69,9 @@ DECISION_ATTRIBUTES = (
 )
 # per node, not per (table, profile): the measured error contributions (schema 7)
 PRECISION_ATTRIBUTES = ("precision_error", "precision_sensitivity")
+# per node: the precision level asked for the conv where its decisions cannot tell it (schema 7,
+# optional: only ``fp32-strict``; a reader that does not know it reads the conv as fp32)
+LEVEL_ATTRIBUTE = "precision"
 _PRECISION_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -87,6 +94,7 @@ class ConvDecision:
     wgrad_algo: str | None = None
     engine: str = ""
     fusion: str = ""  # the epilogue fused into the engine's graph (schema 4) or the legacy call (5); "" = none
+    strict: bool = False  # the node asks for fp32-strict (its LEVEL_ATTRIBUTE; not a decision attribute)
 
     @property
     def is_auto(self) -> bool:
@@ -101,13 +109,23 @@ class ConvDecision:
 
     @property
     def precision(self) -> str | None:
-        """fp32 / tf32 / fp16 / bf16 (:mod:`convpass.core.annotation`, "Precision"); None when not decided."""
+        """fp32-strict / fp32 / tf32 / fp16 / bf16 (:mod:`convpass.core.annotation`, "Precision");
+        None when not decided."""
         dtype = self.problem_key.split("|")[10] if self.problem_key.count("|") >= 10 else ""
         if dtype in _PRECISION_OF_DTYPE:
             return _PRECISION_OF_DTYPE[dtype]
         if self.math_mode == AUTO:
             return None
-        return "fp32" if self.math_mode == "fma" else "tf32"
+        if self.math_mode != "fma":
+            return "tf32"
+        return STRICT if self.strict and self.honours_strict else "fp32"
+
+    @property
+    def honours_strict(self) -> bool:
+        """Whether the decision runs no transform algorithm (Winograd, FFT) in any direction it
+        records, and is decided (``auto`` leaves the choice to cuDNN's heuristic at run time)."""
+        decided = self.algo != AUTO or bool(self.engine)
+        return decided and not any(is_transform(a) for a in (self.algo, self.dgrad_algo, self.wgrad_algo))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +182,11 @@ def precision_attributes(error: float | None, sensitivity: float | None) -> dict
         return {}
     return {"precision_error": math.nan if error is None else float(error),
             "precision_sensitivity": math.nan if sensitivity is None else float(sensitivity)}
+
+
+def level_attributes(strict: bool) -> dict[str, str]:
+    """The per-node level attribute of a conv asked to run at ``fp32-strict``; none otherwise."""
+    return {LEVEL_ATTRIBUTE: STRICT} if strict else {}
 
 
 def annotated_op_type(op_type: str, has_bias: bool) -> str:
@@ -227,6 +250,7 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
 
     if "algo" not in attrs:
         raise AnnotationError(f"node {name!r} is in domain {DOMAIN} but has no 'algo' attribute")
+    strict = _level(node, name) == STRICT
     if not 0 <= table < n_tables:
         raise ValueError(f"table {table} of {n_tables}")
     cols = {
@@ -258,6 +282,7 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
             wgrad_algo=cols["wgrad_algo"][i],
             engine=cols["engine"][i],
             fusion=cols["fusion"][i],
+            strict=strict,
         )
         for i in range(entries)
     ]
@@ -267,6 +292,17 @@ def read_node(node: onnx.NodeProto, n_profiles: int, n_tables: int = 1, table: i
     return NodeAnnotation(node_name=name, op_type=standard_op_type(node), decisions=tables[table], tables=tables,
                           precision_error=None if math.isnan(error) else error,
                           precision_sensitivity=None if math.isnan(sensitivity) else sensitivity)
+
+
+def _level(node: onnx.NodeProto, name: str) -> str | None:
+    """The node's level attribute (:data:`LEVEL_ATTRIBUTE`), None where it has none."""
+    for a in node.attribute:
+        if a.name == LEVEL_ATTRIBUTE:
+            value = helper.get_attribute_value(a)
+            if value != STRICT.encode():
+                raise AnnotationError(f"node {name!r}: {LEVEL_ATTRIBUTE} is {value!r}, not {STRICT!r}")
+            return STRICT
+    return None
 
 
 def check_direction(annotation_: NodeAnnotation) -> None:

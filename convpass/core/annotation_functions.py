@@ -18,6 +18,7 @@ from convpass.core.annotation_decisions import (
     ANNOTATED_OPS,
     DECISION_ATTRIBUTES,
     DOMAIN,
+    LEVEL_ATTRIBUTE,
     PRECISION_ATTRIBUTES,
     AnnotationError,
     all_nodes,
@@ -85,7 +86,7 @@ def conv_function(annotated_op: str, opset_version: int) -> onnx.FunctionProto:
         ["Y"],
         [body],
         [helper.make_opsetid("", opset_version)],
-        attributes=[*standard, *DECISION_ATTRIBUTES, *PRECISION_ATTRIBUTES],
+        attributes=[*standard, *DECISION_ATTRIBUTES, *PRECISION_ATTRIBUTES, LEVEL_ATTRIBUTE],
         doc_string=f"convpass-tuned {op_type}: runs as the standard {op_type}; decisions are attributes.",
     )
 
@@ -114,7 +115,8 @@ def verify_functions(model: onnx.ModelProto, annotated: Sequence[onnx.NodeProto]
 
 def standard_attributes(node: onnx.NodeProto) -> list[onnx.AttributeProto]:
     """The node's attributes less the decision attributes: what the standard op takes."""
-    return [a for a in node.attribute if a.name not in DECISION_ATTRIBUTES and a.name not in PRECISION_ATTRIBUTES]
+    return [a for a in node.attribute if a.name not in DECISION_ATTRIBUTES and a.name not in PRECISION_ATTRIBUTES
+            and a.name != LEVEL_ATTRIBUTE]
 
 
 def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from convpass.core.algo import is_transform
 from convpass.core.cudnn_enums import algo_names
 from convpass.core.errors import OptionError
 from convpass.core.problem import DIRECTIONS
@@ -33,15 +34,21 @@ ENGINE_CHOICES = ("legacy", "graph", "all")
 PRUNE_CHOICES = ("off", "learned")
 # Precision per conv (docs/precision.md): auto = chosen within --max-error by measurement; the others
 # force one precision on every conv. None (the default): the model's data types stay and --tf32
-# decides float32 convs by speed alone.
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# decides float32 convs by speed alone. fp32 = FMA math (TF32 off), any algorithm; fp32-strict =
+# FMA math with GEMM-based or direct algorithms only: no Winograd, no FFT (convpass.core.algo,
+# "Transform algorithms"), the most accurate level.
+STRICT = "fp32-strict"
+PRECISIONS = (STRICT, "fp32", "tf32", "fp16", "bf16")
+# The precisions of a float32 conv (its math and algorithms), least accurate first.
+WIDE_PRECISIONS = ("tf32", "fp32", STRICT)
+_MATH_OF_PRECISION = {"tf32": "default", "fp32": "fma", STRICT: "fma"}
 PRECISION_CHOICES = ("auto", *PRECISIONS)
 ERROR_METRICS = ("max-rel", "rel-l2")
 # Why bf16 is refused (docs/precision.md, "What is honoured where").
 BF16_UNSUPPORTED = (
     "--precision bf16: a bfloat16 Conv is standard ONNX only from opset 22 (convpass reads opsets up to 21), "
     "ONNX Runtime's CPU provider has no bfloat16 Conv, and the convpass executor holds no bfloat16 tensors; "
-    "use fp16 (or auto, which chooses among fp32, tf32 and fp16)"
+    "use fp16 (or auto, which chooses among fp32-strict, fp32, tf32 and fp16)"
 )
 
 # Algorithm names per direction, as users write them (MindSpore's vocabulary); the cuDNN enums
@@ -131,17 +138,34 @@ class TuneOptions:
                 raise OptionError("--max-error applies with --precision (auto, or a forced precision to check against)")
         if self.precision == "auto" and self.max_error is None:
             raise OptionError("--precision auto needs --max-error E, the largest error of the outputs to accept (e.g. 1e-2)")
-        clash = {("fp32", "on"): "turns TF32 off", ("tf32", "off"): "turns TF32 on"}.get((self.precision or "", self.tf32))
+        clash = {("fp32", "on"): "turns TF32 off", (STRICT, "on"): "turns TF32 off",
+                 ("tf32", "off"): "turns TF32 on"}.get((self.precision or "", self.tf32))
         if clash:
             raise OptionError(f"--precision {self.precision} {clash} for every conv: it contradicts --tf32 {self.tf32}")
+        if self.precision == STRICT:
+            for direction, option in _ALGO_OPTION.items():
+                forced = self.strategy(direction)[1]
+                if forced is not None and is_transform(forced):
+                    raise OptionError(f"--precision {STRICT} runs no Winograd or FFT algorithm: it contradicts "
+                                      f"--{option.replace('_', '-')} {forced}")
 
     @property
     def wide_precisions(self) -> tuple[str, ...]:
         """The precisions a float32 conv may take, most accurate last (TF32 is the math of a float32
-        conv: FP32 = FMA math, TF32 = tensor-core math)."""
-        if self.precision in ("fp32", "tf32"):
+        conv: FP32 = FMA math, TF32 = tensor-core math; FP32-strict = FMA math without transform
+        algorithms). ``fp32-strict`` is a level of ``--precision auto`` (unless ``--tf32 on``) and of
+        its own forced mode only: without ``--precision``, or forced elsewhere, the options mean what
+        they meant before it existed."""
+        if self.precision in WIDE_PRECISIONS:
             return (self.precision,)
-        return {"auto": ("tf32", "fp32"), "on": ("tf32",), "off": ("fp32",)}[self.tf32]
+        wide = {"auto": ("tf32", "fp32"), "on": ("tf32",), "off": ("fp32",)}[self.tf32]
+        return (*wide, STRICT) if self.precision == "auto" and "fp32" in wide else wide
+
+    @property
+    def transforms(self) -> bool:
+        """Whether transform algorithms (Winograd, FFT: :func:`convpass.core.algo.is_transform`) are
+        candidates: everywhere but at the ``fp32-strict`` precision."""
+        return self.precision != STRICT
 
     def strategy(self, direction: str) -> tuple[str, str | None]:
         """How to choose the algorithm of a direction: (heuristic|exhaustive|measure|forced, forced name)."""
@@ -175,7 +199,7 @@ class TuneOptions:
         """cuDNN math types to consider for a data type under --tf32 and --precision."""
         if dtype != "float32":
             return ("default",)  # half / bf16 use tensor cores by default; TF32 does not apply
-        return tuple({"tf32": "default", "fp32": "fma"}[p] for p in self.wide_precisions)
+        return tuple(dict.fromkeys(_MATH_OF_PRECISION[p] for p in self.wide_precisions))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,8 @@ comes back. Two backends exist:
 * ``convpass.tuning.tuner.CudnnTuner`` - measures on the local GPU (and fills the cache).
 
 :func:`select` is the one rule for picking a configuration from measurements; both backends use it.
+At the ``fp32-strict`` precision :func:`allowed` excludes the transform algorithms (Winograd, FFT:
+:func:`convpass.core.algo.is_transform`).
 
 Epilogues: a problem with a ``fusion`` (what its conv's step runs after the conv: a legacy
 epilogue of :mod:`convpass.core.fusion`, or an activation cuDNN's graph API fuses) compares every
@@ -100,6 +102,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
     legacy_ok, engines_ok = options.engine_space(direction)
     layouts = options.layouts
     math_modes = {shape.dtype: options.math_modes(shape.dtype) for shape in problem.candidates}
+    transforms = options.transforms
     epilogue = epilogue or {}
 
     def ok(m: Measurement) -> bool:
@@ -107,6 +110,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
         return (
             m.status == "ok"
             and (engines_ok if algo.is_engine else legacy_ok)
+            and (transforms or not algo.is_transform)
             and (not algo.fusion or (algo.fusion == problem.fusion and m.key in epilogue))
             and m.key.shape in problem.candidates
             and m.key.layout in layouts
@@ -120,7 +124,22 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
 
 
 def select(measurements: Iterable[Measurement], problem: ConvProblem, options: TuneOptions) -> Measurement | None:
-    """The configuration to run, by the strategy of the problem's direction.
+    """The configuration to run (:func:`select_allowed`); at the ``fp32-strict`` precision, where
+    no configuration without a transform algorithm is measured, the ``fp32`` one: the fastest FMA
+    configuration (the written model shows it: the caller says so)."""
+    measurements = list(measurements)
+    pick = select_allowed(measurements, problem, options)
+    if pick is None and not options.transforms:
+        return select_allowed(measurements, problem, _fp32(options))
+    return pick
+
+
+def _fp32(options: TuneOptions) -> TuneOptions:
+    return dataclasses.replace(options, precision="fp32", max_error=None, tf32="off")
+
+
+def select_allowed(measurements: Iterable[Measurement], problem: ConvProblem, options: TuneOptions) -> Measurement | None:
+    """The configuration to run among those the options allow, by the strategy of the problem's direction.
 
     measure / forced: the fastest configuration convpass timed itself (with the problem's epilogue:
     :func:`cost_ms`); heuristic: cuDNN's first

@@ -1,6 +1,7 @@
 """Precision per conv on a real GPU: float16 / bfloat16 conv candidates against a float64 reference,
 a mixed-precision model tuned within its budget and checked end to end, the GPU evaluator against
-the CPU emulation, and a tuned model's outputs the same bits in two fresh processes."""
+the CPU emulation, a tuned model's outputs the same bits in two fresh processes, and ``fp32-strict``
+recording no transform algorithm and matching the float64 truth."""
 
 from __future__ import annotations
 
@@ -197,3 +198,51 @@ def test_a_panel_model_when_given(tmp_path):
     record = annotation.read_model_info(tuned).precision
     print(Path(path).name, json.dumps(record))
     assert record["within_budget"] and record["holdout"]["error"] <= 1e-2
+
+
+# ------------------------------------------------------------------ fp32-strict
+
+
+def _three_by_three_model(channels: int = 64, seed: int = 0) -> onnx.ModelProto:
+    """input [8, C, 28, 28] -> conv3x3 + bias -> Relu -> conv3x3 + bias -> output: the shapes on
+    which cuDNN offers Winograd and FFT algorithms under FMA math."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    scale = np.sqrt(2.0 / (channels * 9))
+    inits = [numpy_helper.from_array((rng.standard_normal((channels, channels, 3, 3)) * scale).astype(np.float32), f"w{i}")
+             for i in (1, 2)]
+    inits += [numpy_helper.from_array(rng.normal(0, 0.1, channels).astype(np.float32), f"b{i}") for i in (1, 2)]
+    nodes = [helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], name="conv1", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["output"], name="conv2", kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "three_by_three", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [8, channels, 28, 28])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [8, channels, 28, 28])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_fp32_strict_records_no_transform_algorithm_and_matches_float64(tmp_path):
+    """Tuned on this GPU with --precision fp32-strict: every conv decided (measured), FMA math, no
+    Winograd or FFT algorithm, read back as fp32-strict; the GPU executor's output within 1e-5 (max
+    |y - t| / max |t|) of the float64 truth. The fp32 tuning of the same model is printed beside it
+    (which algorithms the strict level gave up)."""
+    from convpass.compiler.precision.float64 import float64_outputs
+    from convpass.core.algo import is_transform
+
+    model = _three_by_three_model()
+    path, out, cache = tmp_path / "m.onnx", tmp_path / "strict.onnx", str(tmp_path / "c.db")
+    onnx.save(model, path)
+    tuned = convpass.optimize(str(path), str(out), cache=cache, precision="fp32-strict", quiet=True)
+    records = inspect(tuned)
+    fp32 = inspect(convpass.optimize(str(path), None, cache=cache, precision="fp32", quiet=True))
+    print("fp32-strict:", [(r["node"], r["algo"], r["memory_format"], r["time_ms"]) for r in records])
+    print("fp32:       ", [(r["node"], r["algo"], r["memory_format"], r["time_ms"]) for r in fp32])
+    assert len(records) == 2 and all(r["source"] == "measure" for r in records)
+    assert not any(is_transform(r[k]) for r in records for k in ("algo", "dgrad_algo", "wgrad_algo")), records
+    assert {(r["precision"], r["math_mode"]) for r in records} == {("fp32-strict", "fma")}
+    x = np.random.default_rng(7).standard_normal((8, 64, 28, 28)).astype(np.float32)
+    got = convpass.Executor(str(out), device="cuda", output_kind="numpy").run(None, {"input": x})[0]
+    truth = float64_outputs(model, [{"input": x}])[0][0]
+    error = float(np.max(np.abs(got.astype(np.float64) - truth)) / np.max(np.abs(truth)))
+    print(f"fp32-strict against float64: {error:.2e}")
+    assert error <= 1e-5

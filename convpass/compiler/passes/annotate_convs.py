@@ -11,6 +11,8 @@ Rules:
 * Unnamed conv nodes get a name (``<op>_<n>``) so reports and warnings can point at them.
 * Where errors were measured (``--precision``), each conv also gets its error contribution and
   sensitivity (``errors``: node name -> the two numbers; :func:`annotation.precision_attributes`).
+* A conv asked to run at ``fp32-strict`` (``strict``: node names) gets that level
+  (:func:`annotation.level_attributes`).
 * The model gets the ``ai.convpass`` opset import, one model-local function per annotated op type
   (the standard op at the model's opset), an IR version that allows functions (at least 8, never
   above what ONNX Runtime reads), and the convpass metadata (replacing any a previous tuning wrote).
@@ -106,8 +108,10 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
 
     def __init__(self, tables: Sequence[DeviceChoices], info: ModelInfo, directions=("fwd",), fusions: bool = False,
                  errors: Mapping[str, tuple[float | None, float | None]] | None = None,
-                 undecided_math: str = annotation.AUTO, undecided_math_of: Mapping[str, str] | None = None) -> None:
+                 undecided_math: str = annotation.AUTO, undecided_math_of: Mapping[str, str] | None = None,
+                 strict: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        self.strict = strict  # the convs (node names) asked to run at fp32-strict
         # the math an undecided float32 conv records: the options' (one math type, or auto), or its own
         self.undecided_math = undecided_math
         self.undecided_math_of = dict(undecided_math_of or {})
@@ -141,7 +145,8 @@ class AnnotateConvsPass(ir.passes.InPlacePass):
                 for table in self.tables
                 for p in range(len(node.meta[CANONICAL_KEY]))
             ]
-            measured = annotation.precision_attributes(*self.errors.get(node.name, (None, None)))
+            measured = {**annotation.precision_attributes(*self.errors.get(node.name, (None, None))),
+                        **annotation.level_attributes(node.name in self.strict)}
             for name, value in {**annotation.decision_attributes(decisions), **measured}.items():
                 node.attributes[name] = _ir_attr(name, value)
             node.domain = annotation.DOMAIN

@@ -9,7 +9,8 @@ Rules:
   region reads and writes its data tensors in that type; a wide node reads and writes float32.
 * Every conv has a cost per precision it may take (its best measured configuration, summed over the
   shape profiles): in the wide region the cheaper of its allowed wide precisions (``fp32`` = FMA
-  math, ``tf32``), in the reduced region its reduced-type time. A precision it may not take (the
+  math, ``tf32``; ``fp32-strict``, FMA math without transform algorithms), in the reduced region its
+  reduced-type time. A precision it may not take (the
   budget loop's floor, the options) or has no measurement for costs infinity.
 * Precision-agnostic ops (:data:`PRECISION_AGNOSTIC`: element-wise arithmetic and activations,
   BatchNormalization, pooling, Resize, Pad, Concat and the reshaping ops) whose data tensors are all
@@ -44,6 +45,7 @@ import onnx_ir as ir
 
 from convpass.compiler.passes.min_cut import INF, add_capacity
 from convpass.compiler.passes.plan_layouts import METADATA_OPS
+from convpass.core.options import WIDE_PRECISIONS
 
 PRECISION_AGNOSTIC = frozenset(
     {
@@ -67,7 +69,7 @@ DTYPES = {"fp16": ir.DataType.FLOAT16}
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPlan:
-    precisions: dict[ir.Node, str]  # every conv with costs -> fp32 | tf32 | the reduced precision
+    precisions: dict[ir.Node, str]  # every conv with costs -> fp32-strict | fp32 | tf32 | the reduced precision
     reduced: frozenset[ir.Node]  # the nodes computing in the reduced type (convs and the ops between them)
     cost_ms: float  # conv times + casts
     casts: int
@@ -159,7 +161,7 @@ def plan_precision(
     types: Types | None = None,
 ) -> PrecisionPlan:
     """The min-cut precision assignment (module rules). ``conv_costs``: per conv, the time of every
-    precision it may take (``fp32``, ``tf32``, ``reduced``); missing = not allowed. ``types``: value
+    precision it may take (``fp32-strict``, ``fp32``, ``tf32``, ``reduced``); missing = not allowed. ``types``: value
     element types where the values themselves have none (shape inference's, by value name)."""
     conv_costs = {n: c for n, c in conv_costs.items() if c}
     types = types or {}
@@ -222,8 +224,9 @@ def _reaching(residual: nx.DiGraph, sink) -> set:
 
 
 def _wide_cost(costs: Mapping[str, float], reduced: str) -> tuple[str | None, float]:
-    """The cheapest allowed wide precision of a conv and its cost (ties: fp32, the more accurate)."""
-    options = [(costs[p], p != "fp32", p) for p in ("fp32", "tf32") if costs.get(p, INF) < INF]
+    """The cheapest allowed wide precision of a conv and its cost (ties: the more accurate, so a conv
+    whose fastest FMA configuration is no transform algorithm is ``fp32-strict``)."""
+    options = [(costs[p], -rank, p) for rank, p in enumerate(WIDE_PRECISIONS) if costs.get(p, INF) < INF]
     if not options:
         return None, INF
     best = min(options)

@@ -67,7 +67,7 @@ class StripAnnotationsPass(ir.passes.InPlacePass):
         for node in nodes:
             node.op_type = annotation.ANNOTATED_OPS[node.op_type]
             node.domain = ""
-            for name in annotation.DECISION_ATTRIBUTES:
+            for name in (*annotation.DECISION_ATTRIBUTES, *annotation.PRECISION_ATTRIBUTES, annotation.LEVEL_ATTRIBUTE):
                 node.attributes.pop(name, None)
         for key in [k for k in model.functions if k[0] == annotation.DOMAIN]:
             del model.functions[key]

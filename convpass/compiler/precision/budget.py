@@ -1,7 +1,8 @@
 """The budget loop: the fastest precision plan whose measured end-to-end error is within E.
 
-Levels, least accurate first: the reduced type (fp16), tf32, fp32 (those the options allow; the
-last is the "top"). Each conv has a floor, the lowest level it may take; the planner returns the
+Levels, least accurate first: the reduced type (fp16), tf32, fp32 (FMA math, any algorithm),
+fp32-strict (FMA math, no Winograd or FFT algorithm: :data:`convpass.core.options.STRICT`); those
+the options allow, the last being the "top". Each conv has a floor, the lowest level it may take; the planner returns the
 fastest plan with every conv at or above its floor (the min cut of
 :mod:`convpass.compiler.passes.plan_precision`).
 
@@ -30,8 +31,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from convpass.core.options import WIDE_PRECISIONS
+
 REDUCED = "fp16"
-LEVELS = (REDUCED, "tf32", "fp32")  # least accurate first
+LEVELS = (REDUCED, *WIDE_PRECISIONS)  # least accurate first: fp16, tf32, fp32, fp32-strict
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,10 +5,12 @@ Costs:
 
 * A conv's cost at a precision is the time of its best configuration there (what the backend's
   selection rule picks: :func:`convpass.tuning.decide.select`), with its epilogue, summed over the
-  shape profiles: ``fp32`` and ``tf32`` from its float32 problem under FMA and default math,
-  ``fp16`` from the same problem with data type float16 (another problem key, measured by the
-  tuner or read from the tuning cache like any other). A precision without a measurement in some
-  profile is not available to that conv.
+  shape profiles: ``fp32-strict``, ``fp32`` and ``tf32`` from its float32 problem under FMA math
+  without and with transform algorithms and under default math, ``fp16`` from the same problem with
+  data type float16 (another problem key, measured by the tuner or read from the tuning cache like
+  any other). A precision without a measurement in some profile is not available to that conv; a
+  conv with no measured configuration but transform ones costs at ``fp32-strict`` what it costs at
+  ``fp32`` (the selection rule's), and the written model says so.
 * A Cast reads 4 bytes and writes 2 per element; a float32 transpose reads and writes 4. Where the
   backend has the tensor's float32 transpose time (measured by the tuner, or in the tuning cache),
   the cast costs 3/4 of it; elsewhere (a cache without it, tensors of rank below 3) its bytes at
@@ -27,7 +29,7 @@ import onnx_ir as ir
 from convpass.compiler.passes.plan_precision import plan_precision
 from convpass.compiler.passes.resolve_shapes import VALUE_SHAPES_KEY
 from convpass.compiler.precision.budget import LEVELS, REDUCED, Assignment
-from convpass.core.options import TuneOptions
+from convpass.core.options import STRICT, TuneOptions
 from convpass.core.problem import ConvProblem
 from convpass.tuning.decide import choice_from, select
 
@@ -67,7 +69,8 @@ def conv_costs(backend: Any, uses: Mapping[ConvProblem, Sequence[Any]], options:
         backend.decide(list(wanted), options)
     rows = backend.rows
     plain = dataclasses.replace(options, precision=None, max_error=None)
-    rules = {"fp32": dataclasses.replace(plain, tf32="off"), "tf32": dataclasses.replace(plain, tf32="on"), REDUCED: plain}
+    rules = {STRICT: dataclasses.replace(plain, tf32="off", precision=STRICT), "fp32": dataclasses.replace(plain, tf32="off"),
+             "tf32": dataclasses.replace(plain, tf32="on"), REDUCED: plain}
     picks: dict[tuple, float | None] = {}
 
     def time_of(problem: ConvProblem, level: str) -> float | None:
@@ -161,8 +164,9 @@ class GraphPlanner:
 
 def levels_for(options: TuneOptions) -> tuple[str, ...]:
     """The precisions the plan chooses among, least accurate first: for ``auto``, :data:`LEVELS` less
-    what ``--tf32`` excludes; for a forced precision, it and the most accurate one the options allow
-    (the level every other conv is at while one conv's contribution is measured)."""
+    what ``--tf32`` excludes (``fp32-strict`` the top unless ``--tf32 on``); for a forced precision,
+    it and the most accurate one the options allow (the level every other conv is at while one
+    conv's contribution is measured: ``fp32`` for a forced ``fp16``, as before ``fp32-strict``)."""
     wide = options.wide_precisions
     if options.precision == "auto":
         return tuple(p for p in LEVELS if p == REDUCED or p in wide)

@@ -39,8 +39,10 @@ from convpass.compiler.precision import budget
 from convpass.compiler.precision.choose import CastCosts, GraphPlanner, conv_costs, levels_for
 from convpass.compiler.precision.data import InputSet, load_feeds, model_error, random_feeds, reference_outputs
 from convpass.compiler.precision.evaluate import CpuEvaluator, CudaEvaluator, Evaluator
+from convpass.core import annotation
+from convpass.core.algo import is_transform
 from convpass.core.errors import ConvpassError
-from convpass.core.options import TuneOptions
+from convpass.core.options import STRICT, WIDE_PRECISIONS, TuneOptions
 
 
 def name_nodes(model: ir.Model) -> None:
@@ -66,7 +68,7 @@ class Steps:
     """The pipeline's steps this flow runs (handed in: the pipeline imports this module, not the reverse).
 
     ``prepare(model, options, shapes, report) -> uses``, ``decide(model, options, uses, backends,
-    report, math_of, errors)``, ``report() -> a new OptimizeReport``."""
+    report, precision_of, errors)``, ``report() -> a new OptimizeReport``."""
 
     prepare: Callable[..., Any]
     decide: Callable[..., None]
@@ -105,8 +107,8 @@ def write_plan(steps: Steps, model: ir.Model, plan: budget.Assignment, options: 
     decided under its precision, the annotation (step 4 of the module docstring)."""
     ReducePrecisionPass(plan.reduced)(model)
     uses = steps.prepare(model, options, shapes, report)
-    math_of = {c: {"fp32": "off", "tf32": "on"}[p] for c, p in plan.precisions.items() if p in ("fp32", "tf32")}
-    steps.decide(model, options, uses, [backend] if uses and backend is not None else [], report, math_of, errors)
+    precision_of = {c: p for c, p in plan.precisions.items() if p in WIDE_PRECISIONS}
+    steps.decide(model, options, uses, [backend] if uses and backend is not None else [], report, precision_of, errors)
 
 
 def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shapes: Sequence[str | dict], make_backend, report,
@@ -146,6 +148,36 @@ def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shap
     if tuned is not None:  # the tuner's counts of the problems this run decided, not of every candidate's look-ups
         backend.summary = tuned
     write_plan(steps, model, result.assignment, options, shapes, backend, report, errors)
+    report.notes.extend(strict_notes(model, result.assignment, len(report.profiles)))
+
+
+def strict_notes(model: ir.Model, plan: budget.Assignment, profiles: int) -> list[str]:
+    """What the written model cannot honour of ``fp32-strict``: convs put there whose decisions run a
+    transform algorithm (none without one was measured: the fastest fp32 configuration runs), or
+    leave the algorithm to cuDNN's heuristic at run time."""
+    strict = {c for c, p in plan.precisions.items() if p == STRICT}
+    transform, undecided = [], []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.name not in strict or node.domain != annotation.DOMAIN:
+            continue
+        decisions = annotation.read_node(ir.serde.serialize_node(node), max(1, profiles)).tables
+        flat = [d for table in decisions for d in table]
+        if any(is_transform(a) for d in flat for a in (d.algo, d.dgrad_algo, d.wgrad_algo)):
+            transform.append(node.name)
+        elif not all(d.honours_strict for d in flat):
+            undecided.append(node.name)
+    notes = []
+    if transform:
+        notes.append(f"{len(transform)} conv(s) at {STRICT} have no measured configuration without a Winograd or FFT "
+                     f"algorithm and run their fastest fp32 one: {_shown(transform)}")
+    if undecided:
+        notes.append(f"{len(undecided)} conv(s) at {STRICT} have no decided algorithm: cuDNN's heuristic chooses at run time "
+                     f"and may choose a Winograd or FFT algorithm: {_shown(undecided)}")
+    return notes
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def _conv_nodes(uses) -> list[ir.Node]:
