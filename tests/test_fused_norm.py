@@ -374,9 +374,12 @@ def test_optimize_records_units_not_measured_without_a_gpu_and_measured_with_a_t
     assert report.fusion_measured == 2 and report.fusion_fused == 2
 
 
-def test_fusion_timings_are_kept_in_the_tuning_cache_so_a_cached_rerun_times_nothing(tmp_path):
+@pytest.mark.parametrize("backend_kind", ["tuner", "fleet"])
+def test_fusion_timings_are_kept_in_the_tuning_cache_so_a_cached_rerun_times_nothing(tmp_path, backend_kind):
     """The first optimize times each unit and keeps the timings beside the conv measurements; the
-    second reads them (its timer is never called) and records the same decisions."""
+    second reads them (its timer is never called) and records the same decisions. A fleet's model
+    process decides through its own backend, which keeps them in the same cache (without it, a
+    fleet re-run timed every unit again and could write another decision)."""
     import types
 
     from convpass.compiler import pipeline
@@ -392,7 +395,12 @@ def test_fusion_timings_are_kept_in_the_tuning_cache_so_a_cached_rerun_times_not
         ir_model = load_model(block())
         report = pipeline.OptimizeReport()
         uses = pipeline.prepare_model(ir_model, TuneOptions(), ["x=2x8x5x6"], report)
-        backend = types.SimpleNamespace(device=device, cache=cache, decide=lambda problems, options: {p: None for p in problems})
+        if backend_kind == "fleet":
+            from convpass.fleet.model_procs import FleetBackend
+
+            backend = FleetBackend(cache, device, True, set())
+        else:
+            backend = types.SimpleNamespace(device=device, cache=cache, decide=lambda problems, options: {p: None for p in problems})
         pipeline.decide_and_annotate(ir_model, TuneOptions(), uses, [backend], report, fusion_timer=timer)
         return to_proto(ir_model), report
 

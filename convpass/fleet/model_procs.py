@@ -100,6 +100,7 @@ class FleetBackend:
         from convpass.tuning.decide import CacheBackend
 
         self.device = device
+        self.cache = cache  # where the fusion units' timings are kept too, so a re-run times none of them again
         self._from_cache = CacheBackend(cache, device)
         self.measures = measures
         self.failed = failed

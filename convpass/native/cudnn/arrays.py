@@ -63,15 +63,19 @@ def empty_like_layout(shape, dtype, layout: str):
 
 def as_layout(array, layout: str):
     """``array`` (logical channels-first) in ``layout``: itself when already so, else a copy,
-    walked in memory order where both are stored in one (:func:`convpass.native.cuda.copy_into`: a
+    walked in memory order where both are stored in one (as :func:`convpass.native.cuda.copy_into`: a
     channel slice of a channels-last Concat buffer, copied in the logical order, read one element
     per Concat-width stride and took several times a transpose's time)."""
     if layout_of(array) in (layout, "both"):
         return array
-    from convpass.native.cuda import copy_into
+    from convpass.core.layout import storage_order
 
     out = empty_like_layout(array.shape, array.dtype, layout)
-    copy_into(out, array)
+    order = storage_order(out)
+    if order is not None and storage_order(array) == order:
+        out.transpose(order)[...] = array.transpose(order)
+    else:
+        out[...] = array
     return out
 
 
