@@ -499,3 +499,29 @@ def channels_last_array(shape, rng) -> np.ndarray:
     phys = (shape[0], *shape[2:], shape[1])
     data = rng.standard_normal(phys).astype(np.float32)
     return data.transpose(0, len(shape) - 1, *range(1, len(shape) - 1))
+
+
+class _StandInPlan:  # a graph-API engine plan, built without cuDNN
+    def __init__(self, key, config, enumerated=None):
+        self.config, self.workspace_bytes = config, 0
+
+
+@pytest.fixture
+def convs(monkeypatch):
+    """The executor's :class:`~convpass.kernels.convolution.Convolutions` with cuDNN stood in for (no
+    GPU): engine plans, descriptors and workspace sizes faked, warnings collected in ``.warned``."""
+    import types
+
+    from convpass.kernels import conv_resources, convolution
+    from convpass.native import cudnn
+    from convpass.native.cudnn import graph_api
+
+    warned: list[str] = []
+    rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))
+    monkeypatch.setattr(graph_api, "EnginePlan", _StandInPlan)
+    no_plan_side_car(monkeypatch)
+    monkeypatch.setattr(conv_resources.ConvResources, "descriptors", lambda self, key: "descs")
+    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo: 0)
+    c = convolution.Convolutions(rt)
+    c.warned = warned  # type: ignore[attr-defined]
+    return c

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import leaky_model, no_plan_side_car, numpy_candidates, offer_configs, run_ort
+from conftest import leaky_model, numpy_candidates, offer_configs, run_ort
 from onnx import helper
 
 import convpass
@@ -319,27 +319,6 @@ def test_the_fused_graph_adds_the_bias_then_cudnn_s_relu_with_alpha_as_its_lower
 
 # ---------------------------------------------------------------------------------------------
 # the executor's choice for a fused decision (cuDNN stood in for: no GPU)
-
-class _Plan:
-    def __init__(self, key, config, enumerated=None):
-        self.config, self.workspace_bytes = config, 0
-
-
-@pytest.fixture
-def convs(monkeypatch):
-    from convpass.kernels import conv_resources, convolution
-    from convpass.native import cudnn
-
-    warned = []
-    rt = types.SimpleNamespace(cp=None, recorded_device="", current_device=None, warn_node=lambda node, message: warned.append(message))
-    monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
-    no_plan_side_car(monkeypatch)
-    monkeypatch.setattr(conv_resources.ConvResources, "descriptors", lambda self, key: "descs")
-    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo: 0)
-    c = convolution.Convolutions(rt)
-    c.warned = warned
-    return c
-
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:  # what the executor reads of a ConvGeometry here

@@ -67,14 +67,14 @@ class ReducePrecisionPass(ir.passes.InPlacePass):
     def _half_of(self, graph: ir.Graph, value: ir.Value, names: set[str]) -> ir.Value:
         array = constant_array(value)
         if array is not None:
-            name = _unique(f"{value.name}_fp16", names)
+            name = unique_name(f"{value.name}_fp16", names)
             half = ir.Value(name=name, shape=value.shape, type=ir.TensorType(HALF),
                             const_value=ir.tensor(np.asarray(array, dtype=np.float16), name=name))
             graph.register_initializer(half)
             return half
-        cast = ir.Node("", "Cast", [value], attributes=[ir.AttrInt64("to", HALF.value)], name=_unique(f"{value.name}/to_fp16", names))
+        cast = ir.Node("", "Cast", [value], attributes=[ir.AttrInt64("to", HALF.value)], name=unique_name(f"{value.name}/to_fp16", names))
         out = cast.outputs[0]
-        out.name, out.shape, out.type = _unique(f"{value.name}_fp16", names), value.shape, ir.TensorType(HALF)
+        out.name, out.shape, out.type = unique_name(f"{value.name}_fp16", names), value.shape, ir.TensorType(HALF)
         producer = value.producer()
         if producer is not None:
             graph.insert_after(producer, cast)
@@ -89,18 +89,18 @@ class ReducePrecisionPass(ir.passes.InPlacePass):
         output = value.is_graph_output()
         if not wide and not output:
             return
-        cast = ir.Node("", "Cast", [value], attributes=[ir.AttrInt64("to", FLOAT.value)], name=_unique(f"{value.name}/to_fp32", names))
+        cast = ir.Node("", "Cast", [value], attributes=[ir.AttrInt64("to", FLOAT.value)], name=unique_name(f"{value.name}/to_fp32", names))
         out = cast.outputs[0]
         out.shape, out.type = value.shape, ir.TensorType(FLOAT)
         original = value.name
         if output:
-            value.name = _unique(f"{original}_fp16", names)
+            value.name = unique_name(f"{original}_fp16", names)
             out.name = original
             for i, v in enumerate(graph.outputs):
                 if v is value:
                     graph.outputs[i] = out
         else:
-            out.name = _unique(f"{original}_fp32", names)
+            out.name = unique_name(f"{original}_fp32", names)
         for user, slot in wide:
             user.replace_input_with(slot, out)
         graph.insert_after(node, cast)
@@ -113,7 +113,8 @@ def _names(graph: ir.Graph) -> set[str]:
     return {n for n in names if n}
 
 
-def _unique(name: str, taken: set[str]) -> str:
+def unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_2``, ``name_3``, ... : the first not in ``taken`` (which it joins)."""
     out, i = name, 1
     while out in taken:
         i += 1

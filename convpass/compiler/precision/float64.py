@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from convpass.compiler.passes.reduce_precision import unique_name
 from convpass.core.errors import ConvpassError
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
@@ -150,22 +151,13 @@ def _float32_inputs(g: onnx.GraphProto) -> None:
     for n in g.node:
         for i, name in enumerate(n.input):
             if name and (n.op_type, i) in _FLOAT32_INPUTS:
-                cast = _fresh(f"{name}_float32", taken)
-                nodes.append(helper.make_node("Cast", [name], [cast], to=TensorProto.FLOAT, name=_fresh(f"{cast}_cast", taken)))
+                cast = unique_name(f"{name}_float32", taken)
+                nodes.append(helper.make_node("Cast", [name], [cast], to=TensorProto.FLOAT, name=unique_name(f"{cast}_cast", taken)))
                 n.input[i] = cast
         nodes.append(n)
     if len(nodes) != len(g.node):
         del g.node[:]
         g.node.extend(nodes)
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, k = base, 1
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name
 
 
 def relative_errors(outputs: Sequence[Sequence[np.ndarray]], truth: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:
