@@ -262,3 +262,51 @@ def test_a_side_car_that_cannot_be_loaded_for_want_of_the_compiler_seam_is_said(
         assert len(said) == 1 and "m.onnx.kernels" in said[0] and "CuPy 99" in said[0] and "compile and cuDNN plans are built at start-up" in said[0], said
     else:
         assert said == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the note on convs that run cuDNN's heuristic: untuned, or tuned for other shapes
+
+
+def _heuristic_notes(profiles, plan_profile, decisions):
+    """What lowering says about convs resolved to cuDNN's heuristic (``decisions``: node -> the
+    decision its call carries, None for an untuned conv) in a plan of ``plan_profile``."""
+    import numpy as np
+
+    from convpass.kernels.convolution import ConvLaunch
+    from convpass.ops.conv import ConvCall
+    from convpass.runtime.cuda import lowering
+
+    launches = []
+    for node, decision in decisions.items():
+        launch = object.__new__(ConvLaunch)
+        launch.call = ConvCall(node, None, decision, None)
+        launch.exec = types.SimpleNamespace(source="untuned")
+        launches.append(launch)
+    plan = types.SimpleNamespace(convs=[], profile=plan_profile, feed_slots={"input": 0, "mask": 1},
+                                 value_info={0: ((8, 3, 224, 224), np.dtype(np.float32)), 1: ((8, 4), np.dtype(np.float32))})
+    said = []
+    rt = types.SimpleNamespace(profiles=profiles, convs=types.SimpleNamespace(mismatch_nodes=[]),
+                               note_once=lambda tag, message, **kw: said.append((tag, message)))
+    lowering._conv_notes(rt, plan, launches)
+    return said
+
+
+def test_a_tuned_model_run_at_a_shape_of_none_of_its_profiles_says_so_not_untuned():
+    profiles = (annotation.Profile("b1", {"input": (1, 3, 224, 224)}), annotation.Profile("b32", {"input": (32, 3, 224, 224)}))
+    [(tag, message)] = _heuristic_notes(profiles, None, {"c1": annotation.ConvDecision(), "c2": annotation.ConvDecision()})
+    assert "untuned" not in message and "\n" not in message, message
+    assert "tuned for shape profiles input=1x3x224x224, input=32x3x224x224" in message
+    assert "input=8x3x224x224 matches none" in message and "'c1', 'c2'" in message
+    assert "`convpass optimize --retune --shape input=1x3x224x224 --shape input=32x3x224x224 --shape input=8x3x224x224`" in message
+    assert "shapes=" in message
+    assert _heuristic_notes(profiles, None, {"c1": annotation.ConvDecision()})[0][0] == tag  # said once per shape
+
+
+def test_an_untuned_model_or_conv_is_still_called_untuned():
+    [(_, message)] = _heuristic_notes((), 0, {"c1": None})
+    assert message.startswith("1 convolution(s) untuned: using cuDNN's heuristic (NCHW) for 'c1'") and "convpass optimize" in message
+    profiles = (annotation.Profile("b1", {"input": (1, 3, 224, 224)}),)
+    said = _heuristic_notes(profiles, None, {"c1": None, "c2": annotation.ConvDecision()})  # a conv the tuner left alone
+    assert [m.split(" (NCHW) for ")[0] for _, m in said] == ["1 convolution(s) untuned: using cuDNN's heuristic", "1 convolution(s) run cuDNN's heuristic"], said
+    assert said[0][1].startswith("1 convolution(s) untuned: using cuDNN's heuristic (NCHW) for 'c1';") and "'c2'" in said[1][1]

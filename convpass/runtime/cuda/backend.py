@@ -114,6 +114,7 @@ class CudaBackend(Backend):
         self._blas_ahead: Any = None  # the helper thread that makes it ahead (ready_libraries)
         self._erf_kernel: Any = None
         self.recorded_device = ""
+        self.profiles: tuple[Any, ...] = ()  # the model's shape profiles (annotation.Profile)
         self.current_device: Any = None
         self._warned: set[str] = set()
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
@@ -142,10 +143,11 @@ class CudaBackend(Backend):
 
     def bind_model(self, model_info: Any) -> None:
         """The executor's model metadata: the device whose decisions it holds (to re-validate against
-        this GPU: a model without a table for this GPU runs cuDNN's heuristic, with one warning), the
-        matmul TF32 switch."""
+        this GPU: a model without a table for this GPU runs cuDNN's heuristic, with one warning), its
+        shape profiles (named when a run's shape matches none), the matmul TF32 switch."""
         self._allow_tf32 = bool(model_info is not None and model_info.matmul_allow_tf32)
         self.recorded_device = (model_info.device if model_info is not None else "") or ""
+        self.profiles = tuple(model_info.profiles) if model_info is not None else ()
         self.fingerprint()
 
     def prefetch(self, decisions: Any) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from convpass.core.profiles import shape_spec
 from convpass.kernels import broadcast, elementwise, elementwise_launch, group_norm, matmul, normalization, pooling, tensor_ops
 from convpass.kernels.convolution import REFERENCE, ConvLaunch, lower_convs, summarize
 from convpass.kernels.launch import Launch
@@ -202,9 +203,10 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
 
 
 def _conv_notes(rt: Any, plan: Any, launches: list[Launch | None]) -> None:
-    """Conv summaries as they really run; one note each for untuned, reference and other-GPU convs."""
+    """Conv summaries as they really run; one note each for untuned, reference and other-GPU convs, and
+    for tuned convs of a plan whose input shapes match none of the model's shape profiles."""
     summaries = {s.node: i for i, s in enumerate(plan.convs)}
-    untuned, reference = [], []
+    untuned, unmatched, reference = [], [], []
     for launch in launches:
         if not isinstance(launch, ConvLaunch) or launch.exec is None:
             continue
@@ -213,7 +215,8 @@ def _conv_notes(rt: Any, plan: Any, launches: list[Launch | None]) -> None:
         if ex is REFERENCE:
             reference.append(name)
         elif ex.source == "untuned":
-            untuned.append(name)
+            # a conv the model records decisions for, in a plan of no profile: tuned for other shapes
+            (unmatched if plan.profile is None and launch.call.decision is not None else untuned).append(name)
         i = summaries.get(name)
         if i is not None:
             plan.convs[i] = summarize(plan.convs[i], ex)
@@ -227,6 +230,8 @@ def _conv_notes(rt: Any, plan: Any, launches: list[Launch | None]) -> None:
             f"{len(untuned)} convolution(s) untuned: using cuDNN's heuristic (NCHW) for {listing(untuned)}; "
             "tune the model with `convpass optimize` to run measured choices",
         )
+    if unmatched:
+        _note_unmatched(rt, plan, f"{len(unmatched)} convolution(s) run cuDNN's heuristic (NCHW) for {listing(unmatched)}")
     if reference:
         rt.note_once("reference", f"{len(reference)} convolution(s) cuDNN cannot express run as CuPy reference kernels: {listing(reference)}", warn=False)
     mismatch = rt.convs.mismatch_nodes
@@ -237,3 +242,17 @@ def _conv_notes(rt: Any, plan: Any, launches: list[Launch | None]) -> None:
             f"the recorded cuDNN choices are not used; {len(mismatch)} convolution(s) run cuDNN's heuristic choice "
             f"(NCHW, recorded math mode): {listing(mismatch)}; re-tune on this GPU with `convpass optimize`",
         )
+
+
+def _note_unmatched(rt: Any, plan: Any, what: str) -> None:
+    """Said once per input shape: the model was tuned for other shapes, and how to add this one."""
+    profiles = getattr(rt, "profiles", ())
+    names = [n for p in profiles for n in p.inputs if n in plan.feed_slots] or list(plan.feed_slots)
+    shape = shape_spec({n: plan.value_info[plan.feed_slots[n]][0] for n in dict.fromkeys(names) if plan.feed_slots[n] in plan.value_info})
+    tuned = ", ".join(shape_spec(p.inputs) for p in profiles[:4]) + (f" and {len(profiles) - 4} more" if len(profiles) > 4 else "")
+    rt.note_once(
+        f"profile:{shape}",
+        f"{what}: the model was tuned for shape profiles {tuned} and this run's shape {shape} matches none; "
+        f"add it by tuning again (`convpass optimize --retune {' '.join('--shape ' + shape_spec(p.inputs) for p in profiles)} "
+        f"--shape {shape}`, or the Python API's shapes=)",
+    )
