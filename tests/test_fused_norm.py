@@ -341,6 +341,33 @@ def test_the_executor_runs_what_the_record_measured_and_the_rule_elsewhere():
     assert [(s.fused, s.why) for s in ex.fusion_summary()] == [(True, "rule"), (True, "rule")]
 
 
+def test_a_recorded_unit_the_plan_groups_otherwise_is_said_once_with_what_runs_instead():
+    from convpass.native.cuda import ExecutorWarning
+
+    model = block()
+    ex = Executor(model, device="cpu")
+    _run_twice(ex, feeds((2, 8, 5, 6)))
+    first, second = _names(ex)
+    edited = _with_record(model, _record([first[:-2], second], [False, False]))  # the first unit without its SiLU
+    ex = Executor(edited, device="cpu")
+    with pytest.warns(ExecutorWarning) as said:
+        got = _run_twice(ex, feeds((2, 8, 5, 6)))
+        ex.run(None, feeds((2, 8, 5, 6), seed=3))
+    [message] = [str(w.message) for w in said]
+    assert message.startswith("fusion unit 'n1/Reshape|n1/InstanceNormalization|n1/Reshape_1|n1/Mul|n1/Add' recorded in convpass.fusions")
+    assert "(unfused, measured)" in message and "'n1/Reshape|" in message.split("this plan forms ")[1] and "a1/Mul'" in message
+    assert message.endswith("a1/Mul' (fused, by the rule)") and "\n" not in message, message
+    assert [(s.fused, s.why) for s in ex.fusion_summary()] == [(True, "rule"), (False, "measured")]
+    np.testing.assert_allclose(got, _ort(model, feeds((2, 8, 5, 6))), rtol=1e-5, atol=1e-5)
+    # the record as optimize wrote it, or a unit of nodes this plan does not run: nothing to say
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExecutorWarning)
+        _run_twice(Executor(_with_record(model, _record([first, second], [False, True])), device="cpu"), feeds((2, 8, 5, 6)))
+        _run_twice(Executor(_with_record(model, _record([("gone", "too")], [False])), device="cpu"), feeds((2, 8, 5, 6)))
+
+
 def test_optimize_records_units_not_measured_without_a_gpu_and_measured_with_a_timer():
     from convpass.compiler import pipeline
     from convpass.core.model_io import load_model, to_proto

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,8 +30,9 @@ from convpass.core import annotation
 from convpass.core.errors import ExecutorError
 from convpass.core.fusion_units import RULES, unit_key
 from convpass.kernels.backends import Backend, host_backend
-from convpass.kernels.fused_steps import apply_fusions
+from convpass.kernels.fused_steps import FusionSummary, apply_fusions
 from convpass.kernels.plan import ConvSummary, Plan, PlanStep, unshare_outputs
+from convpass.native.cuda import ExecutorWarning
 from convpass.ops.conv import ConvCall
 from convpass.ops.registry import NodeInfo, OpContext, call_node
 from convpass.runtime.model_graph import ModelGraph
@@ -68,6 +70,7 @@ class PlanBuilder:
         self.model_info = model_info
         self.fusion_record = fusion_record
         self._device_constants: dict[str, Any] = {}
+        self._regrouped: set[str] = set()  # recorded fusion units said not to match a plan's
 
     def profile_for(self, arrays: Mapping[str, Any]) -> int | None:
         """The shape profile the feeds match (0 for a model without profiles; None: none matches)."""
@@ -154,6 +157,8 @@ class PlanBuilder:
         results = [vals[n].value if n in vals else constants[n] for n in outputs]
         plan = self._assemble(key, outputs, steps, vals, arrays, plan_consts, profile, convs, folded)
         apply_fusions(plan, functools.partial(self._fusion_decision, fusions=fusions, profile=profile), backend.to_host, backend.upload)
+        if fusions is None:
+            self._note_regrouped(plan.fusions, {node.name for node, _, _ in steps}, profile)
         backend.compile_plan(plan)
         return plan, unshare_outputs(results, plan, arrays)
 
@@ -177,12 +182,34 @@ class PlanBuilder:
             return False, "off", "the backend was made with fuse=False"
         decision = None
         if self.fusion_record is not None and profile is not None:
-            device = self.backend.fingerprint() or (self.model_info.device if self.model_info else "")
-            decision = self.fusion_record.decision(unit_key(unit.names), device, profile)
+            decision = self.fusion_record.decision(unit_key(unit.names), self._device(), profile)
         if decision is None or decision.fused is None:
             return True, "rule", RULES[unit.kind]
         times = ", ".join(f"{k} {v:.4f} ms" for k, v in sorted(decision.times_ms.items()))
         return decision.fused, "measured", times
+
+    def _device(self) -> Any:
+        """The device whose fusion decisions apply: this backend's, else the model's (CPU)."""
+        return self.backend.fingerprint() or (self.model_info.device if self.model_info else "")
+
+    def _note_regrouped(self, summaries: Sequence[FusionSummary], present: set[str], profile: int | None) -> None:
+        """Warn once per recorded unit whose measured decision this plan cannot apply: its nodes run
+        here but are grouped otherwise (the model edited, or another convpass's unit rules)."""
+        record = self.fusion_record
+        if record is None or profile is None or not getattr(self.backend, "fuse", True):
+            return
+        formed = {unit_key(s.nodes) for s in summaries}
+        for key, (_kind, nodes, _decisions) in record.units.items():
+            decision = record.decision(key, self._device(), profile)
+            if key in formed or key in self._regrouped or decision is None or decision.fused is None or not present.intersection(nodes):
+                continue
+            self._regrouped.add(key)
+            formed_here = " and ".join(f"{unit_key(s.nodes)!r} ({'fused' if s.fused else 'unfused'}, {'by the rule' if s.why == 'rule' else s.why})"
+                                       for s in summaries if set(s.nodes) & set(nodes))
+            instead = f"this plan forms {formed_here}" if formed_here else "this plan forms no fusion unit of those nodes: they run unfused"
+            warnings.warn(f"fusion unit {key!r} recorded in {annotation.FUSIONS_KEY} ({'fused' if decision.fused else 'unfused'}, "
+                          f"{decision.source}) matches no unit of this plan, so its decision is not applied: {instead}",
+                          ExecutorWarning, stacklevel=5)
 
     def _decision(self, node: NodeInfo, profile: int | None) -> tuple[annotation.ConvDecision | None, str]:
         decisions = self.decisions.get(node.name)
