@@ -40,7 +40,9 @@ Decisions:
 
 * Untuned convs (no decision, or ``algo == "auto"`` without an engine): cuDNN's heuristic first choice that is
   usable, in NCHW, with the recorded math mode when there is one (``default`` otherwise): one
-  :class:`~convpass.native.cuda.ExecutorWarning` per executor counts them.
+  :class:`~convpass.native.cuda.ExecutorWarning` per executor counts them. The convs of a tuned
+  model run at input shapes none of its profiles matches take the heuristic too, with one warning
+  per shape naming the profiles (:mod:`convpass.runtime.cuda.lowering`), not called untuned.
 * Re-validation: when the model's recorded device fingerprint is not this GPU, recorded
   algorithms are not trusted: every tuned conv takes the heuristic (NCHW, recorded math mode, so
   TF32 stays as decided) and one warning names the devices and the nodes. A recorded algorithm
