@@ -310,3 +310,73 @@ def test_an_untuned_model_or_conv_is_still_called_untuned():
     said = _heuristic_notes(profiles, None, {"c1": None, "c2": annotation.ConvDecision()})  # a conv the tuner left alone
     assert [m.split(" (NCHW) for ")[0] for _, m in said] == ["1 convolution(s) untuned: using cuDNN's heuristic", "1 convolution(s) run cuDNN's heuristic"], said
     assert said[0][1].startswith("1 convolution(s) untuned: using cuDNN's heuristic (NCHW) for 'c1';") and "'c2'" in said[1][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the start-up compile note counts the whole first call: the op-by-op run that records the plan too
+
+
+def test_kernels_compiled_by_the_run_that_records_a_plan_are_counted_at_start_up(monkeypatch):
+    from convpass.native import prebuilt
+    from convpass.runtime.cuda import lowering, runner
+    from convpass.runtime.cuda.runner import CompiledPlan
+
+    monkeypatch.setattr(prebuilt, "COMPILATIONS", ["from an earlier executor"])
+    said = []
+    rt = _bare_backend()
+    rt.note_once = lambda tag, message, **kw: said.append((tag, message, kw.get("category")))
+    rt.convs = types.SimpleNamespace(engine_builds=[("earlier", 9.0, "")])
+    rt.kernel_file, rt._kernels_why, rt._tf32_now = None, "there is no kernel side-car m.onnx.kernels beside the model", False
+
+    def lower(backend, plan):
+        prebuilt.COMPILATIONS.append("convpass_ew_lowered")
+        rt.convs.engine_builds.append(("c2", 0.3, "no side-car"))
+        return CompiledPlan(launches=[], free=[], capturable=True, mode="graph")
+
+    def first_run(backend, plan, feeds):
+        prebuilt.COMPILATIONS.append("cupy_copy_warm_up")
+        return []
+
+    monkeypatch.setattr(lowering, "compile_plan", lower)
+    monkeypatch.setattr(runner, "run_plan", first_run)
+    rt.begin_plan()  # the plan builder's op-by-op run starts here
+    prebuilt.COMPILATIONS += ["cupy_add_op_by_op", "convpass_relu_op_by_op"]
+    rt.convs.engine_builds.append(("c1", 0.4, "no side-car"))
+    plan = types.SimpleNamespace(steps=[object()], matmul_allow_tf32=False, backend_state=None)
+    rt.compile_plan(plan)
+    rt.run_plan(plan, {})
+    from convpass.native.cuda import StartupCompileWarning
+
+    by_tag = {tag: (message, category) for tag, message, category in said}
+    message, category = by_tag["startup-compile"]
+    assert category is StartupCompileWarning and message.startswith("4 kernel(s) compiled at start-up (convpass_ew_lowered, "), message
+    assert "cupy_add_op_by_op" in message and "convpass_relu_op_by_op" in message and "earlier" not in message
+    assert by_tag["engine-build"][0].startswith("2 cuDNN graph-API plan(s) built at start-up in 0.70 s"), by_tag["engine-build"]
+    rt.run_plan(plan, {})  # later runs: nothing more said
+    assert [tag for tag, _, _ in said if tag in ("startup-compile", "engine-build")] == ["engine-build", "startup-compile"]
+
+
+def test_the_plan_builder_marks_the_start_of_a_plan_before_its_op_by_op_run():
+    import numpy as np
+    from conftest import conv_model
+
+    from convpass.kernels.backends import CpuBackend
+    from convpass.runtime.executor import Executor
+
+    class Recording(CpuBackend):
+        calls: list[str] = []
+
+        def begin_plan(self):
+            self.calls.append("begin_plan")
+
+        def conv(self, x, w, b, call):
+            self.calls.append("conv")
+            return super().conv(x, w, b, call)
+
+        def compile_plan(self, plan):
+            self.calls.append("compile_plan")
+
+    ex = Executor(conv_model("Conv", [1, 4, 6, 6], (3, 4, 3, 3)), device=Recording())
+    ex.run(None, {"x": np.ones((1, 4, 6, 6), np.float32)})
+    ex.run(None, {"x": np.ones((1, 4, 6, 6), np.float32)})
+    assert Recording.calls[:3] == ["begin_plan", "conv", "compile_plan"]

@@ -10,6 +10,8 @@ The executor and the op library only talk to a :class:`Backend`:
   recorded decision (:class:`convpass.ops.conv.ConvCall`);
 * ``erf`` — the one special function numpy lacks;
 * ``errstate`` / ``synchronize`` — execution scope and completion;
+* ``begin_plan`` — a hook called when a new signature's first run starts, before the op-by-op run
+  that records its plan (the cuda backend counts what compiles from there as start-up work);
 * ``compile_plan`` — a hook called once per static plan (input-shape signature): the cuda backend
   lowers every step to a kernel, plans Concat buffers, resolves cuDNN algorithms and workspaces
   from the decisions, and captures the plan into CUDA graphs on its next run;
@@ -140,6 +142,12 @@ class Backend:
         return contextlib.nullcontext()
 
     def synchronize(self) -> None:
+        return None
+
+    def begin_plan(self) -> None:
+        """Called when a new signature's first run starts, before the op-by-op run that records its
+        plan: what a backend builds from here to the end of that plan's first run is its start-up
+        work (the cuda backend counts the kernels compiled)."""
         return None
 
     def compile_plan(self, plan: Any) -> None:

@@ -86,6 +86,7 @@ class PlanBuilder:
         """The plan for ``key`` (the signature of ``arrays`` and ``outputs``), compiled by the
         backend, and its results on ``arrays``. ``fusions`` is the executor's option."""
         backend = self.backend
+        backend.begin_plan()
         constants = self.graph.constants
         ctx = OpContext(backend)
         hctx = OpContext(host_backend())

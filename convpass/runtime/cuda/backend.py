@@ -118,6 +118,7 @@ class CudaBackend(Backend):
         self.current_device: Any = None
         self._warned: set[str] = set()
         self.notes: list[str] = []  # every warning / note this backend emitted, in order
+        self._plan_marks: tuple[int, int] | None = None  # at begin_plan: lengths of the compilation and engine-build lists
         self.kernel_file: Any = None  # the model's kernel side-car in use (convpass.core.kernel_file.KernelFile)
         self._kernels_why = "no model was bound"
         # Set to a list to profile eager runs: (launch label, op type of its node, start event, end event)
@@ -257,12 +258,16 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ plans
 
+    def begin_plan(self) -> None:
+        """The op-by-op run that records a plan starts: what it compiles is start-up work of that plan."""
+        self._plan_marks = (len(prebuilt.COMPILATIONS), len(self.convs.engine_builds))
+
     def compile_plan(self, plan: Plan) -> None:
         """Lower, plan memory and prepare every launch (:mod:`convpass.runtime.cuda.lowering`); take over execution."""
+        marks, self._plan_marks = self._plan_marks, None
         if not plan.steps:
             return
-        mark = len(prebuilt.COMPILATIONS)
-        engines_mark = len(self.convs.engine_builds)
+        mark, engines_mark = marks or (len(prebuilt.COMPILATIONS), len(self.convs.engine_builds))
         with self._device:
             plan.backend_state = lowering.compile_plan(self, plan)
         plan.backend_state.compilations_from = mark

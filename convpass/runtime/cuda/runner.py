@@ -68,7 +68,7 @@ class CompiledPlan:
     static_inputs: dict[str, Any] | None = None
     outputs: list[Any] | None = None
     replays: int = 0
-    compilations_from: int | None = None  # until the first run ends: prebuilt.COMPILATIONS' length before lowering
+    compilations_from: int | None = None  # until the first run ends: prebuilt.COMPILATIONS' length when the plan's recording run began
 
     @property
     def captured(self) -> bool:
