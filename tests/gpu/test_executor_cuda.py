@@ -138,6 +138,17 @@ def test_untuned_sample_matches_ort(path):
     assert all(not s.tuned and s.algo not in ("-", "auto") for s in ex.plan_summary())
 
 
+def test_a_tuned_model_run_at_a_shape_of_no_profile_names_its_profiles_and_stays_correct(tmp_path):
+    model = conv_model("Conv", ["N", 4, 8, 8], (6, 4, 3, 3), pads=[1, 1, 1, 1])
+    tuned = convpass.optimize(model, cache=tmp_path / "c.db", shapes=["x=1x4x8x8"], quiet=True)
+    x = np.random.default_rng(0).standard_normal((3, 4, 8, 8)).astype(np.float32)
+    with pytest.warns(_ExecutorWarning(), match=r"tuned for shape profiles x=1x4x8x8 and this run's shape x=3x4x8x8 matches none") as said:
+        ex = Executor(tuned, device="cuda")
+        got = ex.run(None, {"x": x})[0]
+    assert not [w for w in said if "untuned" in str(w.message)], [str(w.message) for w in said]
+    _check_against([got], run_ort(model, {"x": x}), _tolerance(None), "tuned model, shape of no profile")
+
+
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
 def test_tuned_sample_matches_ort_and_runs_the_recorded_algorithms(path, tmp_path_factory):
     model = onnx.load(path)
