@@ -56,6 +56,7 @@ def check(path: Path, batch: int, cache: str | None, device: str) -> dict:
     from convpass.compiler.pipeline import optimize_model
     from convpass.core.model_io import load_model, save_model
     from convpass.core.options import TuneOptions
+    from convpass.core.ort_reference import cpu_session
     from convpass.core.profiles import input_shapes, model_inputs, shape_spec
     from convpass.runtime.executor import Executor
 
@@ -91,7 +92,7 @@ def check(path: Path, batch: int, cache: str | None, device: str) -> dict:
     row["ran_fused"] = {k: f"{sum(s.fused for s in summary if s.kind == k)}/{sum(s.kind == k for s in summary)}"
                         for k in sorted({s.kind for s in summary})}
     row["unfused_notes"] = sorted({s.note for s in summary if not s.fused and s.note})[:3]
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    want = cpu_session(ort, str(path)).run(None, feeds)
     row["max_rel_err"] = max(float(np.max(np.abs(g.astype(np.float64) - w)) / max(float(np.max(np.abs(w))), 1e-30)) for g, w in zip(got, want))
     return row
 

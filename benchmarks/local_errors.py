@@ -142,11 +142,15 @@ def _expose(model: onnx.ModelProto, names: Sequence[str], shapes: dict[str, tupl
 
 
 def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """``model`` on ONNX Runtime CPU as convpass's reference runs it (its result-changing rewrites off:
+    :mod:`convpass.core.ort_reference`)."""
     import onnxruntime as ort
+
+    from convpass.core.ort_reference import cpu_session
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    return cpu_session(ort, model.SerializeToString(), so).run(None, feeds)
 
 
 def executor_runner(device: str) -> Runner:

@@ -167,10 +167,12 @@ def _histogram_cells(h: Dict[str, Any]) -> List[str]:
 def _run_ort(model: onnx.ModelProto | str, feeds: Dict[str, np.ndarray]) -> List[np.ndarray]:
     import onnxruntime as ort
 
+    from convpass.core.ort_reference import cpu_session
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    return cpu_session(ort, src, so).run(None, feeds)
 
 
 def _rel_err(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> float:

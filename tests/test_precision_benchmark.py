@@ -106,8 +106,8 @@ def _fake_ort(cupy: _FakeCupy, refuse: str) -> types.ModuleType:
             self.outs = self.cpu.run(None, self.feeds)
 
     fake = _OrtWithFakeCuda("onnxruntime")
-    fake.InferenceSession = lambda path, so=None, providers=(): (  # the reference's own session is the real one
-        real.InferenceSession(path, so, providers=providers) if providers == ["CPUExecutionProvider"] else Session(path, so, providers))
+    fake.InferenceSession = lambda path, so=None, providers=(), **kw: (  # the reference's own session is the real one
+        real.InferenceSession(path, so, providers=providers, **kw) if providers == ["CPUExecutionProvider"] else Session(path, so, providers))
     return fake
 
 

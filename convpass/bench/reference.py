@@ -1,6 +1,7 @@
 """The reference every output of ``convpass bench`` is checked against: ONNX Runtime's CPU EP on
-the original model and the same input (the convpass CPU executor, said so, when onnxruntime is
-not installed or fails).
+the original model and the same input, its result-changing rewrites off
+(:mod:`convpass.core.ort_reference`); the convpass CPU executor, said so, when onnxruntime is
+not installed or fails.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from convpass.bench.peers import first_line
+from convpass.core.ort_reference import cpu_session
 
 
 def reference_outputs(path: str | os.PathLike, feeds: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray] | None, str | None, str | None]:
@@ -23,7 +25,7 @@ def reference_outputs(path: str | os.PathLike, feeds: Mapping[str, np.ndarray]) 
         try:
             so = ort.SessionOptions()
             so.log_severity_level = 3
-            sess = ort.InferenceSession(os.fspath(path), so, providers=["CPUExecutionProvider"])
+            sess = cpu_session(ort, os.fspath(path), so)
             outs = sess.run(None, dict(feeds))
             return [np.asarray(o) for o in outs], f"onnxruntime {ort.__version__} CPU", None
         except Exception as e:  # noqa: BLE001

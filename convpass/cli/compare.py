@@ -1,5 +1,6 @@
 """What ``convpass run`` says about its outputs: a summary of each, and (``--compare ort``) its error
-against ONNX Runtime's CPU execution provider on the same inputs.
+against ONNX Runtime's CPU execution provider on the same inputs (its result-changing rewrites off:
+:mod:`convpass.core.ort_reference`).
 
 Errors, per output, over all elements (``a``: convpass, ``b``: the reference):
 
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from convpass.core.errors import ConvpassError
+from convpass.core.ort_reference import cpu_session
 
 __all__ = ["OutputError", "compare", "ort_outputs", "summary"]
 
@@ -89,7 +91,7 @@ def ort_outputs(model: str, feeds: dict[str, np.ndarray], names: Sequence[str]) 
 
     ort = require("onnxruntime", "--compare ort")
     try:
-        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        session = cpu_session(ort, model)
         values = session.run(list(names), feeds)
     except Exception as e:  # noqa: BLE001  (ONNX Runtime raises its own types for a model it refuses)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

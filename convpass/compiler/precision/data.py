@@ -19,7 +19,8 @@ seed 0 for calibration and seed 1 for the held-out set: real data is better (act
 random inputs are not those of images, speech or text), and optimize says so.
 
 The reference is the model before precision changes (its float32 weights folded as optimize
-folds them) run by ONNX Runtime's CPU provider in float32.
+folds them) run by ONNX Runtime's CPU provider in float32, with its graph rewrites that change
+results turned off (:mod:`convpass.core.ort_reference`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import onnx
 from convpass.core.annotation import Profile
 from convpass.core.array_file import ARRAY_LIMIT, read_arrays
 from convpass.core.errors import ConvpassError, OptionError
+from convpass.core.ort_reference import cpu_session
 
 Feeds = dict[str, np.ndarray]
 METRICS = ("max-rel", "rel-l2")
@@ -136,7 +138,7 @@ def reference_outputs(model: onnx.ModelProto, inputs: InputSet) -> list[list[np.
     import onnxruntime as ort
 
     try:
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = cpu_session(ort, model.SerializeToString())
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         raise ConvpassError(f"the float32 reference cannot run in ONNX Runtime's CPU provider: {str(e).splitlines()[0]}") from None
     names = [o.name for o in model.graph.output]
