@@ -7,8 +7,8 @@ what the model says.
 ONNX Runtime's level-1 rewrite ``Pad_Fusion`` moves a constant zero ``Pad`` into the ``pads`` of
 the ``Conv`` or ``MaxPool`` that reads it. For a Conv that is exact. For a MaxPool it is not:
 MaxPool's own pads count as minus infinity, so a window whose values are all negative yields
-their maximum instead of the zero the Pad put there. ONNX Runtime 1.31 fuses into MaxPool (1.32
-does not). A model with ``Conv -> Pad(0) -> MaxPool`` and no activation between them (the
+their maximum instead of the zero the Pad put there. ONNX Runtime 1.30 and 1.31 fuse into MaxPool
+(1.32 does not; onnx-optimizer's and onnxsim's pad-into-pool rewrite has the same flaw). A model with ``Conv -> Pad(0) -> MaxPool`` and no activation between them (the
 stem of timm's BiT ResNet-v2 models) then has its border windows wrong wherever all their
 values are negative, and every float32 runtime that computes the model as written looks about
 1e-3 off. :func:`cpu_session` turns the rewrite off by the rule's name (a name ONNX Runtime does
