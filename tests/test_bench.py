@@ -544,6 +544,24 @@ def test_profile_executor_takes_the_timing_s_own_cost_off_every_launch():
     assert plain["floor_ms"] is None and plain["conv_ms"] == pytest.approx(0.100) and "no empty kernel" in plain["method"]
 
 
+def test_profile_executor_counts_the_inputs_conv_launches_copy():
+    """Their time is in the conv family; how many there are per run is said beside it."""
+    ex = _FakeProfiledExecutor(_samples(1))
+    ex.backend.counters = {"layout_copies": 0}
+    plain_run = ex.run
+
+    def run(names, feeds):
+        ex.backend.counters["layout_copies"] += 3
+        return plain_run(names, feeds)
+
+    ex.run = run
+    p = opprofile.profile_executor(ex, {}, runs=2, clock=_FakeClock([True] * 3), host_clock=lambda: 0.0)
+    assert p["conv_input_copies"] == 3
+    assert "conv 0." in opprofile.summary_line(p) and "(with 3 input copies made inside conv launches)" in opprofile.summary_line(p)
+    plain = opprofile.profile_executor(_FakeProfiledExecutor(_samples(1)), {}, runs=2, clock=_FakeClock([True] * 3), host_clock=lambda: 0.0)
+    assert plain["conv_input_copies"] is None and "input copies" not in opprofile.summary_line(plain)
+
+
 def test_profile_executor_says_when_host_gaps_are_included():
     ex = _FakeProfiledExecutor(_samples(1))
     p = opprofile.profile_executor(ex, {}, runs=3, clock=_FakeClock(None), host_clock=lambda: 0.0)

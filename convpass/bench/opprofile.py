@@ -13,7 +13,8 @@ type for ops run by the op library) and ``op_type`` is the ONNX op type of the l
   read, not ``op_type``: the runtime records a fused launch under the node that runs the kernel,
   the group's *last* node (``Relu`` for "fused BatchNormalization+Relu").
 * Every other launch is classified by ``op_type`` through the table: ``conv`` (Conv, ConvTranspose,
-  with their fused bias / activation / residual epilogues and the layout copies a conv launch does),
+  with their fused bias / activation / residual epilogues and the layout copies a conv launch does:
+  how many, per run, is ``conv_input_copies``, said in the summary line),
   ``elementwise``, ``normalization``, ``pooling`` (MaxPool, AveragePool, LpPool, Global*Pool and
   ReduceMean / ReduceMax: in the panel's CNNs those two are the spatial means and maxima PyTorch
   exports for ``x.mean((2, 3))``; a launch carries no axes, so one over other axes counts here too),
@@ -171,7 +172,21 @@ def profile_executor(executor: Any, feeds: Mapping[str, Any], runs: int = PROFIL
             else "; the timing's own cost per launch included (no empty kernel)")
     out = aggregate(samples, len(kept), host_gaps_excluded=whole, method=f"{head}; {timed.how}{each}")
     out["floor_ms"] = floor
+    out["conv_input_copies"] = _conv_input_copies(executor, feeds)
     return out
+
+
+def _conv_input_copies(executor: Any, feeds: Mapping[str, Any]) -> int | None:
+    """How many inputs the conv launches of one run copy first (a Concat slice, a tensor in the
+    other memory format): their time is in the conv family, since they run inside the conv's
+    launch. Counted over one more eager run by the backend's ``layout_copies`` counter; None where
+    the backend keeps no such counter."""
+    counters = getattr(getattr(executor, "backend", None), "counters", None)
+    if not isinstance(counters, Mapping) or "layout_copies" not in counters:
+        return None
+    before = counters["layout_copies"]
+    executor.run(None, feeds)
+    return int(counters["layout_copies"] - before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,9 +206,11 @@ def summary_line(p: Mapping[str, Any] | None) -> str | None:
     gaps = "host gaps excluded" if p.get("host_gaps_excluded") else "HOST LAUNCH OVERHEAD INCLUDED"
     top = p.get("top_non_conv_family")
     top_txt = f"{top} {p['top_non_conv_ms']:.3f} ms ({_pct(p['top_non_conv_ms'], p['total_ms'])})" if top else "none"
+    copies = p.get("conv_input_copies")
+    copied = f" (with {copies} input copies made inside conv launches)" if copies else ""
     return (
         f"GPU time per eager run ({p['runs']} run(s), {gaps}): {p['total_ms']:.3f} ms in {p['launches']} launches; "
-        f"conv {p['conv_ms']:.3f} ms, non-conv {p['non_conv_ms']:.3f} ms ({_pct(p['non_conv_ms'], p['total_ms'])}); "
+        f"conv {p['conv_ms']:.3f} ms{copied}, non-conv {p['non_conv_ms']:.3f} ms ({_pct(p['non_conv_ms'], p['total_ms'])}); "
         f"top non-conv family: {top_txt}"
     )
 
