@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import shutil
 import subprocess
@@ -187,6 +188,20 @@ def as_float32(model: onnx.ModelProto) -> onnx.ModelProto:
             if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT16:
                 attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
     return wide
+
+
+@functools.cache
+def _gpu_usable() -> bool:
+    from convpass.native import device
+
+    return device.detect() is not None
+
+
+@pytest.fixture(autouse=True)
+def _need_gpu(request):
+    """A test marked ``gpu`` is skipped, saying why, where no GPU / cuDNN is usable."""
+    if request.node.get_closest_marker("gpu") is not None and not _gpu_usable():
+        pytest.skip("no usable GPU / cuDNN")
 
 
 @pytest.fixture(autouse=True)

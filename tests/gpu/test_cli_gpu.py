@@ -19,14 +19,6 @@ from convpass.cli.main import main  # noqa: E402
 from convpass.cli.schemas import SCHEMAS  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu():
-    from convpass.native import device
-
-    if device.detect() is None:
-        pytest.skip("no usable GPU / cuDNN")
-
-
 def _doc(capsys, schema: str) -> dict:
     """The --json document on stdout, checked against its schema (its required fields where the
     machine lacks jsonschema)."""

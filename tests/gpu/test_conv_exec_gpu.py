@@ -30,13 +30,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu():
-    from convpass.native import device
-
-    if device.detect() is None:
-        pytest.skip("no usable GPU / cuDNN")
-
 
 def _runs(record: dict) -> str:
     """The algorithm text of what a recorded decision runs (:class:`convpass.core.algo.Algo`)."""

@@ -33,11 +33,6 @@ from convpass.tuning.tuner import CudnnTuner, was_measured  # noqa: E402
 OPTIONS = TuneOptions(layout="per-conv")
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu():
-    if device.detect() is None:
-        pytest.skip("no usable GPU / cuDNN")
-
 
 def _problems(model, shapes=()):
     return list(prepare_model(load_model(model), OPTIONS, shapes, OptimizeReport()))

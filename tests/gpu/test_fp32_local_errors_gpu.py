@@ -32,13 +32,6 @@ import convpass  # noqa: E402
 LOCAL_FP32 = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu():
-    from convpass.native import device
-
-    if device.detect() is None:
-        pytest.skip("no usable GPU / cuDNN")
-
 
 @pytest.mark.parametrize("batch", [1, 16])
 def test_an_fp32_plan_computes_every_conv_and_groupnorm_in_float32(batch, tmp_path):

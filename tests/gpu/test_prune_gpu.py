@@ -20,12 +20,6 @@ from convpass.tuning.prune import PRUNED  # noqa: E402
 from convpass.tuning.tuner import CudnnTuner  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu():
-    if device.detect() is None:
-        pytest.skip("no usable GPU / cuDNN")
-
-
 def test_a_family_the_history_never_saw_win_is_skipped_and_off_times_it(tmp_path):
     local = device.detect()
     history = [m for m in prune_rows.models(count=1, per_model=12) if m.key.shape.n == 1]  # 12 problems of one class

@@ -15,14 +15,6 @@ from test_subgraph_convs import _annotated, _same_outputs, if_model, loop_model,
 import convpass  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu():
-    from convpass.native import device
-
-    if device.detect() is None:
-        pytest.skip("no usable GPU / cuDNN")
-
-
 @pytest.mark.parametrize("build,shape,shapes", [(if_model, (2, 3, 8, 8), ["x=2x3x8x8"]), (loop_model, (2, 3, 8, 8), []),
                                                 (scan_model, (5, 1, 3, 8, 8), [])], ids=["if", "loop", "scan"])
 def test_body_convs_are_measured(build, shape, shapes, tmp_path):

@@ -20,14 +20,6 @@ from convpass.core.model_io import load_model, to_proto  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu():
-    from convpass.native import device
-
-    if device.detect() is None:
-        pytest.skip("no usable GPU / cuDNN")
-
-
 def _feeds(model: onnx.ModelProto) -> tuple[dict, list[str]]:
     feeds, shapes = {}, []
     for inp in model.graph.input:
