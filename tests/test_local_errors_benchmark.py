@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from conftest import benchmark_script
 from fused_models import norm
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from test_fold_conv_weights import _Graph, _std_conv_weight
 
 
@@ -51,9 +51,9 @@ def test_every_conv_and_groupnorm_has_a_float32_sized_local_error_on_the_cpu(tmp
 
 
 def test_a_node_computed_off_is_the_one_with_the_large_local_error():
-    """The device runner returns the exposed values with one conv's output off by 1e-3: its local
-    error says so, the nodes before it stay at float32's size, and the nodes after it carry it in
-    their cumulative error only."""
+    """The device runner computes one conv with its weight off by 1e-3 (random per element: the
+    GroupNorm after it cannot normalize it away): its local error says so, the nodes
+    before it stay at float32's size, and the nodes after it carry it in their cumulative error only."""
     import convpass
 
     script = benchmark_script("local_errors")
@@ -62,15 +62,18 @@ def test_a_node_computed_off_is_the_one_with_the_large_local_error():
     feeds = {"x": np.random.default_rng(1).standard_normal((1, 16, 9, 9)).astype(np.float32)}
     cpu = script.executor_runner("cpu")
 
-    def skewed(m, f):
-        outs = cpu(m, f)
-        names = [o.name for o in m.graph.output]
-        if "h" in names:
-            outs[names.index("h")] = outs[names.index("h")] * np.float32(1 + 1e-3)
-        return outs
+    def skewed(m, f):  # conv h's weight off, so that what follows computes on its output as a device would
+        m = onnx.ModelProto.FromString(m.SerializeToString())
+        (conv,) = [n for n in m.graph.node if n.name == "h"]
+        (w,) = [t for t in m.graph.initializer if t.name == conv.input[1]]
+        noise = np.random.default_rng(2).standard_normal(tuple(w.dims)).astype(np.float32)
+        w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * (1 + np.float32(1e-3) * noise), w.name))
+        return cpu(m, f)
 
     rows = {r["node"]: r for r in script.local_errors(model, tuned, feeds, skewed)["nodes"]}
     assert 5e-4 < rows["h"]["local"] < 2e-3
     assert rows["n2/InstanceNormalization"]["local"] < 1e-6, "a GroupNorm of the skewed input is still computed right"
     assert rows["n1/InstanceNormalization"]["local"] < 1e-6 and rows["short"]["local"] < 1e-6
     assert max(r["local"] for n, r in rows.items() if n != "h") < 1e-6
+    assert rows["n2/InstanceNormalization"]["cumulative"] > 1e-4 and rows["y2"]["cumulative"] > 1e-4  # carried after h
+    assert rows["n1/InstanceNormalization"]["cumulative"] < 1e-6 and rows["short"]["cumulative"] < 1e-6  # not before it, nor beside

@@ -4,7 +4,7 @@ and cuts of the rule, its re-exploration and its fallback."""
 from __future__ import annotations
 
 import prune_rows
-from prune_rows import row, shape
+from prune_rows import problem_rows, row, shape
 
 from convpass.core.problem import ConvShape
 from convpass.tuning.prune import PRUNED, History, Pruner, Rule, family, geometry_class, needs_fallback
@@ -22,7 +22,7 @@ def test_geometry_class_names_direction_kind_kernel_stride_layout_math_and_size(
 def test_a_family_is_the_bare_algorithm_or_the_engine_without_its_knobs():
     assert family("implicit_precomp_gemm+bias+relu") == family("implicit_precomp_gemm") == "legacy:implicit_precomp_gemm"
     assert family("engine:eng67_k2=5_k13=0") == family("engine:eng67_k2=1") == "engine:eng67"
-    assert family("engine:eng1") == "engine:eng1"
+    assert family("engine:eng1") == "engine:eng1" and family("engine:eng0_k13=1_k2=3") == "engine:eng0"
     assert family("convpass_depthwise_r4+bias") == "own:convpass_depthwise_r4"
 
 
@@ -43,6 +43,13 @@ def test_the_rule_orders_by_win_rate_and_skips_families_that_never_come_near():
     assert kept == ["implicit_precomp_gemm"]
     assert [a for a, _ in skipped] == ["implicit_gemm", "fft", "winograd"]
     assert all(why.startswith(PRUNED) and "never won" in why and "in 3 problems" in why for _, why in skipped)
+    # two families that win: the one that wins more often is tried first, whatever the tuner's order;
+    # a family the history never saw is kept, last (no win rate)
+    rows = [m for c, (gemm, precomp) in zip((8, 9, 10), ((0.1, 0.2), (0.1, 0.2), (0.2, 0.1)))
+            for m in problem_rows(shape(1, c), 10.0 * c, {"implicit_gemm": gemm, "implicit_precomp_gemm": precomp, "fft": 0.5})]
+    plan = Pruner(History.learn(rows, near=0.03), Rule(0.03, 3, 100)).plan(key)
+    kept, skipped = plan.order(["winograd", "implicit_precomp_gemm", "fft", "implicit_gemm"])
+    assert kept == ["implicit_gemm", "implicit_precomp_gemm", "winograd"] and [a for a, _ in skipped] == ["fft"]
 
 
 def test_few_known_problems_and_every_kth_problem_search_everything():
