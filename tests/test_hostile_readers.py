@@ -523,3 +523,17 @@ def test_a_plot_is_written_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", real_replace)
     assert plot.write_plot(doc, str(tmp_path / "c.png"), importer=Plt) == str(tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes() == b"\x89PNG chart" and saved == ["png", "png"]
+
+
+@pytest.mark.parametrize("flag", ["--calibration", "--holdout"])
+def test_the_output_model_is_not_an_input_file_of_the_run(tmp_path, capsys, flag):
+    """``-o`` over a --calibration / --holdout file would replace an input of the run with the tuned
+    model: refused before any work, as over the input model or the tuning cache."""
+    model, cache = tmp_path / "m.onnx", tmp_path / "cache.db"
+    shutil.copyfile(PRECISION_MODEL, model)
+    synthetic_cache(cache, onnx.load(PRECISION_MODEL)).close()  # closed: every row in the file (a run would get this far)
+    np.savez(tmp_path / "in.npz", input=GOOD)
+    before = tree(tmp_path)
+    cli(capsys, *_optimize_auto(model, cache, flag, tmp_path / "in.npz"), "-o", tmp_path / "in.npz",
+        match=rf"-o .*in.npz is a {flag} file: refusing to overwrite it")
+    assert tree(tmp_path) == before
