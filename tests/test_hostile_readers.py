@@ -537,3 +537,16 @@ def test_the_output_model_is_not_an_input_file_of_the_run(tmp_path, capsys, flag
     cli(capsys, *_optimize_auto(model, cache, flag, tmp_path / "in.npz"), "-o", tmp_path / "in.npz",
         match=rf"-o .*in.npz is a {flag} file: refusing to overwrite it")
     assert tree(tmp_path) == before
+
+
+def test_array_names_of_a_calibration_file_are_quoted_in_one_line(tmp_path, capsys):
+    """The names an archive holds come from the file: a newline in one must not start a line of its own."""
+    model, cache = tmp_path / "m.onnx", tmp_path / "cache.db"
+    shutil.copyfile(PRECISION_MODEL, model)
+    synthetic_cache(cache, onnx.load(PRECISION_MODEL)).close()
+    with zipfile.ZipFile(tmp_path / "in.npz", "w") as z:
+        z.writestr("x\nconvpass: done.npy", _npy_bytes({"descr": "<f4", "fortran_order": False, "shape": (1,)}, b"\0" * 4))
+    before = tree(tmp_path)
+    cli(capsys, *_optimize_auto(model, cache, "--calibration", tmp_path / "in.npz"),
+        match=r"holds no array for the model input\(s\) input \(it holds 'x\\nconvpass: done'\)")
+    assert tree(tmp_path) == before
