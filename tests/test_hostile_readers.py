@@ -550,3 +550,17 @@ def test_array_names_of_a_calibration_file_are_quoted_in_one_line(tmp_path, caps
     cli(capsys, *_optimize_auto(model, cache, "--calibration", tmp_path / "in.npz"),
         match=r"holds no array for the model input\(s\) input \(it holds 'x\\nconvpass: done'\)")
     assert tree(tmp_path) == before
+
+
+def test_run_input_array_names_are_quoted_in_one_line(tmp_path, capsys):
+    from conftest import conv_model
+
+    onnx.save(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), tmp_path / "m.onnx")
+    one = _npy_bytes({"descr": "<f4", "fortran_order": False, "shape": (1,)}, b"\0" * 4)
+    with zipfile.ZipFile(tmp_path / "in.npz", "w") as z:
+        z.writestr("a\nconvpass: done.npy", one)
+        z.writestr("b.npy", one)
+    before = tree(tmp_path)
+    cli(capsys, "run", tmp_path / "m.onnx", "--device", "cpu", "-i", f"x={tmp_path / 'in.npz'}",
+        match=r"holds no array named 'x' \(it holds 'a\\nconvpass: done', 'b'\)")
+    assert tree(tmp_path) == before
