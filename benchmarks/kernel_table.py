@@ -15,13 +15,16 @@ Needs a GPU, CuPy, and torch (only for its profiler).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import onnx
+
+from convpass.bench.document import to_json
+from convpass.core.errors import FileError
+from convpass.core.files import check_output, write_text_atomically
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    protect = [(args.model, "the --model"), *([(args.cache, "the tuning cache")] if args.cache else [])]
+    if args.json is not None:
+        try:
+            check_output(args.json, "--json", protect)  # before the GPU work, not after it
+        except FileError as e:
+            ap.error(str(e))
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -68,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'us/run':>10} {'launches':>8} {'share':>6}  kernel")
     for name, (us, n) in rows[: args.top]:
         print(f"{us:10.1f} {n:8.0f} {100 * us / whole:5.1f}%  {name[:140]}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "batch": args.batch, "total_us": whole,
-                                                "kernels": [{"name": k, "us": v[0], "launches": v[1]} for k, v in rows]}, indent=1))
+    if args.json is not None:
+        write_text_atomically(args.json, to_json({"model": args.model, "batch": args.batch, "total_us": whole,
+                                                  "kernels": [{"name": k, "us": v[0], "launches": v[1]} for k, v in rows]}),
+                              "--json", protect)
     return 0
 
 

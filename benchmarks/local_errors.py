@@ -35,7 +35,6 @@ Runtime float32 than about twice that.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +43,11 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+
+from convpass.bench.document import to_json
+from convpass.core.errors import FileError
+from convpass.core.files import check_output, write_text_atomically
+from convpass.core.text import printable
 
 Runner = Callable[[onnx.ModelProto, dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -248,10 +252,10 @@ def _table(result: dict[str, Any]) -> str:
     for r in result["nodes"]:
         decision = " ".join(str(r[k]) for k in ("algo", "memory_format", "math_mode") if r.get(k) is not None)
         against = f" {r['ort_truth']:8.1e} {r['device_truth']:8.1e}" if truth else ""
-        lines.append(f"{r['node'][-64:]:64s} {r['kind']:9s} {r['local']:8.1e} {r['cumulative']:8.1e}{against}  {decision}")
+        lines.append(f"{printable(r['node'])[-64:]:64s} {r['kind']:9s} {r['local']:8.1e} {r['cumulative']:8.1e}{against}  {decision}")
     worst = max(result["nodes"], key=lambda r: r["local"], default=None)
     if worst is not None:
-        lines.append(f"largest local error: {worst['local']:.1e} at {worst['node']} ({worst['kind']})")
+        lines.append(f"largest local error: {worst['local']:.1e} at {printable(worst['node'])} ({worst['kind']})")
     lines.append(f"end to end (max-abs-relative): {result['end_to_end']:.2e}; with the nodes exposed: {result['end_to_end_exposed']:.2e}")
     if truth:
         for who, label in (("ort_float32", "ONNX Runtime CPU float32"), ("device", "the tuned model on the device")):
@@ -279,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="f64: also measure ONNX Runtime float32 and the device against the model computed in float64")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    protect = [(p, what) for p, what in ((args.model, "the --model"), (args.tuned, "the --tuned model"),
+                                         (args.cache, "the tuning cache")) if p is not None]
+    if args.json is not None:
+        try:
+            check_output(args.json, "--json", protect)  # before the runs, not after them
+        except FileError as e:
+            ap.error(str(e))
     import convpass
 
     original = onnx.load(str(args.model))  # with its external data: the float64 truth converts it
@@ -298,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.truth == "f64":
         result["truth"]["ort_float64_gaps"] = ort_float64_gaps(original)
     print(_table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    if args.json is not None:
+        write_text_atomically(args.json, to_json(result), "--json", protect)  # NaN / Inf (not JSON): null
     return 0
 
 

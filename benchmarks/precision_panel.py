@@ -30,7 +30,6 @@ until the last one), so a run cut off keeps the cases it finished::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -45,10 +44,12 @@ import onnx
 
 import convpass
 from convpass.bench import environment, measure, ort_contender, peers, torch_contender
+from convpass.bench.document import to_json
 from convpass.bench.reference import reference_outputs
 from convpass.compiler.precision.data import model_error
 from convpass.core import annotation
-from convpass.core.files import write_text_atomically
+from convpass.core.errors import FileError
+from convpass.core.files import check_output, write_text_atomically
 
 CONFIGS = {"fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"},
            "auto-1e-2": {"precision": "auto", "max_error": 1e-2}, "auto-1e-3": {"precision": "auto", "max_error": 1e-3}}
@@ -272,6 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not paths:
         p.error("give --panel or --model")
     batches = [int(b) for b in args.batches.split(",")]
+    protect = [*((str(m), "a model of the panel") for m in paths), *([(args.cache, "the tuning cache")] if args.cache else []),
+               *([(args.panel_json, "the --panel-json file")] if args.panel_json else [])]
+    if args.out:
+        try:
+            check_output(args.out, "--out", protect)  # before the first case, not after it
+        except FileError as e:
+            p.error(str(e))
     work = Path(tempfile.mkdtemp(prefix="convpass-precision-"))
     cache = args.cache or str(work / "tuning.db")
     env = environment.environment()
@@ -287,17 +295,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 case = {"model": path.stem, "batch": batch, "error": peers.first_line(e)}
             cases.append(case)
             if args.out:
-                write_out(args.out, cases, env, complete=False)
+                write_out(args.out, cases, env, complete=False, protect=protect)
     print("\n".join(summarize(cases)))
     if args.out:
-        write_out(args.out, cases, env, complete=True)
+        write_out(args.out, cases, env, complete=True, protect=protect)
     return 0
 
 
-def write_out(path: str, cases: list[dict[str, Any]], env: dict[str, Any], complete: bool) -> None:
-    """The figures so far as JSON, through a temporary file beside ``path`` and a rename."""
+def write_out(path: str, cases: list[dict[str, Any]], env: dict[str, Any], complete: bool,
+              protect: Sequence[tuple[str, str]] = ()) -> None:
+    """The figures so far as JSON (NaN / Inf, not JSON: null), through a temporary file beside
+    ``path`` and a rename, never over a file ``protect`` names (the cache, the models)."""
     doc = {"cases": cases, "summary": summarize(cases), "environment": env, "complete": complete}
-    write_text_atomically(path, json.dumps(doc, indent=1))
+    write_text_atomically(path, to_json(doc), "--out", protect)
 
 
 if __name__ == "__main__":

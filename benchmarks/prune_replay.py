@@ -27,14 +27,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import sys
 from collections import defaultdict
-from pathlib import Path
 
+from convpass.bench.document import to_json
 from convpass.core.algo import Algo
 from convpass.core.cudnn_enums import algo_names
 from convpass.core.device import DeviceFingerprint
+from convpass.core.errors import FileError
+from convpass.core.files import check_output, write_text_atomically
 from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
@@ -239,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap", type=float, default=GAP_S, help="seconds between tuning runs (model inference)")
     ap.add_argument("--grid", action="store_true", help="also replay every rule of the grid")
     args = ap.parse_args(argv)
+    protect = [(args.cache, "the tuning cache")]  # --json never replaces the cache it replays
+    if args.json is not None:
+        try:
+            check_output(args.json, "--json", protect)  # before the replay, not after it
+        except FileError as e:
+            ap.error(str(e))
     with TuningCache(args.cache, readonly=True) as cache:
         devices = [d for d, _ in cache.devices()]
         if args.device is None and len(devices) != 1:
@@ -267,11 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         for g in document["grid"]:
             print(f"  {g['near']:.2f} {g['min_problems']:3d} {g['explore_every']:3d} -> {g['share']:6.1%} "
                   f"{g['within_3'] / g['keys']:7.2%} {g['within_10'] / g['keys']:7.2%} {g['worst_ratio']:.3f}")
-    if args.json:
-        target = Path(args.json)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(document, indent=1, default=str))
-        tmp.replace(target)
+    if args.json is not None:
+        write_text_atomically(args.json, to_json(document), "--json", protect)
     return 0
 
 

@@ -524,3 +524,44 @@ def test_a_plot_is_written_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", real_replace)
     assert plot.write_plot(doc, str(tmp_path / "c.png"), importer=Plt) == str(tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes() == b"\x89PNG chart" and saved == ["png", "png"]
+
+
+@pytest.mark.parametrize("flag", ["--calibration", "--holdout"])
+def test_the_output_model_is_not_an_input_file_of_the_run(tmp_path, capsys, flag):
+    """``-o`` over a --calibration / --holdout file would replace an input of the run with the tuned
+    model: refused before any work, as over the input model or the tuning cache."""
+    model, cache = tmp_path / "m.onnx", tmp_path / "cache.db"
+    shutil.copyfile(PRECISION_MODEL, model)
+    synthetic_cache(cache, onnx.load(PRECISION_MODEL)).close()  # closed: every row in the file (a run would get this far)
+    np.savez(tmp_path / "in.npz", input=GOOD)
+    before = tree(tmp_path)
+    cli(capsys, *_optimize_auto(model, cache, flag, tmp_path / "in.npz"), "-o", tmp_path / "in.npz",
+        match=rf"-o .*in.npz is a {flag} file: refusing to overwrite it")
+    assert tree(tmp_path) == before
+
+
+def test_array_names_of_a_calibration_file_are_quoted_in_one_line(tmp_path, capsys):
+    """The names an archive holds come from the file: a newline in one must not start a line of its own."""
+    model, cache = tmp_path / "m.onnx", tmp_path / "cache.db"
+    shutil.copyfile(PRECISION_MODEL, model)
+    synthetic_cache(cache, onnx.load(PRECISION_MODEL)).close()
+    with zipfile.ZipFile(tmp_path / "in.npz", "w") as z:
+        z.writestr("x\nconvpass: done.npy", _npy_bytes({"descr": "<f4", "fortran_order": False, "shape": (1,)}, b"\0" * 4))
+    before = tree(tmp_path)
+    cli(capsys, *_optimize_auto(model, cache, "--calibration", tmp_path / "in.npz"),
+        match=r"holds no array for the model input\(s\) input \(it holds 'x\\nconvpass: done'\)")
+    assert tree(tmp_path) == before
+
+
+def test_run_input_array_names_are_quoted_in_one_line(tmp_path, capsys):
+    from conftest import conv_model
+
+    onnx.save(conv_model("Conv", (1, 3, 8, 8), (4, 3, 3, 3)), tmp_path / "m.onnx")
+    one = _npy_bytes({"descr": "<f4", "fortran_order": False, "shape": (1,)}, b"\0" * 4)
+    with zipfile.ZipFile(tmp_path / "in.npz", "w") as z:
+        z.writestr("a\nconvpass: done.npy", one)
+        z.writestr("b.npy", one)
+    before = tree(tmp_path)
+    cli(capsys, "run", tmp_path / "m.onnx", "--device", "cpu", "-i", f"x={tmp_path / 'in.npz'}",
+        match=r"holds no array named 'x' \(it holds 'a\\nconvpass: done', 'b'\)")
+    assert tree(tmp_path) == before

@@ -65,7 +65,7 @@ def _load(spec: str, name: str | None, path: str) -> dict[str, np.ndarray]:
         return {name: arrays[name]}
     if len(arrays) == 1:
         return {name: next(iter(arrays.values()))}
-    raise ConvpassError(f"--input {spec!r}: {path} holds no array named {name!r} (it holds {', '.join(sorted(arrays)) or 'none'})")
+    raise ConvpassError(f"--input {spec!r}: {path} holds no array named {name!r} (it holds {', '.join(map(repr, sorted(arrays))) or 'none'})")
 
 
 INPUT_FILE_LIMIT = 4 << 30  # one input file's bytes, and its arrays inflated, at most 4 GiB

@@ -197,7 +197,9 @@ def run_optimize(
     shared path); ``names`` spells the options in messages. Returns the model and the report,
     whose ``kernels`` line says what became of the kernel side-car."""
     device_mod.start_driver()  # ready by the time the decisions need the GPU's fingerprint
-    protect = inputs_of(model, cache)  # what the run reads, which its output must not replace
+    protect = [*inputs_of(model, cache),  # what the run reads, which its output must not replace
+               *((path, f"a {names(flag)} file") for flag, paths in (("calibration", calibration), ("holdout", holdout))
+                 for path in paths)]
     if output is not None:
         check_output(output, "-o" if names is CLI else "output", protect)
     ir_model = load_model(model)

@@ -89,7 +89,7 @@ def load_feeds(paths: Sequence[str | os.PathLike], model: onnx.ModelProto, name:
                               f"by name (np.savez(FILE, {next(iter(inputs), 'input')}=array))")
         missing = [k for k in inputs if k not in arrays]
         if missing:
-            held = ", ".join(list(arrays)[:10]) + (f" and {len(arrays) - 10} more" if len(arrays) > 10 else "")
+            held = ", ".join(map(repr, list(arrays)[:10])) + (f" and {len(arrays) - 10} more" if len(arrays) > 10 else "")
             raise OptionError(f"{flag}: holds no array for the model input(s) {', '.join(missing)} (it holds {held or 'none'})")
         feeds.append({k: _checked(arrays[k], k, dims, dtype, flag) for k, (dims, dtype) in inputs.items()})
     shown = ", ".join(Path(p).name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
