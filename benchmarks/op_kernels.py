@@ -12,7 +12,9 @@ timed as cuBLAS plus the fused element-wise kernel (``matmul_epilogues=False``) 
 cuBLASLt call with those epilogues (the default; a bias before an erf GELU: cuBLASLt's bias epilogue,
 then the GELU's fused kernel). Fused element-wise groups are timed with
 convpass's broadcasting kernel (the default) and with CuPy's ``ElementwiseKernel`` of the same
-code (``CuPy's kernel``: what ran before the broadcasting kernel).
+code (``CuPy's kernel``: what ran before the broadcasting kernel). A normalization unit (a VAE's
+GroupNorm + SiLU in its exported form) is timed as its fused step (statistics, then the apply
+pass: ``fusions=True``), as the unfused ops' kernels (``fusions=False``) and by the op library.
 
     python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7] [--only TEXT[,TEXT...]]
 
@@ -105,7 +107,8 @@ def _executor_variant(model, x, reps: int, batches: int, channels_last: bool, **
     xd = cp.asarray(x)
     if channels_last:
         xd = cp.moveaxis(cp.ascontiguousarray(cp.moveaxis(xd, 1, -1)), -1, 1)
-    ex = Executor(model, device=CudaBackend(**options), output_kind="device")
+    fusions = options.pop("fusions", None)
+    ex = Executor(model, device=CudaBackend(**options), output_kind="device", fusions=fusions)
     for _ in range(3):
         (y,) = ex.run(None, {"x": xd})
     status = ex.graph_status()
@@ -198,6 +201,15 @@ def cases() -> list[dict[str, Any]]:
                 "model": _model([N("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=32)], gshape,
                                 [_const("s", np.ones(256)), _const("b", np.zeros(256))], 21),
                 "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
+    # a VAE decoder's GroupNorm(32) + SiLU as torch.onnx.export writes it (opset < 18), at batch 16
+    # and 1, 128 channels (four a group): run as the fusion unit's one step (statistics + apply),
+    # as the unfused ops' kernels, and by the op library
+    for b in (16, 1):
+        for cl in (False, True):
+            gshape = (b, 128, 256, 256)
+            out.append({"name": f"GroupNorm+SiLU (exported, 32 groups) {'x'.join(map(str, gshape))}{' nhwc' if cl else ''}", "family": "normalization",
+                        "shape": gshape, "channels_last": cl, "model": _exported_group_norm_silu(gshape, 32, rng),
+                        "variants": {"op library": {"kernels": False}, "unfused kernels": {"fusions": False}, "fused kernel": {"fusions": True}}})
     lshape = (32, 56, 56, 96)
     out.append({"name": "LayerNormalization last axis (ConvNeXt) 32x56x56x96", "family": "normalization", "shape": lshape,
                 "model": _model([N("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)], lshape, [_const("g", np.ones(96)), _const("b", np.zeros(96))], 17),
@@ -232,6 +244,18 @@ def cases() -> list[dict[str, Any]]:
                     "model": _model([N("Resize", ["x", "", "scales"], ["y"], mode=mode)], rshape, [_const("scales", [1, 1, 2, 2])]),
                     "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
     return out
+
+
+def _exported_group_norm_silu(shape: tuple[int, ...], groups: int, rng: np.random.Generator) -> Any:
+    """Reshape(x, [0, G, -1]) -> InstanceNormalization(ones, zeros) -> Reshape(Shape(x)) -> Mul(gamma)
+    -> Add(beta) -> Sigmoid, Mul: ``nn.GroupNorm`` + ``F.silu`` as exported at opset 17."""
+    c = shape[1]
+    nodes = [N("Reshape", ["x", "g"], ["r"]), N("InstanceNormalization", ["r", "ones", "zeros"], ["i"], epsilon=1e-6),
+             N("Shape", ["x"], ["s"]), N("Reshape", ["i", "s"], ["back"]), N("Mul", ["back", "gamma"], ["m"]), N("Add", ["m", "beta"], ["a"]),
+             N("Sigmoid", ["a"], ["sig"]), N("Mul", ["a", "sig"], ["y"])]
+    inits = [_const("g", [0, groups, -1], np.int64), _const("ones", np.ones(groups)), _const("zeros", np.zeros(groups)),
+             _const("gamma", (1 + 0.1 * rng.standard_normal(c)).reshape(c, 1, 1)), _const("beta", rng.standard_normal(c).reshape(c, 1, 1))]
+    return _model(nodes, shape, inits, 17)
 
 
 def _cudnn_instance_norm(case: dict[str, Any], x: np.ndarray, reps: int, batches: int) -> tuple[float, np.ndarray]:
@@ -304,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{case['name'][:62]:<62} {r['variant']:<18} {r['us']:9.1f} us {r['GBps']:7.0f} GB/s  "
                       f"x{r['speedup_vs_op_library']:.2f}  err {r['rel_err']:.1e}", flush=True)
-    print(f"op_kernels: {len(rows)} cases in {time.perf_counter() - t0:.0f} s")
+    import convpass
+
+    print(f"op_kernels: {len(rows)} cases in {time.perf_counter() - t0:.0f} s (convpass from {Path(convpass.__file__).parent})")
     if args.json:
         Path(args.json).write_text(json.dumps({"cases": rows}, indent=1))
     return 0

@@ -6,6 +6,7 @@ geometry, the model's record and what the executor does with it, and the layout 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -251,11 +252,81 @@ def test_the_kernels_match_the_fused_step(host_entry, shape, groups, where):
     launch.run(env)
     got = env[step.outputs[0]]
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # the apply pass's frame (N, C, S) / (N, S, C) merges to three dimensions at most (two for one
+    # sample), whichever storage: the per-channel constants of the exported form keep N apart
+    assert launch.kernel.planned_dims() == {2 if shape[0] == 1 else 3}
     if where in ("nhwc", "nhwc-slice") and r > 2:
         assert got.strides[1] == 4, "channels-last in, channels-last out"
     if out_buffer is not None:
         buf = env[out_buffer["slot"]]
         assert np.shares_memory(got, buf) and (buf[:, :1] == -9).all() and (buf[:, 1 + shape[1]:] == -9).all()
+
+
+def _coefficients64(x, groups, eps, scale, shift):
+    """A = rstd * scale and B = shift - mean * A per (sample, channel), in float64."""
+    n, c = x.shape[:2]
+    g = x.astype(np.float64).reshape(n, groups, -1)
+    mean, var = g.mean(-1), g.var(-1)
+    rstd = np.repeat(1 / np.sqrt(var + eps), c // groups, axis=1)
+    a = rstd * scale.astype(np.float64)
+    return a, shift.astype(np.float64) - np.repeat(mean, c // groups, axis=1) * a
+
+
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_finalize_writes_coefficients_that_match_float64(host_entry, layout, inputs):
+    """The finalize kernel's A and B (per sample and channel, four channels a group as in a VAE's
+    GroupNorm(32) of 128 channels) against float64 NumPy, and the apply pass's output against the
+    fused step in float64: a mean far from zero (x * A and B nearly cancel) and a variance of
+    epsilon's size."""
+    shape, groups = (2, 16, 5, 6), 4
+    plan = _fused_plan(shape, groups)
+    index = len(plan.steps) - 1
+    step = plan.steps[index]
+    ctx = OpContext(host_backend())
+    launch = group_norm.FusedNormLaunch(plan, index, np, (ctx, step.node, step.fn), entry=host_entry, threads=1, sms=2)
+    launch.prepare()
+    env = list(plan.template)
+    offset, scale = INPUTS[inputs]
+    x = feeds(shape, seed=3, offset=offset)["x"] * np.float32(scale)
+    z = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    env[step.inputs[0]] = channels_last(x) if layout == "nhwc" else x
+    env[step.inputs[-1]] = z
+    launch.run(env)
+    params = [env[s] for s in step.inputs[1:3]]
+    a64, b64 = _coefficients64(x, groups, step.node.prepared.eps, *params)
+    n, c = shape[:2]
+    a, b = launch.coef[:n * c].reshape(n, c), launch.coef[n * c:].reshape(n, c)
+    np.testing.assert_allclose(a, a64, rtol=5e-6)
+    np.testing.assert_allclose(b, b64, rtol=5e-6, atol=5e-6 * float(np.abs(b64 - params[1]).max()))  # B rounds at mean * A's scale
+    want = step.fn(ctx, step.node, x.astype(np.float64), *[env[s] for s in step.inputs[1:-1]], z.astype(np.float64))
+    got = env[step.outputs[0]]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    assert launch.kernel.planned_dims() == {3}
+
+
+@pytest.mark.parametrize("batch", [16, 1])
+def test_a_vae_sized_channels_last_apply_walks_rows_of_all_channels(batch):
+    """GroupNorm(32) of 128 channels at 256 x 256: the apply frame of channels-last storage merges
+    to (N, S, C) (or (S, C) for one sample) with the channels innermost and contiguous, not the
+    (N, S, G, C / G) of four elements a row; channels-first to (N, C, S)."""
+    from convpass.kernels import broadcast
+
+    shape = (batch, 128, 256, 256)
+    tiny = np.zeros(1, np.float32)
+    for last in (True, False):
+        steps = (128 * 65536, 1, 256 * 128, 128) if last else (128 * 65536, 65536, 256, 1)
+        x = np.lib.stride_tricks.as_strided(tiny, shape, tuple(4 * v for v in steps), writeable=False)  # strides alone: nothing is read
+        f = group_norm.frame(np, x, shape, last)
+        gamma = group_norm.frame(np, np.zeros((128, 1, 1), np.float32), shape, last)  # the exported form's per-channel Mul
+        a, b = group_norm.coefficient_frames(np, np.zeros(2 * batch * 128, np.float32), batch, 128, last)
+        arrays = [f, a, b, gamma]
+        geo = broadcast.broadcast_geometry(f.shape, [(v.shape, [s // 4 for s in v.strides]) for v in arrays], [s // 4 for s in f.strides], False)
+        assert geo is not None and geo.dims == (2 if batch == 1 else 3)
+        if last:
+            assert geo.extents[-1] == 128 and geo.strides[0][-1] == 1 and geo.strides[1][-1] == 1, geo
+        else:
+            assert geo.extents[-1] == 65536 and geo.strides[0][-1] == 1, geo
 
 
 def test_statistics_geometry_follows_the_strides():
@@ -274,13 +345,18 @@ def test_statistics_geometry_follows_the_strides():
     assert plan((2, 8192, 4, 4), (8192 * 16, 1, 4 * 8192, 8192), 32, 132) is None  # too many channels for a lane's registers
 
 
-def test_apply_group_code_reads_statistics_in_float():
+def test_apply_group_code_reads_coefficients_in_float():
     plan = _fused_plan((2, 8, 5, 6), 4)
     spec = plan.steps[-1].node.prepared
     group = group_norm.apply_group(spec, np.float16, ["constant", "constant", "value"])
-    assert group.input_types[:5] == ("T", "float", "float", "float", "float")
-    assert "const A tn = (a0 - a1) * a2 * a3 + a4;" in group.code and group.code.endswith("const A t4 = (a7 + t3);\nout0 = (T)t4;")  # the residual Add reads x, the fifth operand
-    assert group_norm.apply_classes(["constant", "constant", "value"], [(8, 1, 1), (8, 1, 1), (2, 8, 5, 6)]) == (0, 1, 1, 2, 2, 3, 3, 4)
+    assert group.input_types == ("T", "float", "float", "T", "T", "T")
+    assert "const A tn = fmaf(a0, a1, a2);" in group.code and group.code.endswith("const A t4 = (a5 + t3);\nout0 = (T)t4;")  # the residual Add reads x, the third operand
+    assert group_norm.apply_classes(["constant", "constant", "value"], [(8, 1, 1), (8, 1, 1), (2, 8, 5, 6)]) == (0, 1, 1, 2, 2, 3)
+    # the step's scale and shift are folded into A and B: an epilogue that read them could not run
+    first = spec.chain[0]
+    odd = dataclasses.replace(spec, chain=(dataclasses.replace(first, args=(("norm", 0), ("in", 1))), *spec.chain[1:]))
+    with pytest.raises(ValueError, match="reads the normalization's scale or shift"):
+        group_norm.apply_group(odd, np.float32, ["constant", "constant", "value"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -255,6 +255,10 @@ class BroadcastKernel:
             fn((grid,), (block,), (*args, out, *scalars))
         return out
 
+    def planned_dims(self) -> set[int]:
+        """How many merged dimensions the launches planned so far walk (one per geometry taken)."""
+        return {self.entries.index(plan[0]) + 1 for plan in self._plans.values() if plan is not False}
+
     def _plan(self, args: Sequence[Any], out: Any) -> Any:
         shape = tuple(np.broadcast_shapes(*(a.shape for a in args)))
         if out is not None and tuple(out.shape) != shape:

@@ -2,8 +2,9 @@
 or instance normalization, per-channel scale and shift, then the unit's element-wise epilogue)
 as one statistics pass and one apply pass, on channels-first and channels-last storage.
 
-Statistics (float32, per sample and channel group; written once per step into a scratch buffer
-allocated when the plan is compiled, so the launches can be captured):
+Statistics and coefficients (float32, per sample and channel group, then per sample and channel;
+written once per step into scratch buffers allocated when the plan is compiled, so the launches
+can be captured):
 
 * ``gn_moments_rows`` — channels-first storage, where a group's elements are one contiguous row
   (``C / G * S`` elements): blocks of 256 threads over chunks of the rows (enough chunks per row
@@ -14,9 +15,12 @@ allocated when the plan is compiled, so the launches can be captured):
   lanes (reading adjacent channels of one position: coalesced, ``v`` channels each) and position
   lanes; the lanes' moments are merged per group in shared memory;
 * ``gn_finalize`` — one block per (sample, group) merges its chunks' moments (its threads a
-  strided share each, then the block's tree) and writes the mean and ``1 / sqrt(var + eps)``. (One
-  thread per (sample, group) merging every chunk in turn made a channels-last step of one sample,
-  with hundreds of chunks, several times slower than its channels-first form.)
+  strided share each, then the block's tree) into the group's mean and ``rstd = 1 / sqrt(var +
+  eps)``, and its threads write the group's channels' coefficients ``A[n, c] = rstd * scale[c]``
+  and ``B[n, c] = shift[c] - mean * A[n, c]`` (each rounded once: ``B`` by one fused
+  multiply-add) into a second scratch buffer. (One thread per (sample, group) merging every chunk
+  in turn made a channels-last step of one sample, with hundreds of chunks, several times slower
+  than its channels-first form.)
 
 Each thread accumulates its values shifted by the first one it reads (sums of ``v - shift`` and
 their squares: no cancellation while the shift is near the data), turns them into (count, mean,
@@ -25,14 +29,18 @@ values, as ONNX specifies, from one read of the input. Block reductions go throu
 only (no warp shuffles), so a block of one thread is valid: the CPU tests run these kernels as host
 C++ thread by thread.
 
-Apply: ``y = epilogue((x - mean) * rstd * scale + shift)`` is a generated element-wise kernel
-(:class:`convpass.kernels.broadcast.BroadcastKernel`) over the *frame* of the tensor: ``x``
-(``(N, C, *spatial)``) seen without a copy as ``(N, G, C / G, S)``, or ``(N, S, G, C / G)`` in
-channels-last storage, so that the statistics ``(N, G)`` and the per-channel parameters broadcast
-over it and every thread walks memory in order (:func:`frame`). The epilogue's operands (a
-residual, per-channel constants, a gate) are seen in the same frame with their own strides; the
-output is written in ``x``'s memory format, or into its slice of a Concat buffer. Everything is
-computed in float32 and rounded once.
+Apply: ``y = epilogue(x * A[n, c] + B[n, c])``, one fused multiply-add (``(x - mean) * rstd *
+scale + shift`` up to a few units in the last place of ``x * A``, as ``x - mean`` rounds in that
+form), is a generated element-wise kernel (:class:`convpass.kernels.broadcast.BroadcastKernel`)
+over the *frame* of the tensor: ``x`` (``(N, C, *spatial)``) seen without a copy as ``(N, C, S)``,
+or ``(N, S, C)`` in channels-last storage, so that the coefficients (``(N, C, 1)`` / ``(N, 1,
+C)``) broadcast over it and every thread walks memory in order (:func:`frame`). The kernel merges
+that frame to three dimensions at most, two divisions per element: channels-first ``(N, C, S)``
+(``N * C`` rows of ``S`` where no per-channel operand keeps ``N`` apart), channels-last ``(N, S,
+C)`` (``(S, C)`` for one sample) whose innermost rows are all ``C`` contiguous channels, not one
+group's. The epilogue's operands (a residual, per-channel constants, a gate) are seen in the same
+frame with their own strides; the output is written in ``x``'s memory format, or into its slice
+of a Concat buffer. Everything is computed in float32 and rounded once.
 
 Inputs whose spatial positions are not one evenly strided run, or channels-last inputs with more
 than :data:`MAX_CL_CHANNELS` channels, are made contiguous first (one copy); float64 and shapes the
@@ -54,14 +62,14 @@ from convpass.native import nvrtc as compiler
 from convpass.native.cuda import channels_last, elements
 from convpass.ops.fused import FUSED_DOMAIN, NormSpec
 
-__all__ = ["DTYPES", "FusedNormLaunch", "MAX_CL_CHANNELS", "REVISION", "apply_group", "frame", "lower_fused_norm", "moments_plan", "source"]
+__all__ = ["DTYPES", "FusedNormLaunch", "MAX_CL_CHANNELS", "REVISION", "apply_classes", "apply_group", "coefficient_frames", "frame", "lower_fused_norm", "moments_plan", "source"]
 
 DTYPES = compiler.DTYPES
 _THREADS = 256
 _FINALIZE_THREADS = 128  # at most, per (sample, group): a channels-last step of one sample has hundreds of chunks
 # Bumped when these kernels' speed changes: fused units' timings in a tuning cache are keyed by it
 # (convpass.compiler.fusions), so a cached re-run times them again instead of planning with stale ones.
-REVISION = 2
+REVISION = 3
 _TARGET_BLOCKS_PER_SM = 4
 _MIN_ROW_CHUNK = 2048  # elements a rows block reads at least
 _CL_VALS = (1, 2, 4, 8, 16)  # channels per channel lane of the channels-last kernels
@@ -177,9 +185,12 @@ __device__ __forceinline__ void moments_cl(const TYPE* __restrict__ x, float* __
 
 #ENTRIES
 
-// one block per (sample, group): its threads merge the chunks' moments k, k + T, ..., then the block's;
-// stats = (mean, 1 / sqrt(var + eps))
-extern "C" __global__ void gn_finalize(const float* __restrict__ part, float* __restrict__ stats, unsigned rows, int chunks, float eps) {
+// one block per (sample, group) r = n * G + g: its threads merge the chunks' moments k, k + T, ..., then
+// the block's (every thread gets them); then they write the group's PER channels' coefficients,
+// A[n, c] = rstd * scale[c] at coef[n * C + c] = coef[r * PER + j] and B[n, c] = shift[c] - mean * A[n, c]
+// rows * PER floats after it
+extern "C" __global__ void gn_finalize(const float* __restrict__ part, const float* __restrict__ scale, const float* __restrict__ shift,
+                                       float* __restrict__ coef, unsigned rows, unsigned G, unsigned per, int chunks, float eps) {
     const unsigned r = blockIdx.x;
     if (r >= rows) return;  // the whole block: no thread waits at a barrier below
     float n = 0.f, mean = 0.f, m2 = 0.f;
@@ -188,9 +199,14 @@ extern "C" __global__ void gn_finalize(const float* __restrict__ part, float* __
         chan(n, mean, m2, p[0], p[1], p[2]);
     }
     block_merge(n, mean, m2);
-    if (threadIdx.x == 0) {
-        stats[2 * r] = mean;
-        stats[2 * r + 1] = 1.f / sqrtf(m2 / n + eps);
+    const float rstd = 1.f / sqrtf(m2 / n + eps);
+    const unsigned c0 = (r % G) * per;
+    float* a = coef + (long long)r * per;
+    float* b = coef + ((long long)rows + r) * per;
+    for (unsigned j = threadIdx.x; j < per; j += blockDim.x) {
+        const float s = rstd * scale[c0 + j];
+        a[j] = s;
+        b[j] = fmaf(-mean, s, shift[c0 + j]);
     }
 }
 """
@@ -223,49 +239,32 @@ def _positions(shape: Sequence[int], strides: Sequence[int]) -> int | None:
     return dims[-1][1] if dims else 0
 
 
-def frame(xp: Any, a: Any, shape: Sequence[int], groups: int, last: bool) -> Any | None:
-    """``a`` broadcast to ``shape`` (``(N, C, *spatial)``) and seen, without a copy, as
-    ``(N, G, C / G, S)``, or ``(N, S, G, C / G)`` when ``last`` (channels-last order); None when
-    its spatial positions are not one evenly strided run (module docstring)."""
+def frame(xp: Any, a: Any, shape: Sequence[int], last: bool) -> Any | None:
+    """``a`` broadcast to ``shape`` (``(N, C, *spatial)``) and seen, without a copy, as ``(N, C,
+    S)``, or ``(N, S, C)`` when ``last`` (channels-last order); None when its spatial positions
+    are not one evenly strided run (module docstring)."""
     b = xp.broadcast_to(a, tuple(shape))
     st = elements(b.strides, b.itemsize)
     s_pos = _positions(b.shape, st)
     if s_pos is None:
         return None
-    n, c = int(shape[0]), int(shape[1])
-    per = c // groups
-    size = math.prod(int(d) for d in shape[2:])
-    dims = (n, groups, per, size)
-    steps = (st[0], per * st[1], st[1], s_pos)
+    dims = (int(shape[0]), int(shape[1]), math.prod(int(d) for d in shape[2:]))
+    steps = (st[0], st[1], s_pos)
     if last:
-        dims, steps = (dims[0], dims[3], dims[1], dims[2]), (steps[0], steps[3], steps[1], steps[2])
-    item = b.itemsize
-    return xp.lib.stride_tricks.as_strided(b, dims, tuple(s * item for s in steps))
+        dims, steps = (dims[0], dims[2], dims[1]), (steps[0], steps[2], steps[1])
+    return xp.lib.stride_tricks.as_strided(b, dims, tuple(s * b.itemsize for s in steps))
 
 
-def _stats_frames(xp: Any, stats: Any, n: int, groups: int, last: bool) -> tuple[Any, Any]:
-    """The mean and rstd of ``stats`` (``N * G * 2`` floats) as frames of ``(N, G, 1, 1)`` (or
-    ``(N, 1, G, 1)``), sharing their strides."""
-    item = stats.itemsize
-    dims, steps = (n, groups, 1, 1), (2 * groups * item, 2 * item, 0, 0)
+def coefficient_frames(xp: Any, coef: Any, n: int, c: int, last: bool) -> tuple[Any, Any]:
+    """The per-(sample, channel) coefficients ``A`` and ``B`` of ``coef`` (``2 * N * C`` floats,
+    ``A`` first, each ``(N, C)`` row-major) as frames of ``(N, C, 1)`` (or ``(N, 1, C)``), sharing
+    their strides."""
+    item = coef.itemsize
+    dims, steps = (n, c, 1), (c * item, item, 0)
     if last:
-        dims, steps = (n, 1, groups, 1), (2 * groups * item, 0, 2 * item, 0)
+        dims, steps = (n, 1, c), (c * item, 0, item)
     strided = xp.lib.stride_tricks.as_strided
-    return strided(stats, dims, steps), strided(stats[1:], dims, steps)
-
-
-def _param_frames(xp: Any, params: Sequence[Any], groups: int, last: bool) -> list[Any]:
-    """Per-channel ``(C,)`` parameters as frames of ``(1, G, C / G, 1)`` (or ``(1, 1, G, C / G)``)."""
-    out = []
-    for p in params:
-        c = p.shape[0]
-        per = c // groups
-        item = p.itemsize
-        dims, steps = (1, groups, per, 1), (0, per * item, item, 0)
-        if last:
-            dims, steps = (1, 1, groups, per), (0, 0, per * item, item)
-        out.append(xp.lib.stride_tricks.as_strided(p, dims, steps))
-    return out
+    return strided(coef, dims, steps), strided(coef[n * c:], dims, steps)
 
 
 def moments_plan(shape: Sequence[int], strides: Sequence[int], groups: int, sms: int, threads: int = _THREADS) -> dict[str, Any] | None:
@@ -301,19 +300,20 @@ def moments_plan(shape: Sequence[int], strides: Sequence[int], groups: int, sms:
 
 
 def apply_group(spec: NormSpec, dtype: Any, operand_kinds: Sequence[str]) -> elementwise.FusedGroup:
-    """The apply pass as a generated element-wise group over the inputs ``(x, mean, rstd, scale,
-    shift, *operands)`` (the statistics and parameters in float32): the normalized value, then the
-    epilogue's expressions (:data:`convpass.kernels.elementwise.EXPRESSIONS`). ``operand_kinds``:
-    per operand, ``"constant"`` or ``"value"`` (which share offsets: :func:`apply_classes`).
-    ValueError when an epilogue node has no expression."""
-    n = 5 + len(operand_kinds)
+    """The apply pass as a generated element-wise group over the inputs ``(x, A, B, *operands)``
+    (the coefficients in float32): the normalized value ``x * A + B``, then the epilogue's
+    expressions (:data:`convpass.kernels.elementwise.EXPRESSIONS`). ``operand_kinds``: per operand,
+    ``"constant"`` or ``"value"`` (which share offsets: :func:`apply_classes`). ValueError when an
+    epilogue node has no expression or reads the step's scale or shift (folded into ``A``, ``B``)."""
+    n = 3 + len(operand_kinds)
     lines = ["typedef float A;"] + [f"const A a{k} = (A)in{k};" for k in range(n)]
-    lines.append("const A tn = (a0 - a1) * a2 * a3 + a4;")
+    lines.append("const A tn = fmaf(a0, a1, a2);")
     names: list[str] = []
     for j, st in enumerate(spec.chain):
-        # ("in", k): the step's input k, (x, scale, shift, *operands); here the inputs have mean and rstd after x
-        ops = [None if kind == "none" else "tn" if kind == "norm" else names[k] if kind == "step" else f"a{k + 2 if k >= 3 else k}"
-               for kind, k in st.args]
+        # ("in", k): the step's input k, (x, scale, shift, *operands); the kernel's inputs are (x, A, B, *operands)
+        if any(kind == "in" and k in (1, 2) for kind, k in st.args):
+            raise ValueError(f"{st.node.op_type} node {st.node.name!r} reads the normalization's scale or shift")
+        ops = [None if kind == "none" else "tn" if kind == "norm" else names[k] if kind == "step" else f"a{k}" for kind, k in st.args]
         expr = elementwise.EXPRESSIONS.get(st.node.op_type)
         code = expr(st.node, ops) if expr is not None else None
         if code is None:
@@ -321,19 +321,19 @@ def apply_group(spec: NormSpec, dtype: Any, operand_kinds: Sequence[str]) -> ele
         names.append(f"t{j}")
         lines.append(f"const A t{j} = {code};")
     lines.append(f"out0 = (T){names[-1] if names else 'tn'};")
-    types = ("T", "float", "float", "float", "float") + ("T",) * len(operand_kinds)
+    types = ("T", "float", "float") + ("T",) * len(operand_kinds)
     return elementwise.FusedGroup(root=0, members=(0,), inputs=tuple(range(n)), output=-1, dtype=np.dtype(dtype), code="\n".join(lines),
                                   ops=("FusedNorm", *(st.node.op_type for st in spec.chain)), input_types=types)
 
 
 def apply_classes(operand_kinds: Sequence[str], operand_shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-    """Offset classes of the apply pass's inputs: x; mean and rstd; scale and shift; then constant
-    operands of one shape together, every computed operand on its own."""
-    classes = [0, 1, 1, 2, 2]
+    """Offset classes of the apply pass's inputs: x; A and B; then constant operands of one shape
+    together, every computed operand on its own."""
+    classes = [0, 1, 1]
     first: dict[tuple, int] = {}
     for k, (kind, shape) in enumerate(zip(operand_kinds, operand_shapes)):
         key = ("constant", tuple(shape)) if kind == "constant" else ("value", k)
-        classes.append(first.setdefault(key, 3 + len(first)))
+        classes.append(first.setdefault(key, 2 + len(first)))
     return tuple(classes)
 
 
@@ -401,7 +401,7 @@ class FusedNormLaunch(Launch):
         apply_src = broadcast.broadcast_source(group, classes, broadcast.unroll_for(group))
         self.kernel = broadcast.BroadcastKernel(cupy, group, classes, entry=lambda name: self.entry(apply_src, name))
         self.fallback = fallback
-        self.part = self.stats = None
+        self.part = self.coef = None
 
     def prepare(self) -> None:
         xp = self.cp
@@ -411,7 +411,7 @@ class FusedNormLaunch(Launch):
         plans = [moments_plan(self.shape, _packed_strides(self.shape, last), g, self.sms, self.threads) for last in (False, True)]
         most = max((p["chunks"] for p in plans if p is not None), default=1)
         self.part = xp.empty(n * g * most * 3, dtype=np.float32)
-        self.stats = xp.empty(n * g * 2, dtype=np.float32)
+        self.coef = xp.empty(2 * n * self.shape[1], dtype=np.float32)  # A, then B (module docstring)
 
     def run(self, env: list[Any]) -> None:
         x = env[self.inputs[0]]
@@ -438,18 +438,18 @@ class FusedNormLaunch(Launch):
         out = self.destination(env, "nhwc" if last else "nchw")
         if out is None:
             out = _empty(xp, x.shape, x.dtype, last)
-        frames = [frame(xp, a, x.shape, g, last) for a in (x, *operands, out)]
+        frames = [frame(xp, a, x.shape, last) for a in (x, *operands, out)]
         if any(f is None for f in frames):
             return None
         src = source(x.dtype)
         self.entry(src, f"gn_moments_{geo['kernel']}")(geo["grid"], geo["block"], (x, self.part, *geo["args"]))
-        rows = x.shape[0] * g
-        block = min(_FINALIZE_THREADS, self.threads, 32 * math.ceil(geo["chunks"] / 32))
-        self.entry(src, "gn_finalize")((rows,), (block,),
-                                       (self.part, self.stats, np.uint32(rows), np.int32(geo["chunks"]), np.float32(spec.eps)))
-        mean, rstd = _stats_frames(xp, self.stats, x.shape[0], g, last)
-        scale, shift = _param_frames(xp, [env[self.inputs[1]], env[self.inputs[2]]], g, last)
-        done = self.kernel([frames[0], mean, rstd, scale, shift, *frames[1:-1]], frames[-1])
+        n, c = x.shape[:2]
+        rows = n * g
+        block = min(_FINALIZE_THREADS, self.threads, 32 * math.ceil(max(geo["chunks"], c // g) / 32))
+        self.entry(src, "gn_finalize")((rows,), (block,), (self.part, env[self.inputs[1]], env[self.inputs[2]], self.coef, np.uint32(rows),
+                                                           np.uint32(g), np.uint32(c // g), np.int32(geo["chunks"]), np.float32(spec.eps)))
+        a, b = coefficient_frames(xp, self.coef, n, c, last)
+        done = self.kernel([frames[0], a, b, *frames[1:-1]], frames[-1])
         return None if done is None else out
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -104,6 +105,7 @@ def test_fused_normalization_units(shape, groups, form, act, dtype, channels_las
     assert [s.fused for s in ex.fusion_summary()] == [True, True]
     labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
     assert sum(label.startswith("FusedNorm") for label in labels) == 2, labels
+    _assert_apply_walks_three_dims_at_most(ex)
     # the same conv either way: the fused units against the unfused ops, on the GPU
     fused = ex.run(None, {k: cp.asarray(v) for k, v in f.items()})[0]
     unfused = Executor(model, device=_backend(graph), output_kind="numpy", fusions=False)
@@ -111,6 +113,53 @@ def test_fused_normalization_units(shape, groups, form, act, dtype, channels_las
         want = unfused.run(None, {k: cp.asarray(v) for k, v in f.items()})[0]
     scale = float(np.max(np.abs(want.astype(np.float64))))
     np.testing.assert_allclose(fused.astype(np.float64), want.astype(np.float64), rtol=TF32_TOL[dtype], atol=TF32_TOL[dtype] * scale)  # the conv before may run another algorithm unfused
+
+
+def _fused_launches(ex):
+    return [launch for launch in ex.last_plan.backend_state.launch_list() if launch.label.startswith("FusedNorm")]
+
+
+def _assert_apply_walks_three_dims_at_most(ex):
+    """Every FusedNorm launch ran its apply pass on the broadcasting kernel (not the op library's
+    fallback) over the frame (N, C, S) / (N, S, C): three merged dimensions at most."""
+    for launch in _fused_launches(ex):
+        dims = launch.kernel.planned_dims()
+        assert dims and max(dims) <= 3, (launch.label, dims)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+def test_a_vae_groupnorm_with_a_mean_far_from_zero_matches_float64(dtype, channels_last):
+    """GroupNorm(32) of 128 channels (four a group) + SiLU in the exported form, alone, on inputs
+    whose mean is 50 standard deviations from zero (x * A and B nearly cancel in the apply pass),
+    in the storage the input arrives in, against float64 NumPy (ONNX Runtime's own float32
+    statistics are not that close on such inputs), eager and replayed."""
+    shape, groups, eps = (2, 128, 24, 24), 32, 1e-6
+    rng = np.random.default_rng(0)
+    nodes, inits, t = norm("gn17", "n1", "x", shape[1], groups, rng, dtype, eps=eps)
+    more, t = activation("silu", "a1", t)
+    tp = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    graph = helper.make_graph(nodes + more, "g", [helper.make_tensor_value_info("x", tp, shape)], [helper.make_tensor_value_info(t, tp, shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    x = feeds(shape, dtype=dtype, offset=50.0)["x"]
+    params = {i.name: onnx.numpy_helper.to_array(i).astype(np.float64).reshape(-1) for i in inits}
+    g = x.astype(np.float64).reshape(shape[0], groups, -1)
+    y = ((g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + eps)).reshape(shape)
+    y = y * params["n1_gamma"].reshape(1, -1, 1, 1) + params["n1_beta"].reshape(1, -1, 1, 1)
+    want = y / (1 + np.exp(-y))
+    tol = TOL[dtype]
+    dev = cp.asarray(x)
+    if channels_last:
+        dev = _channels_last(dev)
+    for graph_mode in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StartupCompileWarning)
+            ex = Executor(model, device=_backend(graph_mode), output_kind="numpy")
+            for run in range(3):
+                got = ex.run(None, {"x": dev})[0].astype(np.float64)
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()), err_msg=f"run {run + 1}")
+        assert [launch.label for launch in _fused_launches(ex)] == ["FusedNorm+Mul+Add+Sigmoid+Mul"]
+        _assert_apply_walks_three_dims_at_most(ex)
 
 
 def _backend(graph):
@@ -132,8 +181,9 @@ def test_a_fused_unit_writes_into_its_concat_slice():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     for layout in (False, True):
         ex = _check(model, feeds(shape), TOL[np.float32], graph=True, channels_last=layout)
-        fused = [launch for launch in ex.last_plan.backend_state.launch_list() if launch.label.startswith("FusedNorm")]
+        fused = _fused_launches(ex)
         assert len(fused) == 1 and fused[0].placement is not None
+        _assert_apply_walks_three_dims_at_most(ex)
 
 
 def test_optimize_measures_each_unit_and_the_executor_runs_the_decision(tmp_path):
