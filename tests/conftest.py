@@ -536,7 +536,7 @@ def convs(monkeypatch):
     monkeypatch.setattr(graph_api, "EnginePlan", _StandInPlan)
     no_plan_side_car(monkeypatch)
     monkeypatch.setattr(conv_resources.ConvResources, "descriptors", lambda self, key: "descs")
-    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo: 0)
+    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo, **strides: 0)
     c = convolution.Convolutions(rt)
     c.warned = warned  # type: ignore[attr-defined]
     return c

@@ -42,7 +42,7 @@ class _Plan:
         y[...] = v / (1.0 + np.exp(-v)) if self.config.fusion else v
 
 
-def _run(descs, direction, algo, x, w, y, workspace=None, y_strides=None):
+def _run(descs, direction, algo, x, w, y, workspace=None, y_strides=None, x_strides=None):
     out = {"fwd": y, "dgrad": x, "wgrad": w}[direction or descs_direction(descs)]
     out[...] = x.sum() if out is y else 1.0
 
@@ -70,7 +70,7 @@ def stand_ins(monkeypatch):
 
     monkeypatch.setattr(cudnn, "run", _run)
     monkeypatch.setattr(cudnn, "conv_bias_activation_forward", _fused_call)
-    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo, handle=None: WORKSPACE)
+    monkeypatch.setattr(cudnn, "workspace_size", lambda descs, direction, algo, handle=None, **strides: WORKSPACE)
     monkeypatch.setattr(cudnn, "ConvDescriptors", lambda key: types.SimpleNamespace(key=key, direction=key.shape.direction))
     monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
     offer_configs(monkeypatch, lambda key, fusion="": [EngineConfig(5, (), fusion)])
@@ -184,7 +184,15 @@ def test_a_legacy_launch_into_a_slice_gives_cuDNN_its_strides(stand_ins, monkeyp
     concat = np.empty((2, 12, 6, 6), np.float32)
     conv.launch(x, w, np.empty(DW.y_shape, np.float32), None)
     conv.launch(x, w, concat[:, 2:10], None)
-    assert seen == [{}, {"y_strides": (432, 36, 6, 1)}]
+    conv.launch(concat[:, 4:12], w, concat[:, 2:10], None)  # an input slice too (rule 3)
+    assert seen == [{}, {"y_strides": (432, 36, 6, 1)}, {"x_strides": (432, 36, 6, 1), "y_strides": (432, 36, 6, 1)}]
+    assert conv.input_strides == "slice" and conv_exec.conv_exec(KEY, "engine:eng5", cp=np).input_strides == "packed"
+    # cuDNN's fused call reads an input slice; its output stays packed
+    monkeypatch.setattr(cudnn, "conv_bias_activation_forward", lambda descs, algo, x, w, y, bias, **kw: seen.append(kw))
+    fused = conv_exec.conv_exec(KEY, "implicit_precomp_gemm+bias+relu", "bias+relu", cp=np, descs="descs")
+    seen.clear()
+    fused.launch(concat[:, 4:12], w, np.empty(DW.y_shape, np.float32), None, np.ones(8, np.float32))
+    assert seen == [{"z": None, "activation": "relu", "workspace": None, "x_strides": (432, 36, 6, 1)}]
 
 
 def test_listeners_hear_every_launch_and_record_launches_keeps_no_array(stand_ins):

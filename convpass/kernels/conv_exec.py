@@ -33,6 +33,14 @@ Rules
 3. Outputs: packed in the key's memory format, or where :attr:`ConvExec.output_strides` allows a
    slice of a larger buffer (a Concat's): ``"same_order"`` in the key's memory order (cuDNN's
    forward call takes the slice's strides), ``"any"`` with any strides (convpass's kernel).
+   Inputs ``x``: packed in the key's memory format, or where :attr:`ConvExec.input_strides` is
+   ``"slice"`` a channel slice of a buffer packed in that format
+   (:func:`~convpass.native.cudnn.arrays.channel_slice`: cuDNN's forward call, plain or fused,
+   takes the slice's strides). The tuner times packed inputs: a launch that reads a slice is the
+   object the tuner timed, reading with another input stride (the in-place check after capture
+   compares its time with the tuned one). A strided call whose workspace would outgrow the
+   object's is refused here as cuDNN refuses a stride it does not take
+   (:class:`~convpass.core.cudnn_enums.CudnnError`, ``CUDNN_STATUS_BAD_PARAM``).
 4. A launch allocates nothing and waits for nothing, so it can be captured into a CUDA graph.
    :attr:`ConvExec.counts` names the executor's counters a launch adds one to.
 5. Every launch tells the listeners (:func:`add_launch_listener`, :func:`record_launches`) the
@@ -48,6 +56,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from convpass.core.algo import Algo
+from convpass.core.cudnn_enums import STATUS, CudnnError
 from convpass.core.fusion import is_legacy, legacy_name, parts
 from convpass.core.layout import storage_order
 from convpass.core.problem import ProblemKey
@@ -108,6 +117,7 @@ class ConvExec:
     """One candidate of one problem key, ready to launch (see the module rules)."""
 
     output_strides = "packed"  # rule 3
+    input_strides = "packed"  # rule 3
     contiguous_bias = False  # rule 2
 
     def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, workspace_bytes: int) -> None:
@@ -160,6 +170,35 @@ class ConvExec:
         return f"<{self.describe()}>"
 
 
+class _StridedCalls:
+    """Rule 3's strided forward calls of cuDNN's legacy API: the element strides of the slices a
+    launch passes, each set's workspace asked of cuDNN once and checked against the object's."""
+
+    def __init__(self) -> None:
+        self.fits: dict[tuple[tuple[int, ...] | None, tuple[int, ...] | None], int] = {}
+
+    def strides(self, conv: Any, x: Any, y: Any | None) -> dict[str, Any]:
+        """``x_strides`` / ``y_strides`` of the slices among ``x`` (a channel slice; any other
+        layout is left to the call's check) and ``y`` (None: packed)."""
+        layout = conv.key.layout
+        strided: dict[str, Any] = {}
+        if cudnn.channel_slice(x, layout):
+            strided["x_strides"] = elements(x.strides, x.itemsize)
+        if y is not None and cudnn.layout_of(y) not in (layout, "both"):
+            strided["y_strides"] = elements(y.strides, y.itemsize)
+        if strided:
+            self._check(conv, strided.get("x_strides"), strided.get("y_strides"))
+        return strided
+
+    def _check(self, conv: Any, xs: tuple[int, ...] | None, ys: tuple[int, ...] | None) -> None:
+        need = self.fits.get((xs, ys))
+        if need is None:
+            need = self.fits[(xs, ys)] = cudnn.workspace_size(conv.descs, None, conv.algo.name, x_strides=xs, y_strides=ys)
+        if need > conv.workspace_bytes:
+            raise CudnnError(STATUS["CUDNN_STATUS_BAD_PARAM"], f"the workspace check of a strided call (x strides {xs}, "
+                             f"y strides {ys}: {need} B of workspace needed, {conv.workspace_bytes} B given)")
+
+
 class LegacyConv(ConvExec):
     """A cuDNN legacy algorithm: the conv (``cudnn.run``, the key's direction), then the epilogue as one pass."""
 
@@ -172,13 +211,13 @@ class LegacyConv(ConvExec):
         super().__init__(key, algo, epilogue, cp, workspace_bytes)
         self.descs = descs
         self.direction = key.shape.direction
+        self._strided = _StridedCalls()
         if self.direction == "fwd":
             self.output_strides = "same_order"
+            self.input_strides = "slice"
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
-        strided = {}
-        if self.direction == "fwd" and cudnn.layout_of(y) not in (self.key.layout, "both"):
-            strided["y_strides"] = elements(y.strides, y.itemsize)  # a slice of a larger buffer (rule 3)
+        strided = self._strided.strides(self, x, y) if self.direction == "fwd" else {}  # slices of larger buffers (rule 3)
         cudnn.run(self.descs, None, self.algo.name, x, w, y, workspace=workspace, **strided)
         self._pass((x, w, y)[_OUTPUT[self.direction]], bias, z)
 
@@ -192,6 +231,7 @@ class FusedLegacyConv(ConvExec):
     of a legacy algorithm, its epilogue the algorithm's fusion."""
 
     contiguous_bias = True
+    input_strides = "slice"  # rule 3
 
     def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, descs: Any, workspace_bytes: int | None = None) -> None:
         if algo.family != "legacy" or not is_legacy(algo.fusion) or epilogue != algo.fusion or key.shape.direction != "fwd":
@@ -201,10 +241,12 @@ class FusedLegacyConv(ConvExec):
         super().__init__(key, algo, epilogue, cp, workspace_bytes)
         self.descs = descs
         self.residual, self.relu = parts(epilogue)
+        self._strided = _StridedCalls()
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
+        strided = self._strided.strides(self, x, None)  # an input slice (rule 3); the output is packed
         cudnn.conv_bias_activation_forward(self.descs, self.algo.name, x, w, y, bias, z=z if self.residual else None,
-                                           activation="relu" if self.relu else "identity", workspace=workspace)
+                                           activation="relu" if self.relu else "identity", workspace=workspace, **strided)
 
     @property
     def counts(self) -> tuple[str, ...]:

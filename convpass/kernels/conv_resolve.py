@@ -61,6 +61,7 @@ class ConvResolution:
     fuse_identity_ok: bool = True
     fuse_residual_ok: bool = True
     strided_output_ok: bool = True
+    strided_input_ok: bool = True
     # how a legacy algorithm runs its step's epilogue (convpass.core.fusion): None = not tuned, cuDNN's
     # fused call where it takes it; "" = recorded unfused (the conv, then one pass); a legacy
     # epilogue name = recorded fused into the call

@@ -36,6 +36,22 @@ descriptor with the slice's strides, and the epilogue pass runs on the slice in 
 memory order. When cuDNN refuses that (some algorithms want packed outputs), and for a conv whose
 epilogue runs fused in cuDNN's call, the conv writes a packed output that is copied into the slice.
 
+Reading slices: a forward conv run by cuDNN's legacy API, plain or fused call, whose input is a
+channel slice of a Concat buffer stored in the conv's memory format (channels-last: channel stride
+1; channels-first: samples the buffer's channels apart; :func:`~convpass.native.cudnn.arrays.channel_slice`)
+reads it in place through an input descriptor with the slice's strides. Any other input not packed
+in the conv's format is copied first (counted in ``layout_copies``), a slice too where a graph-API
+engine (its plan is built for packed tensors), convpass's kernel, a 1-D conv's mapping or a padded
+input reads it. The launches that read a slice are counted in ``slice_reads``.
+
+Refused slices: cuDNN refuses a strided tensor with ``CUDNN_STATUS_NOT_SUPPORTED`` or
+``BAD_PARAM`` (a strided output with any error); a strided call that needs more workspace than
+the decision's is refused the same way before cuDNN is called. The warm-up run before capture
+meets every refusal: a launch that read and wrote slices tries each alone to learn which cuDNN
+refuses; what it refuses runs packed for that conv from then on, with a copy, said once at debug
+level. A refusal while a CUDA graph is captured breaks the capture there
+(:class:`~convpass.native.cuda.CaptureBreak`), never silently.
+
 Decisions:
 
 * Untuned convs (no decision, or ``algo == "auto"`` without an engine): cuDNN's heuristic first choice that is
@@ -77,6 +93,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from convpass.core import annotation
+from convpass.core.cudnn_enums import STATUS
 from convpass.core.fusion import absorbed, is_graph_fusion, legacy_name
 from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, conv_exec, step_epilogue
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
@@ -233,33 +250,44 @@ class Convolutions:
         for counter in conv.counts:
             self.rt.counters[counter] += 1
 
-    def _run(self, ex: ConvResolution, x: Any, w: Any, b: Any, relu: bool, z: Any = None, out: Any = None) -> Any:
+    def _run(self, ex: ConvResolution, x: Any, w: Any, b: Any, relu: bool, z: Any = None, out: Any = None,
+             slices: tuple[bool, bool] | None = None) -> Any:
         """``act(conv(x, w) + z + b)`` by the execution object of the step (:meth:`_step`): its
-        input padded, mapped and in its memory format, its output packed or ``out`` itself where the
-        object writes slices (module docstring, placement)."""
+        input padded, mapped and in its memory format or the Concat slice itself where the object
+        reads slices, its output packed or ``out`` itself where the object writes slices (module
+        docstring, placement). ``slices``: (read, write) a slice where the object can, for this
+        launch only, a refusal raised (None: as ``ex`` learned, a refusal handled)."""
         g = ex.geometry
         wk = self.resources.weight(w, ex)
         ws = self.resources.workspace(ex.workspace)
         if ex.op_type == "ConvTranspose":
             return self._run_transpose(ex, x, wk, b, relu, ws, out)
-        x4 = self._in_layout(self._prepad(x, g, ex.layout) if any(g.extra_pads) else x, ex)
+        read_ok, write_ok = (ex.strided_input_ok, ex.strided_output_ok) if slices is None else slices
         z4 = None if z is None else self._in_layout(z, ex)  # the residual, in the conv's own memory format
         conv = self._step(ex, b, relu, z4)
+        xp = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
+        read = read_ok and conv.input_strides == "slice" and ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
+        x4 = xp if read else self._in_layout(xp, ex)
         direct = out is not None and ex.insert_axis is None and (
             conv.output_strides == "any"
-            or (conv.output_strides == "same_order" and z is None and ex.strided_output_ok and _same_order(out, ex.layout)))
+            or (conv.output_strides == "same_order" and z is None and write_ok and _same_order(out, ex.layout)))
+        write = direct and conv.output_strides == "same_order"  # cuDNN writes the slice
         y = out if direct else cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
         y4 = map_1d(y, ex.insert_axis)
         try:
             self._launch(conv, x4, wk, y4, ws, b, z4)
         except (cudnn.CudnnError, ValueError) as e:
+            if (read or write) and _refuses_slices(e, write):
+                if slices is not None:
+                    raise
+                return self._slices_refused(ex, e, read, write, x, w, b, relu, z, out)
             if isinstance(conv, FusedLegacyConv):  # cuDNN refuses the fused call: the conv, then one pass
                 self._fused_refused(ex, conv, e)
                 self._launch(self._step(ex, b, relu, z4), x4, wk, y4, ws, b, z4)
-            elif direct and isinstance(conv, LegacyConv) and isinstance(e, cudnn.CudnnError):
-                return self._strided_refused(ex, e, x, w, b, relu, out)
             else:
                 raise
+        if read:
+            self.rt.counters["slice_reads"] += 1
         return y if direct else self._into(y, out)
 
     def _run_transpose(self, ex: ConvResolution, x: Any, wk: Any, b: Any, relu: bool, ws: Any, out: Any) -> Any:
@@ -331,12 +359,44 @@ class Convolutions:
             logger.debug(message)
         ex.steps.clear()
 
-    def _strided_refused(self, ex: ConvResolution, e: Exception, x: Any, w: Any, b: Any, relu: bool, out: Any) -> Any:
+    def _slices_refused(self, ex: ConvResolution, e: Exception, read: bool, write: bool,
+                        x: Any, w: Any, b: Any, relu: bool, z: Any, out: Any) -> Any:
+        """cuDNN refused a launch that read its input from a Concat slice (``read``) or wrote its
+        output into one (``write``): where it did both, each alone is tried to learn which it
+        refuses; what it refuses runs packed (a copy) from now on, said once at debug level. Never
+        while a CUDA graph is captured: the warm-up run before it meets every refusal."""
         if self.rt.capturing:
-            raise CaptureBreak(f"cuDNN refused a strided output during capture: {first_line(e)}")
-        ex.strided_output_ok = False
-        logger.debug("node %r: cuDNN %r does not write into a Concat slice (%s): packed output + copy", ex.node, ex.algo, first_line(e))
-        return self._run(ex, x, w, b, relu, None, out)
+            raise CaptureBreak(f"cuDNN refused to {_slice_words(read, write)} during capture: {first_line(e)}")
+        for alone in ((False, True), (True, False)) if read and write else ():
+            try:
+                y = self._run(ex, x, w, b, relu, z, out, slices=alone)
+            except cudnn.CudnnError:
+                continue
+            self._remember_refusal(ex, e, not alone[0], not alone[1])
+            return y
+        self._remember_refusal(ex, e, read, write)
+        return self._run(ex, x, w, b, relu, z, out)
+
+    def _remember_refusal(self, ex: ConvResolution, e: Exception, read: bool, write: bool) -> None:
+        if read:
+            ex.strided_input_ok = False
+        if write:
+            ex.strided_output_ok = False
+        how = " and ".join(part for part, on in (("packed input", read), ("packed output", write)) if on)
+        logger.debug("node %r: cuDNN %r refuses to %s (%s): %s + copy", ex.node, ex.algo, _slice_words(read, write), first_line(e), how)
+
+
+def _refuses_slices(e: Exception, write: bool) -> bool:
+    """Whether ``e`` is cuDNN refusing a launch's strided tensors: ``CUDNN_STATUS_NOT_SUPPORTED`` or
+    ``BAD_PARAM`` (any cuDNN error where it wrote a slice, as ever)."""
+    return isinstance(e, cudnn.CudnnError) and (write or e.category in _REFUSALS)
+
+
+_REFUSALS = (STATUS["CUDNN_STATUS_BAD_PARAM"], STATUS["CUDNN_STATUS_NOT_SUPPORTED"])
+
+
+def _slice_words(read: bool, write: bool) -> str:
+    return " and ".join(part for part, on in (("read from a Concat slice", read), ("write into a Concat slice", write)) if on)
 
 
 def _runs_fused(ex: Any) -> bool:

@@ -453,6 +453,59 @@ def test_conv_bias_relu_equals_conv_then_bias_then_relu(name):
 
 
 # -------------------------------------------------------------------------------------------------
+# inputs read from a channel slice of a larger buffer (a Concat's)
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tf32_c64", "fma_c64", "nhwc_tf32_c64", "nhwc_fma_c64", "nhwc_fp16", "fp16"])
+@pytest.mark.parametrize("first", [0, 32], ids=["leading", "offset32"])
+def test_every_algorithm_reads_a_channel_slice_through_its_strides_or_refuses(name, first):
+    """``x`` a channel slice (channels ``first:first + c``) of a buffer of ``c + 32`` channels in
+    the key's memory format, given with ``x_strides``: every forward algorithm, the plain call and
+    cuDNN's fused bias + ReLU call, either refuses (a CudnnError, as the executor expects) or
+    matches the float64 reference. Prints what this cuDNN takes; the report says it per algorithm."""
+    key = key_of(name)
+    p = Problem(key)
+    s, total = p.s, p.s.c + 32
+    rng = np.random.default_rng(9)
+    big, big64 = make((s.n, total, *s.spatial), p.dtype, key.layout, rng)
+    x, x64 = big[:, first:first + s.c], big64[:, first:first + s.c]
+    assert arrays.channel_slice(x, key.layout) and arrays.layout_of(x) is None
+    strides = tuple(v // x.itemsize for v in x.strides)
+    bias, bias64 = make((1, s.k, 1, 1), p.dtype, "nchw", rng)
+    bias = bias.reshape(s.k)
+    conv = ref_fwd(x64, p.w64, s)
+    taken: dict[str, object] = {}
+    for algo in enums.algo_names("fwd"):
+        for fused in (False, True):
+            label = algo + ("+bias+relu" if fused else "")
+            try:
+                packed_ws = api.workspace_size(p.descs, "fwd", algo)
+                ws = api.workspace_size(p.descs, "fwd", algo, x_strides=strides)
+            except CudnnError as e:
+                taken[label] = e.status_name
+                continue
+            poison(p.y, p.dtype)
+            try:
+                if fused:
+                    api.conv_bias_activation_forward(p.descs, algo, x, p.w, p.y, bias, workspace=ws, x_strides=strides)
+                else:
+                    api.run(p.descs, "fwd", algo, x, p.w, p.y, workspace=ws, x_strides=strides)
+                cupy.cuda.get_current_stream().synchronize()
+            except CudnnError as e:
+                taken[label] = e.status_name
+                continue
+            want = np.maximum(conv + bias64, 0) if fused else conv
+            err = rel_err(fetch(p.y, p.dtype), want)
+            taken[label] = f"ok err {err:.2g}" + (f", workspace {ws} B (packed {packed_ws} B)" if ws != packed_ws else "")
+            assert err <= tolerance(key, algo), (label, err)
+    REPORT.append({"problem": name, "x_slice_first_channel": first, "x_strides": strides, "slice_reads": taken})
+    print(f"{name} slice at channel {first} of {total} (strides {strides}):")
+    for label, what in taken.items():
+        print(f"  {label}: {what}")
+
+
+# -------------------------------------------------------------------------------------------------
 # call listeners
 # -------------------------------------------------------------------------------------------------
 

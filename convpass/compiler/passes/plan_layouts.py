@@ -20,7 +20,9 @@ Rules (per shape profile):
   transpose of the slice), except an NCHW slice of one sample, which is packed: at batch 1 the copy
   is charged only with buffer and conv both in NHWC (strided rows); with more samples an NCHW slice's
   samples lie the buffer's channels apart, so it is copied in every pair of formats and favours
-  neither. (Charged free in NCHW at every batch, an ESRGAN-style RRDB net's dense convs stayed in
+  neither. (A forward conv on cuDNN's legacy API reads such a slice in its own memory order in
+  place where cuDNN takes the slice's strides, :mod:`convpass.kernels.convolution`; the plan
+  still prices the copy, which is what runs where cuDNN refuses.) (Charged free in NCHW at every batch, an ESRGAN-style RRDB net's dense convs stayed in
   NCHW at batch 16, where cuDNN's kernels converted every input and output to NHWC inside the call
   and the slices were copied all the same: its conv time was about 1.7x its NHWC plan's.) (Before
   families were tied, DenseNet-121 ran much slower when every Concat passed NHWC through on its

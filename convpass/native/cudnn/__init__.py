@@ -29,7 +29,7 @@ from convpass.native.cudnn.api import (
     run,
     workspace_size,
 )
-from convpass.native.cudnn.arrays import as_layout, empty_like_layout, layout_of, storage_dtype
+from convpass.native.cudnn.arrays import as_layout, channel_slice, empty_like_layout, layout_of, storage_dtype
 from convpass.native.cudnn.descriptors import ConvDescriptors, DescriptorParams, descriptor_params, strides_for
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "algo_name",
     "algo_names",
     "as_layout",
+    "channel_slice",
     "conv_bias_activation_forward",
     "descriptor_params",
     "empty_like_layout",

@@ -303,18 +303,28 @@ def find(descs: ConvDescriptors, direction: str | None, x, w, y, workspace=None,
     return [_perf(direction, perf[i]) for i in range(got.value)]
 
 
-def workspace_size(descs: ConvDescriptors, direction: str | None, algo_name: str, handle=None) -> int:
-    """Bytes of workspace ``algo_name`` needs for this problem. Raises :class:`CudnnError` (with
+def workspace_size(descs: ConvDescriptors, direction: str | None, algo_name: str, handle=None,
+                   x_strides: tuple[int, ...] | None = None, y_strides: tuple[int, ...] | None = None) -> int:
+    """Bytes of workspace ``algo_name`` needs for this problem (forward: with ``x`` and ``y`` slices
+    of these element strides, as :func:`run` is given them). Raises :class:`CudnnError` (with
     ``.not_supported`` true, usually ``CUDNN_STATUS_NOT_SUPPORTED``) when the algorithm cannot run
     the problem."""
     direction = _direction(descs, direction)
     algo = enums.algo_id(direction, algo_name)
-    return _workspace_size(descs, direction, algo, _handle_ptr(handle))
+    _forward_only(direction, x_strides, y_strides)
+    return _workspace_size(descs, direction, algo, _handle_ptr(handle), x_strides, y_strides)
 
 
-def _workspace_size(descs: ConvDescriptors, direction: str, algo: int, h: int) -> int:
+def _forward_only(direction: str, x_strides, y_strides) -> None:
+    if (x_strides is not None or y_strides is not None) and direction != "fwd":
+        raise ValueError("x_strides and y_strides are for the forward direction")
+
+
+def _workspace_size(descs: ConvDescriptors, direction: str, algo: int, h: int, x_strides=None, y_strides=None) -> int:
     size = c_size_t()
     a, b, out = _descs_in_order(descs, direction)
+    if direction == "fwd":
+        a, out = descs.input(x_strides), descs.output(y_strides)
     library.call(_CALLS[direction]["workspace"], h, a, b, descs.conv, out, algo, byref(size))
     return int(size.value)
 
@@ -382,6 +392,11 @@ def _execute(call: str, direction: str, algo: str, key: ProblemKey, args: tuple,
             fn(record)
 
 
+def _described(t: TensorParams, strides: tuple[int, ...] | None) -> TensorParams:
+    """What an array is checked against: the packed layout's strides, or the slice's given."""
+    return t if strides is None else TensorParams(t.dims, tuple(int(v) for v in strides))
+
+
 def _resolve(handle) -> tuple[int, object]:
     if handle is None:
         handle = get_handle()
@@ -400,32 +415,33 @@ def run(
     beta: float = 0.0,
     handle=None,
     y_strides: tuple[int, ...] | None = None,
+    x_strides: tuple[int, ...] | None = None,
 ) -> None:
     """Run one direction with one algorithm, asynchronously on the handle's stream.
 
     ``fwd``: y = alpha * conv(x, w) + beta * y; ``dgrad``: x = alpha * dgrad(y, w) + beta * x;
     ``wgrad``: w = alpha * wgrad(x, y) + beta * w. ``workspace``: a buffer (CuPy array,
     MemoryPointer or ``(ptr, nbytes)``) of at least :func:`workspace_size` bytes; ``None`` queries
-    the size and allocates from CuPy's pool. ``y_strides`` (forward only): ``y`` is a strided
-    slice of a larger buffer with these element strides (see :meth:`ConvDescriptors.output`).
-    Raises :class:`CudnnError` on failure.
+    the size and allocates from CuPy's pool. ``y_strides`` / ``x_strides`` (forward only): ``y`` /
+    ``x`` is a strided slice of a larger buffer with these element strides (see
+    :meth:`ConvDescriptors.output`, :meth:`ConvDescriptors.input`); the array's strides must be
+    these. Raises :class:`CudnnError` on failure.
     """
     direction = _direction(descs, direction)
     info = enums.algo_info(direction, algo_name)
     h, handle = _resolve(handle)
     p = descs.params
-    xp = checked_pointer(x, "x", p.x, p.dtype, p.layout)
+    _forward_only(direction, x_strides, y_strides)
+    xp = checked_pointer(x, "x", _described(p.x, x_strides), p.dtype, p.layout)
     wp = checked_pointer(w, "w", p.w, p.dtype, p.layout)
-    if y_strides is not None and direction != "fwd":
-        raise ValueError("y_strides is for the forward direction")
-    y_desc = descs.output(y_strides)
-    yp = checked_pointer(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
+    yp = checked_pointer(y, "y", _described(p.y, y_strides), p.dtype, p.layout)
     if workspace is None:
-        workspace = _workspace_size(descs, direction, info.id, h)
+        workspace = _workspace_size(descs, direction, info.id, h, x_strides, y_strides)
     ws_ptr, ws_size, keep = workspace_arg(workspace)
     a, b = c_float(alpha), c_float(beta)
     if direction == "fwd":
-        args = (h, byref(a), descs.x, xp, descs.w, wp, descs.conv, info.id, ws_ptr, ws_size, byref(b), y_desc, yp)
+        x_desc, y_desc = descs.input(x_strides), descs.output(y_strides)
+        args = (h, byref(a), x_desc, xp, descs.w, wp, descs.conv, info.id, ws_ptr, ws_size, byref(b), y_desc, yp)
     elif direction == "dgrad":
         args = (h, byref(a), descs.w, wp, descs.y, yp, descs.conv, info.id, ws_ptr, ws_size, byref(b), descs.x, xp)
     else:
@@ -448,6 +464,7 @@ def conv_bias_activation_forward(
     workspace=None,
     handle=None,
     y_strides: tuple[int, ...] | None = None,
+    x_strides: tuple[int, ...] | None = None,
 ) -> None:
     """Fused ``y = act(alpha1 * conv(x, w) + alpha2 * z + bias)`` (cudnnConvolutionBiasActivationForward).
 
@@ -457,7 +474,7 @@ def conv_bias_activation_forward(
     implements ``identity`` only with the ``implicit_precomp_gemm`` algorithm, so any other pairing
     raises ``ValueError`` here instead of a bare ``CUDNN_STATUS_NOT_SUPPORTED`` later.
     ``y_strides``: ``y`` (and ``z``, which must then be ``None`` or ``y``) is a strided slice of a
-    larger buffer with these element strides.
+    larger buffer with these element strides; ``x_strides``: ``x`` is one.
     """
     if activation not in enums.FUSED_ACTIVATIONS:
         raise ValueError(
@@ -476,22 +493,22 @@ def conv_bias_activation_forward(
         raise ValueError("alpha2 != 0 needs a residual tensor z")
     h, handle = _resolve(handle)
     p = descs.params
-    xp = checked_pointer(x, "x", p.x, p.dtype, p.layout)
+    xp = checked_pointer(x, "x", _described(p.x, x_strides), p.dtype, p.layout)
     wp = checked_pointer(w, "w", p.w, p.dtype, p.layout)
     if y_strides is not None and z is not None and z is not y:
         raise ValueError("a strided y takes no separate residual z")
-    y_desc = descs.output(y_strides)
-    yp = checked_pointer(y, "y", p.y if y_strides is None else TensorParams(p.y.dims, None), p.dtype, p.layout)
+    x_desc, y_desc = descs.input(x_strides), descs.output(y_strides)
+    yp = checked_pointer(y, "y", _described(p.y, y_strides), p.dtype, p.layout)
     zp = yp if z is None or z is y else checked_pointer(z, "z", p.y, p.dtype, p.layout)
     bp = checked_pointer(bias, "bias", p.bias, p.dtype, p.layout)
     if workspace is None:
-        workspace = _workspace_size(descs, "fwd", info.id, h)
+        workspace = _workspace_size(descs, "fwd", info.id, h, x_strides, y_strides)
     ws_ptr, ws_size, keep = workspace_arg(workspace)
     a1, a2 = c_float(alpha1), c_float(alpha2)
     args = (
         h,
         byref(a1),
-        descs.x,
+        x_desc,
         xp,
         descs.w,
         wp,

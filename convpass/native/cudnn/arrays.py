@@ -4,7 +4,9 @@ Every array is described by its *logical* channels-first shape (``x``: ``n, c, *
 ``w``: ``k, c/g, *kernel``, ``y``: ``n, k, *out``); a problem key with layout ``nhwc`` expects all
 three channels-last in memory (see :func:`empty_like_layout`). Arrays are checked against the
 descriptors (shape, dtype, strides) before any cuDNN call (:func:`checked_pointer`), so a wrong
-layout is an error rather than garbage. ``bfloat16`` data is held in ``uint16`` arrays of raw bits
+layout is an error rather than garbage. A forward call also reads ``x`` from, and writes ``y`` into,
+a channel slice of a larger buffer stored in the key's memory format (a Concat's,
+:func:`channel_slice`), described to cuDNN with the slice's own strides. ``bfloat16`` data is held in ``uint16`` arrays of raw bits
 unless the caller's CuPy has a bfloat16 dtype.
 """
 
@@ -14,7 +16,7 @@ import functools
 
 from convpass.native.cudnn.descriptors import TensorParams, strides_for
 
-__all__ = ["as_layout", "checked_pointer", "empty_like_layout", "layout_of", "require_cupy", "storage_dtype", "workspace_arg"]
+__all__ = ["as_layout", "channel_slice", "checked_pointer", "empty_like_layout", "layout_of", "require_cupy", "storage_dtype", "workspace_arg"]
 
 
 def require_cupy():
@@ -101,9 +103,40 @@ def _layout_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
     return "nchw" if nchw else "nhwc" if nhwc else None
 
 
+def channel_slice(array, layout: str) -> bool:
+    """Whether ``array`` (logical channels-first) is a channel slice of a larger tensor packed in
+    ``layout`` (a Concat buffer's): its strides are those of a packed tensor of that layout with
+    more channels (``nhwc``: channel stride 1, pixels the buffer's channels apart; ``nchw``: samples
+    the buffer's channels apart). An array packed itself is no slice."""
+    itemsize = array.itemsize
+    return _channel_slice(tuple(array.shape), tuple(s // itemsize for s in array.strides), layout)
+
+
+@functools.lru_cache(maxsize=1024)
+def _channel_slice(shape: tuple[int, ...], strides: tuple[int, ...], layout: str) -> bool:
+    if len(shape) < 3 or _layout_of(shape, strides) in (layout, "both"):
+        return False
+    n, c, spatial = shape[0], shape[1], shape[2:]
+    inner = 1
+    for d in spatial:
+        inner *= d
+    if n > 1:  # the sample stride holds the buffer's channel count in both layouts
+        total = strides[0] // inner if inner and strides[0] % inner == 0 else 0
+    elif layout == "nhwc":  # one sample: the innermost spatial axis that is no unit
+        axes = [a for a in range(2, len(shape)) if shape[a] > 1]
+        after = 1
+        for d in shape[axes[-1] + 1:] if axes else ():
+            after *= d
+        total = strides[axes[-1]] // after if axes else 0
+    else:
+        return False  # one channels-first sample is packed once it is a slice at all
+    return total > c and _matches(shape, strides, strides_for((n, total, *spatial), layout))
+
+
 def checked_pointer(array, role: str, t: TensorParams, dtype: str, layout: str) -> int:
     """Device pointer of ``array`` after checking it against the descriptor it will be read with
-    (``t.strides`` None: any strides, the caller described them)."""
+    (``t.strides``: the packed layout's, or the strides of a slice the caller describes to cuDNN;
+    None: any strides)."""
     if isinstance(array, int):
         return array
     shape = getattr(array, "shape", None)
@@ -119,8 +152,8 @@ def checked_pointer(array, role: str, t: TensorParams, dtype: str, layout: str) 
         strides = tuple(s // array.itemsize for s in array.strides)
         if t.strides is not None and not _matches(shape, strides, t.strides):
             raise ValueError(
-                f"{role}: element strides {strides} are not a packed {layout} tensor of shape {shape} "
-                f"(expected {t.strides}); use empty_like_layout / as_layout"
+                f"{role}: element strides {strides} do not match the descriptor's {t.strides} (a packed {layout} "
+                f"tensor of shape {shape}, or the slice's strides given); use empty_like_layout / as_layout"
             )
     elif array.strides[0] != array.itemsize:
         raise ValueError(f"{role}: a 1-D bias must be contiguous")

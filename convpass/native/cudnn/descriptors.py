@@ -123,7 +123,8 @@ def _ints(values) -> ctypes.Array:
 
 class ConvDescriptors:
     """The cuDNN descriptors of one :class:`ProblemKey`: ``x``, ``y`` (tensors), ``w`` (filter),
-    ``conv`` (convolution, with group count and math type), lazily ``bias`` and activation ones.
+    ``conv`` (convolution, with group count and math type), lazily ``bias``, activation ones and
+    ``x`` / ``y`` with the strides of a slice of a larger buffer (:meth:`input`, :meth:`output`).
 
     Attributes hold the raw descriptor handles (ints). Release with :meth:`close`, a ``with``
     block, or by dropping the object. Raises :class:`~convpass.core.cudnn_enums.CudnnError` when cuDNN
@@ -139,7 +140,7 @@ class ConvDescriptors:
         self._owned: list[tuple[str, int]] = []  # (destroy function, handle)
         self._activations: dict[str, int] = {}
         self._bias: int | None = None
-        self._outputs: dict[tuple[int, ...], int] = {}
+        self._strided: dict[tuple[str, tuple[int, ...]], int] = {}
         try:
             self.x = self._tensor(p.x)
             self.y = self._tensor(p.y)
@@ -205,15 +206,24 @@ class ConvDescriptors:
             self._bias = self._tensor(self.params.bias)
         return self._bias
 
+    def input(self, strides: tuple[int, ...] | None) -> int:
+        """Tensor descriptor of ``x`` with element ``strides`` (None: the key's packed layout), for
+        an input read from a slice of a larger buffer (created once per strides)."""
+        return self._strided_tensor("x", strides)
+
     def output(self, strides: tuple[int, ...] | None) -> int:
         """Tensor descriptor of ``y`` with element ``strides`` (None: the key's packed layout), for
         an output written into a slice of a larger buffer (created once per strides)."""
-        if strides is None or tuple(strides) == self.params.y.strides:
-            return self.y
+        return self._strided_tensor("y", strides)
+
+    def _strided_tensor(self, role: str, strides: tuple[int, ...] | None) -> int:
+        packed, t = (self.x, self.params.x) if role == "x" else (self.y, self.params.y)
+        if strides is None or tuple(strides) == t.strides:
+            return packed
         strides = tuple(int(v) for v in strides)
-        h = self._outputs.get(strides)
+        h = self._strided.get((role, strides))
         if h is None:
-            h = self._outputs[strides] = self._tensor(TensorParams(self.params.y.dims, strides))
+            h = self._strided[(role, strides)] = self._tensor(TensorParams(t.dims, strides))
         return h
 
     def activation(self, name: str, coef: float = 0.0) -> int:
@@ -243,7 +253,7 @@ class ConvDescriptors:
         self.x = self.y = self.w = self.conv = None  # type: ignore[assignment]
         self._bias = None
         self._activations = {}
-        self._outputs = {}
+        self._strided = {}
         if first_error is not None:
             raise first_error
 

@@ -28,8 +28,9 @@ Rules:
   contains it.
 
 Nothing else changes: values keep their slots, readers read the slices as the strided views
-they are (every kernel of this backend takes strided inputs; cuDNN's convolutions convert an
-input they cannot read to their format, as for any other producer).
+they are (every kernel of this backend takes strided inputs; cuDNN's legacy convolutions read a
+channel slice in their own memory order through its strides, and convert an input they cannot
+read to their format, as for any other producer).
 """
 
 from __future__ import annotations
