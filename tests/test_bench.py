@@ -407,6 +407,8 @@ def test_op_family_of_every_launch_label_the_runtime_emits():
         ("GlobalAveragePool (kernel)", "GlobalAveragePool"): "pooling", ("ReduceMean", "ReduceMean"): "pooling",
         ("LayerNormalization kernel (warp)", "LayerNormalization"): "normalization",
         ("BatchNormalization", "BatchNormalization"): "normalization",
+        # the fused GroupNorm / InstanceNorm unit (its statistics and apply passes with the chain)
+        ("FusedNorm+Mul+Add+Sigmoid+Mul", "FusedNorm"): "normalization", ("FusedNorm+Mul+Add", "FusedNorm"): "normalization",
         ("Softmax kernel", "Softmax"): "softmax", ("Resize kernel", "Resize"): "resize",
         ("Concat", "Concat"): "concat_copy", ("Concat (in place)", "Concat"): "concat_copy",
         ("Transpose", "Transpose"): "concat_copy", ("Reshape", "Reshape"): "concat_copy",

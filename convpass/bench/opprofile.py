@@ -15,7 +15,8 @@ type for ops run by the op library) and ``op_type`` is the ONNX op type of the l
 * Every other launch is classified by ``op_type`` through the table: ``conv`` (Conv, ConvTranspose,
   with their fused bias / activation / residual epilogues and the layout copies a conv launch does:
   how many, per run, is ``conv_input_copies``, said in the summary line),
-  ``elementwise``, ``normalization``, ``pooling`` (MaxPool, AveragePool, LpPool, Global*Pool and
+  ``elementwise``, ``normalization`` (with convpass's fused normalization unit, ``FusedNorm``: statistics and
+  apply passes with the chain behind them), ``pooling`` (MaxPool, AveragePool, LpPool, Global*Pool and
   ReduceMean / ReduceMax: in the panel's CNNs those two are the spatial means and maxima PyTorch
   exports for ``x.mean((2, 3))``; a launch carries no axes, so one over other axes counts here too),
   ``concat_copy`` (Concat, Transpose, Reshape-like ops, Split, Slice, Pad, DepthToSpace,
@@ -64,6 +65,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "normalization": (
         "BatchNormalization", "InstanceNormalization", "GroupNormalization", "LayerNormalization",
         "RMSNormalization", "LpNormalization", "MeanVarianceNormalization", "LRN",
+        "FusedNorm",  # convpass's fused GroupNorm / InstanceNorm unit with its activation and residual chain
     ),
     "pooling": (
         "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "MaxRoiPool",
