@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Old against new in one device call: the same command run in the trees of several commits.
-#   bash scripts/ab-trees.sh prepare REV [REV...]   here: each commit's convpass/, benchmarks/, models/
-#                                                   and scripts/ into .ab/REV (git-ignored; carry ".ab")
+#   bash scripts/ab-trees.sh prepare REV [REV...]   here: each commit's convpass/, tests/, benchmarks/, models/,
+#                                                   scripts/ and pyproject.toml into .ab/REV (git-ignored; carry ".ab")
 #   bash scripts/ab-trees.sh run CMD [ARGS...]      on the device machine: CMD run in each .ab/REV in turn,
 #                                                   its output in $OUT/ab-REV.txt ({} in ARGS: the repository root)
 # Each run's working directory is its own tree, so `python3 -m convpass...` and `python3 benchmarks/X.py`
@@ -16,7 +16,7 @@ case "${1:-}" in
     for rev in "$@"; do
       sha=$(git -C "$root" rev-parse --short "$rev^{commit}") || exit 2
       rm -rf "$root/.ab/$sha"; mkdir -p "$root/.ab/$sha"
-      git -C "$root" archive "$sha" convpass benchmarks models scripts | tar -x -C "$root/.ab/$sha" || exit 1
+      git -C "$root" archive "$sha" convpass tests benchmarks models scripts pyproject.toml | tar -x -C "$root/.ab/$sha" || exit 1
       echo ".ab/$sha ($rev)"
     done ;;
   run)

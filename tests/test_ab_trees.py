@@ -20,10 +20,11 @@ def _git(repo: Path, *args: str) -> str:
 def test_each_tree_runs_its_own_code_also_under_python_m(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for folder in ("benchmarks", "models"):
+    for folder in ("benchmarks", "models", "tests"):
         (repo / folder).mkdir()
         (repo / folder / "keep.txt").write_text("")
     shutil.copy(SCRIPT, repo / "scripts" / "ab-trees.sh")
+    (repo / "pyproject.toml").write_text("")
     pkg = repo / "convpass"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
