@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
     import numpy as np
 
-    from convpass.native import cudnn
     from convpass.core.problem import ConvShape
     from convpass.kernels.depthwise import DepthwiseKernel, candidates, strip_of
+    from convpass.native import cudnn
     from convpass.tuning import harness
 
     harness.warm_clocks()

@@ -27,8 +27,8 @@ import traceback
 
 import numpy as np
 
-from convpass.native.cudnn import ConvDescriptors, CudnnError, run, workspace_size
 from convpass.core.problem import ConvShape
+from convpass.native.cudnn import ConvDescriptors, CudnnError, run, workspace_size
 from convpass.tuning import harness
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
@@ -38,8 +38,8 @@ ap.add_argument("--out", default="fe.jsonl", help="JSON lines, one per conv prob
 ap.add_argument("--deadline", type=float, default=420.0, help="seconds after which no new problem starts")
 args = ap.parse_args()
 
-import cupy as cp  # noqa: E402
 import cudnn as fe  # noqa: E402  (nvidia-cudnn-frontend)
+import cupy as cp  # noqa: E402
 
 T0 = time.time()
 DEADLINE = args.deadline
