@@ -77,7 +77,7 @@ def in_place_ms(executor, feeds) -> dict[str, float]:
         queued = holding() if holding is not None else False
         clock.sync()
         backend.step_events = None
-        for label, op_type, a, b, name in events:
+        for _label, op_type, a, b, name in events:
             if op_type in ("Conv", "ConvTranspose"):
                 per_node.setdefault(name, []).append(clock.elapsed_ms(a, b))
         if not queued:

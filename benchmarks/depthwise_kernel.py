@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
     import numpy as np
 
-    from convpass.native import cudnn
     from convpass.core.problem import ConvShape
     from convpass.kernels.depthwise import DepthwiseKernel, candidates, strip_of
+    from convpass.native import cudnn
     from convpass.tuning import harness
 
     harness.warm_clocks()
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 kernel = DepthwiseKernel(shape, layout == "nhwc", r)
                 wk = cudnn.as_layout(w, layout) if args.as_given_weights else kernel.weight(cp, w)  # as the tuner and executor pass it
                 kernel(cp, xs[0], wk, ys[0])
-                own.append((harness.time_launches(lambda i: kernel(cp, xs[i], wk, ys[i]), sets).time_ms, r))
+                own.append((harness.time_launches(lambda i, kernel=kernel, xs=xs, wk=wk, ys=ys: kernel(cp, xs[i], wk, ys[i]), sets).time_ms, r))
             with cudnn.ConvDescriptors(shape.key(layout, "fma")) as descs:
                 wl = cudnn.as_layout(w, layout)
                 ref = cudnn.empty_like_layout(shape.y_shape, "float32", layout)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         ws = cp.empty(max(cudnn.workspace_size(descs, None, algo), 1), cp.uint8)
                         cudnn.run(descs, None, algo, xs[0], wl, ys[0], workspace=ws)
-                        t = harness.time_launches(lambda i: cudnn.run(descs, None, algo, xs[i], wl, ys[i], workspace=ws), sets).time_ms
+                        t = harness.time_launches(lambda i, algo=algo, xs=xs, wl=wl, ys=ys, ws=ws: cudnn.run(descs, None, algo, xs[i], wl, ys[i], workspace=ws), sets).time_ms
                     except Exception:  # noqa: BLE001  (an algorithm cuDNN does not run here)
                         continue
                     if best is None or t < best[1]:

@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from convpass.tuning.cache_rows import Measurement
     from convpass.core.options import TuneOptions
     from convpass.core.problem import ConvProblem
+    from convpass.tuning.cache_rows import Measurement
 
 Clock = Mapping[str, Sequence["Measurement"]]  # geometry -> the clock run's ok rows (timed configurations, epilogue passes)
 
@@ -62,7 +62,7 @@ class Decision:
     """What a tuned model runs for one problem: the configuration's problem key and the tuning-cache
     row it was decided from (a legacy algorithm, an engine, or either's fused call)."""
 
-    problem: "ConvProblem"  # as the driver collected it, its epilogue included
+    problem: ConvProblem  # as the driver collected it, its epilogue included
     key: str
     row: str
 
@@ -71,7 +71,7 @@ class Decision:
 # pure: decisions against a clock
 
 
-def tune_options() -> "TuneOptions":
+def tune_options() -> TuneOptions:
     """The decision options the phases' ``convpass tune`` runs with (its defaults)."""
     from convpass.cli.main import build_parser
     from convpass.cli.options import decision_options
@@ -80,16 +80,16 @@ def tune_options() -> "TuneOptions":
     return build_options(decision_options(build_parser().parse_args(["tune", "m.onnx", "-o", "."])))
 
 
-def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> dict[tuple[str, str], Decision]:
+def decisions_of(tuned_models: Sequence[Path | str], options: TuneOptions) -> dict[tuple[str, str], Decision]:
     """(device, problem) -> the Decision of every decided conv of the models. Each conv's problem is
     collected again from the tuned model at its own profiles, with ``options``: what the tuner timed
     it as, with its epilogue, which the row's time alone does not say (an unfused configuration
     costs its time plus the epilogue's pass)."""
     import convpass
+    from convpass.compiler.pipeline import OptimizeReport, prepare_model
     from convpass.core import annotation
     from convpass.core.algo import Algo
     from convpass.core.model_io import load_model, to_proto
-    from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
     out: dict[tuple[str, str], Decision] = {}
     for path in tuned_models:
@@ -112,7 +112,7 @@ def decisions_of(tuned_models: Sequence[Path | str], options: "TuneOptions") -> 
     return out
 
 
-def retimed(decisions: Mapping[Any, Decision], clock: Clock, options: "TuneOptions") -> dict[Any, dict[str, float]]:
+def retimed(decisions: Mapping[Any, Decision], clock: Clock, options: TuneOptions) -> dict[Any, dict[str, float]]:
     """Each decision's time on the clock run and the time of what the tuner decides from the clock,
     by decision key. Both are the conv's step by the tuner's own rule (:func:`convpass.tuning.decide.cost_ms`:
     a fused call its own time, an unfused configuration its time plus its epilogue's pass), and
@@ -144,7 +144,7 @@ def _spread(ratios: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Clock, options: "TuneOptions") -> dict[str, Any]:
+def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Clock, options: TuneOptions) -> dict[str, Any]:
     """Run ``b``'s decisions against run ``a``'s, both re-timed on ``clock`` (:func:`retimed`).
 
     ``b_vs_a``: time(b's decision) / time(a's decision) per problem both decided (target <= 1.03);
@@ -165,17 +165,17 @@ def compare(a: Mapping[Any, Decision], b: Mapping[Any, Decision], clock: Clock, 
     }
 
 
-def median_clock(clocks: Sequence[Clock]) -> dict[str, list["Measurement"]]:
+def median_clock(clocks: Sequence[Clock]) -> dict[str, list[Measurement]]:
     """One clock from several: every configuration (problem key, row, method) at the median of its
     times in the clocks that timed it. One timing of a configuration can read 5-10% off its next
     (r3d_18's 3-D convs, two H200 runs), and a decision between near-equal candidates then looks
     that far off on a single clock."""
-    times: dict[str, dict[tuple[str, str, str], list["Measurement"]]] = {}
+    times: dict[str, dict[tuple[str, str, str], list[Measurement]]] = {}
     for clock in clocks:
         for geometry, rows in clock.items():
             for m in rows:
                 times.setdefault(geometry, {}).setdefault((str(m.key), m.algo, m.method), []).append(m)
-    out: dict[str, list["Measurement"]] = {}
+    out: dict[str, list[Measurement]] = {}
     for geometry, configs in times.items():
         out[geometry] = []
         for rows in configs.values():
@@ -226,11 +226,11 @@ def problem_time_lines(runs: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def clock_of(cache_path: Path, device: str) -> dict[str, list["Measurement"]]:
+def clock_of(cache_path: Path, device: str) -> dict[str, list[Measurement]]:
     """geometry -> a tuning cache's ok rows with a time (``measure`` and epilogue passes) on ``device``."""
-    from convpass.tuning.cache import TuningCache
     from convpass.core.device import DeviceFingerprint
     from convpass.core.problem import ProblemKey
+    from convpass.tuning.cache import TuningCache
 
     with sqlite3.connect(f"file:{cache_path}?mode=ro", uri=True) as c:
         keys = [k for (k,) in c.execute("SELECT DISTINCT key FROM measurements WHERE device = ?", (device,))]
@@ -349,7 +349,7 @@ def _run_doc(work: Path, name: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _decisions_of_run(work: Path, name: str, options: "TuneOptions") -> dict[tuple[str, str], Decision]:
+def _decisions_of_run(work: Path, name: str, options: TuneOptions) -> dict[tuple[str, str], Decision]:
     summary = _run_doc(work, name)["summary"]
     return decisions_of([m["output"] for m in summary["models"] if m["output"]], options)
 
@@ -363,8 +363,8 @@ def reclock_phase(args: argparse.Namespace) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus  # before anything starts CUDA in this process
     import cupy as cp
 
-    from convpass.tuning.cache import TuningCache
     from convpass.native.device import detect
+    from convpass.tuning.cache import TuningCache
     from convpass.tuning.tuner import measure_problem
 
     device = detect()

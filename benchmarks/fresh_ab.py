@@ -135,7 +135,7 @@ def run(trees: Sequence[tuple[str, Path]], cases: Sequence[Sequence[Any]], runs:
                 raise RuntimeError(f"the child for {tree} imported convpass from {rec['module']}, not from {tree}")
             return rec
 
-        for name, tree in trees:
+        for _name, tree in trees:
             _check_tree(tree, work, timeout)
         for name, tree, config in contenders[: len(trees) + min(len(ort), 1)]:  # ONNX Runtime's Python: once
             rec = child(tree, config, cases[0], write_bytecode=True)

@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 
 import convpass
-from convpass.tuning.cache import TuningCache
 from convpass.core.device import DeviceFingerprint
 from convpass.core.problem import ProblemKey
+from convpass.tuning.cache import TuningCache
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -27,8 +27,8 @@ import traceback
 
 import numpy as np
 
-from convpass.native.cudnn import ConvDescriptors, CudnnError, run, workspace_size
 from convpass.core.problem import ConvShape
+from convpass.native.cudnn import ConvDescriptors, CudnnError, run, workspace_size
 from convpass.tuning import harness
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
@@ -38,8 +38,8 @@ ap.add_argument("--out", default="fe.jsonl", help="JSON lines, one per conv prob
 ap.add_argument("--deadline", type=float, default=420.0, help="seconds after which no new problem starts")
 args = ap.parse_args()
 
-import cupy as cp  # noqa: E402
 import cudnn as fe  # noqa: E402  (nvidia-cudnn-frontend)
+import cupy as cp  # noqa: E402
 
 T0 = time.time()
 DEADLINE = args.deadline
@@ -55,16 +55,18 @@ emit({"fe_version": fe.__version__, "backend": fe.backend_version()})
 
 models = args.models.split(",")
 probs = []
-for l in open(args.oracle):
-    d = json.loads(l)
+for line in open(args.oracle):
+    d = json.loads(line)
     if f"{d['model']}:{d['batch']}" in models:
         for p in d["detail"]:
             probs.append((d["model"], d["batch"], p["problem"], p["count"]))
-seen = set(); uniq = []
+seen = set()
+uniq = []
 for m, b, p, c in probs:
     k = json.dumps(p)
     if k not in seen:
-        seen.add(k); uniq.append((m, b, p, c))
+        seen.add(k)
+        uniq.append((m, b, p, c))
 LEGACY = ["implicit_gemm", "implicit_precomp_gemm", "gemm", "direct", "fft", "fft_tiling", "winograd", "winograd_nonfused"]
 stream = cp.cuda.Stream(non_blocking=True)
 stream.use()
@@ -94,13 +96,15 @@ def graph_for(shape, layout, act=None, bias=False):
         Y = g.relu(input=Y, name="act")
     Y.set_output(True).set_dim(list(shape.y_shape)).set_stride(strides(shape.y_shape, layout)).set_data_type(fe.data_type.FLOAT)
     tensors["Y"] = Y
-    g.validate(); g.build_operation_graph()
+    g.validate()
+    g.build_operation_graph()
     g.create_execution_plans([fe.heur_mode.A, fe.heur_mode.B, fe.heur_mode.FALLBACK])
     return g, tensors
 
 for model, batch, p, count in uniq:
     if time.time() - T0 > DEADLINE:
-        emit({"stop": "deadline"}); break
+        emit({"stop": "deadline"})
+        break
     n, c, hh, ww, k, kh, kw, pads, strd, dil, groups = p
     shape = ConvShape("fwd", n, c, k, (hh, ww), (kh, kw), tuple(pads), tuple(strd), tuple(dil), groups)
     rec = {"model": model, "batch": batch, "problem": p, "count": count, "legacy": {}, "graph": {}, "fused": {}}
@@ -125,9 +129,10 @@ for model, batch, p, count in uniq:
                         run(descs, None, algo, sets[0]["x"], sets[0]["w"], sets[0]["y"], workspace=wsb)
                         if ref is None and algo in ("implicit_gemm", "implicit_precomp_gemm"):
                             ref = sets[0]["y"].astype(cp.float32).copy()
-                        t = harness.time_launches(lambda i: run(descs, None, algo, sets[i]["x"], sets[i]["w"], sets[i]["y"], workspace=wsb), len(sets), best)
+                        t = harness.time_launches(lambda i, algo=algo, sets=sets, wsb=wsb: run(descs, None, algo, sets[i]["x"], sets[i]["w"], sets[i]["y"], workspace=wsb), len(sets), best)
                     except Exception as e:  # noqa
-                        rec["legacy"][f"{layout}/{algo}"] = str(e)[:100]; continue
+                        rec["legacy"][f"{layout}/{algo}"] = str(e)[:100]
+                        continue
                     rec["legacy"][f"{layout}/{algo}"] = t.time_ms
                     if not t.early_stop:
                         best = t.time_ms if best is None else min(best, t.time_ms)
@@ -138,51 +143,60 @@ for model, batch, p, count in uniq:
                 try:
                     g, tens = graph_for(shape, layout, act, use_bias)
                 except Exception as e:  # noqa
-                    rec["graph" if variant == "conv" else "fused"][f"{layout}/{variant}"] = "build: " + str(e)[:200]; continue
+                    rec["graph" if variant == "conv" else "fused"][f"{layout}/{variant}"] = "build: " + str(e)[:200]
+                    continue
                 cnt = g.get_execution_plan_count()
                 res = {}
                 gbest = None
                 for i in range(cnt):
-                    if time.time() - T0 > DEADLINE: break
+                    if time.time() - T0 > DEADLINE:
+                        break
                     try:
                         eid, knobs = g.get_engine_and_knobs_at_index(i)
                         name = g.get_plan_name_at_index(i)
                     except Exception as e:  # noqa
-                        res[str(i)] = "meta: " + str(e)[:80]; continue
+                        res[str(i)] = "meta: " + str(e)[:80]
+                        continue
                     if eid >= 20000:
-                        res[str(i)] = f"python engine {eid} skipped"; continue
+                        res[str(i)] = f"python engine {eid} skipped"
+                        continue
                     tb = time.time()
                     try:
                         g.build_plan_at_index(i)
                         ws = g.get_workspace_size_plan_at_index(i)
                     except Exception as e:  # noqa
-                        res[name] = "unbuildable: " + str(e)[:80]; continue
+                        res[name] = "unbuildable: " + str(e)[:80]
+                        continue
                     buildt = time.time() - tb
                     wsb = cp.empty(max(ws, 1), cp.uint8)
-                    def go(j, i=i):
+                    def go(j, i=i, g=g, tens=tens, sets=sets, bias=bias, wsb=wsb):
                         pack = {tens["X"]: sets[j]["x"].data.ptr, tens["W"]: sets[j]["w"].data.ptr, tens["Y"]: sets[j]["y"].data.ptr}
                         if "B" in tens:
                             pack[tens["B"]] = bias.data.ptr
                         g.execute_plan_at_index(pack, wsb.data.ptr, index=i, handle=h)
                     try:
                         sets[0]["y"].fill(np.nan)
-                        go(0); stream.synchronize()
+                        go(0)
+                        stream.synchronize()
                         err = None
                         if variant == "conv" and ref is not None:
                             err = float(harness.relative_error(sets[0]["y"].astype(cp.float32), ref))
                         t0 = time.perf_counter()
-                        for _ in range(20): go(0)
+                        for _ in range(20):
+                            go(0)
                         host_us = (time.perf_counter() - t0) / 20 * 1e6
                         stream.synchronize()
                         t = harness.time_launches(go, len(sets), gbest)
                     except Exception as e:  # noqa
-                        res[name] = "exec: " + str(e)[:120]; continue
+                        res[name] = "exec: " + str(e)[:120]
+                        continue
                     res[name] = {"eid": eid, "knobs": {str(kk): vv for kk, vv in knobs.items()}, "ws": ws, "ms": t.time_ms, "eager": t.eager,
                                  "early": t.early_stop, "err": err, "build_s": round(buildt, 3), "host_us": round(host_us, 1)}
                     if not t.early_stop:
                         gbest = t.time_ms if gbest is None else min(gbest, t.time_ms)
                 rec["graph" if variant == "conv" else "fused"][f"{layout}/{variant}"] = {"count": cnt, "best": gbest, "plans": res}
             del sets
+            go = None  # its default arguments hold the sets too: let them go before the pool is freed
             cp.get_default_memory_pool().free_all_blocks()
     except Exception:  # noqa: BLE001  (recorded in the line, the next problem runs)
         rec["error"] = traceback.format_exc()[-800:]

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from convpass.core.errors import ConvpassError
 from convpass.compiler import pipeline
-from convpass.core.model_io import load_model
 from convpass.compiler.passes import plan_layouts as planner
 from convpass.compiler.pipeline import build_options, optimize_model
+from convpass.core.errors import ConvpassError
+from convpass.core.model_io import load_model
 
 
 def _pinned_ops(graph, conv_costs, transpose_ms, units=(), shapes=None) -> str:

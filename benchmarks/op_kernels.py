@@ -30,8 +30,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -188,7 +189,7 @@ def cases() -> list[dict[str, Any]]:
     for cl in (False, True):
         out.append({"name": f"SE gate x * sigmoid(g) 32x672x14x14{' nhwc' if cl else ''}", "family": "elementwise", "shape": se, "variants": fused,
                     "channels_last": cl, "model": _model([N("GlobalAveragePool", ["x"], ["p"]), N("Sigmoid", ["p"], ["s"]), N("Mul", ["x", "s"], ["y"])], se)})
-    for shape, groups, name in (((1, 1, 512 * 2000), None, "InstanceNormalization (GroupNorm(1, 512) of a 1-D audio net, b1) 1x1x1024000"),
+    for shape, _groups, name in (((1, 1, 512 * 2000), None, "InstanceNormalization (GroupNorm(1, 512) of a 1-D audio net, b1) 1x1x1024000"),
                                 ((16, 1, 512 * 2000), None, "InstanceNormalization (GroupNorm(1, 512), b16) 16x1x1024000"),
                                 ((32, 64, 56 * 56), None, "InstanceNormalization 32x64x3136")):
         cc = shape[1]

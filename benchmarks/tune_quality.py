@@ -28,9 +28,9 @@ from pathlib import Path
 import onnx
 
 import convpass
+from convpass.core.problem import ProblemKey
 from convpass.native import device as device_mod
 from convpass.tuning.cache import TuningCache
-from convpass.core.problem import ProblemKey
 
 
 def _input_spec(model: onnx.ModelProto, batch: int) -> str:
