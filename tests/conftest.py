@@ -98,11 +98,7 @@ def silu_model(x_shape: Sequence[int] = (2, 16, 12, 12), seed: int = 0) -> onnx.
         helper.make_node("Mul", ["s2", "y2"], ["a2"], name="silu2"),
         helper.make_node("Conv", ["a2", "w3", "b3"], ["out"], name="project"),
     ]
-    graph = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, list(x_shape))], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+    return _x_to_out_model(nodes, "silu", x_shape, inits)
 
 
 def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float | None] = (0.2, 0.1), seed: int = 0,
@@ -130,12 +126,17 @@ def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float 
         helper.make_node("Concat", ["a1", "a2"], ["cat"], name="j", axis=1) if join == "Concat" else helper.make_node("Add", ["a1", "a2"], ["cat"], name="j"),
         helper.make_node("Conv", ["cat", "w3", "b3"], ["out"], name="c3"),
     ]
-    graph = helper.make_graph(nodes, "leaky", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+    return _x_to_out_model(nodes, "leaky", x_shape, inits)
+
+
+
+def _x_to_out_model(nodes: list, name: str, x_shape: Sequence[int], inits: list) -> onnx.ModelProto:
+    """An opset-17 model of ``nodes``: float input ``x`` and output ``out``, both of ``x_shape``."""
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, list(x_shape))], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
-
 
 def residual_block_model() -> onnx.ModelProto:
     """x -> Conv -> Relu -> Conv -> Add(x) -> Relu, biases as initializers (as torch exports it)."""

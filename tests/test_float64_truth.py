@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from conftest import benchmark_script
 from onnx import TensorProto, helper, numpy_helper
-from test_local_errors_benchmark import bit_block
+from test_local_errors_benchmark import bit_block, skewed_conv_setup
 
 from convpass.compiler.precision.float64 import FLOAT_TYPES, float64_outputs, relative_errors, to_float64
 from convpass.core.errors import ConvpassError
@@ -157,22 +157,7 @@ def test_a_node_computed_off_shows_against_the_truth():
     """The device's conv ``h`` computed with its weight off by 1e-3 (random per element: the GroupNorm
     after it cannot normalize it away): the device is 1e-3-sized off the truth from ``h`` on, where
     ONNX Runtime float32 stays at float32's size."""
-    import convpass
-
-    script = benchmark_script("local_errors")
-    model = bit_block()
-    tuned = convpass.optimize(model, shapes=["x=1x16x9x9"], quiet=True)
-    feeds = {"x": np.random.default_rng(1).standard_normal((1, 16, 9, 9)).astype(np.float32)}
-    cpu = script.executor_runner("cpu")
-
-    def skewed(m, f):
-        m = onnx.ModelProto.FromString(m.SerializeToString())
-        (conv,) = [n for n in m.graph.node if n.name == "h"]
-        (w,) = [t for t in m.graph.initializer if t.name == conv.input[1]]
-        noise = np.random.default_rng(2).standard_normal(tuple(w.dims)).astype(np.float32)
-        w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * (1 + np.float32(1e-3) * noise), w.name))
-        return cpu(m, f)
-
+    script, model, tuned, feeds, skewed = skewed_conv_setup()
     result = script.local_errors(model, tuned, feeds, skewed, truth=True)
     rows = {r["node"]: r for r in result["nodes"]}
     assert 5e-4 < rows["h"]["device_truth"] < 2e-3 and rows["h"]["ort_truth"] < 1e-6

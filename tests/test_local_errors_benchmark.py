@@ -36,6 +36,29 @@ def bit_block(c: int = 16, hw: int = 9) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+
+def skewed_conv_setup():
+    """``(script, model, tuned, feeds, runner)``: the local-errors benchmark, :func:`bit_block`
+    tuned on the CPU, one input, and a CPU runner with conv ``h``'s weight off by about 1e-3
+    relative, so that what follows computes on its output as a device would."""
+    import convpass
+
+    script = benchmark_script("local_errors")
+    model = bit_block()
+    tuned = convpass.optimize(model, shapes=["x=1x16x9x9"], quiet=True)
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 16, 9, 9)).astype(np.float32)}
+    cpu = script.executor_runner("cpu")
+
+    def skewed(m, f):
+        m = onnx.ModelProto.FromString(m.SerializeToString())
+        (conv,) = [n for n in m.graph.node if n.name == "h"]
+        (w,) = [t for t in m.graph.initializer if t.name == conv.input[1]]
+        noise = np.random.default_rng(2).standard_normal(tuple(w.dims)).astype(np.float32)
+        w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * (1 + np.float32(1e-3) * noise), w.name))
+        return cpu(m, f)
+
+    return script, model, tuned, feeds, skewed
+
 def test_every_conv_and_groupnorm_has_a_float32_sized_local_error_on_the_cpu(tmp_path, capsys):
     path = tmp_path / "bit.onnx"
     onnx.save(bit_block(), path)
@@ -54,22 +77,7 @@ def test_a_node_computed_off_is_the_one_with_the_large_local_error():
     """The device runner computes one conv with its weight off by 1e-3 (random per element: the
     GroupNorm after it cannot normalize it away): its local error says so, the nodes
     before it stay at float32's size, and the nodes after it carry it in their cumulative error only."""
-    import convpass
-
-    script = benchmark_script("local_errors")
-    model = bit_block()
-    tuned = convpass.optimize(model, shapes=["x=1x16x9x9"], quiet=True)
-    feeds = {"x": np.random.default_rng(1).standard_normal((1, 16, 9, 9)).astype(np.float32)}
-    cpu = script.executor_runner("cpu")
-
-    def skewed(m, f):  # conv h's weight off, so that what follows computes on its output as a device would
-        m = onnx.ModelProto.FromString(m.SerializeToString())
-        (conv,) = [n for n in m.graph.node if n.name == "h"]
-        (w,) = [t for t in m.graph.initializer if t.name == conv.input[1]]
-        noise = np.random.default_rng(2).standard_normal(tuple(w.dims)).astype(np.float32)
-        w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * (1 + np.float32(1e-3) * noise), w.name))
-        return cpu(m, f)
-
+    script, model, tuned, feeds, skewed = skewed_conv_setup()
     rows = {r["node"]: r for r in script.local_errors(model, tuned, feeds, skewed)["nodes"]}
     assert 5e-4 < rows["h"]["local"] < 2e-3
     assert rows["n2/InstanceNormalization"]["local"] < 1e-6, "a GroupNorm of the skewed input is still computed right"
