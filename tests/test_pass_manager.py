@@ -19,6 +19,7 @@ from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass
 from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
+from convpass.compiler.passes.fold_relu_affine import FoldReluAffinePass
 from convpass.compiler.passes.resolve_shapes import ResolveShapesPass
 from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
 from convpass.core.annotation import SCHEMA_VERSION, ModelInfo
@@ -158,7 +159,7 @@ def test_the_preparation_runs_the_passes_in_their_order():
     fold, resolve, collect = FoldConvWeightsPass(), ResolveShapesPass(), CollectConvProblemsPass()
     sequence = manager.preparation(fold, resolve, collect)
     folding, *rest = sequence.passes
-    assert [type(p) for p in folding.passes] == [FoldConvWeightsPass, FoldBatchNormsPass] and folding.passes[0] is fold
+    assert [type(p) for p in folding.passes] == [FoldConvWeightsPass, FoldBatchNormsPass, FoldReluAffinePass] and folding.passes[0] is fold
     assert rest[0] is resolve and type(rest[1]) is CanonicalizeConvsPass and rest[2] is collect
     model = _computed_weight_model()
     manager.run(sequence, model)

@@ -4,7 +4,9 @@ Rules:
 
 1. :func:`folding`: ``FoldConvWeightsPass`` then ``FoldBatchNormsPass``, the constant weight
    computations and then the BatchNormalizations after convs, folded as the executor folds them
-   when it loads the model, so that the tuner times the steps that run.
+   when it loads the model, so that the tuner times the steps that run; then
+   ``FoldReluAffinePass``, a constant affine after a conv's Relu folded into the conv (the step
+   then ends at the Relu it absorbs).
 2. :func:`preparation`: every pass before a decision, in the order their ``requires()`` state
    (:mod:`~convpass.compiler.passes.state`): the folding, ``ResolveShapesPass``,
    ``CanonicalizeConvsPass``, ``CollectConvProblemsPass``. It runs once (no fixed point).
@@ -21,6 +23,7 @@ from convpass.compiler.passes.canonicalize_convs import CanonicalizeConvsPass
 from convpass.compiler.passes.collect_conv_problems import CollectConvProblemsPass
 from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
+from convpass.compiler.passes.fold_relu_affine import FoldReluAffinePass
 from convpass.compiler.passes.resolve_shapes import ResolveShapesPass
 
 __all__ = ["folding", "preparation", "run"]
@@ -28,7 +31,7 @@ __all__ = ["folding", "preparation", "run"]
 
 def folding(fold: FoldConvWeightsPass | None = None) -> ir.passes.Sequential:
     """Rule 1 (``fold``: the weight-folding pass whose notes the caller reads; None: a new one)."""
-    return ir.passes.Sequential(fold or FoldConvWeightsPass(), FoldBatchNormsPass())
+    return ir.passes.Sequential(fold or FoldConvWeightsPass(), FoldBatchNormsPass(), FoldReluAffinePass())
 
 
 def preparation(fold: FoldConvWeightsPass, resolve: ResolveShapesPass, collect: CollectConvProblemsPass) -> ir.passes.PassManager:
