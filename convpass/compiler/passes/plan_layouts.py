@@ -6,7 +6,10 @@ Rules (per shape profile):
   no measurement in a layout cannot take it (infinite cost).
 * Layout-agnostic ops (:data:`AGNOSTIC_OPS`) take whatever format their tensors arrive in and pass
   it on: element-wise ops, BatchNormalization and activations, and the ops the cuda backend runs in
-  the tensor's own memory format (window and global pooling, Resize, Pad). Concats are agnostic
+  the tensor's own memory format (window and global pooling, Resize, Pad). A channel slice of a
+  channels-last buffer arrives channels-last: the element-wise step that reads it (a dense layer's
+  BatchNormalization + Relu) writes a packed channels-last tensor
+  (:mod:`convpass.kernels.elementwise_launch`), so its NHWC conv reads it without a copy. Concats are agnostic
   too, one *family* at a time (:func:`concat_families`): the Concats that share one buffer in the
   cuda backend (DenseNet's and RRDB's growing ``cat``: each a contiguous run of the next one's
   inputs) are tied together (infinite edges both ways), since the buffer has one format; its
