@@ -7,6 +7,9 @@ runs the generic broadcasting kernel."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 from fused_models import N, channels_last, const, feeds, norm
@@ -204,3 +207,48 @@ def test_an_operand_per_pixel_but_not_per_channel_runs_the_generic_kernel(host_e
         np.testing.assert_allclose(env[step.outputs[0]], want, rtol=2e-5, atol=2e-5)
     assert launch.apply_paths() and all(p.startswith("broadcast_d") for p in launch.apply_paths())
     assert launch.sources()[1].name == launch.kernel.source.name
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_kernels_compile_for_hopper_with_128_bit_loads_and_no_spills(dtype, tmp_path):
+    plan, index = _step((2, 8, 5, 6), 4)
+    group = group_norm.apply_group(plan.steps[index].node.prepared, dtype, ["constant", "constant", "value"])
+    src = group_norm_apply.source(group, ["sample", "sample", "pixel"])
+    path = tmp_path / f"{src.name}.cu"
+    path.write_text(src.code)
+    nvcc = [shutil.which("nvcc"), "-std=c++17", "-arch=sm_90", str(path)]
+    done = subprocess.run([*nvcc, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert all(f"Compiling entry function '{e}'" in done.stderr for e in src.entries), done.stderr
+    assert all(line.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for line in done.stderr.splitlines() if "spill stores" in line)
+    subprocess.run([*nvcc, "-ptx", "-o", str(tmp_path / "k.ptx")], check=True, capture_output=True)
+    ptx = (tmp_path / "k.ptx").read_text()
+    vector = "v4.f32" if dtype == np.float32 else "v4.u32"
+    # the vector entries: x and the residual, two vectors each in flight (channels-last and channels-first), the output stored so
+    assert ptx.count(f"ld.global.{vector}") == 8 and ptx.count(f"st.global.{vector}") == 4, ptx.count(f"ld.global.{vector}")
+
+
+def test_the_op_kernels_nhwc_case_gives_the_fused_step_channels_last_storage():
+    """benchmarks/op_kernels.py's channels-last rows read their input through a Transpose of an NHWC
+    input (a view), so the fused step sees channels-last storage even from a captured graph, whose
+    input buffers are packed copies of the feeds; the outputs match the channels-first model's."""
+    from conftest import benchmark_script
+
+    from convpass.native.cuda import channels_last
+
+    ok = benchmark_script("op_kernels")
+    shape = (2, 8, 4, 4)
+    model = ok._exported_group_norm_silu(shape, 4, np.random.default_rng(0))
+    nhwc = ok._nhwc_input(model)
+    x = feeds(shape)["x"]
+    ex = Executor(nhwc, device="cpu", fusions=True)
+    f = {"x_nhwc": np.ascontiguousarray(np.moveaxis(x, 1, -1))}
+    ex.run(None, f)
+    (step,) = [st for st in ex.last_plan.steps if st.node.op_type == "FusedNorm"]
+    seen, fn = [], step.fn
+    step.fn = lambda ctx, node, *args: seen.append(channels_last(args[0])) or fn(ctx, node, *args)
+    got = ex.run(None, f)[0]
+    assert seen == [True] and not channels_last(x)
+    want = Executor(model, device="cpu").run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
