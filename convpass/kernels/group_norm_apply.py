@@ -201,6 +201,8 @@ def apply_geometry(last: bool, dims: tuple[int, int, int], strides: Sequence[tup
     array's frame strides (elements; x, the operands, the output); ``pixel``: per array, whether
     it is walked per pixel (x and the output always); ``addresses``: their data addresses."""
     n, c, s = (dims[0], dims[2], dims[1]) if last else dims
+    if n * c * s == 0:
+        return None  # nothing to launch (the fused step's statistics refuse an empty tensor first)
     v = _VECTOR_BYTES // itemsize
     walked = [(st, a) for st, a, p in zip(strides, addresses, pixel) if p]
     along = c if last else s  # the vectorized dimension: the frame's innermost either way
