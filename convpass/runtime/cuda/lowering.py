@@ -88,7 +88,7 @@ def _sources(launch: Launch) -> list[compiler.KernelSource]:
     """The kernel sources a hand-written launch needs, so they are compiled at plan time."""
     dtype = launch.dtype
     if isinstance(launch, group_norm.FusedNormLaunch):
-        return [group_norm.source(dtype)]
+        return launch.sources()
     if isinstance(launch, normalization.NormLaunch):
         return [] if launch.use_cudnn else [normalization.source(dtype)]
     if isinstance(launch, pooling.PoolLaunch):
