@@ -272,7 +272,38 @@ def cases() -> list[dict[str, Any]]:
         out.append({"name": f"Resize {mode} 2x 32x64x56x56", "family": "resize", "shape": rshape,
                     "model": _model([N("Resize", ["x", "", "scales"], ["y"], mode=mode)], rshape, [_const("scales", [1, 1, 2, 2])]),
                     "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
+    # a diffusion VAE decoder's (and an SR net's) nearest x2 upsampling of 128 channels, batch 16
+    # and 1: the nearest kernel against the generic resize_2d and the op library. nhwc rows read
+    # an NHWC input through a Transpose in the model (a view), so the Resize sees channels-last
+    # storage in the captured graph too (its input buffers are packed copies of the feeds).
+    for b in (16, 1):
+        for cl in (False, True):
+            logical = (b, 128, 128, 128)
+            shape = (b, *logical[2:], logical[1]) if cl else logical
+            head = [N("Transpose", ["x"], ["xt"], perm=[0, 3, 1, 2])] if cl else []
+            nodes = head + [N("Resize", ["xt" if cl else "x", "", "scales"], ["y"], mode="nearest")]
+            out.append({"name": f"Resize nearest x2 {'x'.join(map(str, logical))} -> 256x256{' nhwc' if cl else ''}", "family": "resize",
+                        "shape": shape, "nbytes": 4 * 5 * int(np.prod(logical)),  # read the input, write 4x its size
+                        "model": _model(nodes, shape, [_const("scales", [1, 1, 2, 2])]),
+                        "variants": {"op library": {"kernels": False}, "generic resize_2d": {GENERIC_RESIZE: True}, "convpass kernel": {}}})
     return out
+
+
+GENERIC_RESIZE = "generic_resize"  # variant option: Resize runs the generic resize_2d, never the nearest kernel
+
+
+@contextlib.contextmanager
+def _generic_resize(on: bool) -> Iterator[None]:
+    """Plans compiled inside lower every Resize to the generic kernel (``on``), else as usual."""
+    from convpass.kernels import tensor_ops
+
+    saved = tensor_ops.nearest_fits
+    if on:
+        tensor_ops.nearest_fits = lambda out_shape: False
+    try:
+        yield
+    finally:
+        tensor_ops.nearest_fits = saved
 
 
 def _exported_group_norm_silu(shape: tuple[int, ...], groups: int, rng: np.random.Generator) -> Any:
@@ -332,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for variant, options in case["variants"].items():
             try:
-                us, (y, labels) = _executor_variant(case["model"], x, args.reps, args.batches, case.get("channels_last", False), **options)
+                options = dict(options)
+                with _generic_resize(options.pop(GENERIC_RESIZE, False)):
+                    us, (y, labels) = _executor_variant(case["model"], x, args.reps, args.batches, case.get("channels_last", False), **options)
             except Exception as e:  # noqa: BLE001  (a variant that cannot run is reported, the others still are)
                 results.append({"variant": variant, "error": str(e).splitlines()[0]})
                 continue

@@ -96,7 +96,7 @@ def _sources(launch: Launch) -> list[compiler.KernelSource]:
     if isinstance(launch, pooling.GlobalPoolLaunch):
         return [pooling.global_source(dtype)]
     if isinstance(launch, tensor_ops.ResizeLaunch):
-        return [tensor_ops.source(dtype)]
+        return launch.sources()
     return []
 
 
