@@ -4,9 +4,10 @@
 #                                                   scripts/ and pyproject.toml into .ab/REV (git-ignored; carry ".ab")
 #   bash scripts/ab-trees.sh run CMD [ARGS...]      on the device machine: CMD run in each .ab/REV in turn,
 #                                                   its output in $OUT/ab-REV.txt ({} in ARGS: the repository root)
-# Each run's working directory is its own tree, so `python3 -m convpass...` and `python3 benchmarks/X.py`
-# import that tree's convpass: `python -m` puts the working directory first on sys.path, ahead of
-# PYTHONPATH, so a PYTHONPATH pointing at another tree is not enough when run from the repository root.
+# Each run's working directory is its own tree and PYTHONPATH starts with it, so both `python3 -m convpass...`
+# and `python3 benchmarks/X.py` import that tree's convpass: `python -m` puts the working directory
+# first on sys.path (ahead of PYTHONPATH: from the repository root it would import the checkout),
+# and a script puts its own folder first, then PYTHONPATH, then the installed checkout.
 # Runs alternate (REV1, REV2, REV1, ...) when ROUNDS > 1, so a drift of the clocks falls on both.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +28,7 @@ case "${1:-}" in
       for t in "${trees[@]}"; do
         sha=$(basename "$t"); args=("${@//\{\}/$root}")
         echo "== $sha round $r: ${args[*]}" >>"$out/ab-$sha.txt"
-        (cd "$t" && "${args[@]}") >>"$out/ab-$sha.txt" 2>&1
+        (cd "$t" && PYTHONPATH="${t%/}${PYTHONPATH:+:$PYTHONPATH}" "${args[@]}") >>"$out/ab-$sha.txt" 2>&1
         echo "== exit $?" >>"$out/ab-$sha.txt"
       done
     done

@@ -28,6 +28,7 @@ def test_each_tree_runs_its_own_code_also_under_python_m(tmp_path):
     pkg = repo / "convpass"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
+    (repo / "benchmarks" / "which.py").write_text("import convpass.which\n")
     _git(repo, "init", "-q")
     _git(repo, "config", "user.email", "t@example.com")
     _git(repo, "config", "user.name", "t")
@@ -37,14 +38,17 @@ def test_each_tree_runs_its_own_code_also_under_python_m(tmp_path):
         _git(repo, "add", "-A")
         _git(repo, "commit", "-q", "-m", version)
         shas.append(_git(repo, "rev-parse", "--short", "HEAD"))
-    # the checkout holds "new": a PYTHONPATH-only A/B run from the root would print "new" twice
-    subprocess.run(["bash", "scripts/ab-trees.sh", "prepare", shas[0], "HEAD"], cwd=repo, check=True, capture_output=True)
-    out = tmp_path / "out"
-    subprocess.run(["bash", "scripts/ab-trees.sh", "run", "python3", "-m", "convpass.which"], cwd=repo, check=True,
-                   capture_output=True, env={"OUT": str(out), "PATH": "/usr/bin:/bin:" + str(Path(shutil.which("python3")).parent)})
-    assert "'old'" not in (out / f"ab-{shas[1]}.txt").read_text()
-    assert (out / f"ab-{shas[0]}.txt").read_text().splitlines()[1] == "old"
-    assert (out / f"ab-{shas[1]}.txt").read_text().splitlines()[1] == "new"
+    # the checkout holds "new" and is importable (PYTHONPATH stands in for its editable install):
+    # a PYTHONPATH-only A/B from the root, or a run inside the tree that leaves PYTHONPATH as it is,
+    # would print "new" for both commits in one of the two forms
+    subprocess.run(["bash", "scripts/ab-trees.sh", "prepare", shas[0], shas[1]], cwd=repo, check=True, capture_output=True)
+    path = "/usr/bin:/bin:" + str(Path(shutil.which("python3")).parent)
+    for form in (["python3", "-m", "convpass.which"], ["python3", "benchmarks/which.py"]):
+        out = tmp_path / ("out" + str(len(form)))
+        subprocess.run(["bash", "scripts/ab-trees.sh", "run", *form], cwd=repo, check=True, capture_output=True,
+                       env={"OUT": str(out), "PATH": path, "PYTHONPATH": str(repo)})
+        for sha, version in zip(shas, ("old", "new")):
+            assert (out / f"ab-{sha}.txt").read_text().splitlines()[1] == version, form
 
 
 def test_run_without_prepared_trees_says_what_to_do(tmp_path):
