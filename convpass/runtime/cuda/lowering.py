@@ -176,7 +176,7 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
             take(OpLaunch(plan, i, ctx, storage_order))
     # 5. the memory plan
     if rt.concat_in_place:
-        for i, launch in memory.plan_concats(plan, owner, rt.concat_allocator).items():
+        for i, launch in memory.plan_concats(plan, owner, rt.concat_allocator, host).items():
             launches[i] = owner[i] = launch
     # liveness: a fused group's members read their inputs at the root, so they are freed there
     free = [tuple(st.free) for st in steps]
