@@ -14,7 +14,9 @@ then the GELU's fused kernel). Fused element-wise groups are timed with
 convpass's broadcasting kernel (the default) and with CuPy's ``ElementwiseKernel`` of the same
 code (``CuPy's kernel``: what ran before the broadcasting kernel). A normalization unit (a VAE's
 GroupNorm + SiLU in its exported form) is timed as its fused step (statistics, then the apply
-pass: ``fusions=True``), as the unfused ops' kernels (``fusions=False``) and by the op library.
+pass: ``fusions=True``; its row names the apply kernel that ran), as the unfused ops' kernels
+(``fusions=False``) and by the op library. Rows marked ``nhwc`` read an NHWC input through a
+Transpose (a view), so their first op sees channels-last storage in the captured graph too.
 
     python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7] [--only TEXT[,TEXT...]]
 
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,8 +98,32 @@ def _cupy_fused_groups() -> Iterator[None]:
         broadcast.BroadcastKernel.__call__, broadcast.needs_fallback = saved
 
 
+def _nhwc_input(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` reading its input ``x`` through a Transpose of an NHWC input ``x_nhwc``: on the GPU
+    the Transpose is a view, so the first op reads channels-last storage, also when the plan is
+    replayed from a CUDA graph (whose input buffers are packed copies of the feeds: a channels-last
+    feed of ``x`` itself would arrive channels-first)."""
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    x = next(i for i in m.graph.input if i.name == "x")
+    dims = x.type.tensor_type.shape.dim
+    r = len(dims)
+    values = [d.dim_value for d in dims]
+    for d, v in zip(dims, [values[0], *values[2:], values[1]]):
+        d.dim_value = v
+    x.name = "x_nhwc"
+    m.graph.node.insert(0, N("Transpose", ["x_nhwc"], ["x"], perm=[0, r - 1, *range(1, r - 1)], name="to_logical"))
+    return m
+
+
+def _label(launch: Any) -> str:
+    """A launch's label, with the kernels its apply pass ran (a fused normalization step)."""
+    paths = getattr(launch, "apply_paths", None)
+    return launch.label + (f" [{','.join(sorted(paths()))}]" if paths is not None else "")
+
+
 def _executor_variant(model, x, reps: int, batches: int, channels_last: bool, **options) -> tuple[float, Any]:
-    """Time the compiled plan of ``model`` (one graph) on device input ``x``; returns (us, output)."""
+    """Time the compiled plan of ``model`` (one graph) on device input ``x`` (stored channels-last:
+    :func:`_nhwc_input`); returns (us, (output, launch labels))."""
     if options.pop(CUPY_FUSED, False):
         with _cupy_fused_groups():
             return _executor_variant(model, x, reps, batches, channels_last, **options)
@@ -105,13 +132,14 @@ def _executor_variant(model, x, reps: int, batches: int, channels_last: bool, **
     from convpass.runtime import Executor
     from convpass.runtime.cuda import CudaBackend
 
-    xd = cp.asarray(x)
+    feed = {"x": cp.asarray(x)}
     if channels_last:
-        xd = cp.moveaxis(cp.ascontiguousarray(cp.moveaxis(xd, 1, -1)), -1, 1)
+        model = _nhwc_input(model)
+        feed = {"x_nhwc": cp.asarray(np.ascontiguousarray(np.moveaxis(x, 1, -1)))}
     fusions = options.pop("fusions", None)
     ex = Executor(model, device=CudaBackend(**options), output_kind="device", fusions=fusions)
     for _ in range(3):
-        (y,) = ex.run(None, {"x": xd})
+        (y,) = ex.run(None, feed)
     status = ex.graph_status()
     if not status.captured:
         raise RuntimeError(status.describe())
@@ -134,7 +162,7 @@ def _executor_variant(model, x, reps: int, batches: int, channels_last: bool, **
         end.record(stream)
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / reps)
-    labels = [launch.label for launch in state.launch_list()]
+    labels = [_label(launch) for launch in state.launch_list()]
     return statistics.median(times), (cp.asnumpy(y), labels)
 
 
@@ -244,7 +272,38 @@ def cases() -> list[dict[str, Any]]:
         out.append({"name": f"Resize {mode} 2x 32x64x56x56", "family": "resize", "shape": rshape,
                     "model": _model([N("Resize", ["x", "", "scales"], ["y"], mode=mode)], rshape, [_const("scales", [1, 1, 2, 2])]),
                     "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
+    # a diffusion VAE decoder's (and an SR net's) nearest x2 upsampling of 128 channels, batch 16
+    # and 1: the nearest kernel against the generic resize_2d and the op library. nhwc rows read
+    # an NHWC input through a Transpose in the model (a view), so the Resize sees channels-last
+    # storage in the captured graph too (its input buffers are packed copies of the feeds).
+    for b in (16, 1):
+        for cl in (False, True):
+            logical = (b, 128, 128, 128)
+            shape = (b, *logical[2:], logical[1]) if cl else logical
+            head = [N("Transpose", ["x"], ["xt"], perm=[0, 3, 1, 2])] if cl else []
+            nodes = head + [N("Resize", ["xt" if cl else "x", "", "scales"], ["y"], mode="nearest")]
+            out.append({"name": f"Resize nearest x2 {'x'.join(map(str, logical))} -> 256x256{' nhwc' if cl else ''}", "family": "resize",
+                        "shape": shape, "nbytes": 4 * 5 * int(np.prod(logical)),  # read the input, write 4x its size
+                        "model": _model(nodes, shape, [_const("scales", [1, 1, 2, 2])]),
+                        "variants": {"op library": {"kernels": False}, "generic resize_2d": {GENERIC_RESIZE: True}, "convpass kernel": {}}})
     return out
+
+
+GENERIC_RESIZE = "generic_resize"  # variant option: Resize runs the generic resize_2d, never the nearest kernel
+
+
+@contextlib.contextmanager
+def _generic_resize(on: bool) -> Iterator[None]:
+    """Plans compiled inside lower every Resize to the generic kernel (``on``), else as usual."""
+    from convpass.kernels import tensor_ops
+
+    saved = tensor_ops.nearest_fits
+    if on:
+        tensor_ops.nearest_fits = lambda out_shape: False
+    try:
+        yield
+    finally:
+        tensor_ops.nearest_fits = saved
 
 
 def _exported_group_norm_silu(shape: tuple[int, ...], groups: int, rng: np.random.Generator) -> Any:
@@ -304,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for variant, options in case["variants"].items():
             try:
-                us, (y, labels) = _executor_variant(case["model"], x, args.reps, args.batches, case.get("channels_last", False), **options)
+                options = dict(options)
+                with _generic_resize(options.pop(GENERIC_RESIZE, False)):
+                    us, (y, labels) = _executor_variant(case["model"], x, args.reps, args.batches, case.get("channels_last", False), **options)
             except Exception as e:  # noqa: BLE001  (a variant that cannot run is reported, the others still are)
                 results.append({"variant": variant, "error": str(e).splitlines()[0]})
                 continue
@@ -327,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in r:
                 print(f"{case['name'][:62]:<62} {r['variant']:<18} error: {r['error']}", flush=True)
             else:
+                applied = " ".join(label[label.index("["):] for label in r["labels"] if "[" in label)
                 print(f"{case['name'][:62]:<62} {r['variant']:<18} {r['us']:9.1f} us {r['GBps']:7.0f} GB/s  "
-                      f"x{r['speedup_vs_op_library']:.2f}  err {r['rel_err']:.1e}", flush=True)
+                      f"x{r['speedup_vs_op_library']:.2f}  err {r['rel_err']:.1e}{'  apply ' + applied if applied else ''}", flush=True)
     import convpass
 
     print(f"op_kernels: {len(rows)} cases in {time.perf_counter() - t0:.0f} s (convpass from {Path(convpass.__file__).parent})")

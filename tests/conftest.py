@@ -491,6 +491,45 @@ def host_args(args) -> list:
     return out
 
 
+_SETTER = ('\nextern "C" void set_index(unsigned bx, unsigned by, unsigned tx, unsigned ty, unsigned bdx, unsigned bdy, unsigned gdx, '
+           'unsigned gdy) { blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; threadIdx.y = ty; blockDim.x = bdx; blockDim.y = bdy; '
+           'gridDim.x = gdx; gridDim.y = gdy; }\n')
+
+
+@pytest.fixture(scope="module")
+def host_entry(tmp_path_factory):
+    """``entry(source, name)`` for the fused normalization kernels (convpass.kernels.group_norm and
+    group_norm_apply): the source compiled as host C++, launched block by block and thread by thread
+    (the statistics kernels in blocks of one thread: their block cooperation is trivial then; the
+    element-wise ones at any block size)."""
+    libs = {}
+    d = tmp_path_factory.mktemp("group_norm")
+
+    def lib_for(src):
+        if src.name not in libs:
+            libs[src.name] = host_library(d, "using namespace std;\n" + src.code + _SETTER, src.name)
+        return libs[src.name]
+
+    def entry(src, name):
+        lib = lib_for(src)
+        kernel = getattr(lib, name)
+
+        def launch(grid, block_, args):
+            conv = host_args(args)
+            gx, gy = (*grid, 1)[:2]
+            bx, by = (*block_, 1)[:2]
+            assert bx * by == 1 or name.startswith(("convpass_broadcast", "gn_apply")), "threads of one block run in turn"
+            for j in range(gy):
+                for i in range(gx):
+                    for ty in range(by):
+                        for tx in range(bx):
+                            lib.set_index(i, j, tx, ty, bx, by, gx, gy)
+                            kernel(*conv)
+        return launch
+
+    return entry
+
+
 def newer_schema_cache(path: Path) -> Path:
     """A tuning cache at ``path`` whose schema version says a newer convpass wrote it (checkpointed:
     the database file alone holds it)."""

@@ -14,7 +14,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import host_args, host_library
 from fused_models import N, activation, block, channels_last, const, feeds, norm
 from onnx import TensorProto, helper
 
@@ -161,41 +160,7 @@ def test_a_gate_and_a_residual_join_the_epilogue_with_their_own_strides():
 # ---------------------------------------------------------------------------------------------
 # the cuda backend's kernels as host C++
 
-_SETTER = ('\nextern "C" void set_index(unsigned bx, unsigned by, unsigned tx, unsigned ty, unsigned bdx, unsigned bdy, unsigned gdx, '
-           'unsigned gdy) { blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; threadIdx.y = ty; blockDim.x = bdx; blockDim.y = bdy; '
-           'gridDim.x = gdx; gridDim.y = gdy; }\n')
-
-
-@pytest.fixture(scope="module")
-def host_entry(tmp_path_factory):
-    """``entry(source, name)`` for FusedNormLaunch: the source compiled as host C++, launched block by
-    block and thread by thread (blocks of one thread: the kernels' block cooperation is trivial then)."""
-    libs = {}
-    d = tmp_path_factory.mktemp("group_norm")
-
-    def lib_for(src):
-        if src.name not in libs:
-            libs[src.name] = host_library(d, "using namespace std;\n" + src.code + _SETTER, src.name)
-        return libs[src.name]
-
-    def entry(src, name):
-        lib = lib_for(src)
-        kernel = getattr(lib, name)
-
-        def launch(grid, block_, args):
-            conv = host_args(args)
-            gx, gy = (*grid, 1)[:2]
-            bx, by = (*block_, 1)[:2]
-            assert bx * by == 1 or name.startswith("convpass_broadcast"), "threads of one block run in turn"
-            for j in range(gy):
-                for i in range(gx):
-                    for ty in range(by):
-                        for tx in range(bx):
-                            lib.set_index(i, j, tx, ty, bx, by, gx, gy)
-                            kernel(*conv)
-        return launch
-
-    return entry
+# host_entry (conftest): the kernels compiled as host C++, launched block by block and thread by thread
 
 
 def _fused_plan(shape, groups, act="silu", residual=True, form="gn17"):
@@ -252,9 +217,17 @@ def test_the_kernels_match_the_fused_step(host_entry, shape, groups, where):
     launch.run(env)
     got = env[step.outputs[0]]
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    # the apply pass's frame (N, C, S) / (N, S, C) merges to three dimensions at most (two for one
-    # sample), whichever storage: the per-channel constants of the exported form keep N apart
-    assert launch.kernel.planned_dims() == {2 if shape[0] == 1 else 3}
+    # the dedicated apply kernel ran, in the output's storage order; 16-byte vectors where the
+    # vectorized dimension (channels-last: C, channels-first: S) and every address take them
+    (path,) = launch.apply_paths()
+    last = r > 2 and got.strides[1] == got.itemsize and shape[1] > 1
+    assert path.startswith(f"gn_apply_{'cl' if last else 'cf'}_"), path
+    if where in ("nchw", "nhwc"):
+        aligned = all(a.ctypes.data % 16 == 0 for a in (x, z, got))
+        along = shape[1] if last else int(np.prod(shape[2:]))
+        assert path.endswith("_4" if along % 4 == 0 and aligned else "_1"), path
+    if where == "mixed":
+        assert path == "gn_apply_cl_1", "a residual in the other order is read element by element"
     if where in ("nhwc", "nhwc-slice") and r > 2:
         assert got.strides[1] == 4, "channels-last in, channels-last out"
     if out_buffer is not None:
@@ -291,7 +264,7 @@ def test_finalize_writes_coefficients_that_match_float64(host_entry, layout, inp
     x = feeds(shape, seed=3, offset=offset)["x"] * np.float32(scale)
     z = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
     env[step.inputs[0]] = channels_last(x) if layout == "nhwc" else x
-    env[step.inputs[-1]] = z
+    env[step.inputs[-1]] = channels_last(z) if layout == "nhwc" else z
     launch.run(env)
     params = [env[s] for s in step.inputs[1:3]]
     a64, b64 = _coefficients64(x, groups, step.node.prepared.eps, *params)
@@ -302,12 +275,13 @@ def test_finalize_writes_coefficients_that_match_float64(host_entry, layout, inp
     want = step.fn(ctx, step.node, x.astype(np.float64), *[env[s] for s in step.inputs[1:-1]], z.astype(np.float64))
     got = env[step.outputs[0]]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-    assert launch.kernel.planned_dims() == {3}
+    assert launch.apply_paths() == {"gn_apply_cl_4" if layout == "nhwc" else "gn_apply_cf_1"}  # C = 16, S = 30
 
 
 @pytest.mark.parametrize("batch", [16, 1])
-def test_a_vae_sized_channels_last_apply_walks_rows_of_all_channels(batch):
-    """GroupNorm(32) of 128 channels at 256 x 256: the apply frame of channels-last storage merges
+def test_a_vae_sized_generic_apply_walks_rows_of_all_channels(batch):
+    """The generic apply (the fallback of the dedicated kernel) of GroupNorm(32) of 128 channels at
+    256 x 256: the frame of channels-last storage merges
     to (N, S, C) (or (S, C) for one sample) with the channels innermost and contiguous, not the
     (N, S, G, C / G) of four elements a row; channels-first to (N, C, S)."""
     from convpass.kernels import broadcast

@@ -21,6 +21,7 @@ from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.fold_relu_affine import FoldReluAffinePass
 from convpass.compiler.passes.resolve_shapes import ResolveShapesPass
+from convpass.compiler.passes.sum_branches import SumBranchesPass
 from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_model
 from convpass.core.annotation import SCHEMA_VERSION, ModelInfo
 from convpass.core.errors import ShapeError
@@ -160,7 +161,7 @@ def test_the_preparation_runs_the_passes_in_their_order():
     sequence = manager.preparation(fold, resolve, collect)
     folding, *rest = sequence.passes
     assert [type(p) for p in folding.passes] == [FoldConvWeightsPass, FoldBatchNormsPass, FoldReluAffinePass] and folding.passes[0] is fold
-    assert rest[0] is resolve and type(rest[1]) is CanonicalizeConvsPass and rest[2] is collect
+    assert rest[0] is resolve and type(rest[1]) is SumBranchesPass and type(rest[2]) is CanonicalizeConvsPass and rest[3] is collect
     model = _computed_weight_model()
     manager.run(sequence, model)
     assert [n.op_type for n in model.graph] == ["Conv"]  # the weight computed, the BatchNormalization folded

@@ -8,7 +8,9 @@ adjacent dimensions that every operand walks contiguously are merged (a per-chan
 over NCHW leaves three: N, C, H * W; over NHWC two: N * H * W, C; same-shape operands one). A
 thread then splits its element index over those (at most :data:`MAX_DIMS`) with 32-bit
 divisions and reads every operand at its own strides, so any layout works: a channels-last
-operand next to a channels-first one, a Concat slice as the output. Offsets are computed once
+operand next to a channels-first one, a Concat slice as the output. A result the kernel allocates
+is stored channels-last where a full-rank operand is stored so, packed or as a channel slice of a
+channels-last Concat buffer (and walked in that order), else channels-first. Offsets are computed once
 per class of operands that share strides (:func:`broadcast_classes`: a BatchNormalization's
 parameters), with the terms of absent dimensions compiled out (one entry per dimension count).
 Each thread loads :data:`UNROLL` adjacent elements (:data:`UNROLL_HEAVY` for heavier math)
@@ -34,7 +36,7 @@ import numpy as np
 from convpass.core.layout import storage_order
 from convpass.kernels.elementwise import PREAMBLE, FusedGroup
 from convpass.native import nvrtc as compiler
-from convpass.native.cuda import channels_last, elements
+from convpass.native.cuda import elements
 
 __all__ = ["ENTRIES", "MAX_DIMS", "UNROLL", "UNROLL_HEAVY", "BroadcastKernel", "Geometry", "broadcast_classes", "broadcast_geometry",
            "broadcast_source", "needs_fallback", "unroll_for"]
@@ -264,9 +266,12 @@ class BroadcastKernel:
         if out is not None and tuple(out.shape) != shape:
             return False
         r = len(shape)
-        # the output's memory order; a channel slice of a channels-last Concat buffer is channels-last too
-        # (walked channels-first, a LeakyReLU writing such slices ran at a fifth of its packed speed)
-        nhwc = 3 <= r <= 5 and (storage_order(out) is not None if out is not None else any(a.ndim == r and channels_last(a) for a in args))
+        # the output's memory order; a channel slice of a channels-last Concat buffer is channels-last too,
+        # as an output (walked channels-first, a LeakyReLU writing such slices ran at a fifth of its packed
+        # speed) and as an input (a dense layer's BatchNormalization + Relu of the features so far: a
+        # channels-first result made the channels-last conv after it copy its input)
+        nhwc = 3 <= r <= 5 and (storage_order(out) is not None if out is not None
+                                else any(a.ndim == r and storage_order(a) is not None for a in args))
         alloc = None
         if out is None:
             perm = (0, *range(2, r), 1) if nhwc else tuple(range(r))

@@ -363,38 +363,47 @@ def conv_exec(key: ProblemKey, algo: Algo | str, epilogue: str = "", *, cp: Any 
 # the epilogue as one element-wise pass
 
 
-def apply_epilogue(cp: Any, y: Any, b: Any, relu: bool, z: Any = None) -> None:
+def apply_epilogue(cp: Any, y: Any, b: Any, relu: bool, z: Any = None, src: Any = None) -> None:
     """``y = act(y + z + b)`` in place, in one element-wise pass (``b``: None or the ``(K,)`` bias;
     ``z``: None or an array of ``y``'s shape): a conv's epilogue when it does not run fused into the
-    conv's call (:mod:`convpass.core.fusion`). The pass runs over the storage order of ``y`` where
-    ``z`` has the same one: over a channels-last array seen channels-first, element-wise kernels
-    read and write with a stride of C elements."""
+    conv's call (:mod:`convpass.core.fusion`). With ``src`` (an array of ``y``'s shape), ``y =
+    act(src + z + b)``: the pass reads the conv's result and writes ``y`` (a ConvTranspose's into its
+    Concat slice). The pass runs over the storage order of ``y`` where ``z`` and ``src`` have the
+    same one: over a channels-last array seen channels-first, element-wise kernels read and write
+    with a stride of C elements."""
     order = storage_order(y)  # a channels-last array, or a channel slice of one (a Concat buffer's)
     phys = y.transpose(order) if order else y
-    if b is None and z is None:
+    if b is None and z is None and src is None:
         if relu:
             cp.maximum(phys, y.dtype.type(0), out=phys)
         return
-    zp = None if z is None else (z.transpose(order) if order else z)
-    if z is not None and storage_order(z) != order:
-        phys, zp = y, z  # logical views: right whatever the strides
-    args = [] if b is None else [b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))]
-    args += [] if zp is None else [zp]
-    epilogue_kernel(cp, b is not None, z is not None, relu)(*args, phys)
+    others = [a for a in (src, z) if a is not None]
+    if any(storage_order(a) != order for a in others):
+        phys = y  # logical views: right whatever the strides
+    view = (lambda a: a.transpose(order)) if phys is not y else (lambda a: a)
+    args = [] if src is None else [view(src)]
+    args += [] if b is None else [b if phys is not y else b.reshape((1, -1) + (1,) * (y.ndim - 2))]
+    args += [] if z is None else [view(z)]
+    if src is None:
+        epilogue_kernel(cp, b is not None, z is not None, relu)(*args, phys)
+    else:
+        epilogue_kernel(cp, b is not None, z is not None, relu, source=True)(*args, phys)
 
 
-_epilogue_kernels: dict[tuple[Any, bool, bool, bool], Any] = {}
+_epilogue_kernels: dict[tuple[Any, bool, bool, bool, bool], Any] = {}
 
 
-def epilogue_kernel(cp: Any, bias: bool, residual: bool, relu: bool) -> Any:
+def epilogue_kernel(cp: Any, bias: bool, residual: bool, relu: bool, source: bool = False) -> Any:
     """The CuPy element-wise kernel ``y = act(y + z + b)`` over the operands present (inputs ``b``
-    then ``z``, broadcast to ``y``; ``y`` read and written in place; a ReLU that keeps NaN)."""
-    key = (cp, bias, residual, relu)
+    then ``z``, broadcast to ``y``; ``y`` read and written in place; a ReLU that keeps NaN);
+    ``source``: ``y = act(s + z + b)`` with a first input ``s`` of ``y``'s shape, ``y`` only written."""
+    key = (cp, bias, residual, relu, source)
     if key not in _epilogue_kernels:
-        inputs = [name for name, on in (("T b", bias), ("T z", residual)) if on]
-        value = " + ".join(["y"] + [name[2:] for name in inputs])
+        inputs = [name for name, on in (("T s", source), ("T b", bias), ("T z", residual)) if on]
+        terms = [name[2:] for name in inputs]
+        value = " + ".join(terms if source else ["y", *terms])
         body = f"T v = {value}; y = v < (T)0 ? (T)0 : v" if relu else f"y = {value}"
-        name = "convpass_epilogue" + "".join(part for part, on in (("_bias", bias), ("_residual", residual), ("_relu", relu)) if on)
+        name = "convpass_epilogue" + "".join(part for part, on in (("_from", source), ("_bias", bias), ("_residual", residual), ("_relu", relu)) if on)
         _epilogue_kernels[key] = cp.ElementwiseKernel(", ".join(inputs), "T y", body, name)
     return _epilogue_kernels[key]
 

@@ -35,6 +35,8 @@ a bias and ReLU run as their own pass) writes its output straight into its slice
 descriptor with the slice's strides, and the epilogue pass runs on the slice in place, in its
 memory order. When cuDNN refuses that (some algorithms want packed outputs), and for a conv whose
 epilogue runs fused in cuDNN's call, the conv writes a packed output that is copied into the slice.
+A ConvTranspose (a UNet's upsampling, read by the decoder's Concat) runs backward data into a packed
+buffer, and its bias and ReLU pass reads that buffer and writes the slice: no copy after it.
 
 Reading slices: a forward conv run by cuDNN's legacy API, plain or fused call, whose input is a
 channel slice of a Concat buffer stored in the conv's memory format (channels-last: channel stride
@@ -95,7 +97,7 @@ from typing import Any
 from convpass.core import annotation
 from convpass.core.cudnn_enums import STATUS
 from convpass.core.fusion import absorbed, is_graph_fusion, legacy_name
-from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, conv_exec, step_epilogue
+from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, apply_epilogue, conv_exec, step_epilogue
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.launch import Launch
@@ -292,16 +294,24 @@ class Convolutions:
 
     def _run_transpose(self, ex: ConvResolution, x: Any, wk: Any, b: Any, relu: bool, ws: Any, out: Any) -> Any:
         """A ConvTranspose: cuDNN's backward data into a buffer of the uncropped size, its bias
-        (and ReLU) as one pass, then a cropped view."""
+        (and ReLU) as one pass, then a cropped view. Written into ``out`` (a Concat slice), the
+        pass reads the conv's result and writes the slice: no copy after it."""
         g = ex.geometry
         r = g.spatial_rank
         dy = self._in_layout(x, ex)
         full_spatial = tuple(g.output_shape[2 + i] + g.extra_pads[i] + g.extra_pads[r + i] for i in range(r))
         full = cudnn.empty_like_layout((g.output_shape[0], g.output_shape[1], *full_spatial), x.dtype, ex.layout)
-        self._launch(self._step(ex, b, relu, None), map_1d(full, ex.insert_axis), wk, dy, ws, b)
+        into = out is not None and (b is not None or relu)
+        if into:
+            self._launch(self._step(ex, None, False, None), map_1d(full, ex.insert_axis), wk, dy, ws, None)
+        else:
+            self._launch(self._step(ex, b, relu, None), map_1d(full, ex.insert_axis), wk, dy, ws, b)
         y = full
         if any(g.extra_pads):
             y = full[(slice(None), slice(None), *(slice(g.extra_pads[i], g.extra_pads[i] + g.output_shape[2 + i]) for i in range(r)))]
+        if into:
+            apply_epilogue(self.cp, out, b, relu, src=y)
+            return out
         return self._into(y, out)
 
     def _step(self, ex: ConvResolution, b: Any, relu: bool, z4: Any) -> ConvExec:
@@ -439,8 +449,9 @@ class ConvLaunch(Launch):
         self.call: ConvCall = step.node.prepared
         self.inputs = step.inputs
         self.epilogue = epilogue
-        # a plain Conv writes into a Concat slice through a strided output descriptor
-        self.supports_placement = step.node.op_type == "Conv" and (epilogue is None or epilogue == "relu")
+        # a plain Conv writes into a Concat slice through a strided output descriptor, a ConvTranspose
+        # through its epilogue's pass (or a copy where it has none)
+        self.supports_placement = step.node.op_type in ("Conv", "ConvTranspose") and (epilogue is None or epilogue == "relu")
         x = plan.info(step.inputs[0])
         self.x_dtype = None if x is None else x[1]
         self.w_const = plan.template[step.inputs[1]] if len(step.inputs) > 1 and step.inputs[1] >= 0 else None

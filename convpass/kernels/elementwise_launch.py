@@ -5,9 +5,13 @@ computation on the storage its operands have.
 kernel (:mod:`convpass.kernels.broadcast`), or with CuPy's kernel for the shapes that one does not
 take.
 
-Memory order: a group whose full-rank inputs are channels-last runs on the channels-last storage
-(:func:`in_storage_order`), so its output stays channels-last; it can also write straight into a
-slice of a Concat buffer (:attr:`FusedLaunch.supports_placement`).
+Memory order: a group with a full-rank input stored channels-last runs on the channels-last storage
+(:func:`in_storage_order`), so its output stays channels-last. A channel slice of a channels-last
+Concat buffer counts as channels-last (:func:`~convpass.core.layout.storage_order`): the
+BatchNormalization + Relu of a dense layer reads such a slice, and the layout plan, which passes
+the buffer's format through it, puts the conv after it in NHWC; a channels-first result there
+would be copied again inside that conv's launch. A group can also write straight into a slice of
+a Concat buffer (:attr:`FusedLaunch.supports_placement`).
 """
 
 from __future__ import annotations
@@ -15,22 +19,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from convpass.core.layout import storage_order
 from convpass.kernels.broadcast import BroadcastKernel
 from convpass.kernels.elementwise import FusedGroup
 from convpass.kernels.launch import Launch
-from convpass.native.cuda import channels_last
 
 __all__ = ["FusedLaunch", "in_storage_order"]
 
 
 def in_storage_order(args: Sequence[Any], fn: Callable[..., Any], value_inputs: Sequence[int] = (), out: Any = None) -> Any:
     """``fn(*args)`` (or ``fn(*args, out)``), an element-wise computation, on the channels-last storage
-    when a full-rank input has it: element-wise kernels over a channels-last array seen channels-first
-    would read and write with a stride of C elements, and CuPy would allocate the result
-    channels-first. Inputs listed in ``value_inputs`` (read as values, e.g. Clip's bounds) and 0-d
-    ones are passed as they are."""
+    when a full-rank input has it (packed, or a channel slice of a channels-last buffer): element-wise
+    kernels over a channels-last array seen channels-first would read and write with a stride of C
+    elements, and CuPy would allocate the result channels-first. Inputs listed in ``value_inputs``
+    (read as values, e.g. Clip's bounds) and 0-d ones are passed as they are."""
     r = max((a.ndim for a in args if a is not None), default=0)
-    if not 3 <= r <= 5 or not any(a is not None and a.ndim == r and channels_last(a) for a in args):
+    if not 3 <= r <= 5 or not any(a is not None and a.ndim == r and storage_order(a) is not None for a in args):
         return fn(*args) if out is None else fn(*args, out)
     perm = (0, *range(2, r), 1)
     inv = (0, r - 1, *range(1, r - 1))
@@ -72,7 +76,7 @@ class FusedLaunch(Launch):
         args = [f if f is not None else _as_view(env[s], g.view_of(k)) for k, (s, f) in enumerate(zip(g.inputs, self._fixed))]
         out = None
         if self.placement is not None:
-            layout = "nhwc" if any(a is not None and a.ndim >= 3 and channels_last(a) for a in args) else "nchw"
+            layout = "nhwc" if any(a is not None and storage_order(a) is not None for a in args) else "nchw"
             out = self.destination(env, layout)
         y = self.broadcast(args, out) if self.broadcast is not None else None
         if y is None:

@@ -31,20 +31,22 @@ C++ thread by thread.
 
 Apply: ``y = epilogue(x * A[n, c] + B[n, c])``, one fused multiply-add (``(x - mean) * rstd *
 scale + shift`` up to a few units in the last place of ``x * A``, as ``x - mean`` rounds in that
-form), is a generated element-wise kernel (:class:`convpass.kernels.broadcast.BroadcastKernel`)
-over the *frame* of the tensor: ``x`` (``(N, C, *spatial)``) seen without a copy as ``(N, C, S)``,
-or ``(N, S, C)`` in channels-last storage, so that the coefficients (``(N, C, 1)`` / ``(N, 1,
-C)``) broadcast over it and every thread walks memory in order (:func:`frame`). The kernel merges
-that frame to three dimensions at most, two divisions per element: channels-first ``(N, C, S)``
-(``N * C`` rows of ``S`` where no per-channel operand keeps ``N`` apart), channels-last ``(N, S,
-C)`` (``(S, C)`` for one sample) whose innermost rows are all ``C`` contiguous channels, not one
-group's. The epilogue's operands (a residual, per-channel constants, a gate) are seen in the same
-frame with their own strides; the output is written in ``x``'s memory format, or into its slice
-of a Concat buffer. Everything is computed in float32 and rounded once.
+form), over the *frame* of the tensor: ``x`` (``(N, C, *spatial)``) seen without a copy as ``(N,
+C, S)``, or ``(N, S, C)`` in channels-last storage (:func:`frame`). It runs on a kernel of its own
+(:mod:`convpass.kernels.group_norm_apply`: channels-last, a thread per run of a pixel's channels
+with their coefficients in registers; channels-first, a block row per ``(n, c)`` plane; 16-byte
+vectors where the storage and alignment allow). Where that kernel's rules do not take the unit's
+operands (an operand that varies over positions but not channels), the apply is the generic
+element-wise kernel (:class:`convpass.kernels.broadcast.BroadcastKernel`) over the same frame, the
+coefficients seen as ``(N, C, 1)`` / ``(N, 1, C)`` (:func:`coefficient_frames`) so that they
+broadcast over it. The epilogue's operands (a residual, per-channel constants, a gate) are seen in
+the same frame with their own strides; the output is written in ``x``'s memory format, or into its
+slice of a Concat buffer. Everything is computed in float32 and rounded once.
 
 Inputs whose spatial positions are not one evenly strided run, or channels-last inputs with more
 than :data:`MAX_CL_CHANNELS` channels, are made contiguous first (one copy); float64 and shapes the
-element-wise kernel does not take run the op library's fused step over CuPy.
+apply kernels do not take (module rule 3 of :mod:`convpass.kernels.group_norm_apply`) run the op
+library's fused step over CuPy.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from convpass.kernels import broadcast, elementwise
+from convpass.kernels import broadcast, elementwise, group_norm_apply
 from convpass.kernels.launch import Launch
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import channels_last, elements
@@ -69,7 +71,7 @@ _THREADS = 256
 _FINALIZE_THREADS = 128  # at most, per (sample, group): a channels-last step of one sample has hundreds of chunks
 # Bumped when these kernels' speed changes: fused units' timings in a tuning cache are keyed by it
 # (convpass.compiler.fusions), so a cached re-run times them again instead of planning with stale ones.
-REVISION = 3
+REVISION = 4
 _TARGET_BLOCKS_PER_SM = 4
 _MIN_ROW_CHUNK = 2048  # elements a rows block reads at least
 _CL_VALS = (1, 2, 4, 8, 16)  # channels per channel lane of the channels-last kernels
@@ -397,9 +399,14 @@ class FusedNormLaunch(Launch):
         self.threads = threads
         self.sms = sms
         group = apply_group(spec, self.dtype, kinds)
-        classes = apply_classes(kinds, shapes)
-        apply_src = broadcast.broadcast_source(group, classes, broadcast.unroll_for(group))
-        self.kernel = broadcast.BroadcastKernel(cupy, group, classes, entry=lambda name: self.entry(apply_src, name))
+        read_as = group_norm_apply.operand_kinds(self.shape, shapes)
+        self.apply = self.kernel = None  # the dedicated apply kernel, or else the generic one (module docstring)
+        if read_as is not None:
+            self.apply = group_norm_apply.ApplyKernel(cupy, group, read_as, lambda: self.sms, entry=self.entry, threads=threads)
+        else:
+            classes = apply_classes(kinds, shapes)
+            apply_src = broadcast.broadcast_source(group, classes, broadcast.unroll_for(group))
+            self.kernel = broadcast.BroadcastKernel(cupy, group, classes, entry=lambda name: self.entry(apply_src, name))
         self.fallback = fallback
         self.part = self.coef = None
 
@@ -448,9 +455,22 @@ class FusedNormLaunch(Launch):
         block = min(_FINALIZE_THREADS, self.threads, 32 * math.ceil(max(geo["chunks"], c // g) / 32))
         self.entry(src, "gn_finalize")((rows,), (block,), (self.part, env[self.inputs[1]], env[self.inputs[2]], self.coef, np.uint32(rows),
                                                            np.uint32(g), np.uint32(c // g), np.int32(geo["chunks"]), np.float32(spec.eps)))
-        a, b = coefficient_frames(xp, self.coef, n, c, last)
-        done = self.kernel([frames[0], a, b, *frames[1:-1]], frames[-1])
+        if self.apply is not None:
+            done = self.apply(frames[0], self.coef, frames[1:-1], frames[-1], last)
+        else:
+            a, b = coefficient_frames(xp, self.coef, n, c, last)
+            done = self.kernel([frames[0], a, b, *frames[1:-1]], frames[-1])
         return None if done is None else out
+
+    def sources(self) -> list[compiler.KernelSource]:
+        """The kernel sources this step runs (compiled at plan time, recorded for the side-car)."""
+        return [source(self.dtype)] + ([self.apply.source] if self.apply is not None else [self.kernel.source])
+
+    def apply_paths(self) -> set[str]:
+        """How the apply pass ran so far: the dedicated kernel's entries, or ``"broadcast_d<k>"``."""
+        if self.apply is not None:
+            return set(self.apply.planned)
+        return {f"broadcast_d{d}" for d in self.kernel.planned_dims()}
 
 
 def lower_fused_norm(plan: Any, index: int, cupy: Any, ctx: Any) -> FusedNormLaunch | None:

@@ -3,13 +3,36 @@
 Resize
     The op library resamples one axis at a time (``take`` for nearest, a matmul with the axis's
     interpolation matrix for linear / cubic), each a pass over a growing tensor plus the moves
-    around it. ``resize_2d`` does all of it in one pass: per output element, the taps of the two
-    trailing axes from per-axis tables (input index and weight per output index and tap) built from
-    the op library's own :class:`~convpass.ops.resize.ResizeGeometry`, so both compute the
-    same function (nearest: one tap of weight 1, bit-exact; linear: the same weights, summed in
-    float32 in one go). Inputs and outputs with any strides (channels-first or channels-last).
-    Resizes of the batch or channel axis, and tf_crop_and_resize's extrapolation, stay with the op
-    library.
+    around it. The kernels here do all of it in one pass, reading per-axis tables (input index and
+    weight per output index and tap) built from the op library's own
+    :class:`~convpass.ops.resize.ResizeGeometry`, so both compute the same function; the tables
+    carry the ONNX coordinate transform, the kernels never compute a coordinate. Inputs and outputs
+    may have any strides (channels-first, channels-last, a slice of a Concat buffer).
+
+    * ``resize_nearest_{cl,cf}_{1,v}`` (:func:`resize_nearest`): nearest upsampling as a copy,
+      bit-exact (the storage's bits, any dtype of that size). Channels-last output: a block is one
+      output row ``(n, oh)``, a thread owns ``v`` consecutive channels of a pixel (walking further
+      channels where ``C`` exceeds a block's lanes) for :data:`IN_FLIGHT` pixels of the row, its
+      source pixel ``(iy[oh], ix[ow])``. Channels-first output: a block is a run of output rows of
+      one ``(n, c)`` plane, a thread owns ``v`` consecutive outputs of a row, gathered from input
+      row ``iy[oh]`` at ``ix[ow]``. ``v`` is 16 bytes of storage (4 float32, 8 float16) where the
+      vectorized dimension (channels-last: ``C`` of input and output; channels-first: the output's
+      ``W``) is contiguous, its count and the other strides are multiples of ``v`` and the
+      addresses 16-byte aligned; else 1. Grids ``(runs, OH or C, N)``: no division per element.
+    * ``resize_2d`` (:func:`resize_2d`): everything else, one output element per thread from up to
+      ``taps x taps`` inputs (nearest: one tap of weight 1, bit-exact; linear / cubic: the same
+      weights as the op library, summed in float32 in one go).
+
+    Rules (:func:`lower_resize`):
+
+    1. the kernels take float16 / float32 inputs of rank 3 or 4 whose resize changes only the
+       trailing two axes (rank 3: the last), without extrapolation (tf_crop_and_resize outside its
+       roi); Resizes of the batch or channel axis and the rest stay with the op library;
+    2. ``resize_nearest`` runs a nearest resize whose resized axes each grow by a whole factor
+       (output length a multiple of the input length: x2, x3, ...) and whose grid fits CUDA's
+       limits (``N``, ``C`` and the output height at most 65535);
+    3. ``resize_2d`` runs the others: linear, cubic, and nearest with a fractional factor or a
+       downsampling.
 
 Concat
     :class:`ConcatLaunch` writes each input into its slice of the output. The memory planner
@@ -22,6 +45,7 @@ Concat
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,7 +55,8 @@ from convpass.native import nvrtc as compiler
 from convpass.native.cuda import copy_into, elements
 from convpass.ops.resize import resize_arguments, resize_geometry
 
-__all__ = ["ConcatLaunch", "ResizeLaunch", "lower_resize", "resize_2d", "resize_taps"]
+__all__ = ["ConcatLaunch", "ResizeLaunch", "lower_resize", "nearest_geometry", "nearest_source", "resize_2d", "resize_nearest", "resize_taps",
+           "vector_width"]
 
 _BLOCK = 256
 
@@ -63,11 +88,111 @@ extern "C" __global__ void resize_2d(
 }
 """
 
+_NEAREST_SOURCE = r"""
+// Nearest upsampling as a copy of storage bits (module docstring). Element (n, c, h, w) of x at
+// x + n * xsn + c * xsc + h * xsh + w * xsw, likewise y; iy[oh], ix[ow]: the source row and column.
+typedef ELEMENT T;
+template <int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+
+// channels-last: block (run of pixels, oh, n), thread (channel lane, pixel row)
+template <int V, int U>
+__device__ __forceinline__ void nearest_cl(const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ iy, const int* __restrict__ ix,
+    unsigned C, unsigned OW, long long xsn, long long xsc, long long xsh, long long xsw, long long ysn, long long ysc, long long ysh, long long ysw)
+{
+    const unsigned n = blockIdx.z, oh = blockIdx.y, rows = blockDim.y;
+    const unsigned ow0 = blockIdx.x * rows * U + threadIdx.y;
+    const T* xr = x + n * xsn + (long long)iy[oh] * xsh;
+    T* yr = y + n * ysn + (long long)oh * ysh;
+    long long xo[U], yo[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const unsigned ow = ow0 + u * rows;
+        xo[u] = ow < OW ? (long long)ix[ow] * xsw : 0;
+        yo[u] = (long long)ow * ysw;
+    }
+    for (unsigned c = threadIdx.x * V; c < C; c += blockDim.x * V) {
+        Pack<V> v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (ow0 + u * rows < OW) v[u] = *reinterpret_cast<const Pack<V>*>(xr + xo[u] + c * xsc);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (ow0 + u * rows < OW) *reinterpret_cast<Pack<V>*>(yr + yo[u] + c * ysc) = v[u];
+    }
+}
+
+// channels-first: block (run of rows, c, n), thread (column lane, row)
+template <int V, int U>
+__device__ __forceinline__ void nearest_cf(const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ iy, const int* __restrict__ ix,
+    unsigned OH, unsigned OW, long long xsn, long long xsc, long long xsh, long long xsw, long long ysn, long long ysc, long long ysh, long long ysw)
+{
+    const unsigned n = blockIdx.z, c = blockIdx.y, rows = blockDim.y;
+    const unsigned oh0 = blockIdx.x * rows * U + threadIdx.y;
+    const T* xp = x + n * xsn + c * xsc;
+    T* yp = y + n * ysn + c * ysc;
+    const T* xr[U];
+    T* yr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const unsigned oh = oh0 + u * rows;
+        xr[u] = xp + (oh < OH ? (long long)iy[oh] * xsh : 0);
+        yr[u] = yp + (long long)oh * ysh;
+    }
+    for (unsigned w = threadIdx.x * V; w < OW; w += blockDim.x * V) {
+        long long xi[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) xi[j] = (long long)ix[w + j] * xsw;
+        Pack<V> v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (oh0 + u * rows < OH) {
+#pragma unroll
+                for (int j = 0; j < V; ++j) v[u].v[j] = xr[u][xi[j]];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (oh0 + u * rows < OH) *reinterpret_cast<Pack<V>*>(yr[u] + w * ysw) = v[u];
+    }
+}
+
+#define NEAREST_ENTRY(order, V, U, extent) \
+extern "C" __global__ void resize_nearest_##order##_##V(const T* __restrict__ x, T* __restrict__ y, const int* __restrict__ iy, \
+    const int* __restrict__ ix, unsigned C, unsigned OH, unsigned OW, long long xsn, long long xsc, long long xsh, long long xsw, \
+    long long ysn, long long ysc, long long ysh, long long ysw) \
+{ nearest_##order<V, U>(x, y, iy, ix, extent, OW, xsn, xsc, xsh, xsw, ysn, ysc, ysh, ysw); }
+NEAREST_ENTRY(cl, 1, IN_FLIGHT_SCALAR, C)
+NEAREST_ENTRY(cl, VECTOR, IN_FLIGHT, C)
+NEAREST_ENTRY(cf, 1, IN_FLIGHT_SCALAR, OH)
+NEAREST_ENTRY(cf, VECTOR, IN_FLIGHT, OH)
+"""
+
 RESIZE_DTYPES = compiler.DTYPES
+IN_FLIGHT = 2  # vectors a thread loads before it stores any (the pixels / rows it owns)
+IN_FLIGHT_SCALAR = 4  # the same, one element a vector
+NEAREST_THREADS = 256
+_VECTOR_BYTES = 16
+_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+_ELEMENT = {2: "unsigned short", 4: "unsigned int"}  # storage bits: nearest copies them
 
 
 def source(dtype: Any) -> compiler.KernelSource:
     return compiler.typed("resize", _SOURCE, ("resize_2d",), dtype)
+
+
+def vector_width(dtype: Any) -> int:
+    """Elements of ``dtype`` in one 16-byte vector."""
+    return _VECTOR_BYTES // np.dtype(dtype).itemsize
+
+
+def nearest_source(dtype: Any) -> compiler.KernelSource:
+    """The nearest kernels for ``dtype``: entries ``resize_nearest_{cl,cf}_{1,v}`` (``v``: :func:`vector_width`)."""
+    dtype = np.dtype(dtype)
+    v = vector_width(dtype)
+    code = (_NEAREST_SOURCE.replace("ELEMENT", _ELEMENT[dtype.itemsize]).replace("IN_FLIGHT_SCALAR", str(IN_FLIGHT_SCALAR))
+            .replace("IN_FLIGHT", str(IN_FLIGHT)).replace("VECTOR", str(v)))
+    entries = tuple(f"resize_nearest_{order}_{w}" for order in ("cl", "cf") for w in (1, v))
+    return compiler.KernelSource(f"convpass_resize_nearest_{dtype.name}", code, entries)
 
 
 def resize_taps(kind: str | None, table: Any, in_len: int, out_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,9 +219,10 @@ def _channels_last(a: Any) -> bool:
     return a.ndim >= 3 and a.shape[1] > 1 and st[1] == 1
 
 
-def resize_2d(cupy: Any, x: Any, y: Any, tables: tuple[Any, Any, Any, Any]) -> Any:
+def resize_2d(cupy: Any, x: Any, y: Any, tables: tuple[Any, Any, Any, Any], function: Any = None) -> Any:
     """``y`` = ``x`` resampled on its two trailing axes with device tables ``(iy, wy, ix, wx)``;
-    rank-3 arrays are resampled on the last axis (their height is 1)."""
+    rank-3 arrays are resampled on the last axis (their height is 1). ``function``: the compiled
+    ``resize_2d`` entry (default: NVRTC's for ``x``'s dtype)."""
     total = y.size
     if total == 0:
         return y
@@ -113,36 +239,119 @@ def resize_2d(cupy: Any, x: Any, y: Any, tables: tuple[Any, Any, Any, Any]) -> A
         iy, wy, np.int32(iy.shape[1]), ix, wx, np.int32(ix.shape[1]),
     )
     blocks = min(math.ceil(total / _BLOCK), 65535 * 4)
-    compiler.function(cupy, source(x.dtype), "resize_2d")((blocks,), (_BLOCK,), params)
+    if function is None:
+        function = compiler.function(cupy, source(x.dtype), "resize_2d")
+    function((blocks,), (_BLOCK,), params)
     return y
 
 
+def _frame(a: Any) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """``(N, C, H, W)`` and its element strides; rank 3 as height 1 (stride 0)."""
+    st = elements(a.strides, a.itemsize)
+    if a.ndim == 3:
+        return (a.shape[0], a.shape[1], 1, a.shape[2]), (st[0], st[1], 0, st[2])
+    return (a.shape[0], a.shape[1], a.shape[2], a.shape[3]), (st[0], st[1], st[2], st[3])
+
+
+def _address(a: Any) -> int:
+    data = a.data
+    return int(data.ptr) if hasattr(data, "ptr") else int(a.ctypes.data)
+
+
+def nearest_geometry(last: bool, dims: tuple[int, int, int, int], xs: tuple[int, ...], ys: tuple[int, ...], addresses: tuple[int, int],
+                     itemsize: int, threads: int = NEAREST_THREADS) -> dict[str, Any]:
+    """Which nearest entry runs and its launch: ``{"entry", "grid", "block"}``. ``last``: the
+    channels-last kernel; ``dims``: the output's ``(N, C, OH, OW)``; ``xs``, ``ys``: element
+    strides ``(n, c, h, w)`` of input and output; ``addresses``: theirs (module docstring)."""
+    n, c, oh, ow = dims
+    v = _VECTOR_BYTES // itemsize
+    if last:
+        along, walked, extent = c, ow, oh
+        vec = c % v == 0 and xs[1] == 1 and ys[1] == 1 and all(s_ % v == 0 for s_ in (*xs[::2], xs[3], *ys[::2], ys[3]))
+        vec = vec and all(a % _VECTOR_BYTES == 0 for a in addresses)
+    else:
+        along, walked, extent = ow, oh, c
+        vec = ow % v == 0 and ys[3] == 1 and all(s_ % v == 0 for s_ in ys[:3]) and addresses[1] % _VECTOR_BYTES == 0
+    width = v if vec and v > 1 else 1
+    unroll = IN_FLIGHT if width > 1 else IN_FLIGHT_SCALAR
+    lanes = max(1, min(math.ceil(along / width), threads))
+    rows = max(1, min(threads // lanes, math.ceil(walked / unroll)))
+    grid = (math.ceil(walked / (rows * unroll)), extent, n)
+    return {"entry": f"resize_nearest_{'cl' if last else 'cf'}_{width}", "grid": grid, "block": (lanes, rows)}
+
+
+def nearest_fits(out_shape: tuple[int, ...]) -> bool:
+    """Whether both nearest kernels' grids fit CUDA's limits for this output shape (module rule 2)."""
+    n, c = out_shape[:2]
+    oh = out_shape[2] if len(out_shape) == 4 else 1
+    return max(n, c, oh) <= _GRID_YZ
+
+
+def resize_nearest(x: Any, y: Any, iy: Any, ix: Any, entry: Callable[[str], Any], threads: int = NEAREST_THREADS) -> str:
+    """``y`` = ``x`` resampled by nearest on its two trailing axes from the device index tables
+    ``iy`` (``(OH, 1)``; rank 3: ``[[0]]``) and ``ix`` (``(OW, 1)``); ``entry(name)``: the compiled
+    entry point of :func:`nearest_source`. Returns the entry that ran."""
+    dims, ys = _frame(y)
+    _, xs = _frame(x)
+    geo = nearest_geometry(_channels_last(y), dims, xs, ys, (_address(x), _address(y)), x.itemsize, threads)
+    if y.size:
+        params = (x, y, iy, ix, *(np.uint32(d) for d in dims[1:]), *(np.int64(v) for v in xs), *(np.int64(v) for v in ys))
+        entry(geo["entry"])(geo["grid"], geo["block"], params)
+    return geo["entry"]
+
+
 class ResizeLaunch(Launch):
-    """Resize / Upsample on the two trailing axes as one :func:`resize_2d` launch."""
+    """Resize / Upsample on the two trailing axes as one launch: :func:`resize_nearest` when
+    ``nearest`` (module rule 2), else :func:`resize_2d`. ``entry(source, name)``: a compiled entry
+    point (default NVRTC; the CPU tests pass host builds). ``paths``: the entries launched so far."""
 
     supports_placement = True
 
-    def __init__(self, plan: Any, index: int, cupy: Any, tables: tuple[Any, Any, Any, Any], out_shape: tuple[int, ...]) -> None:
+    def __init__(self, plan: Any, index: int, cupy: Any, tables: tuple[Any, Any, Any, Any], out_shape: tuple[int, ...],
+                 nearest: bool = False, entry: Callable[[compiler.KernelSource, str], Any] | None = None) -> None:
         step = plan.steps[index]
-        super().__init__(index, step.node, f"{step.node.op_type} kernel", step.outputs[:1])
+        super().__init__(index, step.node, f"{step.node.op_type} kernel{' (nearest)' if nearest else ''}", step.outputs[:1])
         self.dtype = np.dtype(plan.info(step.inputs[0])[1])
-        self.cp, self.x, self.tables, self.out_shape = cupy, step.inputs[0], tables, out_shape
+        self.cp, self.x, self.tables, self.out_shape, self.nearest = cupy, step.inputs[0], tables, out_shape, nearest
+        self.entry = entry if entry is not None else (lambda src, name: compiler.function(cupy, src, name))
+        self.functions: dict[str, Any] = {}
+        self.paths: set[str] = set()
+        self.threads = NEAREST_THREADS
+
+    def sources(self) -> list[compiler.KernelSource]:
+        """The kernel source this launch runs (compiled at plan time)."""
+        return [nearest_source(self.dtype) if self.nearest else source(self.dtype)]
+
+    def prepare(self) -> None:
+        for src in self.sources():
+            self.functions.update((name, self.entry(src, name)) for name in src.entries)
 
     def run(self, env: list[Any]) -> None:
-        from convpass.native import cudnn
-
         x = env[self.x]
         layout = "nhwc" if _channels_last(x) else "nchw"
         y = self.destination(env, layout)
         if y is None:
+            from convpass.native import cudnn
+
             y = cudnn.empty_like_layout(self.out_shape, x.dtype, layout)
-        env[self.outputs[0]] = resize_2d(self.cp, x, y, self.tables)
+        if self.nearest:
+            self.paths.add(resize_nearest(x, y, self.tables[0], self.tables[2], self.functions.__getitem__, self.threads))
+        else:
+            resize_2d(self.cp, x, y, self.tables, self.functions["resize_2d"])
+            self.paths.add("resize_2d")
+        env[self.outputs[0]] = y
 
 
-def lower_resize(plan: Any, index: int, cupy: Any, host: Any, upload: Any) -> ResizeLaunch | None:
-    """A :class:`ResizeLaunch` for a Resize / Upsample step whose resampling this kernel covers
-    (float16 / float32, rank 3 or 4, only the trailing two axes change, no extrapolation).
-    ``host(device constant)`` reads its scales / sizes / roi; ``upload(host array)`` makes the tables."""
+def _integer_upsampling(g: Any) -> bool:
+    """Every resized axis of ``g`` nearest, its output length a whole multiple of its input length."""
+    return g.mode == "nearest" and all(kind == "index" and g.out_shape[a] % g.in_shape[a] == 0 for a, kind, _, _ in g.axes)
+
+
+def lower_resize(plan: Any, index: int, cupy: Any, host: Any, upload: Any,
+                 entry: Callable[[compiler.KernelSource, str], Any] | None = None) -> ResizeLaunch | None:
+    """A :class:`ResizeLaunch` for a Resize / Upsample step whose resampling these kernels cover
+    (module rules). ``host(device constant)`` reads its scales / sizes / roi; ``upload(host array)``
+    makes the tables; ``entry``: see :class:`ResizeLaunch`."""
     step = plan.steps[index]
     node = step.node
     if node.domain != "" or node.op_type not in ("Resize", "Upsample") or step.outputs[0] < 0:
@@ -176,7 +385,8 @@ def lower_resize(plan: Any, index: int, cupy: Any, host: Any, upload: Any) -> Re
         iy, wy = resize_taps(*by_axis.get(h_axis, (None, None)), g.in_shape[h_axis], g.out_shape[h_axis])
     ix, wx = resize_taps(*by_axis.get(w_axis, (None, None)), g.in_shape[w_axis], g.out_shape[w_axis])
     tables = tuple(upload(np.ascontiguousarray(t)) for t in (iy, wy, ix, wx))
-    return ResizeLaunch(plan, index, cupy, tables, g.out_shape)
+    nearest = _integer_upsampling(g) and nearest_fits(g.out_shape)
+    return ResizeLaunch(plan, index, cupy, tables, g.out_shape, nearest, entry)
 
 
 class ConcatLaunch(Launch):

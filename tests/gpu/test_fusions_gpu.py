@@ -1,6 +1,8 @@
 """Fusions around convolutions on a GPU, each against ONNX Runtime CPU, run eagerly (cuda_graph=False)
 and replayed from a CUDA graph: fused normalization units (convpass.kernels.group_norm) in float32 and
-float16, channels-first and channels-last, into a Concat slice; their measured decision at optimize;
+float16, channels-first and channels-last, into a Concat slice; their apply kernel
+(convpass.kernels.group_norm_apply) against float64 in both orders, vector and scalar; their
+measured decision at optimize;
 global pooling without keepdims and gates read through an Expand."""
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def test_fused_normalization_units(shape, groups, form, act, dtype, channels_las
     assert [s.fused for s in ex.fusion_summary()] == [True, True]
     labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
     assert sum(label.startswith("FusedNorm") for label in labels) == 2, labels
-    _assert_apply_walks_three_dims_at_most(ex)
+    _assert_apply_on_its_kernel(ex)
     # the same conv either way: the fused units against the unfused ops, on the GPU
     fused = ex.run(None, {k: cp.asarray(v) for k, v in f.items()})[0]
     unfused = Executor(model, device=_backend(graph), output_kind="numpy", fusions=False)
@@ -119,12 +121,12 @@ def _fused_launches(ex):
     return [launch for launch in ex.last_plan.backend_state.launch_list() if launch.label.startswith("FusedNorm")]
 
 
-def _assert_apply_walks_three_dims_at_most(ex):
-    """Every FusedNorm launch ran its apply pass on the broadcasting kernel (not the op library's
-    fallback) over the frame (N, C, S) / (N, S, C): three merged dimensions at most."""
+def _assert_apply_on_its_kernel(ex):
+    """Every FusedNorm launch ran its apply pass on the dedicated apply kernel
+    (convpass.kernels.group_norm_apply), not the generic one nor the op library's fallback."""
     for launch in _fused_launches(ex):
-        dims = launch.kernel.planned_dims()
-        assert dims and max(dims) <= 3, (launch.label, dims)
+        paths = launch.apply_paths()
+        assert paths and all(p.startswith("gn_apply_") for p in paths), (launch.label, paths)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -159,7 +161,74 @@ def test_a_vae_groupnorm_with_a_mean_far_from_zero_matches_float64(dtype, channe
                 got = ex.run(None, {"x": dev})[0].astype(np.float64)
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()), err_msg=f"run {run + 1}")
         assert [launch.label for launch in _fused_launches(ex)] == ["FusedNorm+Mul+Add+Sigmoid+Mul"]
-        _assert_apply_walks_three_dims_at_most(ex)
+        _assert_apply_on_its_kernel(ex)
+
+
+def _apply_model(shape, groups, residual, last, dtype):
+    """GroupNorm (exported form) + SiLU (+ a residual input z): x and z given as NHWC inputs and
+    read through a Transpose (a view: channels-last storage even from a captured graph) when
+    ``last``. Returns (model, params)."""
+    rng = np.random.default_rng(0)
+    c, r = shape[1], len(shape)
+    tp = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    nodes, ins = [], []
+    for v in ["x", "z"] if residual else ["x"]:
+        if last:
+            nodes.append(N("Transpose", [f"{v}_nhwc"], [v], perm=[0, r - 1, *range(1, r - 1)], name=f"{v}/to_logical"))
+            ins.append(helper.make_tensor_value_info(f"{v}_nhwc", tp, [shape[0], *shape[2:], c]))
+        else:
+            ins.append(helper.make_tensor_value_info(v, tp, shape))
+    more, inits, t = norm("gn17", "n1", "x", c, groups, rng, dtype)
+    act, t = activation("silu", "a1", t)
+    nodes += more + act
+    if residual:
+        nodes.append(N("Add", [t, "z"], ["y"], name="residual"))
+        t = "y"
+    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info(t, tp, shape)], inits)
+    params = {i.name: onnx.numpy_helper.to_array(i).astype(np.float64).reshape(-1) for i in inits}
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), params
+
+
+# (shape, groups): C % 4 == 0 and S % 8 == 0; neither; C % 8 == 0 with S % 4 == 0 but not % 8
+APPLY_SHAPES = [((2, 128, 24, 24), 32), ((2, 30, 7, 9), 10), ((1, 96, 10, 10), 32)]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("residual", [False, True], ids=["silu", "silu+residual"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape,groups", APPLY_SHAPES, ids=["c128", "c30-odd", "c96-b1"])
+def test_the_apply_kernel_matches_float64_in_both_orders(shape, groups, dtype, channels_last, residual, graph):
+    """The dedicated apply kernel (16-byte vectors where the vectorized dimension, C channels-last or
+    S channels-first, is a multiple of the vector; else one element a thread) against float64 NumPy
+    of GroupNorm + SiLU (+ residual) computed from the same stored inputs, eager and replayed."""
+    model, params = _apply_model(shape, groups, residual, channels_last, dtype)
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
+    z = rng.standard_normal(shape).astype(dtype)
+    c = shape[1]
+    g = x.astype(np.float64).reshape(shape[0], groups, -1)
+    y = ((g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + 1e-6)).reshape(shape)
+    view = (1, c) + (1,) * (len(shape) - 2)
+    y = y * params["n1_gamma"].reshape(view) + params["n1_beta"].reshape(view)
+    want = y / (1 + np.exp(-y)) + (z.astype(np.float64) if residual else 0)
+    feed = {"x": x, "z": z} if residual else {"x": x}
+    if channels_last:
+        feed = {f"{k}_nhwc": np.ascontiguousarray(np.moveaxis(v, 1, -1)) for k, v in feed.items()}
+    dev = {k: cp.asarray(v) for k, v in feed.items()}
+    tol = TOL[dtype]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StartupCompileWarning)
+        ex = Executor(model, device=_backend(graph), output_kind="numpy")
+        for run in range(3):
+            got = ex.run(None, dev)[0].astype(np.float64)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()), err_msg=f"run {run + 1}")
+    if graph:
+        assert ex.graph_status().captured, ex.graph_status().describe()
+    (launch,) = _fused_launches(ex)
+    v = 16 // np.dtype(dtype).itemsize
+    along = c if channels_last else int(np.prod(shape[2:]))
+    assert launch.apply_paths() == {f"gn_apply_{'cl' if channels_last else 'cf'}_{v if along % v == 0 else 1}"}
 
 
 def _backend(graph):
@@ -183,7 +252,7 @@ def test_a_fused_unit_writes_into_its_concat_slice():
         ex = _check(model, feeds(shape), TOL[np.float32], graph=True, channels_last=layout)
         fused = _fused_launches(ex)
         assert len(fused) == 1 and fused[0].placement is not None
-        _assert_apply_walks_three_dims_at_most(ex)
+        _assert_apply_on_its_kernel(ex)
 
 
 def test_optimize_measures_each_unit_and_the_executor_runs_the_decision(tmp_path):

@@ -249,6 +249,94 @@ def test_resize(attrs, scales, dtype, channels_last):
     _check(model, {"x": x}, TOL[dtype] * 2, expect_launch="Resize kernel", channels_last_input=channels_last)
 
 
+def _resize_launches(ex):
+    from convpass.kernels.tensor_ops import ResizeLaunch
+
+    return [launch for launch in ex.last_plan.backend_state.launch_list() if isinstance(launch, ResizeLaunch)]
+
+
+def _nhwc_feeds(nodes, inputs, outputs, dtype, inits, feeds):
+    """A model whose inputs arrive NHWC and are transposed (a view on the GPU) to the logical NCHW
+    names the ``nodes`` read, and its feeds: the first op reads channels-last storage, also in a
+    replayed graph (whose input buffers are packed copies of the feeds)."""
+    heads = [N("Transpose", [f"{name}_nhwc"], [name], perm=[0, 3, 1, 2]) for name, _ in inputs]
+    nhwc = [(f"{name}_nhwc", (s[0], *s[2:], s[1])) for name, s in inputs]
+    return (_model(heads + nodes, nhwc, outputs, dtype, inits, 19),
+            {f"{k}_nhwc": np.ascontiguousarray(np.moveaxis(v, 1, -1)) for k, v in feeds.items()})
+
+
+NEAREST = [((2, 16, 28, 28), 2), ((2, 8, 14, 10), 3), ((2, 6, 9, 7), 2), ((1, 12, 6, 6), 3)]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,factor", NEAREST, ids=[f"{'x'.join(map(str, s))}-x{f}" for s, f in NEAREST])
+def test_resize_nearest_kernel(shape, factor, dtype, layout):
+    """Nearest upsampling by a whole factor: the nearest kernel, bit-exact, eager and replayed; the
+    16-byte entry where the vectorized dimension (channels-last: C; channels-first: the output's W)
+    takes it."""
+    inits = [_const("scales", [1, 1, factor, factor])]
+    nodes = [N("Resize", ["x", "", "scales"], ["y"], mode="nearest")]
+    feeds = {"x": np.random.default_rng(7).standard_normal(shape).astype(dtype)}
+    if layout == "nhwc":
+        model, dev = _nhwc_feeds(nodes, [("x", shape)], ["y"], dtype, inits, feeds)
+        want = np.repeat(np.repeat(feeds["x"], factor, axis=2), factor, axis=3)  # half_pixel, whole factor: o // factor
+        ex = Executor(model, device=_backend(), output_kind="numpy")
+        for _ in range(4):
+            (got,) = ex.run(None, {k: cp.asarray(v) for k, v in dev.items()})
+            np.testing.assert_array_equal(got, want)
+        assert ex.graph_status().captured
+    else:
+        ex = _check(_model(nodes, [("x", shape)], ["y"], dtype, inits, 19), feeds, 0.0, expect_launch="Resize kernel (nearest)")
+    (launch,) = _resize_launches(ex)
+    v = 16 // np.dtype(dtype).itemsize
+    along = shape[1] if layout == "nhwc" else shape[3] * factor
+    assert launch.paths == {f"resize_nearest_{'cl' if layout == 'nhwc' else 'cf'}_{v if along % v == 0 else 1}"}, launch.paths
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels", [(8, 16), (6, 8)], ids=["aligned", "misaligned"])
+def test_resize_nearest_writes_its_concat_slice(channels, dtype, layout):
+    """Two upsamplings concatenated: each writes its slice of the Concat's buffer (no copy); a slice
+    at channel 6 of a channels-last buffer of 14 is not 16-byte aligned: the scalar entry."""
+    ca, cb = channels
+    shape_a, shape_b = (2, ca, 8, 8), (2, cb, 8, 8)
+    inits = [_const("scales", [1, 1, 2, 2])]
+    nodes = [N("Resize", ["a", "", "scales"], ["ra"], mode="nearest"), N("Resize", ["b", "", "scales"], ["rb"], mode="nearest"),
+             N("Concat", ["ra", "rb"], ["y"], axis=1)]
+    rng = np.random.default_rng(8)
+    feeds = {"a": rng.standard_normal(shape_a).astype(dtype), "b": rng.standard_normal(shape_b).astype(dtype)}
+    want = np.concatenate([np.repeat(np.repeat(feeds[k], 2, axis=2), 2, axis=3) for k in "ab"], axis=1)
+    if layout == "nhwc":
+        model, dev = _nhwc_feeds(nodes, [("a", shape_a), ("b", shape_b)], ["y"], dtype, inits, feeds)
+    else:
+        model, dev = _model(nodes, [("a", shape_a), ("b", shape_b)], ["y"], dtype, inits, 19), feeds
+    ex = Executor(model, device=_backend(), output_kind="numpy")
+    for _ in range(4):
+        (got,) = ex.run(None, {k: cp.asarray(v) for k, v in dev.items()})
+        np.testing.assert_array_equal(got, want)
+    assert ex.graph_status().captured
+    launches = _resize_launches(ex)
+    assert len(launches) == 2 and all(launch.placement is not None for launch in launches), launches
+    v = 16 // np.dtype(dtype).itemsize
+    if layout == "nhwc":
+        vec = ca % v == 0 and cb % v == 0
+        assert all(launch.paths == {f"resize_nearest_cl_{v if vec else 1}"} for launch in launches), [la.paths for la in launches]
+    else:
+        assert all(launch.paths == {f"resize_nearest_cf_{v if 16 % v == 0 else 1}"} for launch in launches), [la.paths for la in launches]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_fractional_nearest_resize_takes_the_generic_kernel(dtype):
+    inits = [_const("scales", [1, 1, 1.5, 2.5])]
+    model = _model([N("Resize", ["x", "", "scales"], ["y"], mode="nearest")], [("x", (2, 8, 10, 10))], ["y"], dtype, inits, 19)
+    x = np.random.default_rng(9).standard_normal((2, 8, 10, 10)).astype(dtype)
+    ex = _check(model, {"x": x}, 0.0, expect_launch="Resize kernel")
+    (launch,) = _resize_launches(ex)
+    assert not launch.nearest and launch.paths == {"resize_2d"}
+
+
 # ---------------------------------------------------------------------------------------------
 # Concat in place, capture reports
 

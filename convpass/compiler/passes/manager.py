@@ -9,7 +9,8 @@ Rules:
    then ends at the Relu it absorbs).
 2. :func:`preparation`: every pass before a decision, in the order their ``requires()`` state
    (:mod:`~convpass.compiler.passes.state`): the folding, ``ResolveShapesPass``,
-   ``CanonicalizeConvsPass``, ``CollectConvProblemsPass``. It runs once (no fixed point).
+   ``SumBranchesPass`` (before anything reads the graph around the convs: the planners and the
+   fusions see the rewritten sums), ``CanonicalizeConvsPass``, ``CollectConvProblemsPass``. It runs once (no fixed point).
 3. :func:`run` runs a sequence on a model in place. An error a pass raises comes out as the pass
    raised it: onnx-ir wraps it in ``PassError`` once per sequence level, and a ``ConvpassError``
    must reach the CLI as its one line.
@@ -25,6 +26,7 @@ from convpass.compiler.passes.fold_batchnorms import FoldBatchNormsPass
 from convpass.compiler.passes.fold_conv_weights import FoldConvWeightsPass
 from convpass.compiler.passes.fold_relu_affine import FoldReluAffinePass
 from convpass.compiler.passes.resolve_shapes import ResolveShapesPass
+from convpass.compiler.passes.sum_branches import SumBranchesPass
 
 __all__ = ["folding", "preparation", "run"]
 
@@ -36,7 +38,7 @@ def folding(fold: FoldConvWeightsPass | None = None) -> ir.passes.Sequential:
 
 def preparation(fold: FoldConvWeightsPass, resolve: ResolveShapesPass, collect: CollectConvProblemsPass) -> ir.passes.PassManager:
     """Rule 2, with the passes whose results the caller reads (notes, problems) handed in."""
-    return ir.passes.PassManager([folding(fold), resolve, CanonicalizeConvsPass(), collect], steps=1, early_stop=False)
+    return ir.passes.PassManager([folding(fold), resolve, SumBranchesPass(), CanonicalizeConvsPass(), collect], steps=1, early_stop=False)
 
 
 def run(passes: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:

@@ -6,7 +6,10 @@ Rules (per shape profile):
   no measurement in a layout cannot take it (infinite cost).
 * Layout-agnostic ops (:data:`AGNOSTIC_OPS`) take whatever format their tensors arrive in and pass
   it on: element-wise ops, BatchNormalization and activations, and the ops the cuda backend runs in
-  the tensor's own memory format (window and global pooling, Resize, Pad). Concats are agnostic
+  the tensor's own memory format (window and global pooling, Resize, Pad). A channel slice of a
+  channels-last buffer arrives channels-last: the element-wise step that reads it (a dense layer's
+  BatchNormalization + Relu) writes a packed channels-last tensor
+  (:mod:`convpass.kernels.elementwise_launch`), so its NHWC conv reads it without a copy. Concats are agnostic
   too, one *family* at a time (:func:`concat_families`): the Concats that share one buffer in the
   cuda backend (DenseNet's and RRDB's growing ``cat``: each a contiguous run of the next one's
   inputs) are tied together (infinite edges both ways), since the buffer has one format; its
@@ -28,6 +31,12 @@ Rules (per shape profile):
   families were tied, DenseNet-121 ran much slower when every Concat passed NHWC through on its
   own than with its Concats in NCHW: members of one buffer in two formats;
   docs/measurements/2026-11-23-nhwc-passthrough.md.)
+  A Split along the channels (:func:`channel_splits`: a selective-kernel block splitting its input
+  between its paths, ``torch.split(x, c, 1)``) is agnostic too: its outputs are channel slices,
+  views of the input in its format, which a conv reads in place where cuDNN's legacy API takes
+  the slice's strides (and copies to a packed tensor otherwise) in either format alike; an edge
+  from it costs a transpose where the formats differ, as any other. (Held in NCHW, the Splits kept
+  SK-ResNet-18's path convs in NCHW, where each ran about twice its NHWC time.)
   Shape and Size (:data:`METADATA_OPS`) read no data (the executor folds them to constants), so
   reading a tensor in either format costs them nothing. A ReduceMean / ReduceMax over exactly the
   spatial axes (:func:`spatial_reductions`: a squeeze-excitation or ECA gate's pooling, ``x.mean((2,
@@ -248,6 +257,16 @@ def spatial_reductions(nodes: Iterable[ir.Node], shapes: Mapping[str, Sequence[A
     return found
 
 
+def channel_splits(nodes: Iterable[ir.Node], shapes: Mapping[str, Sequence[Any]] | None = None) -> set[ir.Node]:
+    """The Split nodes along axis 1 of a rank 3-5 input (the channels)."""
+    found = set()
+    for node in nodes:
+        dims = _dims(node.inputs[0], shapes) if node.op_type == "Split" and node.inputs else None
+        if dims is not None and 3 <= len(dims) <= 5 and node.attributes.get_int("axis", 0) % len(dims) == 1:
+            found.add(node)
+    return found
+
+
 def channel_moves(graph: ir.Graph) -> dict[ir.Node, str]:
     """The Transposes that move the channels last (``"to_last"``: perm ``(0, 2, ..., r-1, 1)``) or
     back (``"to_first"``: ``(0, r-1, 1, ..., r-2)``), rank 4 or 5 (module rules; in rank 3 both are
@@ -271,12 +290,13 @@ def channel_moves(graph: ir.Graph) -> dict[ir.Node, str]:
 def movable_nodes(graph: ir.Graph, conv_costs: Mapping[ir.Node, Mapping[str, float]], units: Iterable[Iterable[ir.Node]] = (),
                   shapes: Mapping[str, Sequence[Any]] | None = None) -> set[ir.Node]:
     """The nodes the plan may put in NHWC: the convs with costs, the agnostic and metadata ops,
-    the spatial reductions, the standalone Concats and the nodes of fused units (module rules)."""
+    the spatial reductions, the channel Splits, the standalone Concats and the nodes of fused units
+    (module rules)."""
     standard = [n for n in graph if n.domain in ("", "ai.onnx")]
     free = AGNOSTIC_OPS | METADATA_OPS
     fused = {n for unit in units for n in unit}
     return (set(conv_costs) | {n for n in standard if n.op_type in free | {"Concat"}}
-            | spatial_reductions(standard, shapes) | broadcast_gates(standard, shapes) | fused)
+            | spatial_reductions(standard, shapes) | channel_splits(standard, shapes) | broadcast_gates(standard, shapes) | fused)
 
 
 def concat_families(nodes: Iterable[ir.Node]) -> dict[ir.Node, ir.Node]:

@@ -88,7 +88,7 @@ def _sources(launch: Launch) -> list[compiler.KernelSource]:
     """The kernel sources a hand-written launch needs, so they are compiled at plan time."""
     dtype = launch.dtype
     if isinstance(launch, group_norm.FusedNormLaunch):
-        return [group_norm.source(dtype)]
+        return launch.sources()
     if isinstance(launch, normalization.NormLaunch):
         return [] if launch.use_cudnn else [normalization.source(dtype)]
     if isinstance(launch, pooling.PoolLaunch):
@@ -96,7 +96,7 @@ def _sources(launch: Launch) -> list[compiler.KernelSource]:
     if isinstance(launch, pooling.GlobalPoolLaunch):
         return [pooling.global_source(dtype)]
     if isinstance(launch, tensor_ops.ResizeLaunch):
-        return [tensor_ops.source(dtype)]
+        return launch.sources()
     return []
 
 
@@ -176,7 +176,7 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
             take(OpLaunch(plan, i, ctx, storage_order))
     # 5. the memory plan
     if rt.concat_in_place:
-        for i, launch in memory.plan_concats(plan, owner, rt.concat_allocator).items():
+        for i, launch in memory.plan_concats(plan, owner, rt.concat_allocator, host).items():
             launches[i] = owner[i] = launch
     # liveness: a fused group's members read their inputs at the root, so they are freed there
     free = [tuple(st.free) for st in steps]

@@ -24,6 +24,11 @@ Rules:
   (:attr:`~convpass.kernels.launch.Launch.supports_placement`), computes only ``v``, and has no placement yet.
   A Concat that is itself an input of another family (Inception's inner ``cat``) can be placed
   that way; its own inputs are then copied.
+* A Pad whose widths are all zero (a plan constant: UNet's Pad of the upsampled map to the skip's
+  size, its widths folded from ``Shape`` arithmetic) is its input itself: the op library returns
+  that array, not a copy. When such a Pad produces ``v`` and is the only reader of its own input
+  ``u``, the placement goes to ``u``'s producer under the same conditions (``u`` no graph input,
+  constant, graph output or input of a family); the Pad then passes the slice on.
 * Every other input is copied once, by the first Concat of its family (in plan order) that
   contains it.
 
@@ -121,18 +126,38 @@ def families(plan: Any) -> list[ConcatFamily]:
     return sorted(result.values(), key=lambda f: f.root)
 
 
-def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[[tuple[int, ...], Any], Callable[[str], Any]]) -> dict[int, ConcatLaunch]:
+def _zero_pad_input(plan: Any, index: int, to_host: Callable[[Any], Any]) -> int | None:
+    """The data input of step ``index`` when it is a Pad whose widths are all zero (a constant of the
+    plan, or the attribute before opset 11), else None."""
+    st = plan.steps[index]
+    node = st.node
+    if node.op_type != "Pad" or node.domain != "" or not st.inputs or st.inputs[0] < 0 or st.outputs[0] < 0:
+        return None
+    if node.opset >= 11:
+        pads = plan.template[st.inputs[1]] if len(st.inputs) > 1 and st.inputs[1] >= 0 else None
+        pads = None if pads is None else np.asarray(to_host(pads))
+    else:
+        pads = node.attr("pads", node.attr("paddings"))
+    if pads is None or np.any(np.asarray(pads) != 0):
+        return None
+    return st.inputs[0]
+
+
+def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[[tuple[int, ...], Any], Callable[[str], Any]],
+                 to_host: Callable[[Any], Any] = np.asarray) -> dict[int, ConcatLaunch]:
     """Place Concat inputs and build the Concat launches (module rules).
 
     ``launches``: step -> the launch that computes the step's outputs (fused members map to their
     group's launch); placements are set on them here. ``allocator(shape, dtype)`` gives the
-    function that allocates a family's buffer in a memory format. Returns step -> ConcatLaunch for
-    every Concat the planner took; others stay with the op library.
+    function that allocates a family's buffer in a memory format; ``to_host``: a plan constant as
+    a NumPy array (a Pad's widths). Returns step -> ConcatLaunch for every Concat the planner took;
+    others stay with the op library.
     """
     fams = families(plan)
     graph_outputs = set(plan.output_slots)
     feeds = set(plan.feed_slots.values())
     producers = plan.producers()
+    readers = plan.readers()
     seen_in: dict[int, int] = {}  # input slot -> number of families that read it
     for fam in fams:
         axis, ins, _ = _concat_info(plan, fam.root)
@@ -149,12 +174,17 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
         offsets = [sum(lengths[:k]) for k in range(len(ins))]
         placed: set[tuple[int, int]] = set()  # (slot, offset in the root's buffer)
         for k, s in enumerate(ins):
-            if ins.count(s) != 1 or seen_in.get(s, 0) != 1 or s in graph_outputs or s in feeds or plan.template[s] is not None:
+            if ins.count(s) != 1 or seen_in.get(s, 0) != 1 or not _aliasable(plan, s, graph_outputs, feeds):
                 continue
             p = producers.get(s)
             launch = lookup.get(p) if p is not None else None
-            if launch is None or not launch.supports_placement or launch.placement is not None or launch.outputs != (s,):
-                continue
+            if not _placeable(launch, s):
+                u = _zero_pad_input(plan, p, to_host) if p is not None else None
+                if u is None or readers.get(u) != [p] or u in seen_in or not _aliasable(plan, u, graph_outputs, feeds):
+                    continue
+                launch = lookup.get(producers.get(u, -1))  # the Pad passes its input on: its producer writes the slice
+                if not _placeable(launch, u):
+                    continue
             if isinstance(launch, ConcatLaunch) and (launch.step in fam.members or family_of[launch.step].placed):
                 continue  # a view of this buffer already, or its own inputs write into its own buffer
             launch.placement = Placement(root_slot, axis, offsets[k], lengths[k], allocate)
@@ -180,3 +210,14 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
             result[step] = lookup[step] = launch
             family_of[step] = fam
     return result
+
+
+def _aliasable(plan: Any, s: int, graph_outputs: set[int], feeds: set[int]) -> bool:
+    """Whether value ``s`` may live in a slice of a shared buffer: no graph output, feed or constant."""
+    return s not in graph_outputs and s not in feeds and plan.template[s] is None
+
+
+def _placeable(launch: Launch | None, s: int) -> bool:
+    """Whether ``launch`` can be told to write ``s`` into a slice: it honours placements, computes
+    only ``s`` and has no placement yet."""
+    return launch is not None and launch.supports_placement and launch.placement is None and launch.outputs == (s,)
