@@ -159,6 +159,17 @@ def residual_block_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def prepared(model: onnx.ModelProto, shapes: Sequence[str]):
+    """``model`` as an onnx-ir model after the optimize pipeline's passes before any decision
+    (folding, shapes for ``shapes`` such as ``"x=2x3x8x8"``, the rewrites), on the CPU."""
+    from convpass.compiler import pipeline
+    from convpass.core.model_io import load_model
+
+    m = load_model(model)
+    pipeline.prepare_model(m, pipeline.build_options({}), list(shapes), pipeline.OptimizeReport())
+    return m
+
+
 def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     import onnxruntime as ort
 
@@ -203,6 +214,17 @@ def _need_gpu(request):
     """A test marked ``gpu`` is skipped, saying why, where no GPU / cuDNN is usable."""
     if request.node.get_closest_marker("gpu") is not None and not _gpu_usable():
         pytest.skip("no usable GPU / cuDNN")
+
+
+@pytest.fixture
+def need_cuda_backend():
+    """For GPU tests that run the executor's cuda backend: skipped, saying why, where it is unusable
+    (``pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]``)."""
+    from convpass.runtime import cuda
+
+    reason = cuda.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuda backend unusable: {reason}")
 
 
 @pytest.fixture(autouse=True)

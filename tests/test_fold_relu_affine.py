@@ -9,12 +9,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import run_ort
+from conftest import prepared, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from convpass.compiler import pipeline
 from convpass.compiler.passes.collect_conv_problems import conv_fusion
-from convpass.core.model_io import load_model, to_proto
+from convpass.core.model_io import to_proto
 from convpass.runtime.executor import Executor
 
 N, C, HW = 2, 8, 6
@@ -48,10 +47,7 @@ def _lab_block(scales=(1.0, 1.0), shifts=(0.0, 0.0), channel_scale: bool = False
 
 
 def _prepared(model: onnx.ModelProto) -> ir.Model:
-    """The model after the optimize pipeline's passes before any decision (on the CPU)."""
-    m = load_model(model)
-    pipeline.prepare_model(m, pipeline.build_options({}), [f"x={N}x3x{HW}x{HW}"], pipeline.OptimizeReport())
-    return m
+    return prepared(model, [f"x={N}x3x{HW}x{HW}"])
 
 
 def _ops(m: ir.Model) -> list[str]:

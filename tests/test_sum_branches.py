@@ -8,12 +8,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import run_ort
+from conftest import prepared, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from convpass.compiler import pipeline
 from convpass.compiler.passes.plan_layouts import plan_layouts
-from convpass.core.model_io import load_model, to_proto
+from convpass.core.model_io import to_proto
 from convpass.runtime.executor import Executor
 
 N, C, HW, K = 4, 8, 6, 2  # batch, channels per path, size, paths
@@ -64,10 +64,7 @@ def _sk_block(keepdims: int = 0, weights_axis_len: int = K) -> onnx.ModelProto:
 
 
 def _prepared(model: onnx.ModelProto) -> ir.Model:
-    """The model after the optimize pipeline's passes before any decision (on the CPU)."""
-    m = load_model(model)
-    pipeline.prepare_model(m, pipeline.build_options({}), [f"x={N}x3x{HW}x{HW}"], pipeline.OptimizeReport())
-    return m
+    return prepared(model, [f"x={N}x3x{HW}x{HW}"])
 
 
 def _ops(m: ir.Model) -> list[str]:

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
@@ -57,14 +57,6 @@ def _dense_block() -> onnx.ModelProto:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, channels, HW, HW])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
-
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    from convpass.runtime import cuda
-
-    reason = cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
 
 
 def test_a_dense_block_in_nhwc_copies_no_conv_input_but_the_graph_inputs(tmp_path):

@@ -19,7 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
@@ -51,14 +51,6 @@ PANEL_BATCH = int(os.environ.get("CONVPASS_PANEL_BATCH", "1"))
 # scripts/gpu-tests.sh tunes the panel with the same options first: keep them in step.
 PANEL_OPTIONS = {"fp32": {"tf32": "on"}, "fp16": {"engines": "legacy"}}
 
-
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    from convpass.runtime import cuda
-
-    reason = cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"cuda backend unusable: {reason}")
 
 
 def _ExecutorWarning():

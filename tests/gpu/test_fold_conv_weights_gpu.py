@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
@@ -24,14 +24,6 @@ from convpass.runtime import Executor  # noqa: E402
 
 TF32_TOL = 5e-3
 
-
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    from convpass.runtime import cuda
-
-    reason = cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"cuda backend unusable: {reason}")
 
 
 @pytest.mark.parametrize("pattern", patterns.PATTERNS)

@@ -19,7 +19,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
@@ -28,15 +28,6 @@ from fused_models import N, activation, block, const, eca, feeds, norm  # noqa: 
 
 from convpass.runtime import Executor  # noqa: E402
 from convpass.runtime.cuda import StartupCompileWarning  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    from convpass.runtime import cuda
-
-    reason = cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"cuda backend unusable: {reason}")
 
 
 def _ort(model, f):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
@@ -26,14 +26,6 @@ from convpass.runtime.cuda import StartupCompileWarning  # noqa: E402
 N = helper.make_node
 _TP = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 
-
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    from convpass.runtime import cuda
-
-    reason = cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"cuda backend unusable: {reason}")
 
 
 def _model(nodes, inputs, outputs, dtype=np.float32, inits=(), opset=19):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
@@ -61,14 +61,6 @@ def _sk_block():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [N, C, HW, HW])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
-
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    from convpass.runtime import cuda
-
-    reason = cuda.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
 
 
 def _run_sk_block(tmp_path):
