@@ -25,7 +25,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from convpass.core.problem import InputSlice
@@ -126,13 +126,13 @@ def placement_candidates(fam: ConcatFamily, infos: Mapping[Any, ConcatInfo], see
 
 
 def channel_slices(infos: Mapping[Any, ConcatInfo], outputs: Mapping[Any, Any], aliasable: Callable[[Any], bool],
-                   places: Callable[[Any], bool], splits: Iterable[SplitInfo] = ()) -> dict[Hashable, InputSlice]:
+                   places: Callable[[Any], bool], splits: Iterable[SplitInfo] = ()) -> dict[Any, InputSlice]:
     """value -> the :class:`~convpass.core.problem.InputSlice` it is read as (rule 3).
     ``outputs``: Concat node -> its output value; ``places(v)``: whether ``v``'s producer writes
     into a given array (rule 2)."""
     fams = families(infos)
     seen_in = times_in_families(infos, fams)
-    slices: dict[Hashable, InputSlice] = {}
+    slices: dict[Any, InputSlice] = {}
     for fam in fams:
         root = infos[fam.root]
         if fam.axis != 1:
