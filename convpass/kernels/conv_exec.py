@@ -89,10 +89,11 @@ def legacy_workspace(descs: Any, key: ProblemKey, algo: str, handle: Any = None)
     input is a channel slice (:attr:`~convpass.core.problem.ProblemKey.x_strides`) the strided
     call's where cuDNN takes it (where it does not, the launch is refused and the input copied,
     rule 3). Raises :class:`~convpass.core.cudnn_enums.CudnnError` where the packed call is refused."""
-    ws = cudnn.workspace_size(descs, None, algo, handle=handle)
+    kw = {} if handle is None else {"handle": handle}
+    ws = cudnn.workspace_size(descs, None, algo, **kw)
     if key.x_strides is not None and key.shape.direction == "fwd":
         try:
-            ws = max(ws, cudnn.workspace_size(descs, None, algo, handle=handle, x_strides=key.x_strides))
+            ws = max(ws, cudnn.workspace_size(descs, None, algo, x_strides=key.x_strides, **kw))
         except CudnnError as e:
             if not refuses_slice(e):
                 raise
