@@ -157,6 +157,8 @@ def test_concat_on_another_axis_with_channels_last_sources():
 
 
 def test_run_at_finds_contiguous_runs_only():
-    assert memory._run_at([1, 2], [0, 1, 2, 3]) == 1
-    assert memory._run_at([1, 3], [0, 1, 2, 3]) is None
-    assert memory._run_at([0, 1, 2, 3], [0, 1, 2]) is None
+    from convpass.core.concat_slices import _run_at
+
+    assert _run_at([1, 2], [0, 1, 2, 3]) == 1
+    assert _run_at([1, 3], [0, 1, 2, 3]) is None
+    assert _run_at([0, 1, 2, 3], [0, 1, 2]) is None

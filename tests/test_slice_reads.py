@@ -18,6 +18,7 @@ import pytest
 
 from convpass.core import annotation
 from convpass.core.cudnn_enums import STATUS, CudnnError
+from convpass.core.problem import InputSlice, ProblemKey
 from convpass.kernels import conv_exec
 from convpass.kernels.convolution import Convolutions, _refuses_slices
 from convpass.native import cudnn
@@ -108,14 +109,26 @@ def _numpy_epilogue(cp, bias, residual, relu):
 
 
 def _convs(cp) -> Convolutions:
+    """The conv state of a stand-in backend whose ``notes`` keep what :meth:`note_once` was told,
+    as ``(tag, message, warned)``, once per tag (the backend's rule)."""
+    notes: list[tuple[str, str, bool]] = []
+
+    def note_once(tag, message, warn=True, category=None):
+        if tag not in {t for t, _, _ in notes}:
+            notes.append((tag, message, warn))
+
     rt = types.SimpleNamespace(cp=cp, fuse=True, counters=collections.Counter(), capturing=False, recorded_device="",
                                current_device=None, device_id=0, is_constant=lambda a: False,
-                               warn_node=lambda node, m: pytest.fail(m), note_once=lambda tag, m: None)
+                               warn_node=lambda node, m: pytest.fail(m), note_once=note_once, notes=notes)
     return Convolutions(rt)
 
 
-def _call(layout: str, algo: str = "implicit_gemm", fusion: str | None = None) -> ConvCall:
-    key = _geometry().shapes[0].key(layout, "default")
+def _warned(convs) -> list[str]:
+    return [m for _, m, warn in convs.rt.notes if warn]
+
+
+def _call(layout: str, algo: str = "implicit_gemm", fusion: str | None = None, x_slice=None) -> ConvCall:
+    key = _geometry().shapes[0].key(layout, "default", x_slice)
     decision = annotation.ConvDecision(problem_key=str(key), memory_format=layout.upper(), math_mode="default", algo=algo, fusion=fusion)
     return ConvCall("conv", _geometry(), decision)
 
@@ -161,8 +174,39 @@ def test_a_refused_slice_read_falls_back_to_the_copy_once_and_is_remembered(stan
     assert convs.rt.counters["layout_copies"] == 2 and convs.rt.counters["slice_reads"] == 0
     said = [r for r in caplog.records if "refuses to read from a Concat slice" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.DEBUG and "'conv'" in said[0].getMessage()
+    # the decision was timed reading a packed input: a copy on every run it never priced, said once
+    (warning,) = _warned(convs)
+    assert "node 'conv'" in warning and "'implicit_gemm'" in warning and "copied on every run" in warning
     for y in (first, second):
         np.testing.assert_allclose(y, _want(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_refusal_the_tuner_priced_is_not_warned(stand_in, layout, caplog):
+    """A decision whose problem key names the slice was timed reading it (or with the copy cuDNN's
+    refusal needs): the refusal is expected, said at debug level only; the strided workspace was
+    asked of cuDNN for the key."""
+    fake = stand_in(layout, refuse=lambda xs, ys: NOT_SUPPORTED if xs is not None else None)
+    convs = _convs(stand_in.cp)
+    x, w = _buffer(layout)[:, 2:2 + C], _weight()
+    call = _call(layout, x_slice=InputSlice(2, TOTAL))
+    assert ProblemKey.parse(call.decision.problem_key).x_strides == elements(x.strides, 4)
+    with caplog.at_level(logging.DEBUG, logger="convpass"):
+        y = convs.run(call, x, w, None)
+    assert [c[1] for c in fake.calls] == [elements(x.strides, 4), None]
+    assert _warned(convs) == [] and any("refuses to read from a Concat slice" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(y, _want(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_two_refused_convs_warn_once_per_model(stand_in):
+    stand_in("nhwc", refuse=lambda xs, ys: NOT_SUPPORTED if xs is not None else None)
+    convs = _convs(stand_in.cp)
+    x, w = _buffer("nhwc")[:, 2:2 + C], _weight()
+    for name in ("conv_a", "conv_b"):
+        call = _call("nhwc")
+        convs.run(ConvCall(name, call.geometry, call.decision), x, w, None)
+    assert len(_warned(convs)) == 1 and "conv_a" in _warned(convs)[0]
+    assert sum("conv_b" in m for _, m, _ in convs.rt.notes) == 1  # in the notes, not warned
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

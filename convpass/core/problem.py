@@ -14,8 +14,11 @@ backward-data pass; ONNX ``ConvTranspose`` is exactly this, with its input as ``
 computes w from x and y (backward filter, for training).
 
 A :class:`ProblemKey` adds what the tuner chooses besides the algorithm: the memory format
-(channels first or channels last) and the cuDNN math type. It is what the tuning cache is indexed by
-and what a tuned model records per convolution. Its string form is stable and parseable.
+(channels first or channels last) and the cuDNN math type, and for a forward conv that reads its
+input from a channel slice of a larger buffer (a Concat's, a Split's input) that slice
+(:class:`InputSlice`): a different measurement than a packed read, so a different key. It is what
+the tuning cache is indexed by and what a tuned model records per convolution. Its string form is
+stable and parseable; a key without a slice reads as it always did.
 """
 
 from __future__ import annotations
@@ -61,6 +64,34 @@ def layout_from_memory_format(name: str) -> tuple[int, Layout]:
         if fmt == name.upper():
             return rank, ("nhwc" if last else "nchw")
     raise ValueError(f"unknown memory format {name!r}; expected one of {sorted(set(_LAYOUT_NAMES.values()))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSlice:
+    """The forward input ``x`` is channels ``[first, first + c)`` of a buffer of ``channels``
+    channels stored in the key's memory format (channels-last: pixels ``channels`` elements apart;
+    channels-first: samples ``channels`` planes apart). Written ``xslice=<first>/<channels>``."""
+
+    first: int
+    channels: int
+
+    def __str__(self) -> str:
+        return f"xslice={self.first}/{self.channels}"
+
+
+def slice_strides(dims: tuple[int, ...], x_slice: InputSlice, layout: Layout) -> tuple[int, ...]:
+    """Element strides of ``x`` of logical shape ``dims`` (``(n, c, *spatial)``) read as ``x_slice``
+    of its buffer stored in ``layout`` (logical channels-first order)."""
+    total, spatial = x_slice.channels, dims[2:]
+    step = 1 if layout == "nchw" else total  # the innermost spatial axis's stride
+    rest: list[int] = []
+    for d in reversed(spatial):
+        rest.insert(0, step)
+        step *= d
+    # step is now the plane (channels-first) or the sample (channels-last) stride
+    if layout == "nchw":
+        return (total * step, step, *rest)
+    return (step, 1, *rest)
 
 
 def conv_output_size(size: int, kernel: int, pad_total: int, stride: int, dilation: int) -> int:
@@ -145,8 +176,8 @@ class ConvShape:
     def with_direction(self, direction: Direction) -> ConvShape:
         return dataclasses.replace(self, direction=direction)
 
-    def key(self, layout: Layout, math: MathMode) -> ProblemKey:
-        return ProblemKey(self, layout, math)
+    def key(self, layout: Layout, math: MathMode, x_slice: InputSlice | None = None) -> ProblemKey:
+        return ProblemKey(self, layout, math, x_slice)
 
     def __str__(self) -> str:
         x = lambda t: "x".join(map(str, t))  # noqa: E731
@@ -159,7 +190,8 @@ class ConvShape:
 _KEY_RE = re.compile(
     r"^(?P<direction>fwd|dgrad|wgrad)\|n=(?P<n>\d+)\|c=(?P<c>\d+)\|k=(?P<k>\d+)\|in=(?P<spatial>[\dx]+)"
     r"\|ker=(?P<kernel>[\dx]+)\|pad=(?P<pads>[\dx]+)\|str=(?P<strides>[\dx]+)\|dil=(?P<dilations>[\dx]+)"
-    r"\|g=(?P<groups>\d+)\|(?P<dtype>float32|float16|bfloat16)\|(?P<layout>nchw|nhwc)\|(?P<math>default|tensor_op|fma)$"
+    r"\|g=(?P<groups>\d+)\|(?P<dtype>float32|float16|bfloat16)\|(?P<layout>nchw|nhwc)\|(?P<math>default|tensor_op|fma)"
+    r"(?:\|xslice=(?P<first>\d+)/(?P<channels>\d+))?$"
 )
 
 
@@ -169,18 +201,36 @@ class ProblemKey:
 
     ``str(key)`` is the stable form stored in tuned models and in the tuning cache, e.g.
     ``fwd|n=1|c=3|k=64|in=224x224|ker=7x7|pad=3x3|str=2x2|dil=1x1|g=1|float32|nchw|default``;
-    :meth:`parse` reads it back.
+    :meth:`parse` reads it back. ``x_slice``: the forward input is that channel slice of a wider
+    buffer (``...|nhwc|default|xslice=0/192``); None: packed.
     """
 
     shape: ConvShape
     layout: Layout
     math: MathMode
+    x_slice: InputSlice | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.math not in MATH_MODES:
             raise ValueError(f"math must be one of {MATH_MODES}, got {self.math!r}")
+        s = self.x_slice
+        if s is not None:
+            if self.shape.direction != "fwd":
+                raise ValueError(f"an input slice is a forward conv's, not {self.shape.direction}'s")
+            if s.first < 0 or s.first + self.shape.c > s.channels or s.channels <= self.shape.c:
+                raise ValueError(f"channels {s.first}..{s.first + self.shape.c} of a {s.channels}-channel buffer are no channel slice")
+
+    @property
+    def packed(self) -> ProblemKey:
+        """This key reading a packed input."""
+        return self if self.x_slice is None else dataclasses.replace(self, x_slice=None)
+
+    @property
+    def x_strides(self) -> tuple[int, ...] | None:
+        """Element strides of the input slice (:func:`slice_strides`); None: packed."""
+        return None if self.x_slice is None else slice_strides(self.shape.x_shape, self.x_slice, self.layout)
 
     @property
     def tf32(self) -> bool:
@@ -188,7 +238,7 @@ class ProblemKey:
         return self.shape.dtype == "float32" and self.math != "fma"
 
     def __str__(self) -> str:
-        return f"{self.shape}|{self.layout}|{self.math}"
+        return f"{self.shape}|{self.layout}|{self.math}" + (f"|{self.x_slice}" if self.x_slice is not None else "")
 
     @classmethod
     def parse(cls, text: str) -> ProblemKey:
@@ -209,7 +259,8 @@ class ProblemKey:
             groups=int(m["groups"]),
             dtype=m["dtype"],
         )
-        return cls(shape, m["layout"], m["math"])  # type: ignore[arg-type]
+        x_slice = InputSlice(int(m["first"]), int(m["channels"])) if m["channels"] is not None else None
+        return cls(shape, m["layout"], m["math"], x_slice)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +269,7 @@ class ConvProblem:
 
     candidates: tuple[ConvShape, ...]
     fusion: str = ""  # the epilogue run in its conv's step (:mod:`convpass.core.fusion`), or ""
+    x_slice: InputSlice | None = None  # the input is read as this channel slice (forward, 2-D geometry only)
 
     @property
     def direction(self) -> Direction:
@@ -229,4 +281,5 @@ class ConvProblem:
 
     def __str__(self) -> str:
         mapping = f" (+{len(self.candidates) - 1} mapping)" if len(self.candidates) > 1 else ""
-        return str(self.primary) + mapping + (f" + {self.fusion}" if self.fusion else "")
+        read = f" reading {self.x_slice}" if self.x_slice is not None else ""
+        return str(self.primary) + mapping + (f" + {self.fusion}" if self.fusion else "") + read

@@ -36,10 +36,12 @@ Rules
    Inputs ``x``: packed in the key's memory format, or where :attr:`ConvExec.input_strides` is
    ``"slice"`` a channel slice of a buffer packed in that format
    (:func:`~convpass.native.cudnn.arrays.channel_slice`: cuDNN's forward call, plain or fused,
-   takes the slice's strides). The tuner times packed inputs: a launch that reads a slice is the
-   object the tuner timed, reading with another input stride (the in-place check after capture
-   compares its time with the tuned one). A strided call whose workspace would outgrow the
-   object's is refused here as cuDNN refuses a stride it does not take
+   takes the slice's strides). The tuner times the input the key names: packed, or where the key
+   has an :class:`~convpass.core.problem.InputSlice` that slice of a wider buffer, read in place
+   where the object reads slices and cuDNN takes them, else copied first as the executor copies it
+   (:func:`refuses_slice`), the copy in the time. A key's workspace covers its strided call
+   (:func:`legacy_workspace`); a strided call whose workspace would outgrow the object's is
+   refused here as cuDNN refuses a stride it does not take
    (:class:`~convpass.core.cudnn_enums.CudnnError`, ``CUDNN_STATUS_BAD_PARAM``).
 4. A launch allocates nothing and waits for nothing, so it can be captured into a CUDA graph.
    :attr:`ConvExec.counts` names the executor's counters a launch adds one to.
@@ -67,10 +69,35 @@ from convpass.native.cudnn import graph_api
 
 __all__ = [
     "ConvExec", "EngineConv", "ExecIdentity", "FusedLegacyConv", "LaunchRecord", "LegacyConv", "OwnConv", "add_launch_listener",
-    "apply_epilogue", "conv_exec", "epilogue_kernel", "fusion_counter", "remove_launch_listener", "record_launches", "step_epilogue",
+    "apply_epilogue", "conv_exec", "epilogue_kernel", "fusion_counter", "legacy_workspace", "refuses_slice", "remove_launch_listener",
+    "record_launches", "step_epilogue",
 ]
 
 _OUTPUT = {"fwd": 2, "dgrad": 0, "wgrad": 1}  # which of (x, w, y) a direction writes
+# cuDNN refusing a strided tensor it does not take (rule 3)
+_REFUSALS = (STATUS["CUDNN_STATUS_BAD_PARAM"], STATUS["CUDNN_STATUS_NOT_SUPPORTED"])
+
+
+def refuses_slice(e: BaseException) -> bool:
+    """Whether ``e`` is cuDNN refusing a launch's strided input (rule 3): ``CUDNN_STATUS_NOT_SUPPORTED``
+    or ``BAD_PARAM`` (the workspace check of :class:`_StridedCalls` raises the latter)."""
+    return isinstance(e, CudnnError) and e.category in _REFUSALS
+
+
+def legacy_workspace(descs: Any, key: ProblemKey, algo: str, handle: Any = None) -> int:
+    """The workspace a legacy algorithm needs for ``key``: the packed call's, and for a key whose
+    input is a channel slice (:attr:`~convpass.core.problem.ProblemKey.x_strides`) the strided
+    call's where cuDNN takes it (where it does not, the launch is refused and the input copied,
+    rule 3). Raises :class:`~convpass.core.cudnn_enums.CudnnError` where the packed call is refused."""
+    kw = {} if handle is None else {"handle": handle}
+    ws = cudnn.workspace_size(descs, None, algo, **kw)
+    if key.x_strides is not None and key.shape.direction == "fwd":
+        try:
+            ws = max(ws, cudnn.workspace_size(descs, None, algo, x_strides=key.x_strides, **kw))
+        except CudnnError as e:
+            if not refuses_slice(e):
+                raise
+    return ws
 
 
 def step_epilogue(bias: bool, residual: bool, relu: bool) -> str:
@@ -207,7 +234,7 @@ class LegacyConv(ConvExec):
             raise ValueError(f"{algo} is not a bare cuDNN legacy algorithm")
         _pass_parts(epilogue)
         if workspace_bytes is None:
-            workspace_bytes = cudnn.workspace_size(descs, None, algo.name)
+            workspace_bytes = legacy_workspace(descs, key, algo.name)
         super().__init__(key, algo, epilogue, cp, workspace_bytes)
         self.descs = descs
         self.direction = key.shape.direction
@@ -237,7 +264,7 @@ class FusedLegacyConv(ConvExec):
         if algo.family != "legacy" or not is_legacy(algo.fusion) or epilogue != algo.fusion or key.shape.direction != "fwd":
             raise ValueError(f"{algo} is no fused forward call of the epilogue {epilogue!r}")
         if workspace_bytes is None:
-            workspace_bytes = cudnn.workspace_size(descs, None, algo.name)
+            workspace_bytes = legacy_workspace(descs, key, algo.name)
         super().__init__(key, algo, epilogue, cp, workspace_bytes)
         self.descs = descs
         self.residual, self.relu = parts(epilogue)

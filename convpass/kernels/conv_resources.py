@@ -23,6 +23,7 @@ import numpy as np
 from convpass.core import annotation
 from convpass.core.algo import Algo
 from convpass.core.problem import ProblemKey
+from convpass.kernels.conv_exec import legacy_workspace
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, start_helper
 
@@ -62,12 +63,13 @@ class ConvResources:
         return d
 
     def workspace_bytes(self, key: ProblemKey, algo: str) -> int:
-        """The workspace ``algo`` needs for ``key``, asked of cuDNN once per problem and algorithm:
+        """The workspace ``algo`` needs for ``key`` (:func:`~convpass.kernels.conv_exec.legacy_workspace`: a
+        key that reads a channel slice, its strided call's too), asked of cuDNN once per problem and algorithm:
         each query costs a fresh process 1-3 ms, and a plan resolves every conv twice (op by op,
         then lowered) over problems that repeat. Raises as :func:`convpass.native.cudnn.workspace_size`."""
         ws = self._workspace_bytes.get((key, algo))
         if ws is None:
-            ws = self._workspace_bytes[(key, algo)] = cudnn.workspace_size(self.descriptors(key), None, algo)
+            ws = self._workspace_bytes[(key, algo)] = legacy_workspace(self.descriptors(key), key, algo)
         return ws
 
     def prefetch_workspaces(self, decisions: Iterable[annotation.ConvDecision]) -> None:
@@ -103,7 +105,7 @@ class ConvResources:
                             if (key, algo) in memo:
                                 continue
                             try:
-                                ws = cudnn.workspace_size(cudnn.ConvDescriptors(key), None, algo, handle=handle)
+                                ws = legacy_workspace(cudnn.ConvDescriptors(key), key, algo, handle=handle)
                             except (cudnn.CudnnError, ValueError):
                                 continue
                             memo.setdefault((key, algo), ws)

@@ -51,7 +51,10 @@ Refused slices: cuDNN refuses a strided tensor with ``CUDNN_STATUS_NOT_SUPPORTED
 the decision's is refused the same way before cuDNN is called. The warm-up run before capture
 meets every refusal: a launch that read and wrote slices tries each alone to learn which cuDNN
 refuses; what it refuses runs packed for that conv from then on, with a copy, said once at debug
-level. A refusal while a CUDA graph is captured breaks the capture there
+level where the decision's problem key names that slice (the tuner timed the read, or the copy
+it needs); a slice read refused for a decision timed with a packed input is a copy on every run
+that its tuning never priced: one warning per model names the first such node, the executor's
+notes every one. A refusal while a CUDA graph is captured breaks the capture there
 (:class:`~convpass.native.cuda.CaptureBreak`), never silently.
 
 Decisions:
@@ -95,9 +98,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from convpass.core import annotation
-from convpass.core.cudnn_enums import STATUS
 from convpass.core.fusion import absorbed, is_graph_fusion, legacy_name
-from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, apply_epilogue, conv_exec, step_epilogue
+from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, apply_epilogue, conv_exec, refuses_slice, step_epilogue
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.launch import Launch
@@ -394,15 +396,23 @@ class Convolutions:
             ex.strided_output_ok = False
         how = " and ".join(part for part, on in (("packed input", read), ("packed output", write)) if on)
         logger.debug("node %r: cuDNN %r refuses to %s (%s): %s + copy", ex.node, ex.algo, _slice_words(read, write), first_line(e), how)
+        if read and ex.source == "recorded" and ex.key.x_slice is None:
+            self._unpriced_copy(ex, e)
+
+    def _unpriced_copy(self, ex: ConvResolution, e: Exception) -> None:
+        """A recorded decision timed with a packed input whose conv reads a slice that cuDNN refuses:
+        a copy on every run that its tuning never priced. Warned once per model (the first such
+        node), every node kept in the backend's notes."""
+        message = (f"node {ex.node!r}: cuDNN refuses to read a Concat slice with algorithm {ex.algo!r} ({first_line(e)}): "
+                   "its input is copied on every run, a copy its tuning did not time")
+        self.rt.note_once(f"unpriced-copy:{ex.node}", message, warn=False)
+        self.rt.note_once("unpriced-copy", message + " (other convs so refused are in the executor's notes)")
 
 
 def _refuses_slices(e: Exception, write: bool) -> bool:
     """Whether ``e`` is cuDNN refusing a launch's strided tensors: ``CUDNN_STATUS_NOT_SUPPORTED`` or
     ``BAD_PARAM`` (any cuDNN error where it wrote a slice, as ever)."""
-    return isinstance(e, cudnn.CudnnError) and (write or e.category in _REFUSALS)
-
-
-_REFUSALS = (STATUS["CUDNN_STATUS_BAD_PARAM"], STATUS["CUDNN_STATUS_NOT_SUPPORTED"])
+    return isinstance(e, cudnn.CudnnError) and (write or refuses_slice(e))
 
 
 def _slice_words(read: bool, write: bool) -> str:

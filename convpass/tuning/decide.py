@@ -113,6 +113,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
             and (transforms or not algo.is_transform)
             and (not algo.fusion or (algo.fusion == problem.fusion and m.key in epilogue))
             and m.key.shape in problem.candidates
+            and m.key.x_slice == problem.x_slice  # a slice read and a packed read are different measurements
             and m.key.layout in layouts
             and m.key.math in math_modes[m.key.shape.dtype]
             and (options.workspace_limit is None or m.workspace_bytes <= options.workspace_limit)

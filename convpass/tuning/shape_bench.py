@@ -9,6 +9,13 @@ timing of an execution object's launch, and the head-to-head of the close candid
   once on set 0, checks it, then times the same launch over the rotation sets
   (:func:`convpass.tuning.harness.time_launches`), and keeps its captured group for
   :meth:`ShapeBench.settle`. Which candidates are built and how: :mod:`convpass.tuning.candidates`.
+* A key whose input is a channel slice (:class:`~convpass.core.problem.InputSlice`: a Concat's
+  buffer, a Split's input) is timed reading exactly that: each set's ``x`` is the slice view of a
+  wider buffer in the key's memory format (its other channels NaN, so a kernel that strays
+  reads them and fails the check). A candidate whose object reads packed inputs, or whose slice
+  read cuDNN refuses (:func:`~convpass.kernels.conv_exec.refuses_slice`), is timed as the executor
+  runs it then: the input copied into a packed buffer (the executor's copy,
+  :func:`~convpass.native.cuda.copy_into`), then the launch, both in the time; its row's note says so.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem, ConvShape, ProblemKey
+from convpass.core.problem import ConvProblem, ConvShape, InputSlice, ProblemKey
 from convpass.tuning import harness
 from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import allowed, cost_ms, epilogue_ms
@@ -92,8 +99,9 @@ def best_after(best: float | None, row: Measurement) -> float | None:
 class ShapeBench:
     """Random inputs, rotation sets and the reference output for one geometry (module docstring)."""
 
-    def __init__(self, shape: ConvShape) -> None:
+    def __init__(self, shape: ConvShape, x_slice: InputSlice | None = None) -> None:
         self.shape = shape
+        self.x_slice = x_slice  # every set's x is this slice of a wider buffer (module docstring)
         self._sets: dict[str, list[dict]] = {}
         self._reference = None
         # (key, algo) -> the captured group its timing replayed, and what that group needs kept
@@ -120,6 +128,7 @@ class ShapeBench:
         have = self._sets.setdefault(layout, [])
         if not have:
             have.append({name: as_layout(array, layout).copy() if layout == "nchw" else as_layout(array, layout) for name, array in self._base.items()})
+            self._slice_input(have[0], layout)
 
         def copy(a: Any) -> Any:
             out = empty_like_layout(a.shape, self.shape.dtype, layout)
@@ -128,7 +137,22 @@ class ShapeBench:
 
         while len(have) < count:  # from the base data: set 0's output holds whatever the last check wrote
             have.append({name: copy(a) for name, a in self._base.items()})
+            self._slice_input(have[-1], layout)
         return have[:count]
+
+    def _slice_input(self, group: dict, layout: str) -> None:
+        """With an input slice, ``group["x"]`` moved into its slice of a wider buffer in ``layout``
+        (the other channels NaN)."""
+        if self.x_slice is None:
+            return
+        from convpass.native.cuda import copy_into
+        from convpass.native.cudnn import empty_like_layout
+
+        x, s = group["x"], self.x_slice
+        wide = empty_like_layout((x.shape[0], s.channels, *x.shape[2:]), self.shape.dtype, layout)
+        wide.fill(float("nan")) if self.shape.dtype != "bfloat16" else wide.fill(0x7FC0)
+        group["x"] = wide[:, s.first:s.first + x.shape[1]]
+        copy_into(group["x"], x)
 
     def rotation(self, layout: str) -> list[dict]:
         """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`)."""
@@ -144,15 +168,16 @@ class ShapeBench:
         """float32 output of a deterministic FMA algorithm on set 0 (NCHW), computed once."""
         if self._reference is not None:
             return self._reference
-        from convpass.native.cudnn import ConvDescriptors, CudnnError, run
+        from convpass.native.cudnn import ConvDescriptors, CudnnError, as_layout, run
 
         key = self.shape.key("nchw", "fma")
         out_name = OUTPUT[self.shape.direction]
         base = self.buffers("nchw", 1)[0]
+        x = as_layout(base["x"], "nchw")  # packed (a copy of an input slice)
         with ConvDescriptors(key) as descs:
             for algo in REFERENCE_ALGOS[self.shape.direction]:
                 try:
-                    run(descs, None, algo, base["x"], base["w"], base["y"])
+                    run(descs, None, algo, x, base["w"], base["y"])
                 except CudnnError:
                     continue
                 self._reference = harness.to_float32(base[out_name], self.shape.dtype).copy()
@@ -175,13 +200,19 @@ class ShapeBench:
         workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
         sets = self.rotation(key.layout)
         weights = {id(b): conv.prepare_weight(b["w"]) for b in sets}  # as the executor passes them
+        inputs = _Inputs(key, conv, sets)
 
         def launch(b: dict, workspace: Any) -> None:
-            conv.launch(b["x"], weights[id(b)], b["y"], workspace, bias, b["z"] if residual else None)
+            conv.launch(inputs.x(b), weights[id(b)], b["y"], workspace, bias, b["z"] if residual else None)
 
         check = sets[0]
         check[out_name].fill(float("nan")) if key.shape.dtype != "bfloat16" else check[out_name].fill(0x7FC0)
-        first_ms = harness.first_launch_ms(lambda: launch(check, workspace))  # also the timing's warm-up
+        try:
+            first_ms = harness.first_launch_ms(lambda: launch(check, workspace))  # also the timing's warm-up
+        except Exception as e:
+            if not inputs.refused(e):
+                raise
+            first_ms = harness.first_launch_ms(lambda: launch(check, workspace))
         out = check[out_name] if key.shape.dtype != "bfloat16" else harness.to_float32(check[out_name], "bfloat16")
         err = harness.relative_error(out, reference)
         tolerance = TOLERANCE[(key.shape.dtype, key.math)]
@@ -199,7 +230,7 @@ class ShapeBench:
             note += f"; stopped there, {timing.stopped_by} ({best_ms:.4f} ms)"
         if timing.eager:
             note += "; eager launches (not capturable): includes launch overhead"
-        return make_row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note)
+        return make_row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note + inputs.note)
 
     def group_bytes(self) -> int:
         """Workspace the kept groups hold."""
@@ -253,3 +284,45 @@ class ShapeBench:
         self._sets.clear()
         self._base.clear()
         self._reference = None
+
+
+class _Inputs:
+    """The ``x`` a candidate's launch is given (module docstring): each set's own (packed, or the
+    key's input slice read in place), or, where the object reads packed inputs or cuDNN refused
+    the slice (:meth:`refused`), a packed copy of it made first, as the executor makes it."""
+
+    def __init__(self, key: ProblemKey, conv: Any, sets: list[dict]) -> None:
+        self.key, self.sets = key, sets
+        self.copy = False
+        self.note = "; input slice read in place" if key.x_slice is not None else ""
+        self._packed: dict[int, Any] = {}
+        if key.x_slice is not None and conv.input_strides != "slice":
+            self._copy_from_now("the object reads packed inputs")
+
+    def _copy_from_now(self, why: str) -> None:
+        """Copy every set's input first from now on: the packed buffers made here, never while
+        the timing captures launches."""
+        from convpass.native.cudnn import empty_like_layout
+
+        self.copy = True
+        self.note = f"; input copied first ({why})"
+        for group in self.sets:
+            self._packed[id(group)] = empty_like_layout(group["x"].shape, self.key.shape.dtype, self.key.layout)
+
+    def x(self, group: dict) -> Any:
+        if not self.copy:
+            return group["x"]
+        from convpass.native.cuda import copy_into
+
+        out = self._packed[id(group)]
+        copy_into(out, group["x"])
+        return out
+
+    def refused(self, e: BaseException) -> bool:
+        """Whether ``e`` is cuDNN refusing the slice read: then every launch copies from now on."""
+        from convpass.kernels.conv_exec import refuses_slice
+
+        if self.copy or self.key.x_slice is None or not refuses_slice(e):
+            return False
+        self._copy_from_now(f"cuDNN refuses the slice: {str(e).splitlines()[0]}")
+        return True

@@ -15,6 +15,10 @@ type allowed by the options):
   computed by a deterministic algorithm with FMA math (no TF32) on the same random inputs, within a
   tolerance that fits its math type (:mod:`convpass.tuning.shape_bench`); a wrong result, an error
   or running out of memory is recorded as such and the algorithm is skipped — tuning always continues;
+* a problem whose input is a channel slice (``ConvProblem.x_slice``: a Concat's buffer, a Split's
+  input) is measured under keys that name it: every candidate reads that slice, or is timed with
+  the copy the executor makes where it cannot (:mod:`convpass.tuning.shape_bench`); its rows never
+  stand for the packed read's, nor these for its;
 * everything measured goes to the tuning cache (per device fingerprint); a problem whose
   measurements are all in the cache is decided from there without timing anything.
 
@@ -170,7 +174,7 @@ class CudnnTuner:
         return self._transpose_ms[key]
 
     def _record_baseline(self, problem: ConvProblem, rows: list[Measurement]) -> None:
-        key = problem.primary.key("nchw", "default")
+        key = problem.primary.key("nchw", "default", problem.x_slice)
         first = next((m for m in rows if m.key == key and m.method == "heuristic" and m.heuristic_rank == 0 and m.status == "ok"), None)
         if first is None:
             return
@@ -307,11 +311,11 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
     the fastest legacy algorithms timed here or in ``have``; a graph-API one: its activation pass
     and fused graphs), and with ``own`` convpass's own kernels (bare, and the fastest with the
     legacy epilogue ``own_fusion``)."""
-    from convpass.native.cudnn import ConvDescriptors, find, heuristic
+    from convpass.native.cudnn import ConvDescriptors, as_layout, find, heuristic
 
     rows: list[Measurement] = []
     for shape in problem.candidates:
-        bench = ShapeBench(shape)
+        bench = ShapeBench(shape, problem.x_slice)
         candidates = Candidates(bench)
         try:
             # descriptors stay until the close candidates' head-to-head has replayed their groups
@@ -336,7 +340,8 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                         to_time = [ok_ranked[0].algo] if ok_ranked else []
                     else:
                         buffers = bench.buffers(key.layout, 1)[0]
-                        found = [p for p in find(descs, None, buffers["x"], buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
+                        x = as_layout(buffers["x"], key.layout)  # Find takes packed inputs: its pick is timed below as the key reads
+                        found = [p for p in find(descs, None, x, buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
                         for rank, perf in enumerate(found):
                             rows.append(make_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
                         to_time = [found[0].algo] if found else []
@@ -416,7 +421,7 @@ def fused_call_candidates(rows: Sequence[Measurement], key: ProblemKey) -> list[
 
 def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKey]:
     return [
-        shape.key(layout, math)  # type: ignore[arg-type]
+        shape.key(layout, math, problem.x_slice)  # type: ignore[arg-type]
         for shape in problem.candidates
         for layout in options.layouts
         for math in options.math_modes(shape.dtype)

@@ -12,6 +12,12 @@ Rules:
   the tuner times with it. With ``fusions`` on (graph-API engines tuned) that includes
   ``bias+swish``, a SiLU ``Mul(y, Sigmoid(y))`` fused into the engine's graph, and
   ``bias+leakyrelu<alpha>`` (``bias+leakyrelu0.2``), a ``LeakyRelu`` fused the same way.
+* A forward Conv whose input the executor will read as a channel slice of a wider buffer (a
+  Concat family's, a Split's input: :func:`convpass.core.concat_slices.channel_slices`, the rule the
+  runtime's memory planner follows too) is a problem with its ``x_slice``, which the tuner times
+  reading that slice (or with the copy it needs). Only where the executor reads it in place: a
+  conv of its own 2-D or 3-D geometry (no 1-D mapping, no zero pre-pad). Kept per profile in
+  ``node.meta[X_SLICE_KEY]``, so the decisions' pass finds the same problem.
 * Results: ``model.meta["convpass.problems"]`` (and ``self.problems``): an insertion-ordered dict
   ``ConvProblem -> [ProblemUse, ...]``.
 """
@@ -25,8 +31,12 @@ import onnx_ir as ir
 
 from convpass.compiler.passes import state
 from convpass.compiler.passes.state import CANONICAL_KEY, PROBLEMS_KEY, VALUE_SHAPES_KEY
+from convpass.core import concat_slices
+from convpass.core.concat_slices import ConcatInfo, SplitInfo
 from convpass.core.fusion import absorbed
-from convpass.core.problem import ConvProblem, Direction
+from convpass.core.problem import ConvProblem, Direction, InputSlice
+
+X_SLICE_KEY = "convpass.x_slice"  # node.meta: per profile, the InputSlice the conv's input is read as, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +124,67 @@ def node_problems(node: ir.Node, profile: int, directions: Sequence[Direction], 
     wanted = [own] + [d for d in directions if d != "fwd" and own == "fwd" and d != own]
     shapes = value_shapes[profile] if profile < len(value_shapes) else None
     fusion = conv_fusion(node, fusions, shapes) if own == "fwd" else ""
-    return [ConvProblem(tuple(s.with_direction(d) for s in canonical.shapes), fusion if d == own else "") for d in wanted]
+    slices = node.meta.get(X_SLICE_KEY, ())
+    x_slice = slices[profile] if profile < len(slices) else None
+    return [ConvProblem(tuple(s.with_direction(d) for s in canonical.shapes), fusion if d == own else "", x_slice if d == own else None)
+            for d in wanted]
+
+
+def _axis(node: ir.Node, rank: int, default: int) -> int | None:
+    attr = node.attributes.get("axis")
+    axis = default if attr is None else int(attr.value)
+    axis = axis + rank if axis < 0 else axis
+    return axis if 0 <= axis < rank else None
+
+
+def graph_slices(graph: ir.Graph, shapes: Mapping[str, Sequence[int]]) -> dict[ir.Value, InputSlice]:
+    """value -> the channel slice it is read as in ``graph`` at a profile's ``shapes``
+    (:func:`convpass.core.concat_slices.channel_slices` over the onnx-ir graph). The runtime places
+    a value only where its producer's launch writes into a given array; the compiler, which has no
+    launches, takes any producer of that one value."""
+    infos: dict[ir.Node, ConcatInfo] = {}
+    splits: list[SplitInfo] = []
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Concat", "Split"):
+            continue
+        values = node.inputs if node.op_type == "Concat" else node.outputs
+        dims = [_IrSteps(shapes)._dims(v) if v is not None else None for v in values]
+        if not values or any(d is None for d in dims) or len({len(d) for d in dims if d is not None}) != 1:
+            continue
+        rank = len(dims[0])  # type: ignore[arg-type]
+        axis = _axis(node, rank, 1 if node.op_type == "Concat" else 0)
+        if axis is None:
+            continue
+        lengths = tuple(d[axis] for d in dims)  # type: ignore[index]
+        if node.op_type == "Concat":
+            if len({v.dtype for v in node.inputs if v is not None and v.dtype is not None}) <= 1:
+                infos[node] = ConcatInfo(axis, tuple(node.inputs), lengths)
+        elif node.inputs and node.inputs[0] is not None:
+            splits.append(SplitInfo(axis, node.inputs[0], tuple(node.outputs), lengths))
+
+    def aliasable(v: ir.Value) -> bool:
+        return not (v.is_graph_input() or v.is_graph_output() or v.is_initializer() or v.const_value is not None)
+
+    def places(v: ir.Value) -> bool:
+        producer = v.producer()
+        return producer is not None and len(producer.outputs) == 1
+
+    return concat_slices.channel_slices(infos, {n: n.outputs[0] for n in infos}, aliasable, places, splits)
+
+
+def conv_input_slice(node: ir.Node, profile: int, slices: Mapping[ir.Value, InputSlice]) -> InputSlice | None:
+    """The slice a canonicalized forward Conv reads its input as at ``profile``, where the
+    executor reads it in place (module rules); else None."""
+    canonical = node.meta[CANONICAL_KEY][profile]
+    if node.op_type != "Conv" or len(canonical.shapes) != 1 or any(canonical.extra_pads) or not node.inputs or node.inputs[0] is None:
+        return None
+    shape = canonical.shapes[0]
+    x_slice = slices.get(node.inputs[0])
+    if x_slice is None or shape.direction != "fwd" or canonical.spatial_rank != shape.rank:
+        return None
+    if x_slice.first + shape.c > x_slice.channels:
+        return None
+    return x_slice
 
 
 class CollectConvProblemsPass(ir.passes.InPlacePass):
@@ -137,8 +207,16 @@ class CollectConvProblemsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.problems = {}
+        value_shapes = model.meta.get(VALUE_SHAPES_KEY, ())
+        slices: dict[tuple[int, int], dict[ir.Value, InputSlice]] = {}  # (graph, profile) -> its slices
         for node in ir.traversal.RecursiveGraphIterator(model.graph):  # bodies of If / Loop / Scan too
-            for profile in range(len(node.meta.get(CANONICAL_KEY, ()))):
+            profiles = range(len(node.meta.get(CANONICAL_KEY, ())))
+            if node.graph is not None and profiles:
+                for p in profiles:
+                    if (id(node.graph), p) not in slices:
+                        slices[(id(node.graph), p)] = graph_slices(node.graph, value_shapes[p] if p < len(value_shapes) else {})
+                node.meta[X_SLICE_KEY] = [conv_input_slice(node, p, slices[(id(node.graph), p)]) for p in profiles]
+            for profile in profiles:
                 for problem in node_problems(node, profile, self.directions, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ())):
                     self.problems.setdefault(problem, []).append(ProblemUse(node, profile))
         model.meta[PROBLEMS_KEY] = self.problems

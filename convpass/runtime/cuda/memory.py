@@ -8,19 +8,18 @@ write their results straight into the slice of the buffer they end up in.
 
 Rules:
 
-* Concats are grouped into families. A Concat is *inside* another when its inputs are a
-  contiguous run of the other's inputs, on the same axis and with the same dtype; each Concat
-  belongs to the largest Concat that contains it (transitively): its *root*. DenseNet's
-  ``cat([x0, f1])``, ``cat([x0, f1, f2])``, ... all have the last one as root.
+* Concats are grouped into families, and the inputs a producer may write in place are found, by
+  the rule :mod:`convpass.core.concat_slices` states (the compiler asks it too, to tune the convs
+  that read such slices): each Concat belongs to the largest Concat that contains it, its *root*.
 * A root's output slot holds the family's buffer. It is allocated by the first launch that
   writes into it (a placed producer, or a Concat of the family), in the memory format that
   launch would have produced, from the same pool as every other intermediate, so the CUDA-graph
   capture sees the same allocation sequence as the warm-up run.
 * A Concat inside a root is a view of the root's buffer at its offset: it copies nothing that
   is already there.
-* An input ``v`` of a root is *placed* — its producer writes into the root's slice — when ``v``
-  appears once among the root's inputs and in no other family, is neither a graph input, a
-  constant nor a graph output, and its producer is a launch that can write into a given array
+* An input ``v`` of a root is *placed* — its producer writes into the root's slice — when the rule
+  lets it (``v`` appears once among the root's inputs and in no other family, is neither a graph
+  input, a constant nor a graph output) and its producer is a launch that can write into a given array
   (:attr:`~convpass.kernels.launch.Launch.supports_placement`), computes only ``v``, and has no placement yet.
   A Concat that is itself an input of another family (Inception's inner ``cat``) can be placed
   that way; its own inputs are then copied.
@@ -40,26 +39,17 @@ read to their format, as for any other producer).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from convpass.core import concat_slices
+from convpass.core.concat_slices import ConcatFamily, ConcatInfo
 from convpass.kernels.launch import Launch, Placement
 from convpass.kernels.tensor_ops import ConcatLaunch
 
-__all__ = ["ConcatFamily", "plan_concats"]
-
-
-@dataclasses.dataclass
-class ConcatFamily:
-    """A root Concat and the Concats inside it (as ``step -> offset`` into the root's buffer)."""
-
-    root: int
-    axis: int
-    members: dict[int, int]  # concat step -> offset of its first input in the root's buffer
-    placed: list[int] = dataclasses.field(default_factory=list)  # slots written in place
+__all__ = ["ConcatFamily", "concat_infos", "families", "plan_concats"]
 
 
 def _concat_info(plan: Any, index: int) -> tuple[int, list[int], list[int]] | None:
@@ -86,44 +76,19 @@ def _concat_info(plan: Any, index: int) -> tuple[int, list[int], list[int]] | No
     return axis, list(st.inputs), lengths
 
 
-def _run_at(inner: list[int], outer: list[int]) -> int | None:
-    """Where ``inner`` occurs as a contiguous run of ``outer`` (first occurrence), or None."""
-    n = len(inner)
-    for k in range(len(outer) - n + 1):
-        if outer[k : k + n] == inner:
-            return k
-    return None
+def concat_infos(plan: Any) -> dict[int, ConcatInfo]:
+    """step -> :class:`~convpass.core.concat_slices.ConcatInfo` of every Concat this planner handles."""
+    out = {}
+    for i, st in enumerate(plan.steps):
+        info = _concat_info(plan, i) if st.node.op_type == "Concat" else None
+        if info is not None:
+            out[i] = ConcatInfo(info[0], tuple(info[1]), tuple(info[2]))
+    return out
 
 
 def families(plan: Any) -> list[ConcatFamily]:
-    """The Concat families of ``plan`` (module rules)."""
-    infos = {i: _concat_info(plan, i) for i, st in enumerate(plan.steps) if st.node.op_type == "Concat"}
-    infos = {i: v for i, v in infos.items() if v is not None}
-    # parent: the largest Concat that contains it (ties: the later one)
-    parent: dict[int, tuple[int, int]] = {}  # step -> (containing step, index of its first input there)
-    for i, (axis, ins, _) in infos.items():
-        best = None
-        for j, (axis_j, ins_j, _) in infos.items():
-            if j == i or axis_j != axis or len(ins_j) <= len(ins):
-                continue
-            at = _run_at(ins, ins_j)
-            if at is not None and (best is None or len(ins_j) > len(infos[best[0]][1]) or (len(ins_j) == len(infos[best[0]][1]) and j > best[0])):
-                best = (j, at)
-        if best is not None:
-            parent[i] = best
-    result: dict[int, ConcatFamily] = {}
-    for i in infos:
-        # walk up to the root, adding the offsets
-        node, offset_inputs = i, 0
-        while node in parent:
-            up, at = parent[node]
-            offset_inputs += at
-            node = up
-        root = node
-        axis, root_ins, root_lengths = infos[root]
-        fam = result.setdefault(root, ConcatFamily(root, axis, {}))
-        fam.members[i] = sum(root_lengths[:offset_inputs])
-    return sorted(result.values(), key=lambda f: f.root)
+    """The Concat families of ``plan`` (:func:`convpass.core.concat_slices.families`)."""
+    return concat_slices.families(concat_infos(plan))
 
 
 def _zero_pad_input(plan: Any, index: int, to_host: Callable[[Any], Any]) -> int | None:
@@ -153,16 +118,13 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
     a NumPy array (a Pad's widths). Returns step -> ConcatLaunch for every Concat the planner took;
     others stay with the op library.
     """
-    fams = families(plan)
+    infos = concat_infos(plan)
+    fams = concat_slices.families(infos)
     graph_outputs = set(plan.output_slots)
     feeds = set(plan.feed_slots.values())
     producers = plan.producers()
     readers = plan.readers()
-    seen_in: dict[int, int] = {}  # input slot -> number of families that read it
-    for fam in fams:
-        axis, ins, _ = _concat_info(plan, fam.root)
-        for s in set(ins):
-            seen_in[s] = seen_in.get(s, 0) + 1
+    seen_in = concat_slices.times_in_families(infos, fams)  # input slot -> number of families that read it
     result: dict[int, ConcatLaunch] = {}
     lookup: dict[int, Launch] = dict(launches)  # + the Concat launches made so far
     family_of: dict[int, ConcatFamily] = {}
@@ -173,9 +135,7 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
         allocate = allocator(tuple(shape), dtype)
         offsets = [sum(lengths[:k]) for k in range(len(ins))]
         placed: set[tuple[int, int]] = set()  # (slot, offset in the root's buffer)
-        for k, s in enumerate(ins):
-            if ins.count(s) != 1 or seen_in.get(s, 0) != 1 or not _aliasable(plan, s, graph_outputs, feeds):
-                continue
+        for k, s, _ in concat_slices.placement_candidates(fam, infos, seen_in, lambda v: _aliasable(plan, v, graph_outputs, feeds)):
             p = producers.get(s)
             launch = lookup.get(p) if p is not None else None
             if not _placeable(launch, s):

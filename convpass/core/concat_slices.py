@@ -1,0 +1,154 @@
+"""Which values live in a channel slice of a shared buffer: Concat families, their placed inputs,
+a Split's outputs. One rule, asked by the runtime's memory planner (which places them:
+:mod:`convpass.runtime.cuda.memory`, over its plan's steps and slots) and by the compiler (which
+tunes the convs that read them: :mod:`convpass.compiler.passes.collect_conv_problems`, over the
+onnx-ir graph), each giving it its graph as plain data: node -> :class:`ConcatInfo`.
+
+Rules:
+
+1. **Families.** A Concat is *inside* another when its inputs are a contiguous run of the other's
+   inputs, on the same axis; each Concat belongs to the largest Concat that contains it
+   (transitively; ties: the later one): its *root*, whose output holds the family's buffer. A
+   member is a view of that buffer at the offset of its first input (:func:`families`).
+2. **Placement candidates.** An input ``v`` of a root may be written by its producer straight into
+   its slice when ``v`` appears once among the root's inputs, in no other family, and may live in a
+   shared buffer (``aliasable``: no graph input, output or constant) (:func:`placement_candidates`).
+   Whether its producer can write into a given array is the caller's to say (the runtime: the
+   launch's ``supports_placement``; the compiler, which has no launches: any node).
+3. **Channel slices** (:func:`channel_slices`), of a family on axis 1 whose root has ``T`` channels:
+   a member Concat that is not the root reads as channels ``[offset, offset + length)`` of ``T``;
+   so does a placed input (rule 2) at its offset. A Split on axis 1 of a value that is no slice
+   itself gives its outputs as slices of its input (the op library returns views). The root
+   itself, and every other value, is packed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from convpass.core.problem import InputSlice
+
+__all__ = ["ConcatFamily", "ConcatInfo", "SplitInfo", "channel_slices", "families", "placement_candidates", "times_in_families"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcatInfo:
+    """A Concat the rule handles: its axis (non-negative), input values and their lengths along it."""
+
+    axis: int
+    inputs: tuple[Any, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitInfo:
+    """A Split: its axis (non-negative), input value, output values and their lengths along it."""
+
+    axis: int
+    input: Any
+    outputs: tuple[Any, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class ConcatFamily:
+    """A root Concat and the Concats inside it (as ``node -> offset`` into the root's buffer)."""
+
+    root: Any
+    axis: int
+    members: dict[Any, int]  # concat node -> offset of its first input in the root's buffer
+    placed: list[Any] = dataclasses.field(default_factory=list)  # values written in place (the runtime's record)
+
+
+def _run_at(inner: Sequence[Any], outer: Sequence[Any]) -> int | None:
+    """Where ``inner`` occurs as a contiguous run of ``outer`` (first occurrence), or None."""
+    n = len(inner)
+    for k in range(len(outer) - n + 1):
+        if list(outer[k : k + n]) == list(inner):
+            return k
+    return None
+
+
+def families(infos: Mapping[Any, ConcatInfo]) -> list[ConcatFamily]:
+    """The Concat families of the Concats ``infos`` describes (rule 1), in the order of their roots
+    in ``infos`` (the caller's node order)."""
+    order = {node: i for i, node in enumerate(infos)}
+    parent: dict[Any, tuple[Any, int]] = {}  # node -> (containing node, index of its first input there)
+    for i, info in infos.items():
+        best: tuple[Any, int] | None = None
+        for j, other in infos.items():
+            if j == i or other.axis != info.axis or len(other.inputs) <= len(info.inputs):
+                continue
+            at = _run_at(info.inputs, other.inputs)
+            if at is None:
+                continue
+            if best is None:
+                best = (j, at)
+                continue
+            size, best_size = len(other.inputs), len(infos[best[0]].inputs)
+            if size > best_size or (size == best_size and order[j] > order[best[0]]):
+                best = (j, at)
+        if best is not None:
+            parent[i] = best
+    result: dict[Any, ConcatFamily] = {}
+    for i in infos:
+        node, offset_inputs = i, 0
+        while node in parent:
+            up, at = parent[node]
+            offset_inputs += at
+            node = up
+        fam = result.setdefault(node, ConcatFamily(node, infos[node].axis, {}))
+        fam.members[i] = sum(infos[node].lengths[:offset_inputs])
+    return sorted(result.values(), key=lambda f: order[f.root])
+
+
+def times_in_families(infos: Mapping[Any, ConcatInfo], fams: Iterable[ConcatFamily]) -> dict[Any, int]:
+    """value -> the number of families whose root reads it."""
+    seen: dict[Any, int] = {}
+    for fam in fams:
+        for v in set(infos[fam.root].inputs):
+            seen[v] = seen.get(v, 0) + 1
+    return seen
+
+
+def placement_candidates(fam: ConcatFamily, infos: Mapping[Any, ConcatInfo], seen_in: Mapping[Any, int],
+                         aliasable: Callable[[Any], bool]) -> list[tuple[int, Any, int]]:
+    """``(k, v, offset)`` of each input ``v`` (the root's ``k``-th, at ``offset`` in its buffer)
+    that rule 2 lets its producer write in place."""
+    root = infos[fam.root]
+    out = []
+    for k, v in enumerate(root.inputs):
+        if root.inputs.count(v) == 1 and seen_in.get(v, 0) == 1 and aliasable(v):
+            out.append((k, v, sum(root.lengths[:k])))
+    return out
+
+
+def channel_slices(infos: Mapping[Any, ConcatInfo], outputs: Mapping[Any, Any], aliasable: Callable[[Any], bool],
+                   places: Callable[[Any], bool], splits: Iterable[SplitInfo] = ()) -> dict[Any, InputSlice]:
+    """value -> the :class:`~convpass.core.problem.InputSlice` it is read as (rule 3).
+    ``outputs``: Concat node -> its output value; ``places(v)``: whether ``v``'s producer writes
+    into a given array (rule 2)."""
+    fams = families(infos)
+    seen_in = times_in_families(infos, fams)
+    slices: dict[Any, InputSlice] = {}
+    for fam in fams:
+        root = infos[fam.root]
+        if fam.axis != 1:
+            continue
+        total = sum(root.lengths)
+        for node, offset in fam.members.items():
+            if node != fam.root and sum(infos[node].lengths) < total:
+                slices[outputs[node]] = InputSlice(offset, total)
+        for _, v, offset in placement_candidates(fam, infos, seen_in, aliasable):
+            if places(v):
+                slices[v] = InputSlice(offset, total)
+    for split in splits:
+        total = sum(split.lengths)
+        if split.axis != 1 or split.input in slices or len(split.outputs) < 2:
+            continue
+        for k, v in enumerate(split.outputs):
+            if split.lengths[k] < total:
+                slices[v] = InputSlice(sum(split.lengths[:k]), total)
+    return slices
