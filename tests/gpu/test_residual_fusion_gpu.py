@@ -84,6 +84,9 @@ def tuned(tmp_path_factory):
     """The block tuned here once, NHWC, engines "all" (the Add's output read by two nodes), and
     the same block with the Add's output the graph's (decided from the same cache: nothing timed
     again). Returns (cache path, {readers: (model, tuned model)})."""
+    why = graph_api.unavailable()  # asked here too: a module fixture runs before the autouse one
+    if why is not None:
+        pytest.skip(why)
     path = tmp_path_factory.mktemp("residual") / "c.db"
     out = {}
     for readers in (2, 0):
