@@ -131,6 +131,40 @@ def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float 
 
 
 
+def csp_block_model(x_shape: Sequence[int] = (2, 16, 12, 12), alpha: float | None = 0.01, *, seed: int = 0, swish: bool = False,
+                    residual_first: bool = False, readers: int = 0) -> onnx.ModelProto:
+    """timm's CSPDarknet residual block (DarkBlock) once its BatchNorms are folded: Conv 1x1 (bias)
+    "c1" -> activation "l1" (C -> C/2), Conv 3x3 (bias) "c2" -> activation "l2" (C/2 -> C), then
+    the residual ``Add(a2, x)`` "add" (``residual_first``: ``Add(x, a2)``). The activation is a
+    LeakyRelu of ``alpha`` (None: no attribute, ONNX's 0.01), or with ``swish`` a SiLU as torch
+    exports it (``Mul(y, Sigmoid(y))``). ``readers``: 0, the Add's output is the graph's output
+    "out"; 2, a 1x1 Conv "c3" and a Relu "r" read it, joined by an Add into "out". Weights scaled so
+    about half of each conv's outputs are negative."""
+    rng = np.random.default_rng(seed)
+    c, mid = x_shape[1], x_shape[1] // 2
+
+    def init(name, *shape, scale=1.0):
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    def act(i):
+        if swish:
+            return [helper.make_node("Sigmoid", [f"y{i}"], [f"s{i}"], name=f"sig{i}"), helper.make_node("Mul", [f"y{i}", f"s{i}"], [f"a{i}"], name=f"l{i}")]
+        return [helper.make_node("LeakyRelu", [f"y{i}"], [f"a{i}"], name=f"l{i}", **({} if alpha is None else {"alpha": alpha}))]
+
+    inits = [init("w1", mid, c, 1, 1, scale=c ** -0.5), init("b1", mid, scale=0.1), init("w2", c, mid, 3, 3, scale=(9 * mid) ** -0.5),
+             init("b2", c, scale=0.1), init("w3", c, c, 1, 1, scale=c ** -0.5), init("b3", c, scale=0.1)]
+    s = "s" if readers else "out"
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="c1"), *act(1),
+             helper.make_node("Conv", ["a1", "w2", "b2"], ["y2"], name="c2", pads=[1, 1, 1, 1]), *act(2),
+             helper.make_node("Add", ["x", "a2"] if residual_first else ["a2", "x"], [s], name="add")]
+    if readers:
+        nodes += [helper.make_node("Relu", [s], ["r"], name="r"), helper.make_node("Conv", [s, "w3", "b3"], ["y3"], name="c3"),
+                  helper.make_node("Add", ["y3", "r"], ["out"], name="join")]
+    else:
+        inits = inits[:4]
+    return _x_to_out_model(nodes, "csp_block", x_shape, inits)
+
+
 def _x_to_out_model(nodes: list, name: str, x_shape: Sequence[int], inits: list) -> onnx.ModelProto:
     """An opset-17 model of ``nodes``: float input ``x`` and output ``out``, both of ``x_shape``."""
     graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
@@ -267,7 +301,7 @@ class _FakeFrontend:
 
             def tensor(self, name, dim, stride, data_type):
                 fe.calls.append(("tensor", name, tuple(dim), tuple(stride)))
-                return _FakeTensor({"x": 1, "w": 2, "b": 4}[name])
+                return _FakeTensor({"x": 1, "w": 2, "b": 4, "z": 8}[name])
 
             def conv_fprop(self, image, weight, padding, stride, dilation, compute_data_type, name):
                 fe.calls.append(("conv", tuple(padding), tuple(stride), tuple(dilation)))
@@ -284,6 +318,10 @@ class _FakeFrontend:
             def leaky_relu(self, input, negative_slope, name):
                 fe.calls.append(("leaky_relu", negative_slope))
                 return _FakeTensor(6)
+
+            def add(self, a, b, name):
+                fe.calls.append(("add", a.uid, b.uid))
+                return _FakeTensor(7)
 
             def validate(self):
                 pass

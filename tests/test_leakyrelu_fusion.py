@@ -150,7 +150,9 @@ def test_a_leakyrelu_whose_output_is_read_twice_or_is_a_graph_output_is_still_ab
 def test_fused_problems_are_collected_per_alpha_only_when_engines_are_candidates():
     from convpass.compiler.pipeline import OptimizeReport, prepare_model
 
-    for engines, expected in (("all", {L02: 1, L01: 1, "": 1}), ("legacy", {"bias": 1, "": 1})):  # c1 and c2: one shape
+    # c1 and c2: one shape; c2's LeakyRelu is read only by the join Add, whose other operand (a1) is
+    # ready before c2 and of its shape: with shapes known, c2's step takes that residual too
+    for engines, expected in (("all", {L02: 1, L01 + "+add": 1, "": 1}), ("legacy", {"bias": 1, "": 1})):
         problems = prepare_model(ir.serde.deserialize_model(leaky_model()), TuneOptions(engines=engines), [], OptimizeReport())
         seen: dict[str, int] = {}
         for p in problems:
@@ -175,7 +177,12 @@ def test_the_runtime_plan_absorbs_the_same_leakyrelu():
             a = absorbed(view, i)
             found[st.node.name] = (a.epilogue, a.nodes)
     first = ops.index("LeakyRelu")
-    assert found == {"c1": (L02, (first,)), "c2": (L01, (ops.index("LeakyRelu", first + 1),)), "c3": ("", ())}
+    second = ops.index("LeakyRelu", first + 1)
+    assert found == {"c1": (L02, (first,)), "c2": (L01 + "+add", (second, ops.index("Add"))), "c3": ("", ())}
+    view = _PlanSteps(plan, set())
+    view.conv = ops.index("Conv", 1)
+    a = absorbed(view, view.conv)
+    assert a.shorter == absorbed(view, view.conv, residual=False) and (a.shorter.epilogue, a.shorter.nodes) == (L01, (second,))
     view = _PlanSteps(plan, {first})  # the LeakyRelu already taken by another launch
     view.conv = 0
     assert absorbed(view, 0).epilogue == "bias"
@@ -227,6 +234,10 @@ def _tuned(tmp_path, fused_ms, **options):
         rows += [row("implicit_gemm", 0.020, key=key), row("implicit_gemm", None, "heuristic", key=key, hr=0)]
         for fusion in (L02, L01):
             rows += [row(fusion, 0.010, EPILOGUE_METHOD, key=key), row("engine:eng5_k2=1+" + fusion, fused_ms, key=key)]
+        # c2's step ends at the join Add (bias+leakyrelu0.1+add): no fused graph of it here, its
+        # shorter graph (L01) plus the Add's pass against the conv plus both as one pass
+        rows += [row(L01 + "+add", 0.012, EPILOGUE_METHOD, key=key), row("add", 0.003, EPILOGUE_METHOD, key=key),
+                 row("engine:none+" + L01 + "+add", None, status="unsupported", key=key)]
     cache = TuningCache(tmp_path / "c.db")
     cache.put(H200, rows)
     cache.close()

@@ -15,6 +15,7 @@ text                                   family       what runs
 ``engine:none``                        ``engine``   the marker row: cuDNN offers no configuration
 ``convpass_depthwise_r8``              ``own``      convpass's own kernel (``+bias...``: fused)
 ``bias+relu``                          ``pass``     the epilogue as one element-wise pass (a cache row)
+``add``                                ``pass``     a residual Add as its own pass (a cache row)
 ``auto``                               ``auto``     cuDNN's heuristic decides at run time
 =====================================  ===========  ==================================================
 
@@ -42,8 +43,9 @@ Family = Literal["legacy", "engine", "own", "pass", "auto"]
 AUTO = "auto"
 ENGINE_PREFIX = "engine:"
 OWN_PREFIX = "convpass_"
-# The names an epilogue pass row starts with (the pass's own name is the epilogue's).
-_PASS_HEADS = ("bias",)
+# The names an epilogue pass row starts with (the pass's own name is the epilogue's, or ``add``:
+# convpass.core.fusion.RESIDUAL_PASS).
+_PASS_HEADS = ("bias", "add")
 # The legacy algorithms that compute in a transformed basis (module docstring), of every direction:
 # forward, backward data and backward filter use these same names.
 TRANSFORM_ALGORITHMS = frozenset({"winograd", "winograd_nonfused", "fft", "fft_tiling"})

@@ -44,9 +44,13 @@ Format (schema version 7)
   ``fusion``          (optional, schema 4) the epilogue fused into ``engine``'s graph, named by what
                       follows the conv: ``bias+swish`` = ``y = silu(conv(x, w) + b)``,
                       ``bias+leakyrelu<alpha>`` (``bias+leakyrelu0.2``) = ``y = leaky_relu(conv(x, w)
-                      + b, alpha)``, the graph the engine configuration belongs to (the executor
-                      runs the node's bias and its SiLU / LeakyRelu readers in that one call); ``""``
-                      = the bare conv. (schema 5) With no
+                      + b, alpha)``, either followed by ``+add`` (``bias+leakyrelu0.01+add`` =
+                      ``y = leaky_relu(conv(x, w) + b, alpha) + z``, ``z`` the other operand of the
+                      residual ``Add`` that reads the activation), the graph the engine
+                      configuration belongs to (the executor runs the node's bias and its SiLU /
+                      LeakyRelu readers, and that Add, in that one call); ``""`` = the bare conv.
+                      A name the reader does not know reads as an odd fusion (warned, not run fused),
+                      so the ``+add`` names change no schema version. (schema 5) With no
                       ``engine``: the legacy epilogue (:mod:`convpass.core.fusion`: ``bias``,
                       ``bias+relu``, ``bias+add``, ``bias+add+relu``) fused into ``algo``'s call,
                       cuDNN's ``cudnnConvolutionBiasActivationForward``; ``""`` = the conv runs

@@ -2,7 +2,8 @@
 
 The executor runs a forward Conv that has a constant bias as one step ``y = act(conv(x, w) + z + b)``:
 the bias, a residual ``Add`` whose other operand ``z`` is ready before the conv, and a ``Relu``
-that is the only reader. :func:`absorbed` is that rule, asked by the compiler (which tunes the
+that is the only reader; or, fused into a graph-API engine, ``y = act(conv(x, w) + b) + z``: an
+activation (SiLU, LeakyRelu) and the residual ``Add`` that is its only reader. :func:`absorbed` is that rule, asked by the compiler (which tunes the
 step: :mod:`convpass.compiler.passes.collect_conv_problems`) and by the runtime (which runs it:
 :func:`convpass.kernels.convolution.lower_convs`) over their own graphs. The tuner must time the
 step, not the bare conv: for some shapes the same algorithm ran several times slower through
@@ -30,6 +31,20 @@ graphs (:func:`convpass.native.cudnn.graph_api.fusion_of`) use the same naming:
                            ``bias+leakyrelu0.2``
 =========================  ===========================================================
 
+A graph-API fusion may also take a residual ``Add`` that follows its activation (CSPDarknet's and
+YOLO's residual blocks: ``x + act(conv(x') + b)``), the order the legacy epilogues do not run (they
+add ``z`` before their ReLU): its name is the activation's followed by :data:`RESIDUAL`:
+
+=============================  ===============================================================
+``bias+swish+add``             ``y = silu(conv + b) + z``
+``bias+leakyrelu<alpha>+add``  ``y = leaky_relu(conv + b, alpha) + z``, e.g. ``bias+leakyrelu0.01+add``
+=============================  ===============================================================
+
+:func:`residual_fusion` writes such a name, :func:`without_residual` reads back the activation's
+(its *shorter* graph), :func:`adds_residual` tells one apart. A ReLU followed by an Add has no such
+form: cuDNN's graph API was not offered its fast engines for a ``bias + relu`` graph (no
+``bias+relu`` graph fusion exists to extend: :mod:`convpass.native.cudnn.graph_api`).
+
 A LeakyRelu's ``alpha`` is part of its name (:func:`leakyrelu_name`), written as the shortest
 decimal that reads back to the same float32 (ONNX stores ``alpha`` as a float32): the name is the
 one string that travels through the problem (``ConvProblem.fusion``), the tuning cache (the
@@ -48,6 +63,12 @@ Rules
   algorithms of each key only: the fused call reuses the algorithm's kernels or falls back to
   slower ones, and it never ran faster than the bare conv in the profiles measured
   (docs/measurements/2026-11-23-conv-epilogues.md).
+* **Activation, then the residual: timed both ways.** A conv whose step absorbs ``<act>+add`` is a
+  problem of that fusion; the tuner times its fused graph, the shorter graph ``<act>`` (the Add then
+  runs as its own pass: the ``add`` row, :data:`RESIDUAL_PASS`) and the unfused configurations (the
+  activation and the Add as one pass after them: the ``<act>+add`` row), and keeps the cheapest
+  (:mod:`convpass.tuning.decide`). A decision of the shorter graph runs its activation fused and
+  leaves the Add to the plan.
 * **Recorded.** A decision whose ``fusion`` names a legacy epilogue and that has no graph-API
   engine runs the fused call (annotation schema 5); a legacy decision without one runs (a). A
   model tuned before schema 5 recorded no fused call: its convs run as they were timed, (a).
@@ -62,8 +83,9 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = [
-    "FUSED_CALL_CANDIDATES", "LEAKYRELU", "LEGACY", "SWISH", "Absorbed", "StepGraph", "absorbed", "is_graph_fusion", "is_legacy",
-    "leakyrelu_alpha", "leakyrelu_name", "legacy_name", "parts",
+    "FUSED_CALL_CANDIDATES", "LEAKYRELU", "LEGACY", "RESIDUAL", "RESIDUAL_PASS", "SWISH", "Absorbed", "StepGraph", "absorbed",
+    "adds_residual", "is_graph_fusion", "is_legacy", "leakyrelu_alpha", "leakyrelu_name", "legacy_name", "parts", "residual_fusion",
+    "without_residual",
 ]
 
 LEGACY: tuple[str, ...] = ("bias", "bias+relu", "bias+add", "bias+add+relu")
@@ -71,6 +93,8 @@ FUSED_CALL_CANDIDATES = 2  # legacy algorithms per key whose fused call the tune
 SWISH = "bias+swish"  # the graph-API fusion of a SiLU
 LEAKYRELU = "bias+leakyrelu"  # the graph-API fusion of a LeakyRelu: its alpha follows (leakyrelu_name)
 ONNX_LEAKYRELU_ALPHA = 0.01  # ONNX's default alpha
+RESIDUAL = "+add"  # what a graph-API fusion's name ends with when its residual Add follows the activation
+RESIDUAL_PASS = "add"  # the epilogue-pass row of that Add run as its own pass (after the shorter graph)
 
 
 def legacy_name(residual: bool, relu: bool) -> str:
@@ -106,9 +130,33 @@ def leakyrelu_alpha(name: str | None) -> float | None:
         return None
 
 
-def is_graph_fusion(name: str | None) -> bool:
-    """Whether ``name`` is an epilogue fused into a graph-API engine's graph (the table above)."""
+def _is_activation(name: str | None) -> bool:
+    """Whether ``name`` is a graph-API fusion of an activation alone (``bias+swish``, ``bias+leakyrelu<alpha>``)."""
     return name == SWISH or leakyrelu_alpha(name) is not None
+
+
+def adds_residual(name: str | None) -> bool:
+    """Whether ``name`` is a graph-API fusion whose residual Add follows its activation (``...+add``)."""
+    return name is not None and name.endswith(RESIDUAL) and _is_activation(name[: -len(RESIDUAL)])
+
+
+def is_graph_fusion(name: str | None) -> bool:
+    """Whether ``name`` is an epilogue fused into a graph-API engine's graph (the tables above)."""
+    return _is_activation(name) or adds_residual(name)
+
+
+def residual_fusion(name: str) -> str:
+    """The fusion of ``name``'s activation followed by a residual Add (``bias+swish`` ->
+    ``bias+swish+add``); ValueError for a name that is no activation's graph-API fusion."""
+    if not _is_activation(name):
+        raise ValueError(f"{name!r} is no graph-API activation fusion to add a residual to")
+    return name + RESIDUAL
+
+
+def without_residual(name: str) -> str:
+    """The shorter graph of a fusion with a residual (``bias+swish+add`` -> ``bias+swish``); any
+    other name unchanged."""
+    return name[: -len(RESIDUAL)] if adds_residual(name) else name
 
 
 def parts(name: str) -> tuple[bool, bool]:
@@ -160,14 +208,17 @@ class StepGraph(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Absorbed:
-    """What one conv's step computes beyond the conv: ``epilogue`` (a name of the table above,
-    ``""``: nothing), the ``nodes`` it takes over, the residual operand ``z`` (``bias+add...``),
-    and the value the step writes (the last absorbed node's output, else the conv's)."""
+    """What one conv's step computes beyond the conv: ``epilogue`` (a name of the tables above,
+    ``""``: nothing), the ``nodes`` it takes over, the residual operand ``z`` (``bias+add...``,
+    ``...+add``), and the value the step writes (the last absorbed node's output, else the
+    conv's). ``shorter``: for a graph-API fusion with its residual, the same step without the Add
+    (what runs where the decision is the shorter graph)."""
 
     epilogue: str
     nodes: tuple[Any, ...] = ()
     z: Any = None
     output: Any = None
+    shorter: Absorbed | None = None
 
 
 def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: bool = True) -> Absorbed:
@@ -180,10 +231,13 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
        ``bias+swish`` when the output is read only by ``Mul(y, Sigmoid(y))``, the Sigmoid by
        nothing else; ``bias+leakyrelu<alpha>`` when its only reader is a one-input
        ``LeakyRelu`` (its ``alpha``, ONNX's 0.01 when it has none, in the name); either only when
-       no Concat reads the activation's output (:func:`_read_by_concat`).
-    4. ``bias+add`` / ``bias+add+relu`` (when ``residual``): the only reader is an ``Add`` whose
-       other operand has the output's shape and type and is ready before the conv; then a ``Relu``
-       that is the Add's only reader joins.
+       no Concat reads the activation's output (:func:`_read_by_concat`). Then, when
+       ``residual``, the activation's ``+add`` (:func:`residual_fusion`) when the activation's
+       output is no graph output and its only reader is a residual Add (:func:`_residual_add`)
+       whose output no Concat reads; the step then writes the Add's output (a graph output, or
+       read by several nodes, alike), and its ``shorter`` form is the activation's.
+    4. ``bias+add`` / ``bias+add+relu`` (when ``residual``): the only reader is a residual Add
+       (:func:`_residual_add`); then a ``Relu`` that is the Add's only reader joins.
     5. ``bias+relu``: the only reader is a one-input ``Relu``.
     6. Otherwise ``bias``.
     """
@@ -196,29 +250,53 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
     ins = g.inputs(conv)
     if op != "Conv" or y is None or len(ins) < 3 or ins[2] is None or not g.is_constant(ins[2]) or g.is_output(y):
         return Absorbed("", output=y)
-    if graph_fusions:
-        pair = _swish_readers(g, y)
-        if pair is not None and not _read_by_concat(g, g.outputs(pair[1])[0]):
-            return Absorbed(SWISH, pair, output=g.outputs(pair[1])[0])
-        leaky = _only_reader(g, y, "LeakyRelu")
-        if leaky is not None and not _read_by_concat(g, g.outputs(leaky)[0]):
-            alpha = float(g.attribute(leaky, "alpha", ONNX_LEAKYRELU_ALPHA))
-            if np.isfinite(np.float32(alpha)):
-                return Absorbed(leakyrelu_name(alpha), (leaky,), output=g.outputs(leaky)[0])
-    add = _only_reader(g, y, "Add", inputs=2) if residual else None
-    if add is not None:
-        a, b = g.inputs(add)
-        z = b if a == y else a
-        if a != b and z is not None and g.same_shape_and_type(z, y) and g.ready_before(z, conv):
-            out = g.outputs(add)[0]
-            relu = None if g.is_output(out) else _only_reader(g, out, "Relu")
-            if relu is not None:
-                return Absorbed(legacy_name(True, True), (add, relu), z, g.outputs(relu)[0])
-            return Absorbed(legacy_name(True, False), (add,), z, out)
+    activation = _graph_activation(g, y) if graph_fusions else None
+    if activation is not None:
+        found = _residual_add(g, conv, y, activation.output) if residual else None
+        if found is not None and not _read_by_concat(g, g.outputs(found[0])[0]):
+            add, z = found
+            return Absorbed(residual_fusion(activation.epilogue), (*activation.nodes, add), z, g.outputs(add)[0], activation)
+        return activation
+    found = _residual_add(g, conv, y, y) if residual else None
+    if found is not None:
+        add, z = found
+        out = g.outputs(add)[0]
+        relu = None if g.is_output(out) else _only_reader(g, out, "Relu")
+        if relu is not None:
+            return Absorbed(legacy_name(True, True), (add, relu), z, g.outputs(relu)[0])
+        return Absorbed(legacy_name(True, False), (add,), z, out)
     relu = _only_reader(g, y, "Relu")
     if relu is not None:
         return Absorbed(legacy_name(False, True), (relu,), output=g.outputs(relu)[0])
     return Absorbed(legacy_name(False, False), output=y)
+
+
+def _graph_activation(g: StepGraph, y: Any) -> Absorbed | None:
+    """Rule 3's activation of the conv output ``y``, absorbed without a residual; None when there is none."""
+    pair = _swish_readers(g, y)
+    if pair is not None and not _read_by_concat(g, g.outputs(pair[1])[0]):
+        return Absorbed(SWISH, pair, output=g.outputs(pair[1])[0])
+    leaky = _only_reader(g, y, "LeakyRelu")
+    if leaky is not None and not _read_by_concat(g, g.outputs(leaky)[0]):
+        alpha = float(g.attribute(leaky, "alpha", ONNX_LEAKYRELU_ALPHA))
+        if np.isfinite(np.float32(alpha)):
+            return Absorbed(leakyrelu_name(alpha), (leaky,), output=g.outputs(leaky)[0])
+    return None
+
+
+def _residual_add(g: StepGraph, conv: Any, y: Any, value: Any) -> tuple[Any, Any] | None:
+    """``(Add, z)`` when the only reader of ``value`` (the conv output ``y``, or the output of the
+    activation the step absorbs) is a free two-input ``Add`` whose other operand ``z`` is a
+    residual the step can read: not ``value`` itself, of ``y``'s exact shape and type (no
+    broadcasting) and ready before the conv runs (so absorbing the Add creates no cycle)."""
+    add = _only_reader(g, value, "Add", inputs=2)
+    if add is None:
+        return None
+    a, b = g.inputs(add)
+    z = b if a == value else a
+    if a == b or z is None or not g.same_shape_and_type(z, y) or not g.ready_before(z, conv):
+        return None
+    return add, z
 
 
 def _read_by_concat(g: StepGraph, value: Any) -> bool:

@@ -15,7 +15,7 @@ class              algorithm (:class:`~convpass.core.algo.Algo`)  one launch
 ``FusedLegacyConv`` ``<legacy>+bias[+add][+relu]``             cuDNN's fused conv + bias (+ z) + identity /
                                                                ReLU call
 ``EngineConv``     ``engine:<config>``, ``...+bias+swish``     the graph-API plan (a fused graph: its
-                                                               epilogue in the call; else one pass after)
+                   (``+add``: with the residual)               epilogue in the call; else one pass after)
 ``OwnConv``        ``convpass_depthwise_r<R>[+<epilogue>]``    convpass's kernel, its epilogue in it (a
                                                                fused name) or as one pass after
 =================  ==========================================  ============================================
@@ -27,9 +27,12 @@ Rules
    arrays mapped to 2-D by the caller). The launch writes its direction's output: ``y`` (fwd),
    ``x`` (dgrad), ``w`` (wgrad); the epilogue runs over that output.
 2. Epilogues: ``""`` (none), ``"relu"`` (a ConvTranspose's absorbed Relu, no bias), the legacy
-   ones (``bias``, ``bias+relu``, ``bias+add``, ``bias+add+relu``), and a fused graph's
-   (``bias+swish``, ``bias+leakyrelu<alpha>``: an engine's only). ``bias``: the ``(K,)`` values, contiguous where
-   :attr:`ConvExec.contiguous_bias` says so; ``z``: the residual, shaped as the output.
+   ones (``bias``, ``bias+relu``, ``bias+add``, ``bias+add+relu``: ``z`` added before the
+   ReLU), and a fused graph's (``bias+swish``, ``bias+leakyrelu<alpha>``, either followed by
+   ``+add``: ``z`` added after the activation; an engine's only). ``bias``: the ``(K,)`` values,
+   contiguous where :attr:`ConvExec.contiguous_bias` says so; ``z``: the residual, shaped as the
+   output (a fused graph's: packed like ``y`` and never sharing its memory: the launch refuses
+   ``y`` aliasing ``z``).
 3. Outputs: packed in the key's memory format, or where :attr:`ConvExec.output_strides` allows a
    slice of a larger buffer (a Concat's): ``"same_order"`` in the key's memory order (cuDNN's
    forward call takes the slice's strides), ``"any"`` with any strides (convpass's kernel).
@@ -59,7 +62,7 @@ from typing import Any
 
 from convpass.core.algo import Algo
 from convpass.core.cudnn_enums import STATUS, CudnnError
-from convpass.core.fusion import is_legacy, legacy_name, parts
+from convpass.core.fusion import adds_residual, is_legacy, legacy_name, parts
 from convpass.core.layout import storage_order
 from convpass.core.problem import ProblemKey
 from convpass.kernels import depthwise
@@ -119,7 +122,7 @@ def _pass_parts(name: str) -> tuple[bool, bool, bool]:
 
 def fusion_counter(fusion: str) -> str:
     """The backend counter of launches that ran a fused graph-API epilogue (``fused_bias_swish``,
-    ``fused_bias_leakyrelu`` for any alpha)."""
+    ``fused_bias_leakyrelu`` for any alpha; ``..._add`` with the residual)."""
     return graph_api.fusion_of(fusion).counter
 
 
@@ -295,11 +298,15 @@ class EngineConv(ConvExec):
         super().__init__(key, algo, epilogue, cp, plan.workspace_bytes)
         self.plan = plan
         self.contiguous_bias = self.fused
+        self.residual = self.fused and adds_residual(algo.fusion)  # its graph adds z after the activation
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
         ws = workspace if self.workspace_bytes > 0 else None
         if self.fused:
-            self.plan.execute(x, w, y, ws, bias=bias)
+            if self.residual:
+                self.plan.execute(x, w, y, ws, bias=bias, z=z)
+            else:
+                self.plan.execute(x, w, y, ws, bias=bias)
             return
         self.plan.execute(x, w, y, ws)
         self._pass(y, bias, z)

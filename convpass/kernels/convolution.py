@@ -25,7 +25,9 @@ element-wise pass after cuDNN's backward data; a Relu that is its only reader jo
 Fused graph-API epilogues: a Conv whose decision records a fused engine (``fusion``, e.g.
 ``bias+swish``, ``bias+leakyrelu0.2``) and whose output is read only by that epilogue in the plan
 (``Mul(y, Sigmoid(y))``, a ``LeakyRelu`` of that alpha) runs conv, bias and activation in the engine's one call, and its launch absorbs the epilogue's
-steps. When the plan does not offer the epilogue (fusion off, another graph) the recorded legacy
+steps; with ``+add`` the residual Add too (its other operand ``z`` read from the plan, in the conv's
+memory format, copied there if it is not; the launch writes the Add's output), or, where the decision
+is the activation's graph alone, the Add stays the plan's own step. When the plan does not offer the epilogue (fusion off, another graph) the recorded legacy
 ``algo`` runs, with one warning; when the fused plan cannot be built, the same, and the epilogue's
 steps run as usual.
 
@@ -98,7 +100,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from convpass.core import annotation
-from convpass.core.fusion import absorbed, is_graph_fusion, legacy_name
+from convpass.core.fusion import absorbed, adds_residual, is_graph_fusion, legacy_name
 from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, apply_epilogue, conv_exec, refuses_slice, step_epilogue
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
@@ -175,15 +177,17 @@ class Convolutions:
         written into ``out`` (a slice of a Concat buffer) when given. ``fusion``: the epilogue the
         plan lets this conv fuse (as at :meth:`prepare`; None: op by op, see :meth:`resolve`);
         ``fused``: the launch owns it, so its activation is applied here (in the engine's call, or
-        as a pass after a fallback)."""
+        as a pass after a fallback), and with a fused graph's ``+add`` its residual ``z`` after
+        the activation, not before as a legacy epilogue's."""
         ex = self.resolve(call, x.dtype, fusion)
         if _runs_fused(ex) and not fused:  # its activation would run twice (the plan's own steps too)
             raise RuntimeError(f"node {call.node_name!r}: a fused graph-API engine resolved for a launch that does not own its epilogue")
         after = (fusion or "") if fused and not _runs_fused(ex) else ""
+        pre, post = _residual_order(after, z)
         if ex is REFERENCE or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-            return self._into(self._activate(self._reference(call, x, w, b, relu, z), after), out)
+            return self._into(self._activate(self._reference(call, x, w, b, relu, pre), after, post), out)
         try:
-            return self._finish(self._run(ex, x, w, b, relu, z, None if after else out), after, out)
+            return self._finish(self._run(ex, x, w, b, relu, pre, None if after else out), after, out, post)
         except (cudnn.CudnnError, GraphApiError) as e:
             if self.rt.capturing or ex.source != "recorded":
                 raise
@@ -193,22 +197,26 @@ class Convolutions:
             self.resolver.replace(call, x.dtype, fusion, new)
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: {why}; running cuDNN's heuristic choice {describe_exec(new)} instead")
             after = (fusion or "") if fused else ""
+            pre, post = _residual_order(after, z)
             if new is REFERENCE:
-                return self._into(self._activate(self._reference(call, x, w, b, relu, z), after), out)
+                return self._into(self._activate(self._reference(call, x, w, b, relu, pre), after, post), out)
             self.resources.workspace(new.workspace)
-            return self._finish(self._run(new, x, w, b, relu, z, None if after else out), after, out)
+            return self._finish(self._run(new, x, w, b, relu, pre, None if after else out), after, out, post)
 
-    def _finish(self, y: Any, after: str, out: Any) -> Any:
-        return self._into(self._activate(y, after), out) if after else y
+    def _finish(self, y: Any, after: str, out: Any, z: Any = None) -> Any:
+        return self._into(self._activate(y, after, z), out) if after else y
 
-    def _activate(self, y: Any, fusion: str) -> Any:
+    def _activate(self, y: Any, fusion: str, z: Any = None) -> Any:
         """``fusion``'s activation over ``y`` in place, with CuPy ufuncs (the reference of
-        :func:`~convpass.native.cudnn.graph_api.fusion_of`): only where a fused engine could not
-        run after its launch absorbed the epilogue (warned), never on the planned path."""
+        :func:`~convpass.native.cudnn.graph_api.fusion_of`), then ``+ z`` for a fusion with its
+        residual: only where a fused engine could not run after its launch absorbed the epilogue
+        (warned), never on the planned path."""
         if not fusion:
             return y
         phys = storage(y)
         phys[...] = graph_api.fusion_of(fusion).apply(self.cp, phys)
+        if z is not None:
+            self.cp.add(y, z, out=y)
         return y
 
     def _into(self, y: Any, out: Any) -> Any:
@@ -419,6 +427,13 @@ def _slice_words(read: bool, write: bool) -> str:
     return " and ".join(part for part, on in (("read from a Concat slice", read), ("write into a Concat slice", write)) if on)
 
 
+def _residual_order(after: str, z: Any) -> tuple[Any, Any]:
+    """``(z added before the activation, z added after it)`` of a launch whose fused epilogue
+    ``after`` runs apart from the conv: a graph-API fusion's ``+add`` adds its residual after the
+    activation; otherwise ``z`` is a legacy epilogue's, added before the ReLU."""
+    return (None, z) if adds_residual(after) else (z, None)
+
+
 def _runs_fused(ex: Any) -> bool:
     """Whether a resolution runs a fused graph-API epilogue in its engine's call."""
     return isinstance(ex, ConvResolution) and isinstance(ex.conv, EngineConv) and ex.conv.fused
@@ -439,7 +454,8 @@ def _same_order(a: Any, layout: str) -> bool:
 
 class ConvLaunch(Launch):
     """One Conv / ConvTranspose step with its fused epilogue (``epilogue``: None, ``"relu"``,
-    ``("residual", z slot, activation)`` or ``("engine", fusion)``: a fused graph-API engine).
+    ``("residual", z slot, activation)`` or ``("engine", fusion, z slot or None)``: a fused
+    graph-API engine, the slot of its residual where the fusion ends with ``+add``).
     ``fusion``: the graph-API epilogue the plan lets this conv fuse, which its exec is resolved
     with (the launch owns it only with an ``"engine"`` epilogue)."""
 
@@ -480,7 +496,8 @@ class ConvLaunch(Launch):
         if e is None or e == "relu":
             env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e == "relu", out=out, fusion=self.fusion)
         elif e[0] == "engine":
-            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, out=out, fusion=self.fusion, fused=True)
+            z = None if e[2] is None else env[e[2]]
+            env[self.outputs[0]] = self.convs.run(self.call, x, w, b, z=z, out=out, fusion=self.fusion, fused=True)
         else:
             env[self.outputs[0]] = self.convs.run(self.call, x, w, b, relu=e[2] == "relu", z=env[e[1]], out=out, fusion=self.fusion)
 
@@ -539,9 +556,12 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
     """A launch per Conv / ConvTranspose step of ``plan``, each absorbing what
     :func:`convpass.core.fusion.absorbed` gives its step (the rule the tuner timed); the steps they
     absorb are listed in each launch's ``absorbs``. A graph-API fusion's step (``bias+swish``,
-    ``bias+leakyrelu<alpha>``) runs fused only when its recorded decision is that fused graph and
-    its plan builds here; otherwise the conv runs with its bias and the activation's nodes (Sigmoid
-    and Mul, the LeakyRelu) run as the plan's own steps."""
+    ``bias+leakyrelu<alpha>``, either with ``+add``) runs fused only when its recorded decision is
+    that fused graph and its plan builds here; a step with its residual whose decision is the
+    shorter graph (the activation's alone) runs that, the Add as the plan's own step; otherwise the
+    conv runs with its bias and the activation's nodes (Sigmoid and Mul, the LeakyRelu, the Add)
+    run as the plan's own steps. A step that absorbs the Add writes the Add's output slot (the
+    conv's own output is never stored)."""
     steps = plan.steps
     taken: set[int] = set()
     view = _PlanSteps(plan, taken)
@@ -558,8 +578,9 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
             if is_graph_fusion(a.epilogue):
                 d = node.prepared.decision
                 x = plan.info(st.inputs[0])
-                if d is not None and d.fusion == a.epilogue and x is not None and _runs_fused(convs.resolve(node.prepared, x[1], a.epilogue)):
-                    epilogue, out, absorbs, fusion = ("engine", a.epilogue), a.output, a.nodes, a.epilogue
+                form = next((f for f in (a, a.shorter) if f is not None and d is not None and d.fusion == f.epilogue), None)
+                if form is not None and x is not None and _runs_fused(convs.resolve(node.prepared, x[1], form.epilogue)):
+                    epilogue, out, absorbs, fusion = ("engine", form.epilogue, form.z), form.output, form.nodes, form.epilogue
             elif a.epilogue in ("bias+add", "bias+add+relu"):
                 epilogue, out, absorbs = ("residual", a.z, "relu" if a.epilogue.endswith("+relu") else "identity"), a.output, a.nodes
             elif a.epilogue in ("bias+relu", "relu"):

@@ -12,7 +12,8 @@ and the epilogue it is timed with, and timed through its ``launch``
 * **graph-API engines** (:meth:`Candidates.measure_engines`): every configuration cuDNN offers,
   an ``EngineConv`` with the bias as its own pass after the conv (the executor adds it so; rows
   of a key are shared by every epilogue of it), or a fused graph's (:meth:`Candidates.measure_fused`,
-  with its activation timed as its own pass);
+  with its activation timed as its own pass; a graph with its residual ``+add``, with the
+  activation and the Add as one pass and the Add alone as its own);
 * **convpass's own kernels** (:meth:`Candidates.measure_own`): every variant bare, then the fastest
   with the legacy epilogue in the kernel, an ``OwnConv`` each.
 
@@ -56,16 +57,22 @@ _activation_kernels: dict[str, Any] = {}
 
 
 def _activation_kernel(fusion: str) -> Any:
-    """A CuPy element-wise kernel of ``fusion``'s activation (tuning time only: the executor runs
-    its own generated kernels, compiled ahead of time)."""
+    """A CuPy element-wise kernel of ``fusion``'s activation, ``(x, y)``; with the residual
+    (``+add``), ``(x, z, y)``: the activation of ``x`` plus ``z``, the one pass the plan's
+    element-wise fusion runs the two in (tuning time only: the executor runs its own generated
+    kernels, compiled ahead of time)."""
     import cupy as cp
 
     from convpass.native.cudnn import graph_api
 
     if fusion not in _activation_kernels:
         f = graph_api.fusion_of(fusion)
-        _activation_kernels[fusion] = cp.ElementwiseKernel(
-            "T x", "T y", f"float v = (float)x; y = (T)({f.cuda});", f"convpass_{f.frontend_op}")
+        if f.residual:
+            _activation_kernels[fusion] = cp.ElementwiseKernel(
+                "T x, T z", "T y", f"float v = (float)x; y = (T)(({f.cuda}) + (float)z);", f"convpass_{f.frontend_op}_add")
+        else:
+            _activation_kernels[fusion] = cp.ElementwiseKernel(
+                "T x", "T y", f"float v = (float)x; y = (T)({f.cuda});", f"convpass_{f.frontend_op}")
     return _activation_kernels[fusion]
 
 
@@ -83,7 +90,7 @@ class Candidates:
 
     def __init__(self, bench: ShapeBench) -> None:
         self.bench = bench
-        self._engine_biases: dict[str, tuple[Any, Any]] = {}
+        self._engine_biases: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def release(self) -> None:
         self._engine_biases.clear()
@@ -182,12 +189,17 @@ class Candidates:
 
     def _bias_and_residuals(self, key: ProblemKey, residual: bool, sets: list[dict]) -> Any:
         """The bias of the epilogue timings (``(K,)``), and with ``residual`` a ``z`` in every set."""
-        shape = self.bench.shape
         if residual:
-            for i, b in enumerate(sets):
-                if "z" not in b:
-                    b["z"] = harness.random_array(shape.y_shape, shape.dtype, key.layout, 40 + i)
-        return harness.random_array((shape.k,), shape.dtype, "nchw", 5)
+            self._residuals(key, sets)
+        return harness.random_array((self.bench.shape.k,), self.bench.shape.dtype, "nchw", 5)
+
+    def _residuals(self, key: ProblemKey, sets: list[dict]) -> None:
+        """A residual ``z`` of the output's shape in every set (in the key's memory format; the same
+        values in every format: the seed decides them), made once."""
+        shape = self.bench.shape
+        for i, b in enumerate(sets):
+            if "z" not in b:
+                b["z"] = harness.random_array(shape.y_shape, shape.dtype, key.layout, 40 + i)
 
     # ------------------------------------------------------------------ graph-API engines
 
@@ -222,46 +234,82 @@ class Candidates:
 
     def measure_fused(self, key: ProblemKey, fusion: str, best_ms: float | None) -> list[Measurement]:
         """A fused epilogue for ``key``: its activation timed as its own pass over the output (the
-        ``epilogue`` row every unfused configuration adds: :mod:`convpass.tuning.decide`), then every
-        engine configuration of the fused graph (:meth:`measure_engines`)."""
-        pass_row = self._measure_activation(key, fusion)
-        if pass_row.status == "ok" and best_ms is not None:
-            best_ms += pass_row.time_ms  # an early stop compares a fused graph with conv + pass
-        return [pass_row, *self.measure_engines(key, best_ms, fusion)]
+        ``epilogue`` row every unfused configuration adds: :mod:`convpass.tuning.decide`; with the
+        residual, the activation and the Add in that one pass, then the ``add`` row: the Add alone,
+        what a configuration of the shorter graph adds), then every engine configuration of the
+        fused graph (:meth:`measure_engines`). The shorter graph's own rows are its own fusion's
+        (the tuner measures them too)."""
+        rows = [self._measure_activation(key, fusion)]
+        if epilogue.adds_residual(fusion):
+            rows.append(self._measure_residual_pass(key))
+        if rows[0].status == "ok" and best_ms is not None:
+            best_ms += rows[0].time_ms  # an early stop compares a fused graph with conv + pass
+        return [*rows, *self.measure_engines(key, best_ms, fusion)]
 
     def _measure_activation(self, key: ProblemKey, fusion: str) -> Measurement:
         """The activation of ``fusion`` as the executor runs it after an unfused conv: one
-        element-wise pass over the output's storage, in place."""
+        element-wise pass over the output's storage, in place (with the residual: ``act(y) + z``)."""
         import cupy as cp
 
         from convpass.native.cuda import storage
 
         now = time.time()
+        residual = epilogue.adds_residual(fusion)
         try:
             kernel = _activation_kernel(fusion)
             sets = self.bench.rotation(key.layout)
-            timing = harness.time_launches(lambda i: kernel(storage(sets[i]["y"]), storage(sets[i]["y"])), len(sets))
+            if residual:
+                self._residuals(key, sets)
+                timing = harness.time_launches(lambda i: kernel(storage(sets[i]["y"]), storage(sets[i]["z"]), storage(sets[i]["y"])), len(sets))
+            else:
+                timing = harness.time_launches(lambda i: kernel(storage(sets[i]["y"]), storage(sets[i]["y"])), len(sets))
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, fusion, 0, True, now, e, EPILOGUE_METHOD)
+        what = "its activation and its residual Add as one pass" if residual else "its activation as its own pass"
         return make_row(key, fusion, "ok", timing.time_ms, 0, True, now, EPILOGUE_METHOD,
-                        note=f"its activation as its own pass over the output; {timing.launches} launches, spread {timing.spread:.1%}")
+                        note=f"{what} over the output; {timing.launches} launches, spread {timing.spread:.1%}")
 
-    def _engine_bias(self, fusion: str) -> tuple[Any, Any]:
+    def _measure_residual_pass(self, key: ProblemKey) -> Measurement:
+        """The residual Add as the plan runs it after a step of the shorter graph: CuPy's add of two
+        arrays of the output's shape over their storage (the ``add`` row, :data:`convpass.core.fusion.RESIDUAL_PASS`)."""
+        import cupy as cp
+
+        from convpass.native.cuda import storage
+
+        now = time.time()
+        name = epilogue.RESIDUAL_PASS
+        try:
+            sets = self.bench.rotation(key.layout)
+            self._residuals(key, sets)
+            timing = harness.time_launches(lambda i: cp.add(storage(sets[i]["y"]), storage(sets[i]["z"]), out=storage(sets[i]["y"])), len(sets))
+        except cp.cuda.memory.OutOfMemoryError as e:
+            return _oom(key, name, 0, True, now, e, EPILOGUE_METHOD)
+        return make_row(key, name, "ok", timing.time_ms, 0, True, now, EPILOGUE_METHOD,
+                        note=f"the residual Add as its own pass over the output; {timing.launches} launches, spread {timing.spread:.1%}")
+
+    def _engine_bias(self, fusion: str, key: ProblemKey) -> tuple[Any, Any]:
         """The bias every engine candidate of this geometry is timed with (``(K,)``), and the
-        expected output of conv + bias (+ ``fusion``'s activation): made once per fusion, not per
-        candidate."""
+        expected output of conv + bias (+ ``fusion``'s activation, + set 0's residual ``z`` of
+        ``key``'s sets for a fusion with its residual): made once per fusion, not per candidate."""
         import cupy as cp
 
         from convpass.native.cudnn import graph_api
 
-        if fusion not in self._engine_biases:
+        residual = epilogue.adds_residual(fusion)
+        index = (fusion, key.layout if residual else "")
+        if index not in self._engine_biases:
             shape = self.bench.shape
             bias = harness.random_array((1, shape.k) + (1,) * len(shape.spatial), shape.dtype, "nchw", 5)
             expected = self.bench.reference() + harness.to_float32(bias, shape.dtype)
             if fusion:
-                expected = graph_api.fusion_of(fusion).apply(cp, expected)
-            self._engine_biases[fusion] = (bias.reshape(-1), expected)
-        return self._engine_biases[fusion]
+                z = None
+                if residual:
+                    sets = self.bench.rotation(key.layout)
+                    self._residuals(key, sets)
+                    z = harness.to_float32(sets[0]["z"], shape.dtype)
+                expected = graph_api.fusion_of(fusion).reference(cp, expected, z)
+            self._engine_biases[index] = (bias.reshape(-1), expected)
+        return self._engine_biases[index]
 
     def _measure_engine(self, key: ProblemKey, config, best_ms: float | None, enumerated=None) -> Measurement:
         import cupy as cp
@@ -282,8 +330,9 @@ class Candidates:
             return make_row(key, algo, "unsupported", None, 0, True, now, "measure", note=str(e))
         ws = conv.workspace_bytes
         try:
-            bias, expected = self._engine_bias(config.fusion)
-            row = self.bench.check_and_time(conv, True, now, best_ms, bias=bias, capture_required=True, expected=expected)
+            bias, expected = self._engine_bias(config.fusion, key)
+            row = self.bench.check_and_time(conv, True, now, best_ms, bias=bias, residual=epilogue.adds_residual(config.fusion),
+                                            capture_required=True, expected=expected)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, algo, ws, True, now, e)
         except graph_api.GraphApiError as e:

@@ -20,6 +20,13 @@ as its own pass (the ``epilogue`` row of the same key: :data:`EPILOGUE_METHOD`).
 configuration is a candidate only where that row exists. An unfused graph-API engine was timed
 with its bias pass, the pass the executor runs a legacy epilogue in: for a legacy epilogue it
 costs its own time (a residual read by that pass is not in it).
+
+A graph-API fusion with its residual (``<act>+add``: :mod:`convpass.core.fusion`) has a third
+kind of candidate: a configuration of its shorter graph (``<act>`` fused, the Add after it as the
+plan's own step), which costs its time plus the residual Add's own pass (the ``add`` row of the
+key: :func:`residual_ms`), and is a candidate only where that row exists. Its fused graph costs
+its own time, an unfused configuration its time plus the ``<act>+add`` row (the activation and the
+Add as the one pass the plan runs them in).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
-from convpass.core.fusion import is_legacy
+from convpass.core.fusion import RESIDUAL_PASS, adds_residual, is_legacy, without_residual
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
 
@@ -81,22 +88,40 @@ def epilogue_ms(measurements: Iterable[Measurement], problem: ConvProblem) -> di
             if m.method == EPILOGUE_METHOD and m.algo == problem.fusion and m.status == "ok" and m.time_ms is not None}
 
 
-def cost_ms(m: Measurement, epilogue: dict[ProblemKey, float], fusion: str = "") -> float | None:
+def residual_ms(measurements: Iterable[Measurement], problem: ConvProblem) -> dict[ProblemKey, float]:
+    """Per key, the measured time of the residual Add as its own pass (the ``add`` row), what a
+    configuration of the shorter graph adds (module docstring); empty for a problem whose fusion
+    has no residual after its activation."""
+    if not adds_residual(problem.fusion):
+        return {}
+    return {m.key: m.time_ms for m in measurements
+            if m.method == EPILOGUE_METHOD and m.algo == RESIDUAL_PASS and m.status == "ok" and m.time_ms is not None}
+
+
+def cost_ms(m: Measurement, epilogue: dict[ProblemKey, float], fusion: str = "",
+            residual: dict[ProblemKey, float] | None = None) -> float | None:
     """What a timed configuration costs with its problem's epilogue ``fusion`` (``epilogue``: from
     :func:`epilogue_ms`): a fused call or graph its own time, an unfused one its time plus the pass
-    (module docstring: an unfused engine under a legacy epilogue, its own time)."""
+    (module docstring: an unfused engine under a legacy epilogue, its own time); a configuration of
+    the shorter graph of a fusion with its residual, its time plus the Add's pass (``residual``:
+    from :func:`residual_ms`; None where that is not known)."""
     if m.time_ms is None:
         return None
     algo = Algo.parse(m.algo)
+    if algo.fusion and algo.fusion != fusion and adds_residual(fusion) and algo.fusion == without_residual(fusion):
+        add = (residual or {}).get(m.key)
+        return None if add is None else m.time_ms + add
     if algo.fusion or (algo.is_engine and is_legacy(fusion)):
         return m.time_ms
     return m.time_ms + epilogue.get(m.key, 0.0)
 
 
-def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKey, float] | None = None) -> Callable[[Measurement], bool]:
+def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKey, float] | None = None,
+            residual: dict[ProblemKey, float] | None = None) -> Callable[[Measurement], bool]:
     """Whether a measured configuration satisfies the user's constraints for this problem (a fused
-    call or graph: only the problem's own fusion, where ``epilogue`` has its key). The options are
-    read once per problem: a cached re-run asks this of every cached row (50,000 for a ResNet-50)."""
+    call or graph: only the problem's own fusion, where ``epilogue`` has its key, or the shorter
+    graph of a fusion with its residual, where ``residual`` has its key). The options are read once
+    per problem: a cached re-run asks this of every cached row (50,000 for a ResNet-50)."""
     direction = problem.direction
     strategy, forced = options.strategy(direction)
     legacy_ok, engines_ok = options.engine_space(direction)
@@ -104,6 +129,11 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
     math_modes = {shape.dtype: options.math_modes(shape.dtype) for shape in problem.candidates}
     transforms = options.transforms
     epilogue = epilogue or {}
+    residual = residual or {}
+    shorter = without_residual(problem.fusion) if adds_residual(problem.fusion) else None
+
+    def fused_ok(fusion: str, key: ProblemKey) -> bool:
+        return not fusion or (fusion == problem.fusion and key in epilogue) or (fusion == shorter and key in residual)
 
     def ok(m: Measurement) -> bool:
         algo = Algo.parse(m.algo)
@@ -111,7 +141,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
             m.status == "ok"
             and (engines_ok if algo.is_engine else legacy_ok)
             and (transforms or not algo.is_transform)
-            and (not algo.fusion or (algo.fusion == problem.fusion and m.key in epilogue))
+            and fused_ok(algo.fusion, m.key)
             and m.key.shape in problem.candidates
             and m.key.x_slice == problem.x_slice  # a slice read and a packed read are different measurements
             and m.key.layout in layouts
@@ -153,7 +183,8 @@ def select_allowed(measurements: Iterable[Measurement], problem: ConvProblem, op
     strategy, _ = options.strategy(problem.direction)
     measurements = list(measurements)
     epilogue = epilogue_ms(measurements, problem)
-    ok = list(filter(allowed(problem, options, epilogue), measurements))
+    residual = residual_ms(measurements, problem)
+    ok = list(filter(allowed(problem, options, epilogue, residual), measurements))
     timed = {(m.key, m.algo): m for m in ok if m.method == "measure" and m.time_ms is not None}
     if strategy == "heuristic":
         ranked = [m for m in ok if m.method == "heuristic" and m.heuristic_rank is not None]
@@ -164,14 +195,14 @@ def select_allowed(measurements: Iterable[Measurement], problem: ConvProblem, op
     else:
         # equal times (event-resolution ties on tiny convs) break the same way whatever order the
         # rows came in (live measurements or the cache's ORDER BY): the cached re-run reproduces the choice
-        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue, problem.fusion), _layout_pref(m), m.key.math != "default", m.algo),
+        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue, problem.fusion, residual), _layout_pref(m), m.key.math != "default", m.algo),
                    default=None)
     if best is None:
         return None
     # the algorithm is the strategy's pick; how its epilogue runs is measured like any other choice
     fused = str(Algo.parse(best.algo).fused(problem.fusion))
     variants = [m for m in (timed.get((best.key, best.algo)), timed.get((best.key, fused))) if m is not None]
-    return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion), m.algo), default=best)
+    return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion, residual), m.algo), default=best)
 
 
 def _layout_pref(m: Measurement) -> int:
@@ -183,7 +214,7 @@ def choice_from(m: Measurement, source: str, rows: Iterable[Measurement] = (), p
     legacy fallback and, with ``problem``, the epilogue its time includes (:func:`cost_ms`: the
     recorded time is what the conv's step costs)."""
     rows = list(rows)
-    time_ms = m.time_ms if problem is None else cost_ms(m, epilogue_ms(rows, problem), problem.fusion)
+    time_ms = m.time_ms if problem is None else cost_ms(m, epilogue_ms(rows, problem), problem.fusion, residual_ms(rows, problem))
     return Choice(key=m.key, algo=m.algo, time_ms=time_ms, workspace_bytes=m.workspace_bytes, source=source,
                   fallback=legacy_fallback(rows, m.key) if Algo.parse(m.algo).is_engine else None)
 

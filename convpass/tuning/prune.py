@@ -27,10 +27,11 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from convpass.core.algo import Algo
+from convpass.core.fusion import RESIDUAL_PASS
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.tuning.cache_rows import Measurement
-from convpass.tuning.decide import EPILOGUE_METHOD, allowed, cost_ms, epilogue_ms, select
+from convpass.tuning.decide import EPILOGUE_METHOD, allowed, cost_ms, epilogue_ms, residual_ms, select
 
 __all__ = ["PRUNED", "SIZE_BUCKETS", "History", "KeyPlan", "Pruner", "Rule", "decision", "family", "family_costs", "geometry_class", "needs_fallback",
            "problems_of"]
@@ -76,13 +77,13 @@ def _pruned(m: Measurement) -> bool:
 
 def problems_of(rows: Iterable[Measurement]) -> dict[tuple[ProblemKey, str], list[Measurement]]:
     """The rows of each (key, fusion) the rows tell of: one problem per epilogue row of a key (its
-    fusion), or the key's bare problem where it has none."""
+    fusion; the residual Add's own pass is no fusion), or the key's bare problem where it has none."""
     by_key: dict[ProblemKey, list[Measurement]] = defaultdict(list)
     for m in rows:
         by_key[m.key].append(m)
     out = {}
     for key, mine in by_key.items():
-        fusions = sorted({m.algo for m in mine if m.method == EPILOGUE_METHOD}) or [""]
+        fusions = sorted({m.algo for m in mine if m.method == EPILOGUE_METHOD and m.algo != RESIDUAL_PASS}) or [""]
         for fusion in fusions:
             out[(key, fusion)] = mine
     return out
@@ -99,11 +100,11 @@ def decision(key: ProblemKey, fusion: str, rows: Sequence[Measurement]) -> Measu
 def family_costs(key: ProblemKey, fusion: str, rows: Sequence[Measurement]) -> dict[str, float]:
     """Each family's best cost among ``rows`` for one key and fusion (by the decision's cost)."""
     problem = ConvProblem((key.shape,), fusion, key.x_slice)
-    epilogue = epilogue_ms(rows, problem)
-    ok = allowed(problem, _OPTIONS, epilogue)
+    epilogue, residual = epilogue_ms(rows, problem), residual_ms(rows, problem)
+    ok = allowed(problem, _OPTIONS, epilogue, residual)
     best: dict[str, float] = {}
     for m in rows:
-        if m.key == key and m.method == "measure" and ok(m) and (cost := cost_ms(m, epilogue, fusion)) is not None:
+        if m.key == key and m.method == "measure" and ok(m) and (cost := cost_ms(m, epilogue, fusion, residual)) is not None:
             name = family(m.algo)
             best[name] = min(cost, best.get(name, cost))
     return best

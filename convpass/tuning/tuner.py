@@ -377,7 +377,7 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                         rows, best = _fallback(rows, key, candidates, descs, best, engines)
                         pruner.skipped += sum(1 for m in rows if m.key == key and is_pruned(m))
                     if fusion and not epilogue.is_legacy(fusion):
-                        rows.extend(candidates.measure_fused(key, fusion, best))
+                        rows.extend(measure_graph_fusion(candidates, key, fusion, best, [*rows, *have]))
                 rows = bench.settle(rows, problem, options, have)
         finally:
             candidates.release()
@@ -419,6 +419,33 @@ def fused_call_candidates(rows: Sequence[Measurement], key: ProblemKey) -> list[
     return sorted(timed, key=lambda a: (timed[a], a))[:epilogue.FUSED_CALL_CANDIDATES]
 
 
+def measure_graph_fusion(candidates: Any, key: ProblemKey, fusion: str, best: float | None, have: Sequence[Measurement]) -> list[Measurement]:
+    """The rows of a graph-API ``fusion`` of ``key``
+    (:meth:`~convpass.tuning.candidates.Candidates.measure_fused`); for one with its residual, its
+    shorter graph's too (the activation alone fused, the Add after it: a candidate of the same
+    problem, :mod:`convpass.tuning.decide`), unless ``have`` holds them already (another conv of
+    the key without the residual measured them)."""
+    rows = list(candidates.measure_fused(key, fusion, best))
+    shorter = epilogue.without_residual(fusion)
+    if shorter != fusion and not fused_complete([*rows, *have], key, shorter):
+        rows.extend(candidates.measure_fused(key, shorter, best))
+    return rows
+
+
+def fused_complete(rows: Sequence[Measurement], key: ProblemKey, fusion: str) -> bool:
+    """Whether ``rows`` hold what :meth:`~convpass.tuning.candidates.Candidates.measure_fused` writes
+    for a graph-API ``fusion`` of ``key``: its epilogue row and at least one fused row (an
+    ``unsupported`` one when cuDNN offers none); with the residual, also the ``add`` row and the
+    shorter graph's own rows (the tuner measures both graphs)."""
+    mine = [m for m in rows if m.key == key]
+    passes = {m.algo for m in mine if m.method == EPILOGUE_METHOD}
+    fused = {Algo.parse(m.algo).fusion for m in mine if m.method == "measure"}
+    if fusion not in passes or fusion not in fused:
+        return False
+    shorter = epilogue.without_residual(fusion)
+    return shorter == fusion or (epilogue.RESIDUAL_PASS in passes and fused_complete(mine, key, shorter))
+
+
 def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKey]:
     return [
         shape.key(layout, math, problem.x_slice)  # type: ignore[arg-type]
@@ -434,7 +461,8 @@ def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, for
     engines: at least one engine row per key, which :meth:`~convpass.tuning.candidates.Candidates.measure_engines` always
     writes, an ``unsupported`` one when cuDNN offers none; a ``fusion``: its epilogue row and at
     least one fused row per key, which :meth:`~convpass.tuning.candidates.Candidates.measure_fused` always writes for a
-    graph-API fusion and :meth:`~convpass.tuning.candidates.Candidates.measure_legacy_epilogue` for a legacy one where a
+    graph-API fusion (:func:`fused_complete`: with the residual, its shorter graph's too) and
+    :meth:`~convpass.tuning.candidates.Candidates.measure_legacy_epilogue` for a legacy one where a
     legacy algorithm of the key was timed). A key with candidates the pruning rule skipped is
     complete only with ``pruned_ok`` (``--prune learned``): without pruning they are measured."""
     from convpass.core.cudnn_enums import algo_names
@@ -450,12 +478,11 @@ def complete(rows: list[Measurement], keys: list[ProblemKey], strategy: str, for
             return False
         if engines and not any(Algo.parse(a).is_engine and not Algo.parse(a).fusion for a in timed):
             return False
-        if fusion and not any(m.method == EPILOGUE_METHOD and m.algo == fusion for m in mine):
+        if fusion and not epilogue.is_legacy(fusion) and not fused_complete(mine, key, fusion):
             return False
-        fused_rows = any(Algo.parse(a).fusion == fusion for a in timed)
-        if fusion and not epilogue.is_legacy(fusion) and not fused_rows:
+        if epilogue.is_legacy(fusion) and not any(m.method == EPILOGUE_METHOD and m.algo == fusion for m in mine):
             return False
-        if epilogue.is_legacy(fusion) and fused_call_candidates(mine, key) and not fused_rows:
+        if epilogue.is_legacy(fusion) and fused_call_candidates(mine, key) and not any(Algo.parse(a).fusion == fusion for a in timed):
             return False
         if strategy == "forced" and forced not in timed:
             return False

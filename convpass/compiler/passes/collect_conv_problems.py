@@ -11,7 +11,9 @@ Rules:
   absorbs by :func:`convpass.core.fusion.absorbed` (the one rule the runtime follows too), which
   the tuner times with it. With ``fusions`` on (graph-API engines tuned) that includes
   ``bias+swish``, a SiLU ``Mul(y, Sigmoid(y))`` fused into the engine's graph, and
-  ``bias+leakyrelu<alpha>`` (``bias+leakyrelu0.2``), a ``LeakyRelu`` fused the same way.
+  ``bias+leakyrelu<alpha>`` (``bias+leakyrelu0.2``), a ``LeakyRelu`` fused the same way, and
+  either followed by ``+add`` where a residual ``Add`` is the activation's only reader
+  (``bias+leakyrelu0.01+add``: CSPDarknet's residual blocks; the tuner times its shorter graph too).
 * A forward Conv whose input the executor will read as a channel slice of a wider buffer (a
   Concat family's, a Split's input: :func:`convpass.core.concat_slices.channel_slices`, the rule the
   runtime's memory planner follows too) is a problem with its ``x_slice``, which the tuner times

@@ -24,7 +24,11 @@ Rules
   and activation in one engine, named by the part after the conv (``bias+swish``: SiLU, read in
   ONNX as ``Mul(y, Sigmoid(y))``; ``bias+leakyrelu<alpha>``: ONNX's ``LeakyRelu``, its alpha in
   the name, :func:`convpass.core.fusion.leakyrelu_name`, which cuDNN's legacy fused call cannot
-  run: its activations are identity and ReLU). A fused depthwise conv costs about what the bare conv does,
+  run: its activations are identity and ReLU), and either followed by a residual Add,
+  ``y = act(conv(x, w) + b) + z`` (``bias+swish+add``, ``bias+leakyrelu<alpha>+add``:
+  :func:`convpass.core.fusion.residual_fusion`): a pointwise ADD whose second input is the
+  residual ``z``, a tensor of the output's dims and strides that the plan reads at execution
+  (never the output itself: :meth:`EnginePlan.execute` refuses ``z`` overlapping ``y``). A fused depthwise conv costs about what the bare conv does,
   which removes two passes over the output (the bias and the SiLU kernel). A ``bias + relu``
   graph was not offered the fast depthwise engine (an order of magnitude slower) and the legacy
   API already fuses a ReLU, so it is not a candidate (docs/measurements/2026-11-23-graph-api-engines.md).
@@ -68,7 +72,7 @@ from typing import Any
 import numpy as np
 
 from convpass.core.algo import ENGINE_PREFIX, Algo
-from convpass.core.fusion import LEAKYRELU, SWISH, is_graph_fusion, leakyrelu_alpha, leakyrelu_name
+from convpass.core.fusion import LEAKYRELU, SWISH, adds_residual, is_graph_fusion, leakyrelu_alpha, leakyrelu_name, without_residual
 from convpass.core.problem import ProblemKey
 
 __all__ = [
@@ -84,7 +88,8 @@ PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePla
 class Fusion:
     """A fused epilogue: what follows the conv in the graph, the frontend op of its activation
     (called with ``frontend_args``), and the activation itself over an array module (NumPy or
-    CuPy: the tuner's reference and the executor's fallback)."""
+    CuPy: the tuner's reference and the executor's fallback); ``residual``: a residual Add
+    follows the activation (:meth:`reference`)."""
 
     name: str
     frontend_op: str
@@ -92,6 +97,17 @@ class Fusion:
     cuda: str  # the activation of a float ``v`` in CUDA C (the tuner times it as its own pass)
     frontend_args: tuple[tuple[str, float], ...] = ()
     counter: str = ""  # the executor's counter of launches that ran it fused (one per kind, any alpha)
+    residual: bool = False
+
+    def reference(self, xp: Any, pre: Any, z: Any = None) -> Any:
+        """The fused epilogue over ``pre = conv + b``: ``act(pre)``, then ``+ z`` where the fusion
+        adds a residual (``z`` of ``pre``'s shape; ValueError without it). A new array."""
+        out = self.apply(xp, pre)
+        if not self.residual:
+            return out
+        if z is None:
+            raise ValueError(f"the fused epilogue {self.name} needs its residual z")
+        return out + z
 
 
 def _leaky_relu(name: str, alpha: float) -> Fusion:
@@ -109,19 +125,24 @@ def _leaky_relu(name: str, alpha: float) -> Fusion:
 
 
 _SWISH = Fusion(SWISH, "swish", lambda xp, a: a / (a.dtype.type(1) + xp.exp(-a)), "v / (1.0f + expf(-v))", counter="fused_bias_swish")
-FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu")  # every Fusion.counter
+RESIDUAL_COUNTER = "_add"  # a fusion with its residual counts under its activation's counter + this
+FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu", "fused_bias_swish_add", "fused_bias_leakyrelu_add")  # every Fusion.counter
 
 
 @functools.lru_cache(maxsize=64)
 def fusion_of(name: str) -> Fusion:
     """The fused epilogue ``name`` names (:mod:`convpass.core.fusion`: ``bias+swish``,
-    ``bias+leakyrelu<alpha>``); ValueError for any other name. Made once per name (a launch's
-    counters ask for it)."""
+    ``bias+leakyrelu<alpha>``, either with ``+add``); ValueError for any other name. Made once
+    per name (a launch's counters ask for it)."""
+    if adds_residual(name):
+        f = fusion_of(without_residual(name))
+        return dataclasses.replace(f, name=name, counter=f.counter + RESIDUAL_COUNTER, residual=True)
     if name == SWISH:
         return _SWISH
     alpha = leakyrelu_alpha(name)
     if alpha is None:
-        raise ValueError(f"{name!r} is not a fused epilogue convpass knows ({SWISH}, {LEAKYRELU}<alpha> e.g. {leakyrelu_name(0.2)})")
+        raise ValueError(f"{name!r} is not a fused epilogue convpass knows ({SWISH}, {LEAKYRELU}<alpha> e.g. {leakyrelu_name(0.2)}, "
+                         f"either followed by +add)")
     return _leaky_relu(name, alpha)
 
 
@@ -236,7 +257,8 @@ def _current(cp: Any) -> tuple[int, int]:
 
 def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any, dict[str, Any]]:
     """The operation graph ``y = conv(x, w)`` of ``key`` (forward only), or with ``fusion``
-    ``y = act(conv(x, w) + b)``."""
+    ``y = act(conv(x, w) + b)``, and ``+ z`` after it for a fusion with its residual (``z``: the
+    output's dims and strides)."""
     from convpass.native.cudnn.descriptors import descriptor_params
 
     if key.shape.direction != "fwd":
@@ -258,6 +280,10 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
         f = fusion_of(fusion)
         y = getattr(g, f.frontend_op)(input=y, **dict(f.frontend_args), name="act")
         tensors["b"] = b
+        if f.residual:
+            z = g.tensor(name="z", dim=list(p.y.dims), stride=list(p.y.strides), data_type=dt)
+            y = g.add(a=y, b=z, name="residual")
+            tensors["z"] = z
     tensors["y"] = y
     y.set_output(True).set_dim(list(p.y.dims)).set_stride(list(p.y.strides)).set_data_type(dt)
     g.validate()
@@ -363,6 +389,7 @@ class EnginePlan:
             raise GraphApiError(f"cuDNN does not build {what} for {key}: {_why(e)}") from e
         self._uids = (t["x"], t["w"], t["y"])
         self._bias_uid = t.get("b")
+        self._residual_uid = t.get("z")
 
     def serialize(self, verify: bool = True) -> bytes:
         """The built plan as bytes :meth:`load` reads back (module rules). ``verify``: load it here
@@ -374,7 +401,8 @@ class EnginePlan:
             blob = bytes(self._graph.serialize())
         except Exception as e:  # noqa: BLE001
             raise GraphApiError(f"cuDNN does not serialize {self.config.algo} for {self.key}: {_why(e)}") from e
-        uids = [int(t.get_uid()) for t in self._uids] + ([int(self._bias_uid.get_uid())] if self._bias_uid is not None else [])
+        extra = [t for t in (self._bias_uid, self._residual_uid) if t is not None]  # the bias, then the residual
+        uids = [int(t.get_uid()) for t in (*self._uids, *extra)]
         header = {"format": PLAN_FORMAT, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
                   "workspace": self.workspace_bytes}
         data = json.dumps(header, sort_keys=True).encode() + b"\n" + blob
@@ -415,22 +443,32 @@ class EnginePlan:
         self._index = None
         uids = [int(u) for u in header["uids"]]
         self._uids, self._bias_uid = tuple(uids[:3]), (uids[3] if len(uids) > 3 else None)
+        self._residual_uid = uids[4] if len(uids) > 4 else None
         if (self._bias_uid is not None) != bool(config.fusion):
             raise GraphApiError(f"the stored plan of {config.algo} has {'a' if self._bias_uid is not None else 'no'} bias tensor")
+        if (self._residual_uid is not None) != adds_residual(config.fusion):
+            raise GraphApiError(f"the stored plan of {config.algo} has {'a' if self._residual_uid is not None else 'no'} residual tensor")
         self.workspace_bytes = int(header["workspace"])
         return self
 
-    def execute(self, x: Any, w: Any, y: Any, workspace: Any = None, bias: Any = None) -> None:
+    def execute(self, x: Any, w: Any, y: Any, workspace: Any = None, bias: Any = None, z: Any = None) -> None:
         """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format); for a
-        fused configuration ``y = act(conv(x, w) + bias)`` (``bias``: K contiguous values)."""
+        fused configuration ``y = act(conv(x, w) + bias)`` (``bias``: K contiguous values), ``+ z``
+        for one with its residual (``z``: packed like ``y``, in memory apart from it)."""
         import cupy as cp
 
         if (self._bias_uid is None) != (bias is None):
             raise GraphApiError(f"{self.config.algo} takes {'a' if self._bias_uid is not None else 'no'} bias")
+        if (self._residual_uid is None) != (z is None):
+            raise GraphApiError(f"{self.config.algo} takes {'a' if self._residual_uid is not None else 'no'} residual z")
+        if z is not None and _overlap(z, y):
+            raise GraphApiError(f"{self.config.algo}: the residual z shares memory with the output y (it must not alias it)")
         self._fe.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
         pack = dict(zip(self._uids, (x.data.ptr, w.data.ptr, y.data.ptr)))
         if bias is not None:
             pack[self._bias_uid] = bias.data.ptr
+        if z is not None:
+            pack[self._residual_uid] = z.data.ptr
         ws = 0 if workspace is None or getattr(workspace, "nbytes", 0) == 0 else workspace.data.ptr
         try:
             if self._index is None:  # loaded: the graph holds this one plan
@@ -439,6 +477,23 @@ class EnginePlan:
                 self._graph.execute_plan_at_index(pack, ws, index=self._index, handle=self._handle)
         except Exception as e:  # noqa: BLE001
             raise GraphApiError(f"{self.config.algo} failed to execute for {self.key}: {_why(e)}") from e
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two device arrays' memory spans (first to last byte their strides reach) overlap."""
+    def span(v: Any) -> tuple[int, int]:
+        start = int(v.data.ptr)
+        shape, strides = getattr(v, "shape", None), getattr(v, "strides", None)
+        if shape is None or strides is None:
+            return start, start + max(int(getattr(v, "nbytes", 0)), 1)
+        if 0 in shape:
+            return start, start
+        low = sum((d - 1) * s for d, s in zip(shape, strides) if s < 0)
+        high = sum((d - 1) * s for d, s in zip(shape, strides) if s > 0) + v.itemsize
+        return start + low, start + high
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
@@ -456,12 +511,13 @@ def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
 
     x, w = values(shape.x_shape, 0.0), values(shape.w_shape, 1.0)
     bias = cp.sin(cp.arange(shape.k, dtype=cp.float32) + 2.0).astype(shape.dtype) if built.config.fusion else None
+    z = values(shape.y_shape, 3.0) if adds_residual(built.config.fusion) else None
     ws = cp.empty(max(built.workspace_bytes, loaded.workspace_bytes, 1), dtype=cp.uint8)
     outs = []
     for plan in (built, loaded):
         y = empty_like_layout(shape.y_shape, shape.dtype, layout)
         y.fill(0)
-        plan.execute(x, w, y, ws, bias=bias)
+        plan.execute(x, w, y, ws, bias=bias, z=z)
         outs.append(y)
     cp.cuda.get_current_stream().synchronize()
     if not bool(cp.array_equal(outs[0], outs[1], equal_nan=True)):
