@@ -72,6 +72,9 @@ class Cudnn:
 
     def fused(self, descs, algo, x, w, y, bias, z=None, activation="relu", workspace=None, x_strides=None, y_strides=None):
         v = self._conv("cudnnConvolutionBiasActivationForward", x, w, y, x_strides, y_strides) + bias.reshape(1, -1, 1, 1)
+        if z is not None:
+            self._check(z, None)  # the residual reaches cuDNN packed in the conv's format
+            v = v + z
         y[...] = np.maximum(v, 0) if activation == "relu" else v
 
     def workspace_size(self, descs, direction, algo, handle=None, x_strides=None, y_strides=None):
@@ -196,6 +199,52 @@ def test_a_refusal_the_tuner_priced_is_not_warned(stand_in, layout, caplog):
     assert [c[1] for c in fake.calls] == [elements(x.strides, 4), None]
     assert _warned(convs) == [] and any("refuses to read from a Concat slice" in r.getMessage() for r in caplog.records)
     np.testing.assert_allclose(y, _want(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_refused_slice_is_counted_as_a_slice_copy(stand_in, layout):
+    stand_in(layout, refuse=lambda xs, ys: NOT_SUPPORTED if xs is not None else None)
+    convs = _convs(stand_in.cp)
+    x, w = _buffer(layout)[:, 2:2 + C], _weight()
+    for _ in range(2):
+        convs.run(_call(layout), x, w, None)
+    assert convs.rt.counters["slice_copies"] == 2 and convs.rt.counters["slice_reads"] == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_slice_of_other_strides_than_the_key_timed_is_an_unpriced_copy(stand_in, layout):
+    """The key names a slice of a TOTAL-channel buffer; the runtime's slice is of a wider one (an
+    outer Concat's): the copy cuDNN's refusal needs was not the one the tuner timed, so it is said."""
+    stand_in(layout, refuse=lambda xs, ys: NOT_SUPPORTED if xs is not None else None)
+    convs = _convs(stand_in.cp)
+    x, w = _buffer(layout, channels=TOTAL + 6)[:, 2:2 + C], _weight()
+    y = convs.run(_call(layout, x_slice=InputSlice(2, TOTAL)), x, w, None)
+    (warning,) = _warned(convs)
+    assert "node 'conv'" in warning and "copied on every run" in warning
+    np.testing.assert_allclose(y, _want(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_residual_slice_is_copied_counted_and_noted(stand_in, layout):
+    stand_in(layout)
+    convs = _convs(stand_in.cp)
+    x, w = np.ascontiguousarray(_buffer(layout)[:, :C]), _weight()
+    x = cudnn.as_layout(x, layout)
+    b = np.linspace(-1, 1, K).astype(np.float32)
+    z = cudnn.as_layout(_buffer(layout, channels=K + 4, seed=3), layout)[:, 1:1 + K]
+    z = z[:, :, 1:-1, 1:-1] if z.shape[2] > _geometry().output_shape[2] else z
+    assert cudnn.channel_slice(z, layout)
+    y = convs.run(_call(layout, fusion="bias+add"), x, w, b, z=z)
+    assert convs.rt.counters["residual_copies"] == 1
+    assert any(tag == "residual-copy:conv" and not warn for tag, _, warn in convs.rt.notes)
+    np.testing.assert_allclose(y, _want(x, w, b) + z, rtol=1e-5, atol=1e-5)
+
+
+def test_an_epilogue_with_a_residual_and_none_given_is_an_error(stand_in):
+    stand_in("nhwc")
+    convs = _convs(stand_in.cp)
+    with pytest.raises(ValueError, match="adds a residual"):
+        convs._activate(np.zeros((1, 2, 3, 3), np.float32), "bias+swish+add", None)
 
 
 def test_two_refused_convs_warn_once_per_model(stand_in):

@@ -125,6 +125,17 @@ def test_an_object_that_reads_packed_inputs_is_timed_with_the_copy_from_the_star
     assert [c[1] for c in fake.calls] == [None] * 4 and bench_stand_in.copies.count(key.x_strides) == 4
 
 
+def test_the_rotation_is_sized_by_the_wide_buffer_a_slice_set_holds(bench_stand_in, monkeypatch):
+    bench_stand_in("nhwc")
+    sized = []
+    monkeypatch.setattr(harness, "rotation_sets", lambda nbytes, limit=64: sized.append(nbytes) or 2)
+    packed, sliced = _bench(None), _bench(SLICE)
+    packed.rotation("nhwc")
+    sliced.rotation("nhwc")
+    x = packed._base["x"]
+    assert sized[1] - sized[0] == x.nbytes * (SLICE.channels - x.shape[1]) // x.shape[1]
+
+
 def test_a_packed_key_is_timed_as_ever(bench_stand_in):
     fake = bench_stand_in("nhwc")
     bench = _bench(None)

@@ -213,6 +213,8 @@ class Convolutions:
         (warned), never on the planned path."""
         if not fusion:
             return y
+        if adds_residual(fusion) and z is None:
+            raise ValueError(f"the epilogue {fusion!r} adds a residual, and none was given")
         phys = storage(y)
         phys[...] = graph_api.fusion_of(fusion).apply(self.cp, phys)
         if z is not None:
@@ -275,10 +277,16 @@ class Convolutions:
         if ex.op_type == "ConvTranspose":
             return self._run_transpose(ex, x, wk, b, relu, ws, out)
         read_ok, write_ok = (ex.strided_input_ok, ex.strided_output_ok) if slices is None else slices
-        z4 = None if z is None else self._in_layout(z, ex)  # the residual, in the conv's own memory format
+        z4 = None if z is None else self._residual_in_layout(z, ex)  # the residual, in the conv's own memory format
         conv = self._step(ex, b, relu, z4)
         xp = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
-        read = read_ok and conv.input_strides == "slice" and ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
+        sliced = ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
+        read = read_ok and conv.input_strides == "slice" and sliced
+        if sliced and not read:
+            self.rt.counters["slice_copies"] += 1
+            if ex.source == "recorded" and not _priced_slice(ex, xp):
+                self._unpriced_copy(ex, f"its algorithm {ex.algo!r} reads packed inputs only" if conv.input_strides != "slice"
+                                    else f"cuDNN refuses to read it with algorithm {ex.algo!r}")
         x4 = xp if read else self._in_layout(xp, ex)
         direct = out is not None and ex.insert_axis is None and (
             conv.output_strides == "any"
@@ -404,17 +412,33 @@ class Convolutions:
             ex.strided_output_ok = False
         how = " and ".join(part for part, on in (("packed input", read), ("packed output", write)) if on)
         logger.debug("node %r: cuDNN %r refuses to %s (%s): %s + copy", ex.node, ex.algo, _slice_words(read, write), first_line(e), how)
-        if read and ex.source == "recorded" and ex.key.x_slice is None:
-            self._unpriced_copy(ex, e)
 
-    def _unpriced_copy(self, ex: ConvResolution, e: Exception) -> None:
-        """A recorded decision timed with a packed input whose conv reads a slice that cuDNN refuses:
-        a copy on every run that its tuning never priced. Warned once per model (the first such
-        node), every node kept in the backend's notes."""
-        message = (f"node {ex.node!r}: cuDNN refuses to read a Concat slice with algorithm {ex.algo!r} ({first_line(e)}): "
-                   "its input is copied on every run, a copy its tuning did not time")
+    def _unpriced_copy(self, ex: ConvResolution, why: str) -> None:
+        """A recorded decision whose conv reads a channel slice it copies (``why``: cuDNN refuses
+        the slice, or the object reads packed inputs only) while its tuning timed another input (a
+        packed one, or a slice of other strides): a copy on every run that the tuning never priced.
+        Warned once per model (the first such node), every node kept in the backend's notes."""
+        message = f"node {ex.node!r}: its input is a channel slice that {why}: it is copied on every run, a copy its tuning did not time"
         self.rt.note_once(f"unpriced-copy:{ex.node}", message, warn=False)
-        self.rt.note_once("unpriced-copy", message + " (other convs so refused are in the executor's notes)")
+        self.rt.note_once("unpriced-copy", message + " (other convs so copied are in the executor's notes)")
+
+    def _residual_in_layout(self, z: Any, ex: ConvResolution) -> Any:
+        """The residual ``z`` in the conv's memory format; a copy of a channel slice or of another
+        format is counted in ``residual_copies`` and noted once per node (the tuner times a packed
+        residual)."""
+        z4 = self._in_layout(z, ex)
+        if z4 is not map_1d(z, ex.insert_axis):
+            self.rt.counters["residual_copies"] += 1
+            self.rt.note_once(f"residual-copy:{ex.node}", f"node {ex.node!r}: its residual input is not packed in the conv's memory "
+                                                          f"format ({ex.layout}): it is copied on every run", warn=False)
+        return z4
+
+
+def _priced_slice(ex: ConvResolution, x: Any) -> bool:
+    """Whether ``ex``'s decision was timed reading an input of ``x``'s strides (its key names that
+    slice): then a copy of it, where the decision needs one, was timed too."""
+    want = ex.key.x_strides
+    return want is not None and all(a == b for a, b, d in zip(want, elements(x.strides, x.itemsize), x.shape) if d > 1)
 
 
 def _refuses_slices(e: Exception, write: bool) -> bool:

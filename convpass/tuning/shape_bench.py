@@ -156,7 +156,11 @@ class ShapeBench:
 
     def rotation(self, layout: str) -> list[dict]:
         """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`)."""
-        return self.buffers(layout, harness.rotation_sets(sum(a.nbytes for a in self._base.values())))
+        nbytes = sum(a.nbytes for a in self._base.values())
+        if self.x_slice is not None:  # each set's x is a slice of a buffer of x_slice.channels channels
+            x = self._base["x"]
+            nbytes += x.nbytes * (self.x_slice.channels - x.shape[1]) // x.shape[1]
+        return self.buffers(layout, harness.rotation_sets(nbytes))
 
     def find_workspace(self) -> int:
         import cupy as cp

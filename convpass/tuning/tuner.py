@@ -343,7 +343,9 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                         x = as_layout(buffers["x"], key.layout)  # Find takes packed inputs: its pick is timed below as the key reads
                         found = [p for p in find(descs, None, x, buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
                         for rank, perf in enumerate(found):
-                            rows.append(make_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find", find_rank=rank))
+                            note = "Find timed a packed copy of the input" if key.x_slice is not None else ""
+                            rows.append(make_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find",
+                                                 note, find_rank=rank))
                         to_time = [found[0].algo] if found else []
                     # Also time the heuristic's first NCHW/default choice: it is the summary's baseline.
                     if (strategy != "measure" or not legacy) and key.layout == "nchw" and key.math == "default" and ok_ranked and ok_ranked[0].algo not in to_time:
