@@ -5,7 +5,7 @@ CUPTI tracing records CuPy's, cuDNN's and cuBLAS's kernels alike.
 
 Where ``bench --profile-ops`` sums GPU time per op family, this table names the kernels, so that a
 family that costs more than its memory traffic (a normalization step, say) shows which of its
-launches is slow: its statistics pass (which finalizes in its last block) or its apply pass.
+launches is slow: its statistics pass, its finalize or its apply pass.
 
     python benchmarks/kernel_table.py --model vae.onnx --batch 16 --cache tune.db [--tf32 on] [--runs 5] [--json out.json]
 
