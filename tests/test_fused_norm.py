@@ -1,18 +1,13 @@
 """Normalization fusion units, checked on the CPU: the unit rules (convpass.core.fusion_units) on the
 patterns exporters write, the fused step of the op library (convpass.ops.fused) against the unfused
 ops, ONNX Runtime and a float64 NumPy reference in both memory orders, the cuda backend's kernels
-(convpass.kernels.group_norm) compiled as host C++ and run over their real launch geometry (a
-block's threads in turn, or as threads of their own meeting at its barriers; blocks in grid order or
-shuffled), the statistics finalized by their last block, the model's record and what the executor
-does with it, and the layout plan."""
+(convpass.kernels.group_norm) compiled as host C++ and run thread by thread over their real launch
+geometry, the model's record and what the executor does with it, and the layout plan."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import shutil
-import subprocess
 import types
 
 import numpy as np
@@ -179,8 +174,8 @@ def _fused_plan(shape, groups, act="silu", residual=True, form="gn17"):
 @pytest.mark.parametrize("shape,groups", [((2, 8, 5, 6), 4), ((1, 16, 3, 7), 16), ((2, 6, 7), 3), ((1, 4, 2, 3, 4), 2)],
                          ids=["gn", "instance", "1d", "3d"])
 def test_the_kernels_match_the_fused_step(host_entry, shape, groups, where):
-    """Statistics (rows or channels-last, finalized by their last block) and the generated apply
-    kernel, run as the launch runs them, against the op library's fused step: channels-first, channels-last, a
+    """Statistics (rows or channels-last), finalize and the generated apply kernel, run as the
+    launch runs them, against the op library's fused step: channels-first, channels-last, a
     residual in the other order, a slice of a Concat buffer as input and as output, and an input
     whose positions are not one run (copied first)."""
     plan = _fused_plan(shape, groups)
@@ -252,8 +247,8 @@ def _coefficients64(x, groups, eps, scale, shift):
 
 @pytest.mark.parametrize("inputs", INPUTS)
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_the_statistics_launch_writes_coefficients_that_match_float64(host_entry, layout, inputs):
-    """The A and B the statistics kernel's last block writes (per sample and channel, four channels a group as in a VAE's
+def test_finalize_writes_coefficients_that_match_float64(host_entry, layout, inputs):
+    """The finalize kernel's A and B (per sample and channel, four channels a group as in a VAE's
     GroupNorm(32) of 128 channels) against float64 NumPy, and the apply pass's output against the
     fused step in float64: a mean far from zero (x * A and B nearly cancel) and a variance of
     epsilon's size."""
@@ -281,123 +276,6 @@ def test_the_statistics_launch_writes_coefficients_that_match_float64(host_entry
     got = env[step.outputs[0]]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
     assert launch.apply_paths() == {"gn_apply_cl_4" if layout == "nhwc" else "gn_apply_cf_1"}  # C = 16, S = 30
-
-
-# (shape, groups, storage, threads, sms, one_level): every group's statistics spread over many
-# blocks of real size (their threads run as threads, meeting at the barriers); one_level, the
-# finishing block's limit, made small where the shape alone would finish in one level
-SPREAD = {
-    "rows-32-chunks": ((1, 4, 128, 128), 1, "nchw", 64, 8, None),
-    "rows-segments": ((2, 4, 96, 96), 2, "nchw", 48, 16, 4),  # 9 chunks a row in segments of 3; 48 threads: 16 idle
-    "cl-segments": ((2, 16, 24, 24), 4, "nhwc", 64, 30, 64),  # 60 chunks a sample in segments of 8, the last of 4
-    "cl-instance": ((1, 32, 40, 40), 32, "nhwc", 32, 50, None),  # 200 chunks x 32 groups: segments at the real limit
-    "cl-passes": ((1, 32, 12, 12), 32, "nhwc", 16, 8, None),  # 32 groups, 16 threads: two passes of the team
-    "cl-three-rows": ((1, 16, 30, 30), 8, "nhwc", 96, 20, 32),  # position lanes x3, teams of 16
-}
-
-
-def _launch_twice_over(kernels, shape, groups, dtype, threads, sms):
-    plan = _fused_plan(shape, groups) if dtype == np.float32 else _fused_plan_dtype(shape, groups, dtype)
-    index = len(plan.steps) - 1
-    step = plan.steps[index]
-    ctx = OpContext(host_backend())
-    launch = group_norm.FusedNormLaunch(plan, index, np, (ctx, step.node, step.fn), entry=kernels, threads=threads, sms=sms)
-    launch.prepare()
-    return plan, step, ctx, launch
-
-
-def _fused_plan_dtype(shape, groups, dtype):
-    model = block("gn17", "silu", shape, groups, dtype=dtype)
-    ex = Executor(model, device="cpu")
-    _run_twice(ex, feeds(shape, dtype=dtype))
-    return ex.last_plan
-
-
-@pytest.mark.parametrize("case,dtype", [(case, np.float32) for case in SPREAD] + [("rows-segments", np.float16), ("cl-segments", np.float16)],
-                         ids=[*SPREAD, "rows-segments-fp16", "cl-segments-fp16"])
-def test_the_last_block_finalizes_statistics_spread_over_many_blocks(host_entry, monkeypatch, case, dtype):
-    """The statistics kernel finalizes in the last block to finish (one launch less than a finalize
-    kernel of its own): groups whose statistics span many blocks, one level and two (segments), at
-    real block sizes, run three times on one launch (grid order, then two shuffled orders) with new
-    data in between. Each run: A, B and the output against float64 NumPy, two launches (statistics,
-    apply), every counter back at 0; the same data in another block order gives the same bits."""
-    shape, groups, storage, threads, sms, one_level = SPREAD[case]
-    if one_level is not None:
-        monkeypatch.setattr(group_norm, "_ONE_LEVEL", one_level)
-    kernels = host_entry.fork()
-    plan, step, ctx, launch = _launch_twice_over(kernels, shape, groups, dtype, threads, sms)
-    last = storage == "nhwc"
-    packed = group_norm._packed_strides(shape, last)
-    geo = group_norm.moments_plan(shape, packed, groups, sms, threads)
-    assert geo["kernel"] == "rows" if not last else geo["kernel"].startswith("cl_")
-    assert geo["chunks"] >= 9 and geo["block"][0] * geo["block"][1] == threads
-    assert (geo["segs"] > 1) == (one_level is not None or case == "cl-instance"), geo
-    env = list(plan.template)
-    params = [np.asarray(env[s]) for s in step.inputs[1:3]]
-    n, c = shape[:2]
-    eps = step.node.prepared.eps
-    rng = np.random.default_rng(5)
-    data = [((rng.standard_normal(shape) * 3 + 7) * 1e-3).astype(dtype),  # a variance of epsilon's order
-            (rng.standard_normal(shape) + 50).astype(dtype)]  # a mean far from zero
-    z = rng.standard_normal(shape).astype(dtype)
-    tol = 1e-5 if dtype == np.float32 else 1e-3  # the output rounds to float16
-    outputs = []
-    for run, (x, order) in enumerate([(data[0], None), (data[1], 1), (data[0], 2)]):
-        launch.entry = kernels.fork(order)
-        env[step.inputs[0]] = channels_last(x) if last else x
-        env[step.inputs[-1]] = channels_last(z) if last else z
-        launch.run(env)
-        assert launch.entry.launches == [f"gn_moments_{geo['kernel']}"], run
-        assert not launch.counters.any(), f"run {run}: counters left at {launch.counters}"
-        a64, b64 = _coefficients64(x, groups, eps, *params)
-        a, b = launch.coef[:n * c].reshape(n, c), launch.coef[n * c:].reshape(n, c)
-        np.testing.assert_allclose(a, a64, rtol=5e-6, err_msg=f"run {run}")
-        np.testing.assert_allclose(b, b64, rtol=5e-6, atol=5e-6 * float(np.abs(b64 - params[1]).max()), err_msg=f"run {run}")
-        want = step.fn(ctx, step.node, x.astype(np.float64), *[env[s] for s in step.inputs[1:-1]], z.astype(np.float64))
-        got = env[step.outputs[0]]
-        np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * float(np.abs(want).max()), err_msg=f"run {run}")
-        outputs.append(np.array(got))
-    assert kernels.launches == [next(iter(launch.apply_paths()))] * 3  # the apply kernel: one launch a run
-    np.testing.assert_array_equal(outputs[2], outputs[0])  # the merge order is the slots', not the blocks'
-
-
-def test_the_finish_takes_two_levels_only_where_one_block_would_merge_too_many():
-    """At the VAE decoder's sizes (GroupNorm(32), 64 to 256 channels, up to 256 x 256, 132 SMs):
-    channels-last at batch 1 has hundreds of chunks a sample, so segments of about their square
-    root, neither level merging more than 32 x 24 moments; at batch 16 and channels-first, one level."""
-    plan = group_norm.moments_plan
-    for c, hw in ((64, 256), (128, 128), (256, 64), (256, 32)):
-        for n in (1, 16):
-            cl = plan((n, c, hw, hw), (c * hw * hw, 1, hw * c, c), 32, 132)
-            rows = plan((n, c, hw, hw), (c * hw * hw, hw * hw, hw, 1), 32, 132)
-            assert rows["segs"] == 1 and rows["chunks"] * 1 <= group_norm._ONE_LEVEL
-            if n == 16:
-                assert cl["segs"] == 1 and cl["chunks"] * 32 <= group_norm._ONE_LEVEL, cl
-            else:
-                assert cl["chunks"] >= 256 and cl["segs"] > 1, cl
-                assert cl["seg"] <= 24 and cl["segs"] <= 24 and (cl["segs"] - 1) * cl["seg"] < cl["chunks"] <= cl["segs"] * cl["seg"]
-            for geo in (cl, rows):
-                units = geo["grid"][1]
-                assert geo["counters"] == units * (geo["segs"] + 1)
-                assert geo["part"] == 3 * n * 32 * (geo["chunks"] + (geo["segs"] if geo["segs"] > 1 else 0))
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_the_statistics_kernels_compile_for_hopper_without_spills_at_four_blocks_an_sm(dtype, tmp_path):
-    """The finish (out of line) leaves the statistics loops their registers: every entry but the
-    16-channels-a-lane one fits 4 blocks of 256 threads an SM (64 registers), none spills."""
-    src = group_norm.source(dtype)
-    path = tmp_path / f"{src.name}.cu"
-    path.write_text(src.code)
-    done = subprocess.run([shutil.which("nvcc"), "-std=c++17", "-arch=sm_90", str(path), "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "gn_finalize" not in src.code and src.entries == ("gn_moments_rows", *(f"gn_moments_cl_{v}" for v in (1, 2, 4, 8, 16)))
-    used = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", done.stderr, re.S))
-    assert set(used) == set(src.entries), done.stderr
-    assert all(int(r) <= 64 for e, r in used.items() if e != "gn_moments_cl_16"), used
-    assert all(line.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for line in done.stderr.splitlines() if "spill stores" in line)
 
 
 @pytest.mark.parametrize("batch", [16, 1])

@@ -14,33 +14,20 @@ can be captured):
   Concat slice too): a block per (sample, run of positions), its threads laid out as channel
   lanes (reading adjacent channels of one position: coalesced, ``v`` channels each) and position
   lanes; the lanes' moments are merged per group in shared memory;
-* the *finish* both kernels end with: the last block to store its moments finalizes them, so
-  the finalize takes no launch of its own (at batch 1 such a launch costs more than its work).
-  Each block counts itself on a counter in scratch with ``atomicInc``, which wraps the counter to
-  0 at the last block: every counter is 0 again when a launch ends, and the next launch (or graph
-  replay) starts from 0 (the counters are zeroed once, when the plan is compiled). A
-  ``__threadfence`` before the count makes the block's moments visible to the block that
-  finalizes, which reads them past its L1 cache. The count is per unit of the grid (a row of the
-  rows kernel; a sample of the channels-last kernel, whose blocks each store all its groups) and
-  per *segment* of chunks: where the finishing block would merge more than :data:`_ONE_LEVEL`
-  moments (a sample of the channels-last kernel at batch 1: 32 groups times hundreds of chunks),
-  the last block of each segment of about ``sqrt(chunks)`` chunks merges the segment into one
-  (count, mean, M2) per row, and the last of those blocks finalizes from them; neither level
-  reads more than about ``G * sqrt(chunks)`` moments. Finalizing: the block's threads, a
-  power-of-two team per row, merge the row's moments (a strided share each, then the team's tree)
-  into its mean and ``rstd = 1 / sqrt(var + eps)``, and write the row's channels' coefficients
-  ``A[n, c] = rstd * scale[c]`` and ``B[n, c] = shift[c] - mean * A[n, c]`` (each rounded once:
-  ``B`` by one fused multiply-add) into a second scratch buffer. The merge is the same Chan
-  formula in float32 in a fixed order of the stored moments, whichever block finishes: the
-  result does not depend on the blocks' timing.
+* ``gn_finalize`` — one block per (sample, group) merges its chunks' moments (its threads a
+  strided share each, then the block's tree) into the group's mean and ``rstd = 1 / sqrt(var +
+  eps)``, and its threads write the group's channels' coefficients ``A[n, c] = rstd * scale[c]``
+  and ``B[n, c] = shift[c] - mean * A[n, c]`` (each rounded once: ``B`` by one fused
+  multiply-add) into a second scratch buffer. (One thread per (sample, group) merging every chunk
+  in turn made a channels-last step of one sample, with hundreds of chunks, several times slower
+  than its channels-first form.)
 
 Each thread accumulates its values shifted by the first one it reads (sums of ``v - shift`` and
 their squares: no cancellation while the shift is near the data), turns them into (count, mean,
 M2) and moments are merged with Chan et al.'s parallel formula: the variance is that of the centred
 values, as ONNX specifies, from one read of the input. Block reductions go through shared memory
 only (no warp shuffles), so a block of one thread is valid: the CPU tests run these kernels as host
-C++, a block's threads in turn (blocks of one thread) or as threads of their own that meet at the
-barriers, the blocks in order or shuffled.
+C++ thread by thread.
 
 Apply: ``y = epilogue(x * A[n, c] + B[n, c])``, one fused multiply-add (``(x - mean) * rstd *
 scale + shift`` up to a few units in the last place of ``x * A``, as ``x - mean`` rounds in that
@@ -81,15 +68,15 @@ __all__ = ["DTYPES", "FusedNormLaunch", "MAX_CL_CHANNELS", "REVISION", "apply_cl
 
 DTYPES = compiler.DTYPES
 _THREADS = 256
+_FINALIZE_THREADS = 128  # at most, per (sample, group): a channels-last step of one sample has hundreds of chunks
 # Bumped when these kernels' speed changes: fused units' timings in a tuning cache are keyed by it
 # (convpass.compiler.fusions), so a cached re-run times them again instead of planning with stale ones.
-REVISION = 5
+REVISION = 4
 _TARGET_BLOCKS_PER_SM = 4
 _MIN_ROW_CHUNK = 2048  # elements a rows block reads at least
 _CL_VALS = (1, 2, 4, 8, 16)  # channels per channel lane of the channels-last kernels
 _CL_SHARED = 4096  # floats per shared array of the channels-last kernel: position lanes x channels
 MAX_CL_CHANNELS = _THREADS * _CL_VALS[-1]
-_ONE_LEVEL = 4096  # moments the finishing block merges at most in one level (rows x chunks); more: segments (module docstring)
 
 _SOURCE = r"""
 #HEADER
@@ -111,116 +98,30 @@ __device__ __forceinline__ void moments(float cnt, float shift, float s1, float 
     m2 = cnt > 0.f ? fmaxf(s2 - s1 * (s1 / cnt), 0.f) : 0.f;
 }
 
-// the threads' moments slots in shared memory (thread t's at [t]), for the block's trees
-__shared__ float s_n[MAXT], s_mean[MAXT], s_m2[MAXT];
-
 // the block's moments merged (a tree in shared memory, any block size up to MAXT); thread 0 gets them
 __device__ void block_merge(float& n, float& mean, float& m2) {
+    __shared__ float sn[MAXT], sm[MAXT], sq[MAXT];
     const unsigned t = threadIdx.x + threadIdx.y * blockDim.x, size = blockDim.x * blockDim.y;
-    s_n[t] = n; s_mean[t] = mean; s_m2[t] = m2;
+    sn[t] = n; sm[t] = mean; sq[t] = m2;
     __syncthreads();
     for (unsigned stride = 1; stride < size; stride <<= 1) {
         if (t % (2 * stride) == 0 && t + stride < size) {
-            float a = s_n[t], b = s_mean[t], c = s_m2[t];
-            chan(a, b, c, s_n[t + stride], s_mean[t + stride], s_m2[t + stride]);
-            s_n[t] = a; s_mean[t] = b; s_m2[t] = c;
+            float a = sn[t], b = sm[t], c = sq[t];
+            chan(a, b, c, sn[t + stride], sm[t + stride], sq[t + stride]);
+            sn[t] = a; sm[t] = b; sq[t] = c;
         }
         __syncthreads();
     }
-    n = s_n[0]; mean = s_mean[0]; m2 = s_m2[0];
+    n = sn[0]; mean = sm[0]; m2 = sq[0];
 }
 
 __device__ __forceinline__ void store_moments(float* part, long long at, float n, float mean, float m2) {
     part[3 * at] = n; part[3 * at + 1] = mean; part[3 * at + 2] = m2;
 }
 
-// The block merges the len moments src[3 * (r * stride + k)], k < len, of each row r = first + q, q < count
-// (read past the L1 cache: other blocks of this launch wrote them): P threads a row (a power of two, P * count
-// <= T while P < len), T / P rows a pass, each thread a strided share, then a tree per row. After each pass,
-// emit(q0, m, P): row first + q0 + i (i < m) merged at slot i * P of s_n, s_mean, s_m2.
-template <class Emit>
-__device__ void merge_rows(const float* src, long long stride, int len, unsigned first, unsigned count, Emit emit) {
-    const unsigned t = threadIdx.x + threadIdx.y * blockDim.x, T = blockDim.x * blockDim.y;
-    unsigned P = 1;
-    while (2 * P * count <= T && (int)P < len) P <<= 1;
-    const unsigned per_pass = T / P, q = t / P, sub = t % P;
-    for (unsigned q0 = 0; q0 < count; q0 += per_pass) {
-        const unsigned m = min(per_pass, count - q0);
-        float n = 0.f, mean = 0.f, m2 = 0.f;
-        if (q < m) {
-            const float* p = src + 3 * ((long long)(first + q0 + q) * stride);
-#pragma unroll 4
-            for (int k = sub; k < len; k += P) chan(n, mean, m2, __ldcg(p + 3 * k), __ldcg(p + 3 * k + 1), __ldcg(p + 3 * k + 2));
-        }
-        s_n[t] = n; s_mean[t] = mean; s_m2[t] = m2;
-        __syncthreads();
-        for (unsigned s = 1; s < P; s <<= 1) {
-            if (q < m && sub % (2 * s) == 0 && sub + s < P) {
-                float a = s_n[t], b = s_mean[t], c = s_m2[t];
-                chan(a, b, c, s_n[t + s], s_mean[t + s], s_m2[t + s]);
-                s_n[t] = a; s_mean[t] = b; s_m2[t] = c;
-            }
-            __syncthreads();
-        }
-        emit(q0, m, P);
-        __syncthreads();
-    }
-}
-
-// After the block stored its moments of rows first .. first + count - 1 (chunk blockIdx.x of unit blockIdx.y):
-// blocks count themselves per segment of seg chunks with a counter that wraps to 0 at its last block
-// (atomicInc), so each counter is 0 again when the launch ends (the next launch, or graph replay, starts
-// from 0). With one segment, its last block finalizes the unit's rows. With several, the last block of
-// each segment merges the segment's chunks into one (count, mean, M2) per row, stored after the chunks'
-// moments, and the last of those blocks finalizes from them. Finalizing: a row r = n * G + g's mean and
-// rstd = 1 / sqrt(var + eps), then its PER channels' coefficients A[n, c] = rstd * scale[c] at
-// coef[r * PER + j] and B[n, c] = shift[c] - mean * A[n, c] rows * PER floats after it.
-// Out of line: the statistics loops keep their registers (4 blocks of 256 threads an SM up to 8 channels a lane).
-__device__ __noinline__ void finish(float* __restrict__ part, unsigned* __restrict__ counters, const float* __restrict__ scale,
-                       const float* __restrict__ shift, float* __restrict__ coef, unsigned G, unsigned per, float eps,
-                       int chunks, int seg, unsigned first, unsigned count) {
-    __shared__ bool last;
-    const unsigned t = threadIdx.x + threadIdx.y * blockDim.x, T = blockDim.x * blockDim.y;
-    const unsigned unit = blockIdx.y, units = gridDim.y, rows = units * count;
-    const int segs = (chunks + seg - 1) / seg, s = (int)blockIdx.x / seg, k0 = s * seg, in_seg = min(seg, chunks - k0);
-    __syncthreads();  // the block's moments are stored
-    if (t == 0) {
-        __threadfence();  // ... and visible to every block before the count says so
-        last = atomicInc(counters + (long long)unit * segs + s, (unsigned)in_seg - 1) == (unsigned)in_seg - 1;
-        __threadfence();
-    }
-    __syncthreads();
-    if (!last) return;  // the whole block
-    const float* src = part;
-    long long stride = chunks;
-    int len = chunks;
-    if (segs > 1) {
-        float* mid = part + 3LL * rows * chunks;  // (row, segment) moments after the chunks'
-        merge_rows(part + 3LL * k0, chunks, in_seg, first, count, [&](unsigned q0, unsigned m, unsigned P) {
-            for (unsigned i = t; i < m; i += T) store_moments(mid, (long long)(first + q0 + i) * segs + s, s_n[i * P], s_mean[i * P], s_m2[i * P]);
-        });
-        if (t == 0) {
-            __threadfence();
-            last = atomicInc(counters + (long long)units * segs + unit, (unsigned)segs - 1) == (unsigned)segs - 1;
-            __threadfence();
-        }
-        __syncthreads();
-        if (!last) return;
-        src = mid; stride = segs; len = segs;
-    }
-    merge_rows(src, stride, len, first, count, [&](unsigned q0, unsigned m, unsigned P) {
-        for (unsigned j = t; j < m * per; j += T) {
-            const unsigned i = j / per, r = first + q0 + i, c = (r % G) * per + j % per;
-            const float rstd = 1.f / sqrtf(s_m2[i * P] / s_n[i * P] + eps), a = rstd * scale[c];
-            coef[(long long)r * per + j % per] = a;
-            coef[((long long)rows + r) * per + j % per] = fmaf(-s_mean[i * P], a, shift[c]);
-        }
-    });
-}
-
 // channels-first: row (n, g) = L contiguous elements at x + n * sN + g * sG; block (chunk k, row)
 extern "C" __global__ void gn_moments_rows(const TYPE* __restrict__ x, float* __restrict__ part, unsigned G, long long L,
-                                           long long sN, long long sG, long long chunk, int chunks, FINISH_PARAMS) {
+                                           long long sN, long long sG, long long chunk, int chunks) {
     const unsigned row = blockIdx.y, k = blockIdx.x;
     const TYPE* xr = x + (long long)(row / G) * sN + (long long)(row % G) * sG;
     const long long c1 = min(L, (long long)k * chunk + chunk), T = blockDim.x;
@@ -238,14 +139,13 @@ extern "C" __global__ void gn_moments_rows(const TYPE* __restrict__ x, float* __
     moments(cnt, shift, s1, s2, mean, m2);
     block_merge(cnt, mean, m2);
     if (threadIdx.x == 0) store_moments(part, (long long)row * chunks + k, cnt, mean, m2);
-    finish(part, counters, scale, shift_, coef, G, per, eps, chunks, seg, row, 1);
 }
 
 // channels-last: element (n, s, c) at x + n * sN + s * sS + c; block (run of positions k, sample n),
 // threads (channel lane, position lane); VALS channels per channel lane
 template <int VALS>
 __device__ __forceinline__ void moments_cl(const TYPE* __restrict__ x, float* __restrict__ part, unsigned C, unsigned G, long long S,
-                                           long long sN, long long sS, long long chunk, int chunks, FINISH_PARAMS) {
+                                           long long sN, long long sS, long long chunk, int chunks) {
     __shared__ float shm[CL_SHARED], shq[CL_SHARED];
     const unsigned TC = blockDim.x, TS = blockDim.y, tc = threadIdx.x, ts = threadIdx.y, n = blockIdx.y, k = blockIdx.x;
     const long long p0 = (long long)k * chunk, p1 = min(S, p0 + chunk);
@@ -273,6 +173,7 @@ __device__ __forceinline__ void moments_cl(const TYPE* __restrict__ x, float* __
         if (c < C) moments(cnt, shift[v], s1[v], s2[v], shm[ts * C + c], shq[ts * C + c]);
     }
     __syncthreads();
+    const unsigned per = C / G;
     for (unsigned g = tc + ts * TC; g < G; g += TC * TS) {
         float gn = 0.f, gm = 0.f, gq = 0.f;
         for (unsigned l = 0; l < TS; ++l) {
@@ -282,27 +183,47 @@ __device__ __forceinline__ void moments_cl(const TYPE* __restrict__ x, float* __
         }
         store_moments(part, ((long long)n * G + g) * chunks + k, gn, gm, gq);
     }
-    finish(part, counters, scale, shift_, coef, G, per, eps, chunks, seg, n * G, G);
 }
 
 #ENTRIES
+
+// one block per (sample, group) r = n * G + g: its threads merge the chunks' moments k, k + T, ..., then
+// the block's (every thread gets them); then they write the group's PER channels' coefficients,
+// A[n, c] = rstd * scale[c] at coef[n * C + c] = coef[r * PER + j] and B[n, c] = shift[c] - mean * A[n, c]
+// rows * PER floats after it
+extern "C" __global__ void gn_finalize(const float* __restrict__ part, const float* __restrict__ scale, const float* __restrict__ shift,
+                                       float* __restrict__ coef, unsigned rows, unsigned G, unsigned per, int chunks, float eps) {
+    const unsigned r = blockIdx.x;
+    if (r >= rows) return;  // the whole block: no thread waits at a barrier below
+    float n = 0.f, mean = 0.f, m2 = 0.f;
+    for (int k = threadIdx.x; k < chunks; k += blockDim.x) {
+        const float* p = part + 3 * ((long long)r * chunks + k);
+        chan(n, mean, m2, p[0], p[1], p[2]);
+    }
+    block_merge(n, mean, m2);
+    const float rstd = 1.f / sqrtf(m2 / n + eps);
+    const unsigned c0 = (r % G) * per;
+    float* a = coef + (long long)r * per;
+    float* b = coef + ((long long)rows + r) * per;
+    for (unsigned j = threadIdx.x; j < per; j += blockDim.x) {
+        const float s = rstd * scale[c0 + j];
+        a[j] = s;
+        b[j] = fmaf(-mean, s, shift[c0 + j]);
+    }
+}
 """
 
 _CL_ENTRIES = tuple(f"gn_moments_cl_{v}" for v in _CL_VALS)
-_ENTRIES = ("gn_moments_rows", *_CL_ENTRIES)
-# the parameters of the finishing step every statistics kernel ends with (module docstring)
-_FINISH_PARAMS = ("unsigned* __restrict__ counters, const float* __restrict__ scale, const float* __restrict__ shift_, "
-                  "float* __restrict__ coef, unsigned per, float eps, int seg")
+_ENTRIES = ("gn_moments_rows", *_CL_ENTRIES, "gn_finalize")
 
 
 def source(dtype: Any) -> compiler.KernelSource:
     """The statistics kernels for ``dtype`` (float32 or float16)."""
     entries = "\n".join(
         f'extern "C" __global__ void gn_moments_cl_{v}(const TYPE* __restrict__ x, float* __restrict__ part, unsigned C, unsigned G, '
-        f"long long S, long long sN, long long sS, long long chunk, int chunks, FINISH_PARAMS) "
-        f"{{ moments_cl<{v}>(x, part, C, G, S, sN, sS, chunk, chunks, counters, scale, shift_, coef, per, eps, seg); }}"
+        f"long long S, long long sN, long long sS, long long chunk, int chunks) {{ moments_cl<{v}>(x, part, C, G, S, sN, sS, chunk, chunks); }}"
         for v in _CL_VALS)
-    code = _SOURCE.replace("#ENTRIES", entries).replace("CL_SHARED", str(_CL_SHARED)).replace("FINISH_PARAMS", _FINISH_PARAMS)
+    code = _SOURCE.replace("#ENTRIES", entries).replace("CL_SHARED", str(_CL_SHARED))
     return compiler.typed("group_norm", code, _ENTRIES, dtype)
 
 
@@ -348,24 +269,10 @@ def coefficient_frames(xp: Any, coef: Any, n: int, c: int, last: bool) -> tuple[
     return strided(coef, dims, steps), strided(coef[n * c:], dims, steps)
 
 
-def _finish_plan(chunks: int, units: int, count: int) -> dict[str, int]:
-    """How the blocks of ``units`` units (grid rows) of ``chunks`` chunks, each block storing the
-    moments of ``count`` rows, finish (module docstring): ``seg`` chunks a segment (all of them
-    where the finishing block merges at most :data:`_ONE_LEVEL` moments; else about the square
-    root of ``chunks``, so both levels merge about as many), and the scratch that takes: ``part``
-    floats, ``counters`` 32-bit counters."""
-    seg = chunks if chunks * count <= _ONE_LEVEL else math.isqrt(chunks - 1) + 1
-    segs = math.ceil(chunks / seg)
-    rows = units * count
-    return {"chunks": chunks, "seg": seg, "segs": segs, "part": 3 * rows * (chunks + (segs if segs > 1 else 0)),
-            "counters": units * (segs + 1)}
-
-
 def moments_plan(shape: Sequence[int], strides: Sequence[int], groups: int, sms: int, threads: int = _THREADS) -> dict[str, Any] | None:
     """Which statistics kernel reads ``x`` (logical shape, element strides) and its geometry:
-    ``{"kernel": "rows" | "cl_<v>", "grid", "block", "chunks", "seg", "segs", "part", "counters",
-    "args"}`` for blocks of ``threads`` threads (:func:`_finish_plan`); None when neither takes
-    these strides (the launch then reads a contiguous copy)."""
+    ``{"kernel": "rows" | "cl_<v>", "grid", "block", "chunks", "args"}`` for blocks of ``threads``
+    threads; None when neither takes these strides (the launch then reads a contiguous copy)."""
     n, c = int(shape[0]), int(shape[1])
     size = math.prod(int(d) for d in shape[2:])
     s_pos = _positions(shape, strides)
@@ -380,7 +287,7 @@ def moments_plan(shape: Sequence[int], strides: Sequence[int], groups: int, sms:
         chunks = max(1, min(math.ceil(target / (n * groups)), math.ceil(length / _MIN_ROW_CHUNK)))
         chunk = math.ceil(length / chunks)
         chunks = math.ceil(length / chunk)
-        return {"kernel": "rows", "grid": (chunks, n * groups), "block": (threads, 1), **_finish_plan(chunks, n * groups, 1),
+        return {"kernel": "rows", "grid": (chunks, n * groups), "block": (threads, 1), "chunks": chunks,
                 "args": (np.uint32(groups), np.int64(length), np.int64(s_n), np.int64(per * s_c), np.int64(chunk), np.int32(chunks))}
     lanes = min(threads, 32 * math.ceil(c / 32))
     if s_c == 1 and c <= lanes * _CL_VALS[-1]:
@@ -389,7 +296,7 @@ def moments_plan(shape: Sequence[int], strides: Sequence[int], groups: int, sms:
         chunks = max(1, min(math.ceil(target / n), math.ceil(size / (4 * rows))))
         chunk = math.ceil(size / chunks)
         chunks = math.ceil(size / chunk)
-        return {"kernel": f"cl_{vals}", "grid": (chunks, n), "block": (lanes, rows), **_finish_plan(chunks, n, groups),
+        return {"kernel": f"cl_{vals}", "grid": (chunks, n), "block": (lanes, rows), "chunks": chunks,
                 "args": (np.uint32(c), np.uint32(groups), np.int64(size), np.int64(s_n), np.int64(s_pos), np.int64(chunk), np.int32(chunks))}
     return None
 
@@ -466,12 +373,11 @@ def _compiled(cupy: Any) -> Any:
 
 
 class FusedNormLaunch(Launch):
-    """A ``FusedNorm`` step in two launches: statistics (finalized by their last block) and apply
-    (module docstring). Writes into a Concat slice when the memory plan places it. ``fallback``:
-    ``(ctx, node, fn)``, the op library's fused step, for what the kernels do not take.
-    ``entry(source, name)``: a compiled entry point (default: NVRTC through
-    :mod:`convpass.native.nvrtc`; the CPU tests pass host builds, with ``threads`` and ``sms``
-    given)."""
+    """A ``FusedNorm`` step: statistics, finalize and apply (module docstring). Writes into a
+    Concat slice when the memory plan places it. ``fallback``: ``(ctx, node, fn)``, the op
+    library's fused step, for what the kernels do not take. ``entry(source, name)``: a compiled
+    entry point (default: NVRTC through :mod:`convpass.native.nvrtc`; the CPU tests pass host
+    builds, with ``threads=1`` and ``sms`` given)."""
 
     supports_placement = True
 
@@ -502,17 +408,16 @@ class FusedNormLaunch(Launch):
             apply_src = broadcast.broadcast_source(group, classes, broadcast.unroll_for(group))
             self.kernel = broadcast.BroadcastKernel(cupy, group, classes, entry=lambda name: self.entry(apply_src, name))
         self.fallback = fallback
-        self.part = self.counters = self.coef = None
+        self.part = self.coef = None
 
     def prepare(self) -> None:
         xp = self.cp
         if self.sms is None:
             self.sms = _sm_count(int(xp.cuda.runtime.getDevice()))
         n, g = self.shape[0], self.spec.groups
-        plans = [p for last in (False, True) if (p := moments_plan(self.shape, _packed_strides(self.shape, last), g, self.sms, self.threads))]
-        self.part = xp.empty(max((p["part"] for p in plans), default=3 * n * g), dtype=np.float32)
-        # zero once: every launch leaves the counters it used at 0 again (module docstring)
-        self.counters = xp.zeros(max((p["counters"] for p in plans), default=1), dtype=np.uint32)
+        plans = [moments_plan(self.shape, _packed_strides(self.shape, last), g, self.sms, self.threads) for last in (False, True)]
+        most = max((p["chunks"] for p in plans if p is not None), default=1)
+        self.part = xp.empty(n * g * most * 3, dtype=np.float32)
         self.coef = xp.empty(2 * n * self.shape[1], dtype=np.float32)  # A, then B (module docstring)
 
     def run(self, env: list[Any]) -> None:
@@ -531,7 +436,7 @@ class FusedNormLaunch(Launch):
         xp, spec = self.cp, self.spec
         g = spec.groups
         geo = moments_plan(x.shape, elements(x.strides, x.itemsize), g, self.sms, self.threads)
-        if geo is None or geo["part"] > self.part.size or geo["counters"] > self.counters.size:
+        if geo is None or geo["chunks"] * x.shape[0] * g * 3 > self.part.size:
             x = xp.ascontiguousarray(x)
             geo = moments_plan(x.shape, elements(x.strides, x.itemsize), g, self.sms, self.threads)
         if geo is None:
@@ -543,9 +448,13 @@ class FusedNormLaunch(Launch):
         frames = [frame(xp, a, x.shape, last) for a in (x, *operands, out)]
         if any(f is None for f in frames):
             return None
+        src = source(x.dtype)
+        self.entry(src, f"gn_moments_{geo['kernel']}")(geo["grid"], geo["block"], (x, self.part, *geo["args"]))
         n, c = x.shape[:2]
-        finish = (self.counters, env[self.inputs[1]], env[self.inputs[2]], self.coef, np.uint32(c // g), np.float32(spec.eps), np.int32(geo["seg"]))
-        self.entry(source(x.dtype), f"gn_moments_{geo['kernel']}")(geo["grid"], geo["block"], (x, self.part, *geo["args"], *finish))
+        rows = n * g
+        block = min(_FINALIZE_THREADS, self.threads, 32 * math.ceil(max(geo["chunks"], c // g) / 32))
+        self.entry(src, "gn_finalize")((rows,), (block,), (self.part, env[self.inputs[1]], env[self.inputs[2]], self.coef, np.uint32(rows),
+                                                           np.uint32(g), np.uint32(c // g), np.int32(geo["chunks"]), np.float32(spec.eps)))
         if self.apply is not None:
             done = self.apply(frames[0], self.coef, frames[1:-1], frames[-1], last)
         else:

@@ -2,8 +2,7 @@
 its own: ``y = epilogue(x * A[n, c] + B[n, c])`` over the frame of ``x`` — ``(N, S, C)`` in
 channels-last storage, ``(N, C, S)`` channels-first (:func:`convpass.kernels.group_norm.frame`) —
 with the per-(sample, channel) coefficients ``A``, ``B`` (float32, ``(N, C)`` row-major, ``B``
-``N * C`` floats after ``A``) that the statistics kernel's last block wrote, and the epilogue's
-operands.
+``N * C`` floats after ``A``) that the finalize wrote, and the epilogue's operands.
 
 * ``gn_apply_cl_<v>`` — channels-last: a thread owns ``v`` consecutive channels of one sample (a
   *channel lane*) and walks pixels of a run of positions, its ``A``, ``B`` and per-sample operands
