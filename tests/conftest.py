@@ -10,7 +10,6 @@ import subprocess
 import sys
 import types
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -508,47 +507,17 @@ _SHIM = r"""
 #include <cmath>
 #include <cstring>
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
 using std::min; using std::max;
 struct Dim3 { unsigned x, y, z; };
-static Dim3 blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
-static thread_local Dim3 threadIdx = {0, 0, 0};
+static Dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __noinline__
 #define __restrict__
 #define __shared__ static
 static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
 #define __shfl_xor_sync(mask, v, o) (v)
-// __syncthreads: nothing for a block's threads run in turn (host_barrier(1), the default); a barrier
-// of the block's threads run as threads of their own (host_barrier(threads)); one some thread never
-// reaches breaks after 5 s (host_barrier_broken) instead of hanging
-static std::mutex bar_mutex, atomic_mutex;
-static std::condition_variable bar_cv;
-static unsigned bar_size = 1, bar_waiting = 0, bar_generation = 0;
-static bool bar_broken = false;
-static void host_syncthreads() {
-    std::unique_lock<std::mutex> lock(bar_mutex);
-    if (bar_size <= 1 || bar_broken) return;
-    const unsigned generation = bar_generation;
-    if (++bar_waiting == bar_size) { bar_waiting = 0; ++bar_generation; bar_cv.notify_all(); return; }
-    if (!bar_cv.wait_for(lock, std::chrono::seconds(5), [&] { return generation != bar_generation; })) { bar_broken = true; bar_cv.notify_all(); }
-}
-extern "C" void host_barrier(unsigned n) { std::lock_guard<std::mutex> lock(bar_mutex); bar_size = n; bar_waiting = 0; bar_broken = false; }
-extern "C" int host_barrier_broken() { std::lock_guard<std::mutex> lock(bar_mutex); return bar_broken; }
-#define __syncthreads() host_syncthreads()
-#define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
-#define __ldcg(p) (*(p))
-static inline unsigned atomicInc(unsigned* p, unsigned v) {
-    std::lock_guard<std::mutex> lock(atomic_mutex);
-    const unsigned old = *p;
-    *p = old >= v ? 0u : old + 1u;
-    return old;
-}
+#define __syncthreads()
 """
 
 
@@ -560,7 +529,7 @@ def host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
     src = tmp_path / f"{name}.cpp"
     src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"'))
     lib = tmp_path / f"lib{name}.so"
-    subprocess.run([CXX, "-O1", "-std=c++17", "-pthread", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
     return ctypes.CDLL(str(lib))
 
 
@@ -584,82 +553,41 @@ def host_args(args) -> list:
 
 _SETTER = ('\nextern "C" void set_index(unsigned bx, unsigned by, unsigned tx, unsigned ty, unsigned bdx, unsigned bdy, unsigned gdx, '
            'unsigned gdy) { blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; threadIdx.y = ty; blockDim.x = bdx; blockDim.y = bdy; '
-           'gridDim.x = gdx; gridDim.y = gdy; }\n'
-           'extern "C" void set_thread(unsigned tx, unsigned ty) { threadIdx.x = tx; threadIdx.y = ty; }\n')
-
-
-# float16 storage on the host: GCC's _Float16 (conversions round to nearest even, as __float2half_rn)
-_HOST_HALF = ("typedef _Float16 __half;\nstatic inline float __half2float(__half h) { return (float)h; }\n"
-              "static inline __half __float2half_rn(float f) { return (__half)f; }\n")
-
-
-class HostKernels:
-    """``entry(source, name)`` for the fused normalization kernels (convpass.kernels.group_norm and
-    group_norm_apply): the source compiled as host C++ and launched block by block, in grid order
-    or, from :meth:`fork` with a seed, in a random order; float16 storage as GCC's ``_Float16``. The element-wise kernels (apply, broadcast) run a
-    block's threads in turn; the statistics kernels, whose threads cooperate, run them as threads
-    of their own that meet at the block's barriers (a block of one thread: simply that thread).
-    ``launches``: every launch so far, by entry name."""
-
-    def __init__(self, folder: Path, libs: dict | None = None, rng: np.random.Generator | None = None) -> None:
-        self.folder = folder
-        self.libs = {} if libs is None else libs
-        self.rng = rng
-        self.launches: list[str] = []
-
-    def fork(self, seed: int | None = None) -> HostKernels:
-        """The same kernels with a list of launches of their own, their blocks launched in grid
-        order, or in an order drawn from ``seed``."""
-        return HostKernels(self.folder, self.libs, None if seed is None else np.random.default_rng(seed))
-
-    def _lib(self, src) -> ctypes.CDLL:
-        if src.name not in self.libs:
-            code = src.code.replace("#include <cuda_fp16.h>", _HOST_HALF)
-            self.libs[src.name] = host_library(self.folder, "using namespace std;\n" + code + _SETTER, src.name)
-        return self.libs[src.name]
-
-    def __call__(self, src, name):
-        lib = self._lib(src)
-        kernel = getattr(lib, name)
-        in_turn = name.startswith(("convpass_broadcast", "gn_apply"))
-
-        def launch(grid, block_, args):
-            self.launches.append(name)
-            conv = host_args(args)
-            gx, gy = (*grid, 1)[:2]
-            bx, by = (*block_, 1)[:2]
-            blocks = [(i, j) for j in range(gy) for i in range(gx)]
-            if self.rng is not None:
-                blocks = [blocks[k] for k in self.rng.permutation(len(blocks))]
-            threads = [(tx, ty) for ty in range(by) for tx in range(bx)]
-            lib.host_barrier(1 if in_turn else len(threads))
-            pool = None if in_turn or len(threads) == 1 else ThreadPoolExecutor(max_workers=len(threads))
-
-            def thread(tx, ty):
-                lib.set_thread(tx, ty)
-                kernel(*conv)
-
-            try:
-                for i, j in blocks:
-                    lib.set_index(i, j, 0, 0, bx, by, gx, gy)
-                    if pool is None:
-                        for tx, ty in threads:
-                            thread(tx, ty)
-                    else:
-                        for done in [pool.submit(thread, tx, ty) for tx, ty in threads]:
-                            done.result()
-                        assert not lib.host_barrier_broken(), f"{name}: block {(i, j)}'s threads did not all meet at a barrier"
-            finally:
-                if pool is not None:
-                    pool.shutdown()
-                lib.host_barrier(1)
-        return launch
+           'gridDim.x = gdx; gridDim.y = gdy; }\n')
 
 
 @pytest.fixture(scope="module")
 def host_entry(tmp_path_factory):
-    """The fused normalization kernels as host C++ (:class:`HostKernels`), blocks in grid order."""
-    return HostKernels(tmp_path_factory.mktemp("group_norm"))
+    """``entry(source, name)`` for the fused normalization kernels (convpass.kernels.group_norm and
+    group_norm_apply): the source compiled as host C++, launched block by block and thread by thread
+    (the statistics kernels in blocks of one thread: their block cooperation is trivial then; the
+    element-wise ones at any block size)."""
+    libs = {}
+    d = tmp_path_factory.mktemp("group_norm")
+
+    def lib_for(src):
+        if src.name not in libs:
+            libs[src.name] = host_library(d, "using namespace std;\n" + src.code + _SETTER, src.name)
+        return libs[src.name]
+
+    def entry(src, name):
+        lib = lib_for(src)
+        kernel = getattr(lib, name)
+
+        def launch(grid, block_, args):
+            conv = host_args(args)
+            gx, gy = (*grid, 1)[:2]
+            bx, by = (*block_, 1)[:2]
+            assert bx * by == 1 or name.startswith(("convpass_broadcast", "gn_apply")), "threads of one block run in turn"
+            for j in range(gy):
+                for i in range(gx):
+                    for ty in range(by):
+                        for tx in range(bx):
+                            lib.set_index(i, j, tx, ty, bx, by, gx, gy)
+                            kernel(*conv)
+        return launch
+
+    return entry
 
 
 def newer_schema_cache(path: Path) -> Path:
