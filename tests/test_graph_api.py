@@ -566,9 +566,9 @@ def test_a_misaligned_tensor_is_refused_before_the_plan_runs():
 
     key = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 16, 14, 14), (16, 16, 3, 3)).shapes[0].key("nhwc", "default")
     ran = []
-    plan = types.SimpleNamespace(config=types.SimpleNamespace(algo="engine:eng5+bias+add+relu"), workspace_bytes=0,
+    plan = types.SimpleNamespace(config=types.SimpleNamespace(algo="engine:eng5+bias+swish+add"), workspace_bytes=0,
                                  execute=lambda *a, **k: ran.append(a))
-    conv = EngineConv(key, Algo.parse("engine:eng5+bias+add+relu"), "bias+add+relu", None, plan)
+    conv = EngineConv(key, Algo.parse("engine:eng5+bias+swish+add"), "bias+swish+add", None, plan)
     aligned = [_device_array(p) for p in (256, 512, 768, 1024)]
     conv._launch(*aligned[:3], None, aligned[3], _device_array(1280))
     assert len(ran) == 1
