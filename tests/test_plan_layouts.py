@@ -346,3 +346,22 @@ def test_a_channel_attention_gate_lets_the_convs_around_it_stay_nhwc():
     # pinned, and reading the NHWC conv's output there costs a transpose each
     pinned = plan_layouts(graph, costs, transpose)
     assert pinned.cost_ms == pytest.approx(12.01 + 3 + 2) and pinned.transposes == 5
+
+
+def test_a_conv_timed_reading_its_slice_is_not_charged_the_copy_again():
+    """f2's costs were timed reading its slice c1 of the buffer (its NHWC cost holds the copy it
+    makes of the strided rows): at batch 1 the plan charges no copy on top, so the NHWC convs,
+    cheaper in every timed cost, win; charged twice, the block stayed in NCHW."""
+    graph, (f1, f2, out), _ = _dense_block()
+    costs = {n: {"nchw": 10, "nhwc": 8.7} for n in (f1, f2, out)}
+    shapes = {v.name: (1, 8, 4, 4) for node in graph for v in node.outputs} | {"x": (1, 8, 4, 4)}
+    assert set(plan_layouts(graph, costs, lambda v: 1, shapes=shapes).layouts.values()) == {"nchw"}
+    plan = plan_layouts(graph, costs, lambda v: 1, shapes=shapes, priced_slices=[f2])
+    # 3 x 8.7 + x into f1, x into the buffer, the output: 29.1, and nothing for f2's slice
+    assert set(plan.layouts.values()) == {"nhwc"} and plan.cost_ms == pytest.approx(29.1)
+    # in two formats (the buffer NCHW, f2 NHWC) its slice is transposed as any other edge: f2 alone
+    # in NHWC pays that transpose and x's into f1 is gone
+    costs[f2] = {"nchw": 10, "nhwc": 5}
+    costs[f1] = costs[out] = {"nchw": 8, "nhwc": 10}
+    plan = plan_layouts(graph, costs, lambda v: 1, shapes=shapes, priced_slices=[f2])
+    assert plan.layouts == {f1: "nchw", f2: "nhwc", out: "nchw"} and plan.cost_ms == pytest.approx(8 + 5 + 8 + 2)

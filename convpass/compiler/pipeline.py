@@ -386,7 +386,8 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
             return ms
 
         plan = plan_layouts(model.graph, conv_costs, cost, fused[i] if i < len(fused) else (), shapes,
-                            unit_costs[i] if i < len(unit_costs) else None)
+                            unit_costs[i] if i < len(unit_costs) else None,
+                            priced_slices=[node for node, problem in own.items() if problem.x_slice is not None])
         if missing:
             continue  # not planned: the notes below
         for node, layout in plan.layouts.items():

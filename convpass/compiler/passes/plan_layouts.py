@@ -25,7 +25,12 @@ Rules (per shape profile):
   samples lie the buffer's channels apart, so it is copied in every pair of formats and favours
   neither. (A forward conv on cuDNN's legacy API reads such a slice in its own memory order in
   place where cuDNN takes the slice's strides, :mod:`convpass.kernels.convolution`; the plan
-  still prices the copy, which is what runs where cuDNN refuses.) (Charged free in NCHW at every batch, an ESRGAN-style RRDB net's dense convs stayed in
+  still prices the copy, which is what runs where cuDNN refuses.) A conv whose costs were timed
+  reading its slice (``priced_slices``: its problem names the slice, and the tuner timed the read
+  in place or the copy and the conv, per format) has the read in its costs: its edge from the
+  buffer is an ordinary one (a transpose where the formats differ, nothing where they agree), never
+  the copy again. (Charged the copy twice, an RRDB net's dense convs at batch 1 went to NCHW,
+  where their timed costs were 1.2 to 2x their NHWC ones, the copy included.) (Charged free in NCHW at every batch, an ESRGAN-style RRDB net's dense convs stayed in
   NCHW at batch 16, where cuDNN's kernels converted every input and output to NHWC inside the call
   and the slices were copied all the same: its conv time was about 1.7x its NHWC plan's.) (Before
   families were tied, DenseNet-121 ran much slower when every Concat passed NHWC through on its
@@ -120,11 +125,14 @@ def plan_layouts(
     units: Iterable[Iterable[ir.Node]] = (),
     shapes: Mapping[str, Sequence[Any]] | None = None,
     unit_costs: Mapping[ir.Node, Mapping[str, float]] | None = None,
+    priced_slices: Iterable[ir.Node] = (),
 ) -> LayoutPlan:
     """The min-cut layout assignment (see the module rules); ``units``: the node sets of the
     fusion units that run fused; ``shapes``: value name -> dims of the profile (where values do
     not carry their shapes); ``unit_costs``: a fused unit's first node -> its time per format
-    (``{"nchw": ms, "nhwc": ms}``; a unit without both runs free in either)."""
+    (``{"nchw": ms, "nhwc": ms}``; a unit without both runs free in either); ``priced_slices``: the
+    convs whose costs include reading their channel slice of a shared buffer (module rules)."""
+    priced = frozenset(priced_slices)
     units = [list(u) for u in units if u]
     conv_costs = {n: c for n, c in conv_costs.items() if c}
     # a timed unit whose input a conv writes: (unit's first node, that conv) -> the unit's costs
@@ -171,7 +179,7 @@ def plan_layouts(
                     continue
                 if node in movable or consumer in movable or node in moves or consumer in moves:
                     cost = transpose_ms(value)
-                    if consumer in conv_costs and families.get(node, node) is not node:
+                    if consumer in conv_costs and families.get(node, node) is not node and consumer not in priced:
                         # a conv reading a channel slice of a shared Concat buffer (module rules)
                         if not _packed_nchw_slice(value, shapes):
                             continue  # copied to a packed tensor in any pair of formats: no preference
@@ -194,7 +202,7 @@ def plan_layouts(
     # Constants (weights, BN params) are pre-transformed once: no run-time cost.
     _, (s_side, _) = nx.minimum_cut(g, source, sink)
     fmt = {n: ("nchw" if n in s_side or n not in g else "nhwc") for n in movable}
-    return _evaluate(graph, fmt, conv_costs, transpose_ms, families, unit_costs, shapes)
+    return _evaluate(graph, fmt, conv_costs, transpose_ms, families, unit_costs, shapes, priced)
 
 
 def _packed_nchw_slice(value: ir.Value, shapes: Mapping[str, Sequence[Any]] | None) -> bool:
@@ -338,10 +346,11 @@ def _reads_into_family(value: ir.Value, consumer: ir.Node, families: Mapping[ir.
     return root is not None and root is not consumer and any(v is value for v in root.inputs)
 
 
-def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=None, shapes=None) -> LayoutPlan:
+def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=None, shapes=None, priced=frozenset()) -> LayoutPlan:
     """Total cost of an assignment: conv times, timed fused units' times (``unit_costs``, by a
     unit's first node) plus a transpose (one that costs anything) per (value, reader) whose formats
-    differ (``families``: :func:`concat_families`, when known).
+    differ (``families``: :func:`concat_families`, when known), and the copy a conv makes of its
+    channel slice of a shared buffer unless its costs hold it (``priced``: the module rules).
 
     (A value read by several consumers in the other format is counted once per consumer: the
     executor may share one transposed copy, so this slightly over-estimates mixed plans.)
@@ -367,7 +376,8 @@ def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=No
             if here != there and (ms := transpose_ms(value)) > 0:
                 total += ms
                 transposes += 1
-            elif (here == there and node in conv_costs and producer is not None and families.get(producer, producer) is not producer
+            elif (here == there and node in conv_costs and node not in priced and producer is not None
+                  and families.get(producer, producer) is not producer
                   and (here == "nhwc" or not _packed_nchw_slice(value, shapes))):
                 total += transpose_ms(value)  # the conv copies its channel slice of a shared buffer to a packed tensor
         written = writes.get(node) or fmt.get(node, "nchw")
