@@ -16,16 +16,17 @@ computes w from x and y (backward filter, for training).
 A :class:`ProblemKey` adds what the tuner chooses besides the algorithm: the memory format
 (channels first or channels last) and the cuDNN math type, and for a forward conv that reads its
 input from a channel slice of a larger buffer (a Concat's, a Split's input) that slice
-(:class:`InputSlice`): a different measurement than a packed read, so a different key. It is what
-the tuning cache is indexed by and what a tuned model records per convolution. Its string form is
-stable and parseable; a key without a slice reads as it always did.
+(:class:`InputSlice`), for one that writes its output into a channel slice of a Concat's buffer
+that slice (:class:`OutputSlice`): a different measurement than a packed read or write, so a
+different key. It is what the tuning cache is indexed by and what a tuned model records per
+convolution. Its string form is stable and parseable; a key without a slice reads as it always did.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 Direction = Literal["fwd", "dgrad", "wgrad"]
 DIRECTIONS: tuple[Direction, ...] = ("fwd", "dgrad", "wgrad")
@@ -67,22 +68,36 @@ def layout_from_memory_format(name: str) -> tuple[int, Layout]:
 
 
 @dataclasses.dataclass(frozen=True)
-class InputSlice:
-    """The forward input ``x`` is channels ``[first, first + c)`` of a buffer of ``channels``
+class ChannelSlice:
+    """A tensor of ``c`` channels is channels ``[first, first + c)`` of a buffer of ``channels``
     channels stored in the key's memory format (channels-last: pixels ``channels`` elements apart;
-    channels-first: samples ``channels`` planes apart). Written ``xslice=<first>/<channels>``."""
+    channels-first: samples ``channels`` planes apart). Written ``<tag>=<first>/<channels>``."""
 
     first: int
     channels: int
+    tag: ClassVar[str] = "slice"
 
     def __str__(self) -> str:
-        return f"xslice={self.first}/{self.channels}"
+        return f"{self.tag}={self.first}/{self.channels}"
 
 
-def slice_strides(dims: tuple[int, ...], x_slice: InputSlice, layout: Layout) -> tuple[int, ...]:
-    """Element strides of ``x`` of logical shape ``dims`` (``(n, c, *spatial)``) read as ``x_slice``
-    of its buffer stored in ``layout`` (logical channels-first order)."""
-    total, spatial = x_slice.channels, dims[2:]
+class InputSlice(ChannelSlice):
+    """The forward input ``x`` read as a :class:`ChannelSlice`: ``xslice=<first>/<channels>``."""
+
+    tag = "xslice"
+
+
+class OutputSlice(ChannelSlice):
+    """The forward output ``y`` written into a :class:`ChannelSlice` (a Concat's buffer):
+    ``yslice=<first>/<channels>``."""
+
+    tag = "yslice"
+
+
+def slice_strides(dims: tuple[int, ...], where: ChannelSlice, layout: Layout) -> tuple[int, ...]:
+    """Element strides of a tensor of logical shape ``dims`` (``(n, c, *spatial)``) that is the
+    channel slice ``where`` of its buffer stored in ``layout`` (logical channels-first order)."""
+    total, spatial = where.channels, dims[2:]
     step = 1 if layout == "nchw" else total  # the innermost spatial axis's stride
     rest: list[int] = []
     for d in reversed(spatial):
@@ -176,8 +191,8 @@ class ConvShape:
     def with_direction(self, direction: Direction) -> ConvShape:
         return dataclasses.replace(self, direction=direction)
 
-    def key(self, layout: Layout, math: MathMode, x_slice: InputSlice | None = None) -> ProblemKey:
-        return ProblemKey(self, layout, math, x_slice)
+    def key(self, layout: Layout, math: MathMode, x_slice: InputSlice | None = None, y_slice: OutputSlice | None = None) -> ProblemKey:
+        return ProblemKey(self, layout, math, x_slice, y_slice)
 
     def __str__(self) -> str:
         x = lambda t: "x".join(map(str, t))  # noqa: E731
@@ -191,7 +206,7 @@ _KEY_RE = re.compile(
     r"^(?P<direction>fwd|dgrad|wgrad)\|n=(?P<n>\d+)\|c=(?P<c>\d+)\|k=(?P<k>\d+)\|in=(?P<spatial>[\dx]+)"
     r"\|ker=(?P<kernel>[\dx]+)\|pad=(?P<pads>[\dx]+)\|str=(?P<strides>[\dx]+)\|dil=(?P<dilations>[\dx]+)"
     r"\|g=(?P<groups>\d+)\|(?P<dtype>float32|float16|bfloat16)\|(?P<layout>nchw|nhwc)\|(?P<math>default|tensor_op|fma)"
-    r"(?:\|xslice=(?P<first>\d+)/(?P<channels>\d+))?$"
+    r"(?:\|xslice=(?P<first>\d+)/(?P<channels>\d+))?(?:\|yslice=(?P<yfirst>\d+)/(?P<ychannels>\d+))?$"
 )
 
 
@@ -202,30 +217,34 @@ class ProblemKey:
     ``str(key)`` is the stable form stored in tuned models and in the tuning cache, e.g.
     ``fwd|n=1|c=3|k=64|in=224x224|ker=7x7|pad=3x3|str=2x2|dil=1x1|g=1|float32|nchw|default``;
     :meth:`parse` reads it back. ``x_slice``: the forward input is that channel slice of a wider
-    buffer (``...|nhwc|default|xslice=0/192``); None: packed.
+    buffer (``...|nhwc|default|xslice=0/192``); ``y_slice``: the forward output is written into
+    that channel slice of a wider buffer (``...|nhwc|default|yslice=160/192``; both:
+    ``...|xslice=0/128|yslice=160/192``); None: packed.
     """
 
     shape: ConvShape
     layout: Layout
     math: MathMode
     x_slice: InputSlice | None = None
+    y_slice: OutputSlice | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.math not in MATH_MODES:
             raise ValueError(f"math must be one of {MATH_MODES}, got {self.math!r}")
-        s = self.x_slice
-        if s is not None:
+        for s, what, c in ((self.x_slice, "an input", self.shape.c), (self.y_slice, "an output", self.shape.k)):
+            if s is None:
+                continue
             if self.shape.direction != "fwd":
-                raise ValueError(f"an input slice is a forward conv's, not {self.shape.direction}'s")
-            if s.first < 0 or s.first + self.shape.c > s.channels or s.channels <= self.shape.c:
-                raise ValueError(f"channels {s.first}..{s.first + self.shape.c} of a {s.channels}-channel buffer are no channel slice")
+                raise ValueError(f"{what} slice is a forward conv's, not {self.shape.direction}'s")
+            if s.first < 0 or s.first + c > s.channels or s.channels <= c:
+                raise ValueError(f"channels {s.first}..{s.first + c} of a {s.channels}-channel buffer are no channel slice")
 
     @property
     def packed(self) -> ProblemKey:
-        """This key reading a packed input."""
-        return self if self.x_slice is None else dataclasses.replace(self, x_slice=None)
+        """This key reading a packed input and writing a packed output."""
+        return self if self.x_slice is None and self.y_slice is None else dataclasses.replace(self, x_slice=None, y_slice=None)
 
     @property
     def x_strides(self) -> tuple[int, ...] | None:
@@ -233,12 +252,17 @@ class ProblemKey:
         return None if self.x_slice is None else slice_strides(self.shape.x_shape, self.x_slice, self.layout)
 
     @property
+    def y_strides(self) -> tuple[int, ...] | None:
+        """Element strides of the output slice (:func:`slice_strides`); None: packed."""
+        return None if self.y_slice is None else slice_strides(self.shape.y_shape, self.y_slice, self.layout)
+
+    @property
     def tf32(self) -> bool:
         """Whether float32 data may be computed with TF32 tensor cores under this math type."""
         return self.shape.dtype == "float32" and self.math != "fma"
 
     def __str__(self) -> str:
-        return f"{self.shape}|{self.layout}|{self.math}" + (f"|{self.x_slice}" if self.x_slice is not None else "")
+        return f"{self.shape}|{self.layout}|{self.math}" + "".join(f"|{s}" for s in (self.x_slice, self.y_slice) if s is not None)
 
     @classmethod
     def parse(cls, text: str) -> ProblemKey:
@@ -260,7 +284,8 @@ class ProblemKey:
             dtype=m["dtype"],
         )
         x_slice = InputSlice(int(m["first"]), int(m["channels"])) if m["channels"] is not None else None
-        return cls(shape, m["layout"], m["math"], x_slice)  # type: ignore[arg-type]
+        y_slice = OutputSlice(int(m["yfirst"]), int(m["ychannels"])) if m["ychannels"] is not None else None
+        return cls(shape, m["layout"], m["math"], x_slice, y_slice)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +295,7 @@ class ConvProblem:
     candidates: tuple[ConvShape, ...]
     fusion: str = ""  # the epilogue run in its conv's step (:mod:`convpass.core.fusion`), or ""
     x_slice: InputSlice | None = None  # the input is read as this channel slice (forward, 2-D geometry only)
+    y_slice: OutputSlice | None = None  # the output is written into this channel slice (forward, 2-D geometry only)
 
     @property
     def direction(self) -> Direction:
@@ -282,4 +308,5 @@ class ConvProblem:
     def __str__(self) -> str:
         mapping = f" (+{len(self.candidates) - 1} mapping)" if len(self.candidates) > 1 else ""
         read = f" reading {self.x_slice}" if self.x_slice is not None else ""
-        return str(self.primary) + mapping + (f" + {self.fusion}" if self.fusion else "") + read
+        write = f" writing {self.y_slice}" if self.y_slice is not None else ""
+        return str(self.primary) + mapping + (f" + {self.fusion}" if self.fusion else "") + read + write
