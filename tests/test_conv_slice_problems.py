@@ -109,14 +109,14 @@ def test_only_channel_families_give_slices_and_a_value_two_families_read_is_not_
     outputs = {k: f"{k}_out" for k in infos}
     fams = families(infos)
     assert [f.root for f in fams] == ["cat_b", "cat_c", "cat_h"] and fams[0].members == {"cat_a": 0, "cat_b": 0}
-    slices = channel_slices(infos, outputs, aliasable=lambda v: v != "w", places=lambda v: v != "z")
+    slices = channel_slices(infos, outputs, aliasable=lambda v: v != "w", writer=lambda v: None if v == "z" else v)
     assert slices == {"cat_a_out": InputSlice(0, 10), "u": InputSlice(0, 10)}
 
 
 def test_a_split_of_a_slice_gives_no_slices_and_one_along_h_neither():
     infos = {"cat": ConcatInfo(1, ("a", "b"), (4, 4)), "inner": ConcatInfo(1, ("a",), (4,))}
     splits = [SplitInfo(1, "a", ("a0", "a1"), (2, 2)), SplitInfo(1, "t", ("t0", "t1"), (3, 5)), SplitInfo(2, "t", ("s0", "s1"), (3, 3))]
-    slices = channel_slices(infos, {"cat": "cat_out", "inner": "inner_out"}, lambda v: True, lambda v: True, splits)
+    slices = channel_slices(infos, {"cat": "cat_out", "inner": "inner_out"}, lambda v: True, lambda v: v, splits)
     assert "a0" not in slices and "s0" not in slices  # a is itself a slice of cat's buffer; s splits H
     assert slices["t0"] == InputSlice(0, 8) and slices["t1"] == InputSlice(3, 8) and slices["a"] == InputSlice(0, 8)
 

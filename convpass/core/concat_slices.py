@@ -1,8 +1,9 @@
-"""Which values live in a channel slice of a shared buffer: Concat families, their placed inputs,
-a Split's outputs. One rule, asked by the runtime's memory planner (which places them:
-:mod:`convpass.runtime.cuda.memory`, over its plan's steps and slots) and by the compiler (which
-tunes the convs that read them: :mod:`convpass.compiler.passes.collect_conv_problems`, over the
-onnx-ir graph), each giving it its graph as plain data: node -> :class:`ConcatInfo`.
+"""Which values live in a channel slice of a shared buffer, and which steps write them there:
+Concat families, their placed inputs, a Split's outputs. One rule, asked by the runtime's memory
+planner (which places them: :mod:`convpass.runtime.cuda.memory`, over its plan's steps, slots and
+launches) and by the compiler (which tunes the convs that read and write such slices:
+:mod:`convpass.compiler.passes.collect_conv_problems`, over the onnx-ir graph), each giving it its
+graph as plain data: node -> :class:`ConcatInfo`, and its steps through callbacks.
 
 Rules:
 
@@ -13,13 +14,22 @@ Rules:
 2. **Placement candidates.** An input ``v`` of a root may be written by its producer straight into
    its slice when ``v`` appears once among the root's inputs, in no other family, and may live in a
    shared buffer (``aliasable``: no graph input, output or constant) (:func:`placement_candidates`).
-   Whether its producer can write into a given array is the caller's to say (the runtime: the
-   launch's ``supports_placement``; the compiler, which has no launches: any node).
-3. **Channel slices** (:func:`channel_slices`), of a family on axis 1 whose root has ``T`` channels:
+3. **Placements** (:func:`place`). A candidate ``v`` is placed when ``writer(v)`` names the step
+   that computes it and writes into a given array (the caller's to say: the runtime, a launch that
+   honours placements, computes only ``v`` and has none yet; the compiler, a conv's step by rule 4
+   and any other one-output node but a Pad). A zero-width Pad passes a slice on: where ``v`` has no
+   writer and ``pad_input(v)`` names ``u`` (``v`` is a Pad of zero widths over ``u``, that Pad
+   ``u``'s only reader), ``u`` is placed in ``v``'s stead, written by ``writer(u)``, when ``u`` is
+   in no family and aliasable; the Pad's output is then ``u``'s array itself.
+4. **A conv's step writes into a given array** (:func:`conv_step_writes_slice`) when it is a
+   Conv or ConvTranspose whose epilogue (:mod:`convpass.core.fusion` names) is none, ``bias``,
+   ``relu`` or ``bias+relu``: a residual Add or a fused graph-API epilogue writes a packed output.
+   A forward Conv so placed writes its output into its channel slice (:func:`output_slices`).
+5. **Channel slices** (:func:`channel_slices`), of a family on axis 1 whose root has ``T`` channels:
    a member Concat that is not the root reads as channels ``[offset, offset + length)`` of ``T``;
-   so does a placed input (rule 2) at its offset. A Split on axis 1 of a value that is no slice
+   so does a placed value (rule 3) at its offset. A Split on axis 1 of a value that is no slice
    itself gives its outputs as slices of its input (the op library returns views). The root
-   itself, and every other value, is packed.
+   itself, a value as wide as its root's buffer, and every other value, is packed.
 """
 
 from __future__ import annotations
@@ -28,9 +38,14 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from convpass.core.problem import InputSlice
+from convpass.core.fusion import legacy_name
+from convpass.core.problem import InputSlice, OutputSlice
 
-__all__ = ["ConcatFamily", "ConcatInfo", "SplitInfo", "channel_slices", "families", "placement_candidates", "times_in_families"]
+__all__ = ["ConcatFamily", "ConcatInfo", "Placed", "SplitInfo", "channel_slices", "conv_step_writes_slice", "families", "output_slices",
+           "place", "placement_candidates", "times_in_families"]
+
+# rule 4: the epilogues a conv's step runs while writing into a given array
+_WRITES_SLICE = frozenset({"", "relu", legacy_name(False, False), legacy_name(False, True)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +140,72 @@ def placement_candidates(fam: ConcatFamily, infos: Mapping[Any, ConcatInfo], see
     return out
 
 
-def channel_slices(infos: Mapping[Any, ConcatInfo], outputs: Mapping[Any, Any], aliasable: Callable[[Any], bool],
-                   places: Callable[[Any], bool], splits: Iterable[SplitInfo] = ()) -> dict[Any, InputSlice]:
-    """value -> the :class:`~convpass.core.problem.InputSlice` it is read as (rule 3).
-    ``outputs``: Concat node -> its output value; ``places(v)``: whether ``v``'s producer writes
-    into a given array (rule 2)."""
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A placement (rule 3): the root's ``k``-th input ``value``, at ``offset`` in its buffer of
+    ``total`` along the family's axis, ``length`` long, computed into its slice by ``writer`` (the
+    caller's object) as ``written`` (``value``, or the input of the zero-width Pad giving it)."""
+
+    k: int
+    value: Any
+    offset: int
+    length: int
+    total: int
+    writer: Any
+    written: Any
+
+
+def conv_step_writes_slice(op_type: str, epilogue: str) -> bool:
+    """Rule 4: whether the step of a conv (``op_type``) running ``epilogue`` after it writes its
+    output into a given array (a Concat's slice)."""
+    return op_type in ("Conv", "ConvTranspose") and epilogue in _WRITES_SLICE
+
+
+def place(fam: ConcatFamily, infos: Mapping[Any, ConcatInfo], seen_in: Mapping[Any, int], aliasable: Callable[[Any], bool],
+          writer: Callable[[Any], Any], pad_input: Callable[[Any], Any] = lambda v: None) -> list[Placed]:
+    """The placements of one family (rule 3): ``writer(v)``, the step that writes ``v`` into a
+    given array or None; ``pad_input(v)``, the input ``u`` of the zero-width Pad that computes
+    ``v`` and is ``u``'s only reader, or None."""
+    total = sum(infos[fam.root].lengths)
+    out = []
+    for k, v, offset in placement_candidates(fam, infos, seen_in, aliasable):
+        written, step = v, writer(v)
+        if step is None:
+            u = pad_input(v)
+            if u is None or u in seen_in or not aliasable(u):
+                continue
+            written, step = u, writer(u)
+            if step is None:
+                continue
+        out.append(Placed(k, v, offset, infos[fam.root].lengths[k], total, step, written))
+    return out
+
+
+def _placements(infos: Mapping[Any, ConcatInfo], aliasable: Callable[[Any], bool], writer: Callable[[Any], Any],
+                pad_input: Callable[[Any], Any]) -> list[tuple[ConcatFamily, list[Placed]]]:
     fams = families(infos)
     seen_in = times_in_families(infos, fams)
+    return [(fam, place(fam, infos, seen_in, aliasable, writer, pad_input)) for fam in fams]
+
+
+def output_slices(infos: Mapping[Any, ConcatInfo], aliasable: Callable[[Any], bool], writer: Callable[[Any], Any],
+                  pad_input: Callable[[Any], Any] = lambda v: None) -> dict[Any, OutputSlice]:
+    """writer -> the :class:`~convpass.core.problem.OutputSlice` its output is written into (rules
+    3 and 4: a channel family's placement narrower than its buffer), over every family."""
+    out: dict[Any, OutputSlice] = {}
+    for fam, placed in _placements(infos, aliasable, writer, pad_input):
+        if fam.axis == 1:
+            out.update((p.writer, OutputSlice(p.offset, p.total)) for p in placed if p.length < p.total)
+    return out
+
+
+def channel_slices(infos: Mapping[Any, ConcatInfo], outputs: Mapping[Any, Any], aliasable: Callable[[Any], bool],
+                   writer: Callable[[Any], Any], splits: Iterable[SplitInfo] = (),
+                   pad_input: Callable[[Any], Any] = lambda v: None) -> dict[Any, InputSlice]:
+    """value -> the :class:`~convpass.core.problem.InputSlice` it is read as (rule 5).
+    ``outputs``: Concat node -> its output value; ``writer`` and ``pad_input``: as :func:`place`."""
     slices: dict[Any, InputSlice] = {}
-    for fam in fams:
+    for fam, placed in _placements(infos, aliasable, writer, pad_input):
         root = infos[fam.root]
         if fam.axis != 1:
             continue
@@ -141,9 +213,9 @@ def channel_slices(infos: Mapping[Any, ConcatInfo], outputs: Mapping[Any, Any], 
         for node, offset in fam.members.items():
             if node != fam.root and sum(infos[node].lengths) < total:
                 slices[outputs[node]] = InputSlice(offset, total)
-        for _, v, offset in placement_candidates(fam, infos, seen_in, aliasable):
-            if places(v):
-                slices[v] = InputSlice(offset, total)
+        for p in placed:
+            if p.length < total:
+                slices[p.value] = slices[p.written] = InputSlice(p.offset, total)
     for split in splits:
         total = sum(split.lengths)
         if split.axis != 1 or split.input in slices or len(split.outputs) < 2:

@@ -20,6 +20,15 @@ Rules:
   reading that slice (or with the copy it needs). Only where the executor reads it in place: a
   conv of its own 2-D or 3-D geometry (no 1-D mapping, no zero pre-pad). Kept per profile in
   ``node.meta[X_SLICE_KEY]``, so the decisions' pass finds the same problem.
+* A forward Conv whose step writes its output into its channel slice of a Concat family's buffer
+  (rules 3 and 4 of :mod:`convpass.core.concat_slices`, the rule the runtime's memory planner
+  places it by: its step's epilogue none, a bias or a ReLU, its output placed in the family; a
+  zero-width Pad between them whose widths are constants here passes the slice on) is a problem
+  with its ``y_slice``, which the tuner times writing into that slice (or with the copy it
+  needs). Only a conv of its own 2-D or 3-D geometry (no 1-D mapping: the executor copies its
+  packed output); a ConvTranspose so placed writes its slice from its bias pass (its backward
+  data runs packed either way), no slice in its problem. Kept per profile in
+  ``node.meta[Y_SLICE_KEY]``. A conv reading one slice and writing another names both.
 * Results: ``model.meta["convpass.problems"]`` (and ``self.problems``): an insertion-ordered dict
   ``ConvProblem -> [ProblemUse, ...]``.
 """
@@ -29,16 +38,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import onnx_ir as ir
 
 from convpass.compiler.passes import state
 from convpass.compiler.passes.state import CANONICAL_KEY, PROBLEMS_KEY, VALUE_SHAPES_KEY
 from convpass.core import concat_slices
-from convpass.core.concat_slices import ConcatInfo, SplitInfo
-from convpass.core.fusion import absorbed
-from convpass.core.problem import ConvProblem, Direction, InputSlice
+from convpass.core.concat_slices import ConcatInfo, SplitInfo, conv_step_writes_slice
+from convpass.core.fusion import Absorbed, absorbed
+from convpass.core.problem import ConvProblem, Direction, InputSlice, OutputSlice
 
 X_SLICE_KEY = "convpass.x_slice"  # node.meta: per profile, the InputSlice the conv's input is read as, or None
+Y_SLICE_KEY = "convpass.y_slice"  # node.meta: per profile, the OutputSlice the conv's output is written into, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +124,13 @@ def conv_fusion(node: ir.Node, graph_fusions: bool = True, shapes: Mapping[str, 
     (:data:`convpass.compiler.passes.resolve_shapes.VALUE_SHAPES_KEY`)."""
     if node.op_type != "Conv":
         return ""
-    return absorbed(_IrSteps(shapes or {}), node, graph_fusions=graph_fusions).epilogue
+    return conv_step(node, graph_fusions, shapes).epilogue
+
+
+def conv_step(node: ir.Node, graph_fusions: bool = True, shapes: Mapping[str, Sequence[int]] | None = None) -> Absorbed:
+    """What the step of a Conv / ConvTranspose node absorbs and the value it writes
+    (:func:`convpass.core.fusion.absorbed`; arguments as :func:`conv_fusion`)."""
+    return absorbed(_IrSteps(shapes or {}), node, graph_fusions=graph_fusions)
 
 
 def node_problems(node: ir.Node, profile: int, directions: Sequence[Direction], fusions: bool = False,
@@ -126,9 +143,11 @@ def node_problems(node: ir.Node, profile: int, directions: Sequence[Direction], 
     wanted = [own] + [d for d in directions if d != "fwd" and own == "fwd" and d != own]
     shapes = value_shapes[profile] if profile < len(value_shapes) else None
     fusion = conv_fusion(node, fusions, shapes) if own == "fwd" else ""
-    slices = node.meta.get(X_SLICE_KEY, ())
-    x_slice = slices[profile] if profile < len(slices) else None
-    return [ConvProblem(tuple(s.with_direction(d) for s in canonical.shapes), fusion if d == own else "", x_slice if d == own else None)
+    x_slices, y_slices = node.meta.get(X_SLICE_KEY, ()), node.meta.get(Y_SLICE_KEY, ())
+    x_slice = x_slices[profile] if profile < len(x_slices) else None
+    y_slice = y_slices[profile] if profile < len(y_slices) else None
+    return [ConvProblem(tuple(s.with_direction(d) for s in canonical.shapes), fusion if d == own else "",
+                        x_slice if d == own else None, y_slice if d == own else None)
             for d in wanted]
 
 
@@ -139,15 +158,33 @@ def _axis(node: ir.Node, rank: int, default: int) -> int | None:
     return axis if 0 <= axis < rank else None
 
 
-def graph_slices(graph: ir.Graph, shapes: Mapping[str, Sequence[int]]) -> dict[ir.Value, InputSlice]:
-    """value -> the channel slice it is read as in ``graph`` at a profile's ``shapes``
-    (:func:`convpass.core.concat_slices.channel_slices` over the onnx-ir graph). The runtime places
-    a value only where its producer's launch writes into a given array; the compiler, which has no
-    launches, takes any producer of that one value."""
+@dataclasses.dataclass(frozen=True)
+class GraphSlices:
+    """The channel slices of one graph at one profile: value -> the slice it is read as, and conv
+    node -> the slice its step writes its output into."""
+
+    reads: dict[ir.Value, InputSlice]
+    writes: dict[ir.Node, OutputSlice]
+
+
+def graph_slices(graph: ir.Graph, shapes: Mapping[str, Sequence[int]], fusions: bool = False) -> GraphSlices:
+    """The channel slices of ``graph`` at a profile's ``shapes`` (:mod:`convpass.core.concat_slices`
+    over the onnx-ir graph; ``fusions``: graph-API fused steps are candidates, as
+    :func:`conv_fusion` takes them). The runtime places a value only where its producer's launch
+    writes into a given array; the compiler, which has no launches, takes a conv's step by rule 4
+    there and any other node of that one value but a Pad (a zero-width one passes its input's
+    slice on)."""
     infos: dict[ir.Node, ConcatInfo] = {}
     splits: list[SplitInfo] = []
+    steps: dict[ir.Value, ir.Node | None] = {}  # value -> the conv whose step writes it (None: a step that writes packed)
     for node in graph:
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Concat", "Split"):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in ("Conv", "ConvTranspose"):
+            step = conv_step(node, fusions, shapes)
+            if step.output is not None:
+                steps[step.output] = node if conv_step_writes_slice(node.op_type, step.epilogue) else None
+        if node.op_type not in ("Concat", "Split"):
             continue
         values = node.inputs if node.op_type == "Concat" else node.outputs
         dims = [_IrSteps(shapes)._dims(v) if v is not None else None for v in values]
@@ -167,26 +204,67 @@ def graph_slices(graph: ir.Graph, shapes: Mapping[str, Sequence[int]]) -> dict[i
     def aliasable(v: ir.Value) -> bool:
         return not (v.is_graph_input() or v.is_graph_output() or v.is_initializer() or v.const_value is not None)
 
-    def places(v: ir.Value) -> bool:
+    def writer(v: ir.Value) -> ir.Node | None:
+        if v in steps:
+            return steps[v]
         producer = v.producer()
-        return producer is not None and len(producer.outputs) == 1
+        if producer is None or len(producer.outputs) != 1 or _is_pad(producer):
+            return None
+        return producer
 
-    return concat_slices.channel_slices(infos, {n: n.outputs[0] for n in infos}, aliasable, places, splits)
+    reads = concat_slices.channel_slices(infos, {n: n.outputs[0] for n in infos}, aliasable, writer, splits, _zero_pad_input)
+    writes = concat_slices.output_slices(infos, aliasable, writer, _zero_pad_input)
+    return GraphSlices(reads, writes)
+
+
+def _is_pad(node: ir.Node) -> bool:
+    return node.op_type == "Pad" and node.domain in ("", "ai.onnx")
+
+
+def _zero_pad_input(v: ir.Value) -> ir.Value | None:
+    """The data input ``u`` of the Pad computing ``v`` when its widths are constant zeros (an
+    input from opset 11, the attribute before) and it is ``u``'s only reader; else None."""
+    pad = v.producer()
+    if pad is None or not _is_pad(pad) or not pad.inputs or pad.inputs[0] is None:
+        return None
+    u = pad.inputs[0]
+    if len(pad.inputs) > 1 and pad.inputs[1] is not None:
+        const = pad.inputs[1].const_value
+        widths = None if const is None else const.numpy()
+    else:
+        attr = pad.attributes.get("pads") or pad.attributes.get("paddings")
+        widths = None if attr is None else attr.value
+    if widths is None or any(int(w) != 0 for w in np.asarray(widths).reshape(-1)):
+        return None
+    return u if [user for user, _ in u.uses()] == [pad] else None
+
+
+def _own_geometry(node: ir.Node, profile: int) -> bool:
+    """Whether a canonicalized node is a forward Conv run in its own 2-D or 3-D geometry (no 1-D mapping)."""
+    canonical = node.meta[CANONICAL_KEY][profile]
+    if node.op_type != "Conv" or len(canonical.shapes) != 1 or not node.inputs or node.inputs[0] is None:
+        return False
+    return canonical.shapes[0].direction == "fwd" and canonical.spatial_rank == canonical.shapes[0].rank
 
 
 def conv_input_slice(node: ir.Node, profile: int, slices: Mapping[ir.Value, InputSlice]) -> InputSlice | None:
     """The slice a canonicalized forward Conv reads its input as at ``profile``, where the
     executor reads it in place (module rules); else None."""
-    canonical = node.meta[CANONICAL_KEY][profile]
-    if node.op_type != "Conv" or len(canonical.shapes) != 1 or any(canonical.extra_pads) or not node.inputs or node.inputs[0] is None:
+    if not _own_geometry(node, profile) or any(node.meta[CANONICAL_KEY][profile].extra_pads):
         return None
-    shape = canonical.shapes[0]
     x_slice = slices.get(node.inputs[0])
-    if x_slice is None or shape.direction != "fwd" or canonical.spatial_rank != shape.rank:
-        return None
-    if x_slice.first + shape.c > x_slice.channels:
+    if x_slice is None or x_slice.first + node.meta[CANONICAL_KEY][profile].shapes[0].c > x_slice.channels:
         return None
     return x_slice
+
+
+def conv_output_slice(node: ir.Node, profile: int, slices: Mapping[ir.Node, OutputSlice]) -> OutputSlice | None:
+    """The slice a canonicalized forward Conv's step writes its output into at ``profile``, where
+    the executor writes it in place (module rules); else None."""
+    y_slice = slices.get(node)
+    if y_slice is None or not _own_geometry(node, profile):
+        return None
+    return y_slice if y_slice.first + node.meta[CANONICAL_KEY][profile].shapes[0].k <= y_slice.channels else None
 
 
 class CollectConvProblemsPass(ir.passes.InPlacePass):
@@ -210,14 +288,15 @@ class CollectConvProblemsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.problems = {}
         value_shapes = model.meta.get(VALUE_SHAPES_KEY, ())
-        slices: dict[tuple[int, int], dict[ir.Value, InputSlice]] = {}  # (graph, profile) -> its slices
+        slices: dict[tuple[int, int], GraphSlices] = {}  # (graph, profile) -> its slices
         for node in ir.traversal.RecursiveGraphIterator(model.graph):  # bodies of If / Loop / Scan too
             profiles = range(len(node.meta.get(CANONICAL_KEY, ())))
             if node.graph is not None and profiles:
                 for p in profiles:
                     if (id(node.graph), p) not in slices:
-                        slices[(id(node.graph), p)] = graph_slices(node.graph, value_shapes[p] if p < len(value_shapes) else {})
-                node.meta[X_SLICE_KEY] = [conv_input_slice(node, p, slices[(id(node.graph), p)]) for p in profiles]
+                        slices[(id(node.graph), p)] = graph_slices(node.graph, value_shapes[p] if p < len(value_shapes) else {}, self.fusions)
+                node.meta[X_SLICE_KEY] = [conv_input_slice(node, p, slices[(id(node.graph), p)].reads) for p in profiles]
+                node.meta[Y_SLICE_KEY] = [conv_output_slice(node, p, slices[(id(node.graph), p)].writes) for p in profiles]
             for profile in profiles:
                 for problem in node_problems(node, profile, self.directions, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ())):
                     self.problems.setdefault(problem, []).append(ProblemUse(node, profile))

@@ -17,17 +17,17 @@ Rules:
   capture sees the same allocation sequence as the warm-up run.
 * A Concat inside a root is a view of the root's buffer at its offset: it copies nothing that
   is already there.
-* An input ``v`` of a root is *placed* — its producer writes into the root's slice — when the rule
-  lets it (``v`` appears once among the root's inputs and in no other family, is neither a graph
-  input, a constant nor a graph output) and its producer is a launch that can write into a given array
-  (:attr:`~convpass.kernels.launch.Launch.supports_placement`), computes only ``v``, and has no placement yet.
-  A Concat that is itself an input of another family (Inception's inner ``cat``) can be placed
-  that way; its own inputs are then copied.
+* An input ``v`` of a root is *placed* — its producer writes into the root's slice — by rules 2
+  and 3 of :mod:`convpass.core.concat_slices` (``v`` appears once among the root's inputs and in
+  no other family, is neither a graph input, a constant nor a graph output; a zero-width Pad
+  passes its input's slice on), this planner's writer of a value being a launch that can write
+  into a given array (:attr:`~convpass.kernels.launch.Launch.supports_placement`; a conv's step by
+  rule 4 there), computes only that value, and has no placement yet. A Concat that is itself an
+  input of another family (Inception's inner ``cat``) can be placed that way; its own inputs are
+  then copied.
 * A Pad whose widths are all zero (a plan constant: UNet's Pad of the upsampled map to the skip's
   size, its widths folded from ``Shape`` arithmetic) is its input itself: the op library returns
-  that array, not a copy. When such a Pad produces ``v`` and is the only reader of its own input
-  ``u``, the placement goes to ``u``'s producer under the same conditions (``u`` no graph input,
-  constant, graph output or input of a family); the Pad then passes the slice on.
+  that array, not a copy; the placement of its output goes to its input's producer (rule 3).
 * Every other input is copied once, by the first Concat of its family (in plan order) that
   contains it.
 
@@ -135,21 +135,26 @@ def plan_concats(plan: Any, launches: Mapping[int, Launch], allocator: Callable[
         allocate = allocator(tuple(shape), dtype)
         offsets = [sum(lengths[:k]) for k in range(len(ins))]
         placed: set[tuple[int, int]] = set()  # (slot, offset in the root's buffer)
-        for k, s, _ in concat_slices.placement_candidates(fam, infos, seen_in, lambda v: _aliasable(plan, v, graph_outputs, feeds)):
+
+        def writer(s: int, fam: ConcatFamily = fam) -> Launch | None:
             p = producers.get(s)
             launch = lookup.get(p) if p is not None else None
             if not _placeable(launch, s):
-                u = _zero_pad_input(plan, p, to_host) if p is not None else None
-                if u is None or readers.get(u) != [p] or u in seen_in or not _aliasable(plan, u, graph_outputs, feeds):
-                    continue
-                launch = lookup.get(producers.get(u, -1))  # the Pad passes its input on: its producer writes the slice
-                if not _placeable(launch, u):
-                    continue
+                return None
             if isinstance(launch, ConcatLaunch) and (launch.step in fam.members or family_of[launch.step].placed):
-                continue  # a view of this buffer already, or its own inputs write into its own buffer
-            launch.placement = Placement(root_slot, axis, offsets[k], lengths[k], allocate)
-            placed.add((s, offsets[k]))
-            fam.placed.append(s)
+                return None  # a view of this buffer already, or its own inputs write into its own buffer
+            return launch
+
+        def pad_input(s: int) -> int | None:
+            p = producers.get(s)
+            u = _zero_pad_input(plan, p, to_host) if p is not None else None
+            return u if u is not None and readers.get(u) == [p] else None
+
+        aliasable = lambda v: _aliasable(plan, v, graph_outputs, feeds)  # noqa: E731
+        for p in concat_slices.place(fam, infos, seen_in, aliasable, writer, pad_input):
+            p.writer.placement = Placement(root_slot, axis, offsets[p.k], lengths[p.k], allocate)
+            placed.add((p.value, offsets[p.k]))
+            fam.placed.append(p.value)
         copied = set(placed)  # (slot, offset) already in the buffer
         for step in sorted(fam.members):
             base = fam.members[step]
