@@ -31,10 +31,11 @@ SLICE = InputSlice(3, TOTAL)
 @pytest.fixture
 def bench_stand_in(monkeypatch):
     """NumPy in place of CuPy and cuDNN for one ShapeBench: ``install(layout, refuse=...)`` gives
-    the :class:`~test_slice_reads.Cudnn` stand-in; ``launched`` counts the timed launches per set."""
+    the :class:`~test_slice_reads.Cudnn` stand-in; ``copies`` / ``copied`` record every
+    ``copy_into`` (the source's strides / the destination's and the source's)."""
     fake_cp = types.ModuleType("cupy")
     fake_cp.empty, fake_cp.uint8, fake_cp.float32 = np.empty, np.uint8, np.float32
-    fake_cp.ascontiguousarray, fake_cp.maximum = np.ascontiguousarray, np.maximum
+    fake_cp.ascontiguousarray, fake_cp.maximum, fake_cp.isnan = np.ascontiguousarray, np.maximum, np.isnan
     fake_cp.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
     monkeypatch.setitem(sys.modules, "cupy", fake_cp)
     monkeypatch.setattr(cudnn, "ConvDescriptors", lambda key: types.SimpleNamespace(key=key))
@@ -57,9 +58,15 @@ def bench_stand_in(monkeypatch):
 
     monkeypatch.setattr(harness, "first_launch_ms", first_launch_ms)
     monkeypatch.setattr(harness, "time_launches", time_launches)
-    copies = []
+    copies, copied = [], []  # the source's strides of each copy; (destination's, source's)
     real_copy = cuda.copy_into
-    monkeypatch.setattr(cuda, "copy_into", lambda dst, src: (copies.append(elements(src.strides, 4)), real_copy(dst, src)))
+
+    def copy_into(dst, src):
+        copies.append(elements(src.strides, 4))
+        copied.append((elements(dst.strides, 4), elements(src.strides, 4)))
+        real_copy(dst, src)
+
+    monkeypatch.setattr(cuda, "copy_into", copy_into)
 
     def install(layout: str, **kw) -> Cudnn:
         fake = Cudnn(layout, **kw)
@@ -67,7 +74,7 @@ def bench_stand_in(monkeypatch):
         monkeypatch.setattr(cudnn, "workspace_size", fake.workspace_size)
         return fake
 
-    install.copies = copies
+    install.copies, install.copied, install.cp = copies, copied, fake_cp
     return install
 
 

@@ -42,7 +42,10 @@ Rules
    takes the slice's strides). The tuner times the input the key names: packed, or where the key
    has an :class:`~convpass.core.problem.InputSlice` that slice of a wider buffer, read in place
    where the object reads slices and cuDNN takes them, else copied first as the executor copies it
-   (:func:`refuses_slice`), the copy in the time. A key's workspace covers its strided call
+   (:func:`refuses_slice`), the copy in the time; so for the output a key names as an
+   :class:`~convpass.core.problem.OutputSlice` (written in place where the object writes slices
+   and cuDNN takes them, else written packed and copied into the slice after, as the executor
+   does). A key's workspace covers its strided calls
    (:func:`legacy_workspace`); a strided call whose workspace would outgrow the object's is
    refused here as cuDNN refuses a stride it does not take
    (:class:`~convpass.core.cudnn_enums.CudnnError`, ``CUDNN_STATUS_BAD_PARAM``).
@@ -81,24 +84,30 @@ _OUTPUT = {"fwd": 2, "dgrad": 0, "wgrad": 1}  # which of (x, w, y) a direction w
 _REFUSALS = (STATUS["CUDNN_STATUS_BAD_PARAM"], STATUS["CUDNN_STATUS_NOT_SUPPORTED"])
 
 
-def refuses_slice(e: BaseException) -> bool:
-    """Whether ``e`` is cuDNN refusing a launch's strided input (rule 3): ``CUDNN_STATUS_NOT_SUPPORTED``
-    or ``BAD_PARAM`` (the workspace check of :class:`_StridedCalls` raises the latter)."""
-    return isinstance(e, CudnnError) and e.category in _REFUSALS
+def refuses_slice(e: BaseException, write: bool = False) -> bool:
+    """Whether ``e`` is cuDNN refusing a launch's strided tensors (rule 3): ``CUDNN_STATUS_NOT_SUPPORTED``
+    or ``BAD_PARAM`` (the workspace check of :class:`_StridedCalls` raises the latter); where the
+    launch wrote a slice (``write``), any cuDNN error."""
+    return isinstance(e, CudnnError) and (write or e.category in _REFUSALS)
 
 
 def legacy_workspace(descs: Any, key: ProblemKey, algo: str, handle: Any = None) -> int:
     """The workspace a legacy algorithm needs for ``key``: the packed call's, and for a key whose
-    input is a channel slice (:attr:`~convpass.core.problem.ProblemKey.x_strides`) the strided
-    call's where cuDNN takes it (where it does not, the launch is refused and the input copied,
-    rule 3). Raises :class:`~convpass.core.cudnn_enums.CudnnError` where the packed call is refused."""
+    input or output is a channel slice (:attr:`~convpass.core.problem.ProblemKey.x_strides`,
+    ``y_strides``) each strided call the launch may make where cuDNN takes it (both slices, and
+    each alone after a refusal of the other; where cuDNN takes none, the launch is refused and
+    the slice copied, rule 3). Raises :class:`~convpass.core.cudnn_enums.CudnnError` where the
+    packed call is refused."""
     kw = {} if handle is None else {"handle": handle}
     ws = cudnn.workspace_size(descs, None, algo, **kw)
-    if key.x_strides is not None and key.shape.direction == "fwd":
+    xs, ys = key.x_strides, key.y_strides
+    if key.shape.direction != "fwd" or (xs is None and ys is None):
+        return ws
+    for strided in dict.fromkeys(c for c in ((xs, ys), (xs, None), (None, ys)) if c != (None, None)):
         try:
-            ws = max(ws, cudnn.workspace_size(descs, None, algo, x_strides=key.x_strides, **kw))
+            ws = max(ws, cudnn.workspace_size(descs, None, algo, x_strides=strided[0], y_strides=strided[1], **kw))
         except CudnnError as e:
-            if not refuses_slice(e):
+            if not refuses_slice(e, write=strided[1] is not None):
                 raise
     return ws
 

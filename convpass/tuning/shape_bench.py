@@ -16,6 +16,15 @@ timing of an execution object's launch, and the head-to-head of the close candid
   read cuDNN refuses (:func:`~convpass.kernels.conv_exec.refuses_slice`), is timed as the executor
   runs it then: the input copied into a packed buffer (the executor's copy,
   :func:`~convpass.native.cuda.copy_into`), then the launch, both in the time; its row's note says so.
+* A key whose output is written into a channel slice (:class:`~convpass.core.problem.OutputSlice`:
+  a Concat's buffer) is timed writing exactly that: each set's ``y`` is the slice view of a wider
+  buffer in the key's memory format (its other channels NaN, and the check fails a candidate that
+  writes any of them). A candidate whose object writes packed outputs (a fused call, an engine's
+  plan), or whose strided output cuDNN refuses (any cuDNN error of a launch that wrote a slice, as
+  the executor takes it), is timed as the executor runs it then: the launch into a packed buffer,
+  then its copy into the slice, both in the time; its row's note says so. A launch that read and
+  wrote slices and was refused tries each alone, in the executor's order (the input packed, then
+  the output packed), before both packed.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem, ConvShape, InputSlice, ProblemKey
+from convpass.core.problem import ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey
 from convpass.tuning import harness
 from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import allowed, cost_ms, epilogue_ms, residual_ms
@@ -99,9 +108,10 @@ def best_after(best: float | None, row: Measurement) -> float | None:
 class ShapeBench:
     """Random inputs, rotation sets and the reference output for one geometry (module docstring)."""
 
-    def __init__(self, shape: ConvShape, x_slice: InputSlice | None = None) -> None:
+    def __init__(self, shape: ConvShape, x_slice: InputSlice | None = None, y_slice: OutputSlice | None = None) -> None:
         self.shape = shape
         self.x_slice = x_slice  # every set's x is this slice of a wider buffer (module docstring)
+        self.y_slice = y_slice  # every set's y is this slice of a wider buffer (module docstring)
         self._sets: dict[str, list[dict]] = {}
         self._reference = None
         # (key, algo) -> the captured group its timing replayed, and what that group needs kept
@@ -128,7 +138,7 @@ class ShapeBench:
         have = self._sets.setdefault(layout, [])
         if not have:
             have.append({name: as_layout(array, layout).copy() if layout == "nchw" else as_layout(array, layout) for name, array in self._base.items()})
-            self._slice_input(have[0], layout)
+            self._slice_tensors(have[0], layout)
 
         def copy(a: Any) -> Any:
             out = empty_like_layout(a.shape, self.shape.dtype, layout)
@@ -137,29 +147,47 @@ class ShapeBench:
 
         while len(have) < count:  # from the base data: set 0's output holds whatever the last check wrote
             have.append({name: copy(a) for name, a in self._base.items()})
-            self._slice_input(have[-1], layout)
+            self._slice_tensors(have[-1], layout)
         return have[:count]
 
-    def _slice_input(self, group: dict, layout: str) -> None:
-        """With an input slice, ``group["x"]`` moved into its slice of a wider buffer in ``layout``
-        (the other channels NaN)."""
-        if self.x_slice is None:
-            return
+    def _slice_tensors(self, group: dict, layout: str) -> None:
+        """With an input slice, ``group["x"]`` moved into its slice of a wider buffer in ``layout``;
+        with an output slice, ``group["y"]`` so, the buffer kept as ``group["y_buffer"]`` (the
+        other channels NaN in both)."""
         from convpass.native.cuda import copy_into
         from convpass.native.cudnn import empty_like_layout
 
-        x, s = group["x"], self.x_slice
-        wide = empty_like_layout((x.shape[0], s.channels, *x.shape[2:]), self.shape.dtype, layout)
-        wide.fill(float("nan")) if self.shape.dtype != "bfloat16" else wide.fill(0x7FC0)
-        group["x"] = wide[:, s.first:s.first + x.shape[1]]
-        copy_into(group["x"], x)
+        for name, where in (("x", self.x_slice), ("y", self.y_slice)):
+            if where is None:
+                continue
+            a = group[name]
+            wide = empty_like_layout((a.shape[0], where.channels, *a.shape[2:]), self.shape.dtype, layout)
+            self._poison(wide)
+            group[name] = wide[:, where.first:where.first + a.shape[1]]
+            copy_into(group[name], a)
+            if name == "y":
+                group["y_buffer"] = wide
+
+    def _poison(self, a: Any) -> None:
+        a.fill(float("nan")) if self.shape.dtype != "bfloat16" else a.fill(0x7FC0)
+
+    def _strays(self, group: dict) -> bool:
+        """Whether a launch wrote any channel of ``group``'s output buffer outside its slice."""
+        import cupy as cp
+
+        wide, s = group.get("y_buffer"), self.y_slice
+        if wide is None or s is None:
+            return False
+        rest = [part for part in (wide[:, :s.first], wide[:, s.first + self.shape.k:]) if part.shape[1]]
+        return not all(bool(cp.isnan(harness.to_float32(part, self.shape.dtype)).all()) for part in rest)
 
     def rotation(self, layout: str) -> list[dict]:
         """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`)."""
         nbytes = sum(a.nbytes for a in self._base.values())
-        if self.x_slice is not None:  # each set's x is a slice of a buffer of x_slice.channels channels
-            x = self._base["x"]
-            nbytes += x.nbytes * (self.x_slice.channels - x.shape[1]) // x.shape[1]
+        for name, where in (("x", self.x_slice), ("y", self.y_slice)):  # each a slice of a buffer of where.channels channels
+            if where is not None:
+                a = self._base[name]
+                nbytes += a.nbytes * (where.channels - a.shape[1]) // a.shape[1]
         return self.buffers(layout, harness.rotation_sets(nbytes))
 
     def find_workspace(self) -> int:
@@ -177,14 +205,14 @@ class ShapeBench:
         key = self.shape.key("nchw", "fma")
         out_name = OUTPUT[self.shape.direction]
         base = self.buffers("nchw", 1)[0]
-        x = as_layout(base["x"], "nchw")  # packed (a copy of an input slice)
+        arrays = {name: as_layout(base[name], "nchw") for name in ("x", "w", "y")}  # packed (copies of slices)
         with ConvDescriptors(key) as descs:
             for algo in REFERENCE_ALGOS[self.shape.direction]:
                 try:
-                    run(descs, None, algo, x, base["w"], base["y"])
+                    run(descs, None, algo, arrays["x"], arrays["w"], arrays["y"])
                 except CudnnError:
                     continue
-                self._reference = harness.to_float32(base[out_name], self.shape.dtype).copy()
+                self._reference = harness.to_float32(arrays[out_name], self.shape.dtype).copy()
                 # restore the output buffer's random content for later timings of other directions
                 return self._reference
         raise RuntimeError(f"no deterministic reference algorithm supports {self.shape}")
@@ -204,24 +232,28 @@ class ShapeBench:
         workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
         sets = self.rotation(key.layout)
         weights = {id(b): conv.prepare_weight(b["w"]) for b in sets}  # as the executor passes them
-        inputs = _Inputs(key, conv, sets)
+        tensors = _Tensors(key, conv, sets)
 
         def launch(b: dict, workspace: Any) -> None:
-            conv.launch(inputs.x(b), weights[id(b)], b["y"], workspace, bias, b["z"] if residual else None)
+            conv.launch(tensors.x(b), weights[id(b)], tensors.y(b), workspace, bias, b["z"] if residual else None)
+            tensors.written(b)
 
         check = sets[0]
-        check[out_name].fill(float("nan")) if key.shape.dtype != "bfloat16" else check[out_name].fill(0x7FC0)
-        try:
-            first_ms = harness.first_launch_ms(lambda: launch(check, workspace))  # also the timing's warm-up
-        except Exception as e:
-            if not inputs.refused(e):
-                raise
-            first_ms = harness.first_launch_ms(lambda: launch(check, workspace))
+        self._poison(check.get("y_buffer", check[out_name]))
+        while True:
+            try:
+                first_ms = harness.first_launch_ms(lambda: launch(check, workspace))  # also the timing's warm-up
+                break
+            except Exception as e:
+                if not tensors.refused(e):
+                    raise
         out = check[out_name] if key.shape.dtype != "bfloat16" else harness.to_float32(check[out_name], "bfloat16")
         err = harness.relative_error(out, reference)
         tolerance = TOLERANCE[(key.shape.dtype, key.math)]
         if not err <= tolerance:
             return make_row(key, algo, "wrong_result", None, ws, det, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
+        if self._strays(check):
+            return make_row(key, algo, "wrong_result", None, ws, det, now, "measure", note="it wrote channels outside its output slice")
         timing = harness.time_launches(lambda i: launch(sets[i], workspace), len(sets), best_ms, first_ms=first_ms)
         if capture_required and timing.eager:
             return make_row(key, algo, "unsupported", None, ws, det, now, "measure", note="its launches cannot be captured into a CUDA graph")
@@ -234,7 +266,7 @@ class ShapeBench:
             note += f"; stopped there, {timing.stopped_by} ({best_ms:.4f} ms)"
         if timing.eager:
             note += "; eager launches (not capturable): includes launch overhead"
-        return make_row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note + inputs.note)
+        return make_row(key, algo, "ok", timing.time_ms, ws, det, now, "measure", note=note + tensors.note)
 
     def group_bytes(self) -> int:
         """Workspace the kept groups hold."""
@@ -290,43 +322,95 @@ class ShapeBench:
         self._reference = None
 
 
-class _Inputs:
-    """The ``x`` a candidate's launch is given (module docstring): each set's own (packed, or the
-    key's input slice read in place), or, where the object reads packed inputs or cuDNN refused
-    the slice (:meth:`refused`), a packed copy of it made first, as the executor makes it."""
+class _Tensors:
+    """The ``x`` a candidate's launch reads and the ``y`` it writes (module docstring): each set's
+    own (packed, or the key's slices in place); where the object takes packed tensors only or
+    cuDNN refused a slice (:meth:`refused`), a packed copy of the input slice made first, and a
+    packed output copied into its slice after (:meth:`written`), as the executor does."""
 
     def __init__(self, key: ProblemKey, conv: Any, sets: list[dict]) -> None:
         self.key, self.sets = key, sets
-        self.copy = False
-        self.note = "; input slice read in place" if key.x_slice is not None else ""
-        self._packed: dict[int, Any] = {}
-        if key.x_slice is not None and conv.input_strides != "slice":
-            self._copy_from_now("the object reads packed inputs")
+        self.read = key.x_slice is not None and conv.input_strides == "slice"
+        self.write = key.y_slice is not None and conv.output_strides != "packed"
+        self._packed: dict[str, dict[int, Any]] = {"x": {}, "y": {}}
+        self._notes: dict[str, str] = {}
+        self._alone: list[tuple[bool, bool]] | None = None  # after a refusal of both: the states left to try
+        for name, where, on, why in (("x", key.x_slice, self.read, "the object reads packed inputs"),
+                                     ("y", key.y_slice, self.write, "the object writes packed outputs")):
+            if where is None:
+                continue
+            if on:
+                self._in_place(name)
+            else:
+                self._pack(name, why)
 
-    def _copy_from_now(self, why: str) -> None:
-        """Copy every set's input first from now on: the packed buffers made here, never while
-        the timing captures launches."""
+    @property
+    def note(self) -> str:
+        return "".join(f"; {self._notes[name]}" for name, where in (("x", self.key.x_slice), ("y", self.key.y_slice)) if where is not None)
+
+    def _pack(self, name: str, why: str) -> None:
+        """Launch on a packed ``x`` / ``y`` from now on (a copy of the slice first / into it after):
+        the packed buffers made here, never while the timing captures launches."""
         from convpass.native.cudnn import empty_like_layout
 
-        self.copy = True
-        self.note = f"; input copied first ({why})"
+        self._notes[name] = f"input copied first ({why})" if name == "x" else f"output copied into its slice after ({why})"
         for group in self.sets:
-            self._packed[id(group)] = empty_like_layout(group["x"].shape, self.key.shape.dtype, self.key.layout)
+            self._packed[name][id(group)] = empty_like_layout(group[name].shape, self.key.shape.dtype, self.key.layout)
+
+    def _in_place(self, name: str) -> None:
+        """Launch on the set's own slice ``x`` / ``y`` from now on."""
+        self._packed[name].clear()
+        self._notes[name] = "input slice read in place" if name == "x" else "output written into its slice in place"
+
+    def _state(self, read: bool, write: bool, why: str) -> None:
+        """Read the input slice in place or not, write the output slice in place or not, from now on."""
+        for name, on, where in (("x", read, self.key.x_slice), ("y", write, self.key.y_slice)):
+            if where is None:
+                continue
+            if on:
+                self._in_place(name)
+            elif not self._packed[name]:
+                self._pack(name, why)
+        self.read, self.write = read, write
 
     def x(self, group: dict) -> Any:
-        if not self.copy:
+        packed = self._packed["x"].get(id(group))
+        if packed is None:
             return group["x"]
         from convpass.native.cuda import copy_into
 
-        out = self._packed[id(group)]
-        copy_into(out, group["x"])
-        return out
+        copy_into(packed, group["x"])
+        return packed
+
+    def y(self, group: dict) -> Any:
+        return self._packed["y"].get(id(group), group["y"])
+
+    def written(self, group: dict) -> None:
+        """After a launch into a packed output: its copy into the set's slice."""
+        packed = self._packed["y"].get(id(group))
+        if packed is not None:
+            from convpass.native.cuda import copy_into
+
+            copy_into(group["y"], packed)
 
     def refused(self, e: BaseException) -> bool:
-        """Whether ``e`` is cuDNN refusing the slice read: then every launch copies from now on."""
+        """Whether ``e`` is cuDNN refusing the launch's slices (:func:`~convpass.kernels.conv_exec.refuses_slice`):
+        then the next launch runs as the executor's does next (module docstring)."""
         from convpass.kernels.conv_exec import refuses_slice
 
-        if self.copy or self.key.x_slice is None or not refuses_slice(e):
+        why = f"cuDNN refuses the slice: {str(e).splitlines()[0]}"
+        if not (self.read or self.write):
             return False
-        self._copy_from_now(f"cuDNN refuses the slice: {str(e).splitlines()[0]}")
+        if self._alone is not None:  # trying each slice alone: any cuDNN error of the try moves on
+            if not refuses_slice(e, write=True):
+                return False
+            self._state(*(self._alone.pop(0) if self._alone else (False, False)), why)
+            return True
+        if not refuses_slice(e, write=self.write):
+            return False
+        if self.read and self.write:
+            self._alone = [(True, False)]
+            self._state(False, True, why)
+        else:
+            self._state(False, False, why)
         return True

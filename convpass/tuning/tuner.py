@@ -18,7 +18,8 @@ type allowed by the options):
 * a problem whose input is a channel slice (``ConvProblem.x_slice``: a Concat's buffer, a Split's
   input) is measured under keys that name it: every candidate reads that slice, or is timed with
   the copy the executor makes where it cannot (:mod:`convpass.tuning.shape_bench`); its rows never
-  stand for the packed read's, nor these for its;
+  stand for the packed read's, nor these for its; so for a problem whose output is written into a
+  channel slice of a Concat's buffer (``ConvProblem.y_slice``), in place or with the copy into it;
 * everything measured goes to the tuning cache (per device fingerprint); a problem whose
   measurements are all in the cache is decided from there without timing anything.
 
@@ -174,7 +175,7 @@ class CudnnTuner:
         return self._transpose_ms[key]
 
     def _record_baseline(self, problem: ConvProblem, rows: list[Measurement]) -> None:
-        key = problem.primary.key("nchw", "default", problem.x_slice)
+        key = problem.primary.key("nchw", "default", problem.x_slice, problem.y_slice)
         first = next((m for m in rows if m.key == key and m.method == "heuristic" and m.heuristic_rank == 0 and m.status == "ok"), None)
         if first is None:
             return
@@ -315,7 +316,7 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
 
     rows: list[Measurement] = []
     for shape in problem.candidates:
-        bench = ShapeBench(shape, problem.x_slice)
+        bench = ShapeBench(shape, problem.x_slice, problem.y_slice)
         candidates = Candidates(bench)
         try:
             # descriptors stay until the close candidates' head-to-head has replayed their groups
@@ -340,10 +341,12 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                         to_time = [ok_ranked[0].algo] if ok_ranked else []
                     else:
                         buffers = bench.buffers(key.layout, 1)[0]
-                        x = as_layout(buffers["x"], key.layout)  # Find takes packed inputs: its pick is timed below as the key reads
-                        found = [p for p in find(descs, None, x, buffers["w"], buffers["y"], workspace=bench.find_workspace()) if p.ok]
+                        # Find takes packed tensors: its pick is timed below as the key reads and writes
+                        x, y = as_layout(buffers["x"], key.layout), as_layout(buffers["y"], key.layout)
+                        found = [p for p in find(descs, None, x, buffers["w"], y, workspace=bench.find_workspace()) if p.ok]
+                        packed = [what for what, s in (("input", key.x_slice), ("output", key.y_slice)) if s is not None]
                         for rank, perf in enumerate(found):
-                            note = "Find timed a packed copy of the input" if key.x_slice is not None else ""
+                            note = f"Find timed a packed copy of the {' and the '.join(packed)}" if packed else ""
                             rows.append(make_row(key, perf.algo, "ok", perf.time_ms, perf.workspace_bytes, perf.deterministic, now, "find",
                                                  note, find_rank=rank))
                         to_time = [found[0].algo] if found else []
@@ -450,7 +453,7 @@ def fused_complete(rows: Sequence[Measurement], key: ProblemKey, fusion: str) ->
 
 def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKey]:
     return [
-        shape.key(layout, math, problem.x_slice)  # type: ignore[arg-type]
+        shape.key(layout, math, problem.x_slice, problem.y_slice)  # type: ignore[arg-type]
         for shape in problem.candidates
         for layout in options.layouts
         for math in options.math_modes(shape.dtype)

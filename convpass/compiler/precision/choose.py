@@ -41,7 +41,7 @@ _HALF_BYTES = {"fp16": 2}
 
 def half_problem(problem: ConvProblem) -> ConvProblem:
     """The same convolution with float16 data (float32 accumulation)."""
-    return ConvProblem(tuple(dataclasses.replace(s, dtype="float16") for s in problem.candidates), problem.fusion, problem.x_slice)
+    return dataclasses.replace(problem, candidates=tuple(dataclasses.replace(s, dtype="float16") for s in problem.candidates))
 
 
 def own_problems(uses: Mapping[ConvProblem, Sequence[Any]]) -> dict[ir.Node, list[ConvProblem | None]]:
