@@ -20,7 +20,8 @@ from convpass.core import annotation
 from convpass.core.cudnn_enums import STATUS, CudnnError
 from convpass.core.problem import InputSlice, ProblemKey
 from convpass.kernels import conv_exec
-from convpass.kernels.convolution import Convolutions, _refuses_slices
+from convpass.kernels.conv_exec import refuses_slice
+from convpass.kernels.convolution import Convolutions
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, elements
 from convpass.ops.conv import ConvCall, conv_geometry, conv_reference
@@ -272,9 +273,9 @@ def test_a_refusal_while_capturing_breaks_the_capture(stand_in, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_another_cudnn_error_of_a_slice_read_is_no_refusal(stand_in, layout):
     internal = STATUS["CUDNN_STATUS_INTERNAL_ERROR"]
-    assert _refuses_slices(CudnnError(NOT_SUPPORTED, "c"), False) and _refuses_slices(CudnnError(STATUS["CUDNN_STATUS_BAD_PARAM"], "c"), False)
-    assert not _refuses_slices(CudnnError(internal, "c"), False) and not _refuses_slices(ValueError("v"), True)
-    assert _refuses_slices(CudnnError(internal, "c"), True)  # a strided write: any error, as ever
+    assert refuses_slice(CudnnError(NOT_SUPPORTED, "c"), False) and refuses_slice(CudnnError(STATUS["CUDNN_STATUS_BAD_PARAM"], "c"), False)
+    assert not refuses_slice(CudnnError(internal, "c"), False) and not refuses_slice(ValueError("v"), True)
+    assert refuses_slice(CudnnError(internal, "c"), True)  # a strided write: any error, as ever
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -209,11 +209,13 @@ def test_a_placed_convtranspose_writes_its_slice_in_its_bias_pass_without_a_copy
     else:
         buf = np.full((N, 2 * C, HW, HW), np.nan, np.float32)
     out = buf[:, C:]
-    y = _convs(cp).run(_transpose_call(layout), x, w, b, relu=relu, out=out)
+    convs = _convs(cp)
+    y = convs.run(_transpose_call(layout), x, w, b, relu=relu, out=out)
     want = conv_transpose_reference(np, x, w, b, _transpose_geometry())
     want = np.maximum(want, 0) if relu else want
     assert y is out and calls["dgrad"] == 1
     assert calls["copy_into"] == 0 and calls["epilogue_from"] == 1 and calls["epilogue"] == 0, calls
+    assert convs.rt.counters["slice_writes"] == 1 and convs.rt.counters["slice_write_copies"] == 0
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     assert np.isnan(buf[:, :C]).all()  # the skip's half untouched
 
@@ -227,3 +229,19 @@ def test_an_unplaced_convtranspose_runs_its_bias_pass_in_place_as_before(fake_cu
     y = _convs(cp).run(_transpose_call("nhwc"), x, w, b)
     assert calls["epilogue"] == 1 and calls["epilogue_from"] == 0 and calls["copy_into"] == 0, calls
     np.testing.assert_allclose(y, conv_transpose_reference(np, x, w, b, _transpose_geometry()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_placed_convtranspose_without_a_bias_pass_copies_into_its_slice_and_counts_it(fake_cudnn):
+    """Backward data runs packed: with no pass to write the slice, the result is copied into it
+    (the copy the Concat would make of an unplaced input), counted in ``slice_write_copies``."""
+    cp, calls = fake_cudnn
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((N, C, HW // 2, HW // 2)).astype(np.float32)
+    w = (rng.standard_normal((C, C, 2, 2)) * 0.5).astype(np.float32)
+    buf = np.full((N, HW, HW, 2 * C), np.nan, np.float32).transpose(0, 3, 1, 2)
+    convs = _convs(cp)
+    y = convs.run(_transpose_call("nhwc"), x, w, None, out=buf[:, C:])
+    assert y is not None and calls["copy_into"] == 1 and calls["epilogue_from"] == 0, calls
+    assert convs.rt.counters["slice_write_copies"] == 1 and convs.rt.counters["slice_writes"] == 0
+    np.testing.assert_allclose(buf[:, C:], conv_transpose_reference(np, x, w, None, _transpose_geometry()), rtol=1e-5, atol=1e-5)
+    assert np.isnan(buf[:, :C]).all()

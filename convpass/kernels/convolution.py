@@ -31,33 +31,9 @@ is the activation's graph alone, the Add stays the plan's own step. When the pla
 ``algo`` runs, with one warning; when the fused plan cannot be built, the same, and the epilogue's
 steps run as usual.
 
-Placement: a Conv without residual whose epilogue is not fused into cuDNN's call (DenseNet's convs;
-a bias and ReLU run as their own pass) writes its output straight into its slice of a Concat buffer
-(:mod:`convpass.runtime.cuda.memory`), channels-first or channels-last: cuDNN gets an output
-descriptor with the slice's strides, and the epilogue pass runs on the slice in place, in its
-memory order. When cuDNN refuses that (some algorithms want packed outputs), and for a conv whose
-epilogue runs fused in cuDNN's call, the conv writes a packed output that is copied into the slice.
-A ConvTranspose (a UNet's upsampling, read by the decoder's Concat) runs backward data into a packed
-buffer, and its bias and ReLU pass reads that buffer and writes the slice: no copy after it.
-
-Reading slices: a forward conv run by cuDNN's legacy API, plain or fused call, whose input is a
-channel slice of a Concat buffer stored in the conv's memory format (channels-last: channel stride
-1; channels-first: samples the buffer's channels apart; :func:`~convpass.native.cudnn.arrays.channel_slice`)
-reads it in place through an input descriptor with the slice's strides. Any other input not packed
-in the conv's format is copied first (counted in ``layout_copies``), a slice too where a graph-API
-engine (its plan is built for packed tensors), convpass's kernel, a 1-D conv's mapping or a padded
-input reads it. The launches that read a slice are counted in ``slice_reads``.
-
-Refused slices: cuDNN refuses a strided tensor with ``CUDNN_STATUS_NOT_SUPPORTED`` or
-``BAD_PARAM`` (a strided output with any error); a strided call that needs more workspace than
-the decision's is refused the same way before cuDNN is called. The warm-up run before capture
-meets every refusal: a launch that read and wrote slices tries each alone to learn which cuDNN
-refuses; what it refuses runs packed for that conv from then on, with a copy, said once at debug
-level where the decision's problem key names that slice (the tuner timed the read, or the copy
-it needs); a slice read refused for a decision timed with a packed input is a copy on every run
-that its tuning never priced: one warning per model names the first such node, the executor's
-notes every one. A refusal while a CUDA graph is captured breaks the capture there
-(:class:`~convpass.native.cuda.CaptureBreak`), never silently.
+Slices of shared buffers (:mod:`convpass.kernels.conv_slices`): a conv reads a channel slice of a
+Concat buffer, and writes its output into its slice of one, in place where its object and cuDNN
+take the strides, else with a copy; the copies no tuning timed are said once per model.
 
 Decisions:
 
@@ -100,13 +76,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from convpass.core import annotation
+from convpass.core.concat_slices import conv_step_writes_slice
 from convpass.core.fusion import absorbed, adds_residual, is_graph_fusion, legacy_name
 from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, apply_epilogue, conv_exec, refuses_slice, step_epilogue
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
+from convpass.kernels.conv_slices import priced, remember_refusal, same_order, slice_words, unpriced_copy, write_copy
 from convpass.kernels.launch import Launch
 from convpass.native import cudnn
-from convpass.native.cuda import CaptureBreak, copy_into, elements, first_line, storage
+from convpass.native.cuda import CaptureBreak, copy_into, first_line, storage
 from convpass.native.cudnn import graph_api
 from convpass.native.cudnn.graph_api import GraphApiError
 from convpass.ops import conv as conv_kernels
@@ -283,21 +261,20 @@ class Convolutions:
         sliced = ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
         read = read_ok and conv.input_strides == "slice" and sliced
         if sliced and not read:
-            self.rt.counters["slice_copies"] += 1
-            if ex.source == "recorded" and not _priced_slice(ex, xp):
-                self._unpriced_copy(ex, f"its algorithm {ex.algo!r} reads packed inputs only" if conv.input_strides != "slice"
-                                    else f"cuDNN refuses to read it with algorithm {ex.algo!r}")
+            if ex.source == "recorded" and not priced(ex.key.x_strides, xp):
+                unpriced_copy(self.rt, ex, f"its algorithm {ex.algo!r} reads packed inputs only" if conv.input_strides != "slice"
+                              else f"cuDNN refuses to read it with algorithm {ex.algo!r}")
         x4 = xp if read else self._in_layout(xp, ex)
         direct = out is not None and ex.insert_axis is None and (
             conv.output_strides == "any"
-            or (conv.output_strides == "same_order" and z is None and write_ok and _same_order(out, ex.layout)))
+            or (conv.output_strides == "same_order" and z is None and write_ok and same_order(out, ex.layout)))
         write = direct and conv.output_strides == "same_order"  # cuDNN writes the slice
         y = out if direct else cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
         y4 = map_1d(y, ex.insert_axis)
         try:
             self._launch(conv, x4, wk, y4, ws, b, z4)
         except (cudnn.CudnnError, ValueError) as e:
-            if (read or write) and _refuses_slices(e, write):
+            if (read or write) and refuses_slice(e, write):
                 if slices is not None:
                     raise
                 return self._slices_refused(ex, e, read, write, x, w, b, relu, z, out)
@@ -308,6 +285,12 @@ class Convolutions:
                 raise
         if read:
             self.rt.counters["slice_reads"] += 1
+        elif sliced:  # counted once the launch ran: a refused try of the warm-up run copies for nothing
+            self.rt.counters["slice_copies"] += 1
+        if direct:
+            self.rt.counters["slice_writes"] += 1
+        elif out is not None:
+            write_copy(self.rt, ex, conv, out)
         return y if direct else self._into(y, out)
 
     def _run_transpose(self, ex: ConvResolution, x: Any, wk: Any, b: Any, relu: bool, ws: Any, out: Any) -> Any:
@@ -329,7 +312,10 @@ class Convolutions:
             y = full[(slice(None), slice(None), *(slice(g.extra_pads[i], g.extra_pads[i] + g.output_shape[2 + i]) for i in range(r)))]
         if into:
             apply_epilogue(self.cp, out, b, relu, src=y)
+            self.rt.counters["slice_writes"] += 1
             return out
+        if out is not None:  # backward data runs packed: the copy a Concat makes of an unplaced input
+            self.rt.counters["slice_write_copies"] += 1
         return self._into(y, out)
 
     def _step(self, ex: ConvResolution, b: Any, relu: bool, z4: Any) -> ConvExec:
@@ -394,33 +380,16 @@ class Convolutions:
         refuses; what it refuses runs packed (a copy) from now on, said once at debug level. Never
         while a CUDA graph is captured: the warm-up run before it meets every refusal."""
         if self.rt.capturing:
-            raise CaptureBreak(f"cuDNN refused to {_slice_words(read, write)} during capture: {first_line(e)}")
+            raise CaptureBreak(f"cuDNN refused to {slice_words(read, write)} during capture: {first_line(e)}")
         for alone in ((False, True), (True, False)) if read and write else ():
             try:
                 y = self._run(ex, x, w, b, relu, z, out, slices=alone)
             except cudnn.CudnnError:
                 continue
-            self._remember_refusal(ex, e, not alone[0], not alone[1])
+            remember_refusal(ex, e, not alone[0], not alone[1])
             return y
-        self._remember_refusal(ex, e, read, write)
+        remember_refusal(ex, e, read, write)
         return self._run(ex, x, w, b, relu, z, out)
-
-    def _remember_refusal(self, ex: ConvResolution, e: Exception, read: bool, write: bool) -> None:
-        if read:
-            ex.strided_input_ok = False
-        if write:
-            ex.strided_output_ok = False
-        how = " and ".join(part for part, on in (("packed input", read), ("packed output", write)) if on)
-        logger.debug("node %r: cuDNN %r refuses to %s (%s): %s + copy", ex.node, ex.algo, _slice_words(read, write), first_line(e), how)
-
-    def _unpriced_copy(self, ex: ConvResolution, why: str) -> None:
-        """A recorded decision whose conv reads a channel slice it copies (``why``: cuDNN refuses
-        the slice, or the object reads packed inputs only) while its tuning timed another input (a
-        packed one, or a slice of other strides): a copy on every run that the tuning never priced.
-        Warned once per model (the first such node), every node kept in the backend's notes."""
-        message = f"node {ex.node!r}: its input is a channel slice that {why}: it is copied on every run, a copy its tuning did not time"
-        self.rt.note_once(f"unpriced-copy:{ex.node}", message, warn=False)
-        self.rt.note_once("unpriced-copy", message + " (other convs so copied are in the executor's notes)")
 
     def _residual_in_layout(self, z: Any, ex: ConvResolution) -> Any:
         """The residual ``z`` in the conv's memory format; a copy of a channel slice or of another
@@ -434,23 +403,6 @@ class Convolutions:
         return z4
 
 
-def _priced_slice(ex: ConvResolution, x: Any) -> bool:
-    """Whether ``ex``'s decision was timed reading an input of ``x``'s strides (its key names that
-    slice): then a copy of it, where the decision needs one, was timed too."""
-    want = ex.key.x_strides
-    return want is not None and all(a == b for a, b, d in zip(want, elements(x.strides, x.itemsize), x.shape) if d > 1)
-
-
-def _refuses_slices(e: Exception, write: bool) -> bool:
-    """Whether ``e`` is cuDNN refusing a launch's strided tensors: ``CUDNN_STATUS_NOT_SUPPORTED`` or
-    ``BAD_PARAM`` (any cuDNN error where it wrote a slice, as ever)."""
-    return isinstance(e, cudnn.CudnnError) and (write or refuses_slice(e))
-
-
-def _slice_words(read: bool, write: bool) -> str:
-    return " and ".join(part for part, on in (("read from a Concat slice", read), ("write into a Concat slice", write)) if on)
-
-
 def _residual_order(after: str, z: Any) -> tuple[Any, Any]:
     """``(z added before the activation, z added after it)`` of a launch whose fused epilogue
     ``after`` runs apart from the conv: a graph-API fusion's ``+add`` adds its residual after the
@@ -461,15 +413,6 @@ def _residual_order(after: str, z: Any) -> tuple[Any, Any]:
 def _runs_fused(ex: Any) -> bool:
     """Whether a resolution runs a fused graph-API epilogue in its engine's call."""
     return isinstance(ex, ConvResolution) and isinstance(ex.conv, EngineConv) and ex.conv.fused
-
-
-def _same_order(a: Any, layout: str) -> bool:
-    """Whether a slice of a Concat buffer is stored in ``layout``'s order (channels-first: the
-    channel stride above the spatial ones; channels-last: channels adjacent)."""
-    st = elements(a.strides, a.itemsize)
-    if layout == "nhwc":
-        return st[1] == 1
-    return all(st[1] >= st[k] for k in range(2, a.ndim))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,8 +443,8 @@ class ConvLaunch(Launch):
         self.inputs = step.inputs
         self.epilogue = epilogue
         # a plain Conv writes into a Concat slice through a strided output descriptor, a ConvTranspose
-        # through its epilogue's pass (or a copy where it has none)
-        self.supports_placement = step.node.op_type in ("Conv", "ConvTranspose") and (epilogue is None or epilogue == "relu")
+        # through its epilogue's pass (or a copy where it has none): rule 4 of convpass.core.concat_slices
+        self.supports_placement = conv_step_writes_slice(step.node.op_type, _epilogue_name(epilogue))
         x = plan.info(step.inputs[0])
         self.x_dtype = None if x is None else x[1]
         self.w_const = plan.template[step.inputs[1]] if len(step.inputs) > 1 and step.inputs[1] >= 0 else None
@@ -527,6 +470,13 @@ class ConvLaunch(Launch):
 
     def _layout(self) -> str:
         return self.exec.layout if isinstance(self.exec, ConvResolution) else "nchw"
+
+
+def _epilogue_name(epilogue: Any) -> str:
+    """The :mod:`convpass.core.fusion` name of a :class:`ConvLaunch`'s ``epilogue`` (a bias alone: ``""``)."""
+    if epilogue is None or epilogue == "relu":
+        return epilogue or ""
+    return epilogue[1] if epilogue[0] == "engine" else legacy_name(True, epilogue[2] == "relu")
 
 
 class _PlanSteps:
