@@ -13,7 +13,8 @@ Rules:
    ``slice_writes``. Where the object writes packed outputs (cuDNN's fused call, an engine's
    plan), cuDNN refuses the strided output, the slice is in another memory format than the
    conv's (:func:`same_order`) or a 1-D conv's mapping runs, the conv writes a packed output that
-   is copied into the slice, counted in ``slice_write_copies``. A ConvTranspose (a UNet's
+   is copied into the slice; every copy of a conv's output into its slice (the reference
+   convolution's, a fallback's too) is counted in ``slice_write_copies``. A ConvTranspose (a UNet's
    upsampling) runs backward data into a packed buffer, and its bias and ReLU pass reads that
    buffer and writes the slice (a slice write); without that pass, a copy.
 2. **Reading slices.** A forward conv run by cuDNN's legacy API, plain or fused call, whose input
@@ -38,9 +39,9 @@ Rules:
    A recorded decision whose conv copies a slice of other strides than its key's (a packed key,
    a wider buffer) makes a copy on every run that its tuning never priced: one warning per model
    and side (input, output) names the first such node, the backend's notes every one
-   (:func:`unpriced_copy`). An output slice in another memory format than the conv's is a
-   transpose the layout plan charges, and a 1-D conv's mapped output is copied as a Concat would
-   copy an unplaced input: counted, not said.
+   (:func:`unpriced_copy`, :func:`said_if_unpriced`). An output slice in another memory format
+   than the conv's is a transpose the layout plan charges, and a 1-D conv's mapped output is
+   copied as a Concat would copy an unplaced input: counted, not said.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from convpass.native.cuda import elements, first_line
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["priced", "remember_refusal", "same_order", "slice_words", "unpriced_copy", "write_copy"]
+__all__ = ["priced", "remember_refusal", "said_if_unpriced", "same_order", "slice_words", "unpriced_copy"]
 
 
 def priced(want: tuple[int, ...] | None, a: Any) -> bool:
@@ -84,11 +85,10 @@ def remember_refusal(ex: Any, e: Exception, read: bool, write: bool) -> None:
     logger.debug("node %r: cuDNN %r refuses to %s (%s): %s + copy", ex.node, ex.algo, slice_words(read, write), first_line(e), how)
 
 
-def write_copy(rt: Any, ex: Any, conv: Any, out: Any) -> None:
-    """A forward conv's packed output copied into its Concat slice ``out`` (rule 1), counted in
-    ``rt``'s ``slice_write_copies``, said where no tuning timed it (rule 4). ``conv``: the step's
-    execution object (one that writes slices was refused them)."""
-    rt.counters["slice_write_copies"] += 1
+def said_if_unpriced(rt: Any, ex: Any, conv: Any, out: Any) -> None:
+    """Rule 4 for a forward conv's packed output about to be copied into its Concat slice ``out``:
+    said where no tuning timed that copy. ``conv``: the step's execution object (one that writes
+    slices was refused them)."""
     if ex.source != "recorded" or ex.insert_axis is not None or not same_order(out, ex.layout) or priced(ex.key.y_strides, out):
         return
     if conv.output_strides == "packed":

@@ -81,7 +81,7 @@ from convpass.core.fusion import absorbed, adds_residual, is_graph_fusion, legac
 from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, apply_epilogue, conv_exec, refuses_slice, step_epilogue
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
-from convpass.kernels.conv_slices import priced, remember_refusal, same_order, slice_words, unpriced_copy, write_copy
+from convpass.kernels.conv_slices import priced, remember_refusal, said_if_unpriced, same_order, slice_words, unpriced_copy
 from convpass.kernels.launch import Launch
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, copy_into, first_line, storage
@@ -200,8 +200,10 @@ class Convolutions:
         return y
 
     def _into(self, y: Any, out: Any) -> Any:
+        """``y``, or copied into ``out`` (its Concat slice), a copy counted in ``slice_write_copies``."""
         if out is None:
             return y
+        self.rt.counters["slice_write_copies"] += 1
         copy_into(out, y)
         return out
 
@@ -290,7 +292,7 @@ class Convolutions:
         if direct:
             self.rt.counters["slice_writes"] += 1
         elif out is not None:
-            write_copy(self.rt, ex, conv, out)
+            said_if_unpriced(self.rt, ex, conv, out)
         return y if direct else self._into(y, out)
 
     def _run_transpose(self, ex: ConvResolution, x: Any, wk: Any, b: Any, relu: bool, ws: Any, out: Any) -> Any:
@@ -314,9 +316,7 @@ class Convolutions:
             apply_epilogue(self.cp, out, b, relu, src=y)
             self.rt.counters["slice_writes"] += 1
             return out
-        if out is not None:  # backward data runs packed: the copy a Concat makes of an unplaced input
-            self.rt.counters["slice_write_copies"] += 1
-        return self._into(y, out)
+        return self._into(y, out)  # without a pass, backward data's packed result is copied in
 
     def _step(self, ex: ConvResolution, b: Any, relu: bool, z4: Any) -> ConvExec:
         """The execution object of the step ``act(conv + z + b)`` (a fused engine: its graph's
