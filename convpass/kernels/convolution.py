@@ -18,7 +18,9 @@ Epilogues (:func:`lower_convs`, by the rule :func:`convpass.core.fusion.absorbed
 when the algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an identity with);
 otherwise one element-wise pass (bias, residual and ReLU together). A residual ``Add`` that is the conv's only reader, whose other
 operand is computed before the conv with the same shape, goes into the same call as its ``z``
-input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused
+input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one; a Conv
+without a bias does the same with the resources' zero bias (:meth:`ConvResources.zero_bias
+<convpass.kernels.conv_resources.ConvResources.zero_bias>`, made when the plan is compiled). A fused
 call cuDNN refuses falls back to the unfused form for good. A ConvTranspose adds its bias in one
 element-wise pass after cuDNN's backward data; a Relu that is its only reader joins that pass.
 
@@ -507,15 +509,22 @@ class ConvLaunch(Launch):
         self.x_dtype = None if x is None else x[1]
         self.w_const = plan.template[step.inputs[1]] if len(step.inputs) > 1 and step.inputs[1] >= 0 else None
         self.exec: Any = None
+        # a residual step of a conv without a bias reads a zero bias (convpass.core.fusion, "A conv without a bias")
+        self.zero_bias = epilogue is not None and epilogue[0] == "residual" and not (len(step.inputs) > 2 and step.inputs[2] >= 0)
+        self._zeros: Any = None
 
     def prepare(self) -> None:
         if self.x_dtype is not None:
             self.exec = self.convs.prepare(self.call, self.x_dtype, self.w_const, self.fusion)
+            if self.zero_bias:
+                self._zeros = self.convs.resources.zero_bias(self.call.geometry.output_shape[1], self.x_dtype)
 
     def run(self, env: list[Any]) -> None:
         ins = self.inputs
         x, w = env[ins[0]], env[ins[1]]
         b = env[ins[2]] if len(ins) > 2 and ins[2] >= 0 else None
+        if self.zero_bias:
+            b = self._zeros if self._zeros is not None else self.convs.resources.zero_bias(self.call.geometry.output_shape[1], x.dtype)
         e = self.epilogue
         out = self.destination(env, self._layout())
         if e is None or e == "relu":
