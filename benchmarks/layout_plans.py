@@ -56,9 +56,9 @@ def plan_row(path: Path, input_name: str, dims: list, cache: str, device: str, t
     seen: list[str] = []
     plan_layouts = pipeline.plan_layouts
 
-    def planning(graph, conv_costs, transpose_ms, units=(), shapes=None, unit_costs=None):  # the pipeline's own call, looked at on the way
+    def planning(graph, conv_costs, transpose_ms, units=(), shapes=None, unit_costs=None, priced_slices=()):  # the pipeline's own call, looked at on the way
         seen.append(_pinned_ops(graph, conv_costs, transpose_ms, units, shapes))
-        return plan_layouts(graph, conv_costs, transpose_ms, units, shapes, unit_costs)
+        return plan_layouts(graph, conv_costs, transpose_ms, units, shapes, unit_costs, priced_slices)
 
     pipeline.plan_layouts = planning
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import importlib.util
 import shutil
@@ -248,6 +249,26 @@ def _need_gpu(request):
     """A test marked ``gpu`` is skipped, saying why, where no GPU / cuDNN is usable."""
     if request.node.get_closest_marker("gpu") is not None and not _gpu_usable():
         pytest.skip("no usable GPU / cuDNN")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallGeometry:
+    """What the executor reads of a ConvGeometry, for tests of its choice with cuDNN stood in for."""
+
+    op_type: str
+    spatial_rank: int
+    shapes: tuple
+
+
+def recorded_call(node: str, shape, key, fusion: str, engine: str = "eng5_k2=1"):
+    """A ConvCall of the 2-D Conv ``node`` whose recorded decision runs ``engine`` with ``fusion``
+    for problem ``key`` (NHWC), as the executor resolves it."""
+    from convpass.core import annotation
+    from convpass.ops.conv import ConvCall
+
+    d = annotation.ConvDecision(algo="implicit_gemm", engine=engine, fusion=fusion, memory_format="NHWC",
+                                math_mode="default", problem_key=str(key))
+    return ConvCall(node, CallGeometry("Conv", 2, (shape,)), d)  # type: ignore[arg-type]
 
 
 def steady_run(tuned: onnx.ModelProto, feeds: dict) -> tuple[list, dict[str, int]]:

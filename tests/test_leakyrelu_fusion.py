@@ -6,14 +6,13 @@ executor's choice for a fused decision."""
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import leaky_model, numpy_candidates, offer_configs, run_ort
+from conftest import leaky_model, numpy_candidates, offer_configs, recorded_call, run_ort
 from onnx import helper
 
 import convpass
@@ -331,19 +330,8 @@ def test_the_fused_graph_adds_the_bias_then_cudnn_s_relu_with_alpha_as_its_lower
 # ---------------------------------------------------------------------------------------------
 # the executor's choice for a fused decision (cuDNN stood in for: no GPU)
 
-@dataclasses.dataclass(frozen=True)
-class _Geometry:  # what the executor reads of a ConvGeometry here
-    op_type: str
-    spatial_rank: int
-    shapes: tuple
-
-
 def _call(fusion):
-    from convpass.ops.conv import ConvCall
-
-    d = annotation.ConvDecision(algo="implicit_gemm", engine="eng5_k2=1", fusion=fusion, memory_format="NHWC",
-                                math_mode="default", problem_key=str(KEY))
-    return ConvCall("c1", _Geometry("Conv", 2, (SHAPE,)), d)  # type: ignore[arg-type]
+    return recorded_call("c1", SHAPE, KEY, fusion)
 
 
 def test_a_fused_leakyrelu_decision_runs_its_engine_and_counts_under_one_counter(convs):

@@ -8,7 +8,6 @@ and choice for such a decision."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import types
 
@@ -16,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import csp_block_model, numpy_candidates, offer_configs, run_ort
+from conftest import csp_block_model, numpy_candidates, offer_configs, recorded_call, run_ort
 from onnx import helper
 
 import convpass
@@ -501,19 +500,8 @@ def test_a_stored_residual_plan_loads_with_its_residual_tensor_and_nothing_else(
 # ---------------------------------------------------------------------------------------------
 # the executor's choice and lowering (cuDNN stood in for: no GPU)
 
-@dataclasses.dataclass(frozen=True)
-class _Geometry:  # what the executor reads of a ConvGeometry here
-    op_type: str
-    spatial_rank: int
-    shapes: tuple
-
-
 def _call(fusion):
-    from convpass.ops.conv import ConvCall
-
-    d = annotation.ConvDecision(algo="implicit_gemm", engine="eng5_k2=1", fusion=fusion, memory_format="NHWC",
-                                math_mode="default", problem_key=str(KEY))
-    return ConvCall("c2", _Geometry("Conv", 2, (SHAPE,)), d)  # type: ignore[arg-type]
+    return recorded_call("c2", SHAPE, KEY, fusion)
 
 
 def test_a_residual_decision_runs_its_engine_with_z_and_counts_under_its_own_counter(convs):

@@ -152,6 +152,28 @@ def _check(outs, refs, tol, what):
         assert err <= tol, f"{what}: relative error {err:.2e}"
 
 
+def run_eager_and_captured(model, tuned, shape, tol, seed):
+    """``tuned`` run eagerly (the plan-recording run, then a plan run) and captured (3 replays) on
+    an input of ``shape`` (named ``x``), every output checked against ONNX Runtime CPU at ``tol``;
+    no ExecutorWarning anywhere. Returns (the eager plan run's counters, the captured executor)."""
+    from convpass.runtime.cuda import CudaBackend, ExecutorWarning
+
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    refs = run_ort(model, {"x": x})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExecutorWarning)
+        eager = Executor(tuned, device=CudaBackend(cuda_graph=False))
+        _check(eager.run(None, {"x": x}), refs, tol, "eager, op-by-op run")
+        before = dict(eager._backend.counters)
+        _check(eager.run(None, {"x": x}), refs, tol, "eager, plan run")
+        counters = {k: v - before.get(k, 0) for k, v in eager._backend.counters.items()}
+        graphed = Executor(tuned, device="cuda")
+        for i in range(3):
+            _check(graphed.run(None, {"x": x}), refs, tol, f"replay {i}")
+    assert graphed.graph_status().captured, graphed.graph_status().describe()
+    return counters, graphed
+
+
 def test_a_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(tmp_path):
     model = onnx.load(MODELS / "mobile_block.onnx")
     tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, shapes=["input=2x3x32x32"], tf32="on", engines="graph")

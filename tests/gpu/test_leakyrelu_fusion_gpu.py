@@ -9,8 +9,6 @@ prints ``LEAKYRELU-FUSION`` lines saying whether cuDNN offered, built and chose 
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import pytest
@@ -79,28 +77,6 @@ def _tune(tmp_path, layout):
     return model, tuned
 
 
-def _run_eager_and_captured(model, tuned, seed):
-    """Eager (plan-recording run, then a plan run) and captured (3 replays) outputs checked against
-    ONNX Runtime CPU; no ExecutorWarning anywhere. Returns (the eager plan run's counters, the
-    captured executor)."""
-    from convpass.runtime.cuda import CudaBackend, ExecutorWarning
-
-    x = np.random.default_rng(seed).standard_normal(X).astype(np.float32)
-    refs = run_ort(model, {"x": x})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ExecutorWarning)
-        eager = Executor(tuned, device=CudaBackend(cuda_graph=False))
-        engines._check(eager.run(None, {"x": x}), refs, TOL, "eager, op-by-op run")
-        before = dict(eager._backend.counters)
-        engines._check(eager.run(None, {"x": x}), refs, TOL, "eager, plan run")
-        counters = {k: v - before.get(k, 0) for k, v in eager._backend.counters.items()}
-        graphed = Executor(tuned, device="cuda")
-        for i in range(3):
-            engines._check(graphed.run(None, {"x": x}), refs, TOL, f"replay {i}")
-    assert graphed.graph_status().captured, graphed.graph_status().describe()
-    return counters, graphed
-
-
 @pytest.mark.parametrize("layout", ["nhwc", "nchw"])
 def test_a_leaky_model_tuned_here_runs_like_onnx_runtime_eager_and_captured(tmp_path, layout):
     """Whatever won (fused graph or not), the tuner measured the fusion for both alphas, and the
@@ -129,7 +105,7 @@ def test_a_leaky_model_tuned_here_runs_like_onnx_runtime_eager_and_captured(tmp_
             assert records[node]["fusion"] in ((name,) if node == "c1" else (name, name + "+add"))
             assert leakyrelu_alpha(recorded) == pytest.approx(alpha)
     cache.close()
-    counters, _ = _run_eager_and_captured(model, tuned, 5)
+    counters, _ = engines.run_eager_and_captured(model, tuned, X, TOL, 5)
     fused_nodes = sum(1 for r in records.values() if leakyrelu_alpha(r["fusion"]) is not None)
     residual_nodes = sum(1 for r in records.values() if adds_residual(r["fusion"]))
     assert counters.get("fused_bias_leakyrelu", 0) == fused_nodes and counters.get("fused_bias_leakyrelu_add", 0) == residual_nodes, counters
@@ -163,7 +139,7 @@ def test_each_leaky_conv_forced_onto_its_fastest_fused_configuration_runs_fused_
     cache.close()
     if not forced:
         pytest.skip("cuDNN kept no fused LeakyRelu configuration for these convs here")
-    counters, graphed = _run_eager_and_captured(model, tuned, 6)
+    counters, graphed = engines.run_eager_and_captured(model, tuned, X, TOL, 6)
     assert counters.get("fused_bias_leakyrelu") == len(forced) and counters.get("graph_api_calls", 0) >= len(forced), counters
     summary = {c.node: c.algo for c in graphed.plan_summary()}
     assert {n: summary[n] for n in forced} == forced, summary

@@ -11,8 +11,6 @@ forced onto the fastest fused configuration. Each test prints ``RESIDUAL-FUSION`
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import pytest
@@ -22,7 +20,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import test_graph_api_gpu as engines  # noqa: E402
-from conftest import csp_block_model, run_ort  # noqa: E402
+from conftest import csp_block_model  # noqa: E402
 
 import convpass  # noqa: E402
 from convpass.core import annotation  # noqa: E402
@@ -31,7 +29,6 @@ from convpass.core.fusion import RESIDUAL_PASS  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
 from convpass.core.problem import ConvProblem, ProblemKey  # noqa: E402
 from convpass.native.cudnn import as_layout, graph_api  # noqa: E402
-from convpass.runtime import Executor  # noqa: E402
 from convpass.tuning import decide  # noqa: E402
 from convpass.tuning.cache import TuningCache  # noqa: E402
 
@@ -107,28 +104,6 @@ def _rows(path, key: ProblemKey) -> list:
     return rows
 
 
-def _run_eager_and_captured(model, tuned_model, seed):
-    """Eager (plan-recording run, then a plan run) and captured (3 replays) outputs checked against
-    ONNX Runtime CPU; no ExecutorWarning anywhere. Returns (the eager plan run's counters, the
-    captured executor)."""
-    from convpass.runtime.cuda import CudaBackend, ExecutorWarning
-
-    x = np.random.default_rng(seed).standard_normal(X).astype(np.float32)
-    refs = run_ort(model, {"x": x})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ExecutorWarning)
-        eager = Executor(tuned_model, device=CudaBackend(cuda_graph=False))
-        engines._check(eager.run(None, {"x": x}), refs, TOL, "eager, op-by-op run")
-        before = dict(eager._backend.counters)
-        engines._check(eager.run(None, {"x": x}), refs, TOL, "eager, plan run")
-        counters = {k: v - before.get(k, 0) for k, v in eager._backend.counters.items()}
-        graphed = Executor(tuned_model, device="cuda")
-        for i in range(3):
-            engines._check(graphed.run(None, {"x": x}), refs, TOL, f"replay {i}")
-    assert graphed.graph_status().captured, graphed.graph_status().describe()
-    return counters, graphed
-
-
 def _launches(ex) -> dict[str, str]:
     """The compiled plan's launches, node name -> label (a step another launch absorbed has none)."""
     return {launch.node.name: launch.label for launch in ex.last_plan.backend_state.launch_list()}
@@ -161,7 +136,7 @@ def test_a_csp_block_tuned_here_takes_the_fused_residual_where_an_engine_runs_it
     assert fuse == (decision == F), (
         f"the rows' cheapest is {want and want.algo}, the decision {decision or 'unfused'} (fused rows ok: {len(ok)}, "
         f"shorter graph {ok_short[0].time_ms if ok_short else None} + add {passes[RESIDUAL_PASS].time_ms:.4f} ms)")
-    counters, graphed = _run_eager_and_captured(model, tuned_model, 5 + readers)
+    counters, graphed = engines.run_eager_and_captured(model, tuned_model, X, TOL, 5 + readers)
     launches = _launches(graphed)
     if decision == F:
         assert counters.get("fused_bias_leakyrelu_add") == 1, counters
@@ -189,7 +164,7 @@ def test_the_block_forced_onto_its_fastest_fused_residual_configuration_runs_it_
     kept = [a for a in node.attribute if a.name not in ("engine", "fusion")]
     del node.attribute[:]
     node.attribute.extend(kept + [onnx.helper.make_attribute("engine", config.name), onnx.helper.make_attribute("fusion", config.fusion)])
-    counters, graphed = _run_eager_and_captured(model, forced, 11)
+    counters, graphed = engines.run_eager_and_captured(model, forced, X, TOL, 11)
     assert counters.get("fused_bias_leakyrelu_add") == 1 and counters.get("graph_api_calls", 0) >= 1, counters
     assert {c.node: c.algo for c in graphed.plan_summary()}["c2"] == config.algo
     launches = _launches(graphed)
