@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from convpass.compiler.pipeline import OptimizeReport, prepare_model
 from convpass.core.fusion import absorbed
 from convpass.core.options import TuneOptions
-from convpass.kernels.convolution import _PlanSteps
+from convpass.kernels.plan_steps import PlanSteps
 from convpass.runtime import Executor
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -51,7 +51,7 @@ def _runtime(proto: onnx.ModelProto) -> dict[str, str]:
     [plan] = ex._plans.values()
     found = {}
     taken: set[int] = set()
-    view = _PlanSteps(plan, taken)
+    view = PlanSteps(plan, taken)
     for i, st in enumerate(plan.steps):
         if st.node.op_type == "Conv" and st.node.prepared is not None and st.node.prepared.geometry.op_type == "Conv":
             view.conv = i

@@ -213,7 +213,7 @@ def test_the_fusion_attribute_round_trips_and_older_schemas_read_without_it():
 
 def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_engine(tmp_path):
     from convpass.core.fusion import absorbed
-    from convpass.kernels.convolution import _PlanSteps
+    from convpass.kernels.plan_steps import PlanSteps
     from convpass.runtime import Executor
 
     tuned = _tuned(tmp_path, 0.025)
@@ -226,7 +226,7 @@ def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_e
     found = {}
     for i, st in enumerate(plan.steps):
         if st.node.op_type == "Conv":
-            view = _PlanSteps(plan, set())
+            view = PlanSteps(plan, set())
             view.conv = i
             a = absorbed(view, i)
             found[st.node.name] = (a.epilogue, a.nodes)
@@ -234,7 +234,7 @@ def test_the_plan_records_which_convs_may_fuse_and_the_summary_names_the_fused_e
     assert found == {"expand": (SWISH, (ops.index("Sigmoid"), ops.index("Mul"))),
                      "dw": (SWISH, (ops.index("Sigmoid", 2), ops.index("Mul", 3))), "project": ("", ())}
     assert {c.node: c.algo for c in ex.plan_summary()} == {"expand": FUSED, "dw": FUSED, "project": "implicit_gemm"}
-    view = _PlanSteps(plan, {ops.index("Mul")})  # the Mul already taken by another launch
+    view = PlanSteps(plan, {ops.index("Mul")})  # the Mul already taken by another launch
     view.conv = 0
     assert absorbed(view, 0).epilogue == "bias"
 

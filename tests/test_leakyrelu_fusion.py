@@ -161,7 +161,7 @@ def test_fused_problems_are_collected_per_alpha_only_when_engines_are_candidates
 
 def test_the_runtime_plan_absorbs_the_same_leakyrelu():
     from convpass.core.fusion import absorbed
-    from convpass.kernels.convolution import _PlanSteps
+    from convpass.kernels.plan_steps import PlanSteps
     from convpass.runtime import Executor
 
     ex = Executor(leaky_model(), device="cpu")
@@ -171,21 +171,21 @@ def test_the_runtime_plan_absorbs_the_same_leakyrelu():
     found = {}
     for i, st in enumerate(plan.steps):
         if st.node.op_type == "Conv":
-            view = _PlanSteps(plan, set())
+            view = PlanSteps(plan, set())
             view.conv = i
             a = absorbed(view, i)
             found[st.node.name] = (a.epilogue, a.nodes)
     first = ops.index("LeakyRelu")
     second = ops.index("LeakyRelu", first + 1)
     assert found == {"c1": (L02, (first,)), "c2": (L01 + "+add", (second, ops.index("Add"))), "c3": ("", ())}
-    view = _PlanSteps(plan, set())
+    view = PlanSteps(plan, set())
     view.conv = ops.index("Conv", 1)
     a = absorbed(view, view.conv)
     assert a.shorter == absorbed(view, view.conv, residual=False) and (a.shorter.epilogue, a.shorter.nodes) == (L01, (second,))
-    view = _PlanSteps(plan, {first})  # the LeakyRelu already taken by another launch
+    view = PlanSteps(plan, {first})  # the LeakyRelu already taken by another launch
     view.conv = 0
     assert absorbed(view, 0).epilogue == "bias"
-    view = _PlanSteps(plan, set())
+    view = PlanSteps(plan, set())
     view.conv = 0
     assert absorbed(view, 0, graph_fusions=False).epilogue == "bias"
 

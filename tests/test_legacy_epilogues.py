@@ -97,7 +97,7 @@ def _conv(model: onnx.ModelProto, name: str) -> ir.Node:
     ("the Add's output is read by the Relu and is a graph output", {"add_is_output": True}, "bias+add"),
     ("the residual is computed after the conv", {"z_after_conv": True}, "bias"),
     ("the residual has another shape", {"z_shape": (2, 8, 3, 3)}, "bias"),
-    ("no bias", {"bias": False}, ""),
+    ("no bias: the same step, run with a zero bias", {"bias": False}, "bias+add+relu"),
 ])
 def test_the_residual_epilogue_follows_the_executor_rules(why, kwargs, expected):
     assert conv_fusion(_conv(_residual_model(**kwargs), "c1")) == expected, why

@@ -193,21 +193,21 @@ def test_anything_else_is_no_residual_fusion(why, edit, c2):
 
 
 def test_the_runtime_plan_absorbs_the_same_add_and_writes_its_output():
-    from convpass.kernels.convolution import _PlanSteps
+    from convpass.kernels.plan_steps import PlanSteps
     from convpass.runtime import Executor
 
     ex = Executor(csp_block_model(X, readers=2), device="cpu")
     ex.run(None, {"x": np.zeros(X, np.float32)})
     [plan] = ex._plans.values()
     ops = {st.node.name: i for i, st in enumerate(plan.steps)}
-    view = _PlanSteps(plan, set())
+    view = PlanSteps(plan, set())
     view.conv = ops["c2"]
     a = absorbed(view, ops["c2"])
     x_slot, sum_slot = plan.steps[ops["c1"]].inputs[0], plan.steps[ops["add"]].outputs[0]
     assert (a.epilogue, a.nodes, a.z, a.output) == (F, (ops["l2"], ops["add"]), x_slot, sum_slot)
     assert (a.shorter.epilogue, a.shorter.nodes, a.shorter.z, a.shorter.output) == (P, (ops["l2"],), None, plan.steps[ops["l2"]].outputs[0])
     assert absorbed(view, ops["c2"], residual=False) == a.shorter  # the executor's residual fusion off
-    taken = _PlanSteps(plan, {ops["add"]})  # the Add already taken by another launch
+    taken = PlanSteps(plan, {ops["add"]})  # the Add already taken by another launch
     taken.conv = ops["c2"]
     assert absorbed(taken, ops["c2"]).epilogue == P
 

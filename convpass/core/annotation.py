@@ -53,7 +53,8 @@ Format (schema version 7)
                       so the ``+add`` names change no schema version. (schema 5) With no
                       ``engine``: the legacy epilogue (:mod:`convpass.core.fusion`: ``bias``,
                       ``bias+relu``, ``bias+add``, ``bias+add+relu``) fused into ``algo``'s call,
-                      cuDNN's ``cudnnConvolutionBiasActivationForward``; ``""`` = the conv runs
+                      cuDNN's ``cudnnConvolutionBiasActivationForward`` (a ``ConvNoBias`` with
+                      ``bias+add[+relu]``: with a zero bias); ``""`` = the conv runs
                       alone and its epilogue as one element-wise pass
   ``dgrad_algo``      (optional, Conv only) backward-data algorithm for training
   ``wgrad_algo``      (optional, Conv only) backward-filter algorithm for training

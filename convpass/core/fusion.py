@@ -2,7 +2,8 @@
 
 The executor runs a forward Conv that has a constant bias as one step ``y = act(conv(x, w) + z + b)``:
 the bias, a residual ``Add`` whose other operand ``z`` is ready before the conv, and a ``Relu``
-that is the only reader; or, fused into a graph-API engine, ``y = act(conv(x, w) + b) + z``: an
+that is the only reader (a Conv without a bias: the residual ``Add`` and its ``Relu``, ``b = 0``);
+or, fused into a graph-API engine, ``y = act(conv(x, w) + b) + z``: an
 activation (SiLU, LeakyRelu) and the residual ``Add`` that is its only reader. :func:`absorbed` is that rule, asked by the compiler (which tunes the
 step: :mod:`convpass.compiler.passes.collect_conv_problems`) and by the runtime (which runs it:
 :func:`convpass.kernels.convolution.lower_convs`) over their own graphs. The tuner must time the
@@ -17,7 +18,7 @@ An epilogue is named by what follows the conv, in order:
 ===================  ===========================================
 ``bias``             ``y = conv + b``
 ``bias+relu``        ``y = relu(conv + b)``
-``bias+add``         ``y = conv + z + b`` (the residual Add)
+``bias+add``         ``y = conv + z + b`` (the residual Add; ``b = 0`` for a conv without a bias)
 ``bias+add+relu``    ``y = relu(conv + z + b)``
 ===================  ===========================================
 
@@ -44,6 +45,23 @@ add ``z`` before their ReLU): its name is the activation's followed by :data:`RE
 (its *shorter* graph), :func:`adds_residual` tells one apart. A ReLU followed by an Add has no such
 form: cuDNN's graph API was not offered its fast engines for a ``bias + relu`` graph (no
 ``bias+relu`` graph fusion exists to extend: :mod:`convpass.native.cudnn.graph_api`).
+
+A conv without a bias
+~~~~~~~~~~~~~~~~~~~~~
+A forward Conv with no bias input (BiT's weight-standardized convs) whose output only a residual
+``Add`` reads (pre-activation ResNets: ``conv3(...) + shortcut``) absorbs that Add, and a ``Relu``
+after it, exactly where a conv with a bias would (:func:`absorbed`, rules 2 and 4): its step is ``bias+add`` / ``bias+add+relu`` with ``b = 0``, so ``y = conv + z`` /
+``relu(conv + z)``. The name stays the legacy one on purpose: cuDNN's fused call needs a bias
+tensor, and every candidate of the step (the fused call, the conv and one pass, convpass's kernel
+with its epilogue, an engine and one pass) reads one, so the step is the same problem as the
+biased conv's (one tuning-cache row, one decision) and the tuner times it with a bias of its own;
+no kernel's time depends on the bias's values. The executor passes a zero bias made once per
+channel count and dtype at plan compile time
+(:meth:`convpass.kernels.conv_resources.ConvResources.zero_bias`), never per launch. Such a conv
+absorbs nothing else (no ``bias+relu`` of its own, no graph-API fusion: those need a bias
+constant). A model tuned before this rule recorded such a conv with no ``fusion``: the executor
+runs its conv, then the zero bias and the residual as one pass (a legacy decision without a fused
+call), and an older executor given a newer model runs the conv and leaves the Add to its plan.
 
 A LeakyRelu's ``alpha`` is part of its name (:func:`leakyrelu_name`), written as the shortest
 decimal that reads back to the same float32 (ONNX stores ``alpha`` as a float32): the name is the
@@ -226,7 +244,9 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
 
     1. A ConvTranspose absorbs a ``Relu`` that is its only reader (``relu``: its bias is always
        its own pass after cuDNN's backward data, which the Relu joins).
-    2. A Conv absorbs nothing unless its bias is a constant and its output is no graph output.
+    2. A Conv absorbs nothing unless its output is no graph output and its bias is a constant;
+       a Conv with no bias input at all absorbs rule 4 alone (a residual Add and its Relu, named
+       as with a bias: the module's "A conv without a bias"), else nothing.
     3. The graph-API fusions, when ``graph_fusions`` (their engines are candidates):
        ``bias+swish`` when the output is read only by ``Mul(y, Sigmoid(y))``, the Sigmoid by
        nothing else; ``bias+leakyrelu<alpha>`` when its only reader is a one-input
@@ -248,7 +268,12 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
         relu = _only_reader(g, y, "Relu") if y is not None else None
         return Absorbed("relu", (relu,), output=g.outputs(relu)[0]) if relu is not None else Absorbed("", output=y)
     ins = g.inputs(conv)
-    if op != "Conv" or y is None or len(ins) < 3 or ins[2] is None or not g.is_constant(ins[2]) or g.is_output(y):
+    if op != "Conv" or y is None or g.is_output(y):
+        return Absorbed("", output=y)
+    if len(ins) < 3 or ins[2] is None:  # no bias: rule 4 alone, run with a zero bias
+        found = _residual_add(g, conv, y, y) if residual else None
+        return _legacy_residual(g, *found) if found is not None else Absorbed("", output=y)
+    if not g.is_constant(ins[2]):
         return Absorbed("", output=y)
     activation = _graph_activation(g, y) if graph_fusions else None
     if activation is not None:
@@ -259,16 +284,20 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
         return activation
     found = _residual_add(g, conv, y, y) if residual else None
     if found is not None:
-        add, z = found
-        out = g.outputs(add)[0]
-        relu = None if g.is_output(out) else _only_reader(g, out, "Relu")
-        if relu is not None:
-            return Absorbed(legacy_name(True, True), (add, relu), z, g.outputs(relu)[0])
-        return Absorbed(legacy_name(True, False), (add,), z, out)
+        return _legacy_residual(g, *found)
     relu = _only_reader(g, y, "Relu")
     if relu is not None:
         return Absorbed(legacy_name(False, True), (relu,), output=g.outputs(relu)[0])
     return Absorbed(legacy_name(False, False), output=y)
+
+
+def _legacy_residual(g: StepGraph, add: Any, z: Any) -> Absorbed:
+    """Rule 4: ``bias+add`` through the residual ``add``, ``bias+add+relu`` where a ``Relu`` is the Add's only reader."""
+    out = g.outputs(add)[0]
+    relu = None if g.is_output(out) else _only_reader(g, out, "Relu")
+    if relu is not None:
+        return Absorbed(legacy_name(True, True), (add, relu), z, g.outputs(relu)[0])
+    return Absorbed(legacy_name(True, False), (add,), z, out)
 
 
 def _graph_activation(g: StepGraph, y: Any) -> Absorbed | None:

@@ -30,7 +30,8 @@ Rules
    ones (``bias``, ``bias+relu``, ``bias+add``, ``bias+add+relu``: ``z`` added before the
    ReLU), and a fused graph's (``bias+swish``, ``bias+leakyrelu<alpha>``, either followed by
    ``+add``: ``z`` added after the activation; an engine's only). ``bias``: the ``(K,)`` values,
-   contiguous where :attr:`ConvExec.contiguous_bias` says so; ``z``: the residual, shaped as the
+   contiguous where :attr:`ConvExec.contiguous_bias` says so (zeros for a conv without a bias
+   whose step adds a residual: :mod:`convpass.core.fusion`, "A conv without a bias"); ``z``: the residual, shaped as the
    output (a fused graph's: packed like ``y`` and never sharing its memory: the launch refuses
    ``y`` aliasing ``z``).
 3. Outputs: packed in the key's memory format, or where :attr:`ConvExec.output_strides` allows a
@@ -118,7 +119,7 @@ def step_epilogue(bias: bool, residual: bool, relu: bool) -> str:
     if bias:
         return legacy_name(residual, relu)
     if residual:
-        raise ValueError("a conv step adds a residual only with its bias")
+        raise ValueError("a conv step adds a residual only with a bias (a conv without one is given a zero bias)")
     return "relu" if relu else ""
 
 

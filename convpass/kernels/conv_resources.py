@@ -7,6 +7,10 @@ sizes per problem, the converted weights and biases, and the workspace arena.
 * A constant weight is converted once to what its execution object reads (the conv's memory format,
   the 1-D mapping, convpass's kernel's own order: :meth:`~convpass.kernels.conv_exec.ConvExec.prepare_weight`);
   a constant bias that is not contiguous is copied once where its object needs it contiguous.
+* A conv without a bias whose step adds a residual runs it with a zero bias
+  (:mod:`convpass.core.fusion`, "A conv without a bias"): one ``(K,)`` array of zeros per channel
+  count and dtype, made when the plan is compiled and shared by every such conv (nothing writes
+  it); making one while a CUDA graph is captured breaks the capture.
 * The workspace comes from one arena (a single CuPy buffer) grown, when the plan is compiled, to
   the largest workspace the plan needs; growing it while a CUDA graph is captured breaks the capture.
 """
@@ -54,6 +58,7 @@ class ConvResources:
         self._prefetch: threading.Thread | None = None
         self._weights: dict[Any, tuple[Any, Any]] = {}
         self._biases: dict[Any, tuple[Any, Any]] = {}
+        self._zero_biases: dict[tuple[int, str], Any] = {}
         self.arena: Any = None
 
     def descriptors(self, key: ProblemKey) -> Any:
@@ -140,6 +145,17 @@ class ConvResources:
         if self.rt.is_constant(b):
             self._biases[key] = (b, out)
         return out
+
+    def zero_bias(self, channels: int, dtype: Any) -> Any:
+        """The ``(channels,)`` zeros of ``dtype`` a conv without a bias passes its residual step
+        (module docstring): made once, then the same array every time."""
+        key = (int(channels), np.dtype(dtype).str)
+        zeros = self._zero_biases.get(key)
+        if zeros is None:
+            if self.rt.capturing:
+                raise CaptureBreak(f"a zero bias of {channels} channels was not made before the capture")
+            zeros = self._zero_biases[key] = self.cp.zeros(key[0], dtype=dtype)
+        return zeros
 
     def workspace(self, nbytes: int) -> Any:
         """The arena, at least ``nbytes`` large (``(0, 0)``: no workspace)."""

@@ -18,7 +18,9 @@ Epilogues (:func:`lower_convs`, by the rule :func:`convpass.core.fusion.absorbed
 when the algorithm is ``implicit_precomp_gemm`` (the only one cuDNN fuses an identity with);
 otherwise one element-wise pass (bias, residual and ReLU together). A residual ``Add`` that is the conv's only reader, whose other
 operand is computed before the conv with the same shape, goes into the same call as its ``z``
-input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one. A fused
+input (``y = act(conv(x, w) + z + bias)``), with the following Relu when there is one; a Conv
+without a bias does the same with the resources' zero bias (:meth:`ConvResources.zero_bias
+<convpass.kernels.conv_resources.ConvResources.zero_bias>`, made when the plan is compiled). A fused
 call cuDNN refuses falls back to the unfused form for good. A ConvTranspose adds its bias in one
 element-wise pass after cuDNN's backward data; a Relu that is its only reader joins that pass.
 
@@ -83,6 +85,7 @@ from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIO
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.conv_slices import priced, remember_refusal, said_if_unpriced, same_order, slice_words, unpriced_copy
 from convpass.kernels.launch import Launch
+from convpass.kernels.plan_steps import PlanSteps
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, copy_into, first_line, storage
 from convpass.native.cudnn import graph_api
@@ -449,15 +452,22 @@ class ConvLaunch(Launch):
         self.x_dtype = None if x is None else x[1]
         self.w_const = plan.template[step.inputs[1]] if len(step.inputs) > 1 and step.inputs[1] >= 0 else None
         self.exec: Any = None
+        # a residual step of a conv without a bias reads a zero bias (convpass.core.fusion, "A conv without a bias")
+        self.zero_bias = epilogue is not None and epilogue[0] == "residual" and not (len(step.inputs) > 2 and step.inputs[2] >= 0)
+        self._zeros: Any = None
 
     def prepare(self) -> None:
         if self.x_dtype is not None:
             self.exec = self.convs.prepare(self.call, self.x_dtype, self.w_const, self.fusion)
+            if self.zero_bias:
+                self._zeros = self.convs.resources.zero_bias(self.call.geometry.output_shape[1], self.x_dtype)
 
     def run(self, env: list[Any]) -> None:
         ins = self.inputs
         x, w = env[ins[0]], env[ins[1]]
         b = env[ins[2]] if len(ins) > 2 and ins[2] >= 0 else None
+        if self.zero_bias:
+            b = self._zeros if self._zeros is not None else self.convs.resources.zero_bias(self.call.geometry.output_shape[1], x.dtype)
         e = self.epilogue
         out = self.destination(env, self._layout())
         if e is None or e == "relu":
@@ -479,53 +489,6 @@ def _epilogue_name(epilogue: Any) -> str:
     return epilogue[1] if epilogue[0] == "engine" else legacy_name(True, epilogue[2] == "relu")
 
 
-class _PlanSteps:
-    """A plan as :class:`convpass.core.fusion.StepGraph`: nodes are step indices, values slots.
-    A step is free when it comes after the conv and no earlier conv's launch took it."""
-
-    def __init__(self, plan: Any, taken: set[int]) -> None:
-        self.plan, self.steps, self.taken = plan, plan.steps, taken
-        self._readers = plan.readers()
-        self._outputs = set(plan.output_slots)
-        self._producer = plan.producers()
-        self.conv = -1
-
-    def op(self, k: int) -> str:
-        node = self.steps[k].node
-        if isinstance(node.prepared, ConvCall):  # a tuned conv keeps convpass's domain in the plan
-            return node.prepared.geometry.op_type
-        return node.op_type if node.domain == "" else ""
-
-    def inputs(self, k: int) -> tuple[int | None, ...]:
-        return tuple(None if s < 0 else s for s in self.steps[k].inputs)
-
-    def outputs(self, k: int) -> tuple[int, ...]:
-        outs = self.steps[k].outputs
-        return tuple(outs) if outs and outs[0] >= 0 else ()
-
-    def readers(self, slot: int) -> list[int]:
-        return self._readers.get(slot, [])
-
-    def is_output(self, slot: int) -> bool:
-        return slot in self._outputs
-
-    def is_constant(self, slot: int) -> bool:
-        return slot >= 0 and self.plan.template[slot] is not None
-
-    def same_shape_and_type(self, a: int, b: int) -> bool:
-        info = self.plan.value_info
-        return info.get(b) is not None and info.get(a) == info.get(b)
-
-    def ready_before(self, slot: int, k: int) -> bool:
-        return slot >= 0 and self._producer.get(slot, -1) < k
-
-    def free(self, k: int) -> bool:
-        return k > self.conv and k not in self.taken
-
-    def attribute(self, k: int, name: str, default: Any) -> Any:
-        return self.steps[k].node.attr(name, default)
-
-
 def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool) -> dict[int, ConvLaunch]:
     """A launch per Conv / ConvTranspose step of ``plan``, each absorbing what
     :func:`convpass.core.fusion.absorbed` gives its step (the rule the tuner timed); the steps they
@@ -538,7 +501,7 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
     conv's own output is never stored)."""
     steps = plan.steps
     taken: set[int] = set()
-    view = _PlanSteps(plan, taken)
+    view = PlanSteps(plan, taken)
     launches: dict[int, ConvLaunch] = {}
     for i, st in enumerate(steps):
         node = st.node

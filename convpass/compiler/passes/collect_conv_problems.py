@@ -14,6 +14,9 @@ Rules:
   ``bias+leakyrelu<alpha>`` (``bias+leakyrelu0.2``), a ``LeakyRelu`` fused the same way, and
   either followed by ``+add`` where a residual ``Add`` is the activation's only reader
   (``bias+leakyrelu0.01+add``: CSPDarknet's residual blocks; the tuner times its shorter graph too).
+  A forward Conv with no bias input whose output only a residual ``Add`` reads is the same
+  problem as with a bias, ``bias+add`` (``bias+add+relu`` with the Relu after it): the executor
+  runs it with a zero bias (:mod:`convpass.core.fusion`, "A conv without a bias").
 * A forward Conv whose input the executor will read as a channel slice of a wider buffer (a
   Concat family's, a Split's input: :func:`convpass.core.concat_slices.channel_slices`, the rule the
   runtime's memory planner follows too) is a problem with its ``x_slice``, which the tuner times
