@@ -18,7 +18,7 @@ from test_cuda_memory import _allocator, _Producer
 from convpass.compiler.pipeline import OptimizeReport, prepare_model
 from convpass.core.concat_slices import ConcatInfo, conv_step_writes_slice, families, output_slices, place, times_in_families
 from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey
+from convpass.core.problem import ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey, keyed_slice
 from convpass.kernels.backends import host_backend
 from convpass.kernels.convolution import lower_convs
 from convpass.ops.registry import OpContext
@@ -140,7 +140,7 @@ def test_each_way_of_writing_into_a_family_and_the_convs_that_name_it():
         "conv_a": (None, OutputSlice(0, total)),  # its output has another reader too: still placed
         "conv_b": (InputSlice(0, total), None),  # that reader reads the slice
         "conv_c": (None, None),  # its step adds the residual: a packed output the Concat copies
-        "conv_d": (None, OutputSlice(2 * C, total)),  # through the zero-width Pad
+        "conv_d": (None, OutputSlice(2 * C % 32, total)),  # through the zero-width Pad (its key: 2C float32s in, mod 128 bytes)
         "up": (None, None),  # a ConvTranspose: backward data runs packed, its bias pass writes the slice
     }
     assert problems["up"].direction == "dgrad"
@@ -153,8 +153,20 @@ def test_the_compiler_names_the_slices_the_runtimes_memory_planner_places_the_co
     dgrad problem)."""
     named = {name: p.y_slice for name, p in _problems(model()).items() if p.y_slice is not None}
     placed = _runtime_placements(model())
-    assert named and {k: v for k, v in placed.items() if k != "up"} == named
+    assert named and {k: keyed_slice(v, "float32") for k, v in placed.items() if k != "up"} == named
     assert ("up" in placed) == (model is _mixed_family)
+
+
+def test_a_slice_key_keeps_the_first_channel_modulo_128_bytes():
+    """Where a slice starts matters to a conv's speed only through its first element's alignment:
+    a key keeps ``first`` modulo 128 bytes of channels, so the layers of a dense block (each writing
+    the next 32 channels of one buffer) share one problem, and two starts of different alignment
+    stay apart; the buffer's width (the strides) always stays."""
+    firsts = [64 + 32 * k for k in range(6)]
+    assert {keyed_slice(OutputSlice(f, 256), "float32") for f in firsts} == {OutputSlice(0, 256)}
+    assert keyed_slice(OutputSlice(48, 256), "float32") == OutputSlice(16, 256) != keyed_slice(OutputSlice(64, 256), "float32")
+    assert keyed_slice(InputSlice(96, 256), "float16") == InputSlice(32, 256)  # 64 half-floats a class
+    assert keyed_slice(InputSlice(128, 256), "bfloat16") == InputSlice(0, 256) and keyed_slice(InputSlice(5, 9), "float32").channels == 9
 
 
 def test_a_one_dimensional_conv_or_a_family_along_h_names_no_output_slice():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeVar
 
 Direction = Literal["fwd", "dgrad", "wgrad"]
 DIRECTIONS: tuple[Direction, ...] = ("fwd", "dgrad", "wgrad")
@@ -92,6 +92,24 @@ class OutputSlice(ChannelSlice):
     ``yslice=<first>/<channels>``."""
 
     tag = "yslice"
+
+
+SLICE_KEY_BYTES = 128  # a slice key keeps its first channel's offset modulo this many bytes (see keyed_slice)
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+SliceT = TypeVar("SliceT", bound=ChannelSlice)
+
+
+def keyed_slice(where: SliceT, dtype: str) -> SliceT:
+    """``where`` as a problem key names it: a conv reading or writing a channel slice runs at a speed
+    set by the slice's strides (the buffer's ``channels``) and by the byte alignment of its first
+    element, not by where in the buffer it starts; so ``first`` is kept modulo
+    :data:`SLICE_KEY_BYTES` bytes' worth of channels (32 float32, 64 float16), which keeps the
+    alignment class in either memory format (channels-last: ``first`` elements in; channels-first:
+    ``first`` planes in). A dense block's layers, each writing the next channels of one buffer,
+    are then one problem, tuned once, not one per layer."""
+    step = SLICE_KEY_BYTES // _DTYPE_BYTES[dtype]
+    return dataclasses.replace(where, first=where.first % step)
 
 
 def slice_strides(dims: tuple[int, ...], where: ChannelSlice, layout: Layout) -> tuple[int, ...]:

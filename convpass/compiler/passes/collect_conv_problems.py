@@ -49,7 +49,7 @@ from convpass.compiler.passes.state import CANONICAL_KEY, PROBLEMS_KEY, VALUE_SH
 from convpass.core import concat_slices
 from convpass.core.concat_slices import ConcatInfo, SplitInfo, conv_step_writes_slice
 from convpass.core.fusion import Absorbed, absorbed
-from convpass.core.problem import ConvProblem, Direction, InputSlice, OutputSlice
+from convpass.core.problem import ConvProblem, Direction, InputSlice, OutputSlice, keyed_slice
 
 X_SLICE_KEY = "convpass.x_slice"  # node.meta: per profile, the InputSlice the conv's input is read as, or None
 Y_SLICE_KEY = "convpass.y_slice"  # node.meta: per profile, the OutputSlice the conv's output is written into, or None
@@ -256,9 +256,10 @@ def conv_input_slice(node: ir.Node, profile: int, slices: Mapping[ir.Value, Inpu
     if not _own_geometry(node, profile) or any(node.meta[CANONICAL_KEY][profile].extra_pads):
         return None
     x_slice = slices.get(node.inputs[0])
-    if x_slice is None or x_slice.first + node.meta[CANONICAL_KEY][profile].shapes[0].c > x_slice.channels:
+    shape = node.meta[CANONICAL_KEY][profile].shapes[0]
+    if x_slice is None or x_slice.first + shape.c > x_slice.channels:
         return None
-    return x_slice
+    return keyed_slice(x_slice, shape.dtype)
 
 
 def conv_output_slice(node: ir.Node, profile: int, slices: Mapping[ir.Node, OutputSlice]) -> OutputSlice | None:
@@ -267,7 +268,8 @@ def conv_output_slice(node: ir.Node, profile: int, slices: Mapping[ir.Node, Outp
     y_slice = slices.get(node)
     if y_slice is None or not _own_geometry(node, profile):
         return None
-    return y_slice if y_slice.first + node.meta[CANONICAL_KEY][profile].shapes[0].k <= y_slice.channels else None
+    shape = node.meta[CANONICAL_KEY][profile].shapes[0]
+    return keyed_slice(y_slice, shape.dtype) if y_slice.first + shape.k <= y_slice.channels else None
 
 
 class CollectConvProblemsPass(ir.passes.InPlacePass):
