@@ -7,11 +7,13 @@ longer. So each GPU runs one shard, and every finished test is written down as i
   the same in every call on one machine);
 * ``GPU_TESTS_LOG=PATH``: every finished test is appended as ``<outcome>\\t<node id>`` (outcomes:
   passed, failed, error, skipped, xfailed, xpassed), a failure's report to ``PATH.failures``, and
-  the number of tests collected to ``PATH.collected``; tests already in the log are deselected, so the next call
-  runs only what is left. A test cut off by the call's end is not in the log and runs again.
+  the number of tests collected to ``PATH.collected``, and each finished test's seconds (setup,
+  call and teardown: a module fixture that tunes a model counts in its first test) to
+  ``PATH.seconds``; tests already in the log are deselected, so the next call runs only what is
+  left. A test cut off by the call's end is not in the log and runs again.
 
-``python3 scripts/gpu_tests_progress.py summary PATH`` prints the totals, the failures and what is
-left.
+``python3 scripts/gpu_tests_progress.py summary PATH`` prints the totals, the failures, what is
+left and the slowest tests (where the device time of the suite goes).
 """
 
 from __future__ import annotations
@@ -83,8 +85,16 @@ def _outcome(report) -> str | None:
     return None
 
 
+_seconds: dict[str, float] = {}  # node id -> its phases' seconds so far (this process)
+
+
 def pytest_runtest_logreport(report):
     log = os.environ.get("GPU_TESTS_LOG")
+    if log:
+        _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+        if report.when == "teardown":
+            with open(f"{log}.seconds", "a") as f:
+                f.write(f"{_seconds.pop(report.nodeid):.2f}\t{report.nodeid}\n")
     outcome = _outcome(report)
     if not log or outcome is None:
         return
@@ -95,7 +105,7 @@ def pytest_runtest_logreport(report):
             f.write(f"=== {outcome} {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n")
 
 
-def summary(path: str) -> str:
+def summary(path: str, slowest: int = 12) -> str:
     outcomes = read_log(path)
     counts = Counter(outcomes.values())
     collected = Path(f"{path}.collected")
@@ -103,7 +113,25 @@ def summary(path: str) -> str:
     lines = [", ".join(f"{counts[o]} {o}" for o in _WORST if counts[o]) or "no test finished yet"]
     lines.append("nothing collected yet" if total is None else f"{max(total - len(outcomes), 0)} of {total} left")
     lines += [f"  {o.upper()} {nodeid}" for nodeid, o in sorted(outcomes.items()) if o in ("failed", "error", "xpassed")]
+    seconds = read_seconds(f"{path}.seconds")
+    if seconds:
+        lines.append(f"{sum(seconds.values()):.0f} s in {len(seconds)} tests; the slowest:")
+        lines += [f"  {t:7.1f} s  {nodeid}" for nodeid, t in sorted(seconds.items(), key=lambda kv: -kv[1])[:slowest]]
     return "\n".join(lines)
+
+
+def read_seconds(path: str | os.PathLike) -> dict[str, float]:
+    """Node id -> seconds of its latest finished run, from a ``PATH.seconds`` file (none: empty)."""
+    found: dict[str, float] = {}
+    p = Path(path)
+    if p.exists():
+        for line in p.read_text().splitlines():
+            secs, _, nodeid = line.partition("\t")
+            try:
+                found[nodeid] = float(secs)
+            except ValueError:
+                continue
+    return found
 
 
 if __name__ == "__main__":

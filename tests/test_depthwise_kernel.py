@@ -374,3 +374,22 @@ def test_the_executor_builds_a_recorded_kernel_or_says_why_not(monkeypatch, algo
         assert why == "" and ex.kernel.r == 8 and ex.kernel.channels_last and ex.fused_call == "bias+relu" and ex.descs is None
     else:
         assert ex is None and f"recorded kernel {algo!r} (nhwc) is not usable here" in why
+
+
+def test_a_variant_right_on_its_first_launch_and_wrong_after_the_timing_is_a_wrong_result(own_bench, monkeypatch):
+    """The check runs again on what the timing's launches left in set 0's output: a configuration
+    right once and wrong on later launches (the executor replays it) is no candidate."""
+    launches = {"n": 0}
+    right = depthwise.DepthwiseKernel.__call__
+
+    def drifting(self, cp, x, w, y, bias=None, z=None, relu=False):
+        right(self, cp, x, w, y, bias, z, relu)
+        launches["n"] += 1
+        if self.r == 8 and launches["n"] > 1:
+            y += 1e3  # from the second launch on
+
+    monkeypatch.setattr(depthwise.DepthwiseKernel, "__call__", drifting)
+    own_bench.timings[:] = [0.011]  # only r8 runs: r4 is in the cache
+    rows = own_bench.measure_own(DW_KEY, "", None, have=[_row(R4, 0.010)])
+    assert [(r.algo, r.status) for r in rows][:1] == [(R8, "wrong_result")]
+    assert "after its first launch" in rows[0].note and "more" in rows[0].note

@@ -56,6 +56,9 @@ def test_shards_split_the_tests_and_a_second_call_runs_only_what_is_left(tmp_pat
     assert "b is broken" in (tmp_path / "done.failures").read_text()
     text = gpu_tests_progress.summary(str(log))
     assert text.startswith("1 failed, 2 passed, 1 xfailed, 1 skipped\n0 of 5 left") and "FAILED test_some.py::test_b" in text
+    seconds = gpu_tests_progress.read_seconds(tmp_path / "done.seconds")  # every test that ran, its phases summed
+    assert set(seconds) == {f"test_some.py::test_{t}" for t in "abcde"} and all(s >= 0 for s in seconds.values())
+    assert "in 5 tests; the slowest:" in text and text.count("s  test_some.py::test_") == 5
     # again, without shards: every test is in the log, so nothing runs
     again = _run(tmp_path, None)
     assert "6 deselected" in again.stdout, again.stdout

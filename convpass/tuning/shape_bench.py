@@ -222,7 +222,8 @@ class ShapeBench:
         """``conv.launch`` (an execution object of :mod:`convpass.kernels.conv_exec`, with ``bias``
         and, with ``residual``, each set's ``z``) run once on set 0 and checked against the
         reference (or ``expected``; a ``wrong_result`` row past the tolerance), then timed over the
-        rotation sets (an ``ok`` row; ``unsupported`` when ``capture_required`` and its launches
+        rotation sets, and set 0's output checked again after the timing's launches (a ``wrong_result``
+        row where only the first launch was right) (an ``ok`` row; ``unsupported`` when ``capture_required`` and its launches
         could not be captured). CUDA and cuDNN errors propagate: the callers know what they mean."""
         import cupy as cp
 
@@ -247,14 +248,22 @@ class ShapeBench:
             except Exception as e:
                 if not tensors.refused(e):
                     raise
-        out = check[out_name] if key.shape.dtype != "bfloat16" else harness.to_float32(check[out_name], "bfloat16")
-        err = harness.relative_error(out, reference)
+
+        def error() -> float:  # set 0's output against its reference, as it stands
+            out = check[out_name] if key.shape.dtype != "bfloat16" else harness.to_float32(check[out_name], "bfloat16")
+            return harness.relative_error(out, reference)
+
+        err = error()
         tolerance = TOLERANCE[(key.shape.dtype, key.math)]
         if not err <= tolerance:
             return make_row(key, algo, "wrong_result", None, ws, det, now, "measure", note=f"relative error {err:.2e} > {tolerance:.0e}")
         if self._strays(check):
             return make_row(key, algo, "wrong_result", None, ws, det, now, "measure", note="it wrote channels outside its output slice")
         timing = harness.time_launches(lambda i: launch(sets[i], workspace), len(sets), best_ms, first_ms=first_ms)
+        after = error()  # what the timing's launches left there: right once is not enough (the executor replays)
+        if not after <= tolerance:
+            return make_row(key, algo, "wrong_result", None, ws, det, now, "measure",
+                            note=f"relative error {err:.1e} after its first launch, {after:.2e} > {tolerance:.0e} after {timing.launches} more")
         if capture_required and timing.eager:
             return make_row(key, algo, "unsupported", None, ws, det, now, "measure", note="its launches cannot be captured into a CUDA graph")
         if timing.group is not None and self.group_bytes() + ws <= self.group_budget():

@@ -30,7 +30,7 @@ Rules (per shape profile):
   in place or the copy and the conv, per format) has the read in its costs: its edge from the
   buffer is an ordinary one (a transpose where the formats differ, nothing where they agree), never
   the copy again. (Charged the copy twice, an RRDB net's dense convs at batch 1 went to NCHW,
-  where their timed costs were 1.2 to 2x their NHWC ones, the copy included.) (Charged free in NCHW at every batch, an ESRGAN-style RRDB net's dense convs stayed in
+  where their timed costs were 1.2 to 1.7x their NHWC ones, the copy included.) (Charged free in NCHW at every batch, an ESRGAN-style RRDB net's dense convs stayed in
   NCHW at batch 16, where cuDNN's kernels converted every input and output to NHWC inside the call
   and the slices were copied all the same: its conv time was about 1.7x its NHWC plan's.) (Before
   families were tied, DenseNet-121 ran much slower when every Concat passed NHWC through on its
