@@ -291,6 +291,17 @@ def steady_run(tuned: onnx.ModelProto, feeds: dict) -> tuple[list, dict[str, int
 
 
 @pytest.fixture
+def need_graph_api():
+    """For GPU tests of cuDNN's graph-API engines: skipped, saying why, where the frontend is
+    unusable (``pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_graph_api")]``)."""
+    from convpass.native.cudnn import graph_api
+
+    why = graph_api.unavailable()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.fixture
 def need_cuda_backend():
     """For GPU tests that run the executor's cuda backend: skipped, saying why, where it is unusable
     (``pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]``)."""

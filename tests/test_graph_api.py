@@ -577,3 +577,15 @@ def test_a_misaligned_tensor_is_refused_before_the_plan_runs():
     with pytest.raises(graph_api.GraphApiError, match="x not 16-byte aligned"):
         conv._launch(_device_array(8), *aligned[1:3], None, aligned[3], _device_array(1280))
     assert len(ran) == 1 and graph_api.misaligned(x=None, y=_device_array(64)) == []
+
+
+def test_the_gpu_tests_of_engines_are_skipped_saying_why_where_the_frontend_is_unusable(request, monkeypatch):
+    """``need_graph_api`` (the graph-API GPU tests' gate) skips with the frontend's own reason."""
+    monkeypatch.setattr(graph_api, "unavailable", lambda: "the nvidia-cudnn-frontend package is not installed")
+    with pytest.raises(pytest.skip.Exception, match="nvidia-cudnn-frontend package is not installed"):
+        request.getfixturevalue("need_graph_api")
+
+
+def test_the_gpu_tests_of_engines_run_where_the_frontend_is_usable(request, monkeypatch):
+    monkeypatch.setattr(graph_api, "unavailable", lambda: None)
+    assert request.getfixturevalue("need_graph_api") is None  # no skip

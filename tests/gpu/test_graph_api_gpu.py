@@ -13,7 +13,7 @@ import pytest
 
 from convpass.core.algo import Algo
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_graph_api")]
 
 cp = pytest.importorskip("cupy")
 
@@ -24,14 +24,6 @@ from convpass.compiler.passes.canonicalize_convs import canonicalize_conv  # noq
 from convpass.core import annotation  # noqa: E402
 from convpass.native.cudnn import as_layout, graph_api  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _need_frontend():
-    why = graph_api.unavailable()
-    if why is not None:
-        pytest.skip(why)
-
 
 CASES = {
     "dense3x3": ((2, 16, 14, 14), (32, 16, 3, 3), {"pads": [1, 1, 1, 1]}),

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_graph_api")]
 
 cp = pytest.importorskip("cupy")
 
@@ -31,13 +31,6 @@ from convpass.tuning.cache import TuningCache  # noqa: E402
 
 X = (2, 32, 24, 24)
 TOL = 5e-3  # relative error (norm) of a TF32 conv, as the other engine tests
-
-
-@pytest.fixture(autouse=True)
-def _need_frontend():
-    why = graph_api.unavailable()
-    if why is not None:
-        pytest.skip(why)
 
 
 def _report(what: str) -> None:

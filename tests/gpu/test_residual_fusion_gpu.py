@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_graph_api")]
 
 cp = pytest.importorskip("cupy")
 
@@ -36,13 +36,6 @@ P = "bias+leakyrelu0.01"
 F = P + "+add"
 X = (16, 64, 32, 32)  # batch 16, as the panel's cspdarknet53 runs
 TOL = 5e-3  # relative error (norm) of a TF32 conv, as the other engine tests
-
-
-@pytest.fixture(autouse=True)
-def _need_frontend():
-    why = graph_api.unavailable()
-    if why is not None:
-        pytest.skip(why)
 
 
 def _report(what: str) -> None:
@@ -83,7 +76,7 @@ def tuned(tmp_path_factory):
     """The block tuned here once, NHWC, engines "all" (the Add's output read by two nodes), and
     the same block with the Add's output the graph's (decided from the same cache: nothing timed
     again). Returns (cache path, {readers: (model, tuned model)})."""
-    why = graph_api.unavailable()  # asked here too: a module fixture runs before the autouse one
+    why = graph_api.unavailable()  # asked here too: a module fixture runs before need_graph_api
     if why is not None:
         pytest.skip(why)
     path = tmp_path_factory.mktemp("residual") / "c.db"

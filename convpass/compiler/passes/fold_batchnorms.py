@@ -15,10 +15,8 @@ that step (``bias+relu``), not as a bare conv followed by passes nobody timed.
 from __future__ import annotations
 
 import onnx_ir as ir
-import onnx_ir.passes.common
 
-from convpass.compiler.passes import state
-from convpass.compiler.passes.fold_conv_weights import _MIN_IR_WITHOUT_INPUT_INITIALIZERS
+from convpass.compiler.passes.folding import FoldIntoConvsPass
 from convpass.compiler.passes.state import node_label
 from convpass.ops import batchnorm_folding
 from convpass.ops.registry import NodeInfo, decode_attributes
@@ -26,18 +24,11 @@ from convpass.ops.registry import NodeInfo, decode_attributes
 __all__ = ["FoldBatchNormsPass"]
 
 
-class FoldBatchNormsPass(ir.passes.InPlacePass):
+class FoldBatchNormsPass(FoldIntoConvsPass):
     """Folds inference BatchNormalizations into the convs they follow (module rules). ``folded``:
     the names of the BatchNormalization nodes folded by the last call. Requires the folded conv
     weights of ``FoldConvWeightsPass`` (:mod:`~convpass.compiler.passes.state`): a conv whose weight
     is still computed would keep its BatchNormalization, which the executor folds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.folded: list[str] = []
-
-    def requires(self, model: ir.Model) -> None:
-        state.require(self, model, state.WEIGHTS_FOLDED)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.folded = []
@@ -69,11 +60,7 @@ class FoldBatchNormsPass(ir.passes.InPlacePass):
             conv = next(n for n in graph if infos.get(id(n)) is conv_info)
             if self._fold(graph, conv, bn, conv_info, info):
                 self.folded.append(node_label(bn))
-        if self.folded:
-            # IR 3 would need every new initializer listed as a graph input (as FoldConvWeightsPass says)
-            model.ir_version = max(model.ir_version, _MIN_IR_WITHOUT_INPUT_INITIALIZERS)
-            onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
-        return ir.passes.PassResult(model, modified=bool(self.folded))
+        return self.finish(model)
 
     @staticmethod
     def _fold(graph: ir.Graph, conv: ir.Node, bn: ir.Node, conv_info: NodeInfo, bn_info: NodeInfo) -> bool:

@@ -43,6 +43,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from convpass.compiler.passes import state
+from convpass.compiler.passes.folding import MIN_IR_WITHOUT_INPUT_INITIALIZERS
 from convpass.compiler.passes.state import CONV_OPS, SKIP_KEY, node_label
 from convpass.core.errors import ExecutorError
 from convpass.kernels.backends import host_backend
@@ -51,8 +52,6 @@ from convpass.ops.registry import SUPPORTED_ELEM_TYPES, NodeInfo, OpContext, dec
 
 logger = logging.getLogger("convpass")
 
-# From IR version 4 on, initializers need not be graph inputs.
-_MIN_IR_WITHOUT_INPUT_INITIALIZERS = 4
 
 GROWTH_FACTOR = 4  # a folded weight this many times its sources' bytes ...
 GROWTH_BYTES = 1 << 20  # ... and this much larger is noted
@@ -97,7 +96,7 @@ class FoldConvWeightsPass(ir.passes.InPlacePass):
                 node.replace_input_with(index, folded[value])
         if folded:
             # See the module rules: IR 3 would need every new initializer listed as a graph input.
-            model.ir_version = max(model.ir_version, _MIN_IR_WITHOUT_INPUT_INITIALIZERS)
+            model.ir_version = max(model.ir_version, MIN_IR_WITHOUT_INPUT_INITIALIZERS)
             ir.passes.common.RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=bool(folded))
 

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-import onnx_ir.passes.common
 
-from convpass.compiler.passes import state
-from convpass.compiler.passes.fold_conv_weights import _MIN_IR_WITHOUT_INPUT_INITIALIZERS
+from convpass.compiler.passes.folding import FoldIntoConvsPass
 from convpass.compiler.passes.state import node_label
 
 __all__ = ["FoldReluAffinePass"]
@@ -43,16 +41,9 @@ __all__ = ["FoldReluAffinePass"]
 _STANDARD = ("", "ai.onnx")
 
 
-class FoldReluAffinePass(ir.passes.InPlacePass):
+class FoldReluAffinePass(FoldIntoConvsPass):
     """Folds the constant affine after a conv's Relu into the conv (module rules). ``folded``: the
     names of the Mul and Add nodes removed by the last call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.folded: list[str] = []
-
-    def requires(self, model: ir.Model) -> None:
-        state.require(self, model, state.WEIGHTS_FOLDED)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.folded = []
@@ -70,10 +61,7 @@ class FoldReluAffinePass(ir.passes.InPlacePass):
             shift = _constant_operand(after, relu.outputs[0]) if after is not None else None
             if shift is not None and _zero_shift(shift, conv):
                 self._drop(graph, after, relu)
-        if self.folded:
-            model.ir_version = max(model.ir_version, _MIN_IR_WITHOUT_INPUT_INITIALIZERS)
-            onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
-        return ir.passes.PassResult(model, modified=bool(self.folded))
+        return self.finish(model)
 
     def _drop(self, graph: ir.Graph, node: ir.Node, relu: ir.Node) -> None:
         """Remove ``node`` (an identity now), its readers reading the Relu's output (rule 4)."""
