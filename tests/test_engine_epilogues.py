@@ -235,6 +235,13 @@ def test_a_legacy_epilogue_s_engine_rows_are_its_passes_and_every_configuration_
                                                        ("engine:eng3+bias", "unsupported")]  # no z, no ReLU: both orders agree
 
 
+def test_a_pruning_plan_orders_and_cuts_the_graph_s_configurations_as_the_bare_ones(epilogue_bench):
+    order = lambda algos: ([algos[0]], [(a, "pruned: never won") for a in algos[1:]])  # noqa: E731
+    rows = epilogue_bench.measure_engine_epilogue(SHAPE.key("nchw", "default"), F, best_ms=None, order=order)
+    assert [(r.algo, r.status) for r in rows[2:]] == [("engine:eng2+" + F, "skipped"), ("engine:eng3+" + F, "skipped"), ("engine:eng1+" + F, "ok")]
+    assert all(r.note.startswith("pruned") for r in rows[2:4])
+
+
 def test_no_engine_for_the_epilogue_s_graph_is_a_row_saying_so(epilogue_bench, monkeypatch):
     def refuse(key, fusion=""):
         raise GraphApiError("cuDNN's graph API has no engine for this")

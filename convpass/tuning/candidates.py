@@ -234,18 +234,20 @@ class Candidates:
             best_ms = best_after(best_ms, row)
         return rows
 
-    def measure_engine_epilogue(self, key: ProblemKey, name: str, best_ms: float | None, have: Sequence[Measurement] = ()) -> list[Measurement]:
+    def measure_engine_epilogue(self, key: ProblemKey, name: str, best_ms: float | None, have: Sequence[Measurement] = (),
+                                order: Order | None = None) -> list[Measurement]:
         """A legacy epilogue ``name`` as graph-API engines run it: its one pass and the bias's own
         pass (the ``epilogue`` rows :func:`convpass.tuning.decide.cost_ms` weighs an unfused engine
         with: what the executor runs after it, what its time holds), each unless ``have`` holds it,
         then every engine configuration of the fused graph ``conv -> bias [-> add(z)] [-> relu]``
-        (:meth:`measure_engines`: ``engine:none+<name>`` where cuDNN offers none)."""
+        (:meth:`measure_engines`, in ``order`` where a pruning plan gives one: ``engine:none+<name>``
+        where cuDNN offers none)."""
         done = {m.algo: m for m in have if m.key == key and m.method == EPILOGUE_METHOD}
         rows = [self._measure_epilogue_pass(key, p) for p in dict.fromkeys((name, epilogue.LEGACY[0])) if p not in done]
         own = next((m for m in [*rows, *done.values()] if m.algo == name and m.status == "ok"), None)
         if own is not None and best_ms is not None:
             best_ms += own.time_ms  # an early stop compares a fused graph with conv + pass
-        return [*rows, *self.measure_engines(key, best_ms, name)]
+        return [*rows, *self.measure_engines(key, best_ms, name, order)]
 
     def measure_fused(self, key: ProblemKey, fusion: str, best_ms: float | None) -> list[Measurement]:
         """A fused epilogue for ``key``: its activation timed as its own pass over the output (the

@@ -400,7 +400,8 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                     if fusion and not epilogue.is_legacy(fusion):
                         rows.extend(measure_graph_fusion(candidates, key, fusion, best, [*rows, *have]))
                     if engine_fusion:
-                        rows.extend(candidates.measure_engine_epilogue(key, engine_fusion, best, [*rows, *have]))
+                        rows.extend(candidates.measure_engine_epilogue(key, engine_fusion, best, [*rows, *have],
+                                                                       order=plan.order if plan is not None else None))
                 rows = bench.settle(rows, problem, options, have)
         finally:
             candidates.release()
