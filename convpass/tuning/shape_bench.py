@@ -30,7 +30,7 @@ from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ConvShape, InputSlice, ProblemKey
 from convpass.tuning import harness
 from convpass.tuning.cache_rows import Measurement
-from convpass.tuning.decide import allowed, cost_ms, epilogue_ms, residual_ms
+from convpass.tuning.decide import allowed, bias_ms, cost_ms, epilogue_ms, residual_ms
 
 logger = logging.getLogger("convpass")
 
@@ -263,10 +263,10 @@ class ShapeBench:
         if strategy not in ("measure", "forced") or len(self._groups) < 2:
             return rows
         considered = [*rows, *have]
-        epilogue_of, residual_of = epilogue_ms(considered, problem), residual_ms(considered, problem)
+        epilogue_of, residual_of, bias_of = epilogue_ms(considered, problem), residual_ms(considered, problem), bias_ms(considered, problem)
         ok = allowed(problem, options, epilogue_of, residual_of)
         timed = sorted((cost, i) for i, m in enumerate(considered) if m.method == "measure" and ok(m)
-                       and (cost := cost_ms(m, epilogue_of, problem.fusion, residual_of)) is not None)
+                       and (cost := cost_ms(m, epilogue_of, problem.fusion, residual_of, bias_of)) is not None)
         close = [i for cost, i in timed if cost <= timed[0][0] * (1 + HEAD_TO_HEAD_MARGIN)][:HEAD_TO_HEAD_MAX] if timed else []
         if len(close) < 2 or any(i >= len(rows) or (rows[i].key, rows[i].algo) not in self._groups for i in close):
             return rows
