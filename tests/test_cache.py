@@ -493,6 +493,25 @@ def _open_damaged(path: str, start, results) -> None:
         results.put(("error", traceback.format_exc()))
 
 
+def test_a_cache_moved_aside_between_the_look_and_the_check_is_opened_as_absent(tmp_path: Path, monkeypatch) -> None:
+    """Another process moves a damaged cache aside after this one saw the path and before it
+    checked the file: not an error, the open starts (or opens) the fresh cache."""
+    from convpass.tuning import cache_file
+
+    path = tmp_path / "shared.db"
+    path.write_bytes(_damage_cases(tmp_path / "src")["truncated"])
+    real = cache_file.check_readable
+
+    def moved_meanwhile(p, what):
+        os.replace(p, f"{p}.corrupt-elsewhere")
+        return real(p, what)
+
+    monkeypatch.setattr(cache_file, "check_readable", moved_meanwhile)
+    with TuningCache(path) as c:
+        c.put(H200, [meas(shape(n=7).key("nchw", "default"))])
+        assert c.stats()["measurements"] == 1
+
+
 def test_concurrent_open_of_damaged_file(tmp_path: Path) -> None:
     """Processes that find the same damaged file at once: one moves it aside, all end up writing."""
     path = tmp_path / "shared.db"

@@ -302,7 +302,8 @@ class CacheFile:
             try:
                 check_readable(self.path, "tuning cache")  # no FIFO or device: SQLite would block on it or write to it
             except FileError as e:
-                raise CacheError(str(e)) from None
+                if os.path.lexists(self.path):  # gone meanwhile: another process moved damage aside; opened below as absent
+                    raise CacheError(str(e)) from None
         if readonly:
             if self.path.is_dir():
                 raise CacheError(f"tuning cache path {self.path} is a directory; give a file path")
