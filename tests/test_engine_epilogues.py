@@ -310,7 +310,12 @@ def test_each_form_is_costed_only_with_the_passes_it_needs():
     assert select(BASE + [row("engine:eng5+" + R, 0.001)], PROBLEM, OPTIONS).algo == "engine:eng8"  # another epilogue's graph
     legacy_only = TuneOptions(tf32="on", layout="nhwc", engines="legacy")
     assert select(BASE + [row(FUSED, 0.001)], PROBLEM, legacy_only).algo == "implicit_gemm+" + F
-    assert bias_ms(BASE, PROBLEM) == {KEY: 0.004} and bias_ms(BASE, ConvProblem((SHAPE,), "bias+swish")) == {}
+    marked = BASE + [row("engine:none+" + F, None, status="unsupported")]  # the engine-epilogue tuner went through the key
+    assert bias_ms(marked, PROBLEM) == {KEY: 0.004} and bias_ms(marked, ConvProblem((SHAPE,), "bias+swish")) == {}
+    # a bias row without that mark (an older cache, where a sibling bias problem of the key left
+    # it): the bare engine is costed as before, its own time
+    assert bias_ms(BASE, PROBLEM) == {}
+    assert cost_ms(row("engine:eng8", 0.018), epilogue_ms(BASE, PROBLEM), F, bias=bias_ms(BASE, PROBLEM)) == pytest.approx(0.018)
     assert cost_ms(row("implicit_gemm", 0.020), epilogue_ms(BASE, PROBLEM), F, bias=bias_ms(BASE, PROBLEM)) == pytest.approx(0.032)
 
 
@@ -492,3 +497,14 @@ def _conv64(x, w):
     from convpass.ops.conv import conv_reference
 
     return conv_reference(np, np.asarray(x, np.float64), np.asarray(w, np.float64), None, _geometry())
+
+
+def test_the_bias_pass_of_a_longer_epilogue_is_no_pruning_problem_of_its_own():
+    from convpass.tuning.prune import problems_of
+
+    # the engine-epilogue tuner's bias row beside a longer legacy epilogue: one problem, F's
+    assert set(problems_of(BASE)) == {(KEY, F)}
+    # a real bias problem of the same key (its fused call or graph measured): both
+    assert set(problems_of(BASE + [row("implicit_precomp_gemm+bias", 0.02)])) == {(KEY, F), (KEY, "bias")}
+    # a key with the bias pass alone: its problem
+    assert set(problems_of([row("implicit_gemm", 0.02), row("bias", 0.004, EPILOGUE_METHOD)])) == {(KEY, "bias")}

@@ -108,8 +108,12 @@ def bias_ms(measurements: Iterable[Measurement], problem: ConvProblem) -> dict[P
     no legacy epilogue."""
     if not is_legacy(problem.fusion):
         return {}
-    return {m.key: m.time_ms for m in measurements
-            if m.method == EPILOGUE_METHOD and m.algo == LEGACY[0] and m.status == "ok" and m.time_ms is not None}
+    rows = list(measurements)
+    # only keys the engine-epilogue tuner went through (its fused-graph rows, engine:none+<f> too):
+    # a bias row of an older cache may be a sibling problem's, and its engines stay costed as before
+    marked = {m.key for m in rows if m.method != EPILOGUE_METHOD and Algo.parse(m.algo).is_engine and Algo.parse(m.algo).fusion == problem.fusion}
+    return {m.key: m.time_ms for m in rows
+            if m.key in marked and m.method == EPILOGUE_METHOD and m.algo == LEGACY[0] and m.status == "ok" and m.time_ms is not None}
 
 
 def cost_ms(m: Measurement, epilogue: dict[ProblemKey, float], fusion: str = "",

@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from convpass.core.algo import Algo
-from convpass.core.fusion import RESIDUAL_PASS
+from convpass.core.fusion import LEGACY, RESIDUAL_PASS
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.tuning.cache_rows import Measurement
@@ -83,7 +83,11 @@ def problems_of(rows: Iterable[Measurement]) -> dict[tuple[ProblemKey, str], lis
         by_key[m.key].append(m)
     out = {}
     for key, mine in by_key.items():
-        fusions = sorted({m.algo for m in mine if m.method == EPILOGUE_METHOD and m.algo != RESIDUAL_PASS}) or [""]
+        passes = {m.algo for m in mine if m.method == EPILOGUE_METHOD and m.algo != RESIDUAL_PASS}
+        if LEGACY[0] in passes and passes & set(LEGACY[1:]) and not any(
+                m.method != EPILOGUE_METHOD and Algo.parse(m.algo).fusion == LEGACY[0] for m in mine):
+            passes.discard(LEGACY[0])  # the bias pass a longer legacy epilogue's engines are costed with: no problem of its own
+        fusions = sorted(passes) or [""]
         for fusion in fusions:
             out[(key, fusion)] = mine
     return out
