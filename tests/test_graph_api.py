@@ -552,3 +552,28 @@ def test_plans_are_stored_while_a_side_car_is_recorded(monkeypatch):
     _engine_execs(convs, [("dw1", "eng5"), ("pw1", "eng0")])
     assert recorded == [("plan-engine:eng5", PLAN_PREFIX + "engine:eng5", b"stored engine:eng5"),
                         ("plan-engine:eng0", PLAN_PREFIX + "engine:eng0", b"stored engine:eng0")]
+
+
+def _device_array(ptr: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr))
+
+
+def test_a_misaligned_tensor_is_refused_before_the_plan_runs():
+    """A view at an odd offset (a batch or channel slice of a buffer) would be read by a plan built
+    for 16-byte aligned tensors with misaligned vector loads: a GraphApiError (the executor's
+    warned fallback) before any call, never a sticky CUDA error."""
+    from convpass.kernels.conv_exec import EngineConv
+
+    key = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 16, 14, 14), (16, 16, 3, 3)).shapes[0].key("nhwc", "default")
+    ran = []
+    plan = types.SimpleNamespace(config=types.SimpleNamespace(algo="engine:eng5+bias+add+relu"), workspace_bytes=0,
+                                 execute=lambda *a, **k: ran.append(a))
+    conv = EngineConv(key, Algo.parse("engine:eng5+bias+add+relu"), "bias+add+relu", None, plan)
+    aligned = [_device_array(p) for p in (256, 512, 768, 1024)]
+    conv._launch(*aligned[:3], None, aligned[3], _device_array(1280))
+    assert len(ran) == 1
+    with pytest.raises(graph_api.GraphApiError, match="z not 16-byte aligned"):
+        conv._launch(*aligned[:3], None, aligned[3], _device_array(1284))
+    with pytest.raises(graph_api.GraphApiError, match="x not 16-byte aligned"):
+        conv._launch(_device_array(8), *aligned[1:3], None, aligned[3], _device_array(1280))
+    assert len(ran) == 1 and graph_api.misaligned(x=None, y=_device_array(64)) == []

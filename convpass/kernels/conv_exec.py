@@ -313,6 +313,9 @@ class EngineConv(ConvExec):
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
         ws = workspace if self.workspace_bytes > 0 else None
+        odd = graph_api.misaligned(x=x, w=w, y=y, bias=bias if self.fused else None, z=z if self.residual else None)
+        if odd:  # a view at an odd offset: refused as cuDNN refuses, never a misaligned read (a sticky CUDA error)
+            raise graph_api.GraphApiError(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
         if self.fused:
             if self.residual:
                 self.plan.execute(x, w, y, ws, bias=bias, z=z)

@@ -94,8 +94,8 @@ from convpass.core.fusion import (
 from convpass.core.problem import ProblemKey
 
 __all__ = [
-    "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs",
-    "plan_id", "unavailable",
+    "ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs",
+    "misaligned", "plan_id", "unavailable",
 ]
 
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
@@ -522,6 +522,17 @@ class EnginePlan:
                 self._graph.execute_plan_at_index(pack, ws, index=self._index, handle=self._handle)
         except Exception as e:  # noqa: BLE001
             raise GraphApiError(f"{self.config.algo} failed to execute for {self.key}: {_why(e)}") from e
+
+
+ALIGNMENT = 16  # bytes: the cudnn frontend's default tensor alignment, which the plans are built with
+
+
+def misaligned(**arrays: Any) -> list[str]:
+    """The names of the given device arrays (None: absent) whose data pointer is not
+    :data:`ALIGNMENT`-byte aligned: a view at an odd offset (a batch or channel slice) that a plan
+    built for aligned tensors would read with misaligned vector loads, a sticky CUDA error."""
+    ptrs = {name: getattr(getattr(a, "data", None), "ptr", None) for name, a in arrays.items() if a is not None}
+    return [name for name, ptr in ptrs.items() if ptr is not None and int(ptr) % ALIGNMENT]  # host arrays (CPU stand-ins) have none
 
 
 def _overlap(a: Any, b: Any) -> bool:
