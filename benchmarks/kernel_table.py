@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):
         ex.run(None, {inp.name: x})
     torch.cuda.synchronize()
+    before = dict(ex.backend.counters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.runs):
             ex.run(None, {inp.name: x})
@@ -77,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'us/run':>10} {'launches':>8} {'share':>6}  kernel")
     for name, (us, n) in rows[: args.top]:
         print(f"{us:10.1f} {n:8.0f} {100 * us / whole:5.1f}%  {name[:140]}")
+    counted = {k: (v - before.get(k, 0)) / args.runs for k, v in ex.backend.counters.items() if v != before.get(k, 0)}
+    print("executor counters per run: " + (", ".join(f"{k} {v:g}" for k, v in sorted(counted.items())) or "none"))
     if args.json is not None:
         write_text_atomically(args.json, to_json({"model": args.model, "batch": args.batch, "total_us": whole,
-                                                  "kernels": [{"name": k, "us": v[0], "launches": v[1]} for k, v in rows]}),
+                                                  "kernels": [{"name": k, "us": v[0], "launches": v[1]} for k, v in rows],
+                                                  "counters_per_run": counted}),
                               "--json", protect)
     return 0
 
