@@ -272,6 +272,25 @@ def _need_gpu(request):
         pytest.skip("no usable GPU / cuDNN")
 
 
+def steady_run(tuned: onnx.ModelProto, feeds: dict) -> tuple[list, dict[str, int]]:
+    """``tuned`` on the cuda backend without a CUDA graph, run op by op, then as the compiled
+    plan's first run (the refusals it meets learned), then once more: that run's outputs and what
+    it added to each of the backend's counters (GPU tests of what a steady run launches and copies)."""
+    import warnings
+
+    from convpass.runtime import Executor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kernels compiled at start-up: no side-car here
+        ex = Executor(tuned, device="cuda", cuda_graph=False)
+        for _ in range(2):
+            ex.run(None, feeds)
+        counters = ex.backend.counters
+        before = dict(counters)
+        outputs = ex.run(None, feeds)
+    return outputs, {name: counters[name] - before.get(name, 0) for name in counters}
+
+
 @pytest.fixture
 def need_cuda_backend():
     """For GPU tests that run the executor's cuda backend: skipped, saying why, where it is unusable

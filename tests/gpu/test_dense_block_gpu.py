@@ -6,8 +6,6 @@ tests/test_dense_block_storage.py."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import pytest
@@ -17,10 +15,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
-from conftest import run_ort  # noqa: E402
+from conftest import run_ort, steady_run  # noqa: E402
 
 import convpass  # noqa: E402
-from convpass.runtime import Executor  # noqa: E402
 
 BATCH, STEM, GROWTH, WIDTH, HW = 16, 64, 32, 128, 28
 
@@ -64,15 +61,8 @@ def test_a_dense_block_in_nhwc_copies_no_conv_input_but_the_graph_inputs(tmp_pat
     tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines="legacy", layout="nhwc")
     assert {r["memory_format"] for r in convpass.inspect(tuned)} == {"NHWC"}
     x = np.random.default_rng(4).standard_normal((BATCH, 3, HW, HW)).astype(np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # kernels compiled at start-up: no side-car here
-        ex = Executor(tuned, device="cuda", cuda_graph=False)
-        for _ in range(2):  # op by op, then the compiled plan's first run (refusals learned)
-            ex.run(None, {"x": x})
-        counters = ex._backend.counters
-        before = dict(counters)
-        (y,) = ex.run(None, {"x": x})
-    copies = counters["layout_copies"] - before["layout_copies"]
+    (y,), added = steady_run(tuned, {"x": x})
+    copies = added["layout_copies"]
     assert copies == 1, f"{copies} conv inputs copied in one run (the stem's graph input only expected)"
     (want,) = run_ort(model, {"x": x})
     err = float(np.linalg.norm(y - want) / np.linalg.norm(want))

@@ -6,8 +6,6 @@ refuses the paths' strided channel slices (strict xfail). The CPU side: tests/te
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -16,10 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_cuda_backend")]
 
 cp = pytest.importorskip("cupy")
 
-from conftest import run_ort  # noqa: E402
+from conftest import run_ort, steady_run  # noqa: E402
 
 import convpass  # noqa: E402
-from convpass.runtime import Executor  # noqa: E402
 
 N, C, HW, K = 16, 64, 56, 2
 
@@ -64,21 +61,12 @@ def _sk_block():
 
 
 def _run_sk_block(tmp_path):
-    """The block tuned with legacy engines in NHWC, run op by op, then once more (the compiled
-    plan's refusals learned); returns the model, the tuned model, the input, the output and the
-    counters the last run added."""
+    """The block tuned with legacy engines in NHWC and run steadily (:func:`conftest.steady_run`):
+    the model, the tuned model, the input, the output and the counters the steady run added."""
     model = _sk_block()
     tuned = convpass.optimize(model, cache=tmp_path / "c.db", quiet=True, tf32="on", engines="legacy", layout="nhwc")
     x = np.random.default_rng(4).standard_normal((N, 3, HW, HW)).astype(np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # kernels compiled at start-up: no side-car here
-        ex = Executor(tuned, device="cuda", cuda_graph=False)
-        for _ in range(2):  # op by op, then the compiled plan's first run (refusals learned)
-            ex.run(None, {"x": x})
-        counters = ex._backend.counters
-        before = dict(counters)
-        (y,) = ex.run(None, {"x": x})
-    added = {name: counters[name] - before.get(name, 0) for name in ("layout_copies", "slice_reads")}
+    (y,), added = steady_run(tuned, {"x": x})
     return model, tuned, x, y, added
 
 
