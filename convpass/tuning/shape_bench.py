@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem, ConvShape, InputSlice, ProblemKey
+from convpass.core.problem import TOLERANCE, ConvProblem, ConvShape, InputSlice, ProblemKey
 from convpass.tuning import harness
 from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import allowed, bias_ms, cost_ms, epilogue_ms, residual_ms
@@ -37,18 +37,6 @@ logger = logging.getLogger("convpass")
 __all__ = ["HEAD_TO_HEAD_MARGIN", "HEAD_TO_HEAD_MAX", "HEAD_TO_HEAD_WORKSPACE_BYTES", "OUTPUT", "REFERENCE_ALGOS", "TOLERANCE",
            "ShapeBench", "best_after", "make_row", "was_measured"]
 
-# Normwise relative error allowed against the FMA reference, by data type and math type.
-TOLERANCE = {
-    ("float32", "fma"): 1e-3,  # FFT / Winograd reorder sums (winograd_nonfused 5x5: ~5e-4); < TF32's
-    ("float32", "default"): 5e-3,  # TF32: 10-bit mantissa products, ~3e-4 typical
-    ("float32", "tensor_op"): 5e-3,
-    ("float16", "default"): 1e-2,
-    ("float16", "tensor_op"): 1e-2,
-    ("float16", "fma"): 1e-2,
-    ("bfloat16", "default"): 3e-2,
-    ("bfloat16", "tensor_op"): 3e-2,
-    ("bfloat16", "fma"): 3e-2,
-}
 # Deterministic algorithms a reference can be computed with, in order of preference.
 REFERENCE_ALGOS = {
     "fwd": ("implicit_gemm", "implicit_precomp_gemm", "gemm", "direct"),
