@@ -68,6 +68,10 @@ class ConvResolution:
     fused_call: str | None = None
     op_by_op: bool = False  # resolved for the op-by-op run that records the plan (its steps are not the plan's)
     steps: dict[str, ConvExec] = dataclasses.field(default_factory=dict)  # the object each step epilogue runs
+    # a recorded engine: the decision's legacy algorithm ("" when none), and whether its first run
+    # was checked against it (convpass.kernels.engine_check)
+    legacy_algo: str = ""
+    engine_checked: bool = False
 
     @property
     def key(self) -> ProblemKey:
@@ -244,7 +248,8 @@ class ConvResolver:
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: recorded cuDNN graph-API engine {d.engine!r} is not usable here ({first_line(e)}); running {_instead(d)} instead")
             return None
         conv = conv_exec(key, plan.config.algo, plan.config.fusion, cp=self.cp, plan=plan)
-        ex = ConvResolution(call.node_name, g.op_type, g, conv, _insert_axis(g, key), "recorded")
+        legacy = d.algo if d.algo != annotation.AUTO and Algo.parse(d.algo).bare_of("legacy") else ""
+        ex = ConvResolution(call.node_name, g.op_type, g, conv, _insert_axis(g, key), "recorded", legacy_algo=legacy)
         ex.strided_output_ok = False  # the plan was built for a packed output
         return ex
 

@@ -91,7 +91,9 @@ Decisions:
   side-car, another cuDNN, a refused entry) that took :data:`ENGINE_BUILD_NOTE_S` or more in all
   are reported once as start-up compilation (:class:`~convpass.native.cuda.StartupCompileWarning`), with why.
   An engine that cannot be built here (package missing, another cuDNN, refused) warns once,
-  naming the node, and the recorded legacy ``algo`` runs instead.
+  naming the node, and the recorded legacy ``algo`` runs instead. The first eager run of each
+  engine step is checked against a legacy algorithm of its problem (:mod:`convpass.kernels.engine_check`):
+  one that computes wrongly there fails as a refused one does (warned; the heuristic's choice runs).
 * convpass's own depthwise kernel (a decision whose ``algo`` names it:
   :mod:`convpass.kernels.depthwise`) is built at plan-compile time (from the kernel side-car
   when the model has one) and runs with the legacy epilogue in the kernel where the decision
@@ -110,6 +112,7 @@ from typing import Any
 
 from convpass.core import annotation
 from convpass.core.fusion import absorbed, adds_residual, is_graph_fusion, is_legacy, legacy_name
+from convpass.kernels import engine_check
 from convpass.kernels.conv_exec import (
     EPILOGUE_PASSES,
     ConvExec,
@@ -328,6 +331,8 @@ class Convolutions:
                 self._launch(self._step(ex, b, relu, z4), x4, wk, y4, ws, b, z4)
             else:
                 raise
+        if isinstance(conv, EngineConv) and not ex.engine_checked:  # wrong: a GraphApiError, run()'s warned fallback
+            engine_check.first_run(self, ex, conv, x4, wk, y4, b, z4)
         if read:
             self.rt.counters["slice_reads"] += 1
         return y if direct else self._into(y, out)
