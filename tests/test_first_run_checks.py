@@ -192,11 +192,13 @@ def test_no_check_while_a_graph_is_captured_nor_when_turned_off(convs):
     assert convs.legacy == [] and not convs.resolve(_call(name), np.float32, name).engine_checked  # left for the first eager run
 
 
-def test_relative_error_sums_every_sample_and_says_inf_for_unwritten_output():
-    ref = np.arange(24, dtype=np.float32).reshape(2, 3, 4) + 1
+@pytest.mark.parametrize("chunk", [engine_check.CHUNK_ELEMENTS, 12, 1])
+def test_relative_error_sums_every_sample_and_says_inf_for_unwritten_output(monkeypatch, chunk):
+    monkeypatch.setattr(engine_check, "CHUNK_ELEMENTS", chunk)  # one chunk, one sample per chunk, and less than a sample
+    ref = np.arange(36, dtype=np.float32).reshape(3, 3, 4) + 1
     assert engine_check.relative_error(np, ref.copy(), ref) == 0.0
     out = ref.copy()
-    out[1] *= 1.1  # the second sample off
+    out[2] *= 1.1  # the last sample off
     want = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64))
     assert engine_check.relative_error(np, out, ref) == pytest.approx(want)
     out[0, 0, 0] = np.nan

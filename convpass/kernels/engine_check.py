@@ -17,7 +17,7 @@ Rules:
    forward call of the key (its memory format and math mode) with the decision's recorded legacy
    algorithm, else the first of ``implicit_precomp_gemm`` / ``implicit_gemm`` cuDNN accepts, then
    the step's epilogue (bias, residual, activation) over it with CuPy array operations.
-3. Judged: normwise relative error (sums in float64, one sample at a time); wrong above twice the
+3. Judged: normwise relative error (sums in float64, a few samples at a time); wrong above twice the
    tuner's :data:`~convpass.core.problem.TOLERANCE` for the key's data and math type (each side
    may be that far from the exact result), or non-finite where the reference is finite. A step
    whose reference cannot be computed (no legacy algorithm for the key, another storage dtype) is
@@ -110,14 +110,18 @@ def _epilogue(cp: Any, v: Any, name: str, bias: Any, z: Any) -> Any:
     return graph_api.fusion_of(name).reference(cp, v, z)
 
 
+CHUNK_ELEMENTS = 1 << 23  # float64 temporaries of at most this many elements (64 MiB) at a time
+
+
 def relative_error(cp: Any, out: Any, ref: Any) -> float:
-    """``||out - ref|| / ||ref||`` over all elements, summed in float64 one sample (first axis)
-    at a time; inf where ``out`` is not finite and ``ref`` is."""
+    """``||out - ref|| / ||ref||`` over all elements, summed in float64 a few samples (first axis)
+    at a time (:data:`CHUNK_ELEMENTS`); inf where ``out`` is not finite and ``ref`` is."""
     if out.ndim < 2:
         out, ref = out.reshape(1, -1), ref.reshape(1, -1)
+    step = max(1, CHUNK_ELEMENTS // max(1, out[0].size))
     num = den = 0.0
-    for i in range(out.shape[0]):
-        o, r = out[i].astype(cp.float64), ref[i].astype(cp.float64)
+    for i in range(0, out.shape[0], step):
+        o, r = out[i:i + step].astype(cp.float64), ref[i:i + step].astype(cp.float64)
         d = o - r
         num = num + (d * d).sum()
         den = den + (r * r).sum()
