@@ -142,13 +142,26 @@ def test_an_engine_step_wrong_on_its_first_run_gives_way_to_the_fallback_said_on
     y = _run(convs, name, x, w, b, z)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)  # the fallback's result, in the same run
     assert _Plan.executed == ["engine:eng4_k24=2+" + name]
-    assert convs.legacy == ["implicit_precomp_gemm", "implicit_gemm"]  # the check's reference (the recorded algorithm), the fallback
+    assert convs.legacy == ["implicit_precomp_gemm"] * 2  # the check's reference, then the fallback: the recorded legacy algorithm
     [warning] = convs.warnings
     assert "node 'res3'" in warning and f"engine:eng4_k24=2+{name}" in warning and "differs from cuDNN's legacy 'implicit_precomp_gemm'" in warning
-    assert "running cuDNN's heuristic choice" in warning
+    assert "running its recorded legacy algorithm 'implicit_precomp_gemm' (NHWC, default) instead" in warning
     y = _run(convs, name, x, w, b, z)  # from then on: the fallback alone, no second check, no second warning
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
-    assert len(_Plan.executed) == 1 and convs.legacy[2:] == ["implicit_gemm"] and len(convs.warnings) == 1
+    assert len(_Plan.executed) == 1 and convs.legacy[2:] == ["implicit_precomp_gemm"] and len(convs.warnings) == 1
+    ex = convs.resolve(_call(name), np.float32, name)
+    assert ex.algo == "implicit_precomp_gemm" and ex.layout == "nhwc" and ex.source == "recorded"
+
+
+def test_an_engine_recorded_without_a_legacy_algorithm_falls_back_to_the_heuristic(convs):
+    _Plan.wrong = True
+    name = "bias+add+relu"
+    x, w, b, z, want = _inputs(name)
+    call = _call(name, algo=annotation.AUTO)
+    np.testing.assert_allclose(convs.run(call, x, w, b, relu=True, z=z, fusion=name), want, rtol=1e-4, atol=1e-4)
+    [warning] = convs.warnings
+    assert "differs from cuDNN's legacy 'implicit_precomp_gemm'" in warning and "running cuDNN's heuristic choice 'implicit_gemm' (NCHW" in warning
+    assert convs.resolve(call, np.float32, name).source == "fallback"
 
 
 @pytest.mark.parametrize("name", LEGACY)

@@ -253,6 +253,19 @@ class ConvResolver:
         ex.strided_output_ok = False  # the plan was built for a packed output
         return ex
 
+    def legacy_instead(self, ex: ConvResolution) -> ConvResolution | None:
+        """The resolution of a recorded engine's legacy algorithm (its problem, memory format and
+        math; the conv, then its epilogue as one pass), for an engine that failed to run here; None
+        where none is recorded or cuDNN refuses it."""
+        if not ex.legacy_algo:
+            return None
+        try:
+            conv = conv_exec(ex.key, ex.legacy_algo, cp=self.cp, descs=self.resources.descriptors(ex.key),
+                             workspace_bytes=self.resources.workspace_bytes(ex.key, ex.legacy_algo))
+        except (cudnn.CudnnError, ValueError):
+            return None
+        return ConvResolution(ex.node, ex.op_type, ex.geometry, conv, ex.insert_axis, "recorded", fused_call="", op_by_op=ex.op_by_op)
+
     def _own_exec(self, call: ConvCall, d: annotation.ConvDecision, key: ProblemKey,
                   fusion: str | None) -> tuple[ConvResolution | None, str]:
         """The resolution of a recorded convpass kernel, built now (plan-compile time), or None and

@@ -93,7 +93,8 @@ Decisions:
   An engine that cannot be built here (package missing, another cuDNN, refused) warns once,
   naming the node, and the recorded legacy ``algo`` runs instead. The first eager run of each
   engine step is checked against a legacy algorithm of its problem (:mod:`convpass.kernels.engine_check`):
-  one that computes wrongly there fails as a refused one does (warned; the heuristic's choice runs).
+  one that computes wrongly there fails as one cuDNN refuses to run does: warned, and the recorded
+  legacy ``algo`` runs instead (in the engine's memory format), else the heuristic's choice.
 * convpass's own depthwise kernel (a decision whose ``algo`` names it:
   :mod:`convpass.kernels.depthwise`) is built at plan-compile time (from the kernel side-car
   when the model has one) and runs with the legacy epilogue in the kernel where the decision
@@ -217,9 +218,11 @@ class Convolutions:
                 raise
             # the recorded algorithm was accepted by workspace_size but cuDNN refuses to run it
             why = f"recorded algorithm {ex.algo!r} ({ex.layout}, {ex.key.math}) failed here: {first_line(e)}"
-            new = self.resolver.heuristic_exec(call, "fallback", why, ex.key.math)
+            new = self.resolver.legacy_instead(ex) if isinstance(ex.conv, EngineConv) else None
+            instead = "its recorded legacy algorithm" if new is not None else "cuDNN's heuristic choice"
+            new = new or self.resolver.heuristic_exec(call, "fallback", why, ex.key.math)
             self.resolver.replace(call, x.dtype, fusion, new)
-            self.rt.warn_node(call.node_name, f"node {call.node_name!r}: {why}; running cuDNN's heuristic choice {describe_exec(new)} instead")
+            self.rt.warn_node(call.node_name, f"node {call.node_name!r}: {why}; running {instead} {describe_exec(new)} instead")
             after = (fusion or "") if fused else ""
             pre, post = _residual_order(after, z)
             if new is REFERENCE:
