@@ -193,6 +193,23 @@ def test_the_reference_is_the_first_legacy_algorithm_cuDNN_takes(convs, monkeypa
     assert refused == ["implicit_precomp_gemm"] and convs.legacy == ["implicit_gemm"] and convs.warnings == []
 
 
+def test_a_check_that_cannot_run_leaves_the_step_unchecked_and_noted(convs, monkeypatch):
+    noted = []
+    convs.rt.note_once = lambda tag, message, warn=True: noted.append((tag, message, warn))
+
+    def run(*a, **kw):
+        raise MemoryError("out of memory allocating 51380224 bytes")
+
+    monkeypatch.setattr(cudnn, "run", run)
+    name = "bias+add+relu"
+    x, w, b, z, want = _inputs(name)
+    np.testing.assert_allclose(_run(convs, name, x, w, b, z), want, rtol=1e-4, atol=1e-4)  # the engine's own result
+    assert convs.warnings == [] and noted == [("engine-check:res3", "node 'res3': the first run of engine:eng4_k24=2+bias+add+relu "
+                                                                    "was not checked (out of memory allocating 51380224 bytes)", False)]
+    _run(convs, name, x, w, b, z)
+    assert len(noted) == 1  # once: the step counts as checked
+
+
 def test_no_check_while_a_graph_is_captured_nor_when_turned_off(convs):
     _Plan.wrong = True
     name = "bias+add+relu"

@@ -3,9 +3,9 @@
 The tuner checks an engine configuration once, on fresh buffers, with the plan it built on the
 graph it enumerated, alone. The executor runs it otherwise: a plan loaded from the kernel
 side-car in another process, one plan serving every node of its problem (launched at other
-buffers, between other kernels), inputs another launch just wrote. A fused engine graph that was
-right in the tuner's check once gave wrong model outputs in the executor (ResNet-50 at batch 16,
-``bias+add+relu``), so the executor checks each engine step the first time it runs it.
+buffers, between other kernels), inputs another launch just wrote. Fused engine graphs right in
+the tuner's check have given wrong model outputs in the executor, so the executor checks each
+engine step the first time it runs it.
 
 Rules:
 
@@ -21,8 +21,9 @@ Rules:
    tuner's :data:`~convpass.core.problem.TOLERANCE` for the key's data and math type (each side
    may be that far from the exact result), or non-finite where the reference is finite. A step
    whose reference cannot be computed (no legacy algorithm for the key, another storage dtype) is
-   not judged. A wrong step is reported by :func:`check_step`'s caller as the engine failing: the
-   executor's warned fallback then runs instead, from that run on.
+   not judged; one whose check fails to run (out of memory, say) runs unchecked, noted. A wrong
+   step is reported by :func:`first_run` as the engine failing: the executor's warned fallback
+   then runs instead, from that run on.
 4. Cost, once per node: one legacy conv of the key into a scratch output (with its own
    workspace), the epilogue's element-wise passes, the sums and one host synchronization; the
    scratch memory comes from CuPy's default pool, not the plan's, and is freed after.
@@ -36,6 +37,7 @@ from typing import Any
 
 from convpass.core.problem import TOLERANCE
 from convpass.native import cudnn
+from convpass.native.cuda import first_line
 from convpass.native.cudnn import graph_api
 
 logger = logging.getLogger("convpass")
@@ -56,7 +58,11 @@ def first_run(convs: Any, ex: Any, conv: Any, x: Any, w: Any, y: Any, b: Any, z:
         return
     ex.engine_checked = True
     bias = convs.resources.bias(b) if b is not None and conv.contiguous_bias else b
-    why = check_step(convs.cp, convs.resources, conv, ex.legacy_algo, x, w, y, bias, z)
+    try:
+        why = check_step(convs.cp, convs.resources, conv, ex.legacy_algo, x, w, y, bias, z)
+    except Exception as e:  # noqa: BLE001  (the check itself failed: the step runs unchecked, noted)
+        rt.note_once(f"engine-check:{ex.node}", f"node {ex.node!r}: the first run of {conv.algo} was not checked ({first_line(e)})", warn=False)
+        return
     if why is not None:
         raise graph_api.GraphApiError(f"{conv.algo}: {why}")
 

@@ -198,7 +198,7 @@ def first_replay_differs(rt: Any, state: CompiledPlan, warm: list[Any]) -> str |
         kind = getattr(getattr(a, "dtype", None), "kind", "")
         if kind != "f" or getattr(b, "shape", None) != a.shape or a.size == 0:
             continue
-        tol = REPLAY_TOLERANCE[min(a.dtype.itemsize, 4)]
+        tol = REPLAY_TOLERANCE[4 if a.dtype.itemsize >= 4 else 2]
         err = relative_error(cp, b, a)
         if not err <= tol:
             return f"output {i} of the captured graph's first replay differs from the eager warm-up's by a relative error of {err:.2e} (> {tol:.0e})"
