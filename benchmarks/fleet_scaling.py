@@ -118,16 +118,17 @@ def retimed(decisions: Mapping[Any, Decision], clock: Clock, options: TuneOption
     a fused call its own time, an unfused configuration its time plus its epilogue's pass), and
     the clock's choice is :func:`convpass.tuning.decide.select`'s under ``options``. Decisions whose
     configuration the clock did not time are left out."""
-    from convpass.tuning.decide import cost_ms, epilogue_ms, select
+    from convpass.tuning.decide import bias_ms, cost_ms, epilogue_ms, residual_ms, select
 
     out = {}
     for k, d in decisions.items():
         rows = [m for shape in d.problem.candidates for m in clock.get(str(shape), ())]
-        epilogue = epilogue_ms(rows, d.problem)
+        epilogue, residual, bias = epilogue_ms(rows, d.problem), residual_ms(rows, d.problem), bias_ms(rows, d.problem)
         timed = next((m for m in rows if m.method == "measure" and m.algo == d.row and str(m.key) == d.key), None)
         best = select(rows, d.problem, options)
         if timed is not None and best is not None:
-            out[k] = {"time_ms": cost_ms(timed, epilogue, d.problem.fusion), "best_ms": cost_ms(best, epilogue, d.problem.fusion)}
+            out[k] = {"time_ms": cost_ms(timed, epilogue, d.problem.fusion, residual, bias),
+                      "best_ms": cost_ms(best, epilogue, d.problem.fusion, residual, bias)}
     return out
 
 

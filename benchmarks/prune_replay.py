@@ -39,7 +39,7 @@ from convpass.core.files import check_output, write_text_atomically
 from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
-from convpass.tuning.decide import cost_ms, epilogue_ms
+from convpass.tuning.decide import bias_ms, cost_ms, epilogue_ms, residual_ms
 from convpass.tuning.harness import EARLY_STOP_MIN_MS, EARLY_STOP_RATIO
 from convpass.tuning.prune import History, KeyPlan, Pruner, Rule, decision, geometry_class, needs_fallback, problems_of
 
@@ -179,8 +179,8 @@ def _result(key, fusion, model, rows, measured, today, full, cut, skipped) -> Ke
         if chosen is None:
             ratio = float("inf")
         else:
-            epilogue = epilogue_ms(rows, problem)
-            ratio = cost_ms(chosen, epilogue, fusion) / cost_ms(best, epilogue, fusion)
+            epilogue, residual, bias = epilogue_ms(rows, problem), residual_ms(rows, problem), bias_ms(rows, problem)
+            ratio = cost_ms(chosen, epilogue, fusion, residual, bias) / cost_ms(best, epilogue, fusion, residual, bias)
     tried = sum(1 for m in measured if m.method == "measure")
     return KeyResult(str(key), fusion, geometry_class(key), model, today, tried, full, cut, skipped,
                      (best.algo if best else None) == (chosen.algo if chosen else None), ratio)

@@ -194,6 +194,27 @@ def residual_block_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def epilogue_block_model(x_shape: Sequence[int] = (2, 16, 12, 12), seed: int = 0) -> onnx.ModelProto:
+    """One conv step per legacy epilogue, as a ResNet stem and basic block export: Conv 3x3 "c0"
+    (its output "s" read by "c1" and the Add: ``bias``), Conv 3x3 "c1" -> Relu "r1"
+    (``bias+relu``), Conv 3x3 "c2" -> Add(y2, s) "add" -> Relu "r2" (``bias+add+relu``, ResNet's
+    order: the residual before the ReLU); C channels throughout, weights scaled so about half of
+    each conv's outputs are negative."""
+    rng = np.random.default_rng(seed)
+    c = x_shape[1]
+
+    def init(name, *shape, scale=1.0):
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    inits = [t for i in range(3) for t in (init(f"w{i}", c, c, 3, 3, scale=(9 * c) ** -0.5), init(f"b{i}", c, scale=0.1))]
+    pads = {"pads": [1, 1, 1, 1]}
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["s"], name="c0", **pads),
+             helper.make_node("Conv", ["s", "w1", "b1"], ["y1"], name="c1", **pads), helper.make_node("Relu", ["y1"], ["a1"], name="r1"),
+             helper.make_node("Conv", ["a1", "w2", "b2"], ["y2"], name="c2", **pads),
+             helper.make_node("Add", ["y2", "s"], ["sum"], name="add"), helper.make_node("Relu", ["sum"], ["out"], name="r2")]
+    return _x_to_out_model(nodes, "epilogue_block", x_shape, inits)
+
+
 def prepared(model: onnx.ModelProto, shapes: Sequence[str]):
     """``model`` as an onnx-ir model after the optimize pipeline's passes before any decision
     (folding, shapes for ``shapes`` such as ``"x=2x3x8x8"``, the rewrites), on the CPU."""
@@ -367,6 +388,10 @@ class _FakeFrontend:
 
             def leaky_relu(self, input, negative_slope, name):
                 fe.calls.append(("leaky_relu", negative_slope))
+                return _FakeTensor(6)
+
+            def relu(self, input, name):
+                fe.calls.append(("relu", input.uid))
                 return _FakeTensor(6)
 
             def add(self, a, b, name):

@@ -87,12 +87,15 @@ def stand_ins(monkeypatch):
 
 @pytest.mark.parametrize("algo,epilogue,cls,counts", [
     ("implicit_gemm", "", LegacyConv, ("cudnn_calls",)),
-    ("implicit_gemm", "bias+add+relu", LegacyConv, ("cudnn_calls",)),
+    ("implicit_gemm", "bias+add+relu", LegacyConv, ("cudnn_calls", "epilogue_passes")),
     ("implicit_precomp_gemm+bias", "bias", FusedLegacyConv, ("cudnn_calls", "fused_identity")),
     ("implicit_gemm+bias+add+relu", "bias+add+relu", FusedLegacyConv, ("cudnn_calls", "fused_residual_relu")),
-    ("engine:eng5_k2=1", "bias+relu", EngineConv, ("graph_api_calls",)),
+    ("engine:eng5_k2=1", "bias+relu", EngineConv, ("graph_api_calls", "epilogue_passes")),
+    ("engine:eng5_k2=1", "", EngineConv, ("graph_api_calls",)),
     ("engine:eng5_k2=1+bias+swish", "bias+swish", EngineConv, ("graph_api_calls", "fused_bias_swish")),
-    ("convpass_depthwise_r4", "bias", OwnConv, ("own_kernel_calls",)),
+    ("engine:eng5_k2=1+bias+add+relu", "bias+add+relu", EngineConv, ("graph_api_calls", "fused_bias_add_relu")),
+    ("engine:eng5+bias", "bias", EngineConv, ("graph_api_calls", "fused_bias")),
+    ("convpass_depthwise_r4", "bias", OwnConv, ("own_kernel_calls", "epilogue_passes")),
     ("convpass_depthwise_r8+bias+relu", "bias+relu", OwnConv, ("fused_relu", "own_kernel_calls")),
 ])
 def test_the_factory_maps_each_family_to_its_class_and_epilogue(stand_ins, algo, epilogue, cls, counts):

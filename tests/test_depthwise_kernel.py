@@ -251,7 +251,7 @@ def test_a_cache_without_own_rows_is_incomplete_and_gets_only_them_measured(monk
     monkeypatch.setattr(tuner, "_measure", lambda problem, options, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own:
                         seen.append((legacy, fusion, own)) or [])
     tuner.measure_problem(problem, OPTIONS, have)
-    assert seen == [(False, "", {"own": True, "own_fusion": "bias+relu", "pruner": None})]
+    assert seen == [(False, "", {"own": True, "own_fusion": "bias+relu", "pruner": None, "engine_fusion": ""})]
     with_own = have + [_row(R4, 0.02), _row(R8, 0.015)]
     assert not tuner.own_complete(with_own, [DW_KEY], "bias+relu")  # the fastest one's fused row is missing
     assert tuner.own_complete(with_own, [DW_KEY], "")

@@ -794,11 +794,13 @@ def test_prepare_builds_the_plan_the_first_run_reuses():
 
 
 def test_plan_summary_names_an_engine_beside_a_legacy_epilogue_or_a_malformed_one():
-    """The summary's algorithm name never fails: a legacy epilogue beside an engine is not part of
-    its name, and an engine text that does not parse is shown as recorded (building the conv warns)."""
+    """The summary's algorithm name never fails: a legacy epilogue beside an engine is the fused
+    graph it runs, part of its name, and an engine or fusion text that does not parse is shown as
+    recorded (building the conv warns)."""
     from convpass.runtime.summaries import _engine_algo
 
-    assert _engine_algo("eng99999", "bias+relu") == "engine:eng99999"
+    assert _engine_algo("eng99999", "bias+relu") == "engine:eng99999+bias+relu"
+    assert _engine_algo("eng99999", "bias+gelu") == "eng99999"
     assert _engine_algo("eng5_k2=1", "bias+swish") == "engine:eng5_k2=1+bias+swish"
     assert _engine_algo("not-an-engine") == "not-an-engine"
 

@@ -62,7 +62,8 @@ def test_a_fused_configuration_names_its_epilogue():
     with pytest.raises(ValueError, match="not a fused epilogue"):
         EngineConfig.parse("eng5", "bias+gelu")
     with pytest.raises(ValueError, match="not a cuDNN engine configuration"):
-        EngineConfig.parse("engine:eng5+bias+relu")
+        EngineConfig.parse("engine:eng5+bias+gelu")
+    assert EngineConfig.parse("engine:eng5+bias+relu").fusion == "bias+relu"  # a legacy epilogue's fused graph
 
 
 # ---------------------------------------------------------------------------------------------

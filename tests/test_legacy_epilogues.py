@@ -428,9 +428,10 @@ def test_the_executor_runs_the_epilogue_the_way_the_decision_recorded(fused_call
         assert "conv + bias+relu" in rt.warned[0] and "conv + bias+add+relu" in rt.warned[0]
 
 
-def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
-    """A legacy epilogue belongs to the legacy call: an engine recorded beside one (an edited model)
-    is the bare conv's configuration, not a fused graph cuDNN's graph API has no name for."""
+def test_an_engine_beside_a_legacy_epilogue_builds_that_epilogue_s_fused_graph(monkeypatch):
+    """An engine recorded beside a legacy epilogue is a configuration of that epilogue's fused
+    graph (conv -> bias -> ReLU here): its plan is built for that graph, and no legacy fused call
+    is recorded beside it."""
     from convpass.kernels.conv_resolve import ConvResolver
     from convpass.ops.conv import ConvCall
 
@@ -440,13 +441,14 @@ def test_an_engine_beside_a_legacy_epilogue_builds_its_bare_graph(monkeypatch):
     geometry = types.SimpleNamespace(op_type="Conv", spatial_rank=2)
     decision = annotation.ConvDecision(algo="implicit_gemm", engine="eng5", fusion=RELU)
     ex = ConvResolver(_Rt(), None)._engine_exec(ConvCall("c1", geometry, decision), decision, KEY)
-    assert ex is not None and [c.fusion for c in seen] == [""] and ex.fused_call is None
+    assert ex is not None and [c.fusion for c in seen] == [RELU] and ex.fused_call is None
+    assert ex.conv.fused and ex.algo == "engine:eng5+" + RELU and ex.conv.counts == ("graph_api_calls", "fused_bias_relu")
 
 
 @pytest.mark.parametrize("engine,fusion,complaint", [
     ("", RELU, None), ("", "", None), ("eng5", "bias+swish", None),
     ("", "bias+gelu", "names no legacy epilogue"), ("", "bias+swish", "names no legacy epilogue"),
-    ("eng5", RELU, "is a legacy fused call, not a graph of engine 'eng5'"),
+    ("eng5", RELU, None),  # the engine's fused graph of that epilogue
 ])
 def test_a_recorded_fusion_that_cannot_be_run_is_said(engine, fusion, complaint):
     """The executor warns (naming the node) about a fusion it cannot run as recorded; see odd_fusion."""

@@ -255,7 +255,8 @@ def _cpu_convolutions():
     reference kernel: the path a launch that owns a fused epilogue takes where its engine cannot run."""
     from convpass.kernels import convolution
 
-    rt = types.SimpleNamespace(cp=np, counters={"reference_convs": 0}, recorded_device="", current_device=None, warn_node=lambda n, m: None)
+    rt = types.SimpleNamespace(cp=np, counters={"reference_convs": 0, "epilogue_passes": 0}, recorded_device="", current_device=None,
+                               warn_node=lambda n, m: None)
     convs = convolution.Convolutions(rt)
     convs.resolve = lambda call, dtype, fusion=None: convolution.REFERENCE  # type: ignore[method-assign]
     return convs
@@ -278,6 +279,7 @@ def test_a_fused_step_that_falls_back_computes_the_unfused_ops():
     got = convs.run(call, a1, w["w2"], w["b2"], z=x, fusion=F, fused=True)
     want = _block64(model, x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert convs.rt.counters["epilogue_passes"] == 1  # the activation and z after the conv: a pass of their own
     legacy = convs.run(call, a1, w["w2"], w["b2"], z=x)  # a legacy residual step: z before the activation (none here)
     np.testing.assert_allclose(legacy, _conv64(a1, w["w2"], w["b2"], 1) + x, rtol=1e-5, atol=1e-5)
 

@@ -6,7 +6,8 @@ mode and algorithm measured for it) and returns a :class:`Comparison`:
 
 * the candidates, each with the time convpass measured for it (the conv's step: a call that fuses
   the decision's epilogue includes it; an unfused one adds the epilogue's own pass where the
-  decision fuses one and the cache timed that pass, as :func:`convpass.tuning.decide.cost_ms`);
+  decision fuses one and the cache timed that pass, an unfused engine in place of the bias pass
+  its time holds, as :func:`convpass.tuning.decide.cost_ms`);
 * which of them is the recorded choice, the runner-up (the fastest other candidate) and cuDNN's
   heuristic first choice (NCHW, default math: the baseline ``optimize`` reports), with their
   margins over the choice;
@@ -27,11 +28,11 @@ from typing import Any
 from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError
-from convpass.core.problem import ConvShape, ProblemKey
+from convpass.core.problem import ConvProblem, ConvShape, ProblemKey
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_file import default_cache_path
 from convpass.tuning.cache_rows import CacheError, Measurement
-from convpass.tuning.decide import EPILOGUE_METHOD, cost_ms
+from convpass.tuning.decide import EPILOGUE_METHOD, bias_ms, cost_ms
 
 __all__ = ["Candidate", "CandidateSource", "Comparison", "cache_algo"]
 
@@ -152,6 +153,7 @@ def _compare(rows: list[Measurement], key: ProblemKey, record: dict[str, Any]) -
     fusion = record.get("fusion") or ""
     epilogue = {m.key: m.time_ms for m in rows
                 if m.method == EPILOGUE_METHOD and m.algo == fusion and m.status == "ok" and m.time_ms is not None}
+    bias = bias_ms(rows, ConvProblem((key.shape,), fusion))  # what an unfused engine's time holds (decide.cost_ms)
     chosen_algo = cache_algo(record)
     out = Comparison()
     timed: list[tuple[Measurement, float]] = []
@@ -165,7 +167,7 @@ def _compare(rows: list[Measurement], key: ProblemKey, record: dict[str, Any]) -
         if m.status != "ok" or m.time_ms is None:
             not_run[m.status] += 1
             continue
-        cost = cost_ms(m, epilogue, fusion)
+        cost = cost_ms(m, epilogue, fusion, bias=bias)
         if cost is not None:
             timed.append((m, cost))
     heuristic = next((m for m in rows if m.key == key.shape.key("nchw", "default") and m.method == "heuristic"

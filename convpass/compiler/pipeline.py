@@ -35,7 +35,7 @@ from convpass.core.model_io import load_model, to_proto
 from convpass.core.options import CLI, STRICT, WIDE_PRECISIONS, OptionNames, TuneOptions, check_precision_data, tune_options
 from convpass.core.version import __version__
 from convpass.native import device as device_mod
-from convpass.tuning.decide import CacheBackend, DecisionBackend, choice_from, cost_ms, epilogue_ms, residual_ms, select
+from convpass.tuning.decide import CacheBackend, DecisionBackend, bias_ms, choice_from, cost_ms, epilogue_ms, residual_ms, select
 
 logger = logging.getLogger("convpass")
 
@@ -363,11 +363,12 @@ def _plan_layouts(model: ir.Model, backend: DecisionBackend, options: TuneOption
         conv_costs = {}
         for node, problem in own.items():
             costs = {}
-            epilogue, residual = epilogue_ms(rows.get(problem, []), problem), residual_ms(rows.get(problem, []), problem)
+            mine = rows.get(problem, [])
+            epilogue, residual, bias = epilogue_ms(mine, problem), residual_ms(mine, problem), bias_ms(mine, problem)
             for layout in ("nchw", "nhwc"):
                 pick = pick_in(problem, layout, node)
                 if pick is not None and pick.time_ms is not None:
-                    costs[layout] = cost_ms(pick, epilogue, problem.fusion, residual)
+                    costs[layout] = cost_ms(pick, epilogue, problem.fusion, residual, bias)
             conv_costs[node] = costs
 
         def cost(value: ir.Value, shapes: Mapping[str, Sequence[Any]] = shapes) -> float:  # this profile's shapes

@@ -39,7 +39,8 @@ Format (schema version 7)
   ``engine``          (optional, schema 3) the cuDNN graph-API engine configuration that runs the
                       node, as cuDNN names its plans (``eng67_k2=16_k13=0``: engine id, then knob
                       id = value), of the graph ``y = conv(x, w)`` (the bias follows as its own
-                      pass; :mod:`convpass.native.cudnn.graph_api`); ``""`` = the legacy ``algo`` runs. The
+                      pass; :mod:`convpass.native.cudnn.graph_api`), or with a ``fusion`` of that
+                      fused graph; ``""`` = the legacy ``algo`` runs. The
                       device fingerprint of the table names the cuDNN version it was measured with
   ``fusion``          (optional, schema 4) the epilogue fused into ``engine``'s graph, named by what
                       follows the conv: ``bias+swish`` = ``y = silu(conv(x, w) + b)``,
@@ -48,9 +49,13 @@ Format (schema version 7)
                       ``y = leaky_relu(conv(x, w) + b, alpha) + z``, ``z`` the other operand of the
                       residual ``Add`` that reads the activation), the graph the engine
                       configuration belongs to (the executor runs the node's bias and its SiLU /
-                      LeakyRelu readers, and that Add, in that one call); ``""`` = the bare conv.
-                      A name the reader does not know reads as an odd fusion (warned, not run fused),
-                      so the ``+add`` names change no schema version. (schema 5) With no
+                      LeakyRelu readers, and that Add, in that one call); or a legacy epilogue
+                      (``bias``, ``bias+relu``, ``bias+add``, ``bias+add+relu``): the graph conv ->
+                      add(bias) [-> add(z)] [-> ReLU], ``z`` before the ReLU, in place of the conv's
+                      bias and the Add and Relu its step absorbs; ``""`` = the bare conv, its
+                      epilogue one pass after it (as every model recorded before such graphs were
+                      timed). A name the reader does not know reads as an odd fusion (warned, not
+                      run fused), so these names change no schema version. (schema 5) With no
                       ``engine``: the legacy epilogue (:mod:`convpass.core.fusion`: ``bias``,
                       ``bias+relu``, ``bias+add``, ``bias+add+relu``) fused into ``algo``'s call,
                       cuDNN's ``cudnnConvolutionBiasActivationForward`` (a ``ConvNoBias`` with

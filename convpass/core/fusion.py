@@ -23,8 +23,10 @@ An epilogue is named by what follows the conv, in order:
 ===================  ===========================================
 
 These are the :data:`LEGACY` epilogues: cuDNN's legacy ``cudnnConvolutionBiasActivationForward``
-runs each in one call (identity or ReLU activation, ``z`` through ``alpha2``). The graph API's fused
-graphs (:func:`convpass.native.cudnn.graph_api.fusion_of`) use the same naming:
+runs each in one call (identity or ReLU activation, ``z`` through ``alpha2``), and a graph-API
+engine runs each as the fused graph of the same name (conv -> add(bias) [-> add(z)] [-> relu]: the
+residual before the ReLU, ResNet's order). The graph API's fused graphs of an activation
+(:func:`convpass.native.cudnn.graph_api.fusion_of`) use the same naming:
 
 =========================  ===========================================================
 ``bias+swish``             ``y = silu(conv + b)`` (ONNX: ``Mul(y, Sigmoid(y))``)
@@ -42,9 +44,9 @@ add ``z`` before their ReLU): its name is the activation's followed by :data:`RE
 =============================  ===============================================================
 
 :func:`residual_fusion` writes such a name, :func:`without_residual` reads back the activation's
-(its *shorter* graph), :func:`adds_residual` tells one apart. A ReLU followed by an Add has no such
-form: cuDNN's graph API was not offered its fast engines for a ``bias + relu`` graph (no
-``bias+relu`` graph fusion exists to extend: :mod:`convpass.native.cudnn.graph_api`).
+(its *shorter* graph), :func:`adds_residual` tells one apart. A ReLU followed by an Add
+(``relu(conv + b) + z``) has no such form: the ReLU's fused graphs are the legacy epilogues', which
+add ``z`` before it (:func:`takes_residual` tells of either order).
 
 A conv without a bias
 ~~~~~~~~~~~~~~~~~~~~~
@@ -87,9 +89,19 @@ Rules
   activation and the Add as one pass after them: the ``<act>+add`` row), and keeps the cheapest
   (:mod:`convpass.tuning.decide`). A decision of the shorter graph runs its activation fused and
   leaves the Add to the plan.
+* **A legacy epilogue in an engine's call, timed too.** Where graph-API engines are candidates, a
+  conv whose step absorbs a legacy epilogue is also timed as every engine configuration of that
+  epilogue's fused graph (the algorithm ``engine:<config>+<epilogue>``, :func:`is_engine_fusion`),
+  against the bare engines with the epilogue as one pass after them; where cuDNN offers no
+  configuration of the graph that is a row saying so (``engine:none+<epilogue>``), and the bare
+  engine and its pass stay candidates.
 * **Recorded.** A decision whose ``fusion`` names a legacy epilogue and that has no graph-API
   engine runs the fused call (annotation schema 5); a legacy decision without one runs (a). A
-  model tuned before schema 5 recorded no fused call: its convs run as they were timed, (a).
+  decision with an ``engine`` runs that configuration's graph: with a ``fusion`` (a legacy
+  epilogue or an activation's), the epilogue inside the engine's call; without one, the bare
+  conv and the epilogue as one pass after it. A model tuned before schema 5 recorded no fused
+  call: its convs run as they were timed, (a); no model recorded an engine beside a legacy
+  epilogue before the tuner timed those graphs, so every earlier decision reads as it did.
 """
 
 from __future__ import annotations
@@ -102,8 +114,8 @@ import numpy as np
 
 __all__ = [
     "FUSED_CALL_CANDIDATES", "LEAKYRELU", "LEGACY", "RESIDUAL", "RESIDUAL_PASS", "SWISH", "Absorbed", "StepGraph", "absorbed",
-    "adds_residual", "is_graph_fusion", "is_legacy", "leakyrelu_alpha", "leakyrelu_name", "legacy_name", "parts", "residual_fusion",
-    "without_residual",
+    "adds_residual", "is_engine_fusion", "is_graph_fusion", "is_legacy", "leakyrelu_alpha", "leakyrelu_name", "legacy_name", "parts",
+    "residual_fusion", "takes_residual", "without_residual",
 ]
 
 LEGACY: tuple[str, ...] = ("bias", "bias+relu", "bias+add", "bias+add+relu")
@@ -161,6 +173,18 @@ def adds_residual(name: str | None) -> bool:
 def is_graph_fusion(name: str | None) -> bool:
     """Whether ``name`` is an epilogue fused into a graph-API engine's graph (the tables above)."""
     return _is_activation(name) or adds_residual(name)
+
+
+def is_engine_fusion(name: str | None) -> bool:
+    """Whether ``name`` is a fused graph a graph-API engine configuration may run: an activation's
+    (:func:`is_graph_fusion`) or a legacy epilogue's (:data:`LEGACY`)."""
+    return is_graph_fusion(name) or is_legacy(name)
+
+
+def takes_residual(name: str | None) -> bool:
+    """Whether the epilogue ``name`` reads a residual ``z``: a legacy one with its Add (before its
+    ReLU) or a graph-API fusion's ``+add`` (after its activation)."""
+    return adds_residual(name) or (is_legacy(name) and "+add" in str(name))
 
 
 def residual_fusion(name: str) -> str:

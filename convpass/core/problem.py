@@ -43,6 +43,21 @@ LAYOUTS: tuple[Layout, ...] = ("nchw", "nhwc")
 MathMode = Literal["default", "tensor_op", "fma"]
 MATH_MODES: tuple[MathMode, ...] = ("default", "tensor_op", "fma")
 
+# Normwise relative error a conv result may have against an FMA (no TF32) reference, by data type
+# and math type: what the tuner accepts of a candidate, and what the executor's check of an
+# engine's first run allows (twice this: both sides of that comparison may be this far off).
+TOLERANCE = {
+    ("float32", "fma"): 1e-3,  # FFT / Winograd reorder sums (winograd_nonfused 5x5: ~5e-4); < TF32's
+    ("float32", "default"): 5e-3,  # TF32: 10-bit mantissa products, ~3e-4 typical
+    ("float32", "tensor_op"): 5e-3,
+    ("float16", "default"): 1e-2,
+    ("float16", "tensor_op"): 1e-2,
+    ("float16", "fma"): 1e-2,
+    ("bfloat16", "default"): 3e-2,
+    ("bfloat16", "tensor_op"): 3e-2,
+    ("bfloat16", "fma"): 3e-2,
+}
+
 _LAYOUT_NAMES = {
     # (spatial rank, channels_last) -> user-facing memory-format name
     (1, False): "NCW",

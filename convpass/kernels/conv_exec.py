@@ -15,7 +15,8 @@ class              algorithm (:class:`~convpass.core.algo.Algo`)  one launch
 ``FusedLegacyConv`` ``<legacy>+bias[+add][+relu]``             cuDNN's fused conv + bias (+ z) + identity /
                                                                ReLU call
 ``EngineConv``     ``engine:<config>``, ``...+bias+swish``     the graph-API plan (a fused graph: its
-                   (``+add``: with the residual)               epilogue in the call; else one pass after)
+                   (``+add``: with the residual),              epilogue in the call; else one pass after)
+                   ``...+bias+add+relu`` (a legacy epilogue)
 ``OwnConv``        ``convpass_depthwise_r<R>[+<epilogue>]``    convpass's kernel, its epilogue in it (a
                                                                fused name) or as one pass after
 =================  ==========================================  ============================================
@@ -29,7 +30,8 @@ Rules
 2. Epilogues: ``""`` (none), ``"relu"`` (a ConvTranspose's absorbed Relu, no bias), the legacy
    ones (``bias``, ``bias+relu``, ``bias+add``, ``bias+add+relu``: ``z`` added before the
    ReLU), and a fused graph's (``bias+swish``, ``bias+leakyrelu<alpha>``, either followed by
-   ``+add``: ``z`` added after the activation; an engine's only). ``bias``: the ``(K,)`` values,
+   ``+add``: ``z`` added after the activation; an engine's only; an engine also runs the legacy
+   ones as fused graphs, ``z`` before the ReLU). ``bias``: the ``(K,)`` values,
    contiguous where :attr:`ConvExec.contiguous_bias` says so (zeros for a conv without a bias
    whose step adds a residual: :mod:`convpass.core.fusion`, "A conv without a bias"); ``z``: the residual, shaped as the
    output (a fused graph's: packed like ``y`` and never sharing its memory: the launch refuses
@@ -51,7 +53,8 @@ Rules
    refused here as cuDNN refuses a stride it does not take
    (:class:`~convpass.core.cudnn_enums.CudnnError`, ``CUDNN_STATUS_BAD_PARAM``).
 4. A launch allocates nothing and waits for nothing, so it can be captured into a CUDA graph.
-   :attr:`ConvExec.counts` names the executor's counters a launch adds one to.
+   :attr:`ConvExec.counts` names the executor's counters a launch adds one to
+   (:data:`EPILOGUE_PASSES` once more where its epilogue runs as a pass of its own).
 5. Every launch tells the listeners (:func:`add_launch_listener`, :func:`record_launches`) the
    object and its arguments: the tests' proof that the tuner and the executor launch the same.
 """
@@ -66,7 +69,7 @@ from typing import Any
 
 from convpass.core.algo import Algo
 from convpass.core.cudnn_enums import STATUS, CudnnError
-from convpass.core.fusion import adds_residual, is_legacy, legacy_name, parts
+from convpass.core.fusion import is_legacy, legacy_name, parts, takes_residual
 from convpass.core.layout import storage_order
 from convpass.core.problem import ProblemKey
 from convpass.kernels import depthwise
@@ -75,12 +78,13 @@ from convpass.native.cuda import elements
 from convpass.native.cudnn import graph_api
 
 __all__ = [
-    "ConvExec", "EngineConv", "ExecIdentity", "FusedLegacyConv", "LaunchRecord", "LegacyConv", "OwnConv", "add_launch_listener",
+    "EPILOGUE_PASSES", "ConvExec", "EngineConv", "ExecIdentity", "FusedLegacyConv", "LaunchRecord", "LegacyConv", "OwnConv", "add_launch_listener",
     "apply_epilogue", "conv_exec", "epilogue_kernel", "fusion_counter", "legacy_workspace", "refuses_slice", "remove_launch_listener",
     "record_launches", "step_epilogue",
 ]
 
 _OUTPUT = {"fwd": 2, "dgrad": 0, "wgrad": 1}  # which of (x, w, y) a direction writes
+EPILOGUE_PASSES = "epilogue_passes"  # the counter of epilogues run as an element-wise pass after their conv (rule 4)
 # cuDNN refusing a strided tensor it does not take (rule 3)
 _REFUSALS = (STATUS["CUDNN_STATUS_BAD_PARAM"], STATUS["CUDNN_STATUS_NOT_SUPPORTED"])
 
@@ -132,7 +136,8 @@ def _pass_parts(name: str) -> tuple[bool, bool, bool]:
 
 def fusion_counter(fusion: str) -> str:
     """The backend counter of launches that ran a fused graph-API epilogue (``fused_bias_swish``,
-    ``fused_bias_leakyrelu`` for any alpha; ``..._add`` with the residual)."""
+    ``fused_bias_leakyrelu`` for any alpha; ``..._add`` with the residual; a legacy epilogue's
+    graph ``fused_bias``, ``fused_bias_relu``, ``fused_bias_add``, ``fused_bias_add_relu``)."""
     return graph_api.fusion_of(fusion).counter
 
 
@@ -174,6 +179,11 @@ class ConvExec:
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
         raise NotImplementedError
+
+    @property
+    def _pass_counts(self) -> tuple[str, ...]:
+        """:data:`EPILOGUE_PASSES` where :meth:`_pass` runs one, else nothing."""
+        return (EPILOGUE_PASSES,) if self.epilogue else ()
 
     def _pass(self, out: Any, bias: Any, z: Any) -> None:
         """The epilogue as one element-wise pass over ``out`` (none for ``""``)."""
@@ -263,7 +273,7 @@ class LegacyConv(ConvExec):
 
     @property
     def counts(self) -> tuple[str, ...]:
-        return ("cudnn_calls",)
+        return ("cudnn_calls", *self._pass_counts)
 
 
 class FusedLegacyConv(ConvExec):
@@ -295,7 +305,8 @@ class FusedLegacyConv(ConvExec):
 
 class EngineConv(ConvExec):
     """A graph-API engine configuration's plan (:class:`~convpass.native.cudnn.graph_api.EnginePlan`):
-    a fused graph runs its epilogue in its call; a bare one runs the step's epilogue as one pass after."""
+    a fused graph (an activation's, or a legacy epilogue's) runs its epilogue in its call, ``z``
+    included where it reads one; a bare one runs the step's epilogue as one pass after."""
 
     def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, plan: Any) -> None:
         if not algo.is_engine or plan.config.algo != str(algo):
@@ -308,7 +319,7 @@ class EngineConv(ConvExec):
         super().__init__(key, algo, epilogue, cp, plan.workspace_bytes)
         self.plan = plan
         self.contiguous_bias = self.fused
-        self.residual = self.fused and adds_residual(algo.fusion)  # its graph adds z after the activation
+        self.residual = self.fused and takes_residual(algo.fusion)  # its graph reads z (before or after its activation)
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
         ws = workspace if self.workspace_bytes > 0 else None
@@ -326,7 +337,7 @@ class EngineConv(ConvExec):
 
     @property
     def counts(self) -> tuple[str, ...]:
-        return ("graph_api_calls", fusion_counter(self.algo.fusion)) if self.fused else ("graph_api_calls",)
+        return ("graph_api_calls", fusion_counter(self.algo.fusion)) if self.fused else ("graph_api_calls", *self._pass_counts)
 
 
 class OwnConv(ConvExec):
@@ -371,7 +382,7 @@ class OwnConv(ConvExec):
         if self.in_kernel:
             _, residual, relu = _pass_parts(self.epilogue)
             return (_fused_counter(residual, relu), "own_kernel_calls")
-        return ("own_kernel_calls",)
+        return ("own_kernel_calls", *self._pass_counts)
 
 
 def conv_exec(key: ProblemKey, algo: Algo | str, epilogue: str = "", *, cp: Any = None, descs: Any = None,

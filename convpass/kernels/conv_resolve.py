@@ -68,6 +68,10 @@ class ConvResolution:
     fused_call: str | None = None
     op_by_op: bool = False  # resolved for the op-by-op run that records the plan (its steps are not the plan's)
     steps: dict[str, ConvExec] = dataclasses.field(default_factory=dict)  # the object each step epilogue runs
+    # a recorded engine: the decision's legacy algorithm ("" when none), and whether its first run
+    # was checked against it (convpass.kernels.engine_check)
+    legacy_algo: str = ""
+    engine_checked: bool = False
 
     @property
     def key(self) -> ProblemKey:
@@ -199,7 +203,8 @@ class ConvResolver:
         odd = odd_fusion(d)
         if odd:  # its own tag: the node's one warning may still be needed for what runs instead
             self.rt.note_once(f"fusion:{node}", f"node {node!r}: {odd}")
-        graph_fusion = "" if is_legacy(d.fusion) else d.fusion  # a legacy epilogue belongs to the legacy call, not an engine
+        # beside an engine, any fusion is its graph's (a legacy epilogue's too); without one, a legacy fused call's
+        graph_fusion = d.fusion if d.engine else ""
         if key is not None and d.engine and graph_fusion and graph_fusion != fusion:
             if fusion is None:  # the op-by-op run that records the plan: its plan runs the engine
                 logger.debug("node %r: run op by op: %s instead of the fused engine %r", node, _instead(d), d.engine)
@@ -238,14 +243,28 @@ class ConvResolver:
         try:
             if g.op_type != "Conv":
                 raise graph_api.GraphApiError(f"engines run forward convolutions, not {g.op_type}")
-            plan = self._engine_plan(call.node_name, key, graph_api.EngineConfig.parse(d.engine, "" if is_legacy(d.fusion) else d.fusion))
+            plan = self._engine_plan(call.node_name, key, graph_api.EngineConfig.parse(d.engine, d.fusion))
         except (graph_api.GraphApiError, ValueError) as e:
             self.rt.warn_node(call.node_name, f"node {call.node_name!r}: recorded cuDNN graph-API engine {d.engine!r} is not usable here ({first_line(e)}); running {_instead(d)} instead")
             return None
         conv = conv_exec(key, plan.config.algo, plan.config.fusion, cp=self.cp, plan=plan)
-        ex = ConvResolution(call.node_name, g.op_type, g, conv, _insert_axis(g, key), "recorded")
+        legacy = d.algo if d.algo != annotation.AUTO and Algo.parse(d.algo).bare_of("legacy") else ""
+        ex = ConvResolution(call.node_name, g.op_type, g, conv, _insert_axis(g, key), "recorded", legacy_algo=legacy)
         ex.strided_output_ok = False  # the plan was built for a packed output
         return ex
+
+    def legacy_instead(self, ex: ConvResolution) -> ConvResolution | None:
+        """The resolution of a recorded engine's legacy algorithm (its problem, memory format and
+        math; the conv, then its epilogue as one pass), for an engine that failed to run here; None
+        where none is recorded or cuDNN refuses it."""
+        if not ex.legacy_algo:
+            return None
+        try:
+            conv = conv_exec(ex.key, ex.legacy_algo, cp=self.cp, descs=self.resources.descriptors(ex.key),
+                             workspace_bytes=self.resources.workspace_bytes(ex.key, ex.legacy_algo))
+        except (cudnn.CudnnError, ValueError):
+            return None
+        return ConvResolution(ex.node, ex.op_type, ex.geometry, conv, ex.insert_axis, "recorded", fused_call="", op_by_op=ex.op_by_op)
 
     def _own_exec(self, call: ConvCall, d: annotation.ConvDecision, key: ProblemKey,
                   fusion: str | None) -> tuple[ConvResolution | None, str]:
@@ -356,15 +375,12 @@ class ConvResolver:
 
 def odd_fusion(d: annotation.ConvDecision) -> str | None:
     """What is wrong with a decision's recorded ``fusion`` (an edited or damaged model), or None:
-    without an engine it must name a legacy epilogue; beside an engine, not one."""
-    if not d.fusion:
-        return None
-    if not d.engine and not is_legacy(d.fusion):
+    without an engine it must name a legacy epilogue (beside an engine it names the engine's
+    graph, a legacy epilogue's or an activation's; one the engine cannot parse is warned where
+    its plan is built)."""
+    if d.fusion and not d.engine and not is_legacy(d.fusion):
         return (f"recorded fusion {d.fusion!r} names no legacy epilogue ({', '.join(LEGACY)}) and no engine records it: "
                 "running the conv, then its epilogue as one pass")
-    if d.engine and is_legacy(d.fusion):
-        return (f"recorded fusion {d.fusion!r} is a legacy fused call, not a graph of engine {d.engine!r}: "
-                "the engine runs the bare conv, then its epilogue as one pass")
     return None
 
 

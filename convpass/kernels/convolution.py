@@ -1,4 +1,6 @@
-"""Convolutions of the cuda backend: the recorded choices, their fallbacks, fused epilogues.
+"""Convolutions of the cuda backend: the recorded choices, their fallbacks, fused epilogues. One
+concept, how a conv's step runs (its decision, launch, epilogue, fallbacks and lowering), makes
+this module longer than 600 lines.
 
 Every Conv / ConvTranspose runs with the decision recorded in the model: the algorithm by name,
 the memory format (NCHW / NHWC; NCW / NWC run as the 2-D mapping the problem key names, NCDHW /
@@ -23,6 +25,13 @@ without a bias does the same with the resources' zero bias (:meth:`ConvResources
 <convpass.kernels.conv_resources.ConvResources.zero_bias>`, made when the plan is compiled). A fused
 call cuDNN refuses falls back to the unfused form for good. A ConvTranspose adds its bias in one
 element-wise pass after cuDNN's backward data; a Relu that is its only reader joins that pass.
+
+Legacy epilogues in a graph-API engine: a Conv whose decision records an engine with a legacy
+``fusion`` (``bias+add+relu``, ...) and whose step in the plan absorbs that epilogue runs conv,
+bias, ``z`` and ReLU in the engine's one call (no pass after it:
+:data:`~convpass.kernels.conv_exec.EPILOGUE_PASSES` counts none); a plan whose step is another
+(fusion off, other readers) warns and runs the recorded legacy ``algo`` and one pass. An engine
+recorded without a ``fusion`` runs the bare conv, then the epilogue as one pass.
 
 Fused graph-API epilogues: a Conv whose decision records a fused engine (``fusion``, e.g.
 ``bias+swish``, ``bias+leakyrelu0.2``) and whose output is read only by that epilogue in the plan
@@ -60,7 +69,10 @@ Decisions:
   side-car, another cuDNN, a refused entry) that took :data:`ENGINE_BUILD_NOTE_S` or more in all
   are reported once as start-up compilation (:class:`~convpass.native.cuda.StartupCompileWarning`), with why.
   An engine that cannot be built here (package missing, another cuDNN, refused) warns once,
-  naming the node, and the recorded legacy ``algo`` runs instead.
+  naming the node, and the recorded legacy ``algo`` runs instead. The first eager run of each
+  engine step is checked against a legacy algorithm of its problem (:mod:`convpass.kernels.engine_check`):
+  one that computes wrongly there fails as one cuDNN refuses to run does: warned, and the recorded
+  legacy ``algo`` runs instead (in the engine's memory format), else the heuristic's choice.
 * convpass's own depthwise kernel (a decision whose ``algo`` names it:
   :mod:`convpass.kernels.depthwise`) is built at plan-compile time (from the kernel side-car
   when the model has one) and runs with the legacy epilogue in the kernel where the decision
@@ -79,8 +91,19 @@ from typing import Any
 
 from convpass.core import annotation
 from convpass.core.concat_slices import conv_step_writes_slice
-from convpass.core.fusion import absorbed, adds_residual, is_graph_fusion, legacy_name
-from convpass.kernels.conv_exec import ConvExec, EngineConv, FusedLegacyConv, LegacyConv, apply_epilogue, conv_exec, refuses_slice, step_epilogue
+from convpass.core.fusion import absorbed, adds_residual, is_graph_fusion, is_legacy, legacy_name
+from convpass.kernels import engine_check
+from convpass.kernels.conv_exec import (
+    EPILOGUE_PASSES,
+    ConvExec,
+    EngineConv,
+    FusedLegacyConv,
+    LegacyConv,
+    apply_epilogue,
+    conv_exec,
+    refuses_slice,
+    step_epilogue,
+)
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.conv_slices import priced, remember_refusal, said_if_unpriced, same_order, slice_words, unpriced_copy
@@ -159,9 +182,11 @@ class Convolutions:
         plan lets this conv fuse (as at :meth:`prepare`; None: op by op, see :meth:`resolve`);
         ``fused``: the launch owns it, so its activation is applied here (in the engine's call, or
         as a pass after a fallback), and with a fused graph's ``+add`` its residual ``z`` after
-        the activation, not before as a legacy epilogue's."""
+        the activation, not before as a legacy epilogue's. A legacy ``fusion`` is always the
+        launch's own (its Add and Relu are absorbed): the engine's graph of it runs where the
+        decision records one, else the conv and its epilogue as ever."""
         ex = self.resolve(call, x.dtype, fusion)
-        if _runs_fused(ex) and not fused:  # its activation would run twice (the plan's own steps too)
+        if _runs_fused(ex) and not fused and not is_legacy(ex.conv.epilogue):  # its activation would run twice (the plan's own steps too)
             raise RuntimeError(f"node {call.node_name!r}: a fused graph-API engine resolved for a launch that does not own its epilogue")
         after = (fusion or "") if fused and not _runs_fused(ex) else ""
         pre, post = _residual_order(after, z)
@@ -174,9 +199,11 @@ class Convolutions:
                 raise
             # the recorded algorithm was accepted by workspace_size but cuDNN refuses to run it
             why = f"recorded algorithm {ex.algo!r} ({ex.layout}, {ex.key.math}) failed here: {first_line(e)}"
-            new = self.resolver.heuristic_exec(call, "fallback", why, ex.key.math)
+            new = self.resolver.legacy_instead(ex) if isinstance(ex.conv, EngineConv) else None
+            instead = "its recorded legacy algorithm" if new is not None else "cuDNN's heuristic choice"
+            new = new or self.resolver.heuristic_exec(call, "fallback", why, ex.key.math)
             self.resolver.replace(call, x.dtype, fusion, new)
-            self.rt.warn_node(call.node_name, f"node {call.node_name!r}: {why}; running cuDNN's heuristic choice {describe_exec(new)} instead")
+            self.rt.warn_node(call.node_name, f"node {call.node_name!r}: {why}; running {instead} {describe_exec(new)} instead")
             after = (fusion or "") if fused else ""
             pre, post = _residual_order(after, z)
             if new is REFERENCE:
@@ -196,6 +223,7 @@ class Convolutions:
             return y
         if adds_residual(fusion) and z is None:
             raise ValueError(f"the epilogue {fusion!r} adds a residual, and none was given")
+        self.rt.counters[EPILOGUE_PASSES] += 1
         phys = storage(y)
         phys[...] = graph_api.fusion_of(fusion).apply(self.cp, phys)
         if z is not None:
@@ -288,6 +316,8 @@ class Convolutions:
                 self._launch(self._step(ex, b, relu, z4), x4, wk, y4, ws, b, z4)
             else:
                 raise
+        if isinstance(conv, EngineConv) and not ex.engine_checked:  # wrong: a GraphApiError, run()'s warned fallback
+            engine_check.first_run(self, ex, conv, x4, wk, y4, b, z4)
         if read:
             self.rt.counters["slice_reads"] += 1
         elif sliced:  # counted once the launch ran: a refused try of the warm-up run copies for nothing
@@ -318,6 +348,7 @@ class Convolutions:
         if into:
             apply_epilogue(self.cp, out, b, relu, src=y)
             self.rt.counters["slice_writes"] += 1
+            self.rt.counters[EPILOGUE_PASSES] += 1
             return out
         return self._into(y, out)  # without a pass, backward data's packed result is copied in
 
@@ -326,7 +357,10 @@ class Convolutions:
         epilogue), made once per resolution and step from the decision's object: the legacy
         epilogue fused into the algorithm's call or convpass's kernel where :meth:`_fused_activation`
         says so (a legacy call only with the backend's fusion on), else run as one pass after."""
-        name = ex.conv.epilogue if _runs_fused(ex) else step_epilogue(b is not None, z4 is not None, relu)
+        step = step_epilogue(b is not None, z4 is not None, relu)
+        name = ex.conv.epilogue if _runs_fused(ex) else step
+        if is_legacy(name) and name != step:  # an engine's legacy graph runs exactly its launch's step
+            raise RuntimeError(f"node {ex.node!r}: the engine's fused graph runs conv + {name}, not this launch's conv + {step}")
         conv = ex.steps.get(name)
         if conv is None:
             fuse = False
@@ -426,8 +460,8 @@ class ConvLaunch(Launch):
     """One Conv / ConvTranspose step with its fused epilogue (``epilogue``: None, ``"relu"``,
     ``("residual", z slot, activation)`` or ``("engine", fusion, z slot or None)``: a fused
     graph-API engine, the slot of its residual where the fusion ends with ``+add``).
-    ``fusion``: the graph-API epilogue the plan lets this conv fuse, which its exec is resolved
-    with (the launch owns it only with an ``"engine"`` epilogue)."""
+    ``fusion``: the epilogue the plan lets this conv fuse, which its exec is resolved with (the
+    launch owns a graph-API activation's only with an ``"engine"`` epilogue, a legacy one's always)."""
 
     def __init__(self, plan: Any, index: int, convs: Convolutions, epilogue: Any, output: int, absorbs: tuple[int, ...],
                  fusion: str = "") -> None:
@@ -492,7 +526,10 @@ def _epilogue_name(epilogue: Any) -> str:
 def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool) -> dict[int, ConvLaunch]:
     """A launch per Conv / ConvTranspose step of ``plan``, each absorbing what
     :func:`convpass.core.fusion.absorbed` gives its step (the rule the tuner timed); the steps they
-    absorb are listed in each launch's ``absorbs``. A graph-API fusion's step (``bias+swish``,
+    absorb are listed in each launch's ``absorbs``. A legacy epilogue's step (``bias``,
+    ``bias+relu``, ``bias+add``, ``bias+add+relu``) is its launch's ``fusion``: the engine's fused
+    graph of it runs in the launch where its decision records that graph, else the conv and one
+    pass (or cuDNN's legacy fused call). A graph-API fusion's step (``bias+swish``,
     ``bias+leakyrelu<alpha>``, either with ``+add``) runs fused only when its recorded decision is
     that fused graph and its plan builds here; a step with its residual whose decision is the
     shorter graph (the activation's alone) runs that, the Add as the plan's own step; otherwise the
@@ -522,6 +559,8 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
                 epilogue, out, absorbs = ("residual", a.z, "relu" if a.epilogue.endswith("+relu") else "identity"), a.output, a.nodes
             elif a.epilogue in ("bias+relu", "relu"):
                 epilogue, out, absorbs = "relu", a.output, a.nodes
+            if is_legacy(a.epilogue):  # the launch owns it: an engine's graph of it runs where the decision records one
+                fusion = a.epilogue
         taken.update(absorbs)
         launches[i] = ConvLaunch(plan, i, convs, epilogue, out, absorbs, fusion)
     return launches

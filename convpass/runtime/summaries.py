@@ -39,14 +39,14 @@ def conv_summary(node: NodeInfo, d: annotation.ConvDecision | None, call: ConvCa
 
 
 def _engine_algo(engine: str, fusion: str = "") -> str:
-    """The recorded engine's algorithm name; ``fusion`` counts only when it is a graph-API fusion (a
-    legacy epilogue beside an engine is the conv's business, not the name's). An engine that does
-    not parse is shown as recorded: building the conv warns about it and runs the legacy algorithm."""
-    from convpass.core.fusion import is_graph_fusion
+    """The recorded engine's algorithm name, with the fused graph its ``fusion`` names (a legacy
+    epilogue's or an activation's: the epilogue runs in the engine's call). An engine or fusion
+    that does not parse is shown as recorded: building the conv warns about it and runs the legacy
+    algorithm."""
     from convpass.native.cudnn.graph_api import EngineConfig
 
     try:
-        return EngineConfig.parse(engine, fusion if is_graph_fusion(fusion) else "").algo
+        return EngineConfig.parse(engine, fusion).algo
     except ValueError:
         return engine
 

@@ -13,7 +13,9 @@ and the epilogue it is timed with, and timed through its ``launch``
   an ``EngineConv`` with the bias as its own pass after the conv (the executor adds it so; rows
   of a key are shared by every epilogue of it), or a fused graph's (:meth:`Candidates.measure_fused`,
   with its activation timed as its own pass; a graph with its residual ``+add``, with the
-  activation and the Add as one pass and the Add alone as its own);
+  activation and the Add as one pass and the Add alone as its own), or a legacy epilogue's graph
+  (:meth:`Candidates.measure_engine_epilogue`, with the epilogue's one pass and the bias pass that
+  a bare engine's time holds);
 * **convpass's own kernels** (:meth:`Candidates.measure_own`): every variant bare, then the fastest
   with the legacy epilogue in the kernel, an ``OwnConv`` each.
 
@@ -232,6 +234,21 @@ class Candidates:
             best_ms = best_after(best_ms, row)
         return rows
 
+    def measure_engine_epilogue(self, key: ProblemKey, name: str, best_ms: float | None, have: Sequence[Measurement] = (),
+                                order: Order | None = None) -> list[Measurement]:
+        """A legacy epilogue ``name`` as graph-API engines run it: its one pass and the bias's own
+        pass (the ``epilogue`` rows :func:`convpass.tuning.decide.cost_ms` weighs an unfused engine
+        with: what the executor runs after it, what its time holds), each unless ``have`` holds it,
+        then every engine configuration of the fused graph ``conv -> bias [-> add(z)] [-> relu]``
+        (:meth:`measure_engines`, in ``order`` where a pruning plan gives one: ``engine:none+<name>``
+        where cuDNN offers none)."""
+        done = {m.algo: m for m in have if m.key == key and m.method == EPILOGUE_METHOD}
+        rows = [self._measure_epilogue_pass(key, p) for p in dict.fromkeys((name, epilogue.LEGACY[0])) if p not in done]
+        own = next((m for m in [*rows, *done.values()] if m.algo == name and m.status == "ok"), None)
+        if own is not None and best_ms is not None:
+            best_ms += own.time_ms  # an early stop compares a fused graph with conv + pass
+        return [*rows, *self.measure_engines(key, best_ms, name, order)]
+
     def measure_fused(self, key: ProblemKey, fusion: str, best_ms: float | None) -> list[Measurement]:
         """A fused epilogue for ``key``: its activation timed as its own pass over the output (the
         ``epilogue`` row every unfused configuration adds: :mod:`convpass.tuning.decide`; with the
@@ -295,7 +312,7 @@ class Candidates:
 
         from convpass.native.cudnn import graph_api
 
-        residual = epilogue.adds_residual(fusion)
+        residual = epilogue.takes_residual(fusion)
         index = (fusion, key.layout if residual else "")
         if index not in self._engine_biases:
             shape = self.bench.shape
@@ -331,7 +348,7 @@ class Candidates:
         ws = conv.workspace_bytes
         try:
             bias, expected = self._engine_bias(config.fusion, key)
-            row = self.bench.check_and_time(conv, True, now, best_ms, bias=bias, residual=epilogue.adds_residual(config.fusion),
+            row = self.bench.check_and_time(conv, True, now, best_ms, bias=bias, residual=epilogue.takes_residual(config.fusion),
                                             capture_required=True, expected=expected)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, algo, ws, True, now, e)

@@ -18,8 +18,12 @@ configuration by what its conv and epilogue cost together, on one clock: a fused
 graph's own time, against an unfused configuration's time plus the measured time of the epilogue
 as its own pass (the ``epilogue`` row of the same key: :data:`EPILOGUE_METHOD`). A fused
 configuration is a candidate only where that row exists. An unfused graph-API engine was timed
-with its bias pass, the pass the executor runs a legacy epilogue in: for a legacy epilogue it
-costs its own time (a residual read by that pass is not in it).
+with its bias pass (its rows are shared by every epilogue of its key): for a legacy epilogue it
+costs its own time less that bias pass plus the epilogue's pass (the ``bias`` and the epilogue's
+``epilogue`` rows of its key: :func:`bias_ms`; the residual read and the ReLU that pass adds),
+or, where either row is missing (a cache filled before), its own time. A graph-API engine's fused
+graph of a legacy epilogue (``engine:<config>+bias+add+relu``) costs its own time, like a legacy
+fused call.
 
 A graph-API fusion with its residual (``<act>+add``: :mod:`convpass.core.fusion`) has a third
 kind of candidate: a configuration of its shorter graph (``<act>`` fused, the Add after it as the
@@ -38,7 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
-from convpass.core.fusion import RESIDUAL_PASS, adds_residual, is_graph_fusion, is_legacy, without_residual
+from convpass.core.fusion import LEGACY, RESIDUAL_PASS, adds_residual, is_graph_fusion, is_legacy, without_residual
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
 
@@ -98,21 +102,39 @@ def residual_ms(measurements: Iterable[Measurement], problem: ConvProblem) -> di
             if m.method == EPILOGUE_METHOD and m.algo == RESIDUAL_PASS and m.status == "ok" and m.time_ms is not None}
 
 
+def bias_ms(measurements: Iterable[Measurement], problem: ConvProblem) -> dict[ProblemKey, float]:
+    """Per key, the measured time of the bias alone as its own pass (the ``bias`` epilogue row),
+    the pass an unfused engine's time holds (module docstring); empty for a problem whose fusion is
+    no legacy epilogue."""
+    if not is_legacy(problem.fusion):
+        return {}
+    rows = list(measurements)
+    # only keys the engine-epilogue tuner went through (its fused-graph rows, engine:none+<f> too):
+    # a bias row of an older cache may be a sibling problem's, and its engines stay costed as before
+    marked = {m.key for m in rows if m.method != EPILOGUE_METHOD and Algo.parse(m.algo).is_engine and Algo.parse(m.algo).fusion == problem.fusion}
+    return {m.key: m.time_ms for m in rows
+            if m.key in marked and m.method == EPILOGUE_METHOD and m.algo == LEGACY[0] and m.status == "ok" and m.time_ms is not None}
+
+
 def cost_ms(m: Measurement, epilogue: dict[ProblemKey, float], fusion: str = "",
-            residual: dict[ProblemKey, float] | None = None) -> float | None:
+            residual: dict[ProblemKey, float] | None = None, bias: dict[ProblemKey, float] | None = None) -> float | None:
     """What a timed configuration costs with its problem's epilogue ``fusion`` (``epilogue``: from
     :func:`epilogue_ms`): a fused call or graph its own time, an unfused one its time plus the pass
-    (module docstring: an unfused engine under a legacy epilogue, its own time); a configuration of
-    the shorter graph of a fusion with its residual, its time plus the Add's pass (``residual``:
-    from :func:`residual_ms`; None where that is not known)."""
+    (module docstring: an unfused engine under a legacy epilogue, its time with the bias pass it
+    holds, ``bias`` from :func:`bias_ms`, swapped for the epilogue's pass where both are known);
+    a configuration of the shorter graph of a fusion with its residual, its time plus the Add's
+    pass (``residual``: from :func:`residual_ms`; None where that is not known)."""
     if m.time_ms is None:
         return None
     algo = Algo.parse(m.algo)
     if algo.fusion and algo.fusion != fusion and adds_residual(fusion) and algo.fusion == without_residual(fusion):
         add = (residual or {}).get(m.key)
         return None if add is None else m.time_ms + add
-    if algo.fusion or (algo.is_engine and is_legacy(fusion)):
+    if algo.fusion:
         return m.time_ms
+    if algo.is_engine and is_legacy(fusion):
+        own, held = epilogue.get(m.key), (bias or {}).get(m.key)
+        return m.time_ms if own is None or held is None else m.time_ms - held + own
     return m.time_ms + epilogue.get(m.key, 0.0)
 
 
@@ -187,6 +209,7 @@ def select_allowed(measurements: Iterable[Measurement], problem: ConvProblem, op
     measurements = list(measurements)
     epilogue = epilogue_ms(measurements, problem)
     residual = residual_ms(measurements, problem)
+    bias = bias_ms(measurements, problem)
     ok = list(filter(allowed(problem, options, epilogue, residual), measurements))
     timed = {(m.key, m.algo): m for m in ok if m.method == "measure" and m.time_ms is not None}
     if strategy == "heuristic":
@@ -198,14 +221,14 @@ def select_allowed(measurements: Iterable[Measurement], problem: ConvProblem, op
     else:
         # equal times (event-resolution ties on tiny convs) break the same way whatever order the
         # rows came in (live measurements or the cache's ORDER BY): the cached re-run reproduces the choice
-        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue, problem.fusion, residual), _layout_pref(m), m.key.math != "default", m.algo),
-                   default=None)
+        return min(timed.values(), key=lambda m: (cost_ms(m, epilogue, problem.fusion, residual, bias), _layout_pref(m), m.key.math != "default",
+                                                  m.algo), default=None)
     if best is None:
         return None
     # the algorithm is the strategy's pick; how its epilogue runs is measured like any other choice
     fused = str(Algo.parse(best.algo).fused(problem.fusion))
     variants = [m for m in (timed.get((best.key, best.algo)), timed.get((best.key, fused))) if m is not None]
-    return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion, residual), m.algo), default=best)
+    return min(variants, key=lambda m: (cost_ms(m, epilogue, problem.fusion, residual, bias), m.algo), default=best)
 
 
 def _layout_pref(m: Measurement) -> int:
@@ -217,7 +240,8 @@ def choice_from(m: Measurement, source: str, rows: Iterable[Measurement] = (), p
     legacy fallback and, with ``problem``, the epilogue its time includes (:func:`cost_ms`: the
     recorded time is what the conv's step costs)."""
     rows = list(rows)
-    time_ms = m.time_ms if problem is None else cost_ms(m, epilogue_ms(rows, problem), problem.fusion, residual_ms(rows, problem))
+    time_ms = m.time_ms if problem is None else cost_ms(m, epilogue_ms(rows, problem), problem.fusion, residual_ms(rows, problem),
+                                                        bias_ms(rows, problem))
     return Choice(key=m.key, algo=m.algo, time_ms=time_ms, workspace_bytes=m.workspace_bytes, source=source,
                   fallback=legacy_fallback(rows, m.key) if Algo.parse(m.algo).is_engine else None)
 

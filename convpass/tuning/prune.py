@@ -27,11 +27,11 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from convpass.core.algo import Algo
-from convpass.core.fusion import RESIDUAL_PASS
+from convpass.core.fusion import LEGACY, RESIDUAL_PASS
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.tuning.cache_rows import Measurement
-from convpass.tuning.decide import EPILOGUE_METHOD, allowed, cost_ms, epilogue_ms, residual_ms, select
+from convpass.tuning.decide import EPILOGUE_METHOD, allowed, bias_ms, cost_ms, epilogue_ms, residual_ms, select
 
 __all__ = ["PRUNED", "SIZE_BUCKETS", "History", "KeyPlan", "Pruner", "Rule", "decision", "family", "family_costs", "geometry_class", "needs_fallback",
            "problems_of"]
@@ -83,7 +83,11 @@ def problems_of(rows: Iterable[Measurement]) -> dict[tuple[ProblemKey, str], lis
         by_key[m.key].append(m)
     out = {}
     for key, mine in by_key.items():
-        fusions = sorted({m.algo for m in mine if m.method == EPILOGUE_METHOD and m.algo != RESIDUAL_PASS}) or [""]
+        passes = {m.algo for m in mine if m.method == EPILOGUE_METHOD and m.algo != RESIDUAL_PASS}
+        if LEGACY[0] in passes and passes & set(LEGACY[1:]) and not any(
+                m.method != EPILOGUE_METHOD and Algo.parse(m.algo).fusion == LEGACY[0] for m in mine):
+            passes.discard(LEGACY[0])  # the bias pass a longer legacy epilogue's engines are costed with: no problem of its own
+        fusions = sorted(passes) or [""]
         for fusion in fusions:
             out[(key, fusion)] = mine
     return out
@@ -100,11 +104,11 @@ def decision(key: ProblemKey, fusion: str, rows: Sequence[Measurement]) -> Measu
 def family_costs(key: ProblemKey, fusion: str, rows: Sequence[Measurement]) -> dict[str, float]:
     """Each family's best cost among ``rows`` for one key and fusion (by the decision's cost)."""
     problem = ConvProblem((key.shape,), fusion, key.x_slice, key.y_slice)
-    epilogue, residual = epilogue_ms(rows, problem), residual_ms(rows, problem)
+    epilogue, residual, bias = epilogue_ms(rows, problem), residual_ms(rows, problem), bias_ms(rows, problem)
     ok = allowed(problem, _OPTIONS, epilogue, residual)
     best: dict[str, float] = {}
     for m in rows:
-        if m.key == key and m.method == "measure" and ok(m) and (cost := cost_ms(m, epilogue, fusion, residual)) is not None:
+        if m.key == key and m.method == "measure" and ok(m) and (cost := cost_ms(m, epilogue, fusion, residual, bias)) is not None:
             name = family(m.algo)
             best[name] = min(cost, best.get(name, cost))
     return best

@@ -36,28 +36,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from convpass.core.options import TuneOptions
-from convpass.core.problem import ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey
+from convpass.core.problem import TOLERANCE, ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey
 from convpass.tuning import harness
 from convpass.tuning.cache_rows import Measurement
-from convpass.tuning.decide import allowed, cost_ms, epilogue_ms, residual_ms
+from convpass.tuning.decide import allowed, bias_ms, cost_ms, epilogue_ms, residual_ms
 
 logger = logging.getLogger("convpass")
 
 __all__ = ["HEAD_TO_HEAD_MARGIN", "HEAD_TO_HEAD_MAX", "HEAD_TO_HEAD_WORKSPACE_BYTES", "OUTPUT", "REFERENCE_ALGOS", "TOLERANCE",
            "ShapeBench", "best_after", "make_row", "was_measured"]
 
-# Normwise relative error allowed against the FMA reference, by data type and math type.
-TOLERANCE = {
-    ("float32", "fma"): 1e-3,  # FFT / Winograd reorder sums (winograd_nonfused 5x5: ~5e-4); < TF32's
-    ("float32", "default"): 5e-3,  # TF32: 10-bit mantissa products, ~3e-4 typical
-    ("float32", "tensor_op"): 5e-3,
-    ("float16", "default"): 1e-2,
-    ("float16", "tensor_op"): 1e-2,
-    ("float16", "fma"): 1e-2,
-    ("bfloat16", "default"): 3e-2,
-    ("bfloat16", "tensor_op"): 3e-2,
-    ("bfloat16", "fma"): 3e-2,
-}
 # Deterministic algorithms a reference can be computed with, in order of preference.
 REFERENCE_ALGOS = {
     "fwd": ("implicit_gemm", "implicit_precomp_gemm", "gemm", "direct"),
@@ -304,10 +292,10 @@ class ShapeBench:
         if strategy not in ("measure", "forced") or len(self._groups) < 2:
             return rows
         considered = [*rows, *have]
-        epilogue_of, residual_of = epilogue_ms(considered, problem), residual_ms(considered, problem)
+        epilogue_of, residual_of, bias_of = epilogue_ms(considered, problem), residual_ms(considered, problem), bias_ms(considered, problem)
         ok = allowed(problem, options, epilogue_of, residual_of)
         timed = sorted((cost, i) for i, m in enumerate(considered) if m.method == "measure" and ok(m)
-                       and (cost := cost_ms(m, epilogue_of, problem.fusion, residual_of)) is not None)
+                       and (cost := cost_ms(m, epilogue_of, problem.fusion, residual_of, bias_of)) is not None)
         close = [i for cost, i in timed if cost <= timed[0][0] * (1 + HEAD_TO_HEAD_MARGIN)][:HEAD_TO_HEAD_MAX] if timed else []
         if len(close) < 2 or any(i >= len(rows) or (rows[i].key, rows[i].algo) not in self._groups for i in close):
             return rows

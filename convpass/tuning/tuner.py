@@ -215,7 +215,8 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
 
     ``have``: rows already stored for the problem. When they hold every legacy measurement, only
     the graph-API engines are measured (a cache filled before engines existed is not re-timed);
-    when they also hold the engines, only the problem's fused epilogue.
+    when they also hold the engines, only the problem's fused epilogue (a legacy epilogue's
+    engine graphs too, where engines are tuned: :func:`engine_epilogue_complete`).
 
     ``pruner`` (:mod:`convpass.tuning.prune`): the legacy algorithms and engines of each key are
     timed in its order and those it skips are ``skipped`` rows saying why; where none of the kept
@@ -226,6 +227,7 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     legacy, engines = spaces(problem, options)
     own = own_space(problem, options, legacy)
     fusion = problem.fusion if engines or epilogue.is_legacy(problem.fusion) else ""
+    engine_fusion = problem.fusion if engines and epilogue.is_legacy(problem.fusion) else ""
     own_fusion = problem.fusion if epilogue.is_legacy(problem.fusion) else ""
     keys = candidate_keys(problem, options)
     have = list(have)
@@ -242,8 +244,10 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
         legacy_fusion = False
     if own and own_complete(have, keys, own_fusion):
         own = False
+    if engine_fusion and engine_epilogue_complete(have, keys, engine_fusion):
+        engine_fusion = ""
     return _measure(problem, options, keys, strategy, forced, legacy, engines, best, fusion if legacy_fusion or not epilogue.is_legacy(fusion) else "", have,
-                    own=own, own_fusion=own_fusion, pruner=pruner if strategy == "measure" else None)
+                    own=own, own_fusion=own_fusion, pruner=pruner if strategy == "measure" else None, engine_fusion=engine_fusion)
 
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
@@ -255,7 +259,23 @@ def problem_complete(rows: list[Measurement], problem: ConvProblem, options: Tun
     keys = candidate_keys(problem, options)
     own_fusion = problem.fusion if epilogue.is_legacy(problem.fusion) else ""
     return (complete(rows, keys, strategy, forced, legacy, engines, fusion, pruned_ok=options.prune == "learned")
-            and (not own_space(problem, options, legacy) or own_complete(rows, keys, own_fusion)))
+            and (not own_space(problem, options, legacy) or own_complete(rows, keys, own_fusion))
+            and (not engines or not epilogue.is_legacy(problem.fusion) or engine_epilogue_complete(rows, keys, problem.fusion)))
+
+
+def engine_epilogue_complete(rows: Sequence[Measurement], keys: Sequence[ProblemKey], fusion: str) -> bool:
+    """Whether ``rows`` hold, for every key, what
+    :meth:`~convpass.tuning.candidates.Candidates.measure_engine_epilogue` writes for the legacy
+    epilogue ``fusion``: its pass row, the bias pass row and at least one row of its engine graph
+    (``engine:none+<fusion>`` where cuDNN offers none)."""
+    for key in keys:
+        mine = [m for m in rows if m.key == key]
+        passes = {m.algo for m in mine if m.method == EPILOGUE_METHOD}
+        if not {fusion, epilogue.LEGACY[0]} <= passes:
+            return False
+        if not any(m.method == "measure" and Algo.parse(m.algo).is_engine and Algo.parse(m.algo).fusion == fusion for m in mine):
+            return False
+    return True
 
 
 def own_space(problem: ConvProblem, options: TuneOptions, legacy: bool = True) -> bool:
@@ -306,12 +326,13 @@ def spaces(problem: ConvProblem, options: TuneOptions) -> tuple[bool, bool]:
 
 def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey], strategy: str, forced: str | None, legacy: bool = True,
              engines: bool = False, best: float | None = None, fusion: str = "", have: Sequence[Measurement] = (),
-             own: bool = False, own_fusion: str = "", pruner: Pruner | None = None) -> list[Measurement]:
+             own: bool = False, own_fusion: str = "", pruner: Pruner | None = None, engine_fusion: str = "") -> list[Measurement]:
     """Every row of the problem's ``keys`` this call is asked for: the legacy algorithms, the
     graph-API engines, the epilogue ``fusion`` (a legacy one: its pass and the fused calls of
     the fastest legacy algorithms timed here or in ``have``; a graph-API one: its activation pass
-    and fused graphs), and with ``own`` convpass's own kernels (bare, and the fastest with the
-    legacy epilogue ``own_fusion``)."""
+    and fused graphs), with ``own`` convpass's own kernels (bare, and the fastest with the
+    legacy epilogue ``own_fusion``), and with ``engine_fusion`` (a legacy epilogue) the engines'
+    fused graphs of it."""
     from convpass.native.cudnn import ConvDescriptors, as_layout, find, heuristic
 
     rows: list[Measurement] = []
@@ -383,6 +404,9 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
                         pruner.skipped += sum(1 for m in rows if m.key == key and is_pruned(m))
                     if fusion and not epilogue.is_legacy(fusion):
                         rows.extend(measure_graph_fusion(candidates, key, fusion, best, [*rows, *have]))
+                    if engine_fusion:
+                        rows.extend(candidates.measure_engine_epilogue(key, engine_fusion, best, [*rows, *have],
+                                                                       order=plan.order if plan is not None else None))
                 rows = bench.settle(rows, problem, options, have)
         finally:
             candidates.release()

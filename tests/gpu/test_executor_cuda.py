@@ -162,18 +162,21 @@ def test_tuned_sample_matches_ort_and_runs_the_recorded_algorithms(path, tmp_pat
 
 def _check_recorded_calls(calls, tuned, ex) -> None:
     """The legacy cuDNN calls of a tuned model's first runs are its recorded legacy decisions: each
-    one called, and nothing else but the legacy algorithm of a fused graph-API engine decision (the
-    op-by-op run that records the plan runs that). Engine decisions make no legacy call: they are
-    counted as graph-API calls (tests/gpu/test_graph_api_gpu.py checks them against references);
-    decisions for convpass's own depthwise kernel neither: the backend counts its launches."""
+    one called, and nothing else but the legacy algorithm of a graph-API engine decision (the
+    op-by-op run that records the plan runs a fused one's; the first run of every engine step is
+    checked against it, or against engine_check.REFERENCE_ALGOS where none is recorded).
+    Engine decisions make no other legacy call: they are counted as graph-API calls
+    (tests/gpu/test_graph_api_gpu.py checks them against references); decisions for convpass's own
+    depthwise kernel neither: the backend counts its launches."""
     from convpass.core.algo import Algo
+    from convpass.kernels.engine_check import REFERENCE_ALGOS
 
     def is_own(text):
         return Algo.parse(text).is_own
 
     records = convpass.inspect(tuned)
     legacy = {(r["algo"], r["problem_key"]) for r in records if not r["engine"] and not is_own(r["algo"])}
-    fused_fallbacks = {(r["algo"], r["problem_key"]) for r in records if r["engine"] and r["fusion"]}
+    fused_fallbacks = {(a, r["problem_key"]) for r in records if r["engine"] for a in (r["algo"], *REFERENCE_ALGOS)}
     called = {(c.algo, str(c.key)) for c in calls}
     assert legacy <= called <= legacy | fused_fallbacks, (
         f"called {sorted(called - legacy - fused_fallbacks)}, recorded but not called {sorted(legacy - called)}")

@@ -218,8 +218,8 @@ def test_a_float16_model_tuned_with_graph_engines_runs_them_in_its_cuda_graph(ca
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_engine_convs_take_their_bias_residual_and_relu_in_one_pass(layout, tmp_path):
     """Conv + bias + Relu and Conv + bias + Add + Relu on engines only: each conv is one engine
-    call and its epilogue (bias, residual, ReLU) one element-wise pass; right in eager runs and in
-    the captured graph."""
+    call, its epilogue (bias, residual, ReLU) in that call where the decision is the epilogue's
+    fused graph, else one element-wise pass after it; right in eager runs and in the captured graph."""
     from convpass.runtime.cuda import CudaBackend, ExecutorWarning
 
     model = residual_block_model()
@@ -236,6 +236,8 @@ def test_engine_convs_take_their_bias_residual_and_relu_in_one_pass(layout, tmp_
         _check(eager.run(None, {"x": x}), refs, 5e-3, "eager")
         counters = {k: v - before.get(k, 0) for k, v in eager._backend.counters.items()}
         assert counters.get("graph_api_calls") == 2 and not counters.get("cudnn_calls"), counters
+        unfused = sum(1 for r in convpass.inspect(tuned) if r["op"] == "Conv" and not r["fusion"])
+        assert counters.get("epilogue_passes", 0) == unfused, counters
         graphed = Executor(tuned, device="cuda")
         for i in range(3):
             _check(graphed.run(None, {"x": x}), refs, 5e-3, f"replay {i}")

@@ -1,5 +1,5 @@
 """cuDNN's graph API as a second tuning space: engine configurations of ``y = conv(x, w)``, and
-of fused graphs ``y = act(conv(x, w) + b)``.
+of fused graphs ``y = act(conv(x, w) + b)`` and ``y = act(conv(x, w) + b + z)``.
 
 The legacy API offers 8 forward algorithms; cuDNN 9's graph API offers the engine configurations
 its heuristics (modes A and B) and fallback list return for an operation graph, with their knobs
@@ -11,14 +11,14 @@ that API through NVIDIA's own Python binding, the ``nvidia-cudnn-frontend`` pack
 
 Rules
 -----
-* **One operation graph per problem key.** Every engine candidate is an engine configuration of
-  the graph ``y = conv_fprop(x, w)``: the forward direction only, over the key's shapes, memory
-  format and data type, compute in float32. The bias is not part of the graph: the fast depthwise
-  engine offered for the bare conv was not offered once a bias add was in the graph (the tuner
-  then found only generic engines, several times slower), so the executor adds
-  the bias after the conv, and the tuner times an engine with that pass (a legacy algorithm often
-  has its bias fused into its call: timed by the bare conv, engines won where they lost in the
-  network).
+* **One operation graph per problem key and epilogue.** Every engine candidate is an engine
+  configuration of the graph ``y = conv_fprop(x, w)``, or of one fused graph below: the forward
+  direction only, over the key's shapes, memory format and data type, compute in float32. The
+  bare graph has no bias: the fast depthwise engine offered for the bare conv was not offered
+  once a bias add was in the graph (the tuner then found only generic engines, several times
+  slower), so the executor adds the bias after a bare conv, and the tuner times a bare engine
+  with that pass (a legacy algorithm often has its bias fused into its call: timed by the bare
+  conv, engines won where they lost in the network).
 * **Fused epilogues** (:func:`fusion_of`). Where a conv's only readers are an activation cuDNN's
   graph API can fuse, the tuner also measures the graph ``y = act(conv(x, w) + b)``: conv, bias
   and activation in one engine, named by the part after the conv (``bias+swish``: SiLU, read in
@@ -29,9 +29,15 @@ Rules
   :func:`convpass.core.fusion.residual_fusion`): a pointwise ADD whose second input is the
   residual ``z``, a tensor of the output's dims and strides that the plan reads at execution
   (never the output itself: :meth:`EnginePlan.execute` refuses ``z`` overlapping ``y``). A fused depthwise conv costs about what the bare conv does,
-  which removes two passes over the output (the bias and the SiLU kernel). A ``bias + relu``
-  graph was not offered the fast depthwise engine (an order of magnitude slower) and the legacy
-  API already fuses a ReLU, so it is not a candidate (docs/measurements/2026-11-23-graph-api-engines.md).
+  which removes two passes over the output (the bias and the SiLU kernel).
+* **Legacy epilogues as fused graphs.** The legacy epilogues (:data:`convpass.core.fusion.LEGACY`)
+  are graphs too, named the same: ``bias`` (conv -> add(bias)), ``bias+relu`` (-> ReLU),
+  ``bias+add`` (-> add(z)) and ``bias+add+relu`` (-> add(z) -> ReLU: ``z`` before the ReLU, as
+  the legacy fused call adds it). A ``bias + relu`` graph was not offered the fast depthwise
+  engine (an order of magnitude slower: docs/measurements/2026-11-23-graph-api-engines.md), so
+  such graphs are measured candidates beside the bare engines and their one pass, never
+  assumed: the tuner keeps whichever costs less, and where cuDNN offers no configuration of a
+  graph it records that as a value (``engine:none+<epilogue>``).
 * **Math modes.** Engines are candidates with TF32 allowed (``default``, ``tensor_op``). For
   ``fma`` (TF32 off) none is offered: the frontend's numerical-note filter does not remove the
   tensor-core engines from the list it enumerates (a test measured TF32-sized errors on
@@ -40,7 +46,7 @@ Rules
 * **Names.** A configuration is named as cuDNN names its plans: ``eng<id>`` followed by
   ``_k<knob id>=<value>`` per knob, in knob-id order (``eng67_k2=16_k13=0``). The tuning cache
   records ``engine:<name>`` as the algorithm (:attr:`EngineConfig.algo`), with ``+<fusion>`` for
-  a fused graph (``engine:eng5_k2=1+bias+swish``); the annotation writes the name in its
+  a fused graph (``engine:eng5_k2=1+bias+swish``, ``engine:eng12+bias+add+relu``); the annotation writes the name in its
   ``engine`` attribute and the fusion in ``fusion``; :meth:`EngineConfig.parse` reads either back.
   Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
   version, keeps a decision from being replayed on another.
@@ -72,7 +78,19 @@ from typing import Any
 import numpy as np
 
 from convpass.core.algo import ENGINE_PREFIX, Algo
-from convpass.core.fusion import LEAKYRELU, SWISH, adds_residual, is_graph_fusion, leakyrelu_alpha, leakyrelu_name, without_residual
+from convpass.core.fusion import (
+    LEAKYRELU,
+    LEGACY,
+    SWISH,
+    adds_residual,
+    is_engine_fusion,
+    is_legacy,
+    leakyrelu_alpha,
+    leakyrelu_name,
+    parts,
+    takes_residual,
+    without_residual,
+)
 from convpass.core.problem import ProblemKey
 
 __all__ = [
@@ -87,9 +105,10 @@ PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePla
 @dataclasses.dataclass(frozen=True)
 class Fusion:
     """A fused epilogue: what follows the conv in the graph, the frontend op of its activation
-    (called with ``frontend_args``), and the activation itself over an array module (NumPy or
-    CuPy: the tuner's reference and the executor's fallback); ``residual``: a residual Add
-    follows the activation (:meth:`reference`)."""
+    (called with ``frontend_args``; ``""``: none, the bias alone), and the activation itself over
+    an array module (NumPy or CuPy: the tuner's reference and the executor's fallback);
+    ``residual``: a residual Add follows the activation; ``residual_first``: one comes before it
+    (a legacy epilogue's ``+add``; :meth:`reference`)."""
 
     name: str
     frontend_op: str
@@ -98,16 +117,23 @@ class Fusion:
     frontend_args: tuple[tuple[str, float], ...] = ()
     counter: str = ""  # the executor's counter of launches that ran it fused (one per kind, any alpha)
     residual: bool = False
+    residual_first: bool = False
+
+    @property
+    def takes_z(self) -> bool:
+        """Whether the graph reads a residual ``z``."""
+        return self.residual or self.residual_first
 
     def reference(self, xp: Any, pre: Any, z: Any = None) -> Any:
         """The fused epilogue over ``pre = conv + b``: ``act(pre)``, then ``+ z`` where the fusion
-        adds a residual (``z`` of ``pre``'s shape; ValueError without it). A new array."""
-        out = self.apply(xp, pre)
-        if not self.residual:
-            return out
-        if z is None:
+        adds a residual after its activation, ``act(pre + z)`` where before it (``z`` of ``pre``'s
+        shape; ValueError without it). A new array."""
+        if self.takes_z and z is None:
             raise ValueError(f"the fused epilogue {self.name} needs its residual z")
-        return out + z
+        if self.residual_first:
+            return self.apply(xp, pre + z)
+        out = self.apply(xp, pre)
+        return out + z if self.residual else out
 
 
 def _leaky_relu(name: str, alpha: float) -> Fusion:
@@ -124,16 +150,31 @@ def _leaky_relu(name: str, alpha: float) -> Fusion:
     return Fusion(name, "leaky_relu", apply, f"(v > 0.0f ? v : {lit} * v)", (("negative_slope", a32),), "fused_bias_leakyrelu")
 
 
+def _legacy(name: str) -> Fusion:
+    """A legacy epilogue's graph (module rules): the bias, ``z`` where it adds one, then
+    ``CUDNN_POINTWISE_RELU_FWD`` (the frontend's ``relu``, no clip slope: ``max(v, 0)``) where it
+    ends with one; counted as ``fused_`` and its name's parts (``fused_bias_add_relu``)."""
+    residual, relu = parts(name)
+    counter = "fused_" + name.replace("+", "_")
+    if relu:
+        return Fusion(name, "relu", lambda xp, a: xp.maximum(a, a.dtype.type(0)), "fmaxf(v, 0.0f)", counter=counter, residual_first=residual)
+    return Fusion(name, "", lambda xp, a: a.copy(), "v", counter=counter, residual_first=residual)
+
+
 _SWISH = Fusion(SWISH, "swish", lambda xp, a: a / (a.dtype.type(1) + xp.exp(-a)), "v / (1.0f + expf(-v))", counter="fused_bias_swish")
 RESIDUAL_COUNTER = "_add"  # a fusion with its residual counts under its activation's counter + this
-FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu", "fused_bias_swish_add", "fused_bias_leakyrelu_add")  # every Fusion.counter
+# every Fusion.counter: the activations' (any alpha), with their residual, and the legacy epilogues' graphs
+FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu", "fused_bias_swish_add", "fused_bias_leakyrelu_add",
+                   *("fused_" + name.replace("+", "_") for name in LEGACY))
 
 
 @functools.lru_cache(maxsize=64)
 def fusion_of(name: str) -> Fusion:
     """The fused epilogue ``name`` names (:mod:`convpass.core.fusion`: ``bias+swish``,
-    ``bias+leakyrelu<alpha>``, either with ``+add``); ValueError for any other name. Made once
-    per name (a launch's counters ask for it)."""
+    ``bias+leakyrelu<alpha>``, either with ``+add``, or a legacy epilogue); ValueError for any
+    other name. Made once per name (a launch's counters ask for it)."""
+    if is_legacy(name):
+        return _legacy(name)
     if adds_residual(name):
         f = fusion_of(without_residual(name))
         return dataclasses.replace(f, name=name, counter=f.counter + RESIDUAL_COUNTER, residual=True)
@@ -142,7 +183,7 @@ def fusion_of(name: str) -> Fusion:
     alpha = leakyrelu_alpha(name)
     if alpha is None:
         raise ValueError(f"{name!r} is not a fused epilogue convpass knows ({SWISH}, {LEAKYRELU}<alpha> e.g. {leakyrelu_name(0.2)}, "
-                         f"either followed by +add)")
+                         f"either followed by +add; {', '.join(LEGACY)})")
     return _leaky_relu(name, alpha)
 
 
@@ -181,9 +222,9 @@ class EngineConfig:
         except ValueError:
             raise ValueError(bad) from None
         m = _NAME.fullmatch(algo.name)
-        if not m or (algo.fusion and not is_graph_fusion(algo.fusion)):
+        if not m or (algo.fusion and not is_engine_fusion(algo.fusion)):
             raise ValueError(bad)
-        if fusion and not is_graph_fusion(fusion):
+        if fusion and not is_engine_fusion(fusion):
             fusion_of(fusion)  # raises: names the fusions convpass knows
         if fusion and algo.fusion and fusion != algo.fusion:
             raise ValueError(f"{text!r} names the fusion {algo.fusion!r}, not {fusion!r}")
@@ -257,8 +298,9 @@ def _current(cp: Any) -> tuple[int, int]:
 
 def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any, dict[str, Any]]:
     """The operation graph ``y = conv(x, w)`` of ``key`` (forward only), or with ``fusion``
-    ``y = act(conv(x, w) + b)``, and ``+ z`` after it for a fusion with its residual (``z``: the
-    output's dims and strides)."""
+    ``y = act(conv(x, w) + b)`` (a legacy epilogue without a ReLU: no activation), ``+ z`` after
+    the activation for a graph-API fusion with its residual, before it for a legacy epilogue with
+    one (``z``: the output's dims and strides)."""
     from convpass.native.cudnn.descriptors import descriptor_params
 
     if key.shape.direction != "fwd":
@@ -278,12 +320,15 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
         b = g.tensor(name="b", dim=[1, k] + [1] * (rank - 2), stride=[k, 1] + [k] * (rank - 2), data_type=dt)
         y = g.bias(input=y, bias=b, name="bias")
         f = fusion_of(fusion)
-        y = getattr(g, f.frontend_op)(input=y, **dict(f.frontend_args), name="act")
         tensors["b"] = b
+        if f.takes_z:
+            tensors["z"] = g.tensor(name="z", dim=list(p.y.dims), stride=list(p.y.strides), data_type=dt)
+        if f.residual_first:
+            y = g.add(a=y, b=tensors["z"], name="residual")
+        if f.frontend_op:
+            y = getattr(g, f.frontend_op)(input=y, **dict(f.frontend_args), name="act")
         if f.residual:
-            z = g.tensor(name="z", dim=list(p.y.dims), stride=list(p.y.strides), data_type=dt)
-            y = g.add(a=y, b=z, name="residual")
-            tensors["z"] = z
+            y = g.add(a=y, b=tensors["z"], name="residual")
     tensors["y"] = y
     y.set_output(True).set_dim(list(p.y.dims)).set_stride(list(p.y.strides)).set_data_type(dt)
     g.validate()
@@ -446,7 +491,7 @@ class EnginePlan:
         self._residual_uid = uids[4] if len(uids) > 4 else None
         if (self._bias_uid is not None) != bool(config.fusion):
             raise GraphApiError(f"the stored plan of {config.algo} has {'a' if self._bias_uid is not None else 'no'} bias tensor")
-        if (self._residual_uid is not None) != adds_residual(config.fusion):
+        if (self._residual_uid is not None) != takes_residual(config.fusion):
             raise GraphApiError(f"the stored plan of {config.algo} has {'a' if self._residual_uid is not None else 'no'} residual tensor")
         self.workspace_bytes = int(header["workspace"])
         return self
@@ -522,7 +567,7 @@ def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
 
     x, w = values(shape.x_shape, 0.0), values(shape.w_shape, 1.0)
     bias = cp.sin(cp.arange(shape.k, dtype=cp.float32) + 2.0).astype(shape.dtype) if built.config.fusion else None
-    z = values(shape.y_shape, 3.0) if adds_residual(built.config.fusion) else None
+    z = values(shape.y_shape, 3.0) if takes_residual(built.config.fusion) else None
     ws = cp.empty(max(built.workspace_bytes, loaded.workspace_bytes, 1), dtype=cp.uint8)
     outs = []
     for plan in (built, loaded):

@@ -22,12 +22,15 @@ opens: :mod:`convpass.runtime.cuda.device`; what it builds at start-up (the kern
 notes on what compiles anyway): :mod:`convpass.runtime.cuda.startup`.
 
 Options: ``CudaBackend(device=0, cuda_graph=True, *, fuse=True, fuse_residual=True, kernels=True,
-concat_in_place=True, pooling="auto", matmul_epilogues=True)``: ``fuse=False`` turns every fusion
+concat_in_place=True, pooling="auto", matmul_epilogues=True, check_first_run=True)``: ``fuse=False`` turns every fusion
 off (conv epilogues, element-wise groups, MatMul / Gemm epilogues); ``matmul_epilogues=False`` runs
 a MatMul's bias, residual and ReLU as element-wise ops instead of cuBLASLt epilogues
 (:mod:`convpass.kernels.matmul`); ``kernels=False`` leaves normalization, softmax, pooling and Resize to the op
 library; ``concat_in_place=False`` makes every Concat copy; ``pooling`` is ``"auto"`` (the measured
-choice), ``"cudnn"`` or ``"kernel"``.
+choice), ``"cudnn"`` or ``"kernel"``; ``check_first_run=False`` skips the checks of a plan's first
+run: each graph-API engine step against a legacy algorithm of its problem
+(:mod:`convpass.kernels.engine_check`), and the captured graph's first replay against the eager
+warm-up (:mod:`convpass.runtime.cuda.runner`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import numpy as np
 
 from convpass.core.errors import ExecutorError
 from convpass.kernels.backends import Backend
+from convpass.kernels.conv_exec import EPILOGUE_PASSES
 from convpass.kernels.convolution import Convolutions
 from convpass.kernels.plan import GraphStatus, Plan
 from convpass.native import prebuilt
@@ -68,7 +72,7 @@ def launch_counters() -> collections.Counter[str]:
     return collections.Counter({
         "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
         "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "slice_reads": 0, "slice_copies": 0, "slice_writes": 0, "slice_write_copies": 0, "residual_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0,
-        "own_kernel_calls": 0, **dict.fromkeys(FUSION_COUNTERS, 0),
+        "own_kernel_calls": 0, EPILOGUE_PASSES: 0, **dict.fromkeys(FUSION_COUNTERS, 0),
     })
 
 
@@ -88,6 +92,7 @@ class CudaBackend(Backend):
         concat_in_place: bool = True,
         pooling: str = "auto",
         matmul_epilogues: bool = True,
+        check_first_run: bool = True,
     ) -> None:
         reason = unavailable_reason()
         if reason is not None:
@@ -103,6 +108,7 @@ class CudaBackend(Backend):
         self.concat_in_place = bool(concat_in_place)
         self.pooling = pooling
         self.matmul_epilogues = bool(fuse and matmul_epilogues)
+        self.check_first_run = bool(check_first_run)
         self._mirror: dict[int, tuple[Any, np.ndarray]] = {}  # id(device array) -> (device array, host array)
         self._consts: dict[Any, tuple[Any, Any]] = {}
         self.capturing = False  # a CUDA graph is being captured: transfers are refused

@@ -15,6 +15,10 @@ environment it saw while capturing (its inputs are the graphs' fixed buffers) an
 copied into the buffers the later graphs read. Later runs copy the feeds into the static inputs,
 replay the segments on CuPy's current stream, and return copies of the outputs.
 
+The first replay is checked against the warm-up (:func:`first_replay_differs`, the backend's
+``check_first_run``): a graph whose outputs differ from its eager launches' is dropped, with a
+warning, and the plan runs eagerly from then on.
+
 Nothing is silent: :meth:`CompiledPlan.graph_status` says "yes" only when the whole plan is one
 graph; otherwise which node stopped it and why, and the backend warns once
 (:class:`~convpass.native.cuda.ExecutorWarning`). A plan with a data-dependent output shape (NonZero) runs
@@ -37,9 +41,12 @@ from convpass.native.cuda import CaptureBreak, first_line, quiet_for_capture
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["CompiledPlan", "replay_whole", "run_plan"]
+__all__ = ["REPLAY_TOLERANCE", "CompiledPlan", "first_replay_differs", "replay_whole", "run_plan"]
 
 _MAX_CAPTURE_ATTEMPTS = 8
+# relative difference allowed between a captured plan's first replay and its eager warm-up, by the
+# outputs' item size: the same launches, so only kernels that sum in another order may differ
+REPLAY_TOLERANCE = {2: 1e-2, 4: 1e-3}
 
 
 @dataclasses.dataclass
@@ -154,6 +161,14 @@ def _replay(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> l
         src = feeds[name]
         if src is not buf:
             _copy(cp, buf, src, stream)
+    _launch_segments(cp, state, stream)
+    state.replays += 1
+    rt.counters["graph_replays"] += 1
+    return [_copy(cp, cp.empty(o.shape, dtype=o.dtype), o, stream) if o.flags.c_contiguous else o.copy() for o in state.outputs]
+
+
+def _launch_segments(cp: Any, state: CompiledPlan, stream: Any) -> None:
+    """Replay the captured segments on ``stream``, the eager launches between them as they ran."""
     for seg in state.segments:
         if isinstance(seg, _EagerPart):
             env = list(seg.env)
@@ -163,9 +178,31 @@ def _replay(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[str, Any]) -> l
                     cp.copyto(static, env[slot])
         else:
             seg.launch(stream)
-    state.replays += 1
-    rt.counters["graph_replays"] += 1
-    return [_copy(cp, cp.empty(o.shape, dtype=o.dtype), o, stream) if o.flags.c_contiguous else o.copy() for o in state.outputs]
+
+
+def first_replay_differs(rt: Any, state: CompiledPlan, warm: list[Any]) -> str | None:
+    """Why the captured plan's first replay is not to be trusted, or None: it is replayed once on
+    the warm-up's inputs (still in its static input buffers) and each floating-point output is
+    compared with the eager warm-up's ``warm`` (normwise, sums in float64): a relative difference
+    above :data:`REPLAY_TOLERANCE` for its item size, or a non-finite one where the warm-up's is
+    finite, is a graph that computes something else than its launches did (a library call that
+    does not replay as it ran). Costs one replay and one host synchronization, once per plan;
+    skipped (None) without the backend's ``check_first_run``."""
+    if not getattr(rt, "check_first_run", False):
+        return None
+    from convpass.kernels.engine_check import relative_error
+
+    cp = rt.cp
+    _launch_segments(cp, state, cp.cuda.get_current_stream())
+    for i, (a, b) in enumerate(zip(warm, state.outputs)):
+        kind = getattr(getattr(a, "dtype", None), "kind", "")
+        if kind != "f" or getattr(b, "shape", None) != a.shape or a.size == 0:
+            continue
+        tol = REPLAY_TOLERANCE[4 if a.dtype.itemsize >= 4 else 2]
+        err = relative_error(cp, b, a)
+        if not err <= tol:
+            return f"output {i} of the captured graph's first replay differs from the eager warm-up's by a relative error of {err:.2e} (> {tol:.0e})"
+    return None
 
 
 def _copy(cp: Any, dst: Any, src: Any, stream: Any) -> Any:
@@ -325,6 +362,14 @@ def _warm_up_and_capture(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[st
     state.static_inputs = static
     state.stream = stream
     state.pool = pool
+    why = first_replay_differs(rt, state, results)
+    if why is not None:  # the eager launches are the plan's meaning: they run from now on
+        state.segments = state.outputs = state.static_inputs = state.stream = state.pool = None
+        state.mode = "eager"
+        state.capturable = False
+        state.note = f"{why}: plan runs eagerly"
+        rt.warn_capture(state.note)
+        return results
     launches = len(state.launch_list())
     if state.uncapturable:
         graphs = sum(1 for s in segments if not isinstance(s, _EagerPart))
