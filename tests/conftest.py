@@ -12,6 +12,7 @@ import sys
 import types
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -537,7 +538,7 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     fake_cp.empty, fake_cp.uint8 = np.empty, np.uint8
     for name, fn in cupy_functions.items():
         setattr(fake_cp, name, fn)
-    fake_cp.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+    fake_cp.cuda = fake_cuda([])
     monkeypatch.setitem(sys.modules, "cupy", fake_cp)
     monkeypatch.setattr(harness, "rotation_sets", lambda nbytes: 1)
     monkeypatch.setattr(harness, "random_array", lambda dims, dtype, layout, seed: np.full(dims, fill, np.float32))
@@ -555,6 +556,15 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     sets = [dict(bench._base)]
     bench.buffers = lambda layout, count: sets
     return bench
+
+
+def fake_cuda(log: list) -> Any:
+    """``cupy.cuda`` stood in for: what :func:`convpass.native.cuda.stream_fence` calls, each memset
+    of a fence appended to ``log`` as ``("fence", nbytes)``."""
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, malloc=lambda nbytes: 4096,
+                                    memsetAsync=lambda ptr, value, nbytes, stream: log.append(("fence", nbytes)))
+    return types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError), runtime=runtime,
+                                 get_current_stream=lambda: types.SimpleNamespace(ptr=0))
 
 
 def numpy_candidates(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.0, **cupy_functions):

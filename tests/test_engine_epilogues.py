@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import epilogue_block_model, numpy_candidates, offer_configs, residual_block_model, run_ort
+from conftest import epilogue_block_model, fake_cuda, numpy_candidates, offer_configs, residual_block_model, run_ort
 from onnx import helper
 
 import convpass
@@ -431,6 +431,7 @@ def numpy_convs(monkeypatch):
 
     fake_cp = types.ModuleType("cupy")
     fake_cp.empty, fake_cp.uint8, fake_cp.ascontiguousarray, fake_cp.maximum = np.empty, np.uint8, np.ascontiguousarray, np.maximum
+    fake_cp.cuda = fake_cuda([])
     monkeypatch.setitem(sys.modules, "cupy", fake_cp)
     monkeypatch.setattr(graph_api, "EnginePlan", _NumpyEnginePlan)
     monkeypatch.setattr(_NumpyEnginePlan, "executed", [])

@@ -17,7 +17,7 @@ import types
 
 import numpy as np
 import pytest
-from conftest import no_plan_side_car, numpy_epilogue_kernel
+from conftest import fake_cuda, no_plan_side_car, numpy_epilogue_kernel
 
 from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.core import annotation
@@ -64,7 +64,10 @@ class _Plan:
 
 
 class _Cuda:
-    """CuPy's allocator switch, stood in for."""
+    """CuPy's allocator switch and what a stream fence calls, stood in for."""
+
+    def __init__(self) -> None:
+        vars(self).update(vars(fake_cuda([])))
 
     @staticmethod
     def using_allocator(malloc=None):

@@ -126,11 +126,15 @@ def test_a_fused_graph_wins_only_when_faster_than_the_unfused_best_plus_its_pass
 
 def test_a_cached_engine_graph_of_an_epilogue_this_version_does_not_build_is_never_chosen():
     """A shared tuning cache may hold rows another convpass wrote for fused graphs this one does not
-    build (an engine running a legacy epilogue, ``engine:<cfg>+bias``): such a row is no candidate."""
-    problem = ConvProblem((SHAPE,), "bias")
-    rows = [row("implicit_gemm", 0.020), row("engine:eng8", 0.018), row("bias", 0.002, method=EPILOGUE_METHOD),
-            row("engine:eng4+bias", 0.005), row("implicit_gemm+bias", 0.019)]
+    build (an engine running a ConvTranspose's lone ``relu``, ``engine:<cfg>+relu``): such a row is no
+    candidate, while the legacy epilogues' engine graphs it does build are."""
+    problem = ConvProblem((SHAPE,), "relu")
+    rows = [row("implicit_gemm", 0.020), row("engine:eng8", 0.018), row("relu", 0.002, method=EPILOGUE_METHOD),
+            row("engine:eng4+relu", 0.005), row("implicit_gemm+relu", 0.025)]
     assert select(rows, problem, TuneOptions(tf32="on", layout="nhwc")).algo == "engine:eng8"  # the fastest the version runs
+    built = [row("implicit_gemm", 0.020), row("engine:eng8", 0.018), row("bias", 0.002, method=EPILOGUE_METHOD),
+             row("engine:eng4+bias", 0.005), row("implicit_gemm+bias", 0.019)]
+    assert select(built, ConvProblem((SHAPE,), "bias"), TuneOptions(tf32="on", layout="nhwc")).algo == "engine:eng4+bias"
 
 
 def test_a_fused_graph_needs_its_own_problem_and_the_epilogue_timing():

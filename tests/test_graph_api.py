@@ -10,7 +10,7 @@ import types
 
 import onnx
 import pytest
-from conftest import conv_model, no_plan_side_car, numpy_candidates, offer_configs
+from conftest import conv_model, fake_cuda, no_plan_side_car, numpy_candidates, offer_configs
 
 import convpass
 from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
@@ -568,7 +568,7 @@ def test_a_misaligned_tensor_is_refused_before_the_plan_runs():
     ran = []
     plan = types.SimpleNamespace(config=types.SimpleNamespace(algo="engine:eng5+bias+swish+add"), workspace_bytes=0,
                                  execute=lambda *a, **k: ran.append(a))
-    conv = EngineConv(key, Algo.parse("engine:eng5+bias+swish+add"), "bias+swish+add", None, plan)
+    conv = EngineConv(key, Algo.parse("engine:eng5+bias+swish+add"), "bias+swish+add", types.SimpleNamespace(cuda=fake_cuda([])), plan)
     aligned = [_device_array(p) for p in (256, 512, 768, 1024)]
     conv._launch(*aligned[:3], None, aligned[3], _device_array(1280))
     assert len(ran) == 1
@@ -589,3 +589,27 @@ def test_the_gpu_tests_of_engines_are_skipped_saying_why_where_the_frontend_is_u
 def test_the_gpu_tests_of_engines_run_where_the_frontend_is_usable(request, monkeypatch):
     monkeypatch.setattr(graph_api, "unavailable", lambda: None)
     assert request.getfixturevalue("need_graph_api") is None  # no skip
+
+
+@pytest.mark.parametrize("algo,fusion,fenced", [
+    ("engine:eng4+bias+add+relu", "bias+add+relu", True),
+    ("engine:eng4_k24=2+bias+add+relu", "bias+add+relu", True),
+    ("engine:eng5+bias+swish", "bias+swish", True),
+    ("engine:eng5", "", False),
+])
+def test_a_fused_engine_graph_starts_after_everything_before_it(algo, fusion, fenced):
+    """A fused engine graph's launch is preceded by a memset on its stream (a full dependency in a
+    captured graph: no overlap with the end of its producer); the bare engine's is not. The fence is
+    part of the launch the tuner times and the executor runs."""
+    from convpass.kernels.conv_exec import EngineConv
+
+    key = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 16, 14, 14), (16, 16, 3, 3)).shapes[0].key("nhwc", "default")
+    log: list = []
+    plan = types.SimpleNamespace(config=types.SimpleNamespace(algo=algo), workspace_bytes=0,
+                                 execute=lambda *a, **k: log.append(("execute", len(a))))
+    conv = EngineConv(key, Algo.parse(algo), fusion, types.SimpleNamespace(cuda=fake_cuda(log)), plan)
+    if not fenced:
+        conv._pass = lambda y, bias, z: log.append(("pass", 0))
+    arrays = [_device_array(p) for p in (256, 512, 768, 1024, 1280)]
+    conv._launch(*arrays[:3], None, arrays[3], arrays[4])
+    assert [name for name, _ in log] == (["fence", "execute"] if fenced else ["execute", "pass"])

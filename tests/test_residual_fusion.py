@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import csp_block_model, numpy_candidates, offer_configs, recorded_call, run_ort
+from conftest import csp_block_model, fake_cuda, numpy_candidates, offer_configs, recorded_call, run_ort
 from onnx import helper
 
 import convpass
@@ -515,9 +515,10 @@ def test_a_residual_decision_runs_its_engine_with_z_and_counts_under_its_own_cou
     seen = []
     plan = types.SimpleNamespace(config=EngineConfig.parse(FUSED), workspace_bytes=0,
                                  execute=lambda x, w, y, ws, **kw: seen.append(sorted(kw.items())))
-    conv_exec(KEY, FUSED, F, plan=plan).launch("x", "w", "y", None, "b", "z")
+    cp = types.SimpleNamespace(cuda=fake_cuda([]))
+    conv_exec(KEY, FUSED, F, cp=cp, plan=plan).launch("x", "w", "y", None, "b", "z")
     short = types.SimpleNamespace(config=EngineConfig.parse(SHORT), workspace_bytes=0, execute=plan.execute)
-    conv_exec(KEY, SHORT, P, plan=short).launch("x", "w", "y", None, "b", None)
+    conv_exec(KEY, SHORT, P, cp=cp, plan=short).launch("x", "w", "y", None, "b", None)
     assert seen == [[("bias", "b"), ("z", "z")], [("bias", "b")]]
 
 

@@ -74,7 +74,7 @@ from convpass.core.layout import storage_order
 from convpass.core.problem import ProblemKey
 from convpass.kernels import depthwise
 from convpass.native import cudnn
-from convpass.native.cuda import elements
+from convpass.native.cuda import elements, stream_fence
 from convpass.native.cudnn import graph_api
 
 __all__ = [
@@ -327,6 +327,7 @@ class EngineConv(ConvExec):
         if odd:  # a view at an odd offset: refused as cuDNN refuses, never a misaligned read (a sticky CUDA error)
             raise graph_api.GraphApiError(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
         if self.fused:
+            stream_fence(self.cp)  # timed with the launch it guards: the tuner's rows hold it
             if self.residual:
                 self.plan.execute(x, w, y, ws, bias=bias, z=z)
             else:

@@ -94,6 +94,24 @@ def copy_into(dst: Any, src: Any) -> None:
         dst[...] = src
 
 
+_FENCE_BYTES = 16
+_fences: dict[int, Any] = {}  # device index -> a scratch buffer only fences write
+
+
+def stream_fence(cp: Any) -> None:
+    """A 16-byte memset of a scratch buffer on the current stream: the next launch starts only once
+    every earlier one has finished. A kernel that cuDNN launches to overlap the end of its producer
+    (a programmatic dependency) becomes, in a captured graph, a node that may start before that
+    producer is done; a memset node between them is a full dependency. Some fused graph-API engine
+    graphs computed wrong outputs in captured plans without it, and right ones with it
+    (docs/measurements/2026-11-28-engine-epilogue-fence.md)."""
+    dev = cp.cuda.runtime.getDevice()
+    buf = _fences.get(dev)
+    if buf is None:
+        buf = _fences[dev] = cp.cuda.runtime.malloc(_FENCE_BYTES)  # outside the plans' pools, never freed
+    cp.cuda.runtime.memsetAsync(buf, 0, _FENCE_BYTES, cp.cuda.get_current_stream().ptr)
+
+
 def elements(strides: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(int(s) // itemsize for s in strides)
 

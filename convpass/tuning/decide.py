@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
-from convpass.core.fusion import LEGACY, RESIDUAL_PASS, adds_residual, is_graph_fusion, is_legacy, without_residual
+from convpass.core.fusion import LEGACY, RESIDUAL_PASS, adds_residual, is_engine_fusion, is_legacy, without_residual
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
 
@@ -164,7 +164,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
             and (engines_ok if algo.is_engine else legacy_ok)
             and (transforms or not algo.is_transform)
             # an engine's fused graph this version builds (a shared cache may hold rows of graphs it does not)
-            and (not algo.is_engine or not algo.fusion or is_graph_fusion(algo.fusion))
+            and (not algo.is_engine or not algo.fusion or is_engine_fusion(algo.fusion))
             and fused_ok(algo.fusion, m.key)
             and m.key.shape in problem.candidates
             and m.key.x_slice == problem.x_slice  # a slice read and a packed read are different measurements
