@@ -31,7 +31,18 @@ Per model (``--models``, default resnet50) at ``--batch`` (16):
    own, serialized and loaded, loaded from the side-car; garbage / zero output; 16- and 256-byte
    offsets; a workspace pointer; three buffer sets launched back to back, eagerly and captured in
    one graph; the inputs written by a kernel just before the launch);
-6. verdict lines (``DIAG VERDICT``), everything in ``<out>/diag-<model>.json``.
+6. the model (captured, side-car) under each fence scope of scripts/diag_fence.py: the product's
+   fence before every fused engine launch (``conv_exec.fence_needed``) narrowed to some launches
+   (none: the control; graphs with a residual; engine 4's; engine 4's with a residual; launches
+   right after a cuDNN conv call; every fused launch, the product's default), each run's error and
+   how many captured launches it fenced;
+7. verdict lines (``DIAG VERDICT``; ``VERDICT fence scope``: the smallest right scope per model and
+   over every model), everything in ``<out>/diag-<model>.json``.
+
+Once per call, first: the fence's cost on this GPU (``DIAG FENCE cost``: a CUDA graph of
+``--fence-n`` fences against an empty graph; as many no-op kernels with and without a fence before
+each, captured and eagerly), in every ``diag-<model>.json`` and in ``<out>/diag-fence.json`` with
+the scopes' results and the verdict over every model.
 
 Staging, here (once): the frontend in .cudnnfe as scripts/graph-api-check.sh says, the tuning
 cache compressed into an ignored folder::
@@ -49,6 +60,12 @@ then one device call (kind nvidia-h200, the bench's GPU and cuDNN; carry .cudnnf
 
 (``--models resnet50,vae_decoder`` adds the VAE, whose ONNX Runtime CPU reference at batch 16
 takes a while; on another Hopper GPU the decisions are replayed as if tuned there, said so.)
+
+``--only fence`` answers the fence's questions alone (its cost; per model the decisions, the
+side-car, the reference and the scopes; nothing else), for several models in one call::
+
+    python3 scripts/diag_engine_epilogue.py --only fence --cache /tmp/g0.db --panel .panel \
+        --models resnet50,cspdarknet53,vae_decoder --batch 16 --out $OUT 2>&1 | tee $OUT/diag.log
 """
 
 from __future__ import annotations
@@ -68,29 +85,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from diag_fence import (
+    CONTROL,
+    DEFAULT,
+    SCOPES,
+    TOL_MODEL,
+    FenceScope,
+    _cp,
+    across_models,
+    cost_lines,
+    fence_cost,
+    log,
+    noop_kernel,
+    patched,
+    scope_line,
+    scope_verdict,
+    verdict_line,
+)
 
-TOL_MODEL = 5e-3  # the bench's tolerance with TF32 (relative, normwise)
 REF_ALGOS = ("implicit_gemm", "implicit_precomp_gemm", "gemm", "direct")  # FMA references, in order
-
-
-def log(*parts: Any) -> None:
-    print("DIAG", *parts, flush=True)
-
-
-def _cp() -> Any:
-    import cupy
-
-    return cupy
-
-
-@contextlib.contextmanager
-def patched(obj: Any, name: str, value: Any):
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
 
 
 def guarded(what: str, fn, *args, **kw) -> Any:
@@ -293,16 +306,6 @@ def one_plan_per_node() -> Any:
         return self._plans[mine]
 
     return patched(ConvResolver, "_engine_plan", _engine_plan)
-
-
-_noop: list[Any] = []
-
-
-def noop_kernel(_y: Any) -> None:
-    cp = _cp()
-    if not _noop:
-        _noop.append(cp.RawKernel(r'extern "C" __global__ void diag_noop() {}', "diag_noop"))
-    _noop[0]((1,), (1,), ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -689,6 +692,26 @@ def fresh_process_loads(tuned: Path, suspects: list[dict[str, Any]]) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------
+# 6. the fence's scope (scripts/diag_fence.py)
+
+
+def fence_scopes(tuned: Path, feeds: dict[str, Any], ref: list[np.ndarray], names: list[str], sidecar: bool, runs: int) -> list[dict[str, Any]]:
+    """The model under each fence scope of ``names`` (the bench's condition: captured, side-car
+    plans unless ``sidecar`` is False), each run's error and the scope's captured fused launches."""
+    out = []
+    for name in names:
+        scope = FenceScope(name)
+        how = "side-car" if sidecar else "built here"
+        doc = guarded(f"condition fence scope {name!r}", run_condition, f"{how}, captured, fence: {name}", tuned, feeds, ref,
+                      graph=True, sidecar=sidecar, patches=tuple(scope.patches()), runs=runs)
+        doc = {"condition": f"fence: {name}", "errors": []} if doc is None else doc
+        doc.update(scope.summary())
+        log(scope_line(doc))
+        out.append(doc)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # the whole run
 
 
@@ -703,7 +726,7 @@ def diagnose(model: Path, args: argparse.Namespace, device: str, out: Path) -> d
     from convpass.native import device as device_mod
 
     cp = _cp()
-    doc: dict[str, Any] = {"model": model.stem, "batch": args.batch, "cache_device": device}
+    doc: dict[str, Any] = {"model": model.stem, "batch": args.batch, "cache_device": device, "only": args.only}
     local = device_mod.detect()
     doc["local_device"] = str(local)
     made = guarded(f"{model.stem}: decisions from the cache ({device})", tune, model, args.batch, args.cache, device, out)
@@ -721,11 +744,13 @@ def diagnose(model: Path, args: argparse.Namespace, device: str, out: Path) -> d
     log(f"{len(records)} convs, {len(fused)} fused engine graphs, {len(suspects)} with the residual:")
     for d in distinct(suspects):
         log(f"  {d['algo']:<36} {'|'.join(d['key'].split('|')[1:8])}  x{len(d['nodes'])} (one plan shared by {len(d['nodes'])} node(s))")
+    fence_only = args.only == "fence"
     side = guarded("kernel side-car (compile_kernels, a fresh process)", compile_kernels, tuned)
     doc["sidecar"] = None if side is None else side.line()
     if side is not None:
         log(side.line())
-        doc["fresh_process"] = guarded("suspect plans loaded from the side-car in a fresh process", fresh_process_loads, tuned, suspects)
+        if not fence_only:
+            doc["fresh_process"] = guarded("suspect plans loaded from the side-car in a fresh process", fresh_process_loads, tuned, suspects)
     proto = onnx.load(str(model), load_external_data=False)
     feeds_host = make_feeds(proto, shapes, seed=0)
     ref, ref_label, note = reference_outputs(model, feeds_host)
@@ -734,6 +759,12 @@ def diagnose(model: Path, args: argparse.Namespace, device: str, out: Path) -> d
         return doc
     log(f"reference: {ref_label}{f' ({note})' if note else ''}")
     feeds = {k: cp.asarray(v) for k, v in feeds_host.items()}
+    scopes = [n.strip() for n in args.scopes.split(",") if n.strip()]
+    if fence_only:
+        if side is None:
+            log("NO SIDE-CAR: the fence scopes run with plans built in this process (not the bench's condition)")
+        doc["fence_scopes"] = fence_scopes(tuned, feeds, ref, scopes, side is not None, args.scope_runs)
+        return doc
     nan, zero = (lambda y: y.fill(float("nan"))), (lambda y: y.fill(0))
     sync = lambda y: _cp().cuda.get_current_stream().synchronize()  # noqa: E731
     conds = [("side-car, eager", {"graph": False}),
@@ -753,6 +784,7 @@ def diagnose(model: Path, args: argparse.Namespace, device: str, out: Path) -> d
     doc["conditions"] = doc.get("conditions", []) + [guarded(f"condition {n}", run_condition, n, tuned, feeds, ref, **kw) for n, kw in built]
     if side is not None:
         doc["isolation"] = guarded("suspects in isolation", isolation, tuned, suspects, args.controls)
+    doc["fence_scopes"] = fence_scopes(tuned, feeds, ref, scopes, side is not None, args.scope_runs)
     return doc
 
 
@@ -783,6 +815,14 @@ def report_per_conv(doc: dict[str, Any]) -> None:
 
 
 def verdicts(doc: dict[str, Any]) -> None:
+    if doc.get("only") != "fence":
+        condition_verdicts(doc)
+    if doc.get("fence_scopes"):
+        doc["fence_verdict"] = scope_verdict(doc["fence_scopes"])
+        log(verdict_line(f"model {doc['model']} b{doc['batch']}", doc["fence_verdict"]))
+
+
+def condition_verdicts(doc: dict[str, Any]) -> None:
     conds = {c["condition"]: c for c in doc.get("conditions", []) if c}
 
     def wrong(name: str, which: slice = slice(1, None)) -> bool | None:
@@ -843,6 +883,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--device-name", help="the cache's device to take decisions of (default: its only one)")
     ap.add_argument("--controls", type=int, default=3, help="other eng4 configurations per suspect problem, checked beside it")
+    ap.add_argument("--only", choices=("all", "fence"), default="all",
+                    help="fence: only the fence's cost and the model under each fence scope (decisions, side-car, reference, scopes)")
+    ap.add_argument("--scopes", default=",".join(SCOPES), help=f"comma-separated fence scopes, narrow to wide (of {', '.join(SCOPES)})")
+    ap.add_argument("--scope-runs", type=int, default=8, help="model runs per fence scope (1 op by op, 1 warm-up and capture, then replays)")
+    ap.add_argument("--fence-n", type=int, default=200, help="fences (and no-op kernels) per graph in the fence's cost")
     ap.add_argument("--out", default=os.environ.get("OUT", "diag-out"), help="where diag-<model>.json goes")
     ap.add_argument("--work", default="/tmp/diag-engine-epilogue", help="where the tuned models and their side-cars go (large)")
     ap.add_argument("--child-load", help=argparse.SUPPRESS)
@@ -852,6 +897,9 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(args.child_load, json.loads(args.items))
     if not args.cache:
         ap.error("--cache is required")
+    unknown = [n for n in args.scopes.split(",") if n.strip() and n.strip() not in SCOPES]
+    if unknown:
+        ap.error(f"--scopes: unknown {unknown} (known: {', '.join(SCOPES)})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cp = _cp()
@@ -861,18 +909,47 @@ def main(argv: list[str] | None = None) -> int:
     log(f"GPU {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, this device {device_mod.detect()}, "
         f"graph API {graph_api.unavailable() or graph_api.versions()}, CuPy {cp.__version__}")
     device = cache_device(args.cache, args.device_name)
-    status = 0
+    cost = guarded(f"the fence's cost ({args.fence_n} per graph)", fence_cost, args.fence_n)
+    for line in cost_lines(cost) if cost else []:
+        log(line)
+    scopes: dict[str, list[dict[str, Any]]] = {}
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         started = time.perf_counter()
         work = Path(args.work)
         work.mkdir(parents=True, exist_ok=True)
         doc = diagnose(Path(args.panel) / f"{name}.onnx", args, device, work)
         verdicts(doc)
+        doc["fence_cost"] = cost
+        scopes[f"{name} b{args.batch}"] = doc.get("fence_scopes") or []
         doc["seconds"] = round(time.perf_counter() - started, 1)
         path = out / f"diag-{name}.json"
         path.write_text(json.dumps(doc, indent=1, default=str))
         log(f"{name}: {doc['seconds']} s; wrote {path}")
-    return status
+        write_fence_summary(out, cost, scopes, final=False)  # after each model: a call cut short keeps what it has
+    write_fence_summary(out, cost, scopes, final=True)
+    return 0
+
+
+def write_fence_summary(out: Path, cost: dict[str, Any] | None, scopes: dict[str, list[dict[str, Any]]], final: bool) -> None:
+    """``<out>/diag-fence.json``: the fence's cost, each model's scope results and the verdict over
+    every model (printed when ``final``)."""
+    summary: dict[str, Any] = {"fence_cost": cost, "scopes": {m: [{k: r.get(k) for k in ("scope", "errors", "graph", "fences", "fused", "after")}
+                                                                  for r in rs] for m, rs in scopes.items()}}
+    if len(scopes) > 1 and any(scopes.values()):
+        summary["verdict"] = scope_verdict(across_models(scopes))
+        if final:
+            log(verdict_line(f"every model ({', '.join(scopes)})", summary["verdict"]))
+    if final and cost:
+        us = cost["us"]
+        log(f"VERDICT fence cost: {us.get('graph_between_kernels', float('nan')):.2f} us per fence between kernels in a graph, "
+            f"{us.get('graph_fences', float('nan')):.2f} us per fence alone in a graph, {us['eager_between_kernels']:.2f} us eagerly "
+            f"(scope {DEFAULT!r} is the product's, {CONTROL!r} the control)")
+    path = out / "diag-fence.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    tmp.replace(path)
+    if final:
+        log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -613,3 +613,34 @@ def test_a_fused_engine_graph_starts_after_everything_before_it(algo, fusion, fe
     arrays = [_device_array(p) for p in (256, 512, 768, 1024, 1280)]
     conv._launch(*arrays[:3], None, arrays[3], arrays[4])
     assert [name for name, _ in log] == (["fence", "execute"] if fenced else ["execute", "pass"])
+
+
+def test_the_launch_asks_fence_needed_which_names_every_fused_graph_and_no_bare_engine(monkeypatch):
+    """:func:`~convpass.kernels.conv_exec.fence_needed` is the one place that scopes the fence: by
+    default every fused graph and no bare engine; the launch asks it each time, so a predicate put
+    in its place (a narrower scope) is what the launch follows."""
+    from convpass.kernels import conv_exec
+
+    key = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 16, 14, 14), (16, 16, 3, 3)).shapes[0].key("nhwc", "default")
+    log: list = []
+
+    def engine(algo: str, fusion: str):
+        plan = types.SimpleNamespace(config=types.SimpleNamespace(algo=algo), workspace_bytes=0,
+                                     execute=lambda *a, **k: log.append(("execute", len(a))))
+        conv = conv_exec.EngineConv(key, Algo.parse(algo), fusion, types.SimpleNamespace(cuda=fake_cuda(log)), plan)
+        conv._pass = lambda y, bias, z: log.append(("pass", 0))
+        return conv
+
+    fused, residual, bare = engine("engine:eng4+bias+relu", "bias+relu"), engine("engine:eng4+bias+add+relu", "bias+add+relu"), engine("engine:eng4", "")
+    assert [conv_exec.fence_needed(c) for c in (fused, residual, bare)] == [True, True, False]
+    arrays = [_device_array(p) for p in (256, 512, 768, 1024, 1280)]
+
+    def names(conv) -> list[str]:
+        log.clear()
+        conv._launch(*arrays[:3], None, arrays[3], arrays[4])
+        return [name for name, _ in log]
+
+    monkeypatch.setattr(conv_exec, "fence_needed", lambda conv: conv.residual)  # a narrower scope: graphs that read z
+    assert (names(fused), names(residual), names(bare)) == (["execute"], ["fence", "execute"], ["execute", "pass"])
+    monkeypatch.setattr(conv_exec, "fence_needed", lambda conv: True)  # the bare engine's launch too
+    assert names(bare) == ["fence", "execute", "pass"]

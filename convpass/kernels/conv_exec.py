@@ -79,7 +79,7 @@ from convpass.native.cudnn import graph_api
 
 __all__ = [
     "EPILOGUE_PASSES", "ConvExec", "EngineConv", "ExecIdentity", "FusedLegacyConv", "LaunchRecord", "LegacyConv", "OwnConv", "add_launch_listener",
-    "apply_epilogue", "conv_exec", "epilogue_kernel", "fusion_counter", "legacy_workspace", "refuses_slice", "remove_launch_listener",
+    "apply_epilogue", "conv_exec", "epilogue_kernel", "fence_needed", "fusion_counter", "legacy_workspace", "refuses_slice", "remove_launch_listener",
     "record_launches", "step_epilogue",
 ]
 
@@ -303,10 +303,18 @@ class FusedLegacyConv(ConvExec):
         return ("cudnn_calls", _fused_counter(self.residual, self.relu))
 
 
+def fence_needed(conv: EngineConv) -> bool:
+    """Whether a stream fence (:func:`~convpass.native.cuda.stream_fence`) goes before ``conv``'s
+    launch, so that it starts only after everything before it on its stream: every fused graph's,
+    never a bare engine's. The launch asks this one function (a module attribute) every time."""
+    return conv.fused
+
+
 class EngineConv(ConvExec):
     """A graph-API engine configuration's plan (:class:`~convpass.native.cudnn.graph_api.EnginePlan`):
     a fused graph (an activation's, or a legacy epilogue's) runs its epilogue in its call, ``z``
-    included where it reads one; a bare one runs the step's epilogue as one pass after."""
+    included where it reads one; a bare one runs the step's epilogue as one pass after. A stream
+    fence goes before the launches :func:`fence_needed` names."""
 
     def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, plan: Any) -> None:
         if not algo.is_engine or plan.config.algo != str(algo):
@@ -326,8 +334,9 @@ class EngineConv(ConvExec):
         odd = graph_api.misaligned(x=x, w=w, y=y, bias=bias if self.fused else None, z=z if self.residual else None)
         if odd:  # a view at an odd offset: refused as cuDNN refuses, never a misaligned read (a sticky CUDA error)
             raise graph_api.GraphApiError(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
-        if self.fused:
+        if fence_needed(self):
             stream_fence(self.cp)  # timed with the launch it guards: the tuner's rows hold it
+        if self.fused:
             if self.residual:
                 self.plan.execute(x, w, y, ws, bias=bias, z=z)
             else:

@@ -1,0 +1,378 @@
+"""The stream fence before fused graph-API engine launches: which launches need it, and what one
+costs. The fence part of scripts/diag_engine_epilogue.py (not part of the package).
+
+The product fences every fused engine launch (``convpass.kernels.conv_exec.fence_needed``: a
+16-byte memset on the stream before the launch, so that in a captured graph the launch cannot
+overlap the end of its producer). Here that predicate is replaced by a narrower *scope* for one
+model run at a time (the bench's condition: side-car plans, one captured graph), and each captured
+fused launch is recorded with what ran right before it:
+
+=================  ==================================================================
+scope              fences the fused launches ...
+=================  ==================================================================
+``none``           none (the control: wrong where the fence is needed at all)
+``residual``       of graphs that read a residual ``z`` (``EngineConv.residual``)
+``eng4``           of engine 4's configurations (``eng4``, ``eng4_k24=2``, not ``eng45``)
+``eng4+residual``  of engine 4's graphs that read a residual
+``after-cudnn``    right after a cuDNN conv call (see :class:`FenceScope`)
+``every-fused``    all of them (the product's default)
+=================  ==================================================================
+
+The smallest right scope is the right one (every run's error within the bench's tolerance, the
+plan one captured graph) with the fewest fences in the graph (:func:`scope_verdict`).
+
+The fence's cost (:func:`fence_cost`): CUDA graphs of ``n`` fences against an empty graph, and of
+``n`` no-op kernels with and without a fence before each; the same kernels launched eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+TOL_MODEL = 5e-3  # the bench's tolerance with TF32 (relative, normwise)
+START, LEGACY, ENGINE, OTHER = "start", "cudnn legacy", "cudnn engine", "other"
+
+
+def log(*parts: Any) -> None:
+    print("DIAG", *parts, flush=True)
+
+
+def _cp() -> Any:
+    import cupy
+
+    return cupy
+
+
+@contextlib.contextmanager
+def patched(obj: Any, name: str, value: Any):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# scopes
+
+
+def engine_id(conv: Any) -> int | None:
+    """The cuDNN engine id of an engine conv's configuration (``engine:eng4_k24=2+bias+add+relu``: 4)."""
+    from convpass.native.cudnn import graph_api
+
+    try:
+        return graph_api.EngineConfig.parse(str(conv.algo)).engine_id
+    except ValueError:
+        return None
+
+
+# name -> whether a fused launch of ``conv`` coming right after ``after`` (a kind of FenceScope) is fenced
+SCOPES: dict[str, Callable[[Any, str], bool]] = {
+    "none": lambda conv, after: False,
+    "residual": lambda conv, after: bool(conv.residual),
+    "eng4": lambda conv, after: engine_id(conv) == 4,
+    "eng4+residual": lambda conv, after: engine_id(conv) == 4 and bool(conv.residual),
+    "after-cudnn": lambda conv, after: after in (LEGACY, ENGINE),
+    "every-fused": lambda conv, after: True,
+}
+CONTROL, DEFAULT = "none", "every-fused"
+
+
+def last_kernel(conv: Any) -> str:
+    """What a conv's launch enqueued last: its cuDNN call (legacy or graph API) where no epilogue
+    pass runs after it, else :data:`OTHER` (convpass's own kernels too)."""
+    from convpass.kernels.conv_exec import EngineConv, FusedLegacyConv, LegacyConv
+
+    if isinstance(conv, FusedLegacyConv):
+        return LEGACY
+    if isinstance(conv, LegacyConv):
+        return OTHER if conv.epilogue else LEGACY
+    if isinstance(conv, EngineConv):
+        return ENGINE if conv.fused or not conv.epilogue else OTHER
+    return OTHER
+
+
+def _ptr(a: Any) -> Any:
+    return getattr(getattr(a, "data", None), "ptr", None)
+
+
+class FenceScope:
+    """``conv_exec.fence_needed`` replaced by scope ``name`` (fused launches only, as the product),
+    each fused launch made while a stream captures recorded: its node, configuration, what came
+    right before it and whether it was fenced (the last capture's, restarted when a capture begins
+    at the plan's first launch).
+
+    What came before (``last``): :data:`START` (the first launch of a run or of a graph),
+    :data:`LEGACY` / :data:`ENGINE` (a conv whose launch ended in that cuDNN call), :data:`OTHER`
+    (anything else the plan enqueued: an epilogue pass, a layout, padding or slice copy inside a
+    conv's launch, any launch that is no conv; cuDNN's softmax, instance norm and 3-D pooling are
+    counted here)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.test = SCOPES[name]
+        self.last = START
+        self.node: str | None = None
+        self.captured: list[dict[str, Any]] = []
+        self.capturing: Callable[[], bool] = lambda: bool(_cp().cuda.get_current_stream().is_capturing())
+
+    def needed(self, conv: Any) -> bool:
+        """The predicate put in place of ``fence_needed``."""
+        on = bool(conv.fused) and bool(self.test(conv, self.last))
+        if conv.fused and self.capturing():
+            self.captured.append({"node": self.node, "algo": str(conv.algo), "after": self.last, "fenced": on})
+        return on
+
+    def launched(self, conv: Any, _args: tuple) -> None:
+        """A conv launch listener: what the launch enqueued last."""
+        self.last = last_kernel(conv)
+
+    def summary(self) -> dict[str, Any]:
+        fenced = [r for r in self.captured if r["fenced"]]
+        return {"scope": self.name, "fences": len(fenced), "fused": len(self.captured),
+                "after": dict(Counter(r["after"] for r in self.captured)), "fenced_after": dict(Counter(r["after"] for r in fenced)),
+                "launches": self.captured}
+
+    def patches(self) -> list[Any]:
+        """The context managers that put the scope in place for one executor's life."""
+        from convpass.kernels import conv_exec
+        from convpass.kernels.convolution import ConvLaunch, Convolutions
+        from convpass.runtime.cuda import runner
+
+        scope = self
+        run_launch, warm_up, run_eager, segment = runner._run_launch, runner._warm_up, runner._run_eager, runner._capture_segment
+
+        def _run_launch(launch, env):
+            scope.node = launch.node.name
+            try:
+                run_launch(launch, env)
+            finally:
+                scope.node = None
+                if not isinstance(launch, ConvLaunch):
+                    scope.last = OTHER
+
+        def _warm_up(rt, plan, state, static):
+            scope.last = START
+            return warm_up(rt, plan, state, static)
+
+        def _run_eager(rt, state, env):
+            scope.last = START
+            return run_eager(rt, state, env)
+
+        def _capture_segment(rt, state, env, stream, start, stop):
+            scope.last = START
+            if start == 0:
+                scope.captured = []
+            return segment(rt, state, env, stream, start, stop)
+
+        def other_after(name: str, copies: Callable[[tuple, Any], bool]) -> Any:
+            orig = getattr(Convolutions, name)
+
+            def wrapped(self, *a, **k):
+                out = orig(self, *a, **k)
+                if copies(a, out):
+                    scope.last = OTHER
+                return out
+
+            return patched(Convolutions, name, wrapped)
+
+        @contextlib.contextmanager
+        def listening():
+            conv_exec.add_launch_listener(self.launched)
+            try:
+                yield
+            finally:
+                conv_exec.remove_launch_listener(self.launched)
+
+        return [patched(conv_exec, "fence_needed", self.needed), listening(),
+                patched(runner, "_run_launch", _run_launch), patched(runner, "_warm_up", _warm_up),
+                patched(runner, "_run_eager", _run_eager), patched(runner, "_capture_segment", _capture_segment),
+                other_after("_prepad", lambda a, out: True),
+                other_after("_in_layout", lambda a, out: _ptr(out) != _ptr(a[0])),  # the residual's copy too
+                other_after("_into", lambda a, out: a[1] is not None),
+                other_after("_activate", lambda a, out: bool(a[1]))]
+
+
+# ---------------------------------------------------------------------------------------------
+# verdicts
+
+
+def is_right(r: dict[str, Any] | None, tol: float = TOL_MODEL) -> bool:
+    """A scope's run is right: it ran, as one captured graph, and every run's error is within ``tol``."""
+    return (r is not None and bool(r.get("errors")) and str(r.get("graph", "")).startswith("CUDA graph: yes")
+            and all(e <= tol for e in r["errors"]))
+
+
+def scope_verdict(results: Iterable[dict[str, Any] | None], tol: float = TOL_MODEL) -> dict[str, Any]:
+    """The smallest right scope among ``results`` (one per scope, listed narrow to wide: ``scope``,
+    ``errors``, ``graph``, ``fences``, ``fused``; None or without errors where the run failed):
+    the right one with the fewest fences, the first listed among equals. ``control_right``: whether
+    the control (no fence) is right, None where it did not run; when it is, the race did not show
+    and the scopes are not told apart."""
+    results = [r for r in results if r is not None]
+    right = [r for r in results if is_right(r, tol)]
+    failed = [r["scope"] for r in results if not r.get("errors") or not str(r.get("graph", "")).startswith("CUDA graph: yes")]
+    wrong = [r["scope"] for r in results if r not in right and r["scope"] not in failed]
+    control = next((r for r in results if r["scope"] == CONTROL and r["scope"] not in failed), None)
+    best = min(right, key=lambda r: r["fences"]) if right else None
+    return {"smallest": None if best is None else best["scope"], "fences": None if best is None else best["fences"],
+            "fused": None if best is None else best.get("fused"), "right": [r["scope"] for r in right], "wrong": wrong,
+            "failed": failed, "control_right": None if control is None else is_right(control, tol)}
+
+
+def verdict_line(what: str, v: dict[str, Any]) -> str:
+    """One line of a :func:`scope_verdict`."""
+    if v["smallest"] is None:
+        head = "NO scope is right" + (" (none ran)" if not v["wrong"] else "")
+    else:
+        head = f"smallest right scope {v['smallest']!r} ({v['fences']} of {v['fused']} captured fused launches fenced)"
+    if v["control_right"]:
+        head += "; the control (no fence) is right too: the race did not show, the scopes are not told apart"
+    elif v["control_right"] is None:
+        head += "; the control (no fence) did not run"
+    tail = f"; right: {v['right']}; wrong: {v['wrong']}" + (f"; failed or not one graph: {v['failed']}" if v["failed"] else "")
+    return f"VERDICT fence scope, {what}: {head}{tail}"
+
+
+def across_models(per_model: dict[str, list[dict[str, Any] | None]]) -> list[dict[str, Any]]:
+    """Per scope, one result over every model: the errors of all its runs, the fences and fused
+    launches summed, one graph only where every model's was; a scope a model lacks (or failed on)
+    is failed."""
+    names = list(dict.fromkeys(r["scope"] for rs in per_model.values() for r in rs if r is not None))
+    out = []
+    for name in names:
+        runs = [next((r for r in rs if r is not None and r["scope"] == name), None) for rs in per_model.values()]
+        if any(r is None or not r.get("errors") for r in runs):
+            out.append({"scope": name, "errors": [], "graph": "", "fences": 0, "fused": 0})
+            continue
+        graph = "CUDA graph: yes" if all(str(r.get("graph", "")).startswith("CUDA graph: yes") for r in runs) else "not one graph everywhere"
+        out.append({"scope": name, "errors": [e for r in runs for e in r["errors"]], "graph": graph,
+                    "fences": sum(r["fences"] for r in runs), "fused": sum(r.get("fused", 0) for r in runs)})
+    return out
+
+
+def scope_line(r: dict[str, Any], tol: float = TOL_MODEL) -> str:
+    """One scope's run: its fences and what its fused launches came right after."""
+    after = ", ".join(f"{k} {v}" for k, v in sorted(r.get("after", {}).items()))
+    fenced = ", ".join(f"{k} {v}" for k, v in sorted(r.get("fenced_after", {}).items()))
+    return (f"fence scope {r['scope']!r}: {'right' if is_right(r, tol) else 'WRONG or not run'}; fenced {r.get('fences')} of "
+            f"{r.get('fused')} captured fused launches (fenced after: {fenced or '-'}; all come after: {after or '-'})")
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost of one fence
+
+
+def per_fence_us(with_ms: float, without_ms: float, n: int) -> float:
+    """Microseconds per fence from ``n`` fences' total with and without them (ms)."""
+    return (with_ms - without_ms) * 1e3 / n
+
+
+def cost_lines(c: dict[str, Any]) -> list[str]:
+    """The ``FENCE cost`` lines of a :func:`fence_cost` result."""
+    n, t = c["n"], c["ms"]
+    lines = []
+    if "fences" in t and "empty" in t:
+        lines.append(f"FENCE cost, captured: one graph of {n} fences {t['fences']:.3f} ms, an empty graph {t['empty']:.3f} ms: "
+                     f"{c['us']['graph_fences']:.2f} us per fence")
+    if "kernels" in t and "kernels+fences" in t:
+        lines.append(f"FENCE cost, captured: {n} no-op kernels {t['kernels']:.3f} ms ({t['kernels'] * 1e3 / n:.2f} us each), with a fence "
+                     f"before each {t['kernels+fences']:.3f} ms: {c['us']['graph_between_kernels']:.2f} us per fence")
+    if "eager kernels" in t and "eager kernels+fences" in t:
+        lines.append(f"FENCE cost, eager: {n} no-op kernels {t['eager kernels']:.3f} ms, with a fence before each "
+                     f"{t['eager kernels+fences']:.3f} ms (GPU clock): {c['us']['eager_between_kernels']:.2f} us per fence; "
+                     f"host time {c['us']['host_per_fence_call']:.2f} us per fence call")
+    lines += [f"FENCE cost: {k} failed: {v}" for k, v in c.get("errors", {}).items()]
+    return lines
+
+
+_noop: list[Any] = []
+
+
+def noop_kernel(_y: Any = None) -> None:
+    """A one-thread kernel that does nothing."""
+    cp = _cp()
+    if not _noop:
+        _noop.append(cp.RawKernel(r'extern "C" __global__ void diag_noop() {}', "diag_noop"))
+    _noop[0]((1,), (1,), ())
+
+
+def fence_cost(n: int = 200, reps: int = 30) -> dict[str, Any]:
+    """The product's fence (``convpass.native.cuda.stream_fence``) timed on this GPU: CUDA graphs of
+    ``n`` fences and of nothing, of ``n`` no-op kernels with and without a fence before each, and
+    the kernels launched eagerly with and without fences (medians of ``reps`` launches, CUDA events
+    on the stream); the host time of one fence call."""
+    from convpass.native.cuda import quiet_for_capture, stream_fence
+
+    cp = _cp()
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def fences() -> None:
+        for _ in range(n):
+            stream_fence(cp)
+
+    def kernels(fenced: bool) -> Callable[[], None]:
+        def body() -> None:
+            for _ in range(n):
+                if fenced:
+                    stream_fence(cp)
+                noop_kernel()
+        return body
+
+    def capture(body: Callable[[], None]) -> Any:
+        with quiet_for_capture():
+            stream.begin_capture()
+            try:
+                body()
+            finally:
+                graph = stream.end_capture()
+        return graph
+
+    def gpu_ms(launch: Callable[[], None]) -> float:
+        for _ in range(3):
+            launch()
+        stream.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            launch()
+            b.record(stream)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b))
+        return float(np.median(times))
+
+    out: dict[str, Any] = {"n": n, "reps": reps, "ms": {}, "us": {}, "errors": {}}
+    with stream:
+        stream_fence(cp)  # the fence's buffer and the kernel made outside any capture
+        noop_kernel()
+        stream.synchronize()
+        bodies = {"empty": lambda: None, "fences": fences, "kernels": kernels(False), "kernels+fences": kernels(True)}
+        for name, body in bodies.items():
+            try:
+                graph = capture(body)
+                out["ms"][name] = gpu_ms(lambda graph=graph: graph.launch(stream))
+            except Exception as e:  # noqa: BLE001
+                out["errors"][f"graph {name}"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        for name, body in (("eager kernels", kernels(False)), ("eager kernels+fences", kernels(True))):
+            out["ms"][name] = gpu_ms(body)
+        stream.synchronize()
+        t0 = time.perf_counter()
+        fences()
+        host = time.perf_counter() - t0
+        stream.synchronize()
+    t, us = out["ms"], out["us"]
+    if "fences" in t and "empty" in t:
+        us["graph_fences"] = per_fence_us(t["fences"], t["empty"], n)
+    if "kernels" in t and "kernels+fences" in t:
+        us["graph_between_kernels"] = per_fence_us(t["kernels+fences"], t["kernels"], n)
+    us["eager_between_kernels"] = per_fence_us(t["eager kernels+fences"], t["eager kernels"], n)
+    us["host_per_fence_call"] = host * 1e6 / n
+    return out
