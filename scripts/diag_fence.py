@@ -201,7 +201,9 @@ class FenceScope:
             finally:
                 conv_exec.remove_launch_listener(self.launched)
 
-        return [patched(conv_exec, "fence_needed", self.needed), listening(),
+        # FENCE "memset": the runner leaves the captured edges as they are, so each scope's run
+        # shows its fences alone (edges_check makes the edges default on a copy of its own)
+        return [patched(conv_exec, "FENCE", "memset"), patched(conv_exec, "fence_needed", self.needed), listening(),
                 patched(runner, "_run_launch", _run_launch), patched(runner, "_warm_up", _warm_up),
                 patched(runner, "_run_eager", _run_eager), patched(runner, "_capture_segment", _capture_segment),
                 other_after("_prepad", lambda a, out: True),

@@ -310,7 +310,7 @@ class FusedLegacyConv(ConvExec):
 # How a fused engine graph is kept from overlapping the end of its producer in a captured plan:
 # "memset", a fence before each launch; "edges", none, the captured graphs' programmatic edges
 # made default before they are instantiated (where the driver cannot, "memset"). See fence_needed.
-FENCE = "memset"
+FENCE = "edges"
 FENCES = ("memset", "edges")
 
 
