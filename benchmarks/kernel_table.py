@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Every GPU kernel a tuned model launches, by name, with its total time: the convpass executor run
-eagerly (``cuda_graph=False``: the launches a captured graph replays) under torch.profiler, whose
+eagerly (``cuda_graph=False``: the launches a captured graph replays; ``--cuda-graph``: the graphs replayed) under torch.profiler, whose
 CUPTI tracing records CuPy's, cuDNN's and cuBLAS's kernels alike.
 
 Where ``bench --profile-ops`` sums GPU time per op family, this table names the kernels, so that a
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cuda-graph", action="store_true", help="replay the plan as captured CUDA graphs (default: eager launches)")
     args = ap.parse_args(argv)
     protect = [(args.model, "the --model"), *([(args.cache, "the tuning cache")] if args.cache else [])]
     if args.json is not None:
@@ -54,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     dims = [d.dim_value for d in inp.type.tensor_type.shape.dim]
     shape = [args.batch, *dims[1:]]
     tuned = convpass.optimize(model, shapes=[f"{inp.name}={'x'.join(map(str, shape))}"], tf32=args.tf32, cache=args.cache, quiet=True)
-    ex = convpass.Executor(tuned, device="cuda", cuda_graph=False, output_kind="device")
+    ex = convpass.Executor(tuned, device="cuda", cuda_graph=args.cuda_graph, output_kind="device")
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     for _ in range(3):
         ex.run(None, {inp.name: x})
     torch.cuda.synchronize()
     before = dict(ex.backend.counters)
+    print(f"{ex.graph_status().describe()}; programmatic edges made default at capture: {before.get('programmatic_edges_rewritten', 0)}")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.runs):
             ex.run(None, {inp.name: x})

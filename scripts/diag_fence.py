@@ -42,6 +42,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from convpass.native import cuda_graph_edges
+from convpass.native.cuda_graph_edges import Driver, DriverError, EdgesUnavailable, is_default
+
 TOL_MODEL = 5e-3  # the bench's tolerance with TF32 (relative, normwise)
 START, LEGACY, ENGINE, OTHER = "start", "cudnn legacy", "cudnn engine", "other"
 
@@ -198,7 +201,9 @@ class FenceScope:
             finally:
                 conv_exec.remove_launch_listener(self.launched)
 
-        return [patched(conv_exec, "fence_needed", self.needed), listening(),
+        # FENCE "memset": the runner leaves the captured edges as they are, so each scope's run
+        # shows its fences alone (edges_check makes the edges default on a copy of its own)
+        return [patched(conv_exec, "FENCE", "memset"), patched(conv_exec, "fence_needed", self.needed), listening(),
                 patched(runner, "_run_launch", _run_launch), patched(runner, "_warm_up", _warm_up),
                 patched(runner, "_run_eager", _run_eager), patched(runner, "_capture_segment", _capture_segment),
                 other_after("_prepad", lambda a, out: True),
@@ -401,12 +406,6 @@ NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph"
 EDGE_RUNS = 6  # replays of each graph
 
 
-class EdgeData(ctypes.Structure):
-    """CUgraphEdgeData (8 bytes)."""
-
-    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte), ("reserved", ctypes.c_ubyte * 5)]
-
-
 class KernelNodeParams(ctypes.Structure):
     """CUDA_KERNEL_NODE_PARAMS_v2, with room after it for a longer one."""
 
@@ -425,20 +424,8 @@ class Edge(NamedTuple):
     b: int = 0
 
 
-class EdgesUnavailable(Exception):
-    """The graph or a driver symbol is not to be had: the check is skipped, said so."""
-
-
-class DriverError(Exception):
-    """A driver call returned an error."""
-
-
 def edge_kind(e: Edge) -> str:
     return f"{EDGE_TYPES.get(e.type, f'type {e.type}')}/{FROM_PORTS.get(e.from_port, f'port {e.from_port}')}"
-
-
-def is_default(e: Edge) -> bool:
-    return e.type == 0 and e.from_port == 0 and e.to_port == 0
 
 
 def edge_summary(edges: list[Edge], nodes: int | None = None) -> dict[str, Any]:
@@ -503,38 +490,6 @@ def edges_verdict_line(what: str, s: dict[str, Any]) -> str:
     return line
 
 
-class Driver:
-    """libcuda.so.1's functions by name: ``drv(("cuX_v2", "cuX"), *args)`` calls the first one it
-    has (:class:`EdgesUnavailable` where none), :class:`DriverError` on a status other than 0."""
-
-    def __init__(self, lib: Any = None) -> None:
-        if lib is None:
-            try:
-                lib = ctypes.CDLL("libcuda.so.1")
-            except OSError as e:
-                raise EdgesUnavailable(f"libcuda.so.1: {e}") from None
-        self.lib = lib
-
-    def has(self, name: str) -> bool:
-        return getattr(self.lib, name, None) is not None
-
-    def __call__(self, names: tuple[str, ...], *args: Any) -> None:
-        name = next((n for n in names if self.has(n)), None)
-        if name is None:
-            raise EdgesUnavailable(f"libcuda.so.1 has no {' or '.join(names)}")
-        fn = getattr(self.lib, name)
-        fn.restype = ctypes.c_int
-        status = fn(*args)
-        if status:
-            raise DriverError(f"{name}: {self.error_name(status)}")
-
-    def error_name(self, status: int) -> str:
-        text = ctypes.c_char_p()
-        if self.has("cuGetErrorName"):
-            self.lib.cuGetErrorName(ctypes.c_int(status), ctypes.byref(text))
-        return f"{text.value.decode() if text.value else 'CUresult'} ({status})"
-
-
 def node_name(drv: Driver, node: int) -> str:
     """A kernel node's function name (``cuFuncGetName``, ``cuKernelGetName``), else the node's type."""
     kind = ctypes.c_int(-1)
@@ -557,15 +512,10 @@ def node_name(drv: Driver, node: int) -> str:
 
 
 def graph_edges(drv: Driver, graph: int, names: bool = True) -> tuple[list[Edge], int]:
-    """The graph's edges (``cuGraphGetEdges_v2``) and its node count."""
-    g, count = ctypes.c_void_p(graph), ctypes.c_size_t(0)
-    drv(("cuGraphGetNodes",), g, None, ctypes.byref(count))
-    nodes = count.value
+    """The graph's edges (the product's :func:`convpass.native.cuda_graph_edges.graph_edges`), each
+    end named, and its node count."""
     count = ctypes.c_size_t(0)
-    drv(("cuGraphGetEdges_v2",), g, None, None, None, ctypes.byref(count))
-    n = count.value
-    frm, to, data = (ctypes.c_void_p * max(n, 1))(), (ctypes.c_void_p * max(n, 1))(), (EdgeData * max(n, 1))()
-    drv(("cuGraphGetEdges_v2",), g, frm, to, data, ctypes.byref(count))
+    drv(("cuGraphGetNodes",), ctypes.c_void_p(graph), None, ctypes.byref(count))
     seen: dict[int, str] = {}
 
     def name(h: int) -> str:
@@ -573,24 +523,14 @@ def graph_edges(drv: Driver, graph: int, names: bool = True) -> tuple[list[Edge]
             seen[h] = node_name(drv, h) if names else ""
         return seen[h]
 
-    return [Edge(name(frm[i] or 0), name(to[i] or 0), data[i].type, data[i].from_port, data[i].to_port, frm[i] or 0, to[i] or 0)
-            for i in range(count.value)], nodes
+    return [Edge(name(e.a), name(e.b), e.type, e.from_port, e.to_port, e.a, e.b)
+            for e in cuda_graph_edges.graph_edges(drv, graph)], count.value
 
 
-def rewrite_to_default(drv: Driver, graph: int, edges: list[Edge]) -> int:
-    """Every non-default edge of ``edges`` removed and added back as a default one."""
-    bad = [e for e in edges if not is_default(e)]
-    if not bad:
-        return 0
-    n, g = len(bad), ctypes.c_void_p(graph)
-    frm, to = (ctypes.c_void_p * n)(*[e.a for e in bad]), (ctypes.c_void_p * n)(*[e.b for e in bad])
-    data = (EdgeData * n)(*[EdgeData(e.from_port, e.to_port, e.type) for e in bad])
-    drv(("cuGraphRemoveDependencies_v2",), g, frm, to, data, ctypes.c_size_t(n))
-    if drv.has("cuGraphAddDependencies_v2"):
-        drv(("cuGraphAddDependencies_v2",), g, frm, to, None, ctypes.c_size_t(n))  # no edge data: default edges
-    else:
-        drv(("cuGraphAddDependencies",), g, frm, to, ctypes.c_size_t(n))
-    return n
+def rewrite_to_default(drv: Driver, graph: int, edges: list[Edge] | None = None) -> int:
+    """Every non-default edge of ``graph`` removed and added back as a default one (the product's
+    :func:`convpass.native.cuda_graph_edges.default_edges`, which reads the edges itself)."""
+    return cuda_graph_edges.default_edges(graph, drv)
 
 
 def _instantiate(drv: Driver, graph: int) -> int:

@@ -218,7 +218,9 @@ def test_the_fence_summary_holds_the_cost_each_models_scopes_and_the_verdict_ove
 def test_the_edge_data_and_kernel_node_params_have_the_drivers_layout():
     import ctypes
 
-    from diag_fence import EdgeData, KernelNodeParams
+    from diag_fence import KernelNodeParams
+
+    from convpass.native.cuda_graph_edges import EdgeData
 
     assert ctypes.sizeof(EdgeData) == 8
     assert [getattr(EdgeData, f).offset for f in ("from_port", "to_port", "type", "reserved")] == [0, 1, 2, 3]

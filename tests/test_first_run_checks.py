@@ -285,9 +285,10 @@ class _Doubler:
         env[1] = env[0] * 2
 
 
-def _capture_with(replay):
+def _capture_with(replay, monkeypatch):
     """Warm up and capture a one-launch plan whose graph replays ``replay(state)``; (state,
-    the warm-up's results, the capture warnings)."""
+    the warm-up's results, the capture warnings). Fences, not edges (no driver here)."""
+    monkeypatch.setattr(conv_exec, "FENCE", "memset")
     box = {}
     fake_cp = types.SimpleNamespace(
         empty=np.empty, copyto=np.copyto, float64=np.float64,
@@ -302,20 +303,20 @@ def _capture_with(replay):
     return state, results, warned
 
 
-def test_a_captured_plan_whose_first_replay_matches_its_warm_up_replays():
+def test_a_captured_plan_whose_first_replay_matches_its_warm_up_replays(monkeypatch):
     def faithful(state):
         state.outputs[0][...] = state.static_inputs["x"] * 2
 
-    state, results, warned = _capture_with(faithful)
+    state, results, warned = _capture_with(faithful, monkeypatch)
     np.testing.assert_array_equal(results[0], np.arange(6) * 2)
     assert state.captured and state.mode == "graph" and warned == []
 
 
-def test_a_captured_plan_whose_first_replay_differs_from_its_warm_up_runs_eagerly_said_once():
+def test_a_captured_plan_whose_first_replay_differs_from_its_warm_up_runs_eagerly_said_once(monkeypatch):
     def stale(state):
         state.outputs[0][...] = state.static_inputs["x"] * 2 + 1  # what a launch reading stale buffers gives
 
-    state, results, warned = _capture_with(stale)
+    state, results, warned = _capture_with(stale, monkeypatch)
     np.testing.assert_array_equal(results[0], np.arange(6) * 2)  # the warm-up's: the plan's meaning
     assert not state.captured and state.segments is None and state.mode == "eager" and not state.capturable
     [note] = warned

@@ -597,12 +597,15 @@ def test_the_gpu_tests_of_engines_run_where_the_frontend_is_usable(request, monk
     ("engine:eng5+bias+swish", "bias+swish", True),
     ("engine:eng5", "", False),
 ])
-def test_a_fused_engine_graph_starts_after_everything_before_it(algo, fusion, fenced):
-    """A fused engine graph's launch is preceded by a memset on its stream (a full dependency in a
-    captured graph: no overlap with the end of its producer); the bare engine's is not. The fence is
+def test_a_fused_engine_graph_starts_after_everything_before_it(algo, fusion, fenced, monkeypatch):
+    """With ``conv_exec.FENCE == "memset"``, a fused engine graph's launch is preceded by a memset on
+    its stream (a full dependency in a captured graph: no overlap with the end of its producer);
+    the bare engine's is not. The fence is
     part of the launch the tuner times and the executor runs."""
+    from convpass.kernels import conv_exec
     from convpass.kernels.conv_exec import EngineConv
 
+    monkeypatch.setattr(conv_exec, "FENCE", "memset")
     key = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 16, 14, 14), (16, 16, 3, 3)).shapes[0].key("nhwc", "default")
     log: list = []
     plan = types.SimpleNamespace(config=types.SimpleNamespace(algo=algo), workspace_bytes=0,
@@ -621,6 +624,7 @@ def test_the_launch_asks_fence_needed_which_names_every_fused_graph_and_no_bare_
     in its place (a narrower scope) is what the launch follows."""
     from convpass.kernels import conv_exec
 
+    monkeypatch.setattr(conv_exec, "FENCE", "memset")
     key = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 16, 14, 14), (16, 16, 3, 3)).shapes[0].key("nhwc", "default")
     log: list = []
 

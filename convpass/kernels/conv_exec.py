@@ -55,7 +55,11 @@ Rules
 4. A launch allocates nothing and waits for nothing, so it can be captured into a CUDA graph.
    :attr:`ConvExec.counts` names the executor's counters a launch adds one to
    (:data:`EPILOGUE_PASSES` once more where its epilogue runs as a pass of its own).
-5. Every launch tells the listeners (:func:`add_launch_listener`, :func:`record_launches`) the
+5. A fused engine graph's launch may overlap the end of its producer (a programmatic dependency);
+   in a captured plan that overlap is prevented by a memset fence before the launch, or by the
+   runner making the graph's programmatic edges default ones: :data:`FENCE` chooses,
+   :func:`fence_needed` states the trade-off (which the tuner's times hold and which they miss).
+6. Every launch tells the listeners (:func:`add_launch_listener`, :func:`record_launches`) the
    object and its arguments: the tests' proof that the tuner and the executor launch the same.
 """
 
@@ -73,12 +77,12 @@ from convpass.core.fusion import is_legacy, legacy_name, parts, takes_residual
 from convpass.core.layout import storage_order
 from convpass.core.problem import ProblemKey
 from convpass.kernels import depthwise
-from convpass.native import cudnn
+from convpass.native import cuda_graph_edges, cudnn
 from convpass.native.cuda import elements, stream_fence
 from convpass.native.cudnn import graph_api
 
 __all__ = [
-    "EPILOGUE_PASSES", "ConvExec", "EngineConv", "ExecIdentity", "FusedLegacyConv", "LaunchRecord", "LegacyConv", "OwnConv", "add_launch_listener",
+    "EPILOGUE_PASSES", "FENCE", "FENCES", "ConvExec", "EngineConv", "ExecIdentity", "FusedLegacyConv", "LaunchRecord", "LegacyConv", "OwnConv", "add_launch_listener",
     "apply_epilogue", "conv_exec", "epilogue_kernel", "fence_needed", "fusion_counter", "legacy_workspace", "refuses_slice", "remove_launch_listener",
     "record_launches", "step_epilogue",
 ]
@@ -303,11 +307,38 @@ class FusedLegacyConv(ConvExec):
         return ("cudnn_calls", _fused_counter(self.residual, self.relu))
 
 
+# How a fused engine graph is kept from overlapping the end of its producer in a captured plan:
+# "memset", a fence before each launch; "edges", none, the captured graphs' programmatic edges
+# made default before they are instantiated (where the driver cannot, "memset"). See fence_needed.
+FENCE = "edges"
+FENCES = ("memset", "edges")
+
+
 def fence_needed(conv: EngineConv) -> bool:
     """Whether a stream fence (:func:`~convpass.native.cuda.stream_fence`) goes before ``conv``'s
-    launch, so that it starts only after everything before it on its stream: every fused graph's,
-    never a bare engine's. The launch asks this one function (a module attribute) every time."""
-    return conv.fused
+    launch, so that it starts only after everything before it on its stream: never a bare
+    engine's; a fused graph's by :data:`FENCE`. The launch asks this one function (a module
+    attribute) every time.
+
+    A fused graph's kernels may start before their producer has finished (a programmatic
+    dependency, which stream capture records as a programmatic edge); in captured plans some
+    then read inputs not yet written. Eager launches were right without a fence. Two ways out:
+
+    - ``"memset"``: a 16-byte memset before every fused launch, eager or captured, in the time
+      the tuner measures (a few microseconds per launch, also in graphs).
+    - ``"edges"``: no fence; the runner makes every programmatic edge of a captured graph a
+      default one (:mod:`convpass.native.cuda_graph_edges`), which costs nothing in the graph
+      but the overlap those edges allowed. The tuner times eager launches, where that overlap
+      may take place between back-to-back repeats: its times may be lower than the graph's by
+      that overlap (the memset's cost stays out of both). Where the driver cannot rewrite edges
+      (older than CUDA 12.3, or a call failed), fused launches are fenced as with ``"memset"``,
+      eager ones too, so the tuner and the executor of one process still time what runs.
+    """
+    if not conv.fused:
+        return False
+    if FENCE == "edges":
+        return cuda_graph_edges.unavailable_reason() is not None
+    return True
 
 
 class EngineConv(ConvExec):
@@ -477,7 +508,7 @@ def epilogue_kernel(cp: Any, bias: bool, residual: bool, relu: bool, source: boo
 
 
 # ---------------------------------------------------------------------------------------------
-# launch listeners (rule 5)
+# launch listeners (rule 6)
 
 LaunchListener = Callable[[ConvExec, tuple[Any, ...]], None]
 _listeners: tuple[LaunchListener, ...] = ()

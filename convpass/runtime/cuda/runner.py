@@ -15,6 +15,12 @@ environment it saw while capturing (its inputs are the graphs' fixed buffers) an
 copied into the buffers the later graphs read. Later runs copy the feeds into the static inputs,
 replay the segments on CuPy's current stream, and return copies of the outputs.
 
+With ``conv_exec.FENCE == "edges"`` (:func:`~convpass.kernels.conv_exec.fence_needed`), each
+captured graph with programmatic edges (a kernel allowed to start before its producer ends) is
+replaced by a copy whose edges are all default ones (:mod:`convpass.native.cuda_graph_edges`),
+instantiated and replayed in CuPy's graph's place; the status says how many edges, the counter
+``programmatic_edges_rewritten`` counts them. Where the driver cannot, the plan keeps fences.
+
 The first replay is checked against the warm-up (:func:`first_replay_differs`, the backend's
 ``check_first_run``): a graph whose outputs differ from its eager launches' is dropped, with a
 warning, and the plan runs eagerly from then on.
@@ -35,8 +41,10 @@ import logging
 from typing import Any
 
 from convpass.core.errors import ExecutorError
+from convpass.kernels import conv_exec
 from convpass.kernels.launch import Launch
 from convpass.kernels.plan import GraphStatus, unshare_outputs
+from convpass.native import cuda_graph_edges
 from convpass.native.cuda import CaptureBreak, first_line, quiet_for_capture
 
 logger = logging.getLogger("convpass")
@@ -336,19 +344,9 @@ def _warm_up_and_capture(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[st
     current.wait_event(stream.record())
     results = [o.copy() for o in outs]  # on the caller's stream and pool
     del outs
-    captured = None
-    for _ in range(_MAX_CAPTURE_ATTEMPTS):
-        if len(state.uncapturable) >= sum(1 for launch in state.launches if launch is not None):
-            break
-        with cp.cuda.using_allocator(pool.malloc), stream:
-            attempt = _capture(rt, plan, state, static, stream)
-        if not isinstance(attempt, int):
-            captured = attempt
-            break
-        try:
-            stream.synchronize()
-        except Exception:  # noqa: BLE001
-            pass
+    captured = _capture_plan(rt, plan, state, static, stream, pool)
+    if captured is not None and conv_exec.FENCE == "edges":
+        captured = _default_edges(rt, plan, state, static, stream, pool, captured)
     if captured is None:
         state.mode = "eager"
         state.capturable = False
@@ -364,6 +362,7 @@ def _warm_up_and_capture(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[st
     state.pool = pool
     why = first_replay_differs(rt, state, results)
     if why is not None:  # the eager launches are the plan's meaning: they run from now on
+        _close(segments)
         state.segments = state.outputs = state.static_inputs = state.stream = state.pool = None
         state.mode = "eager"
         state.capturable = False
@@ -379,5 +378,67 @@ def _warm_up_and_capture(rt: Any, plan: Any, state: CompiledPlan, feeds: dict[st
     else:
         state.mode = "graph"
         state.note = f"{launches} launch(es) in one CUDA graph"
+    edges = sum(getattr(s, "rewritten", 0) for s in segments if not isinstance(s, _EagerPart))
+    if edges:
+        state.note += f", {edges} programmatic edge(s) made default"
     logger.debug("cuda graph: %s", state.note)
     return results
+
+
+def _capture_plan(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], stream: Any, pool: Any) -> tuple[list[Any], list[Any]] | None:
+    """The plan captured (:func:`_capture`), a launch that cannot be captured left out at each
+    attempt; None where no attempt succeeded."""
+    cp = rt.cp
+    for _ in range(_MAX_CAPTURE_ATTEMPTS):
+        if len(state.uncapturable) >= sum(1 for launch in state.launches if launch is not None):
+            return None
+        with cp.cuda.using_allocator(pool.malloc), stream:
+            attempt = _capture(rt, plan, state, static, stream)
+        if not isinstance(attempt, int):
+            return attempt
+        try:
+            stream.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+    return None
+
+
+def _default_edges(rt: Any, plan: Any, state: CompiledPlan, static: dict[str, Any], stream: Any, pool: Any,
+                   captured: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]] | None:
+    """With ``conv_exec.FENCE == "edges"`` (:func:`~convpass.kernels.conv_exec.fence_needed`): each
+    captured graph that has programmatic edges replaced by its copy with default ones
+    (:func:`convpass.native.cuda_graph_edges.rewritten`), the edges counted in
+    ``programmatic_edges_rewritten``. Where the driver cannot, the fused launches were captured
+    with fences and the graphs stay as captured; where a call fails, no rewrite is tried again in
+    this process and the plan is captured again, with fences. Either is warned once."""
+    why = cuda_graph_edges.unavailable_reason()
+    if why is not None:
+        rt.warn_capture(f"programmatic edges are not made default ({why}): fused engine launches are fenced with a memset")
+        return captured
+    segments, outputs = captured
+    out: list[Any] = []
+    try:
+        for seg in segments:
+            new = None if isinstance(seg, _EagerPart) else cuda_graph_edges.rewritten(seg)
+            out.append(seg if new is None else new)
+    except (cuda_graph_edges.EdgesUnavailable, cuda_graph_edges.DriverError) as e:
+        _close(out)
+        cuda_graph_edges.disable(f"an earlier rewrite failed: {e}")
+        rt.warn_capture(f"programmatic edges could not be made default ({e}): fused engine launches are fenced with a memset, "
+                        "the plan captured again")
+        return _capture_plan(rt, plan, state, static, stream, pool)
+    for seg in out:
+        if isinstance(seg, cuda_graph_edges.DefaultEdgeGraph):
+            rt.counters["programmatic_edges_rewritten"] += seg.rewritten
+            try:
+                seg.upload(stream)
+            except cuda_graph_edges.DriverError:  # an optimization only
+                pass
+    return out, outputs
+
+
+def _close(segments: list[Any]) -> None:
+    """Free the driver objects of the graphs made here (CuPy's free their own when collected)."""
+    for seg in segments:
+        if isinstance(seg, cuda_graph_edges.DefaultEdgeGraph):
+            seg.close()
