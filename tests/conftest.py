@@ -550,7 +550,7 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     x = np.full(shape.x_shape, x_value, np.float32)
     bench = object.__new__(shape_bench.ShapeBench)
     bench._groups, bench._sets = {}, {}
-    bench.shape, bench.x_slice, bench.y_slice = shape, None, None
+    bench.shape, bench.x_slice, bench.y_slice, bench.z_slice = shape, None, None, None
     bench._base = {"x": x, "w": np.ones(shape.w_shape, np.float32), "y": np.empty(shape.y_shape, np.float32)}
     bench.reference = lambda: np.full(shape.y_shape, x.sum(), np.float32)
     sets = [dict(bench._base)]
