@@ -133,14 +133,20 @@ def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float 
 
 
 def csp_block_model(x_shape: Sequence[int] = (2, 16, 12, 12), alpha: float | None = 0.01, *, seed: int = 0, swish: bool = False,
-                    residual_first: bool = False, readers: int = 0) -> onnx.ModelProto:
+                    residual_first: bool = False, readers: int = 0, stage: bool = False) -> onnx.ModelProto:
     """timm's CSPDarknet residual block (DarkBlock) once its BatchNorms are folded: Conv 1x1 (bias)
     "c1" -> activation "l1" (C -> C/2), Conv 3x3 (bias) "c2" -> activation "l2" (C/2 -> C), then
     the residual ``Add(a2, x)`` "add" (``residual_first``: ``Add(x, a2)``). The activation is a
     LeakyRelu of ``alpha`` (None: no attribute, ONNX's 0.01), or with ``swish`` a SiLU as torch
     exports it (``Mul(y, Sigmoid(y))``). ``readers``: 0, the Add's output is the graph's output
     "out"; 2, a 1x1 Conv "c3" and a Relu "r" read it, joined by an Add into "out". Weights scaled so
-    about half of each conv's outputs are negative."""
+    about half of each conv's outputs are negative.
+
+    ``stage`` (``readers`` 0): the block as the first of a CSP stage (timm's CrossStage): the
+    expansion Conv 1x1 "exp" -> activation "le" (C -> 2C), a Split "split" of it in two halves
+    "xs" and "xb", the block on "xb" (its residual: that half, a channel slice of the expansion's
+    output), the transition Conv 1x1 "ctb" -> activation "ltb" of the block's output, a Concat
+    "cat" of "xs" and that, and the transition Conv 1x1 "ct" (2C -> C) into "out"."""
     rng = np.random.default_rng(seed)
     c, mid = x_shape[1], x_shape[1] // 2
 
@@ -154,11 +160,21 @@ def csp_block_model(x_shape: Sequence[int] = (2, 16, 12, 12), alpha: float | Non
 
     inits = [init("w1", mid, c, 1, 1, scale=c ** -0.5), init("b1", mid, scale=0.1), init("w2", c, mid, 3, 3, scale=(9 * mid) ** -0.5),
              init("b2", c, scale=0.1), init("w3", c, c, 1, 1, scale=c ** -0.5), init("b3", c, scale=0.1)]
-    s = "s" if readers else "out"
-    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="c1"), *act(1),
+    s = "s" if readers or stage else "out"
+    xb = "xb" if stage else "x"
+    nodes = [helper.make_node("Conv", [xb, "w1", "b1"], ["y1"], name="c1"), *act(1),
              helper.make_node("Conv", ["a1", "w2", "b2"], ["y2"], name="c2", pads=[1, 1, 1, 1]), *act(2),
-             helper.make_node("Add", ["x", "a2"] if residual_first else ["a2", "x"], [s], name="add")]
-    if readers:
+             helper.make_node("Add", [xb, "a2"] if residual_first else ["a2", xb], [s], name="add")]
+    if stage:
+        inits = inits[:4] + [init("we", 2 * c, c, 1, 1, scale=c ** -0.5), init("be", 2 * c, scale=0.1), init("wtb", c, c, 1, 1, scale=c ** -0.5),
+                             init("btb", c, scale=0.1), init("wt", c, 2 * c, 1, 1, scale=(2 * c) ** -0.5), init("bt", c, scale=0.1),
+                             numpy_helper.from_array(np.array([c, c], np.int64), "halves")]
+        nodes = [helper.make_node("Conv", ["x", "we", "be"], ["ye"], name="exp"), *act("e"),
+                 helper.make_node("Split", ["ae", "halves"], ["xs", "xb"], name="split", axis=1), *nodes,
+                 helper.make_node("Conv", [s, "wtb", "btb"], ["ytb"], name="ctb"), *act("tb"),
+                 helper.make_node("Concat", ["xs", "atb"], ["cat"], name="cat", axis=1),
+                 helper.make_node("Conv", ["cat", "wt", "bt"], ["out"], name="ct")]
+    elif readers:
         nodes += [helper.make_node("Relu", [s], ["r"], name="r"), helper.make_node("Conv", [s, "w3", "b3"], ["y3"], name="c3"),
                   helper.make_node("Add", ["y3", "r"], ["out"], name="join")]
     else:
@@ -550,7 +566,7 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     x = np.full(shape.x_shape, x_value, np.float32)
     bench = object.__new__(shape_bench.ShapeBench)
     bench._groups, bench._sets = {}, {}
-    bench.shape, bench.x_slice, bench.y_slice = shape, None, None
+    bench.shape, bench.x_slice, bench.y_slice, bench.z_slice = shape, None, None, None
     bench._base = {"x": x, "w": np.ones(shape.w_shape, np.float32), "y": np.empty(shape.y_shape, np.float32)}
     bench.reference = lambda: np.full(shape.y_shape, x.sum(), np.float32)
     sets = [dict(bench._base)]
