@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from fused_models import N, activation, channels_last, const, feeds, norm, opset_of
-from onnx import TensorProto, helper, numpy_helper
+from fused_models import N, channels_last, const, feeds, norm, unit, unit_feeds, unit_inputs, unit_reference64
+from onnx import TensorProto, helper
 
 from convpass.kernels import group_norm, group_norm_onepass
 from convpass.kernels.backends import host_backend
@@ -26,80 +26,12 @@ from convpass.kernels.launch import Placement
 from convpass.ops.registry import OpContext
 from convpass.runtime.executor import Executor
 
-EPS = 1e-6  # fused_models.norm's epsilon
-_TP = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
-
-
-def _unit(form, act, shape, groups, gate=False, residual=False, dtype=np.float32):
-    """One unit: normalization (``form``) + ``act``, times a gate input ``gate`` (N, C, 1, ..) and
-    plus a residual input ``z`` where asked. Returns the model."""
-    dtype = np.dtype(dtype)
-    rng = np.random.default_rng(0)
-    c, r = shape[1], len(shape)
-    nodes, inits, t = norm(form, "n1", "x", c, groups, rng, dtype, eps=EPS, rank=r)
-    more, t = activation(act, "a1", t)
-    nodes += more
-    tp = _TP[dtype]
-    ins = [helper.make_tensor_value_info("x", tp, shape)]
-    if gate:
-        nodes.append(N("Mul", [t, "gate"], ["gated"], name="apply_gate"))
-        ins.append(helper.make_tensor_value_info("gate", tp, [shape[0], c] + [1] * (r - 2)))
-        t = "gated"
-    if residual:
-        nodes.append(N("Add", [t, "z"], ["y"], name="residual"))
-        ins.append(helper.make_tensor_value_info("z", tp, shape))
-        t = "y"
-    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info(t, tp, shape)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset_of(form, act))], ir_version=9)
-
-
-def _inputs(shape, dtype=np.float32, seed=1, offset=3.0, scale=2.0):
-    rng = np.random.default_rng(seed)
-    n, c = shape[:2]
-    return {"x": (rng.standard_normal(shape) * scale + offset).astype(dtype),
-            "gate": rng.random((n, c) + (1,) * (len(shape) - 2)).astype(dtype),
-            "z": rng.standard_normal(shape).astype(dtype)}
-
-
-def _feeds(model, values):
-    names = [i.name for i in model.graph.input]
-    return {k: v for k, v in values.items() if k in names}
-
-
-_ACT = {
-    "silu": lambda v: v / (1 + np.exp(-v)),
-    "Relu": lambda v: np.maximum(v, 0),
-    "LeakyRelu": lambda v: np.where(v >= 0, v, 0.2 * v),
-    "HardSwish": lambda v: v * np.clip(v / 6 + 0.5, 0, 1),
-    "Gelu": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2))),
-    "Mish": lambda v: v * np.tanh(np.log1p(np.exp(v))),
-}
-
-
-def _reference64(model, form, act, groups, values):
-    """The unit in float64 from its definition: standardize per (sample, group) (the variance of
-    the centred values), scale and shift per channel, the activation, the gate, the residual."""
-    p = {i.name: numpy_helper.to_array(i).astype(np.float64).reshape(-1) for i in model.graph.initializer}
-    x = values["x"].astype(np.float64)
-    n, c, r = x.shape[0], x.shape[1], x.ndim
-    g = x.reshape(n, groups, -1)
-    y = ((g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + EPS)).reshape(x.shape)
-    view = (1, c) + (1,) * (r - 2)
-    scale, shift = (p["n1_gamma"], p["n1_beta"]) if form == "gn17" else (p["n1_s"], p["n1_b"])
-    y = _ACT[act](y * scale.reshape(view) + shift.reshape(view))
-    names = [i.name for i in model.graph.input]
-    if "gate" in names:
-        y = y * values["gate"].astype(np.float64)
-    if "z" in names:
-        y = y + values["z"].astype(np.float64)
-    return y
-
 
 def _launch(model, values, entry, threads):
     """The plan's FusedNorm step as the cuda backend's launch, its kernels host builds; returns
     (launch, step, env)."""
     ex = Executor(model, device="cpu")
-    f = _feeds(model, values)
+    f = unit_feeds(model, values)
     ex.run(None, f)
     ex.run(None, f)
     plan = ex.last_plan
@@ -135,15 +67,15 @@ def _check(host_block_entry, epilogue, shape, groups, layout, dtype=np.float32, 
     _, form, act, gate, residual = epilogue
     if form == "instance":
         groups = shape[1]
-    model = _unit(form, act, shape, groups, gate, residual, dtype)
-    launch, step, env = _launch(model, _inputs(shape, dtype), host_block_entry, threads)
+    model = unit(form, act, shape, groups, gate, residual, dtype)
+    launch, step, env = _launch(model, unit_inputs(shape, dtype), host_block_entry, threads)
     assert launch.onepass is not None and launch.apply is None and launch.kernel is None and launch.part is None
     for run in range(runs):  # a second and third run with other inputs: nothing kept between launches
-        values = _inputs(shape, dtype, seed=1 + run, offset=3.0 - 2 * run)
+        values = unit_inputs(shape, dtype, seed=1 + run, offset=3.0 - 2 * run)
         _bind(model, step, env, values, layout == "nhwc")
         launch.run(env)
         got = env[step.outputs[0]]
-        want = _reference64(model, form, act, groups, values)
+        want = unit_reference64(model, form, act, groups, values)
         tol = TOL[np.dtype(dtype).type]
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * float(np.abs(want).max()), err_msg=f"run {run + 1}")
         assert got.dtype == dtype
@@ -200,20 +132,20 @@ def test_statistics_hold_far_from_zero_and_near_epsilon(host_block_entry, inputs
     tests/test_fused_norm.py's INPUTS."""
     shape, groups = (2, 32, 9, 10), 8
     offset, scale = {"far_mean": (50.0, 1.0), "variance_near_eps": (2.0, 1e-3)}[inputs]
-    model = _unit("gn17", "silu", shape, groups)
-    values = _inputs(shape, offset=offset * scale, scale=scale)
+    model = unit("gn17", "silu", shape, groups)
+    values = unit_inputs(shape, offset=offset * scale, scale=scale)
     launch, step, env = _launch(model, values, host_block_entry, 48)
     for last in (False, True):
         _bind(model, step, env, values, last)
         launch.run(env)
-        want = _reference64(model, "gn17", "silu", groups, values)
+        want = unit_reference64(model, "gn17", "silu", groups, values)
         np.testing.assert_allclose(env[step.outputs[0]], want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
 
 
 def test_it_writes_into_a_concat_slice_and_leaves_the_rest(host_block_entry):
     shape, groups = (2, 32, 9, 10), 8
-    model = _unit("gn21", "silu", shape, groups, residual=True)
-    values = _inputs(shape)
+    model = unit("gn21", "silu", shape, groups, residual=True)
+    values = unit_inputs(shape)
     launch, step, env = _launch(model, values, host_block_entry, 48)
     big = (2, 40, 9, 10)
     for last in (False, True):
@@ -224,7 +156,7 @@ def test_it_writes_into_a_concat_slice_and_leaves_the_rest(host_block_entry):
         _bind(model, step, env, values, last)
         launch.run(env)
         buf = env[slot]
-        want = _reference64(model, "gn21", "silu", groups, values)
+        want = unit_reference64(model, "gn21", "silu", groups, values)
         np.testing.assert_allclose(buf[:, 3:35], want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
         assert (buf[:, :3] == -9).all() and (buf[:, 35:] == -9).all() and (buf.strides[1] == 4) == last
 
@@ -235,8 +167,8 @@ def test_it_writes_into_a_concat_slice_and_leaves_the_rest(host_block_entry):
 
 def test_the_group_size_limit_selects_the_one_launch(monkeypatch):
     shape, groups = (2, 32, 9, 10), 8  # 4 channels x 90 positions = 360 elements a group
-    model = _unit("gn17", "silu", shape, groups, residual=True)
-    values = _inputs(shape)
+    model = unit("gn17", "silu", shape, groups, residual=True)
+    values = unit_inputs(shape)
     no_build = lambda src, name: None  # noqa: E731  (nothing is launched)
     monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 360)
     launch, *_ = _launch(model, values, no_build, None)
@@ -315,8 +247,8 @@ def test_strides_and_alignment_decide_the_vector():
 
 
 def _source(dtype=np.float32, act="silu", gate=True, residual=True, shape=(2, 32, 9, 10), groups=8):
-    model = _unit("gn21", act, shape, groups, gate, residual, dtype)
-    launch, *_ = _launch(model, _inputs(shape, dtype), lambda src, name: None, None)
+    model = unit("gn21", act, shape, groups, gate, residual, dtype)
+    launch, *_ = _launch(model, unit_inputs(shape, dtype), lambda src, name: None, None)
     return launch.onepass.source, launch
 
 
@@ -342,11 +274,10 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("act", ["silu", "Mish", "Gelu"])
+@pytest.mark.parametrize("dtype,act", [(np.float32, "Gelu"), (np.float16, "Mish")])
 def test_the_kernels_compile_for_hopper_within_their_launch_bounds(dtype, act, tmp_path):
-    """sm_90, no spills, at most 64 registers a thread (1024-thread blocks); 16-byte loads in the
-    vector entries."""
+    """sm_90, no spills, at most 64 registers a thread (1024-thread blocks) with the longest
+    epilogues (a gate and a residual besides); 16-byte loads in the vector entries."""
     src, _ = _source(dtype, act, shape=(2, 64, 8, 8), groups=8)
     path = tmp_path / f"{src.name}.cu"
     path.write_text(src.code)
@@ -372,8 +303,8 @@ def test_the_cpu_executor_runs_the_op_library_s_fused_step_as_before(epilogue):
     unfused ops and ONNX Runtime as they did."""
     _, form, act, gate, residual = epilogue
     shape = (2, 32, 9, 10)
-    model = _unit(form, act, shape, 8, gate, residual)
-    f = _feeds(model, _inputs(shape))
+    model = unit(form, act, shape, 8, gate, residual)
+    f = unit_feeds(model, unit_inputs(shape))
     ex = Executor(model, device="cpu")
     ex.run(None, f)
     got = ex.run(None, f)[0]
@@ -387,3 +318,28 @@ def test_the_cpu_executor_runs_the_op_library_s_fused_step_as_before(epilogue):
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     onnx.checker.check_model(model)
+
+
+def test_the_benchmark_forces_either_path_whatever_the_group_size():
+    """benchmarks/op_kernels.py's "one launch" and "three kernels" variants of a normalization unit:
+    a group over the limit in one launch, one under it in three kernels; the limit is back
+    afterwards."""
+    from conftest import benchmark_script
+
+    ok = benchmark_script("op_kernels")
+    limit = group_norm_onepass.MAX_GROUP_ELEMENTS
+    no_build = lambda src, name: None  # noqa: E731  (nothing is launched)
+
+    def onepass(shape):
+        model = ok._exported_group_norm(shape, 2, np.random.default_rng(0), "relu")
+        return _launch(model, {"x": feeds(shape)["x"]}, no_build, None)[0].onepass is not None
+
+    small, large = (1, 16, 16, 16), (1, 64, 64, 64)  # 2,048 and 131,072 elements a group
+    assert onepass(small) and not onepass(large)
+    with ok._norm_path("three"):
+        assert not onepass(small)
+    with ok._norm_path("one"):
+        assert onepass(large)
+    assert group_norm_onepass.MAX_GROUP_ELEMENTS == limit
+    rows = [c for c in ok.cases() if c["name"].startswith(("GroupNorm+Relu (BiT", "GroupNorm+SiLU"))]
+    assert len(rows) == 16 and all(c["variants"]["one launch"] == {"fusions": True, ok.NORM_PATH: "one"} for c in rows)

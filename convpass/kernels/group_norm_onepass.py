@@ -7,7 +7,7 @@ CUDA graph must reset.
 
 Why: the three-kernel path (statistics, finalize, apply) costs about the same fixed time per
 kernel whatever its size, and small groups give its statistics tiny grids; a BiT ResNet's
-GroupNorm(32) units (3,136 to 25,088 elements a group at batch 16) spend most of their time there.
+GroupNorm(32) units (784 to 25,088 elements a group) spend most of their time there at batch 16.
 
 * ``gn_onepass_{cl,cf}_<v>`` — block ``n * G + g``; its threads walk the group's *slots* of ``v``
   elements (16 bytes of storage at most): channels-last, (position, run of ``v`` channels);
@@ -30,7 +30,8 @@ Rules (:func:`fits`; elsewhere the three kernels run):
 
 1. the unit's operands are ones the apply kernel reads (module rule 2 of
    :mod:`convpass.kernels.group_norm_apply`);
-2. a group holds at most :data:`MAX_GROUP_ELEMENTS` elements;
+2. a group holds at most :data:`MAX_GROUP_ELEMENTS` elements (and fewer than ``2**31``: the kernel
+   counts them in 32 bits);
 3. at most ``2**31 - 1`` (sample, group) blocks.
 
 Block size: enough threads for about :data:`_SLOTS_PER_THREAD` slots each, at most
@@ -53,14 +54,16 @@ from convpass.native import nvrtc as compiler
 
 __all__ = ["MAX_GROUP_ELEMENTS", "MAX_THREADS", "MOMENTS", "OnePassKernel", "fits", "onepass_geometry", "source", "widths"]
 
-# Elements a group may hold for the one-launch path. At batch 1 a unit has only G blocks (32 of an
-# H100's 132 SMs busy for GroupNorm(32)) and a block's time is the unit's: 32,768 float32
-# elements are 128 KiB, read twice and written once by one SM at an estimated 50 GB/s in about
-# 8 us, about what the two launches it saves cost with the three kernels' own time at that size;
-# larger groups run faster spread over the three kernels' many blocks. At batch 16 the unit has
-# 16 * G blocks and the one launch wins at any size the limit takes. It takes every GroupNorm(32)
-# of a BiT ResNet (3,136 to 25,088 a group) and a VAE decoder's 512 x 32 x 32 (16,384), not its
-# 256 x 128 x 128 (131,072). Read when a launch is built (tests and benchmarks may change it).
+# Elements a group may hold for the one-launch path: the estimated break-even at batch 1, where a
+# unit has only G blocks (32 for GroupNorm(32), a quarter of a 132-SM GPU) and one block's time is
+# the unit's. A block of 1024 threads, two 16-byte loads in flight each, streams an estimated
+# 50 GB/s: 32,768 float32 elements (128 KiB) read twice and written once take about 8 us, about
+# what the three kernels spend at that size in their two extra launches and small grids; larger
+# groups go faster spread over the three kernels' many blocks. At batch 16 a unit has 16 * G
+# blocks and one launch should be the faster at any size the limit takes. It takes every GroupNorm(32)
+# of a BiT ResNet (784 to 25,088 a group) and a VAE decoder's 512 x 32 x 32 (16,384), not its
+# 256 x 128 x 128 (131,072); benchmarks/op_kernels.py's GroupNorm rows time both paths on these.
+# Read when a launch is built (tests and benchmarks may change it).
 MAX_GROUP_ELEMENTS = 32768
 MAX_THREADS = 1024  # a block's threads at most (the kernel's launch bounds: 64 registers a thread)
 _RESIDENT_THREADS_PER_SM = 1024
@@ -184,7 +187,7 @@ def fits(shape: Sequence[int], groups: int) -> bool:
     one-launch path by its size (module rules 2 and 3; :data:`MAX_GROUP_ELEMENTS` as it is now)."""
     n, c = int(shape[0]), int(shape[1])
     size = c // groups * math.prod(int(d) for d in shape[2:])
-    return 0 < size <= MAX_GROUP_ELEMENTS and n * groups <= _GRID_X
+    return 0 < size <= min(MAX_GROUP_ELEMENTS, _GRID_X) and n * groups <= _GRID_X
 
 
 def _width(count: int, vector: int) -> int:
