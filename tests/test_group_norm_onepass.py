@@ -8,7 +8,6 @@ source; and the CPU executor's results, which do not go through it."""
 
 from __future__ import annotations
 
-import math
 import re
 import shutil
 import subprocess
@@ -121,8 +120,24 @@ def test_a_second_and_third_run_match(host_block_entry):
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_a_block_of_one_thread_is_valid(host_entry, layout):
     """The kernel in blocks of one thread (conftest.host_entry: its threads run in turn, so the
-    block's cooperation must be trivial): the thread walks every slot of its group."""
-    _check(host_entry, EPILOGUES[2], (2, 32, 9, 10), 8, layout, threads=1)
+    block's cooperation must be trivial): the thread walks every slot of its group, one group a
+    block."""
+    launch, _ = _check(host_entry, EPILOGUES[2], (2, 32, 9, 10), 8, layout, threads=1)
+    assert launch.onepass.geometry["block"] == (1,) and launch.onepass.geometry["groups_per_block"] == 1
+
+
+@pytest.mark.parametrize("shape,groups,k", [((2, 32, 9, 10), 8, 2), ((2, 6, 7, 9), 6, 2), ((1, 16, 3, 4, 5), 8, 4), ((1, 12, 7, 5), 3, 1)],
+                         ids=["4-channels", "instance", "3d-2-channels", "odd-groups"])
+def test_channels_last_blocks_take_several_groups_where_a_group_s_channels_are_short(host_block_entry, shape, groups, k):
+    """Channels-last groups of fewer than 32 bytes a position: a block takes two or four adjacent
+    groups (its threads' moments merged per group: a tree over the block's rows, then within each
+    group's channel vectors), an odd group count one; against float64."""
+    epilogue = EPILOGUES[3] if groups == shape[1] else EPILOGUES[2]
+    launch, _ = _check(host_block_entry, epilogue, shape, groups, "nhwc")
+    geo = launch.onepass.geometry
+    lanes = k * shape[1] // groups // geo["width"]
+    assert geo["groups_per_block"] == k and geo["grid"] == (shape[0] * groups // k,) and geo["block"][0] % lanes == 0, geo
+    assert geo["block"][0] > lanes or k == 1, "several rows of threads: the merge over rows runs"
 
 
 @pytest.mark.parametrize("inputs", ["far_mean", "variance_near_eps"])
@@ -218,17 +233,22 @@ def _geo(last, dims, groups, itemsize=4, strides=None, addresses=None, pixel=Non
 
 
 def test_bit_units_at_batch_16_run_in_one_wave_of_blocks_per_group():
-    """GroupNorm(32) at batch 16: 512 blocks, 256 threads each (all resident on 132 SMs); the
-    widest vector that divides the group's channels (channels-last) or the positions."""
-    for (c, s), cl_width, cf_width in (((256, 3136), 4, 4), ((64, 3136), 2, 4), ((2048, 49), 4, 1), ((512, 784), 4, 4)):
-        for last, width in ((True, cl_width), (False, cf_width)):
-            geo = _geo(last, (16, s, c) if last else (16, c, s), 32)
-            assert geo["grid"] == (512,) and geo["width"] == width and geo["entry"].endswith(f"_{width}"), (c, s, last, geo)
-            assert geo["block"][0] <= 256 and geo["block"][0] % 32 == 0
-            slots = c // 32 * s // width
-            assert geo["block"][0] == min(256, 32 * math.ceil(slots / 128))
+    """GroupNorm(32) at batch 16: a block per (sample, group), 256 threads (all resident on 132
+    SMs), the widest vector that divides the group's channels (channels-last) or the positions;
+    channels-last groups of 2 channels (8 bytes a position) four to a block (a 32-byte sector a
+    position), 128 blocks of 1024 threads."""
+    # (C, S): (channels-last: width, groups a block, threads), (channels-first: width, threads)
+    table = {(256, 3136): ((4, 1, 256), (4, 256)), (64, 3136): ((2, 4, 1024), (4, 256)), (2048, 49): ((4, 1, 224), (1, 256)),
+             (512, 784): ((4, 1, 256), (4, 256))}
+    for (c, s), ((cl_width, k, cl_threads), (cf_width, cf_threads)) in table.items():
+        cl = _geo(True, (16, s, c), 32)
+        assert (cl["width"], cl["groups_per_block"], cl["block"], cl["grid"]) == (cl_width, k, (cl_threads,), (512 // k,)), (c, s, cl)
+        assert cl["entry"] == f"gn_onepass_cl_{cl_width}" and cl["block"][0] % (k * c // 32 // cl_width) == 0
+        cf = _geo(False, (16, c, s), 32)
+        assert (cf["width"], cf["groups_per_block"], cf["block"], cf["grid"]) == (cf_width, 1, (cf_threads,), (512,)), (c, s, cf)
     half = _geo(True, (16, 3136, 256), 32, itemsize=2)
-    assert half["width"] == 8  # 8 channels a group: one 16-byte vector of float16
+    assert half["width"] == 8 and half["groups_per_block"] == 2  # 8 channels a group: 16 bytes of float16, two groups a block
+    assert _geo(True, (1, 3136, 64), 32)["groups_per_block"] == 1  # batch 1: 32 blocks are fewer than the SMs already
 
 
 def test_a_few_large_groups_get_large_blocks_and_tiny_groups_a_warp():
@@ -266,7 +286,7 @@ def test_the_source_reuses_the_apply_group_code_and_keeps_no_state():
     assert launch.onepass.kinds == ("sample", "pixel")
     assert "const T in3 = x3[(long long)n * sx3_n + (long long)c * sx3_c];" in code and "vx4[u] = load<V>(px4 + o * ox4 + i * ix4);" in code
     assert group_norm_onepass.MOMENTS in code and group_norm_onepass.MOMENTS in group_norm.source(np.float32).code
-    assert code.count("__syncthreads()") == 2  # block_merge's own: one pass's barrier
+    assert code.count("__syncthreads()") == code.count("__syncthreads()", code.index("__device__ void block_merge"), code.index("advance("))  # block_merge's only
     assert not re.search(r"atomic|__threadfence|__device__ (unsigned|int|float) ", code), "no global counters or state"
 
 

@@ -34,10 +34,11 @@ RUNS = 4  # a first run (the plan is built), then replays: the second and third 
 # (id, form, activation, gate, residual)
 EPILOGUES = {"bit": ("gn17", "Relu", False, False), "vae": ("gn17", "silu", False, True), "gate": ("gn21", "silu", True, True),
              "instance": ("instance", "LeakyRelu", False, False)}
-# (shape, groups, epilogue): BiT's sizes scaled to batch 2-4 (8 channels a group at 56 x 56 / 4 ..; 64
-# channels at 7 x 7, positions odd), 2 channels a group, a VAE decoder's 512 x 32 x 32 at batch 1
-# (32 blocks of 1024 threads), a gate and a residual on an odd size, InstanceNorm
-CASES = [((2, 256, 28, 28), 32, "bit"), ((4, 2048, 7, 7), 32, "bit"), ((2, 64, 56, 56), 32, "bit"), ((1, 512, 32, 32), 32, "vae"),
+# (shape, groups, epilogue): BiT-like units — 64 channels at 7 x 7 (odd positions), 2 channels a group
+# at batch 16 (channels-last: four groups a block), 8 channels a group with a residual (float16
+# channels-last: two groups a block) —, a VAE decoder's 512 x 32 x 32 at batch 1 (32 blocks of 1024
+# threads), a gate and a residual on an odd size, InstanceNorm
+CASES = [((4, 2048, 7, 7), 32, "bit"), ((16, 64, 28, 28), 32, "bit"), ((8, 256, 14, 14), 32, "vae"), ((1, 512, 32, 32), 32, "vae"),
          ((2, 96, 9, 11), 8, "gate"), ((2, 64, 20, 20), 64, "instance")]
 
 
@@ -80,6 +81,8 @@ def test_the_one_launch_matches_float64_over_runs(shape, groups, epilogue, dtype
     (ran,) = launch.apply_paths()
     assert ran.startswith(f"gn_onepass_{'cl' if channels_last else 'cf'}_"), ran
     assert launch.onepass is not None and launch.part is None and launch.coef is None
+    if channels_last and shape == (16, 64, 28, 28):
+        assert launch.onepass.geometry["groups_per_block"] > 1, launch.onepass.geometry
 
 
 def _bit_block(shape, groups):
