@@ -620,6 +620,7 @@ static Dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, g
 static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
 #define __shfl_xor_sync(mask, v, o) (v)
 #define __syncthreads()
+#define __launch_bounds__(...)
 """
 
 
@@ -629,7 +630,7 @@ def host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
     if CXX is None:
         pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
     src = tmp_path / f"{name}.cpp"
-    src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"'))
+    src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"').replace("#include <cuda_fp16.h>", _HOST_HALF))
     lib = tmp_path / f"lib{name}.so"
     subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
     return ctypes.CDLL(str(lib))
@@ -688,6 +689,110 @@ def host_entry(tmp_path_factory):
                             lib.set_index(i, j, tx, ty, bx, by, gx, gy)
                             kernel(*conv)
         return launch
+
+    return entry
+
+
+_BLOCK_SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+using std::min; using std::max;
+struct Dim3 { unsigned x, y, z; };
+static Dim3 blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+static thread_local Dim3 threadIdx = {0, 0, 0};
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define __shared__ static
+static std::mutex bar_mutex;
+static std::condition_variable bar_cv;
+static unsigned bar_waiting = 0, bar_size = 1, bar_generation = 0;
+static int bar_broken = 0;
+static void host_syncthreads() {  // a block barrier; one that times out marks the launch broken
+    std::unique_lock<std::mutex> lock(bar_mutex);
+    const unsigned generation = bar_generation;
+    if (++bar_waiting == bar_size) { bar_waiting = 0; ++bar_generation; bar_cv.notify_all(); return; }
+    if (!bar_cv.wait_for(lock, std::chrono::seconds(20), [&] { return generation != bar_generation; })) bar_broken = 1;
+}
+#define __syncthreads() host_syncthreads()
+"""
+
+# cuda_fp16.h's __half for host builds: float16 storage (_Float16, round to nearest even), float math
+_HOST_HALF = r"""
+struct __half {
+    _Float16 h;
+    __half() = default;
+    __half(float f) : h((_Float16)f) {}
+    operator float() const { return (float)h; }
+};
+static inline float __half2float(__half v) { return (float)v; }
+static inline __half __float2half_rn(float f) { return __half(f); }
+"""
+
+_BLOCK_SETTERS = ('\nextern "C" void set_block(unsigned bx, unsigned by, unsigned bdx, unsigned bdy, unsigned gdx, unsigned gdy) { '
+                  'blockIdx.x = bx; blockIdx.y = by; blockDim.x = bdx; blockDim.y = bdy; gridDim.x = gdx; gridDim.y = gdy; '
+                  'bar_size = bdx * bdy; bar_waiting = 0; }\n'
+                  'extern "C" void set_thread(unsigned tx, unsigned ty) { threadIdx.x = tx; threadIdx.y = ty; }\n'
+                  'extern "C" int barrier_broken() { return bar_broken; }\n')
+
+
+def host_block_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
+    """A CUDA kernel source compiled as host C++ whose blocks run as real threads: ``threadIdx``
+    per thread, ``__syncthreads`` a barrier of the block's threads, ``__shared__`` one array the
+    block's threads share (blocks run one at a time), ``__half`` a host float16. Launch it with
+    :func:`host_block_launch`."""
+    if CXX is None:
+        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(_BLOCK_SHIM + "using namespace std;\n" + code.replace("#include <cuda_fp16.h>", _HOST_HALF) + _BLOCK_SETTERS)
+    lib = tmp_path / f"lib{name}.so"
+    subprocess.run([CXX, "-O1", "-std=c++17", "-pthread", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
+
+
+def host_block_launch(lib: ctypes.CDLL, name: str, grid, block_, args) -> None:
+    """Launch entry ``name`` of a :func:`host_block_library` build: block by block, each block's
+    threads at once (ctypes lets go of the GIL during the calls), so its barriers are real."""
+    import threading
+
+    kernel = getattr(lib, name)
+    conv = host_args(args)
+    gx, gy = (*grid, 1)[:2]
+    bx, by = (*block_, 1)[:2]
+
+    def thread(tx: int, ty: int) -> None:
+        lib.set_thread(tx, ty)
+        kernel(*conv)
+
+    for j in range(gy):
+        for i in range(gx):
+            lib.set_block(i, j, bx, by, gx, gy)
+            threads = [threading.Thread(target=thread, args=(tx, ty)) for ty in range(by) for tx in range(bx)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    assert not lib.barrier_broken(), f"{name}: a block barrier timed out (a thread never reached it)"
+
+
+@pytest.fixture(scope="module")
+def host_block_entry(tmp_path_factory):
+    """``entry(source, name)`` like :func:`host_entry`, each block's threads run at once with real
+    barriers (:func:`host_block_library`): cooperative kernels at their real block sizes."""
+    libs = {}
+    d = tmp_path_factory.mktemp("blocks")
+
+    def entry(src, name):
+        if src.name not in libs:
+            libs[src.name] = host_block_library(d, src.code, src.name)
+        lib = libs[src.name]
+        return lambda grid, block_, args: host_block_launch(lib, name, grid, block_, args)
 
     return entry
 
