@@ -130,7 +130,7 @@ class _Plan:
     """A graph-API plan of ``F`` stood in for: ``leaky(conv(x, w) + b) + z`` by the reference conv;
     a ``z`` of other element strides than the plan reads is refused as the real plan refuses it
     (:meth:`graph_api.EnginePlan.execute`); configuration 3 does not build (cuDNN refusing the
-    strided ``z``); ``refusals``: launches with ``z`` read in place that raise first."""
+    strided ``z``); ``refusals``: launches with ``z`` read in place refused first (as a misaligned ``z`` is)."""
 
     seen: list = []
     refusals = 0
@@ -147,7 +147,7 @@ class _Plan:
             raise GraphApiError(f"{self.config.algo}: the residual z is not of the element strides its plan reads")
         if _Plan.refusals:
             _Plan.refusals -= 1
-            raise GraphApiError(f"{self.config.algo} failed to execute: CUDNN_STATUS_EXECUTION_FAILED")
+            raise graph_api.ResidualRefused(f"{self.config.algo}: z not 16-byte aligned, as its plan assumes")
         pre = conv_reference(np, np.ascontiguousarray(x), np.ascontiguousarray(w), None, _geometry()) + bias.reshape(1, -1, 1, 1)
         y[...] = _leaky(pre) + z
 
@@ -319,6 +319,35 @@ def test_a_refused_residual_slice_is_learned_once_and_copied_from_then_on(engine
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("odd", ["z", "x"])
+def test_only_a_refusal_of_the_residual_itself_is_learned_as_one(engine_convs, plans, layout, odd, monkeypatch):
+    """A launch refused for its residual slice alone (z misaligned) copies z from then on; one
+    refused for another tensor (x misaligned) is no refusal of the slice: the warned fallback, the
+    slice still read in place by the decision."""
+    convs = engine_convs(layout)
+    x, w, b, z, want = _inputs(layout)
+    call = _engine_call(layout)
+    ex = convs.resolve(call, x.dtype, F)
+    tries, warned = [], []
+    convs.rt.warn_node = lambda node, m: warned.append(m)
+
+    def misaligned(**arrays):
+        tries.append(arrays["z"] is z)
+        return [odd] if len(tries) == 1 else []
+
+    monkeypatch.setattr(conv_exec.graph_api, "misaligned", misaligned)
+    for name in ("where", "add"):  # the fallback's activation pass and residual add
+        monkeypatch.setattr(convs.rt.cp, name, getattr(np, name), raising=False)
+    np.testing.assert_allclose(convs.run(call, x, w, b, z=z, fusion=F, fused=True), want, rtol=1e-5, atol=1e-5)
+    assert tries[0] and ex.strided_residual_ok is (odd != "z")
+    if odd == "z":
+        assert tries == [True, False] and [seen is z for _, seen in plans.seen] == [False]  # then the copy
+        assert (convs.rt.counters["residual_copies"], warned) == (1, [])
+    else:
+        assert convs.resolve(call, x.dtype, F) is not ex and [m for m in warned if "x not 16-byte aligned" in m] == warned != []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_residual_refusal_while_capturing_breaks_the_capture(engine_convs, plans, layout):
     convs = engine_convs(layout)
     x, w, b, z, _ = _inputs(layout)
@@ -369,7 +398,7 @@ def test_the_fused_graph_of_a_residual_slice_key_reads_z_with_the_slices_strides
     assert ("tensor", "z", tuple(y.dims), key.z_strides) in frontend.calls and plan.z_strides == key.z_strides
     arrays = {name: np.zeros((2, 4), np.float32) for name in ("x", "w", "y", "b")}
     packed = _buffer(layout, channels=K)
-    with pytest.raises(GraphApiError, match="not of the element strides its plan reads"):  # never read with strides it was not built for
+    with pytest.raises(graph_api.ResidualRefused, match="not of the element strides its plan reads"):  # never read with strides it was not built for
         plan.execute(*(_ptr(arrays[n], 100 * i) for i, n in enumerate("xwy")), None, bias=_ptr(arrays["b"], 400), z=_ptr(packed, 500))
     sliced = _buffer(layout)[:, 2:2 + K]
     plan.execute(*(_ptr(arrays[n], 100 * i) for i, n in enumerate("xwy")), None, bias=_ptr(arrays["b"], 400), z=_ptr(sliced, 500))

@@ -339,7 +339,8 @@ class EngineConv(ConvExec):
         ws = workspace if self.workspace_bytes > 0 else None
         odd = graph_api.misaligned(x=x, w=w, y=y, bias=bias if self.fused else None, z=z if self.residual else None)
         if odd:  # a view at an odd offset: refused as cuDNN refuses, never a misaligned read (a sticky CUDA error)
-            raise graph_api.GraphApiError(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
+            refused = graph_api.ResidualRefused if odd == ["z"] else graph_api.GraphApiError  # z alone: a copy of it may run
+            raise refused(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
         if fence_needed(self):
             stream_fence(self.cp)  # timed with the launch it guards: the tuner's rows hold it
         if self.fused:

@@ -51,10 +51,14 @@ Rules:
    the conv's memory format; for a plan built for a slice, into a buffer of those strides),
    counted in ``residual_copies`` and noted once per node at debug level where the decision's
    tuning did not time that copy: the tuner times a key's residual slice read in place, or copied
-   for an object that reads a packed ``z`` (cuDNN's legacy fused call). A launch refused with the
-   slice in place (the plan refusing it, :class:`~convpass.native.cudnn.graph_api.GraphApiError`,
-   or cuDNN's refusal) copies from then on (:func:`remember_residual_refusal`), said once at
-   debug level; while a CUDA graph is captured, the capture breaks there.
+   for an object that reads a packed ``z`` (cuDNN's legacy fused call). A launch refused for the
+   slice in place alone (:class:`~convpass.native.cudnn.graph_api.ResidualRefused`: ``z`` the one
+   tensor not aligned as the plan assumes, or not of its strides) copies from then on
+   (:func:`remember_residual_refusal`), said once at debug level; while a CUDA graph is captured,
+   the capture breaks there. That copy keeps the slice's strides, so it helps where the refusal
+   was the alignment of ``z``'s start; where cuDNN refuses the strides themselves (the plan's
+   execution failing), or the launch was refused for another tensor, the step falls back
+   (warned) as any refused engine step does.
 """
 
 from __future__ import annotations

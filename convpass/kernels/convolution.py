@@ -125,7 +125,7 @@ from convpass.kernels.plan_steps import PlanSteps
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, copy_into, first_line, storage
 from convpass.native.cudnn import graph_api
-from convpass.native.cudnn.graph_api import GraphApiError
+from convpass.native.cudnn.graph_api import GraphApiError, ResidualRefused
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
 
@@ -320,7 +320,7 @@ class Convolutions:
         try:
             self._launch(conv, x4, wk, y4, ws, b, z4)
         except (cudnn.CudnnError, ValueError, GraphApiError) as e:
-            if z_read and (isinstance(e, GraphApiError) or refuses_slice(e)):  # its residual slice refused: copied from now on
+            if z_read and isinstance(e, ResidualRefused):  # its residual slice refused: copied from now on
                 remember_residual_refusal(self.rt, ex, e)
                 return self._run(ex, x, w, b, relu, z, out, slices)
             if isinstance(e, GraphApiError):

@@ -29,7 +29,7 @@ Rules
   :func:`convpass.core.fusion.residual_fusion`): a pointwise ADD whose second input is the
   residual ``z``, a tensor of the output's dims and strides that the plan reads at execution
   (never the output itself: :meth:`EnginePlan.execute` refuses ``z`` overlapping ``y``; for a key
-  with a residual slice, ``zslice``, the slice's strides, and a ``z`` of others is refused). A fused depthwise conv costs about what the bare conv does,
+  with a residual slice, ``zslice``, the slice's strides, and a ``z`` of others is refused: :class:`ResidualRefused`). A fused depthwise conv costs about what the bare conv does,
   which removes two passes over the output (the bias and the SiLU kernel).
 * **Legacy epilogues as fused graphs.** The legacy epilogues (:data:`convpass.core.fusion.LEGACY`)
   are graphs too, named the same: ``bias`` (conv -> add(bias)), ``bias+relu`` (-> ReLU),
@@ -94,10 +94,8 @@ from convpass.core.fusion import (
 )
 from convpass.core.problem import ProblemKey, ResidualSlice
 
-__all__ = [
-    "ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs",
-    "misaligned", "plan_id", "unavailable",
-]
+__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "ResidualRefused",
+           "enumerate_configs", "misaligned", "plan_id", "unavailable"]
 
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
 PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
@@ -195,6 +193,10 @@ class GraphApiError(RuntimeError):
     """The graph API cannot do what was asked (package missing, graph or plan refused)."""
 
 
+class ResidualRefused(GraphApiError):
+    """A plan refusing its residual ``z`` alone (misaligned, or not of its strides): a copy of ``z`` may run."""
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class EngineConfig:
     """An engine id and its knob values (knob id -> value), as cuDNN numbers them, of the bare
@@ -285,9 +287,7 @@ _handles = threading.local()
 
 def _handle(fe: Any, device: int) -> Any:
     """The frontend's cuDNN handle of this thread on ``device`` (made once)."""
-    have = getattr(_handles, "by_device", None)
-    if have is None:
-        have = _handles.by_device = {}
+    have = _handles.__dict__.setdefault("by_device", {})
     if device not in have:
         have[device] = fe.create_handle()
     return have[device]
@@ -519,7 +519,7 @@ class EnginePlan:
         if z is not None and _overlap(z, y):
             raise GraphApiError(f"{self.config.algo}: the residual z shares memory with the output y (it must not alias it)")
         if z is not None and not _has_strides(z, self.z_strides):
-            raise GraphApiError(f"{self.config.algo}: the residual z is not of the element strides its plan reads, {self.z_strides}")
+            raise ResidualRefused(f"{self.config.algo}: the residual z is not of the element strides its plan reads, {self.z_strides}")
         self._fe.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
         pack = dict(zip(self._uids, (x.data.ptr, w.data.ptr, y.data.ptr)))
         if bias is not None:
