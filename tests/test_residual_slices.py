@@ -33,6 +33,7 @@ from convpass.native.cudnn import graph_api
 from convpass.native.cudnn.graph_api import EngineConfig, GraphApiError
 from convpass.ops.conv import ConvCall, conv_reference
 from convpass.tuning import candidates as candidates_module
+from convpass.tuning import harness
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.candidates import Candidates
@@ -226,6 +227,22 @@ def test_the_passes_read_the_residual_slice_in_the_outputs_memory_order(bench_st
     sets = candidates.bench.rotation(layout)
     assert launched and all(len({a.shape for a in arrays}) == 1 for arrays in launched)  # y and z walked in one order
     assert all(any(np.shares_memory(arrays[1], b["z"]) for b in sets) for arrays in launched)  # the slice itself, no copy
+
+
+def test_the_rotation_of_a_timing_with_a_residual_is_sized_with_its_z_the_slices_whole_buffer(bench_stand_in, monkeypatch):
+    bench_stand_in("nhwc")
+    bench_stand_in.cp.add = lambda a, b, out: None
+    sized = []
+    monkeypatch.setattr(harness, "rotation_sets", lambda nbytes, limit=64: sized.append(nbytes) or 2)
+    packed, sliced = _zbench(None), _zbench()
+    x, w, y = (packed._base[name].nbytes for name in "xwy")
+    for bench in (packed, sliced):
+        bench.rotation("nhwc")
+        bench.rotation("nhwc", residual=True)
+    assert sized == [x + w + y, x + w + 2 * y, x + w + y, x + w + y + y * TOTAL // K]  # a zslice z: its buffer of TOTAL channels
+    sized.clear()
+    Candidates(sliced)._measure_residual_pass(SHAPE.key("nhwc", "default", z_slice=Z))  # a timing that adds z sizes its sets so
+    assert sized == [x + w + y + y * TOTAL // K]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ class Candidates:
         now = time.time()
         residual, relu = epilogue.parts(name)
         try:
-            sets = self.bench.rotation(key.layout)
+            sets = self.bench.rotation(key.layout, residual)
             bias = self._bias_and_residuals(key, residual, sets)
             timing = harness.time_launches(
                 lambda i: conv_exec.apply_epilogue(cp, sets[i]["y"], bias, relu, sets[i]["z"] if residual else None), len(sets))
@@ -177,7 +177,7 @@ class Candidates:
         try:
             conv = conv_exec.conv_exec(key, fused, name, cp=cp, descs=descs)
             ws = conv.workspace_bytes
-            bias, expected = self._epilogue_inputs(key, name, self.bench.rotation(key.layout))
+            bias, expected = self._epilogue_inputs(key, name, self.bench.rotation(key.layout, residual))
             row = self.bench.check_and_time(conv, det, now, best_ms, bias=bias, residual=residual, expected=expected)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, str(fused), ws, det, now, e)
@@ -286,7 +286,7 @@ class Candidates:
         residual = epilogue.adds_residual(fusion)
         try:
             kernel = _activation_kernel(fusion)
-            sets = self.bench.rotation(key.layout)
+            sets = self.bench.rotation(key.layout, residual)
             if residual:
                 self._residuals(key, sets)
                 timing = harness.time_launches(lambda i: kernel(_stored(sets[i]["y"]), _stored(sets[i]["z"]), _stored(sets[i]["y"])), len(sets))
@@ -307,7 +307,7 @@ class Candidates:
         now = time.time()
         name = epilogue.RESIDUAL_PASS
         try:
-            sets = self.bench.rotation(key.layout)
+            sets = self.bench.rotation(key.layout, True)
             self._residuals(key, sets)
             timing = harness.time_launches(lambda i: cp.add(_stored(sets[i]["y"]), _stored(sets[i]["z"]), out=_stored(sets[i]["y"])), len(sets))
         except cp.cuda.memory.OutOfMemoryError as e:
@@ -333,7 +333,7 @@ class Candidates:
             if fusion:
                 z = None
                 if residual:
-                    sets = self.bench.rotation(key.layout)
+                    sets = self.bench.rotation(key.layout, True)
                     self._residuals(key, sets)
                     z = harness.to_float32(sets[0]["z"], shape.dtype)
                 expected = graph_api.fusion_of(fusion).reference(cp, expected, z)
@@ -410,7 +410,7 @@ class Candidates:
             bias, expected, residual = None, None, False
             if fusion:
                 residual, _ = epilogue.parts(fusion)
-                bias, expected = self._epilogue_inputs(key, fusion, self.bench.rotation(key.layout))
+                bias, expected = self._epilogue_inputs(key, fusion, self.bench.rotation(key.layout, residual))
             row = self.bench.check_and_time(conv, True, now, best_ms, bias=bias, residual=residual, capture_required=True, expected=expected)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, name, 0, True, now, e)

@@ -189,14 +189,21 @@ class ShapeBench:
         rest = [part for part in (wide[:, :s.first], wide[:, s.first + self.shape.k:]) if part.shape[1]]
         return not all(bool(cp.isnan(harness.to_float32(part, self.shape.dtype)).all()) for part in rest)
 
-    def rotation(self, layout: str) -> list[dict]:
-        """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`)."""
-        nbytes = sum(a.nbytes for a in self._base.values())
-        for name, where in (("x", self.x_slice), ("y", self.y_slice)):  # each a slice of a buffer of where.channels channels
-            if where is not None:
-                a = self._base[name]
-                nbytes += a.nbytes * (where.channels - a.shape[1]) // a.shape[1]
-        return self.buffers(layout, harness.rotation_sets(nbytes))
+    def rotation(self, layout: str, residual: bool = False) -> list[dict]:
+        """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`),
+        sized by what each holds: with ``residual`` (a timing that adds each set's ``z``), its
+        ``z`` too, the whole buffer of a residual slice."""
+        return self.buffers(layout, harness.rotation_sets(self.set_bytes(residual)))
+
+    def set_bytes(self, residual: bool = False) -> int:
+        """The bytes one rotation set holds: ``x``, ``w``, ``y`` (a slice's: the whole buffer),
+        and with ``residual`` its ``z`` (of the output's size; a residual slice's: its whole buffer)."""
+        y = self._base["y"]
+        tensors = [(a.nbytes, a.shape[1], None if name == "w" else getattr(self, f"{name}_slice")) for name, a in self._base.items()]
+        if residual:
+            tensors.append((y.nbytes, y.shape[1], self.z_slice))
+        # each slice's tensor is part of a buffer of where.channels channels
+        return sum(n if where is None else n * where.channels // channels for n, channels, where in tensors)
 
     def find_workspace(self) -> int:
         import cupy as cp
@@ -239,7 +246,7 @@ class ShapeBench:
         out_name = OUTPUT[key.shape.direction]
         reference = self.reference() if expected is None else expected
         workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
-        sets = self.rotation(key.layout)
+        sets = self.rotation(key.layout, residual)
         weights = {id(b): conv.prepare_weight(b["w"]) for b in sets}  # as the executor passes them
         tensors = _Tensors(key, conv, sets, residual)
 
