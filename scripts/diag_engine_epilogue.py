@@ -35,9 +35,11 @@ Per model (``--models``, default resnet50) at ``--batch`` (16):
    fence before every fused engine launch (``conv_exec.fence_needed``) narrowed to some launches
    (none: the control; graphs with a residual; engine 4's; engine 4's with a residual; launches
    right after a cuDNN conv call; every fused launch, the product's default), each run's error and
-   how many captured launches it fenced;
+   how many captured launches it fenced; with the control, the captured graph's edges by kind
+   (``DIAG EDGES``: programmatic ones named by their kernels) and a copy of the graph replayed as
+   captured and with those edges made default (``DIAG EDGES rewritten``);
 7. verdict lines (``DIAG VERDICT``; ``VERDICT fence scope``: the smallest right scope per model and
-   over every model), everything in ``<out>/diag-<model>.json``.
+   over every model; ``VERDICT edges``), everything in ``<out>/diag-<model>.json``.
 
 Once per call, first: the fence's cost on this GPU (``DIAG FENCE cost``: a CUDA graph of
 ``--fence-n`` fences against an empty graph; as many no-op kernels with and without a fence before
@@ -94,6 +96,8 @@ from diag_fence import (
     _cp,
     across_models,
     cost_lines,
+    edges_check,
+    edges_verdict_line,
     fence_cost,
     log,
     noop_kernel,
@@ -253,8 +257,9 @@ def executor(tuned: Path, graph: bool, sidecar: bool, check: bool = False) -> An
 
 
 def run_condition(name: str, tuned: Path, feeds: dict[str, Any], ref: list[np.ndarray], *, graph: bool, sidecar: bool = True,
-                  check: bool = False, patches: tuple = (), runs: int = 4) -> dict[str, Any]:
-    """Runs 1 (op by op), 2 (the plan's first run: the warm-up of a captured one) and the replays."""
+                  check: bool = False, patches: tuple = (), runs: int = 4, inspect: Any = None) -> dict[str, Any]:
+    """Runs 1 (op by op), 2 (the plan's first run: the warm-up of a captured one) and the replays;
+    then ``inspect(ex)`` on the executor, its result in the doc's ``inspected``."""
     cp = _cp()
     with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -268,11 +273,14 @@ def run_condition(name: str, tuned: Path, feeds: dict[str, Any], ref: list[np.nd
             errs.append(model_error(outs, ref))
         status = ex.graph_status().describe()
         builds = len(ex.backend.convs.engine_builds)
+        inspected = None if inspect is None else inspect(ex)
         del ex, outs
         gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
     said = [str(w.message).splitlines()[0] for w in caught]
     doc = {"condition": name, "errors": errs, "graph": status, "plans_built": builds, "warnings": said}
+    if inspect is not None:
+        doc["inspected"] = inspected
     marks = " ".join(f"{e:.2e}{'' if e <= TOL_MODEL else '!'}" for e in errs)
     log(f"model {name:<38} runs 1..{runs}: {marks}  [{status}; {builds} plans built here]")
     for w in said[:4]:
@@ -697,14 +705,20 @@ def fresh_process_loads(tuned: Path, suspects: list[dict[str, Any]]) -> dict[str
 
 def fence_scopes(tuned: Path, feeds: dict[str, Any], ref: list[np.ndarray], names: list[str], sidecar: bool, runs: int) -> list[dict[str, Any]]:
     """The model under each fence scope of ``names`` (the bench's condition: captured, side-car
-    plans unless ``sidecar`` is False), each run's error and the scope's captured fused launches."""
+    plans unless ``sidecar`` is False), each run's error and the scope's captured fused launches;
+    with the control (no fence), the captured graph's edges (``edges``: diag_fence.edges_check)."""
     out = []
     for name in names:
         scope = FenceScope(name)
         how = "side-car" if sidecar else "built here"
+        edges = None
+        if name == CONTROL:
+            edges = lambda ex: guarded("the captured graph's edges", edges_check, ex, feeds, lambda outs: model_error(outs, ref))  # noqa: E731
         doc = guarded(f"condition fence scope {name!r}", run_condition, f"{how}, captured, fence: {name}", tuned, feeds, ref,
-                      graph=True, sidecar=sidecar, patches=tuple(scope.patches()), runs=runs)
+                      graph=True, sidecar=sidecar, patches=tuple(scope.patches()), runs=runs, inspect=edges)
         doc = {"condition": f"fence: {name}", "errors": []} if doc is None else doc
+        if name == CONTROL:
+            doc["edges"] = doc.pop("inspected", None) or {"unavailable": "the check failed or did not run (see above)"}
         doc.update(scope.summary())
         log(scope_line(doc))
         out.append(doc)
@@ -820,6 +834,9 @@ def verdicts(doc: dict[str, Any]) -> None:
     if doc.get("fence_scopes"):
         doc["fence_verdict"] = scope_verdict(doc["fence_scopes"])
         log(verdict_line(f"model {doc['model']} b{doc['batch']}", doc["fence_verdict"]))
+        edges = next((r["edges"] for r in doc["fence_scopes"] if r and r.get("edges")), None)
+        if edges is not None:
+            log(edges_verdict_line(f"model {doc['model']} b{doc['batch']}", edges))
 
 
 def condition_verdicts(doc: dict[str, Any]) -> None:
@@ -933,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_fence_summary(out: Path, cost: dict[str, Any] | None, scopes: dict[str, list[dict[str, Any]]], final: bool) -> None:
     """``<out>/diag-fence.json``: the fence's cost, each model's scope results and the verdict over
     every model (printed when ``final``)."""
-    summary: dict[str, Any] = {"fence_cost": cost, "scopes": {m: [{k: r.get(k) for k in ("scope", "errors", "graph", "fences", "fused", "after")}
+    summary: dict[str, Any] = {"fence_cost": cost, "scopes": {m: [{k: r.get(k) for k in ("scope", "errors", "graph", "fences", "fused", "after", "edges")}
                                                                   for r in rs] for m, rs in scopes.items()}}
     if len(scopes) > 1 and any(scopes.values()):
         summary["verdict"] = scope_verdict(across_models(scopes))

@@ -23,15 +23,22 @@ plan one captured graph) with the fewest fences in the graph (:func:`scope_verdi
 
 The fence's cost (:func:`fence_cost`): CUDA graphs of ``n`` fences against an empty graph, and of
 ``n`` no-op kernels with and without a fence before each; the same kernels launched eagerly.
+
+What the fence replaces (:func:`edges_check`, with scope ``none``): the captured graph's edges by
+kind through the CUDA driver API (programmatic edges, which let a kernel start before its producer
+has finished, are what the fence is thought to break), and the graph with each of them made a
+default edge replayed against the reference. One concept, the fence, makes this module longer
+than 600 lines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -375,4 +382,286 @@ def fence_cost(n: int = 200, reps: int = 30) -> dict[str, Any]:
         us["graph_between_kernels"] = per_fence_us(t["kernels+fences"], t["kernels"], n)
     us["eager_between_kernels"] = per_fence_us(t["eager kernels+fences"], t["eager kernels"], n)
     us["host_per_fence_call"] = host * 1e6 / n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the captured graph's edges (CUDA driver API through ctypes)
+#
+# The hypothesis: cuDNN launches some kernels with programmatic stream serialization, which stream
+# capture records as programmatic edges (the consumer may start before its producer has finished);
+# the fence puts a memset node, so a default edge, in between. Here the plan is captured without a
+# fence, its edges are counted by kind, and a copy of the graph whose every non-default edge is
+# made a default one is replayed against the reference: a zero-cost fix where it is right.
+
+EDGE_TYPES = {0: "default", 1: "programmatic"}  # CUgraphDependencyType
+FROM_PORTS = {0: "default", 1: "programmatic", 2: "launch order"}  # CU_GRAPH_KERNEL_NODE_PORT_*
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "event wait", 7: "event record",
+              8: "semaphore signal", 9: "semaphore wait", 10: "mem alloc", 11: "mem free", 12: "batch mem op", 13: "conditional"}
+EDGE_RUNS = 6  # replays of each graph
+
+
+class EdgeData(ctypes.Structure):
+    """CUgraphEdgeData (8 bytes)."""
+
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte), ("reserved", ctypes.c_ubyte * 5)]
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2, with room after it for a longer one."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p),
+                ("_room", ctypes.c_ubyte * 64)]
+
+
+class Edge(NamedTuple):
+    src: str  # what the node at each end is (a kernel's name, else the node's type)
+    dst: str
+    type: int
+    from_port: int
+    to_port: int
+    a: int = 0  # the nodes' handles
+    b: int = 0
+
+
+class EdgesUnavailable(Exception):
+    """The graph or a driver symbol is not to be had: the check is skipped, said so."""
+
+
+class DriverError(Exception):
+    """A driver call returned an error."""
+
+
+def edge_kind(e: Edge) -> str:
+    return f"{EDGE_TYPES.get(e.type, f'type {e.type}')}/{FROM_PORTS.get(e.from_port, f'port {e.from_port}')}"
+
+
+def is_default(e: Edge) -> bool:
+    return e.type == 0 and e.from_port == 0 and e.to_port == 0
+
+
+def edge_summary(edges: list[Edge], nodes: int | None = None) -> dict[str, Any]:
+    """The edges counted by kind (``type/from_port``); the programmatic ones (type 1) by the pair
+    of nodes they join, most frequent first; the non-default ones (any type or port not 0)."""
+    prog = Counter(f"{e.src} -> {e.dst}" for e in edges if e.type == 1)
+    return {"edges": len(edges), "nodes": nodes, "kinds": dict(Counter(edge_kind(e) for e in edges)), "programmatic": sum(prog.values()),
+            "non_default": sum(1 for e in edges if not is_default(e)), "pairs": dict(prog.most_common())}
+
+
+def _short(pair: str, n: int = 48) -> str:
+    """``a -> b`` with each name cut to ``n`` characters."""
+    return " -> ".join(x if len(x) <= n else x[:n - 3] + "..." for x in pair.split(" -> "))
+
+
+def runs_text(errors: list[float], tol: float = TOL_MODEL) -> str:
+    marks = " ".join(f"{e:.2e}{'' if e <= tol else '!'}" for e in errors)
+    return f"runs 1..{len(errors)}: {marks}"
+
+
+def replay_word(errors: list[float] | None, tol: float = TOL_MODEL) -> str:
+    return "not tried" if not errors else "right" if all(e <= tol for e in errors) else "WRONG"
+
+
+def edge_lines(s: dict[str, Any]) -> list[str]:
+    """The ``EDGES`` lines of an :func:`edges_check` result."""
+    if s.get("unavailable"):
+        return [f"EDGES unavailable: {s['unavailable']}"]
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["kinds"].items()))
+    lines = [f"EDGES captured without a fence: {s['edges']} edge(s) between {s['nodes']} node(s): {kinds or '-'}; "
+             f"{s['programmatic']} programmatic, {s['non_default']} not default"]
+    lines += [f"EDGES   programmatic x{n}: {p}" for p, n in s["pairs"].items()]
+    for what, key in (("as captured (a copy, replayed the same way)", "captured"), ("rewritten", "rewritten")):
+        if s.get(key):
+            lines.append(f"EDGES {what}: {runs_text(s[key])}: {replay_word(s[key])}")
+        if s.get(f"{key}_error"):
+            lines.append(f"EDGES {what}: failed: {s[f'{key}_error']}")
+    if s.get("rewired") is not None:
+        lines.append(f"EDGES rewritten: {s['rewired']} edge(s) made default; {s.get('left', '?')} non-default left")
+    return lines
+
+
+def edges_verdict_line(what: str, s: dict[str, Any]) -> str:
+    """``VERDICT edges``: the programmatic edges of the plan captured without a fence, and whether
+    the graph with them made default edges is right."""
+    if s.get("unavailable"):
+        return f"VERDICT edges, {what}: unavailable: {s['unavailable']}"
+    pairs = list(s["pairs"].items())
+    kernels = "; ".join(f"{_short(a)} x{n}" for a, n in pairs[:4]) + (f"; {len(pairs) - 4} more pair(s)" if len(pairs) > 4 else "")
+    rewritten = replay_word(s.get("rewritten"))
+    if s.get("rewritten_error"):
+        rewritten += f" ({s['rewritten_error']})"
+    captured = replay_word(s.get("captured"))
+    line = (f"VERDICT edges, {what}: {s['programmatic']} programmatic edge(s) of {s['edges']} (kernels {kernels or '-'}); "
+            f"rewritten to default: {rewritten}; as captured, replayed the same way: {captured}")
+    if s["programmatic"] == 0:
+        line += "; no programmatic edge: the hypothesis does not hold"
+    elif rewritten == "right" and captured == "WRONG":
+        line += "; the programmatic edges are the cause: default edges in their place are the zero-cost fix"
+    elif captured == "right":
+        line += "; the race did not show in this replay: not told apart"
+    return line
+
+
+class Driver:
+    """libcuda.so.1's functions by name: ``drv(("cuX_v2", "cuX"), *args)`` calls the first one it
+    has (:class:`EdgesUnavailable` where none), :class:`DriverError` on a status other than 0."""
+
+    def __init__(self, lib: Any = None) -> None:
+        if lib is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise EdgesUnavailable(f"libcuda.so.1: {e}") from None
+        self.lib = lib
+
+    def has(self, name: str) -> bool:
+        return getattr(self.lib, name, None) is not None
+
+    def __call__(self, names: tuple[str, ...], *args: Any) -> None:
+        name = next((n for n in names if self.has(n)), None)
+        if name is None:
+            raise EdgesUnavailable(f"libcuda.so.1 has no {' or '.join(names)}")
+        fn = getattr(self.lib, name)
+        fn.restype = ctypes.c_int
+        status = fn(*args)
+        if status:
+            raise DriverError(f"{name}: {self.error_name(status)}")
+
+    def error_name(self, status: int) -> str:
+        text = ctypes.c_char_p()
+        if self.has("cuGetErrorName"):
+            self.lib.cuGetErrorName(ctypes.c_int(status), ctypes.byref(text))
+        return f"{text.value.decode() if text.value else 'CUresult'} ({status})"
+
+
+def node_name(drv: Driver, node: int) -> str:
+    """A kernel node's function name (``cuFuncGetName``, ``cuKernelGetName``), else the node's type."""
+    kind = ctypes.c_int(-1)
+    try:
+        drv(("cuGraphNodeGetType",), ctypes.c_void_p(node), ctypes.byref(kind))
+    except (DriverError, EdgesUnavailable):
+        return "node"
+    if kind.value != 0:
+        return NODE_TYPES.get(kind.value, f"node type {kind.value}")
+    params, name = KernelNodeParams(), ctypes.c_char_p()
+    try:
+        drv(("cuGraphKernelNodeGetParams_v2", "cuGraphKernelNodeGetParams"), ctypes.c_void_p(node), ctypes.byref(params))
+        if params.func:
+            drv(("cuFuncGetName",), ctypes.byref(name), ctypes.c_void_p(params.func))
+        elif params.kern:
+            drv(("cuKernelGetName",), ctypes.byref(name), ctypes.c_void_p(params.kern))
+    except (DriverError, EdgesUnavailable):
+        pass
+    return name.value.decode(errors="replace") if name.value else "kernel"
+
+
+def graph_edges(drv: Driver, graph: int, names: bool = True) -> tuple[list[Edge], int]:
+    """The graph's edges (``cuGraphGetEdges_v2``) and its node count."""
+    g, count = ctypes.c_void_p(graph), ctypes.c_size_t(0)
+    drv(("cuGraphGetNodes",), g, None, ctypes.byref(count))
+    nodes = count.value
+    count = ctypes.c_size_t(0)
+    drv(("cuGraphGetEdges_v2",), g, None, None, None, ctypes.byref(count))
+    n = count.value
+    frm, to, data = (ctypes.c_void_p * max(n, 1))(), (ctypes.c_void_p * max(n, 1))(), (EdgeData * max(n, 1))()
+    drv(("cuGraphGetEdges_v2",), g, frm, to, data, ctypes.byref(count))
+    seen: dict[int, str] = {}
+
+    def name(h: int) -> str:
+        if h not in seen:
+            seen[h] = node_name(drv, h) if names else ""
+        return seen[h]
+
+    return [Edge(name(frm[i] or 0), name(to[i] or 0), data[i].type, data[i].from_port, data[i].to_port, frm[i] or 0, to[i] or 0)
+            for i in range(count.value)], nodes
+
+
+def rewrite_to_default(drv: Driver, graph: int, edges: list[Edge]) -> int:
+    """Every non-default edge of ``edges`` removed and added back as a default one."""
+    bad = [e for e in edges if not is_default(e)]
+    if not bad:
+        return 0
+    n, g = len(bad), ctypes.c_void_p(graph)
+    frm, to = (ctypes.c_void_p * n)(*[e.a for e in bad]), (ctypes.c_void_p * n)(*[e.b for e in bad])
+    data = (EdgeData * n)(*[EdgeData(e.from_port, e.to_port, e.type) for e in bad])
+    drv(("cuGraphRemoveDependencies_v2",), g, frm, to, data, ctypes.c_size_t(n))
+    if drv.has("cuGraphAddDependencies_v2"):
+        drv(("cuGraphAddDependencies_v2",), g, frm, to, None, ctypes.c_size_t(n))  # no edge data: default edges
+    else:
+        drv(("cuGraphAddDependencies",), g, frm, to, ctypes.c_size_t(n))
+    return n
+
+
+def _instantiate(drv: Driver, graph: int) -> int:
+    ex = ctypes.c_void_p()
+    drv(("cuGraphInstantiateWithFlags",), ctypes.byref(ex), ctypes.c_void_p(graph), ctypes.c_ulonglong(0))
+    return int(ex.value or 0)
+
+
+def _replays(drv: Driver, exec_: int, state: Any, feeds: dict[str, Any], error_of: Callable[[list[Any]], float], runs: int) -> list[float]:
+    """``runs`` launches of a graph exec on the current stream, each from the feeds copied into the
+    plan's static inputs and its outputs NaN-filled: the error of each."""
+    cp = _cp()
+    stream = cp.cuda.get_current_stream()
+    inputs = {id(a) for a in state.static_inputs.values()}
+    errs = []
+    for _ in range(runs):
+        for name, buf in state.static_inputs.items():
+            cp.copyto(buf, feeds[name])
+        for o in state.outputs:
+            if getattr(o.dtype, "kind", "") == "f" and id(o) not in inputs:
+                o.fill(float("nan"))
+        drv(("cuGraphLaunch",), ctypes.c_void_p(exec_), ctypes.c_void_p(stream.ptr))
+        stream.synchronize()
+        errs.append(error_of(state.outputs))
+    return errs
+
+
+def edges_check(ex: Any, feeds: dict[str, Any], error_of: Callable[[list[Any]], float], runs: int = EDGE_RUNS) -> dict[str, Any]:
+    """The edges of the executor's captured plan (:func:`edge_summary`), then a copy of its graph
+    replayed ``runs`` times as captured (``captured``: errors) and with its non-default edges made
+    default (``rewritten``); ``unavailable`` where the graph or the driver's functions are not to
+    be had. Prints the ``EDGES`` lines."""
+    try:
+        out = _edges_check(ex, feeds, error_of, runs)
+    except (EdgesUnavailable, DriverError) as e:
+        out = {"unavailable": f"{type(e).__name__}: {e}"}
+    for line in edge_lines(out):
+        log(line)
+    return out
+
+
+def _edges_check(ex: Any, feeds: dict[str, Any], error_of: Callable[[list[Any]], float], runs: int) -> dict[str, Any]:
+    plan = getattr(ex, "last_plan", None)
+    state = getattr(plan, "backend_state", None)
+    if state is None or not getattr(state, "captured", False):
+        raise EdgesUnavailable("the plan is not one captured CUDA graph")
+    handle = int(getattr(state.graph, "graph", 0) or 0)
+    if not handle:
+        raise EdgesUnavailable(f"CuPy {_cp().__version__}'s Graph keeps no cudaGraph_t (its .graph is 0 or absent)")
+    drv = Driver()
+    edges, nodes = graph_edges(drv, handle)
+    out = edge_summary(edges, nodes)
+    clone = ctypes.c_void_p()
+    drv(("cuGraphClone",), ctypes.byref(clone), ctypes.c_void_p(handle))  # the executor's graph left as it is
+    execs: list[int] = []
+    try:
+        for key in ("captured", "rewritten"):
+            try:
+                if key == "rewritten":
+                    mine, _ = graph_edges(drv, clone.value, names=False)
+                    if not any(not is_default(e) for e in mine):
+                        out["rewritten_error"] = "no non-default edge in the copy"
+                        break
+                    out["rewired"] = rewrite_to_default(drv, clone.value, mine)
+                    out["left"] = sum(1 for e in graph_edges(drv, clone.value, names=False)[0] if not is_default(e))
+                execs.append(_instantiate(drv, clone.value))
+                out[key] = _replays(drv, execs[-1], state, feeds, error_of, runs)
+            except DriverError as e:
+                out[f"{key}_error"] = str(e)
+    finally:
+        for e in execs:
+            drv(("cuGraphExecDestroy",), ctypes.c_void_p(e))
+        drv(("cuGraphDestroy",), clone)
     return out

@@ -209,3 +209,227 @@ def test_the_fence_summary_holds_the_cost_each_models_scopes_and_the_verdict_ove
     out = capsys.readouterr().out
     assert "VERDICT fence scope, every model (resnet50 b16, cspdarknet53 b16): smallest right scope 'residual' (16 of 79" in out
     assert "VERDICT fence cost: 2.50 us per fence between kernels in a graph, 1.50 us per fence alone" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# the captured graph's edges
+
+
+def test_the_edge_data_and_kernel_node_params_have_the_drivers_layout():
+    import ctypes
+
+    from diag_fence import EdgeData, KernelNodeParams
+
+    assert ctypes.sizeof(EdgeData) == 8
+    assert [getattr(EdgeData, f).offset for f in ("from_port", "to_port", "type", "reserved")] == [0, 1, 2, 3]
+    raw = bytes(EdgeData(1, 0, 1))
+    assert raw == b"\x01\x00\x01\x00\x00\x00\x00\x00"
+    assert [getattr(KernelNodeParams, f).offset for f in ("func", "grid", "block", "shared", "kernelParams", "extra", "kern", "ctx")] == \
+        [0, 8, 20, 32, 40, 48, 56, 64]
+
+
+def E(src: str, dst: str, type_: int = 0, from_port: int = 0, to_port: int = 0):
+    return diag_fence.Edge(src, dst, type_, from_port, to_port)
+
+
+def test_edges_are_counted_by_kind_and_the_programmatic_ones_by_the_kernels_they_join():
+    edges = [E("k_a", "cudnn_x"), E("memset", "cudnn_x"), E("k_a", "cudnn_x", 1, 1), E("k_b", "cudnn_x", 1, 1), E("k_a", "cudnn_x", 1, 1),
+             E("cudnn_x", "k_b", 1, 2), E("k_b", "k_c", 0, 0, 1)]
+    s = diag_fence.edge_summary(edges, nodes=6)
+    assert (s["edges"], s["nodes"], s["programmatic"], s["non_default"]) == (7, 6, 4, 5)
+    assert s["kinds"] == {"default/default": 3, "programmatic/programmatic": 3, "programmatic/launch order": 1}
+    assert list(s["pairs"].items()) == [("k_a -> cudnn_x", 2), ("k_b -> cudnn_x", 1), ("cudnn_x -> k_b", 1)]
+    assert diag_fence.edge_summary([E("a", "b")])["programmatic"] == 0
+    assert diag_fence.edge_kind(E("a", "b", 3, 7)) == "type 3/port 7"
+
+
+def summary(programmatic: int = 2, captured=(1e-4, 0.3), rewritten=(1e-4, 1e-4), **extra) -> dict:
+    pairs = {"k_a -> cudnn_x": programmatic} if programmatic else {}
+    return {"edges": 300, "nodes": 200, "kinds": {}, "programmatic": programmatic, "non_default": programmatic, "pairs": pairs,
+            "captured": list(captured), "rewritten": list(rewritten), **extra}
+
+
+def test_the_edges_verdict_says_the_count_the_kernels_and_whether_default_edges_are_right():
+    line = diag_fence.edges_verdict_line("model resnet50 b16", summary())
+    assert line.startswith("VERDICT edges, model resnet50 b16: 2 programmatic edge(s) of 300 (kernels k_a -> cudnn_x x2); "
+                           "rewritten to default: right; as captured, replayed the same way: WRONG")
+    assert "zero-cost fix" in line
+    wrong = diag_fence.edges_verdict_line("m", summary(rewritten=(1e-4, 0.2)))
+    assert "rewritten to default: WRONG" in wrong and "zero-cost fix" not in wrong
+    none = diag_fence.edges_verdict_line("m", summary(programmatic=0, rewritten=()))
+    assert "0 programmatic edge(s) of 300 (kernels -)" in none and "rewritten to default: not tried" in none
+    assert "hypothesis does not hold" in none
+    failed = diag_fence.edges_verdict_line("m", summary(rewritten=(), rewritten_error="cuGraphInstantiateWithFlags: X (1)"))
+    assert "rewritten to default: not tried (cuGraphInstantiateWithFlags: X (1))" in failed
+    quiet = diag_fence.edges_verdict_line("m", summary(captured=(1e-4,)))
+    assert "not told apart" in quiet and "zero-cost" not in quiet
+    assert diag_fence.edges_verdict_line("m", {"unavailable": "no graph"}) == "VERDICT edges, m: unavailable: no graph"
+    many = summary()
+    many["pairs"] = {f"k{i} -> c": 1 for i in range(6)}
+    assert "; 2 more pair(s))" in diag_fence.edges_verdict_line("m", many)
+    long = summary()
+    long["pairs"] = {"sm90_" + "x" * 100 + " -> cudnn_y": 2}
+    assert f"(kernels sm90_{'x' * 40}... -> cudnn_y x2)" in diag_fence.edges_verdict_line("m", long)
+
+
+def test_the_edges_lines_say_each_replay():
+    lines = diag_fence.edge_lines(summary(rewired=2, left=0))
+    assert lines[0].startswith("EDGES captured without a fence: 300 edge(s) between 200 node(s)")
+    assert lines[1] == "EDGES   programmatic x2: k_a -> cudnn_x"
+    assert lines[2] == "EDGES as captured (a copy, replayed the same way): runs 1..2: 1.00e-04 3.00e-01!: WRONG"
+    assert lines[3] == "EDGES rewritten: runs 1..2: 1.00e-04 1.00e-04: right"
+    assert lines[4] == "EDGES rewritten: 2 edge(s) made default; 0 non-default left"
+    assert diag_fence.edge_lines({"unavailable": "why"}) == ["EDGES unavailable: why"]
+
+
+class FakeCuda:
+    """libcuda's graph functions over graphs held here: handle -> [(from, to, (from_port, to_port, type))];
+    a clone's nodes are the original's plus 1000. Kernel nodes (handles below 100) are named
+    ``k<handle>``, others are memsets."""
+
+    def __init__(self, edges, missing=()) -> None:
+        self.graphs = {1: list(edges)}
+        self.missing, self.calls, self.execs, self.destroyed = set(missing), [], {}, []
+
+    def __getattr__(self, name):
+        impl = type(self).__dict__.get(f"_{name}")
+        if impl is None or name in self.missing:
+            raise AttributeError(name)
+
+        class Fn:
+            def __call__(fn, *args):
+                self.calls.append(name)
+                return impl(self, *args)
+
+        return Fn()
+
+    @staticmethod
+    def _nodes(edges):
+        return {n for a, b, _ in edges for n in (a, b)}
+
+    def _cuGraphGetNodes(self, g, arr, count):
+        count._obj.value = len(self._nodes(self.graphs[g.value]))
+        return 0
+
+    def _cuGraphGetEdges_v2(self, g, frm, to, data, count):
+        edges = self.graphs[g.value]
+        if frm is not None:
+            for i, (a, b, d) in enumerate(edges[:count._obj.value]):
+                frm[i], to[i] = a, b
+                data[i].from_port, data[i].to_port, data[i].type = d
+        count._obj.value = len(edges)
+        return 0
+
+    def _cuGraphNodeGetType(self, node, kind):
+        kind._obj.value = 0 if node.value % 1000 < 100 else 2
+        return 0
+
+    def _cuGraphKernelNodeGetParams_v2(self, node, params):
+        params._obj.func = node.value
+        return 0
+
+    def _cuFuncGetName(self, name, func):
+        name._obj.value = f"k{func.value % 1000}".encode()
+        return 0
+
+    def _cuGraphClone(self, out, g):
+        out._obj.value = 2
+        self.graphs[2] = [(a + 1000, b + 1000, d) for a, b, d in self.graphs[g.value]]
+        return 0
+
+    def _cuGraphRemoveDependencies_v2(self, g, frm, to, data, n):
+        for i in range(n.value):
+            self.graphs[g.value].remove((frm[i], to[i], (data[i].from_port, data[i].to_port, data[i].type)))
+        return 0
+
+    def _cuGraphAddDependencies_v2(self, g, frm, to, data, n):
+        assert data is None
+        self.graphs[g.value] += [(frm[i], to[i], (0, 0, 0)) for i in range(n.value)]
+        return 0
+
+    def _cuGraphInstantiateWithFlags(self, out, g, flags):
+        out._obj.value = 100 + len(self.execs)
+        self.execs[out._obj.value] = list(self.graphs[g.value])
+        return 0
+
+    def _cuGraphExecDestroy(self, e):
+        self.destroyed.append(e.value)
+        return 0
+
+    def _cuGraphDestroy(self, g):
+        self.destroyed.append(g.value)
+        return 0
+
+    def _cuGetErrorName(self, status, text):
+        text._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+        return 0
+
+
+PDL = (1, 0, 1)  # (from_port, to_port, type): a programmatic edge
+GRAPH_EDGES = [(1, 2, (0, 0, 0)), (2, 3, PDL), (3, 200, (0, 0, 0)), (200, 4, (0, 0, 0)), (4, 5, PDL)]
+
+
+def test_the_graphs_edges_are_read_and_named_and_the_programmatic_ones_made_default():
+    drv = diag_fence.Driver(FakeCuda(GRAPH_EDGES))
+    edges, nodes = diag_fence.graph_edges(drv, 1)
+    assert nodes == 6 and [(e.src, e.dst, e.type, e.from_port) for e in edges] == [
+        ("k1", "k2", 0, 0), ("k2", "k3", 1, 1), ("k3", "memset", 0, 0), ("memset", "k4", 0, 0), ("k4", "k5", 1, 1)]
+    assert diag_fence.rewrite_to_default(drv, 1, edges) == 2
+    after, _ = diag_fence.graph_edges(drv, 1)
+    assert sorted((e.a, e.b) for e in after) == [(1, 2), (2, 3), (3, 200), (4, 5), (200, 4)] and all(map(diag_fence.is_default, after))
+    assert diag_fence.rewrite_to_default(drv, 1, after) == 0
+
+
+def test_a_missing_symbol_is_unavailable_and_a_failed_call_names_the_function_and_the_error():
+    lib = FakeCuda(GRAPH_EDGES, missing={"cuGraphGetEdges_v2"})
+    with pytest.raises(diag_fence.EdgesUnavailable, match="no cuGraphGetEdges_v2"):
+        diag_fence.graph_edges(diag_fence.Driver(lib), 1)
+    lib = FakeCuda(GRAPH_EDGES)
+    type(lib)._cuGraphGetNodes_bad = staticmethod(lambda *a: 1)
+    with pytest.raises(diag_fence.DriverError, match=r"cuGraphGetNodes_bad: CUDA_ERROR_INVALID_VALUE \(1\)"):
+        diag_fence.Driver(lib)(("cuGraphGetNodes_bad",))
+    del type(lib)._cuGraphGetNodes_bad
+
+
+def captured_executor(graph_handle: int = 1):
+    state = types.SimpleNamespace(captured=True, graph=types.SimpleNamespace(graph=graph_handle))
+    return types.SimpleNamespace(last_plan=types.SimpleNamespace(backend_state=state))
+
+
+def test_the_edges_check_replays_a_copy_as_captured_then_rewritten_and_leaves_the_executors_graph_alone(monkeypatch, capsys):
+    lib = FakeCuda(GRAPH_EDGES)
+    real = diag_fence.Driver
+    monkeypatch.setattr(diag_fence, "Driver", lambda: real(lib))
+    replayed = []
+
+    def replays(drv, exec_, state, feeds, error_of, runs):
+        programmatic = sum(1 for _, _, d in lib.execs[exec_] if d == PDL)
+        replayed.append(programmatic)
+        return [0.3 if programmatic else 1e-4] * runs
+
+    monkeypatch.setattr(diag_fence, "_replays", replays)
+    out = diag_fence.edges_check(captured_executor(), {}, lambda outs: 0.0, runs=6)
+    assert replayed == [2, 0]  # as captured first, then rewritten
+    assert out["captured"] == [0.3] * 6 and out["rewritten"] == [1e-4] * 6 and (out["rewired"], out["left"]) == (2, 0)
+    assert out["programmatic"] == 2 and out["pairs"] == {"k2 -> k3": 1, "k4 -> k5": 1}
+    assert lib.graphs[1] == GRAPH_EDGES and sorted(lib.destroyed) == [2, 100, 101]  # the clone and both execs, not the original
+    printed = capsys.readouterr().out
+    assert "DIAG EDGES rewritten: runs 1..6:" in printed and printed.rstrip().endswith("0 non-default left")
+    assert "zero-cost fix" in diag_fence.edges_verdict_line("m", out)
+
+
+def test_the_edges_check_says_why_it_cannot_run(capsys):
+    segmented = types.SimpleNamespace(last_plan=types.SimpleNamespace(backend_state=types.SimpleNamespace(captured=False)))
+    out = diag_fence.edges_check(segmented, {}, lambda outs: 0.0)
+    assert out == {"unavailable": "EdgesUnavailable: the plan is not one captured CUDA graph"}
+    assert capsys.readouterr().out == "DIAG EDGES unavailable: EdgesUnavailable: the plan is not one captured CUDA graph\n"
+
+
+def test_the_edges_verdict_follows_the_fence_scope_verdict(capsys):
+    edges = summary()
+    doc = {"model": "resnet50", "batch": 16, "conditions": [], "only": "fence",
+           "fence_scopes": [dict(result("none", [1e-4, 0.3], 0, 16), edges=edges), result("residual", [1e-4, 1e-4], 16, 16)]}
+    diag_engine_epilogue.verdicts(doc)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in out] == ["DIAG VERDICT fence scope", "DIAG VERDICT edges"]
+    assert out[1].startswith("DIAG VERDICT edges, model resnet50 b16: 2 programmatic edge(s) of 300")
