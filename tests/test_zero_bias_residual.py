@@ -71,13 +71,23 @@ def _edited(edit, **kw) -> onnx.ModelProto:
     return model
 
 
-def _conv_read_twice(g):
-    g.node.append(helper.make_node("Neg", ["c2_y"], ["peek"], name="peek"))
-    g.output.append(helper.make_tensor_value_info("peek", TensorProto.FLOAT, list(X)))
+def _read_twice(value):
+    """An edit: ``value`` read by one more node (a Neg whose output is a graph output)."""
+
+    def edit(g):
+        g.node.append(helper.make_node("Neg", [value], ["peek"], name="peek"))
+        g.output.append(helper.make_tensor_value_info("peek", TensorProto.FLOAT, list(X)))
+
+    return edit
 
 
-def _conv_is_an_output(g):
-    g.output.append(helper.make_tensor_value_info("c2_y", TensorProto.FLOAT, list(X)))
+def _an_output(value):
+    """An edit: ``value`` a graph output too."""
+
+    def edit(g):
+        g.output.append(helper.make_tensor_value_info(value, TensorProto.FLOAT, list(X)))
+
+    return edit
 
 
 def _residual_after_the_conv(g):
@@ -94,15 +104,6 @@ def _broadcast_residual(g):
 
 def _self_add(g):
     _node(g, "add").input[:] = ["c2_y", "c2_y"]
-
-
-def _sum_read_twice(g):
-    g.node.append(helper.make_node("Neg", ["sum"], ["peek"], name="peek"))
-    g.output.append(helper.make_tensor_value_info("peek", TensorProto.FLOAT, list(X)))
-
-
-def _sum_is_an_output(g):
-    g.output.append(helper.make_tensor_value_info("sum", TensorProto.FLOAT, list(X)))
 
 
 def _bias_a_graph_input(g):
@@ -129,10 +130,10 @@ def _feeds(model):
     ("absorbed without a bias: the Add and its Relu", bit_block(X), F, ("add", "relu")),
     ("no Relu after the Add", bit_block(X, relu=False), "bias+add", ("add",)),
     ("the biased conv's own step", bit_block(X, bias=True), F, ("add", "relu")),
-    ("the Add's output read by another node too: the Add alone, the step writes its output", _edited(_sum_read_twice), "bias+add", ("add",)),
-    ("the Add's output a graph output: the Add alone", _edited(_sum_is_an_output), "bias+add", ("add",)),
-    ("the conv's output read by another node too", _edited(_conv_read_twice), "", ()),
-    ("the conv's output a graph output", _edited(_conv_is_an_output), "", ()),
+    ("the Add's output read by another node too: the Add alone, the step writes its output", _edited(_read_twice("sum")), "bias+add", ("add",)),
+    ("the Add's output a graph output: the Add alone", _edited(_an_output("sum")), "bias+add", ("add",)),
+    ("the conv's output read by another node too", _edited(_read_twice("c2_y")), "", ()),
+    ("the conv's output a graph output", _edited(_an_output("c2_y")), "", ()),
     ("the shortcut computed after the conv", _edited(_residual_after_the_conv), "", ()),
     ("the shortcut broadcasts (N, C, 1, 1)", _edited(_broadcast_residual), "", ()),
     ("the Add adds the conv's output to itself", _edited(_self_add), "", ()),

@@ -21,7 +21,7 @@ Rules:
    tuner's :data:`~convpass.core.problem.TOLERANCE` for the key's data and math type (each side
    may be that far from the exact result), or non-finite where the reference is finite. A step
    whose reference cannot be computed (no legacy algorithm for the key, another storage dtype) is
-   not judged; one whose check fails to run (out of memory, say) runs unchecked, noted. A wrong
+   not judged; one whose check fails to run (out of memory, say) runs unchecked, warned once. A wrong
    step is reported by :func:`first_run` as the engine failing: the executor's warned fallback
    then runs instead, from that run on.
 4. Cost, once per node: one legacy conv of the key into a scratch output (with its own
@@ -60,8 +60,9 @@ def first_run(convs: Any, ex: Any, conv: Any, x: Any, w: Any, y: Any, b: Any, z:
     bias = convs.resources.bias(b) if b is not None and conv.contiguous_bias else b
     try:
         why = check_step(convs.cp, convs.resources, conv, ex.legacy_algo, x, w, y, bias, z)
-    except Exception as e:  # noqa: BLE001  (the check itself failed: the step runs unchecked, noted)
-        rt.note_once(f"engine-check:{ex.node}", f"node {ex.node!r}: the first run of {conv.algo} was not checked ({first_line(e)})", warn=False)
+    except Exception as e:  # noqa: BLE001  (the check itself failed: the step runs unchecked, said once)
+        rt.note_once(f"engine-check:{ex.node}", f"node {ex.node!r}: the first run of {conv.algo} was not checked ({first_line(e)}); "
+                                                f"it runs as recorded, unverified", warn=True)
         return
     if why is not None:
         raise graph_api.GraphApiError(f"{conv.algo}: {why}")
