@@ -12,13 +12,17 @@ timed as cuBLAS plus the fused element-wise kernel (``matmul_epilogues=False``) 
 cuBLASLt call with those epilogues (the default; a bias before an erf GELU: cuBLASLt's bias epilogue,
 then the GELU's fused kernel). Fused element-wise groups are timed with
 convpass's broadcasting kernel (the default) and with CuPy's ``ElementwiseKernel`` of the same
-code (``CuPy's kernel``: what ran before the broadcasting kernel). A normalization unit (a VAE's
-GroupNorm + SiLU in its exported form) is timed as its fused step (statistics, then the apply
-pass: ``fusions=True``; its row names the apply kernel that ran), as the unfused ops' kernels
-(``fusions=False``) and by the op library. Rows marked ``nhwc`` read an NHWC input through a
-Transpose (a view), so their first op sees channels-last storage in the captured graph too.
+code (``CuPy's kernel``: what ran before the broadcasting kernel). A normalization unit (a VAE
+decoder's GroupNorm + SiLU and a BiT ResNet's GroupNorm + ReLU, in their exported form) is timed
+as its fused step run as three kernels (statistics, finalize, apply: ``three kernels``) and as
+one launch (a block per sample and group: ``one launch``), each forced whatever the group size
+(the executor picks by :data:`convpass.kernels.group_norm_onepass.MAX_GROUP_ELEMENTS`), as the
+unfused ops' kernels (``fusions=False``) and by the op library; its row names the kernel that ran
+the apply. Rows marked ``nhwc`` read an NHWC input through a Transpose (a view), so their first
+op sees channels-last storage in the captured graph too.
 
     python benchmarks/op_kernels.py [--json FILE] [--reps 50] [--batches 7] [--only TEXT[,TEXT...]]
+    python benchmarks/op_kernels.py --only "GroupNorm+"   # the normalization units: BiT and VAE shapes
 
 Prints one row per case and variant: median microseconds, effective bandwidth (input + output
 bytes / time), speedup over the op library, the relative error against it.
@@ -230,15 +234,20 @@ def cases() -> list[dict[str, Any]]:
                 "model": _model([N("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=32)], gshape,
                                 [_const("s", np.ones(256)), _const("b", np.zeros(256))], 21),
                 "variants": {"op library": {"kernels": False}, "convpass kernel": {}}})
-    # a VAE decoder's GroupNorm(32) + SiLU as torch.onnx.export writes it (opset < 18), at batch 16
-    # and 1, 128 channels (four a group): run as the fusion unit's one step (statistics + apply),
-    # as the unfused ops' kernels, and by the op library
-    for b in (16, 1):
+    # normalization units as torch.onnx.export writes them (opset < 18): a VAE decoder's GroupNorm(32)
+    # + SiLU at batch 16 and 1 (128 channels at 256 x 256: 262,144 elements a group; at batch 1 also
+    # 512 x 32 x 32 and 256 x 128 x 128), a BiT ResNet's GroupNorm(32) + ReLU at batch 16 (its four
+    # stages' widths, 3,136 to 25,088 elements a group); each as the fusion unit's step in three
+    # kernels and in one launch, as the unfused ops' kernels, and by the op library
+    norm_units = {"op library": {"kernels": False}, "unfused kernels": {"fusions": False},
+                  "three kernels": {"fusions": True, NORM_PATH: "three"}, "one launch": {"fusions": True, NORM_PATH: "one"}}
+    for gshape, act, tag in [((16, 128, 256, 256), "silu", "SiLU"), ((1, 128, 256, 256), "silu", "SiLU"), ((1, 256, 128, 128), "silu", "SiLU"),
+                             ((1, 512, 32, 32), "silu", "SiLU"), ((16, 256, 56, 56), "relu", "Relu (BiT"), ((16, 512, 28, 28), "relu", "Relu (BiT"),
+                             ((16, 1024, 14, 14), "relu", "Relu (BiT"), ((16, 2048, 7, 7), "relu", "Relu (BiT")]:
         for cl in (False, True):
-            gshape = (b, 128, 256, 256)
-            out.append({"name": f"GroupNorm+SiLU (exported, 32 groups) {'x'.join(map(str, gshape))}{' nhwc' if cl else ''}", "family": "normalization",
-                        "shape": gshape, "channels_last": cl, "model": _exported_group_norm_silu(gshape, 32, rng),
-                        "variants": {"op library": {"kernels": False}, "unfused kernels": {"fusions": False}, "fused kernel": {"fusions": True}}})
+            head = f"GroupNorm+{tag}{', ' if '(' in tag else ' ('}exported, 32 groups)"
+            out.append({"name": f"{head} {'x'.join(map(str, gshape))}{' nhwc' if cl else ''}", "family": "normalization",
+                        "shape": gshape, "channels_last": cl, "model": _exported_group_norm(gshape, 32, rng, act), "variants": norm_units})
     lshape = (32, 56, 56, 96)
     out.append({"name": "LayerNormalization last axis (ConvNeXt) 32x56x56x96", "family": "normalization", "shape": lshape,
                 "model": _model([N("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)], lshape, [_const("g", np.ones(96)), _const("b", np.zeros(96))], 17),
@@ -290,6 +299,7 @@ def cases() -> list[dict[str, Any]]:
 
 
 GENERIC_RESIZE = "generic_resize"  # variant option: Resize runs the generic resize_2d, never the nearest kernel
+NORM_PATH = "norm_path"  # variant option: fused normalization units run as "one" launch or "three" kernels, whatever their size
 
 
 @contextlib.contextmanager
@@ -306,13 +316,29 @@ def _generic_resize(on: bool) -> Iterator[None]:
         tensor_ops.nearest_fits = saved
 
 
-def _exported_group_norm_silu(shape: tuple[int, ...], groups: int, rng: np.random.Generator) -> Any:
+@contextlib.contextmanager
+def _norm_path(path: str | None) -> Iterator[None]:
+    """Plans compiled inside run fused normalization units as one launch (``"one"``) or as three
+    kernels (``"three"``) whatever their group size; as the executor picks them for None."""
+    from convpass.kernels import group_norm_onepass
+
+    saved = group_norm_onepass.MAX_GROUP_ELEMENTS
+    group_norm_onepass.MAX_GROUP_ELEMENTS = {"one": 2**62, "three": 0, None: saved}[path]
+    try:
+        yield
+    finally:
+        group_norm_onepass.MAX_GROUP_ELEMENTS = saved
+
+
+def _exported_group_norm(shape: tuple[int, ...], groups: int, rng: np.random.Generator, act: str = "silu") -> Any:
     """Reshape(x, [0, G, -1]) -> InstanceNormalization(ones, zeros) -> Reshape(Shape(x)) -> Mul(gamma)
-    -> Add(beta) -> Sigmoid, Mul: ``nn.GroupNorm`` + ``F.silu`` as exported at opset 17."""
+    -> Add(beta) -> Sigmoid, Mul (``act`` "silu") or Relu (``"relu"``): ``nn.GroupNorm`` + ``F.silu``
+    / ``F.relu`` as exported at opset 17."""
     c = shape[1]
+    tail = [N("Sigmoid", ["a"], ["sig"]), N("Mul", ["a", "sig"], ["y"])] if act == "silu" else [N("Relu", ["a"], ["y"])]
     nodes = [N("Reshape", ["x", "g"], ["r"]), N("InstanceNormalization", ["r", "ones", "zeros"], ["i"], epsilon=1e-6),
              N("Shape", ["x"], ["s"]), N("Reshape", ["i", "s"], ["back"]), N("Mul", ["back", "gamma"], ["m"]), N("Add", ["m", "beta"], ["a"]),
-             N("Sigmoid", ["a"], ["sig"]), N("Mul", ["a", "sig"], ["y"])]
+             *tail]
     inits = [_const("g", [0, groups, -1], np.int64), _const("ones", np.ones(groups)), _const("zeros", np.zeros(groups)),
              _const("gamma", (1 + 0.1 * rng.standard_normal(c)).reshape(c, 1, 1)), _const("beta", rng.standard_normal(c).reshape(c, 1, 1))]
     return _model(nodes, shape, inits, 17)
@@ -364,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant, options in case["variants"].items():
             try:
                 options = dict(options)
-                with _generic_resize(options.pop(GENERIC_RESIZE, False)):
+                with _generic_resize(options.pop(GENERIC_RESIZE, False)), _norm_path(options.pop(NORM_PATH, None)):
                     us, (y, labels) = _executor_variant(case["model"], x, args.reps, args.batches, case.get("channels_last", False), **options)
             except Exception as e:  # noqa: BLE001  (a variant that cannot run is reported, the others still are)
                 results.append({"variant": variant, "error": str(e).splitlines()[0]})

@@ -133,14 +133,20 @@ def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float 
 
 
 def csp_block_model(x_shape: Sequence[int] = (2, 16, 12, 12), alpha: float | None = 0.01, *, seed: int = 0, swish: bool = False,
-                    residual_first: bool = False, readers: int = 0) -> onnx.ModelProto:
+                    residual_first: bool = False, readers: int = 0, stage: bool = False) -> onnx.ModelProto:
     """timm's CSPDarknet residual block (DarkBlock) once its BatchNorms are folded: Conv 1x1 (bias)
     "c1" -> activation "l1" (C -> C/2), Conv 3x3 (bias) "c2" -> activation "l2" (C/2 -> C), then
     the residual ``Add(a2, x)`` "add" (``residual_first``: ``Add(x, a2)``). The activation is a
     LeakyRelu of ``alpha`` (None: no attribute, ONNX's 0.01), or with ``swish`` a SiLU as torch
     exports it (``Mul(y, Sigmoid(y))``). ``readers``: 0, the Add's output is the graph's output
     "out"; 2, a 1x1 Conv "c3" and a Relu "r" read it, joined by an Add into "out". Weights scaled so
-    about half of each conv's outputs are negative."""
+    about half of each conv's outputs are negative.
+
+    ``stage`` (``readers`` 0): the block as the first of a CSP stage (timm's CrossStage): the
+    expansion Conv 1x1 "exp" -> activation "le" (C -> 2C), a Split "split" of it in two halves
+    "xs" and "xb", the block on "xb" (its residual: that half, a channel slice of the expansion's
+    output), the transition Conv 1x1 "ctb" -> activation "ltb" of the block's output, a Concat
+    "cat" of "xs" and that, and the transition Conv 1x1 "ct" (2C -> C) into "out"."""
     rng = np.random.default_rng(seed)
     c, mid = x_shape[1], x_shape[1] // 2
 
@@ -154,11 +160,21 @@ def csp_block_model(x_shape: Sequence[int] = (2, 16, 12, 12), alpha: float | Non
 
     inits = [init("w1", mid, c, 1, 1, scale=c ** -0.5), init("b1", mid, scale=0.1), init("w2", c, mid, 3, 3, scale=(9 * mid) ** -0.5),
              init("b2", c, scale=0.1), init("w3", c, c, 1, 1, scale=c ** -0.5), init("b3", c, scale=0.1)]
-    s = "s" if readers else "out"
-    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="c1"), *act(1),
+    s = "s" if readers or stage else "out"
+    xb = "xb" if stage else "x"
+    nodes = [helper.make_node("Conv", [xb, "w1", "b1"], ["y1"], name="c1"), *act(1),
              helper.make_node("Conv", ["a1", "w2", "b2"], ["y2"], name="c2", pads=[1, 1, 1, 1]), *act(2),
-             helper.make_node("Add", ["x", "a2"] if residual_first else ["a2", "x"], [s], name="add")]
-    if readers:
+             helper.make_node("Add", [xb, "a2"] if residual_first else ["a2", xb], [s], name="add")]
+    if stage:
+        inits = inits[:4] + [init("we", 2 * c, c, 1, 1, scale=c ** -0.5), init("be", 2 * c, scale=0.1), init("wtb", c, c, 1, 1, scale=c ** -0.5),
+                             init("btb", c, scale=0.1), init("wt", c, 2 * c, 1, 1, scale=(2 * c) ** -0.5), init("bt", c, scale=0.1),
+                             numpy_helper.from_array(np.array([c, c], np.int64), "halves")]
+        nodes = [helper.make_node("Conv", ["x", "we", "be"], ["ye"], name="exp"), *act("e"),
+                 helper.make_node("Split", ["ae", "halves"], ["xs", "xb"], name="split", axis=1), *nodes,
+                 helper.make_node("Conv", [s, "wtb", "btb"], ["ytb"], name="ctb"), *act("tb"),
+                 helper.make_node("Concat", ["xs", "atb"], ["cat"], name="cat", axis=1),
+                 helper.make_node("Conv", ["cat", "wt", "bt"], ["out"], name="ct")]
+    elif readers:
         nodes += [helper.make_node("Relu", [s], ["r"], name="r"), helper.make_node("Conv", [s, "w3", "b3"], ["y3"], name="c3"),
                   helper.make_node("Add", ["y3", "r"], ["out"], name="join")]
     else:
@@ -550,7 +566,7 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     x = np.full(shape.x_shape, x_value, np.float32)
     bench = object.__new__(shape_bench.ShapeBench)
     bench._groups, bench._sets = {}, {}
-    bench.shape, bench.x_slice, bench.y_slice = shape, None, None
+    bench.shape, bench.x_slice, bench.y_slice, bench.z_slice = shape, None, None, None
     bench._base = {"x": x, "w": np.ones(shape.w_shape, np.float32), "y": np.empty(shape.y_shape, np.float32)}
     bench.reference = lambda: np.full(shape.y_shape, x.sum(), np.float32)
     sets = [dict(bench._base)]
@@ -604,6 +620,7 @@ static Dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, g
 static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
 #define __shfl_xor_sync(mask, v, o) (v)
 #define __syncthreads()
+#define __launch_bounds__(...)
 """
 
 
@@ -613,7 +630,7 @@ def host_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
     if CXX is None:
         pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
     src = tmp_path / f"{name}.cpp"
-    src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"'))
+    src.write_text(_SHIM + code.replace('extern "C"', 'extern "C"').replace("#include <cuda_fp16.h>", _HOST_HALF))
     lib = tmp_path / f"lib{name}.so"
     subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
     return ctypes.CDLL(str(lib))
@@ -672,6 +689,110 @@ def host_entry(tmp_path_factory):
                             lib.set_index(i, j, tx, ty, bx, by, gx, gy)
                             kernel(*conv)
         return launch
+
+    return entry
+
+
+_BLOCK_SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+using std::min; using std::max;
+struct Dim3 { unsigned x, y, z; };
+static Dim3 blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+static thread_local Dim3 threadIdx = {0, 0, 0};
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define __shared__ static
+static std::mutex bar_mutex;
+static std::condition_variable bar_cv;
+static unsigned bar_waiting = 0, bar_size = 1, bar_generation = 0;
+static int bar_broken = 0;
+static void host_syncthreads() {  // a block barrier; one that times out marks the launch broken
+    std::unique_lock<std::mutex> lock(bar_mutex);
+    const unsigned generation = bar_generation;
+    if (++bar_waiting == bar_size) { bar_waiting = 0; ++bar_generation; bar_cv.notify_all(); return; }
+    if (!bar_cv.wait_for(lock, std::chrono::seconds(20), [&] { return generation != bar_generation; })) bar_broken = 1;
+}
+#define __syncthreads() host_syncthreads()
+"""
+
+# cuda_fp16.h's __half for host builds: float16 storage (_Float16, round to nearest even), float math
+_HOST_HALF = r"""
+struct __half {
+    _Float16 h;
+    __half() = default;
+    __half(float f) : h((_Float16)f) {}
+    operator float() const { return (float)h; }
+};
+static inline float __half2float(__half v) { return (float)v; }
+static inline __half __float2half_rn(float f) { return __half(f); }
+"""
+
+_BLOCK_SETTERS = ('\nextern "C" void set_block(unsigned bx, unsigned by, unsigned bdx, unsigned bdy, unsigned gdx, unsigned gdy) { '
+                  'blockIdx.x = bx; blockIdx.y = by; blockDim.x = bdx; blockDim.y = bdy; gridDim.x = gdx; gridDim.y = gdy; '
+                  'bar_size = bdx * bdy; bar_waiting = 0; }\n'
+                  'extern "C" void set_thread(unsigned tx, unsigned ty) { threadIdx.x = tx; threadIdx.y = ty; }\n'
+                  'extern "C" int barrier_broken() { return bar_broken; }\n')
+
+
+def host_block_library(tmp_path, code: str, name: str) -> ctypes.CDLL:
+    """A CUDA kernel source compiled as host C++ whose blocks run as real threads: ``threadIdx``
+    per thread, ``__syncthreads`` a barrier of the block's threads, ``__shared__`` one array the
+    block's threads share (blocks run one at a time), ``__half`` a host float16. Launch it with
+    :func:`host_block_launch`."""
+    if CXX is None:
+        pytest.fail("no C++ compiler (g++, c++ or clang++) to check the kernel code with")
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(_BLOCK_SHIM + "using namespace std;\n" + code.replace("#include <cuda_fp16.h>", _HOST_HALF) + _BLOCK_SETTERS)
+    lib = tmp_path / f"lib{name}.so"
+    subprocess.run([CXX, "-O1", "-std=c++17", "-pthread", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
+
+
+def host_block_launch(lib: ctypes.CDLL, name: str, grid, block_, args) -> None:
+    """Launch entry ``name`` of a :func:`host_block_library` build: block by block, each block's
+    threads at once (ctypes lets go of the GIL during the calls), so its barriers are real."""
+    import threading
+
+    kernel = getattr(lib, name)
+    conv = host_args(args)
+    gx, gy = (*grid, 1)[:2]
+    bx, by = (*block_, 1)[:2]
+
+    def thread(tx: int, ty: int) -> None:
+        lib.set_thread(tx, ty)
+        kernel(*conv)
+
+    for j in range(gy):
+        for i in range(gx):
+            lib.set_block(i, j, bx, by, gx, gy)
+            threads = [threading.Thread(target=thread, args=(tx, ty)) for ty in range(by) for tx in range(bx)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    assert not lib.barrier_broken(), f"{name}: a block barrier timed out (a thread never reached it)"
+
+
+@pytest.fixture(scope="module")
+def host_block_entry(tmp_path_factory):
+    """``entry(source, name)`` like :func:`host_entry`, each block's threads run at once with real
+    barriers (:func:`host_block_library`): cooperative kernels at their real block sizes."""
+    libs = {}
+    d = tmp_path_factory.mktemp("blocks")
+
+    def entry(src, name):
+        if src.name not in libs:
+            libs[src.name] = host_block_library(d, src.code, src.name)
+        lib = libs[src.name]
+        return lambda grid, block_, args: host_block_launch(lib, name, grid, block_, args)
 
     return entry
 

@@ -6,10 +6,14 @@
 * ``instance``: InstanceNormalization of the tensor itself;
 
 each followed by an activation (``silu`` = Sigmoid + Mul, or any ONNX activation op) and optionally
-a residual Add, around 3x3 convs; and ECA's channel-attention gate (:func:`eca`).
+a residual Add, around 3x3 convs; and ECA's channel-attention gate (:func:`eca`). One unit alone
+with a gate and a residual as inputs (:func:`unit`) and its float64 reference written from the
+definitions (:func:`unit_reference64`).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -120,3 +124,86 @@ def channels_last(a: np.ndarray) -> np.ndarray:
     """``a`` (rank 3-5) stored channels-last, seen channels-first."""
     r = a.ndim
     return np.ascontiguousarray(a.transpose(0, *range(2, r), 1)).transpose(0, r - 1, *range(1, r - 1))
+
+
+UNIT_EPS = 1e-6  # the epsilon of :func:`unit`'s normalization
+
+
+def unit(form: str, act: str, shape, groups: int, gate: bool = False, residual: bool = False, dtype=np.float32, nhwc: bool = False):
+    """One unit: normalization (``form``) + ``act``, times a gate input ``gate`` (N, C, 1, ..) and
+    plus a residual input ``z`` where asked. ``nhwc``: ``x`` and ``z`` are given as channels-last
+    inputs ``x_nhwc``, ``z_nhwc`` read through a Transpose (a view on the GPU: the unit sees
+    channels-last storage, also from a captured graph)."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(0)
+    c, r = shape[1], len(shape)
+    tp = _TP[dtype]
+    nodes, ins = [], []
+    for v in ["x", "z"] if residual else ["x"]:
+        if nhwc:
+            nodes.append(N("Transpose", [f"{v}_nhwc"], [v], perm=[0, r - 1, *range(1, r - 1)], name=f"{v}/to_logical"))
+            ins.append(helper.make_tensor_value_info(f"{v}_nhwc", tp, [shape[0], *shape[2:], c]))
+        else:
+            ins.append(helper.make_tensor_value_info(v, tp, shape))
+    more, inits, t = norm(form, "n1", "x", c, groups, rng, dtype, eps=UNIT_EPS, rank=r)
+    act_nodes, t = activation(act, "a1", t)
+    nodes += more + act_nodes
+    if gate:
+        nodes.append(N("Mul", [t, "gate"], ["gated"], name="apply_gate"))
+        ins.append(helper.make_tensor_value_info("gate", tp, [shape[0], c] + [1] * (r - 2)))
+        t = "gated"
+    if residual:
+        nodes.append(N("Add", [t, "z"], ["y"], name="residual"))
+        t = "y"
+    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info(t, tp, shape)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset_of(form, act))], ir_version=9)
+
+
+def unit_inputs(shape, dtype=np.float32, seed: int = 1, offset: float = 3.0, scale: float = 2.0) -> dict[str, np.ndarray]:
+    """Values for :func:`unit`'s inputs (logical order): ``x`` (mean ``offset``, deviation
+    ``scale``), ``gate`` in (0, 1), ``z``."""
+    rng = np.random.default_rng(seed)
+    n, c = shape[:2]
+    return {"x": (rng.standard_normal(shape) * scale + offset).astype(dtype),
+            "gate": rng.random((n, c) + (1,) * (len(shape) - 2)).astype(dtype),
+            "z": rng.standard_normal(shape).astype(dtype)}
+
+
+def unit_feeds(model, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The model's feeds from :func:`unit_inputs` (channels-last copies for ``*_nhwc`` inputs)."""
+    out = {}
+    for i in model.graph.input:
+        if i.name.endswith("_nhwc"):
+            out[i.name] = np.ascontiguousarray(np.moveaxis(values[i.name.removesuffix("_nhwc")], 1, -1))
+        else:
+            out[i.name] = values[i.name]
+    return out
+
+
+ACTIVATIONS64 = {
+    "silu": lambda v: v / (1 + np.exp(-v)),
+    "Relu": lambda v: np.maximum(v, 0),
+    "LeakyRelu": lambda v: np.where(v >= 0, v, 0.2 * v),
+    "HardSwish": lambda v: v * np.clip(v / 6 + 0.5, 0, 1),
+    "Gelu": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2))),
+    "Mish": lambda v: v * np.tanh(np.log1p(np.exp(v))),
+}
+
+
+def unit_reference64(model, form: str, act: str, groups: int, values: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`unit` in float64 from its definition: standardize per (sample, group) (the variance
+    of the centred values), scale and shift per channel, the activation, the gate, the residual."""
+    p = {i.name: numpy_helper.to_array(i).astype(np.float64).reshape(-1) for i in model.graph.initializer}
+    x = values["x"].astype(np.float64)
+    n, c, r = x.shape[0], x.shape[1], x.ndim
+    g = x.reshape(n, groups, -1)
+    y = ((g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + UNIT_EPS)).reshape(x.shape)
+    view = (1, c) + (1,) * (r - 2)
+    scale, shift = (p["n1_gamma"], p["n1_beta"]) if form == "gn17" else (p["n1_s"], p["n1_b"])
+    y = ACTIVATIONS64[act](y * scale.reshape(view) + shift.reshape(view))
+    names = {i.name for i in model.graph.input}
+    if "gate" in names:
+        y = y * values["gate"].astype(np.float64)
+    if names & {"z", "z_nhwc"}:
+        y = y + values["z"].astype(np.float64)
+    return y

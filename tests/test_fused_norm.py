@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 
 from convpass.core import annotation
 from convpass.core.errors import ExecutorError
-from convpass.kernels import group_norm
+from convpass.kernels import group_norm, group_norm_onepass
 from convpass.kernels.backends import host_backend
 from convpass.kernels.launch import Placement
 from convpass.ops.registry import OpContext
@@ -170,14 +170,24 @@ def _fused_plan(shape, groups, act="silu", residual=True, form="gn17"):
     return ex.last_plan
 
 
+@pytest.fixture
+def three_kernels(monkeypatch):
+    """Units of any size run as the three kernels (statistics, finalize, apply), not one launch."""
+    monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 0)
+
+
+@pytest.mark.parametrize("path", ["three-kernel", "one-launch"])
 @pytest.mark.parametrize("where", ["nchw", "nhwc", "mixed", "nchw-slice", "nhwc-slice", "cropped"])
 @pytest.mark.parametrize("shape,groups", [((2, 8, 5, 6), 4), ((1, 16, 3, 7), 16), ((2, 6, 7), 3), ((1, 4, 2, 3, 4), 2)],
                          ids=["gn", "instance", "1d", "3d"])
-def test_the_kernels_match_the_fused_step(host_entry, shape, groups, where):
-    """Statistics (rows or channels-last), finalize and the generated apply kernel, run as the
-    launch runs them, against the op library's fused step: channels-first, channels-last, a
-    residual in the other order, a slice of a Concat buffer as input and as output, and an input
-    whose positions are not one run (copied first)."""
+def test_the_kernels_match_the_fused_step(host_entry, monkeypatch, shape, groups, where, path):
+    """Statistics (rows or channels-last), finalize and the generated apply kernel — or the one
+    launch (convpass.kernels.group_norm_onepass) — run as the launch runs them (blocks of one
+    thread), against the op library's fused step: channels-first, channels-last, a residual in the
+    other order, a slice of a Concat buffer as input and as output, and an input whose positions
+    are not one run (copied first)."""
+    if path == "three-kernel":
+        monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 0)
     plan = _fused_plan(shape, groups)
     index = len(plan.steps) - 1  # the second unit: GroupNorm + SiLU + residual Add
     step = plan.steps[index]
@@ -217,17 +227,21 @@ def test_the_kernels_match_the_fused_step(host_entry, shape, groups, where):
     launch.run(env)
     got = env[step.outputs[0]]
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    # the dedicated apply kernel ran, in the output's storage order; 16-byte vectors where the
-    # vectorized dimension (channels-last: C, channels-first: S) and every address take them
-    (path,) = launch.apply_paths()
+    # the dedicated apply kernel (or the one launch) ran, in the output's storage order; 16-byte
+    # vectors where the vectorized dimension (channels-last: C, channels-first: S) and every
+    # address take them (the one launch: the widest vector that divides the group's channels or S)
+    (ran,) = launch.apply_paths()
+    kernel = "gn_apply" if path == "three-kernel" else "gn_onepass"
+    assert (launch.onepass is not None) == (path == "one-launch") and (launch.part is None) == (path == "one-launch")
     last = r > 2 and got.strides[1] == got.itemsize and shape[1] > 1
-    assert path.startswith(f"gn_apply_{'cl' if last else 'cf'}_"), path
+    assert ran.startswith(f"{kernel}_{'cl' if last else 'cf'}_"), ran
     if where in ("nchw", "nhwc"):
         aligned = all(a.ctypes.data % 16 == 0 for a in (x, z, got))
-        along = shape[1] if last else int(np.prod(shape[2:]))
-        assert path.endswith("_4" if along % 4 == 0 and aligned else "_1"), path
+        along = (shape[1] if path == "three-kernel" else shape[1] // groups) if last else int(np.prod(shape[2:]))
+        width = 4 if path == "three-kernel" or along % 4 == 0 else 2 if along % 2 == 0 else 1
+        assert ran.endswith(f"_{width}" if along % width == 0 and aligned else "_1"), ran
     if where == "mixed":
-        assert path == "gn_apply_cl_1", "a residual in the other order is read element by element"
+        assert ran == f"{kernel}_cl_1", "a residual in the other order is read element by element"
     if where in ("nhwc", "nhwc-slice") and r > 2:
         assert got.strides[1] == 4, "channels-last in, channels-last out"
     if out_buffer is not None:
@@ -245,6 +259,7 @@ def _coefficients64(x, groups, eps, scale, shift):
     return a, shift.astype(np.float64) - np.repeat(mean, c // groups, axis=1) * a
 
 
+@pytest.mark.usefixtures("three_kernels")
 @pytest.mark.parametrize("inputs", INPUTS)
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_finalize_writes_coefficients_that_match_float64(host_entry, layout, inputs):

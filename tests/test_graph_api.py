@@ -572,10 +572,12 @@ def test_a_misaligned_tensor_is_refused_before_the_plan_runs():
     aligned = [_device_array(p) for p in (256, 512, 768, 1024)]
     conv._launch(*aligned[:3], None, aligned[3], _device_array(1280))
     assert len(ran) == 1
-    with pytest.raises(graph_api.GraphApiError, match="z not 16-byte aligned"):
+    with pytest.raises(graph_api.ResidualRefused, match="z not 16-byte aligned"):  # z alone: a refusal of the residual
         conv._launch(*aligned[:3], None, aligned[3], _device_array(1284))
-    with pytest.raises(graph_api.GraphApiError, match="x not 16-byte aligned"):
-        conv._launch(_device_array(8), *aligned[1:3], None, aligned[3], _device_array(1280))
+    for x, z, odd in ((_device_array(8), _device_array(1280), "x"), (_device_array(8), _device_array(1284), "x, z")):
+        with pytest.raises(graph_api.GraphApiError, match=f"{odd} not 16-byte aligned") as e:
+            conv._launch(x, *aligned[1:3], None, aligned[3], z)
+        assert not isinstance(e.value, graph_api.ResidualRefused)  # a copy of z would not run either
     assert len(ran) == 1 and graph_api.misaligned(x=None, y=_device_array(64)) == []
 
 

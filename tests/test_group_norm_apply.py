@@ -239,7 +239,7 @@ def test_the_op_kernels_nhwc_case_gives_the_fused_step_channels_last_storage():
 
     ok = benchmark_script("op_kernels")
     shape = (2, 8, 4, 4)
-    model = ok._exported_group_norm_silu(shape, 4, np.random.default_rng(0))
+    model = ok._exported_group_norm(shape, 4, np.random.default_rng(0))
     nhwc = ok._nhwc_input(model)
     x = feeds(shape)["x"]
     ex = Executor(nhwc, device="cpu", fusions=True)

@@ -158,12 +158,12 @@ def account(model: Any, cache: Any = None, *, torch: bool = True, measure_missin
                                    "memory_format": s.memory_format, "tuned_ms": s.time_ms, "in_place_ms": placed[s.node].in_place_ms,
                                    "in_place_raw_ms": placed[s.node].raw_ms, "floor_ms": placed[s.node].floor_ms}
             found = store.get(device, key.shape)
-            if measure_missing and not any(m.method == "measure" and m.key.math == key.math and m.key.x_slice == key.x_slice and m.key.y_slice == key.y_slice for m in found):
+            if measure_missing and not any(m.method == "measure" and m.key.math == key.math and m.key.x_slice == key.x_slice and m.key.y_slice == key.y_slice and m.key.z_slice == key.z_slice for m in found):
                 options = TuneOptions(tf32="on" if key.tf32 else "off", layout="per-conv")
-                store.put(device, measure_problem(ConvProblem((key.shape,), x_slice=key.x_slice, y_slice=key.y_slice), options, found))
+                store.put(device, measure_problem(ConvProblem((key.shape,), x_slice=key.x_slice, y_slice=key.y_slice, z_slice=key.z_slice), options, found))
                 found = store.get(device, key.shape)
             for layout in ("nchw", "nhwc"):
-                lk = ProblemKey(key.shape, layout, key.math, key.x_slice, key.y_slice)
+                lk = ProblemKey(key.shape, layout, key.math, key.x_slice, key.y_slice, key.z_slice)
                 if lk not in routes_of:
                     routes_of[lk] = _engine_routes(lk)
                 for route, ms in _route_times(found, lk, routes_of[lk]).items():

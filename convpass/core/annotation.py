@@ -70,7 +70,8 @@ Format (schema version 7)
   ``time_ms``         measured time of the chosen configuration, with its epilogue (schema 5: the
                       conv's step); NaN = not measured
   ``problem_key``     :class:`convpass.core.problem.ProblemKey` string of the decided problem, or ``""``
-                      (``|xslice=..`` / ``|yslice=..``: timed reading / writing that channel slice)
+                      (``|xslice=..`` / ``|yslice=..`` / ``|zslice=..``: timed reading / writing that
+                      channel slice / reading its fused residual from that channel slice)
   ``source``          how the decision was taken: ``measure``, ``exhaustive``, ``heuristic``,
                       ``forced`` (on the GPU, by that strategy: from timings of this run or of an
                       earlier one in the tuning cache alike, so a re-run writes the same model),

@@ -109,6 +109,13 @@ class OutputSlice(ChannelSlice):
     tag = "yslice"
 
 
+class ResidualSlice(ChannelSlice):
+    """The residual ``z`` a fused step adds after its activation (a graph-API fusion's ``+add``),
+    read as a :class:`ChannelSlice` (a Split's half, a Concat's buffer): ``zslice=<first>/<channels>``."""
+
+    tag = "zslice"
+
+
 SLICE_KEY_BYTES = 128  # a slice key keeps its first channel's offset modulo this many bytes (see keyed_slice)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -224,8 +231,9 @@ class ConvShape:
     def with_direction(self, direction: Direction) -> ConvShape:
         return dataclasses.replace(self, direction=direction)
 
-    def key(self, layout: Layout, math: MathMode, x_slice: InputSlice | None = None, y_slice: OutputSlice | None = None) -> ProblemKey:
-        return ProblemKey(self, layout, math, x_slice, y_slice)
+    def key(self, layout: Layout, math: MathMode, x_slice: InputSlice | None = None, y_slice: OutputSlice | None = None,
+            z_slice: ResidualSlice | None = None) -> ProblemKey:
+        return ProblemKey(self, layout, math, x_slice, y_slice, z_slice)
 
     def __str__(self) -> str:
         x = lambda t: "x".join(map(str, t))  # noqa: E731
@@ -239,7 +247,8 @@ _KEY_RE = re.compile(
     r"^(?P<direction>fwd|dgrad|wgrad)\|n=(?P<n>\d+)\|c=(?P<c>\d+)\|k=(?P<k>\d+)\|in=(?P<spatial>[\dx]+)"
     r"\|ker=(?P<kernel>[\dx]+)\|pad=(?P<pads>[\dx]+)\|str=(?P<strides>[\dx]+)\|dil=(?P<dilations>[\dx]+)"
     r"\|g=(?P<groups>\d+)\|(?P<dtype>float32|float16|bfloat16)\|(?P<layout>nchw|nhwc)\|(?P<math>default|tensor_op|fma)"
-    r"(?:\|xslice=(?P<first>\d+)/(?P<channels>\d+))?(?:\|yslice=(?P<yfirst>\d+)/(?P<ychannels>\d+))?$"
+    r"(?:\|xslice=(?P<first>\d+)/(?P<channels>\d+))?(?:\|yslice=(?P<yfirst>\d+)/(?P<ychannels>\d+))?"
+    r"(?:\|zslice=(?P<zfirst>\d+)/(?P<zchannels>\d+))?$"
 )
 
 
@@ -252,7 +261,10 @@ class ProblemKey:
     :meth:`parse` reads it back. ``x_slice``: the forward input is that channel slice of a wider
     buffer (``...|nhwc|default|xslice=0/192``); ``y_slice``: the forward output is written into
     that channel slice of a wider buffer (``...|nhwc|default|yslice=160/192``; both:
-    ``...|xslice=0/128|yslice=160/192``); None: packed.
+    ``...|xslice=0/128|yslice=160/192``); ``z_slice``: the residual the fused step adds is read
+    from that channel slice of a wider buffer (``...|nhwc|default|zslice=16/32``, after any
+    ``xslice``: CSPDarknet's first block of a stage adds the second half of its stage's Split);
+    None: packed.
     """
 
     shape: ConvShape
@@ -260,13 +272,15 @@ class ProblemKey:
     math: MathMode
     x_slice: InputSlice | None = None
     y_slice: OutputSlice | None = None
+    z_slice: ResidualSlice | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.math not in MATH_MODES:
             raise ValueError(f"math must be one of {MATH_MODES}, got {self.math!r}")
-        for s, what, c in ((self.x_slice, "an input", self.shape.c), (self.y_slice, "an output", self.shape.k)):
+        for s, what, c in ((self.x_slice, "an input", self.shape.c), (self.y_slice, "an output", self.shape.k),
+                           (self.z_slice, "a residual", self.shape.k)):
             if s is None:
                 continue
             if self.shape.direction != "fwd":
@@ -276,8 +290,10 @@ class ProblemKey:
 
     @property
     def packed(self) -> ProblemKey:
-        """This key reading a packed input and writing a packed output."""
-        return self if self.x_slice is None and self.y_slice is None else dataclasses.replace(self, x_slice=None, y_slice=None)
+        """This key reading a packed input (and residual) and writing a packed output."""
+        if self.x_slice is None and self.y_slice is None and self.z_slice is None:
+            return self
+        return dataclasses.replace(self, x_slice=None, y_slice=None, z_slice=None)
 
     @property
     def x_strides(self) -> tuple[int, ...] | None:
@@ -290,12 +306,17 @@ class ProblemKey:
         return None if self.y_slice is None else slice_strides(self.shape.y_shape, self.y_slice, self.layout)
 
     @property
+    def z_strides(self) -> tuple[int, ...] | None:
+        """Element strides of the residual slice (:func:`slice_strides`); None: packed."""
+        return None if self.z_slice is None else slice_strides(self.shape.y_shape, self.z_slice, self.layout)
+
+    @property
     def tf32(self) -> bool:
         """Whether float32 data may be computed with TF32 tensor cores under this math type."""
         return self.shape.dtype == "float32" and self.math != "fma"
 
     def __str__(self) -> str:
-        return f"{self.shape}|{self.layout}|{self.math}" + "".join(f"|{s}" for s in (self.x_slice, self.y_slice) if s is not None)
+        return f"{self.shape}|{self.layout}|{self.math}" + "".join(f"|{s}" for s in (self.x_slice, self.y_slice, self.z_slice) if s is not None)
 
     @classmethod
     def parse(cls, text: str) -> ProblemKey:
@@ -318,7 +339,8 @@ class ProblemKey:
         )
         x_slice = InputSlice(int(m["first"]), int(m["channels"])) if m["channels"] is not None else None
         y_slice = OutputSlice(int(m["yfirst"]), int(m["ychannels"])) if m["ychannels"] is not None else None
-        return cls(shape, m["layout"], m["math"], x_slice, y_slice)  # type: ignore[arg-type]
+        z_slice = ResidualSlice(int(m["zfirst"]), int(m["zchannels"])) if m["zchannels"] is not None else None
+        return cls(shape, m["layout"], m["math"], x_slice, y_slice, z_slice)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +351,7 @@ class ConvProblem:
     fusion: str = ""  # the epilogue run in its conv's step (:mod:`convpass.core.fusion`), or ""
     x_slice: InputSlice | None = None  # the input is read as this channel slice (forward, 2-D geometry only)
     y_slice: OutputSlice | None = None  # the output is written into this channel slice (forward, 2-D geometry only)
+    z_slice: ResidualSlice | None = None  # the fusion's residual (adds_residual) is read as this channel slice (likewise)
 
     @property
     def direction(self) -> Direction:
@@ -342,4 +365,5 @@ class ConvProblem:
         mapping = f" (+{len(self.candidates) - 1} mapping)" if len(self.candidates) > 1 else ""
         read = f" reading {self.x_slice}" if self.x_slice is not None else ""
         write = f" writing {self.y_slice}" if self.y_slice is not None else ""
-        return str(self.primary) + mapping + (f" + {self.fusion}" if self.fusion else "") + read + write
+        residual = f" adding {self.z_slice}" if self.z_slice is not None else ""
+        return str(self.primary) + mapping + (f" + {self.fusion}" if self.fusion else "") + read + write + residual

@@ -34,8 +34,8 @@ Rules
    ones as fused graphs, ``z`` before the ReLU). ``bias``: the ``(K,)`` values,
    contiguous where :attr:`ConvExec.contiguous_bias` says so (zeros for a conv without a bias
    whose step adds a residual: :mod:`convpass.core.fusion`, "A conv without a bias"); ``z``: the residual, shaped as the
-   output (a fused graph's: packed like ``y`` and never sharing its memory: the launch refuses
-   ``y`` aliasing ``z``).
+   output (a fused graph's: packed like ``y``, or with a key's residual slice that slice, rule 3,
+   and never sharing its memory: the launch refuses ``y`` aliasing ``z``).
 3. Outputs: packed in the key's memory format, or where :attr:`ConvExec.output_strides` allows a
    slice of a larger buffer (a Concat's): ``"same_order"`` in the key's memory order (cuDNN's
    forward call takes the slice's strides), ``"any"`` with any strides (convpass's kernel).
@@ -48,9 +48,13 @@ Rules
    (:func:`refuses_slice`), the copy in the time; so for the output a key names as an
    :class:`~convpass.core.problem.OutputSlice` (written in place where the object writes slices
    and cuDNN takes them, else written packed and copied into the slice after, as the executor
-   does). A key's workspace covers its strided calls
-   (:func:`legacy_workspace`); a strided call whose workspace would outgrow the object's is
-   refused here as cuDNN refuses a stride it does not take
+   does). A residual ``z``: packed like ``y``, or where :attr:`ConvExec.residual_strides` names
+   strides (a graph-API fused graph of a key with a :class:`~convpass.core.problem.ResidualSlice`:
+   its plan is built reading ``z`` with the slice's strides) exactly those; the tuner times the
+   key's slice read in place there, and copied into a packed buffer first for an object that
+   reads a packed ``z`` (cuDNN's legacy fused call), as the executor copies it. A key's
+   workspace covers its strided calls (:func:`legacy_workspace`); a strided call whose workspace
+   would outgrow the object's is refused here as cuDNN refuses a stride it does not take
    (:class:`~convpass.core.cudnn_enums.CudnnError`, ``CUDNN_STATUS_BAD_PARAM``).
 4. A launch allocates nothing and waits for nothing, so it can be captured into a CUDA graph.
    :attr:`ConvExec.counts` names the executor's counters a launch adds one to
@@ -167,6 +171,7 @@ class ConvExec:
 
     output_strides = "packed"  # rule 3
     input_strides = "packed"  # rule 3
+    residual_strides: tuple[int, ...] | None = None  # rule 3: the element strides of the z it reads (None: packed)
     contiguous_bias = False  # rule 2
 
     def __init__(self, key: ProblemKey, algo: Algo, epilogue: str, cp: Any, workspace_bytes: int) -> None:
@@ -359,12 +364,14 @@ class EngineConv(ConvExec):
         self.plan = plan
         self.contiguous_bias = self.fused
         self.residual = self.fused and takes_residual(algo.fusion)  # its graph reads z (before or after its activation)
+        self.residual_strides = key.z_strides if self.residual else None  # its plan reads z with the key's slice strides
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
         ws = workspace if self.workspace_bytes > 0 else None
         odd = graph_api.misaligned(x=x, w=w, y=y, bias=bias if self.fused else None, z=z if self.residual else None)
         if odd:  # a view at an odd offset: refused as cuDNN refuses, never a misaligned read (a sticky CUDA error)
-            raise graph_api.GraphApiError(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
+            refused = graph_api.ResidualRefused if odd == ["z"] else graph_api.GraphApiError  # z alone: a copy of it may run
+            raise refused(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
         if fence_needed(self):
             stream_fence(self.cp)  # timed with the launch it guards: the tuner's rows hold it
         if self.fused:

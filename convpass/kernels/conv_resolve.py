@@ -62,6 +62,7 @@ class ConvResolution:
     fuse_residual_ok: bool = True
     strided_output_ok: bool = True
     strided_input_ok: bool = True
+    strided_residual_ok: bool = True  # the step's object reads its residual slice in place (convpass.kernels.conv_slices)
     # how a legacy algorithm runs its step's epilogue (convpass.core.fusion): None = not tuned, cuDNN's
     # fused call where it takes it; "" = recorded unfused (the conv, then one pass); a legacy
     # epilogue name = recorded fused into the call

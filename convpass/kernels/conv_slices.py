@@ -42,6 +42,23 @@ Rules:
    (:func:`unpriced_copy`, :func:`said_if_unpriced`). An output slice in another memory format
    than the conv's is a transpose the layout plan charges, and a 1-D conv's mapped output is
    copied as a Concat would copy an unplaced input: counted, not said.
+5. **Residual slices.** A fused step that adds a residual ``z`` after its activation (a graph-API
+   fusion's ``+add``) whose ``z`` is a channel slice (CSPDarknet's first block of a stage adds the
+   second half of its stage's Split) reads it in place where its decision's problem key names
+   that slice (``zslice``) and its object reads those strides (a graph-API plan built for the
+   slice: :attr:`~convpass.kernels.conv_exec.ConvExec.residual_strides`); counted in
+   ``residual_slice_reads``. Any other ``z`` not as the object reads it is copied first (packed in
+   the conv's memory format; for a plan built for a slice, into a buffer of those strides),
+   counted in ``residual_copies`` and noted once per node at debug level where the decision's
+   tuning did not time that copy: the tuner times a key's residual slice read in place, or copied
+   for an object that reads a packed ``z`` (cuDNN's legacy fused call). A launch refused for the
+   slice in place alone (:class:`~convpass.native.cudnn.graph_api.ResidualRefused`: ``z`` the one
+   tensor not aligned as the plan assumes, or not of its strides) copies from then on
+   (:func:`remember_residual_refusal`), said once at debug level; while a CUDA graph is captured,
+   the capture breaks there. That copy keeps the slice's strides, so it helps where the refusal
+   was the alignment of ``z``'s start; where cuDNN refuses the strides themselves (the plan's
+   execution failing), or the launch was refused for another tensor, the step falls back
+   (warned) as any refused engine step does.
 """
 
 from __future__ import annotations
@@ -49,11 +66,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from convpass.native.cuda import elements, first_line
+from convpass.native.cuda import CaptureBreak, elements, first_line
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["priced", "remember_refusal", "said_if_unpriced", "same_order", "slice_words", "unpriced_copy"]
+__all__ = ["priced", "remember_refusal", "remember_residual_refusal", "residual_copied", "residual_in_place", "residual_slice_copy", "said_if_unpriced",
+           "same_order", "slice_words", "unpriced_copy"]
 
 
 def priced(want: tuple[int, ...] | None, a: Any) -> bool:
@@ -83,6 +101,45 @@ def remember_refusal(ex: Any, e: Exception, read: bool, write: bool) -> None:
         ex.strided_output_ok = False
     how = " and ".join(part for part, on in (("packed input", read), ("packed output", write)) if on)
     logger.debug("node %r: cuDNN %r refuses to %s (%s): %s + copy", ex.node, ex.algo, slice_words(read, write), first_line(e), how)
+
+
+def residual_in_place(ex: Any, conv: Any, z: Any) -> bool:
+    """Rule 5: whether the step's object ``conv`` of the resolution ``ex`` reads the residual ``z``
+    itself: a channel slice of the strides it reads, not refused before."""
+    want = conv.residual_strides
+    return want is not None and ex.strided_residual_ok and priced(want, z)
+
+
+def residual_slice_copy(z: Any, ex: Any) -> Any:
+    """Rule 5: ``z`` copied into the first channels of a new buffer as wide as the key's residual
+    slice's, in the conv's memory format: the strides a plan built for that slice reads, at an
+    aligned start (for ``z`` of other strides, or a slice the plan refused in place)."""
+    from convpass.native import cudnn
+    from convpass.native.cuda import copy_into
+
+    channels = ex.key.z_slice.channels if ex.key.z_slice is not None else z.shape[1]
+    z4 = cudnn.empty_like_layout((z.shape[0], channels, *z.shape[2:]), z.dtype, ex.layout)[:, :z.shape[1]]
+    copy_into(z4, z)
+    return z4
+
+
+def residual_copied(rt: Any, ex: Any, conv: Any, z: Any) -> None:
+    """Rule 5: the residual ``z`` of the resolution ``ex`` was copied for the step's object ``conv``:
+    counted, and noted once per node where the decision's tuning did not time that copy."""
+    rt.counters["residual_copies"] += 1
+    if conv.residual_strides is None and ex.source == "recorded" and priced(ex.key.z_strides, z):
+        return  # timed: the key names z's slice, and its object reads a packed z
+    form = "a channel slice of its plan's strides" if conv.residual_strides is not None else f"packed in the conv's memory format ({ex.layout})"
+    rt.note_once(f"residual-copy:{ex.node}", f"node {ex.node!r}: its residual input is not {form}: it is copied on every run", warn=False)
+
+
+def remember_residual_refusal(rt: Any, ex: Any, e: Exception) -> None:
+    """Rule 5: the resolution ``ex`` copies its residual slice from now on (the caller runs the
+    launch again so); while ``rt`` captures a CUDA graph, :class:`~convpass.native.cuda.CaptureBreak`."""
+    if rt.capturing:
+        raise CaptureBreak(f"node {ex.node!r}: its residual was refused as a channel slice during capture: {first_line(e)}")
+    ex.strided_residual_ok = False
+    logger.debug("node %r: %r refuses to read its residual from a channel slice (%s): copy + launch", ex.node, ex.algo, first_line(e))
 
 
 def said_if_unpriced(rt: Any, ex: Any, conv: Any, out: Any) -> None:

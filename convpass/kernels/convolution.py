@@ -37,14 +37,16 @@ Fused graph-API epilogues: a Conv whose decision records a fused engine (``fusio
 ``bias+swish``, ``bias+leakyrelu0.2``) and whose output is read only by that epilogue in the plan
 (``Mul(y, Sigmoid(y))``, a ``LeakyRelu`` of that alpha) runs conv, bias and activation in the engine's one call, and its launch absorbs the epilogue's
 steps; with ``+add`` the residual Add too (its other operand ``z`` read from the plan, in the conv's
-memory format, copied there if it is not; the launch writes the Add's output), or, where the decision
+memory format, copied there if it is not, or a channel slice read in place where the decision's
+key names it: :mod:`convpass.kernels.conv_slices`; the launch writes the Add's output), or, where the decision
 is the activation's graph alone, the Add stays the plan's own step. When the plan does not offer the epilogue (fusion off, another graph) the recorded legacy
 ``algo`` runs, with one warning; when the fused plan cannot be built, the same, and the epilogue's
 steps run as usual.
 
 Slices of shared buffers (:mod:`convpass.kernels.conv_slices`): a conv reads a channel slice of a
-Concat buffer, and writes its output into its slice of one, in place where its object and cuDNN
-take the strides, else with a copy; the copies no tuning timed are said once per model.
+Concat buffer, and writes its output into its slice of one, and a fused step reads its residual
+from a channel slice, in place where its object and cuDNN take the strides, else with a copy; the
+copies no tuning timed are said once per model (the residual's noted per node).
 
 Decisions:
 
@@ -106,13 +108,24 @@ from convpass.kernels.conv_exec import (
 )
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
-from convpass.kernels.conv_slices import priced, remember_refusal, said_if_unpriced, same_order, slice_words, unpriced_copy
+from convpass.kernels.conv_slices import (
+    priced,
+    remember_refusal,
+    remember_residual_refusal,
+    residual_copied,
+    residual_in_place,
+    residual_slice_copy,
+    said_if_unpriced,
+    same_order,
+    slice_words,
+    unpriced_copy,
+)
 from convpass.kernels.launch import Launch
 from convpass.kernels.plan_steps import PlanSteps
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, copy_into, first_line, storage
 from convpass.native.cudnn import graph_api
-from convpass.native.cudnn.graph_api import GraphApiError
+from convpass.native.cudnn.graph_api import GraphApiError, ResidualRefused
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
 
@@ -288,8 +301,8 @@ class Convolutions:
         if ex.op_type == "ConvTranspose":
             return self._run_transpose(ex, x, wk, b, relu, ws, out)
         read_ok, write_ok = (ex.strided_input_ok, ex.strided_output_ok) if slices is None else slices
-        z4 = None if z is None else self._residual_in_layout(z, ex)  # the residual, in the conv's own memory format
-        conv = self._step(ex, b, relu, z4)
+        conv = self._step(ex, b, relu, z)
+        z4, z_read = (None, False) if z is None else self._residual(z, ex, conv)  # as the step's object reads it
         xp = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
         sliced = ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
         read = read_ok and conv.input_strides == "slice" and sliced
@@ -306,7 +319,12 @@ class Convolutions:
         y4 = map_1d(y, ex.insert_axis)
         try:
             self._launch(conv, x4, wk, y4, ws, b, z4)
-        except (cudnn.CudnnError, ValueError) as e:
+        except (cudnn.CudnnError, ValueError, GraphApiError) as e:
+            if z_read and isinstance(e, ResidualRefused):  # its residual slice refused: copied from now on
+                remember_residual_refusal(self.rt, ex, e)
+                return self._run(ex, x, w, b, relu, z, out, slices)
+            if isinstance(e, GraphApiError):
+                raise
             if (read or write) and refuses_slice(e, write):
                 if slices is not None:
                     raise
@@ -318,6 +336,8 @@ class Convolutions:
                 raise
         if isinstance(conv, EngineConv) and not ex.engine_checked:  # wrong: a GraphApiError, run()'s warned fallback
             engine_check.first_run(self, ex, conv, x4, wk, y4, b, z4)
+        if z_read:
+            self.rt.counters["residual_slice_reads"] += 1
         if read:
             self.rt.counters["slice_reads"] += 1
         elif sliced:  # counted once the launch ran: a refused try of the warm-up run copies for nothing
@@ -428,16 +448,15 @@ class Convolutions:
         remember_refusal(ex, e, read, write)
         return self._run(ex, x, w, b, relu, z, out)
 
-    def _residual_in_layout(self, z: Any, ex: ConvResolution) -> Any:
-        """The residual ``z`` in the conv's memory format; a copy of a channel slice or of another
-        format is counted in ``residual_copies`` and noted once per node (the tuner times a packed
-        residual)."""
-        z4 = self._in_layout(z, ex)
+    def _residual(self, z: Any, ex: ConvResolution, conv: ConvExec) -> tuple[Any, bool]:
+        """The residual ``z`` as the step's object ``conv`` reads it, and whether that is ``z``
+        itself, read in place (rule 5 of :mod:`convpass.kernels.conv_slices`)."""
+        if residual_in_place(ex, conv, z):
+            return z, True
+        z4 = self._in_layout(z, ex) if conv.residual_strides is None else residual_slice_copy(z, ex)
         if z4 is not map_1d(z, ex.insert_axis):
-            self.rt.counters["residual_copies"] += 1
-            self.rt.note_once(f"residual-copy:{ex.node}", f"node {ex.node!r}: its residual input is not packed in the conv's memory "
-                                                          f"format ({ex.layout}): it is copied on every run", warn=False)
-        return z4
+            residual_copied(self.rt, ex, conv, z)
+        return z4, False
 
 
 def _residual_order(after: str, z: Any) -> tuple[Any, Any]:

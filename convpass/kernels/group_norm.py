@@ -2,6 +2,12 @@
 or instance normalization, per-channel scale and shift, then the unit's element-wise epilogue)
 as one statistics pass and one apply pass, on channels-first and channels-last storage.
 
+Where the unit's groups are small and its operands are ones the dedicated apply kernel reads, the
+step is one launch instead (:mod:`convpass.kernels.group_norm_onepass`: a block per sample and
+group computes the group's moments, then applies the epilogue to it; the rules are that module's
+:func:`~convpass.kernels.group_norm_onepass.fits`); it reads and writes the storage orders the
+three kernels below would, and needs no scratch. Everything below describes the three kernels.
+
 Statistics and coefficients (float32, per sample and channel group, then per sample and channel;
 written once per step into scratch buffers allocated when the plan is compiled, so the launches
 can be captured):
@@ -58,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from convpass.kernels import broadcast, elementwise, group_norm_apply
+from convpass.kernels import broadcast, elementwise, group_norm_apply, group_norm_onepass
 from convpass.kernels.launch import Launch
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import channels_last, elements
@@ -71,7 +77,7 @@ _THREADS = 256
 _FINALIZE_THREADS = 128  # at most, per (sample, group): a channels-last step of one sample has hundreds of chunks
 # Bumped when these kernels' speed changes: fused units' timings in a tuning cache are keyed by it
 # (convpass.compiler.fusions), so a cached re-run times them again instead of planning with stale ones.
-REVISION = 4
+REVISION = 5
 _TARGET_BLOCKS_PER_SM = 4
 _MIN_ROW_CHUNK = 2048  # elements a rows block reads at least
 _CL_VALS = (1, 2, 4, 8, 16)  # channels per channel lane of the channels-last kernels
@@ -82,38 +88,7 @@ _SOURCE = r"""
 #HEADER
 #define MAXT 256
 
-// Chan et al.: merge moments (nb, mb, m2b) into (n, mean, m2)
-__device__ __forceinline__ void chan(float& n, float& mean, float& m2, float nb, float mb, float m2b) {
-    if (nb == 0.f) return;
-    if (n == 0.f) { n = nb; mean = mb; m2 = m2b; return; }
-    const float t = n + nb, d = mb - mean;
-    mean += d * (nb / t);
-    m2 += m2b + d * d * (n * nb / t);
-    n = t;
-}
-
-// moments of the values a thread read, shifted by the first one
-__device__ __forceinline__ void moments(float cnt, float shift, float s1, float s2, float& mean, float& m2) {
-    mean = cnt > 0.f ? shift + s1 / cnt : 0.f;
-    m2 = cnt > 0.f ? fmaxf(s2 - s1 * (s1 / cnt), 0.f) : 0.f;
-}
-
-// the block's moments merged (a tree in shared memory, any block size up to MAXT); thread 0 gets them
-__device__ void block_merge(float& n, float& mean, float& m2) {
-    __shared__ float sn[MAXT], sm[MAXT], sq[MAXT];
-    const unsigned t = threadIdx.x + threadIdx.y * blockDim.x, size = blockDim.x * blockDim.y;
-    sn[t] = n; sm[t] = mean; sq[t] = m2;
-    __syncthreads();
-    for (unsigned stride = 1; stride < size; stride <<= 1) {
-        if (t % (2 * stride) == 0 && t + stride < size) {
-            float a = sn[t], b = sm[t], c = sq[t];
-            chan(a, b, c, sn[t + stride], sm[t + stride], sq[t + stride]);
-            sn[t] = a; sm[t] = b; sq[t] = c;
-        }
-        __syncthreads();
-    }
-    n = sn[0]; mean = sm[0]; m2 = sq[0];
-}
+#MOMENTS
 
 __device__ __forceinline__ void store_moments(float* part, long long at, float n, float mean, float m2) {
     part[3 * at] = n; part[3 * at + 1] = mean; part[3 * at + 2] = m2;
@@ -223,7 +198,7 @@ def source(dtype: Any) -> compiler.KernelSource:
         f'extern "C" __global__ void gn_moments_cl_{v}(const TYPE* __restrict__ x, float* __restrict__ part, unsigned C, unsigned G, '
         f"long long S, long long sN, long long sS, long long chunk, int chunks) {{ moments_cl<{v}>(x, part, C, G, S, sN, sS, chunk, chunks); }}"
         for v in _CL_VALS)
-    code = _SOURCE.replace("#ENTRIES", entries).replace("CL_SHARED", str(_CL_SHARED))
+    code = _SOURCE.replace("#MOMENTS", group_norm_onepass.MOMENTS).replace("#ENTRIES", entries).replace("CL_SHARED", str(_CL_SHARED))
     return compiler.typed("group_norm", code, _ENTRIES, dtype)
 
 
@@ -373,15 +348,16 @@ def _compiled(cupy: Any) -> Any:
 
 
 class FusedNormLaunch(Launch):
-    """A ``FusedNorm`` step: statistics, finalize and apply (module docstring). Writes into a
-    Concat slice when the memory plan places it. ``fallback``: ``(ctx, node, fn)``, the op
-    library's fused step, for what the kernels do not take. ``entry(source, name)``: a compiled
-    entry point (default: NVRTC through :mod:`convpass.native.nvrtc`; the CPU tests pass host
-    builds, with ``threads=1`` and ``sms`` given)."""
+    """A ``FusedNorm`` step: one launch where its groups are small, else statistics, finalize and
+    apply (module docstring). Writes into a Concat slice when the memory plan places it.
+    ``fallback``: ``(ctx, node, fn)``, the op library's fused step, for what the kernels do not
+    take. ``entry(source, name)``: a compiled entry point (default: NVRTC through
+    :mod:`convpass.native.nvrtc`; the CPU tests pass host builds, with ``threads`` (the most
+    threads a block of any kernel has; default: each kernel's own) and ``sms`` given)."""
 
     supports_placement = True
 
-    def __init__(self, plan: Any, index: int, cupy: Any, fallback: Any, *, entry: Any = None, threads: int = _THREADS,
+    def __init__(self, plan: Any, index: int, cupy: Any, fallback: Any, *, entry: Any = None, threads: int | None = None,
                  sms: int | None = None) -> None:
         step = plan.steps[index]
         spec: NormSpec = step.node.prepared
@@ -396,13 +372,17 @@ class FusedNormLaunch(Launch):
         kinds = ["constant" if plan.template[s] is not None else "value" for s in self.operands]
         shapes = [tuple(plan.info(s)[0]) for s in self.operands]
         self.entry = entry or _compiled(cupy)
-        self.threads = threads
+        self.threads = threads or _THREADS
         self.sms = sms
         group = apply_group(spec, self.dtype, kinds)
         read_as = group_norm_apply.operand_kinds(self.shape, shapes)
-        self.apply = self.kernel = None  # the dedicated apply kernel, or else the generic one (module docstring)
-        if read_as is not None:
-            self.apply = group_norm_apply.ApplyKernel(cupy, group, read_as, lambda: self.sms, entry=self.entry, threads=threads)
+        # the one-launch kernel, or the dedicated apply kernel, or else the generic one (module docstring)
+        self.onepass = self.apply = self.kernel = None
+        if read_as is not None and group_norm_onepass.fits(self.shape, spec.groups):
+            self.onepass = group_norm_onepass.OnePassKernel(cupy, group, read_as, self.shape, spec.groups, spec.eps, lambda: self.sms,
+                                                            entry=self.entry, threads=threads or group_norm_onepass.MAX_THREADS)
+        elif read_as is not None:
+            self.apply = group_norm_apply.ApplyKernel(cupy, group, read_as, lambda: self.sms, entry=self.entry, threads=self.threads)
         else:
             classes = apply_classes(kinds, shapes)
             apply_src = broadcast.broadcast_source(group, classes, broadcast.unroll_for(group))
@@ -414,6 +394,8 @@ class FusedNormLaunch(Launch):
         xp = self.cp
         if self.sms is None:
             self.sms = _sm_count(int(xp.cuda.runtime.getDevice()))
+        if self.onepass is not None:
+            return  # no scratch: statistics and coefficients stay in the block
         n, g = self.shape[0], self.spec.groups
         plans = [moments_plan(self.shape, _packed_strides(self.shape, last), g, self.sms, self.threads) for last in (False, True)]
         most = max((p["chunks"] for p in plans if p is not None), default=1)
@@ -435,10 +417,11 @@ class FusedNormLaunch(Launch):
     def _run(self, x: Any, operands: list[Any], env: list[Any]) -> Any | None:
         xp, spec = self.cp, self.spec
         g = spec.groups
-        geo = moments_plan(x.shape, elements(x.strides, x.itemsize), g, self.sms, self.threads)
-        if geo is None or geo["chunks"] * x.shape[0] * g * 3 > self.part.size:
+        threads = _THREADS if self.onepass is not None else self.threads  # the one launch only asks which storage order
+        geo = moments_plan(x.shape, elements(x.strides, x.itemsize), g, self.sms, threads)
+        if geo is None or (self.onepass is None and geo["chunks"] * x.shape[0] * g * 3 > self.part.size):
             x = xp.ascontiguousarray(x)
-            geo = moments_plan(x.shape, elements(x.strides, x.itemsize), g, self.sms, self.threads)
+            geo = moments_plan(x.shape, elements(x.strides, x.itemsize), g, self.sms, threads)
         if geo is None:
             return None
         last = geo["kernel"] != "rows"
@@ -448,6 +431,9 @@ class FusedNormLaunch(Launch):
         frames = [frame(xp, a, x.shape, last) for a in (x, *operands, out)]
         if any(f is None for f in frames):
             return None
+        if self.onepass is not None:
+            done = self.onepass(frames[0], env[self.inputs[1]], env[self.inputs[2]], frames[1:-1], frames[-1], last)
+            return None if done is None else out
         src = source(x.dtype)
         self.entry(src, f"gn_moments_{geo['kernel']}")(geo["grid"], geo["block"], (x, self.part, *geo["args"]))
         n, c = x.shape[:2]
@@ -464,10 +450,15 @@ class FusedNormLaunch(Launch):
 
     def sources(self) -> list[compiler.KernelSource]:
         """The kernel sources this step runs (compiled at plan time, recorded for the side-car)."""
+        if self.onepass is not None:
+            return [self.onepass.source]
         return [source(self.dtype)] + ([self.apply.source] if self.apply is not None else [self.kernel.source])
 
     def apply_paths(self) -> set[str]:
-        """How the apply pass ran so far: the dedicated kernel's entries, or ``"broadcast_d<k>"``."""
+        """How the apply pass ran so far: the one-launch kernel's entries (``"gn_onepass_*"``), the
+        dedicated apply kernel's (``"gn_apply_*"``), or ``"broadcast_d<k>"``."""
+        if self.onepass is not None:
+            return set(self.onepass.planned)
         if self.apply is not None:
             return set(self.apply.planned)
         return {f"broadcast_d{d}" for d in self.kernel.planned_dims()}

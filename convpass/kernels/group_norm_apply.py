@@ -46,7 +46,8 @@ import numpy as np
 from convpass.kernels.elementwise import PREAMBLE, FusedGroup
 from convpass.native import nvrtc as compiler
 
-__all__ = ["IN_FLIGHT", "IN_FLIGHT_SCALAR", "THREADS", "ApplyKernel", "apply_geometry", "operand_kinds", "source", "vector_width"]
+__all__ = ["IN_FLIGHT", "IN_FLIGHT_SCALAR", "THREADS", "ApplyKernel", "apply_geometry", "element_code", "operand_kinds", "prelude", "source",
+           "vector_width"]
 
 THREADS = 256
 IN_FLIGHT = 2  # vectors of every array a thread loads before it stores any
@@ -56,13 +57,15 @@ _BLOCKS_PER_SM = 16  # blocks the launch aims for per SM (two waves of 256-threa
 _GRID_Y = 65535
 _STORAGE = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float"}
 
-_SOURCE = r"""
+_PRELUDE = r"""
 #HEADER
 #PREAMBLE
 typedef #STORAGE T;
 template <int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 template <int V> __device__ __forceinline__ Pack<V> load(const T* p) { return *reinterpret_cast<const Pack<V>*>(p); }
-template <int V> __device__ __forceinline__ void store(T* p, const Pack<V>& v) { *reinterpret_cast<Pack<V>*>(p) = v; }
+template <int V> __device__ __forceinline__ void store(T* p, const Pack<V>& v) { *reinterpret_cast<Pack<V>*>(p) = v; }"""
+
+_SOURCE = r"""#PRELUDE
 
 // channels-last: thread (channel lane, pixel row) of block (run k of positions, n * tiles + tile);
 // element (n, s, c) of array q at q + n * sq_n + s * sq_s + c * sq_c
@@ -128,6 +131,23 @@ def vector_width(dtype: Any) -> int:
     return _VECTOR_BYTES // np.dtype(dtype).itemsize
 
 
+def prelude(dtype: Any) -> str:
+    """The head of a generated kernel over storage ``dtype``: its header, the element-wise
+    preamble, the storage type ``T`` and the vector type ``Pack<V>`` with its loads and stores."""
+    dtype = np.dtype(dtype)
+    return (_PRELUDE.replace("#HEADER", "#include <cuda_fp16.h>" if dtype == np.float16 else "").replace("#PREAMBLE", PREAMBLE)
+            .replace("#STORAGE", _STORAGE[dtype]))
+
+
+def element_code(group: FusedGroup, kinds: Sequence[str], sample: Callable[[int], str]) -> list[str]:
+    """The lines that compute element ``j`` of vector ``u`` (``vy.v[j]``) by ``group``'s code:
+    ``x`` as ``vx[u].v[j]``, the coefficients as ``KA`` and ``KB`` (for the caller to replace), a
+    per-pixel operand ``k`` as ``vx<k>[u].v[j]``, a per-sample one as ``sample(k)``."""
+    lines = ["const T in0 = vx[u].v[j];", "const float in1 = KA, in2 = KB;"]
+    lines += [f"const T in{k} = {f'vx{k}[u].v[j]' if kind == 'pixel' else sample(k)};" for k, kind in zip(range(3, 3 + len(kinds)), kinds)]
+    return lines + ["T out0;", "{", *("    " + line for line in group.code.splitlines()), "}", "vy.v[j] = out0;"]
+
+
 def _entries(v: int) -> tuple[str, ...]:
     return tuple(f"gn_apply_{order}_{w}" for order in ("cl", "cf") for w in dict.fromkeys((1, v)))
 
@@ -161,13 +181,9 @@ def source(group: FusedGroup, kinds: Sequence[str]) -> compiler.KernelSource:
     body += ["#pragma unroll", "        for (int u = 0; u < U; ++u) {", "            if (p + u * step < p1) {"]
     body += [f"                v{a}[u] = load<V>(p{a} + u * d{a});" for a in pixel]
     body += ["            }", "        }", "#pragma unroll", "        for (int u = 0; u < U; ++u) {", "            if (p + u * step < p1) {",
-             "                Pack<V> vy;", "#pragma unroll", "                for (int j = 0; j < V; ++j) {",
-             "                    const T in0 = vx[u].v[j];", "                    const float in1 = KA, in2 = KB;"]
-    for k, kind in zip(ops, kinds):
-        body.append(f"                    const T in{k} = {f'vx{k}[u].v[j]' if kind == 'pixel' else f'SAMPLE{k}'};")
-    body += ["                    T out0;", "                    {", *("                        " + line for line in group.code.splitlines()),
-             "                    }", "                    vy.v[j] = out0;", "                }", "                store<V>(py + u * dy, vy);",
-             "            }", "        }"]
+             "                Pack<V> vy;", "#pragma unroll", "                for (int j = 0; j < V; ++j) {"]
+    body += ["                    " + line for line in element_code(group, kinds, lambda k: f"SAMPLE{k}")]
+    body += ["                }", "                store<V>(py + u * dy, vy);", "            }", "        }"]
     body += [f"        p{a} += U * d{a};" for a in pixel + ["y"]]
     body_text = "\n".join(body)
     v = vector_width(dtype)
@@ -181,8 +197,7 @@ def source(group: FusedGroup, kinds: Sequence[str]) -> compiler.KernelSource:
     for k in samples:
         body_cl = body_cl.replace(f"SAMPLE{k}", f"r{k}[j]")
         body_cf = body_cf.replace(f"SAMPLE{k}", f"r{k}")
-    code = (_SOURCE.replace("#HEADER", "#include <cuda_fp16.h>" if dtype == np.float16 else "").replace("#PREAMBLE", PREAMBLE)
-            .replace("#STORAGE", _STORAGE[dtype]).replace("#PARAMS", ", ".join(params))
+    code = (_SOURCE.replace("#PRELUDE", prelude(dtype)).replace("#PARAMS", ", ".join(params))
             .replace("#SAMPLE_DECL_V", "\n".join(f"    T r{k}[V];" for k in samples))
             .replace("#SAMPLE_LOAD_CL", "\n".join(f"        r{k}[j] = x{k}[(long long)n * sx{k}_n + (long long)(c0 + j) * sx{k}_c];" for k in samples))
             .replace("#SAMPLE_LOAD_CF", "\n".join(f"    const T r{k} = x{k}[(long long)n * sx{k}_n + (long long)c * sx{k}_c];" for k in samples))

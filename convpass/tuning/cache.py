@@ -9,8 +9,9 @@ What it holds
     epilogue timed as its own pass over the key's output; its algo is the fusion's name:
     :mod:`convpass.tuning.decide`). Graph-API engines are ``measure`` rows whose algo is
     ``engine:<cuDNN plan name>[+<fusion>]``. Lookups by geometry (:meth:`TuningCache.get`) return
-    every memory format, math mode, channel slice (keys ending ``|xslice=..`` / ``|yslice=..``:
-    the input read from, the output written into a slice of a wider buffer) and algorithm
+    every memory format, math mode, channel slice (keys ending ``|xslice=..`` / ``|yslice=..`` /
+    ``|zslice=..``: the input read from, the output written into, the fused residual read from a
+    slice of a wider buffer) and algorithm
     measured for a :class:`~convpass.core.problem.ConvShape` in one indexed query.
 
     Beside them, one row per (device, tensor dims, dtype) in ``transposes``: the measured time of

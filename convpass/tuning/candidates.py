@@ -31,6 +31,7 @@ from typing import Any, TypeAlias
 
 from convpass.core import fusion as epilogue
 from convpass.core.algo import Algo
+from convpass.core.layout import storage_order
 from convpass.core.problem import ProblemKey
 from convpass.kernels import conv_exec, depthwise
 from convpass.tuning import harness
@@ -76,6 +77,18 @@ def _activation_kernel(fusion: str) -> Any:
             _activation_kernels[fusion] = cp.ElementwiseKernel(
                 "T x", "T y", f"float v = (float)x; y = (T)({f.cuda});", f"convpass_{f.frontend_op}")
     return _activation_kernels[fusion]
+
+
+def _stored(a: Any) -> Any:
+    """``a`` in its memory order (:func:`~convpass.core.layout.storage_order`: a channel slice of a
+    channels-last buffer too), so an element-wise pass over several arrays walks each alike."""
+    order = storage_order(a)
+    return a.transpose(order) if order else a
+
+
+def _z_note(key: ProblemKey, residual: bool) -> str:
+    """What a pass row's note adds where it read its residual from the key's channel slice."""
+    return "; its residual read from its channel slice" if residual and key.z_slice is not None else ""
 
 
 def _oom(key: ProblemKey, algo: str, ws: int, det: bool, now: float, e: Exception, method: str = "measure") -> Measurement:
@@ -141,7 +154,7 @@ class Candidates:
         now = time.time()
         residual, relu = epilogue.parts(name)
         try:
-            sets = self.bench.rotation(key.layout)
+            sets = self.bench.rotation(key.layout, residual)
             bias = self._bias_and_residuals(key, residual, sets)
             timing = harness.time_launches(
                 lambda i: conv_exec.apply_epilogue(cp, sets[i]["y"], bias, relu, sets[i]["z"] if residual else None), len(sets))
@@ -164,7 +177,7 @@ class Candidates:
         try:
             conv = conv_exec.conv_exec(key, fused, name, cp=cp, descs=descs)
             ws = conv.workspace_bytes
-            bias, expected = self._epilogue_inputs(key, name, self.bench.rotation(key.layout))
+            bias, expected = self._epilogue_inputs(key, name, self.bench.rotation(key.layout, residual))
             row = self.bench.check_and_time(conv, det, now, best_ms, bias=bias, residual=residual, expected=expected)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, str(fused), ws, det, now, e)
@@ -197,11 +210,11 @@ class Candidates:
 
     def _residuals(self, key: ProblemKey, sets: list[dict]) -> None:
         """A residual ``z`` of the output's shape in every set (in the key's memory format; the same
-        values in every format: the seed decides them), made once."""
-        shape = self.bench.shape
+        values in every format: the seed decides them; a slice of a wider buffer where the key
+        names one: :meth:`~convpass.tuning.shape_bench.ShapeBench.residual`), made once."""
         for i, b in enumerate(sets):
             if "z" not in b:
-                b["z"] = harness.random_array(shape.y_shape, shape.dtype, key.layout, 40 + i)
+                b["z"] = self.bench.residual(key.layout, 40 + i)
 
     # ------------------------------------------------------------------ graph-API engines
 
@@ -265,44 +278,43 @@ class Candidates:
 
     def _measure_activation(self, key: ProblemKey, fusion: str) -> Measurement:
         """The activation of ``fusion`` as the executor runs it after an unfused conv: one
-        element-wise pass over the output's storage, in place (with the residual: ``act(y) + z``)."""
+        element-wise pass over the output's storage, in place (with the residual: ``act(y) + z``,
+        ``z`` read where the plan reads it: its channel slice for a key that names one)."""
         import cupy as cp
-
-        from convpass.native.cuda import storage
 
         now = time.time()
         residual = epilogue.adds_residual(fusion)
         try:
             kernel = _activation_kernel(fusion)
-            sets = self.bench.rotation(key.layout)
+            sets = self.bench.rotation(key.layout, residual)
             if residual:
                 self._residuals(key, sets)
-                timing = harness.time_launches(lambda i: kernel(storage(sets[i]["y"]), storage(sets[i]["z"]), storage(sets[i]["y"])), len(sets))
+                timing = harness.time_launches(lambda i: kernel(_stored(sets[i]["y"]), _stored(sets[i]["z"]), _stored(sets[i]["y"])), len(sets))
             else:
-                timing = harness.time_launches(lambda i: kernel(storage(sets[i]["y"]), storage(sets[i]["y"])), len(sets))
+                timing = harness.time_launches(lambda i: kernel(_stored(sets[i]["y"]), _stored(sets[i]["y"])), len(sets))
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, fusion, 0, True, now, e, EPILOGUE_METHOD)
         what = "its activation and its residual Add as one pass" if residual else "its activation as its own pass"
         return make_row(key, fusion, "ok", timing.time_ms, 0, True, now, EPILOGUE_METHOD,
-                        note=f"{what} over the output; {timing.launches} launches, spread {timing.spread:.1%}")
+                        note=f"{what} over the output; {timing.launches} launches, spread {timing.spread:.1%}" + _z_note(key, residual))
 
     def _measure_residual_pass(self, key: ProblemKey) -> Measurement:
         """The residual Add as the plan runs it after a step of the shorter graph: CuPy's add of two
-        arrays of the output's shape over their storage (the ``add`` row, :data:`convpass.core.fusion.RESIDUAL_PASS`)."""
+        arrays of the output's shape over their storage (the ``add`` row, :data:`convpass.core.fusion.RESIDUAL_PASS`;
+        ``z`` its channel slice for a key that names one)."""
         import cupy as cp
-
-        from convpass.native.cuda import storage
 
         now = time.time()
         name = epilogue.RESIDUAL_PASS
         try:
-            sets = self.bench.rotation(key.layout)
+            sets = self.bench.rotation(key.layout, True)
             self._residuals(key, sets)
-            timing = harness.time_launches(lambda i: cp.add(storage(sets[i]["y"]), storage(sets[i]["z"]), out=storage(sets[i]["y"])), len(sets))
+            timing = harness.time_launches(lambda i: cp.add(_stored(sets[i]["y"]), _stored(sets[i]["z"]), out=_stored(sets[i]["y"])), len(sets))
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, name, 0, True, now, e, EPILOGUE_METHOD)
         return make_row(key, name, "ok", timing.time_ms, 0, True, now, EPILOGUE_METHOD,
-                        note=f"the residual Add as its own pass over the output; {timing.launches} launches, spread {timing.spread:.1%}")
+                        note=f"the residual Add as its own pass over the output; {timing.launches} launches, spread {timing.spread:.1%}"
+                        + _z_note(key, True))
 
     def _engine_bias(self, fusion: str, key: ProblemKey) -> tuple[Any, Any]:
         """The bias every engine candidate of this geometry is timed with (``(K,)``), and the
@@ -321,7 +333,7 @@ class Candidates:
             if fusion:
                 z = None
                 if residual:
-                    sets = self.bench.rotation(key.layout)
+                    sets = self.bench.rotation(key.layout, True)
                     self._residuals(key, sets)
                     z = harness.to_float32(sets[0]["z"], shape.dtype)
                 expected = graph_api.fusion_of(fusion).reference(cp, expected, z)
@@ -398,7 +410,7 @@ class Candidates:
             bias, expected, residual = None, None, False
             if fusion:
                 residual, _ = epilogue.parts(fusion)
-                bias, expected = self._epilogue_inputs(key, fusion, self.bench.rotation(key.layout))
+                bias, expected = self._epilogue_inputs(key, fusion, self.bench.rotation(key.layout, residual))
             row = self.bench.check_and_time(conv, True, now, best_ms, bias=bias, residual=residual, capture_required=True, expected=expected)
         except cp.cuda.memory.OutOfMemoryError as e:
             return _oom(key, name, 0, True, now, e)

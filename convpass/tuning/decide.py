@@ -169,6 +169,7 @@ def allowed(problem: ConvProblem, options: TuneOptions, epilogue: dict[ProblemKe
             and m.key.shape in problem.candidates
             and m.key.x_slice == problem.x_slice  # a slice read and a packed read are different measurements
             and m.key.y_slice == problem.y_slice  # so are a slice write and a packed write
+            and m.key.z_slice == problem.z_slice  # and a residual read from a slice and a packed one
             and m.key.layout in layouts
             and m.key.math in math_modes[m.key.shape.dtype]
             and (options.workspace_limit is None or m.workspace_bytes <= options.workspace_limit)

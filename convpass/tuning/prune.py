@@ -98,12 +98,12 @@ _OPTIONS = TuneOptions()
 
 def decision(key: ProblemKey, fusion: str, rows: Sequence[Measurement]) -> Measurement | None:
     """The tuner's decision among ``rows`` for one key and fusion (:func:`~convpass.tuning.decide.select`)."""
-    return select([m for m in rows if m.key == key], ConvProblem((key.shape,), fusion, key.x_slice, key.y_slice), _OPTIONS)
+    return select([m for m in rows if m.key == key], ConvProblem((key.shape,), fusion, key.x_slice, key.y_slice, key.z_slice), _OPTIONS)
 
 
 def family_costs(key: ProblemKey, fusion: str, rows: Sequence[Measurement]) -> dict[str, float]:
     """Each family's best cost among ``rows`` for one key and fusion (by the decision's cost)."""
-    problem = ConvProblem((key.shape,), fusion, key.x_slice, key.y_slice)
+    problem = ConvProblem((key.shape,), fusion, key.x_slice, key.y_slice, key.z_slice)
     epilogue, residual, bias = epilogue_ms(rows, problem), residual_ms(rows, problem), bias_ms(rows, problem)
     ok = allowed(problem, _OPTIONS, epilogue, residual)
     best: dict[str, float] = {}

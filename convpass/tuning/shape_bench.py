@@ -25,6 +25,14 @@ timing of an execution object's launch, and the head-to-head of the close candid
   then its copy into the slice, both in the time; its row's note says so. A launch that read and
   wrote slices and was refused tries each alone, in the executor's order (the input packed, then
   the output packed), before both packed.
+* A key whose fused residual is read from a channel slice (:class:`~convpass.core.problem.ResidualSlice`:
+  a Split's half) is timed reading exactly that: each set's ``z`` is the slice view of a wider
+  buffer in the key's memory format (its other channels NaN). A candidate whose object reads the
+  strided ``z`` (a graph-API fused graph: its plan is built with the slice's strides,
+  :attr:`~convpass.kernels.conv_exec.ConvExec.residual_strides`) gets the slice itself; one that
+  reads a packed residual (cuDNN's legacy fused call) is timed with the executor's copy of the
+  slice into a packed buffer first, the copy in the time; its row's note says which. A graph that
+  cuDNN does not build or run with the strided ``z`` is a row saying so (the candidates').
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from convpass.core.options import TuneOptions
-from convpass.core.problem import TOLERANCE, ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey
+from convpass.core.problem import TOLERANCE, ChannelSlice, ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey, ResidualSlice
 from convpass.tuning import harness
 from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.decide import allowed, bias_ms, cost_ms, epilogue_ms, residual_ms
@@ -96,10 +104,12 @@ def best_after(best: float | None, row: Measurement) -> float | None:
 class ShapeBench:
     """Random inputs, rotation sets and the reference output for one geometry (module docstring)."""
 
-    def __init__(self, shape: ConvShape, x_slice: InputSlice | None = None, y_slice: OutputSlice | None = None) -> None:
+    def __init__(self, shape: ConvShape, x_slice: InputSlice | None = None, y_slice: OutputSlice | None = None,
+                 z_slice: ResidualSlice | None = None) -> None:
         self.shape = shape
         self.x_slice = x_slice  # every set's x is this slice of a wider buffer (module docstring)
         self.y_slice = y_slice  # every set's y is this slice of a wider buffer (module docstring)
+        self.z_slice = z_slice  # every set's residual z is this slice of a wider buffer (module docstring)
         self._sets: dict[str, list[dict]] = {}
         self._reference = None
         # (key, algo) -> the captured group its timing replayed, and what that group needs kept
@@ -142,19 +152,29 @@ class ShapeBench:
         """With an input slice, ``group["x"]`` moved into its slice of a wider buffer in ``layout``;
         with an output slice, ``group["y"]`` so, the buffer kept as ``group["y_buffer"]`` (the
         other channels NaN in both)."""
+        for name, where in (("x", self.x_slice), ("y", self.y_slice)):
+            if where is not None:
+                group[name], wide = self._in_slice(group[name], where, layout)
+                if name == "y":
+                    group["y_buffer"] = wide
+
+    def _in_slice(self, a: Any, where: ChannelSlice, layout: str) -> tuple[Any, Any]:
+        """``a`` copied into its slice ``where`` of a new wider buffer in ``layout`` (the other
+        channels NaN): (the slice view, the buffer)."""
         from convpass.native.cuda import copy_into
         from convpass.native.cudnn import empty_like_layout
 
-        for name, where in (("x", self.x_slice), ("y", self.y_slice)):
-            if where is None:
-                continue
-            a = group[name]
-            wide = empty_like_layout((a.shape[0], where.channels, *a.shape[2:]), self.shape.dtype, layout)
-            self._poison(wide)
-            group[name] = wide[:, where.first:where.first + a.shape[1]]
-            copy_into(group[name], a)
-            if name == "y":
-                group["y_buffer"] = wide
+        wide = empty_like_layout((a.shape[0], where.channels, *a.shape[2:]), self.shape.dtype, layout)
+        self._poison(wide)
+        view = wide[:, where.first:where.first + a.shape[1]]
+        copy_into(view, a)
+        return view, wide
+
+    def residual(self, layout: str, seed: int) -> Any:
+        """A random residual ``z`` of the output's shape in ``layout`` (``seed``: its values, the
+        same in every format): with a residual slice, that slice of a wider buffer (module docstring)."""
+        z = harness.random_array(self.shape.y_shape, self.shape.dtype, layout, seed)
+        return z if self.z_slice is None else self._in_slice(z, self.z_slice, layout)[0]
 
     def _poison(self, a: Any) -> None:
         a.fill(float("nan")) if self.shape.dtype != "bfloat16" else a.fill(0x7FC0)
@@ -169,14 +189,21 @@ class ShapeBench:
         rest = [part for part in (wide[:, :s.first], wide[:, s.first + self.shape.k:]) if part.shape[1]]
         return not all(bool(cp.isnan(harness.to_float32(part, self.shape.dtype)).all()) for part in rest)
 
-    def rotation(self, layout: str) -> list[dict]:
-        """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`)."""
-        nbytes = sum(a.nbytes for a in self._base.values())
-        for name, where in (("x", self.x_slice), ("y", self.y_slice)):  # each a slice of a buffer of where.channels channels
-            if where is not None:
-                a = self._base[name]
-                nbytes += a.nbytes * (where.channels - a.shape[1]) // a.shape[1]
-        return self.buffers(layout, harness.rotation_sets(nbytes))
+    def rotation(self, layout: str, residual: bool = False) -> list[dict]:
+        """The input sets in ``layout`` that rotate the data out of L2 (:func:`convpass.tuning.harness.rotation_sets`),
+        sized by what each holds: with ``residual`` (a timing that adds each set's ``z``), its
+        ``z`` too, the whole buffer of a residual slice."""
+        return self.buffers(layout, harness.rotation_sets(self.set_bytes(residual)))
+
+    def set_bytes(self, residual: bool = False) -> int:
+        """The bytes one rotation set holds: ``x``, ``w``, ``y`` (a slice's: the whole buffer),
+        and with ``residual`` its ``z`` (of the output's size; a residual slice's: its whole buffer)."""
+        y = self._base["y"]
+        tensors = [(a.nbytes, a.shape[1], None if name == "w" else getattr(self, f"{name}_slice")) for name, a in self._base.items()]
+        if residual:
+            tensors.append((y.nbytes, y.shape[1], self.z_slice))
+        # each slice's tensor is part of a buffer of where.channels channels
+        return sum(n if where is None else n * where.channels // channels for n, channels, where in tensors)
 
     def find_workspace(self) -> int:
         import cupy as cp
@@ -219,12 +246,12 @@ class ShapeBench:
         out_name = OUTPUT[key.shape.direction]
         reference = self.reference() if expected is None else expected
         workspace = cp.empty(max(ws, 1), dtype=cp.uint8)
-        sets = self.rotation(key.layout)
+        sets = self.rotation(key.layout, residual)
         weights = {id(b): conv.prepare_weight(b["w"]) for b in sets}  # as the executor passes them
-        tensors = _Tensors(key, conv, sets)
+        tensors = _Tensors(key, conv, sets, residual)
 
         def launch(b: dict, workspace: Any) -> None:
-            conv.launch(tensors.x(b), weights[id(b)], tensors.y(b), workspace, bias, b["z"] if residual else None)
+            conv.launch(tensors.x(b), weights[id(b)], tensors.y(b), workspace, bias, tensors.z(b) if residual else None)
             tensors.written(b)
 
         check = sets[0]
@@ -320,21 +347,27 @@ class ShapeBench:
 
 
 class _Tensors:
-    """The ``x`` a candidate's launch reads and the ``y`` it writes (module docstring): each set's
-    own (packed, or the key's slices in place); where the object takes packed tensors only or
-    cuDNN refused a slice (:meth:`refused`), a packed copy of the input slice made first, and a
-    packed output copied into its slice after (:meth:`written`), as the executor does."""
+    """The ``x`` a candidate's launch reads, the ``y`` it writes and, with ``residual``, the ``z``
+    it adds (module docstring): each set's own (packed, or the key's slices in place); where the
+    object takes packed tensors only or cuDNN refused a slice (:meth:`refused`), a packed copy of
+    the input slice (and of the residual slice) made first, and a packed output copied into its
+    slice after (:meth:`written`), as the executor does."""
 
-    def __init__(self, key: ProblemKey, conv: Any, sets: list[dict]) -> None:
+    _NOTES = {"x": ("input slice read in place", "input copied first"), "y": ("output written into its slice in place", "output copied into its slice after"),
+              "z": ("residual slice read in place", "residual copied first")}
+
+    def __init__(self, key: ProblemKey, conv: Any, sets: list[dict], residual: bool = False) -> None:
         self.key, self.sets = key, sets
         self.read = key.x_slice is not None and conv.input_strides == "slice"
         self.write = key.y_slice is not None and conv.output_strides != "packed"
-        self._packed: dict[str, dict[int, Any]] = {"x": {}, "y": {}}
+        self._slices = {"x": key.x_slice, "y": key.y_slice, "z": key.z_slice if residual else None}
+        self._packed: dict[str, dict[int, Any]] = {"x": {}, "y": {}, "z": {}}
         self._notes: dict[str, str] = {}
         self._alone: list[tuple[bool, bool]] | None = None  # after a refusal of both: the states left to try
-        for name, where, on, why in (("x", key.x_slice, self.read, "the object reads packed inputs"),
-                                     ("y", key.y_slice, self.write, "the object writes packed outputs")):
-            if where is None:
+        z_read = self._slices["z"] is not None and conv.residual_strides == key.z_strides
+        for name, on, why in (("x", self.read, "the object reads packed inputs"), ("y", self.write, "the object writes packed outputs"),
+                              ("z", z_read, "the object reads a packed residual")):
+            if self._slices[name] is None:
                 continue
             if on:
                 self._in_place(name)
@@ -343,26 +376,26 @@ class _Tensors:
 
     @property
     def note(self) -> str:
-        return "".join(f"; {self._notes[name]}" for name, where in (("x", self.key.x_slice), ("y", self.key.y_slice)) if where is not None)
+        return "".join(f"; {self._notes[name]}" for name, where in self._slices.items() if where is not None)
 
     def _pack(self, name: str, why: str) -> None:
-        """Launch on a packed ``x`` / ``y`` from now on (a copy of the slice first / into it after):
-        the packed buffers made here, never while the timing captures launches."""
+        """Launch on a packed ``x`` / ``y`` / ``z`` from now on (a copy of the slice first / into it
+        after): the packed buffers made here, never while the timing captures launches."""
         from convpass.native.cudnn import empty_like_layout
 
-        self._notes[name] = f"input copied first ({why})" if name == "x" else f"output copied into its slice after ({why})"
+        self._notes[name] = f"{self._NOTES[name][1]} ({why})"
         for group in self.sets:
             self._packed[name][id(group)] = empty_like_layout(group[name].shape, self.key.shape.dtype, self.key.layout)
 
     def _in_place(self, name: str) -> None:
-        """Launch on the set's own slice ``x`` / ``y`` from now on."""
+        """Launch on the set's own slice ``x`` / ``y`` / ``z`` from now on."""
         self._packed[name].clear()
-        self._notes[name] = "input slice read in place" if name == "x" else "output written into its slice in place"
+        self._notes[name] = self._NOTES[name][0]
 
     def _state(self, read: bool, write: bool, why: str) -> None:
         """Read the input slice in place or not, write the output slice in place or not, from now on."""
-        for name, on, where in (("x", read, self.key.x_slice), ("y", write, self.key.y_slice)):
-            if where is None:
+        for name, on in (("x", read), ("y", write)):
+            if self._slices[name] is None:
                 continue
             if on:
                 self._in_place(name)
@@ -371,12 +404,19 @@ class _Tensors:
         self.read, self.write = read, write
 
     def x(self, group: dict) -> Any:
-        packed = self._packed["x"].get(id(group))
+        return self._read(group, "x")
+
+    def z(self, group: dict) -> Any:
+        return self._read(group, "z")
+
+    def _read(self, group: dict, name: str) -> Any:
+        """The set's ``x`` / ``z`` as the launch reads it: its own, or copied into a packed buffer first."""
+        packed = self._packed[name].get(id(group))
         if packed is None:
-            return group["x"]
+            return group[name]
         from convpass.native.cuda import copy_into
 
-        copy_into(packed, group["x"])
+        copy_into(packed, group[name])
         return packed
 
     def y(self, group: dict) -> Any:

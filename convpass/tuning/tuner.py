@@ -19,7 +19,9 @@ type allowed by the options):
   input) is measured under keys that name it: every candidate reads that slice, or is timed with
   the copy the executor makes where it cannot (:mod:`convpass.tuning.shape_bench`); its rows never
   stand for the packed read's, nor these for its; so for a problem whose output is written into a
-  channel slice of a Concat's buffer (``ConvProblem.y_slice``), in place or with the copy into it;
+  channel slice of a Concat's buffer (``ConvProblem.y_slice``), in place or with the copy into it,
+  and for one whose fused residual is read from a channel slice (``ConvProblem.z_slice``), in
+  place where the fused graph takes its strides, else with the copy into a packed residual;
 * everything measured goes to the tuning cache (per device fingerprint); a problem whose
   measurements are all in the cache is decided from there without timing anything.
 
@@ -175,7 +177,7 @@ class CudnnTuner:
         return self._transpose_ms[key]
 
     def _record_baseline(self, problem: ConvProblem, rows: list[Measurement]) -> None:
-        key = problem.primary.key("nchw", "default", problem.x_slice, problem.y_slice)
+        key = problem.primary.key("nchw", "default", problem.x_slice, problem.y_slice, problem.z_slice)
         first = next((m for m in rows if m.key == key and m.method == "heuristic" and m.heuristic_rank == 0 and m.status == "ok"), None)
         if first is None:
             return
@@ -337,7 +339,7 @@ def _measure(problem: ConvProblem, options: TuneOptions, keys: list[ProblemKey],
 
     rows: list[Measurement] = []
     for shape in problem.candidates:
-        bench = ShapeBench(shape, problem.x_slice, problem.y_slice)
+        bench = ShapeBench(shape, problem.x_slice, problem.y_slice, problem.z_slice)
         candidates = Candidates(bench)
         try:
             # descriptors stay until the close candidates' head-to-head has replayed their groups
@@ -477,7 +479,7 @@ def fused_complete(rows: Sequence[Measurement], key: ProblemKey, fusion: str) ->
 
 def candidate_keys(problem: ConvProblem, options: TuneOptions) -> list[ProblemKey]:
     return [
-        shape.key(layout, math, problem.x_slice, problem.y_slice)  # type: ignore[arg-type]
+        shape.key(layout, math, problem.x_slice, problem.y_slice, problem.z_slice)  # type: ignore[arg-type]
         for shape in problem.candidates
         for layout in options.layouts
         for math in options.math_modes(shape.dtype)

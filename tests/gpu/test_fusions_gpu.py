@@ -1,6 +1,7 @@
 """Fusions around convolutions on a GPU, each against ONNX Runtime CPU, run eagerly (cuda_graph=False)
 and replayed from a CUDA graph: fused normalization units (convpass.kernels.group_norm) in float32 and
-float16, channels-first and channels-last, into a Concat slice; their apply kernel
+float16, channels-first and channels-last, into a Concat slice, as one launch (their groups are
+small: convpass.kernels.group_norm_onepass) and as the three kernels; the apply kernel of the three
 (convpass.kernels.group_norm_apply) against float64 in both orders, vector and scalar; their
 measured decision at optimize;
 global pooling without keepdims and gates read through an Expand."""
@@ -26,8 +27,15 @@ cp = pytest.importorskip("cupy")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fused_models import N, activation, block, const, eca, feeds, norm  # noqa: E402
 
+from convpass.kernels import group_norm_onepass  # noqa: E402
 from convpass.runtime import Executor  # noqa: E402
 from convpass.runtime.cuda import StartupCompileWarning  # noqa: E402
+
+
+@pytest.fixture
+def three_kernels(monkeypatch):
+    """Units of any size run as the three kernels (statistics, finalize, apply), not one launch."""
+    monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 0)
 
 
 def _ort(model, f):
@@ -86,19 +94,23 @@ TOL = {np.float32: 3e-5, np.float16: 5e-3}
 TF32_TOL = {np.float32: 3e-3, np.float16: 1e-2}
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("graph,path", [(False, "one-launch"), (True, "one-launch"), (True, "three-kernel")],
+                         ids=["eager", "graph", "graph-three-kernel"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape,groups,form,act", CASES, ids=[f"{'x'.join(map(str, c[0][1:]))}-{c[2]}-{c[3]}" for c in CASES])
-def test_fused_normalization_units(shape, groups, form, act, dtype, channels_last, graph):
-    """Both units of the block run as FusedNorm launches (statistics + apply) on either storage."""
+def test_fused_normalization_units(shape, groups, form, act, dtype, channels_last, graph, path, monkeypatch):
+    """Both units of the block run as FusedNorm launches on either storage: one launch (every
+    case's groups are small), or statistics + apply where the limit is set to 0."""
+    if path == "three-kernel":
+        monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 0)
     model = block(form, act, shape, groups, dtype=dtype)
     f = feeds(shape, dtype=dtype)
     ex = _check(model, f, TF32_TOL[dtype], graph=graph, channels_last=channels_last, expect="FusedNorm")
     assert [s.fused for s in ex.fusion_summary()] == [True, True]
     labels = [launch.label for launch in ex.last_plan.backend_state.launch_list()]
     assert sum(label.startswith("FusedNorm") for label in labels) == 2, labels
-    _assert_apply_on_its_kernel(ex)
+    _assert_apply_on_its_kernel(ex, "gn_onepass_" if path == "one-launch" else "gn_apply_")
     # the same conv either way: the fused units against the unfused ops, on the GPU
     fused = ex.run(None, {k: cp.asarray(v) for k, v in f.items()})[0]
     unfused = Executor(model, device=_backend(graph), output_kind="numpy", fusions=False)
@@ -112,12 +124,14 @@ def _fused_launches(ex):
     return [launch for launch in ex.last_plan.backend_state.launch_list() if launch.label.startswith("FusedNorm")]
 
 
-def _assert_apply_on_its_kernel(ex):
-    """Every FusedNorm launch ran its apply pass on the dedicated apply kernel
-    (convpass.kernels.group_norm_apply), not the generic one nor the op library's fallback."""
+def _assert_apply_on_its_kernel(ex, kernel=("gn_onepass_", "gn_apply_")):
+    """Every FusedNorm launch ran its apply pass on the one-launch kernel
+    (convpass.kernels.group_norm_onepass) or the dedicated apply kernel
+    (convpass.kernels.group_norm_apply) — ``kernel``: the entries' prefix expected — not the
+    generic one nor the op library's fallback."""
     for launch in _fused_launches(ex):
         paths = launch.apply_paths()
-        assert paths and all(p.startswith("gn_apply_") for p in paths), (launch.label, paths)
+        assert paths and all(p.startswith(kernel) for p in paths), (launch.label, paths)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -184,6 +198,7 @@ def _apply_model(shape, groups, residual, last, dtype):
 APPLY_SHAPES = [((2, 128, 24, 24), 32), ((2, 30, 7, 9), 10), ((1, 96, 10, 10), 32)]
 
 
+@pytest.mark.usefixtures("three_kernels")
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("residual", [False, True], ids=["silu", "silu+residual"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -192,7 +207,8 @@ APPLY_SHAPES = [((2, 128, 24, 24), 32), ((2, 30, 7, 9), 10), ((1, 96, 10, 10), 3
 def test_the_apply_kernel_matches_float64_in_both_orders(shape, groups, dtype, channels_last, residual, graph):
     """The dedicated apply kernel (16-byte vectors where the vectorized dimension, C channels-last or
     S channels-first, is a multiple of the vector; else one element a thread) against float64 NumPy
-    of GroupNorm + SiLU (+ residual) computed from the same stored inputs, eager and replayed."""
+    of GroupNorm + SiLU (+ residual) computed from the same stored inputs, eager and replayed (the
+    three kernels forced: these groups are small enough for the one launch)."""
     model, params = _apply_model(shape, groups, residual, channels_last, dtype)
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
@@ -228,8 +244,11 @@ def _backend(graph):
     return CudaBackend(cuda_graph=graph)
 
 
-def test_a_fused_unit_writes_into_its_concat_slice():
+@pytest.mark.parametrize("path", ["one-launch", "three-kernel"])
+def test_a_fused_unit_writes_into_its_concat_slice(path, monkeypatch):
     """GroupNorm + SiLU whose output is concatenated: the FusedNorm launch writes into the buffer."""
+    if path == "three-kernel":
+        monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 0)
     rng = np.random.default_rng(0)
     shape = (2, 32, 16, 16)
     nodes, inits, t = norm("gn17", "n1", "x", 32, 8, rng)
@@ -243,7 +262,7 @@ def test_a_fused_unit_writes_into_its_concat_slice():
         ex = _check(model, feeds(shape), TOL[np.float32], graph=True, channels_last=layout)
         fused = _fused_launches(ex)
         assert len(fused) == 1 and fused[0].placement is not None
-        _assert_apply_on_its_kernel(ex)
+        _assert_apply_on_its_kernel(ex, "gn_onepass_" if path == "one-launch" else "gn_apply_")
 
 
 def test_optimize_measures_each_unit_and_the_executor_runs_the_decision(tmp_path):

@@ -32,6 +32,12 @@ Rules:
   packed output); a ConvTranspose so placed writes its slice from its bias pass (its backward
   data runs packed either way), no slice in its problem. Kept per profile in
   ``node.meta[Y_SLICE_KEY]``. A conv reading one slice and writing another names both.
+* A forward Conv whose step adds a residual after its activation (a graph-API fusion's ``+add``:
+  :func:`convpass.core.fusion.adds_residual`) whose ``z`` the executor reads as a channel slice by
+  the same rule (CSPDarknet's first block of a stage adds the second half of its stage's Split)
+  is a problem with its ``z_slice``, which the tuner times reading that slice (or with the copy
+  it needs). Only a conv of its own 2-D or 3-D geometry (a 1-D mapping maps ``z`` too). Kept per
+  profile in ``node.meta[Z_SLICE_KEY]``. Any other residual (a legacy epilogue's) is timed packed.
 * Results: ``model.meta["convpass.problems"]`` (and ``self.problems``): an insertion-ordered dict
   ``ConvProblem -> [ProblemUse, ...]``.
 """
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -48,11 +55,12 @@ from convpass.compiler.passes import state
 from convpass.compiler.passes.state import CANONICAL_KEY, PROBLEMS_KEY, VALUE_SHAPES_KEY
 from convpass.core import concat_slices
 from convpass.core.concat_slices import ConcatInfo, SplitInfo, conv_step_writes_slice
-from convpass.core.fusion import Absorbed, absorbed
-from convpass.core.problem import ConvProblem, Direction, InputSlice, OutputSlice, keyed_slice
+from convpass.core.fusion import Absorbed, absorbed, adds_residual
+from convpass.core.problem import ConvProblem, Direction, InputSlice, OutputSlice, ResidualSlice, keyed_slice
 
 X_SLICE_KEY = "convpass.x_slice"  # node.meta: per profile, the InputSlice the conv's input is read as, or None
 Y_SLICE_KEY = "convpass.y_slice"  # node.meta: per profile, the OutputSlice the conv's output is written into, or None
+Z_SLICE_KEY = "convpass.z_slice"  # node.meta: per profile, the ResidualSlice the conv's step reads its residual as, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +154,15 @@ def node_problems(node: ir.Node, profile: int, directions: Sequence[Direction], 
     wanted = [own] + [d for d in directions if d != "fwd" and own == "fwd" and d != own]
     shapes = value_shapes[profile] if profile < len(value_shapes) else None
     fusion = conv_fusion(node, fusions, shapes) if own == "fwd" else ""
-    x_slices, y_slices = node.meta.get(X_SLICE_KEY, ()), node.meta.get(Y_SLICE_KEY, ())
-    x_slice = x_slices[profile] if profile < len(x_slices) else None
-    y_slice = y_slices[profile] if profile < len(y_slices) else None
+    x_slice, y_slice, z_slice = (_at(node.meta.get(k, ()), profile) for k in (X_SLICE_KEY, Y_SLICE_KEY, Z_SLICE_KEY))
     return [ConvProblem(tuple(s.with_direction(d) for s in canonical.shapes), fusion if d == own else "",
-                        x_slice if d == own else None, y_slice if d == own else None)
+                        x_slice if d == own else None, y_slice if d == own else None, z_slice if d == own else None)
             for d in wanted]
+
+
+def _at(per_profile: Sequence[Any], profile: int) -> Any:
+    """What ``node.meta`` keeps for ``profile`` of a per-profile list (None past its end)."""
+    return per_profile[profile] if profile < len(per_profile) else None
 
 
 def _axis(node: ir.Node, rank: int, default: int) -> int | None:
@@ -262,6 +273,21 @@ def conv_input_slice(node: ir.Node, profile: int, slices: Mapping[ir.Value, Inpu
     return keyed_slice(x_slice, shape.dtype)
 
 
+def conv_residual_slice(node: ir.Node, profile: int, slices: Mapping[ir.Value, InputSlice], fusions: bool = False,
+                        shapes: Mapping[str, Sequence[int]] | None = None) -> ResidualSlice | None:
+    """The slice a canonicalized forward Conv's step reads its residual ``z`` as at ``profile``,
+    where its epilogue adds the residual after its activation (module rules; ``fusions`` and
+    ``shapes``: as :func:`conv_fusion` takes them); else None."""
+    if not _own_geometry(node, profile):
+        return None
+    step = conv_step(node, fusions, shapes)
+    read = slices.get(step.z) if adds_residual(step.epilogue) and step.z is not None else None
+    shape = node.meta[CANONICAL_KEY][profile].shapes[0]
+    if read is None or read.first + shape.k > read.channels:
+        return None
+    return keyed_slice(ResidualSlice(read.first, read.channels), shape.dtype)
+
+
 def conv_output_slice(node: ir.Node, profile: int, slices: Mapping[ir.Node, OutputSlice]) -> OutputSlice | None:
     """The slice a canonicalized forward Conv's step writes its output into at ``profile``, where
     the executor writes it in place (module rules); else None."""
@@ -302,6 +328,8 @@ class CollectConvProblemsPass(ir.passes.InPlacePass):
                         slices[(id(node.graph), p)] = graph_slices(node.graph, value_shapes[p] if p < len(value_shapes) else {}, self.fusions)
                 node.meta[X_SLICE_KEY] = [conv_input_slice(node, p, slices[(id(node.graph), p)].reads) for p in profiles]
                 node.meta[Y_SLICE_KEY] = [conv_output_slice(node, p, slices[(id(node.graph), p)].writes) for p in profiles]
+                node.meta[Z_SLICE_KEY] = [conv_residual_slice(node, p, slices[(id(node.graph), p)].reads, self.fusions,
+                                                              value_shapes[p] if p < len(value_shapes) else None) for p in profiles]
             for profile in profiles:
                 for problem in node_problems(node, profile, self.directions, self.fusions, model.meta.get(VALUE_SHAPES_KEY, ())):
                     self.problems.setdefault(problem, []).append(ProblemUse(node, profile))

@@ -28,7 +28,8 @@ Rules
   ``y = act(conv(x, w) + b) + z`` (``bias+swish+add``, ``bias+leakyrelu<alpha>+add``:
   :func:`convpass.core.fusion.residual_fusion`): a pointwise ADD whose second input is the
   residual ``z``, a tensor of the output's dims and strides that the plan reads at execution
-  (never the output itself: :meth:`EnginePlan.execute` refuses ``z`` overlapping ``y``). A fused depthwise conv costs about what the bare conv does,
+  (never the output itself: :meth:`EnginePlan.execute` refuses ``z`` overlapping ``y``; for a key
+  with a residual slice, ``zslice``, the slice's strides, and a ``z`` of others is refused: :class:`ResidualRefused`). A fused depthwise conv costs about what the bare conv does,
   which removes two passes over the output (the bias and the SiLU kernel).
 * **Legacy epilogues as fused graphs.** The legacy epilogues (:data:`convpass.core.fusion.LEGACY`)
   are graphs too, named the same: ``bias`` (conv -> add(bias)), ``bias+relu`` (-> ReLU),
@@ -91,12 +92,10 @@ from convpass.core.fusion import (
     takes_residual,
     without_residual,
 )
-from convpass.core.problem import ProblemKey
+from convpass.core.problem import ProblemKey, ResidualSlice
 
-__all__ = [
-    "ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "enumerate_configs",
-    "misaligned", "plan_id", "unavailable",
-]
+__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "ResidualRefused",
+           "enumerate_configs", "misaligned", "plan_id", "unavailable"]
 
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
 PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
@@ -194,6 +193,10 @@ class GraphApiError(RuntimeError):
     """The graph API cannot do what was asked (package missing, graph or plan refused)."""
 
 
+class ResidualRefused(GraphApiError):
+    """A plan refusing its residual ``z`` alone (misaligned, or not of its strides): a copy of ``z`` may run."""
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class EngineConfig:
     """An engine id and its knob values (knob id -> value), as cuDNN numbers them, of the bare
@@ -284,9 +287,7 @@ _handles = threading.local()
 
 def _handle(fe: Any, device: int) -> Any:
     """The frontend's cuDNN handle of this thread on ``device`` (made once)."""
-    have = getattr(_handles, "by_device", None)
-    if have is None:
-        have = _handles.by_device = {}
+    have = _handles.__dict__.setdefault("by_device", {})
     if device not in have:
         have[device] = fe.create_handle()
     return have[device]
@@ -300,7 +301,7 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
     """The operation graph ``y = conv(x, w)`` of ``key`` (forward only), or with ``fusion``
     ``y = act(conv(x, w) + b)`` (a legacy epilogue without a ReLU: no activation), ``+ z`` after
     the activation for a graph-API fusion with its residual, before it for a legacy epilogue with
-    one (``z``: the output's dims and strides)."""
+    one (``z``: the output's dims, and its strides or the key's residual slice's)."""
     from convpass.native.cudnn.descriptors import descriptor_params
 
     if key.shape.direction != "fwd":
@@ -322,7 +323,7 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
         f = fusion_of(fusion)
         tensors["b"] = b
         if f.takes_z:
-            tensors["z"] = g.tensor(name="z", dim=list(p.y.dims), stride=list(p.y.strides), data_type=dt)
+            tensors["z"] = g.tensor(name="z", dim=list(p.y.dims), stride=list(_z_strides(key)), data_type=dt)
         if f.residual_first:
             y = g.add(a=y, b=tensors["z"], name="residual")
         if f.frontend_op:
@@ -334,6 +335,13 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
     g.validate()
     g.build_operation_graph()
     return g, tensors
+
+
+def _z_strides(key: ProblemKey) -> tuple[int, ...]:
+    """The element strides of the residual ``z`` a plan of ``key`` reads: its residual slice's, else packed like ``y``."""
+    from convpass.native.cudnn.descriptors import descriptor_params
+
+    return key.z_strides or descriptor_params(key).y.strides
 
 
 def _enumerate(fe: Any, g: Any, key: ProblemKey, modes: tuple[str, ...] = ("A", "B", "FALLBACK")) -> list[str]:
@@ -435,6 +443,7 @@ class EnginePlan:
         self._uids = (t["x"], t["w"], t["y"])
         self._bias_uid = t.get("b")
         self._residual_uid = t.get("z")
+        self.z_strides = _z_strides(key)
 
     def serialize(self, verify: bool = True) -> bytes:
         """The built plan as bytes :meth:`load` reads back (module rules). ``verify``: load it here
@@ -475,6 +484,7 @@ class EnginePlan:
                 raise GraphApiError(f"the stored plan is for {field} {header.get(field)!r}, not {want!r}")
         self = cls.__new__(cls)
         self.key, self.config, self._fe = key, config, fe
+        self.z_strides = _z_strides(key)
         self._device, _ = _current(cp)
         self._handle = _handle(fe, self._device)
         try:
@@ -499,7 +509,7 @@ class EnginePlan:
     def execute(self, x: Any, w: Any, y: Any, workspace: Any = None, bias: Any = None, z: Any = None) -> None:
         """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format); for a
         fused configuration ``y = act(conv(x, w) + bias)`` (``bias``: K contiguous values), ``+ z``
-        for one with its residual (``z``: packed like ``y``, in memory apart from it)."""
+        for one with its residual (``z``: of :attr:`z_strides`, ``y``'s or the key's slice's, apart from ``y``)."""
         import cupy as cp
 
         if (self._bias_uid is None) != (bias is None):
@@ -508,6 +518,8 @@ class EnginePlan:
             raise GraphApiError(f"{self.config.algo} takes {'a' if self._residual_uid is not None else 'no'} residual z")
         if z is not None and _overlap(z, y):
             raise GraphApiError(f"{self.config.algo}: the residual z shares memory with the output y (it must not alias it)")
+        if z is not None and not _has_strides(z, self.z_strides):
+            raise ResidualRefused(f"{self.config.algo}: the residual z is not of the element strides its plan reads, {self.z_strides}")
         self._fe.set_stream(self._handle, cp.cuda.get_current_stream().ptr)
         pack = dict(zip(self._uids, (x.data.ptr, w.data.ptr, y.data.ptr)))
         if bias is not None:
@@ -533,6 +545,12 @@ def misaligned(**arrays: Any) -> list[str]:
     built for aligned tensors would read with misaligned vector loads, a sticky CUDA error."""
     ptrs = {name: getattr(getattr(a, "data", None), "ptr", None) for name, a in arrays.items() if a is not None}
     return [name for name, ptr in ptrs.items() if ptr is not None and int(ptr) % ALIGNMENT]  # host arrays (CPU stand-ins) have none
+
+
+def _has_strides(a: Any, want: tuple[int, ...]) -> bool:
+    """Whether the device array ``a`` has the element strides ``want`` (unit axes aside; a host stand-in passes)."""
+    have, shape = getattr(a, "strides", None), getattr(a, "shape", None)
+    return have is None or shape is None or all(int(h) // a.itemsize == w for h, w, d in zip(have, want, shape) if d > 1)
 
 
 def _overlap(a: Any, b: Any) -> bool:
@@ -567,7 +585,9 @@ def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
 
     x, w = values(shape.x_shape, 0.0), values(shape.w_shape, 1.0)
     bias = cp.sin(cp.arange(shape.k, dtype=cp.float32) + 2.0).astype(shape.dtype) if built.config.fusion else None
-    z = values(shape.y_shape, 3.0) if takes_residual(built.config.fusion) else None
+    # a plan of a residual slice reads z with its strides: the first channels of a buffer as wide (an aligned start, whatever the key's first)
+    s = built.key.z_slice or ResidualSlice(0, shape.k)
+    z = values((shape.n, s.channels, *shape.output_spatial), 3.0)[:, :shape.k] if takes_residual(built.config.fusion) else None
     ws = cp.empty(max(built.workspace_bytes, loaded.workspace_bytes, 1), dtype=cp.uint8)
     outs = []
     for plan in (built, loaded):
