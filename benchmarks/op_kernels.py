@@ -16,7 +16,7 @@ code (``CuPy's kernel``: what ran before the broadcasting kernel). A normalizati
 decoder's GroupNorm + SiLU and a BiT ResNet's GroupNorm + ReLU, in their exported form) is timed
 as its fused step run as three kernels (statistics, finalize, apply: ``three kernels``) and as
 one launch (a block per sample and group: ``one launch``), each forced whatever the group size
-(the executor picks by :data:`convpass.kernels.group_norm_onepass.MAX_GROUP_ELEMENTS`), as the
+(the executor picks by :data:`convpass.kernels.group_norm_onepass.MAX_GROUP_ELEMENTS` and ``MIN_PAIRS``), as the
 unfused ops' kernels (``fusions=False``) and by the op library; its row names the kernel that ran
 the apply. Rows marked ``nhwc`` read an NHWC input through a Transpose (a view), so their first
 op sees channels-last storage in the captured graph too.
@@ -322,12 +322,13 @@ def _norm_path(path: str | None) -> Iterator[None]:
     kernels (``"three"``) whatever their group size; as the executor picks them for None."""
     from convpass.kernels import group_norm_onepass
 
-    saved = group_norm_onepass.MAX_GROUP_ELEMENTS
-    group_norm_onepass.MAX_GROUP_ELEMENTS = {"one": 2**62, "three": 0, None: saved}[path]
+    saved = group_norm_onepass.MAX_GROUP_ELEMENTS, group_norm_onepass.MIN_PAIRS
+    limits = {"one": (2**62, 0), "three": (0, saved[1]), None: saved}[path]
+    group_norm_onepass.MAX_GROUP_ELEMENTS, group_norm_onepass.MIN_PAIRS = limits
     try:
         yield
     finally:
-        group_norm_onepass.MAX_GROUP_ELEMENTS = saved
+        group_norm_onepass.MAX_GROUP_ELEMENTS, group_norm_onepass.MIN_PAIRS = saved
 
 
 def _exported_group_norm(shape: tuple[int, ...], groups: int, rng: np.random.Generator, act: str = "silu") -> Any:

@@ -25,6 +25,15 @@ from convpass.kernels.launch import Placement
 from convpass.ops.registry import OpContext
 from convpass.runtime.executor import Executor
 
+DEFAULT_MIN_PAIRS = group_norm_onepass.MIN_PAIRS
+
+
+@pytest.fixture(autouse=True)
+def _any_pairs(monkeypatch):
+    """The units here are small (a few (sample, group) pairs): they take the one launch whatever
+    their pair count, so the kernel itself is what is checked; the defaults' own test restores it."""
+    monkeypatch.setattr(group_norm_onepass, "MIN_PAIRS", 1)
+
 
 def _launch(model, values, entry, threads):
     """The plan's FusedNorm step as the cuda backend's launch, its kernels host builds; returns
@@ -186,22 +195,28 @@ def test_the_group_size_limit_selects_the_one_launch(monkeypatch):
     values = unit_inputs(shape)
     no_build = lambda src, name: None  # noqa: E731  (nothing is launched)
     monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 360)
+    monkeypatch.setattr(group_norm_onepass, "MIN_PAIRS", 16)  # 2 samples x 8 groups
     launch, *_ = _launch(model, values, no_build, None)
     assert launch.onepass is not None and launch.apply is None and launch.part is None
     assert [s.name for s in launch.sources()] == [launch.onepass.source.name]
     monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 359)
     launch, *_ = _launch(model, values, no_build, None)
     assert launch.onepass is None and launch.apply is not None and launch.part is not None
+    monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 360)
+    monkeypatch.setattr(group_norm_onepass, "MIN_PAIRS", 17)  # one pair short
+    launch, *_ = _launch(model, values, no_build, None)
+    assert launch.onepass is None and launch.apply is not None
     assert [s.name for s in launch.sources()] == [group_norm.source(np.float32).name, launch.apply.source.name]
 
 
-def test_the_default_limit_takes_bit_and_small_vae_groups_not_large_ones():
+def test_the_default_limits_take_bit_at_batch_16_not_batch_1_nor_large_groups(monkeypatch):
+    monkeypatch.setattr(group_norm_onepass, "MIN_PAIRS", DEFAULT_MIN_PAIRS)
     fits = group_norm_onepass.fits
-    for shape in ((16, 256, 56, 56), (16, 512, 28, 28), (16, 1024, 14, 14), (16, 2048, 7, 7), (1, 512, 32, 32), (16, 64, 56, 56)):
+    for shape in ((16, 512, 28, 28), (16, 1024, 14, 14), (16, 2048, 7, 7), (16, 64, 56, 56), (4, 512, 32, 32)):
         assert fits(shape, 32), shape
-    for shape in ((1, 256, 128, 128), (1, 128, 256, 256), (1, 512, 64, 64)):
-        assert not fits(shape, 32), shape
-    assert fits((1, 64, 128, 128), 64) and not fits((1, 64, 256, 256), 64)  # InstanceNorm: one channel a group
+    for shape in ((16, 256, 56, 56), (1, 512, 32, 32), (1, 2048, 7, 7), (1, 256, 128, 128), (16, 128, 256, 256)):
+        assert not fits(shape, 32), shape  # a group over the limit, or too few (sample, group) pairs
+    assert fits((2, 64, 128, 128), 64) and not fits((2, 64, 256, 256), 64)  # InstanceNorm: one channel a group
 
 
 def test_an_operand_per_pixel_but_not_per_channel_keeps_the_generic_path():
@@ -360,6 +375,6 @@ def test_the_benchmark_forces_either_path_whatever_the_group_size():
         assert not onepass(small)
     with ok._norm_path("one"):
         assert onepass(large)
-    assert group_norm_onepass.MAX_GROUP_ELEMENTS == limit
+    assert group_norm_onepass.MAX_GROUP_ELEMENTS == limit and group_norm_onepass.MIN_PAIRS == 1
     rows = [c for c in ok.cases() if c["name"].startswith(("GroupNorm+Relu (BiT", "GroupNorm+SiLU"))]
     assert len(rows) == 16 and all(c["variants"]["one launch"] == {"fusions": True, ok.NORM_PATH: "one"} for c in rows)

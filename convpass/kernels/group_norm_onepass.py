@@ -41,7 +41,7 @@ Rules (:func:`fits`; elsewhere the three kernels run):
    :mod:`convpass.kernels.group_norm_apply`);
 2. a group holds at most :data:`MAX_GROUP_ELEMENTS` elements (and fewer than ``2**31``: the kernel
    counts them in 32 bits);
-3. at most ``2**31 - 1`` (sample, group) pairs.
+3. at least :data:`MIN_PAIRS` and at most ``2**31 - 1`` (sample, group) pairs.
 
 Block size: enough threads for about :data:`_SLOTS_PER_THREAD` slots each, at most
 :data:`MAX_THREADS`, and no more than keeps every block resident at once (about
@@ -61,19 +61,18 @@ from convpass.kernels import group_norm_apply
 from convpass.kernels.elementwise import FusedGroup
 from convpass.native import nvrtc as compiler
 
-__all__ = ["MAX_GROUP_ELEMENTS", "MAX_THREADS", "MOMENTS", "OnePassKernel", "fits", "groups_per_block", "onepass_geometry", "source", "widths"]
+__all__ = ["MAX_GROUP_ELEMENTS", "MAX_THREADS", "MIN_PAIRS", "MOMENTS", "OnePassKernel", "fits", "groups_per_block", "onepass_geometry", "source", "widths"]
 
-# Elements a group may hold for the one-launch path: the estimated break-even at batch 1, where a
-# unit has only G blocks (32 for GroupNorm(32), a quarter of a 132-SM GPU) and one block's time is
-# the unit's. A block of 1024 threads, two 16-byte loads in flight each, streams an estimated
-# 50 GB/s: 32,768 float32 elements (128 KiB) read twice and written once take about 8 us, about
-# what the three kernels spend at that size in their two extra launches and small grids; larger
-# groups go faster spread over the three kernels' many blocks. At batch 16 a unit has 16 * G
-# blocks and one launch should be the faster at any size the limit takes. It takes every GroupNorm(32)
-# of a BiT ResNet (784 to 25,088 a group) and a VAE decoder's 512 x 32 x 32 (16,384), not its
-# 256 x 128 x 128 (131,072); benchmarks/op_kernels.py's GroupNorm rows time both paths on these.
-# Read when a launch is built (tests and benchmarks may change it).
-MAX_GROUP_ELEMENTS = 32768
+# When the one launch beats the three kernels (benchmarks/op_kernels.py's GroupNorm rows time both):
+# a block per (sample, group) does all of a group's work, so the launch needs many pairs to fill the
+# GPU and groups small enough that one block streams them quickly. Measured: with 512 pairs
+# (GroupNorm(32) at batch 16) it wins at 3,136 to 12,544 elements a group (1.1-2x), is even at
+# 25,088 (channels-first ahead, channels-last behind); with 32 pairs (batch 1) it loses at 16,384
+# (1.2x slower) and more at larger groups. Hence both limits: at most MAX_GROUP_ELEMENTS elements a
+# group and at least MIN_PAIRS (sample, group) pairs, about one block for each SM of a large GPU.
+# Read when a launch is built (tests and benchmarks may change them).
+MAX_GROUP_ELEMENTS = 16384
+MIN_PAIRS = 128
 MAX_THREADS = 1024  # a block's threads at most (the kernel's launch bounds: 64 registers a thread)
 _RESIDENT_THREADS_PER_SM = 1024
 _SLOTS_PER_THREAD = 4
@@ -209,10 +208,11 @@ __device__ __forceinline__ void onepass(#PARAMS) {
 
 def fits(shape: Sequence[int], groups: int) -> bool:
     """Whether a unit over ``x`` of ``shape`` (``(N, C, *spatial)``) in ``groups`` groups takes the
-    one-launch path by its size (module rules 2 and 3; :data:`MAX_GROUP_ELEMENTS` as it is now)."""
+    one-launch path by its size (module rules 2 and 3; :data:`MAX_GROUP_ELEMENTS` and
+    :data:`MIN_PAIRS` as they are now)."""
     n, c = int(shape[0]), int(shape[1])
     size = c // groups * math.prod(int(d) for d in shape[2:])
-    return 0 < size <= min(MAX_GROUP_ELEMENTS, _GRID_X) and n * groups <= _GRID_X
+    return 0 < size <= min(MAX_GROUP_ELEMENTS, _GRID_X) and MIN_PAIRS <= n * groups <= _GRID_X
 
 
 def _width(count: int, vector: int) -> int:

@@ -104,6 +104,8 @@ def test_fused_normalization_units(shape, groups, form, act, dtype, channels_las
     case's groups are small), or statistics + apply where the limit is set to 0."""
     if path == "three-kernel":
         monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 0)
+    else:
+        monkeypatch.setattr(group_norm_onepass, "MIN_PAIRS", 1)  # small units: the one launch whatever their pair count
     model = block(form, act, shape, groups, dtype=dtype)
     f = feeds(shape, dtype=dtype)
     ex = _check(model, f, TF32_TOL[dtype], graph=graph, channels_last=channels_last, expect="FusedNorm")
@@ -249,6 +251,8 @@ def test_a_fused_unit_writes_into_its_concat_slice(path, monkeypatch):
     """GroupNorm + SiLU whose output is concatenated: the FusedNorm launch writes into the buffer."""
     if path == "three-kernel":
         monkeypatch.setattr(group_norm_onepass, "MAX_GROUP_ELEMENTS", 0)
+    else:
+        monkeypatch.setattr(group_norm_onepass, "MIN_PAIRS", 1)  # small units: the one launch whatever their pair count
     rng = np.random.default_rng(0)
     shape = (2, 32, 16, 16)
     nodes, inits, t = norm("gn17", "n1", "x", 32, 8, rng)

@@ -2,7 +2,9 @@
 adds the second half of its stage's Split): every offered configuration of the graph conv -> bias
 -> LeakyRelu -> add(z) for a key that names the slice (``zslice``), its plan built with the
 slice's strides, computes ``leaky_relu(conv(x, w) + b) + z`` reading the slice where it lies (its
-buffer's other channels NaN; float64 NumPy reference, TF32 tolerance) and refuses a packed ``z``;
+buffer's other channels NaN; float64 NumPy reference, TF32 tolerance) or, where cuDNN's engine
+ignores the strides, is wrong in a way the tuner's check refuses (at least one right), and
+refuses a packed ``z``;
 a CSP stage (timm's CrossStage around its first DarkBlock, BatchNorms folded) at batch 16 in NHWC,
 tuned here with engines "all", names the slice in that block's key, has its fused rows timed
 reading it, takes what its rows make cheapest, matches ONNX Runtime CPU eager and captured, and
@@ -29,7 +31,7 @@ from convpass.core.algo import Algo  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
 from convpass.core.problem import ConvProblem, ProblemKey, ResidualSlice  # noqa: E402
 from convpass.native.cudnn import as_layout, empty_like_layout, graph_api  # noqa: E402
-from convpass.tuning import decide  # noqa: E402
+from convpass.tuning import decide, harness  # noqa: E402
 from convpass.tuning.cache import TuningCache  # noqa: E402
 
 P = "bias+leakyrelu0.01"
@@ -60,7 +62,7 @@ def test_every_fused_configuration_reads_the_residual_where_it_lies(layout):
     wide.fill(cp.nan)  # the other half: a plan that strays from its slice reads NaN
     z = wide[:, shape.k:]
     z[...] = cp.asarray(zh)
-    built = 0
+    built, wrong = 0, []
     for config, plan in engines._built(key, configs, enumerated):
         built += 1
         assert plan.z_strides == key.z_strides
@@ -69,13 +71,18 @@ def test_every_fused_configuration_reads_the_residual_where_it_lies(layout):
         plan.execute(x, w, y, ws, bias=b, z=z)
         got = cp.asnumpy(y).astype(np.float64)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err <= TOL, f"{config.algo} ({layout}) reading the residual slice: relative error {err:.2e}"
+        if not err <= TOL:  # a configuration that ignores z's strides reads the NaN half: the tuner's check must refuse it
+            tuner_err = harness.relative_error(y, cp.asarray(want.astype(np.float32)))
+            assert not tuner_err <= TOL, f"{config.algo} ({layout}): wrong ({err:.2e}) yet within the tuner's check ({tuner_err:.2e})"
+            wrong.append(f"{config.algo} {err:.1e}")
         with pytest.raises(graph_api.ResidualRefused, match="not of the element strides"):  # refused as z alone: the executor copies it
             plan.execute(x, w, y, ws, bias=b, z=as_layout(cp.asarray(zh), layout))
     if not built:  # offered, none built with a strided z: the tuner's rows say so per configuration, a normal outcome
         _report(f"{layout}: {len(configs)} fused configurations of {F} offered for {key}, none builds with a strided z")
         pytest.skip(f"no fused configuration of {key} + {F} builds with a strided z here")
-    _report(f"{layout}: {len(configs)} fused configurations of {F} offered for {key}, {built} built, all right")
+    _report(f"{layout}: {len(configs)} fused configurations of {F} offered for {key}, {built} built, "
+            f"{built - len(wrong)} right, wrong (refused by the tuner's check): {wrong or 'none'}")
+    assert len(wrong) < built, f"{layout}: no fused configuration reads the residual slice right: {wrong}"
 
 
 @pytest.fixture(scope="module")
