@@ -574,13 +574,15 @@ def numpy_shape_bench(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.
     return bench
 
 
-def fake_cuda(log: list) -> Any:
+def fake_cuda(log: list, capturing: list | None = None) -> Any:
     """``cupy.cuda`` stood in for: what :func:`convpass.native.cuda.stream_fence` calls, each memset
-    of a fence appended to ``log`` as ``("fence", nbytes)``."""
+    of a fence appended to ``log`` as ``("fence", nbytes)``; the current stream is capturing while
+    ``capturing`` (a one-item list the test flips) holds True."""
     runtime = types.SimpleNamespace(getDevice=lambda: 0, malloc=lambda nbytes: 4096,
                                     memsetAsync=lambda ptr, value, nbytes, stream: log.append(("fence", nbytes)))
+    state = capturing if capturing is not None else [False]
     return types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError), runtime=runtime,
-                                 get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+                                 get_current_stream=lambda: types.SimpleNamespace(ptr=0, is_capturing=lambda: state[0]))
 
 
 def numpy_candidates(monkeypatch, shape, fill: float = 0.5, x_value: float = 1.0, **cupy_functions):

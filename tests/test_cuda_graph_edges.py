@@ -49,6 +49,8 @@ class FakeLibcuda:
 
     def _cuGraphGetEdges_v2(self, g, frm, to, data, count):
         graph = self.graphs[g.value]
+        if frm is not None and not count._obj.value:
+            return 1  # as the driver: arrays given for no edges is CUDA_ERROR_INVALID_VALUE
         if frm is not None:
             for i, (a, b, d) in enumerate(graph[:count._obj.value]):
                 frm[i], to[i] = a, b
@@ -285,18 +287,39 @@ def _engine(algo: str):
     fusion = Algo.parse(algo).fusion
     key = canonicalize_conv("Conv", {"pads": [1, 1, 1, 1]}, (2, 16, 14, 14), (16, 16, 3, 3)).shapes[0].key("nhwc", "default")
     plan = types.SimpleNamespace(config=types.SimpleNamespace(algo=algo), workspace_bytes=0, execute=lambda *a, **k: None)
-    conv = conv_exec.EngineConv(key, Algo.parse(algo), fusion, types.SimpleNamespace(cuda=fake_cuda([])), plan)
+    conv = conv_exec.EngineConv(key, Algo.parse(algo), fusion, types.SimpleNamespace(cuda=fake_cuda([], CAPTURING)), plan)
     conv._pass = lambda y, bias, z: None
     return conv
 
 
-def test_memset_fences_every_fused_launch_and_edges_only_where_the_driver_cannot_rewrite(libcuda, monkeypatch):
+CAPTURING = [True]  # the fake current stream's capture status (_engine's convs read it)
+
+
+@pytest.fixture(autouse=True)
+def _captured():
+    CAPTURING[0] = True
+    yield
+    CAPTURING[0] = True
+
+
+def test_memset_fences_every_fused_launch_and_edges_only_eager_ones_or_where_the_driver_cannot_rewrite(libcuda, monkeypatch):
     fused, bare = _engine("engine:eng4+bias+add+relu"), _engine("engine:eng4")
     libcuda()
-    monkeypatch.setattr(conv_exec, "FENCE", "memset")
-    assert [conv_exec.fence_needed(c) for c in (fused, bare)] == [True, False]
-    monkeypatch.setattr(conv_exec, "FENCE", "edges")
-    assert [conv_exec.fence_needed(c) for c in (fused, bare)] == [False, False]
+    for capturing in (True, False):
+        CAPTURING[0] = capturing
+        monkeypatch.setattr(conv_exec, "FENCE", "memset")
+        assert [conv_exec.fence_needed(c) for c in (fused, bare)] == [True, False]
+        monkeypatch.setattr(conv_exec, "FENCE", "edges")
+        assert [conv_exec.fence_needed(c) for c in (fused, bare)] == [not capturing, False]  # eager: fenced; captured: edges
     libcuda(missing={"cuGraphGetEdges_v2"})
-    assert [conv_exec.fence_needed(c) for c in (fused, bare)] == [True, False]
+    for capturing in (True, False):
+        CAPTURING[0] = capturing
+        assert [conv_exec.fence_needed(c) for c in (fused, bare)] == [True, False]
     assert conv_exec.FENCES == ("memset", "edges")
+
+
+def test_a_graph_without_edges_is_asked_once(libcuda):
+    """One kernel captured: no edges to fetch (the driver refuses arrays for none), nothing rewritten."""
+    lib = libcuda()
+    lib.graphs[1] = []
+    assert edges.graph_edges(edges.driver(), 1) == [] and edges.default_edges(1) == 0

@@ -60,7 +60,7 @@ Rules
    :attr:`ConvExec.counts` names the executor's counters a launch adds one to
    (:data:`EPILOGUE_PASSES` once more where its epilogue runs as a pass of its own).
 5. A fused engine graph's launch may overlap the end of its producer (a programmatic dependency);
-   in a captured plan that overlap is prevented by a memset fence before the launch, or by the
+   that overlap is prevented by a memset fence before the launch, or in a captured plan by the
    runner making the graph's programmatic edges default ones: :data:`FENCE` chooses,
    :func:`fence_needed` states the trade-off (which the tuner's times hold and which they miss).
 6. Every launch tells the listeners (:func:`add_launch_listener`, :func:`record_launches`) the
@@ -312,9 +312,10 @@ class FusedLegacyConv(ConvExec):
         return ("cudnn_calls", _fused_counter(self.residual, self.relu))
 
 
-# How a fused engine graph is kept from overlapping the end of its producer in a captured plan:
-# "memset", a fence before each launch; "edges", none, the captured graphs' programmatic edges
-# made default before they are instantiated (where the driver cannot, "memset"). See fence_needed.
+# How a fused engine graph is kept from overlapping the end of its producer: "memset", a fence
+# before each launch; "edges", a fence before each eager launch only, the captured graphs'
+# programmatic edges made default before they are instantiated (where the driver cannot, "memset").
+# See fence_needed.
 FENCE = "edges"
 FENCES = ("memset", "edges")
 
@@ -326,23 +327,23 @@ def fence_needed(conv: EngineConv) -> bool:
     attribute) every time.
 
     A fused graph's kernels may start before their producer has finished (a programmatic
-    dependency, which stream capture records as a programmatic edge); in captured plans some
-    then read inputs not yet written. Eager launches were right without a fence. Two ways out:
+    dependency, which stream capture records as a programmatic edge); some then read inputs not
+    yet written, in captured plans and in eager runs alike. Two ways out:
 
-    - ``"memset"``: a 16-byte memset before every fused launch, eager or captured, in the time
-      the tuner measures (a few microseconds per launch, also in graphs).
-    - ``"edges"``: no fence; the runner makes every programmatic edge of a captured graph a
-      default one (:mod:`convpass.native.cuda_graph_edges`), which costs nothing in the graph
-      but the overlap those edges allowed. The tuner times eager launches, where that overlap
-      may take place between back-to-back repeats: its times may be lower than the graph's by
-      that overlap (the memset's cost stays out of both). Where the driver cannot rewrite edges
-      (older than CUDA 12.3, or a call failed), fused launches are fenced as with ``"memset"``,
-      eager ones too, so the tuner and the executor of one process still time what runs.
+    - ``"memset"``: a 16-byte memset before every fused launch, eager or captured (a few
+      microseconds per launch, in graphs too).
+    - ``"edges"``: a memset before every eager fused launch, none while the stream is captured;
+      the runner makes every programmatic edge of a captured graph a default one
+      (:mod:`convpass.native.cuda_graph_edges`), which costs nothing in the graph but the overlap
+      those edges allowed. The tuner times its launches in captured graphs (unfenced, edges as
+      captured: its times may be lower than the executor's graph by that overlap); its first,
+      checked launch is eager and fenced. Where the driver cannot rewrite edges (older than
+      CUDA 12.3, or a call failed), every fused launch is fenced as with ``"memset"``.
     """
     if not conv.fused:
         return False
-    if FENCE == "edges":
-        return cuda_graph_edges.unavailable_reason() is not None
+    if FENCE == "edges" and cuda_graph_edges.unavailable_reason() is None:
+        return not conv.cp.cuda.get_current_stream().is_capturing()
     return True
 
 

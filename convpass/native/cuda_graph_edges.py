@@ -148,7 +148,9 @@ def graph_edges(drv: Driver, graph: int) -> list[Edge]:
     """The edges of ``graph`` (a ``CUgraph``) with their data (``cuGraphGetEdges_v2``)."""
     g, count = ctypes.c_void_p(graph), ctypes.c_size_t(0)
     drv(("cuGraphGetEdges_v2",), g, None, None, None, ctypes.byref(count))
-    n = max(count.value, 1)
+    n = count.value
+    if not n:  # asked for no edges with arrays given, the driver answers CUDA_ERROR_INVALID_VALUE
+        return []
     frm, to, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (EdgeData * n)()
     drv(("cuGraphGetEdges_v2",), g, frm, to, data, ctypes.byref(count))
     return [Edge(frm[i] or 0, to[i] or 0, data[i].type, data[i].from_port, data[i].to_port) for i in range(min(count.value, n))]
