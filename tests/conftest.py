@@ -849,3 +849,81 @@ def convs(monkeypatch):
     c = convolution.Convolutions(rt)
     c.warned = warned  # type: ignore[attr-defined]
     return c
+
+
+class FakeLibcuda:
+    """libcuda's graph functions (``cuX`` implemented as ``_cuX``) over graphs held here: handle ->
+    [(from, to, (from_port, to_port, type))]; a clone's nodes are the original's plus 1000. Functions
+    in ``missing`` are absent, those in ``failing`` return CUDA_ERROR_INVALID_VALUE; ``calls`` lists
+    the calls made."""
+
+    def __init__(self, edge_list, missing=(), failing=()) -> None:
+        self.graphs = {1: list(edge_list)}
+        self.missing, self.failing = set(missing), set(failing)
+        self.calls: list[str] = []
+        self.execs: dict[int, list] = {}
+        self.destroyed: list[int] = []
+        self.launched: list[tuple[int, int]] = []
+
+    def __getattr__(self, name):
+        impl = getattr(type(self), f"_{name}", None)
+        if impl is None or name in self.missing:
+            raise AttributeError(name)
+        lib = self
+
+        class Fn:
+            def __call__(self, *args):
+                lib.calls.append(name)
+                return 1 if name in lib.failing else impl(lib, *args)
+
+        return Fn()
+
+    def _cuGraphGetEdges_v2(self, g, frm, to, data, count):
+        graph = self.graphs[g.value]
+        if frm is not None and not count._obj.value:
+            return 1  # as the driver: arrays given for no edges is CUDA_ERROR_INVALID_VALUE
+        if frm is not None:
+            for i, (a, b, d) in enumerate(graph[:count._obj.value]):
+                frm[i], to[i] = a, b
+                data[i].from_port, data[i].to_port, data[i].type = d
+        count._obj.value = len(graph)
+        return 0
+
+    def _cuGraphClone(self, out, g):
+        out._obj.value = 2
+        self.graphs[2] = [(a + 1000, b + 1000, d) for a, b, d in self.graphs[g.value]]
+        return 0
+
+    def _cuGraphRemoveDependencies_v2(self, g, frm, to, data, n):
+        for i in range(n.value):
+            self.graphs[g.value].remove((frm[i], to[i], (data[i].from_port, data[i].to_port, data[i].type)))
+        return 0
+
+    def _cuGraphAddDependencies_v2(self, g, frm, to, data, n):
+        assert data is None  # no edge data: default edges
+        self.graphs[g.value] += [(frm[i], to[i], (0, 0, 0)) for i in range(n.value)]  # default edges
+        return 0
+
+    def _cuGraphInstantiateWithFlags(self, out, g, flags):
+        out._obj.value = 100 + len(self.execs)
+        self.execs[out._obj.value] = sorted(self.graphs[g.value])
+        return 0
+
+    def _cuGraphLaunch(self, exec_, stream):
+        self.launched.append((exec_.value, stream.value))
+        return 0
+
+    def _cuGraphUpload(self, exec_, stream):
+        return 0
+
+    def _cuGraphExecDestroy(self, e):
+        self.destroyed.append(e.value)
+        return 0
+
+    def _cuGraphDestroy(self, g):
+        self.destroyed.append(g.value)
+        return 0
+
+    def _cuGetErrorName(self, status, text):
+        text._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+        return 0

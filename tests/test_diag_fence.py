@@ -10,7 +10,7 @@ import sys
 import types
 
 import pytest
-from conftest import REPO, fake_cuda
+from conftest import REPO, FakeLibcuda, fake_cuda
 
 from convpass.compiler.passes.canonicalize_convs import canonicalize_conv
 from convpass.core.algo import Algo
@@ -284,26 +284,12 @@ def test_the_edges_lines_say_each_replay():
     assert diag_fence.edge_lines({"unavailable": "why"}) == ["EDGES unavailable: why"]
 
 
-class FakeCuda:
-    """libcuda's graph functions over graphs held here: handle -> [(from, to, (from_port, to_port, type))];
-    a clone's nodes are the original's plus 1000. Kernel nodes (handles below 100) are named
-    ``k<handle>``, others are memsets."""
+class FakeCuda(FakeLibcuda):
+    """:class:`conftest.FakeLibcuda` with nodes: kernel nodes (handles below 100 modulo 1000) are
+    named ``k<handle>``, others are memsets."""
 
     def __init__(self, edges, missing=()) -> None:
-        self.graphs = {1: list(edges)}
-        self.missing, self.calls, self.execs, self.destroyed = set(missing), [], {}, []
-
-    def __getattr__(self, name):
-        impl = type(self).__dict__.get(f"_{name}")
-        if impl is None or name in self.missing:
-            raise AttributeError(name)
-
-        class Fn:
-            def __call__(fn, *args):
-                self.calls.append(name)
-                return impl(self, *args)
-
-        return Fn()
+        super().__init__(edges, missing)
 
     @staticmethod
     def _nodes(edges):
@@ -311,15 +297,6 @@ class FakeCuda:
 
     def _cuGraphGetNodes(self, g, arr, count):
         count._obj.value = len(self._nodes(self.graphs[g.value]))
-        return 0
-
-    def _cuGraphGetEdges_v2(self, g, frm, to, data, count):
-        edges = self.graphs[g.value]
-        if frm is not None:
-            for i, (a, b, d) in enumerate(edges[:count._obj.value]):
-                frm[i], to[i] = a, b
-                data[i].from_port, data[i].to_port, data[i].type = d
-        count._obj.value = len(edges)
         return 0
 
     def _cuGraphNodeGetType(self, node, kind):
@@ -332,38 +309,6 @@ class FakeCuda:
 
     def _cuFuncGetName(self, name, func):
         name._obj.value = f"k{func.value % 1000}".encode()
-        return 0
-
-    def _cuGraphClone(self, out, g):
-        out._obj.value = 2
-        self.graphs[2] = [(a + 1000, b + 1000, d) for a, b, d in self.graphs[g.value]]
-        return 0
-
-    def _cuGraphRemoveDependencies_v2(self, g, frm, to, data, n):
-        for i in range(n.value):
-            self.graphs[g.value].remove((frm[i], to[i], (data[i].from_port, data[i].to_port, data[i].type)))
-        return 0
-
-    def _cuGraphAddDependencies_v2(self, g, frm, to, data, n):
-        assert data is None
-        self.graphs[g.value] += [(frm[i], to[i], (0, 0, 0)) for i in range(n.value)]
-        return 0
-
-    def _cuGraphInstantiateWithFlags(self, out, g, flags):
-        out._obj.value = 100 + len(self.execs)
-        self.execs[out._obj.value] = list(self.graphs[g.value])
-        return 0
-
-    def _cuGraphExecDestroy(self, e):
-        self.destroyed.append(e.value)
-        return 0
-
-    def _cuGraphDestroy(self, g):
-        self.destroyed.append(g.value)
-        return 0
-
-    def _cuGetErrorName(self, status, text):
-        text._obj.value = b"CUDA_ERROR_INVALID_VALUE"
         return 0
 
 
