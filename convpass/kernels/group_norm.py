@@ -77,7 +77,7 @@ _THREADS = 256
 _FINALIZE_THREADS = 128  # at most, per (sample, group): a channels-last step of one sample has hundreds of chunks
 # Bumped when these kernels' speed changes: fused units' timings in a tuning cache are keyed by it
 # (convpass.compiler.fusions), so a cached re-run times them again instead of planning with stale ones.
-REVISION = 5
+REVISION = 6
 _TARGET_BLOCKS_PER_SM = 4
 _MIN_ROW_CHUNK = 2048  # elements a rows block reads at least
 _CL_VALS = (1, 2, 4, 8, 16)  # channels per channel lane of the channels-last kernels
