@@ -46,7 +46,7 @@ import numpy as np
 from convpass.kernels.elementwise import PREAMBLE, FusedGroup
 from convpass.native import nvrtc as compiler
 
-__all__ = ["IN_FLIGHT", "IN_FLIGHT_SCALAR", "THREADS", "ApplyKernel", "apply_geometry", "element_code", "operand_kinds", "prelude", "source",
+__all__ = ["IN_FLIGHT", "IN_FLIGHT_SCALAR", "THREADS", "ApplyKernel", "apply_geometry", "compile_entries", "element_code", "operand_kinds", "prelude", "source",
            "vector_width"]
 
 THREADS = 256
@@ -253,6 +253,12 @@ def _address(a: Any) -> int:
     return int(data.ptr) if hasattr(data, "ptr") else int(a.ctypes.data)
 
 
+def compile_entries(cupy: Any, src: compiler.KernelSource, entry: Callable[[compiler.KernelSource, str], Any] | None) -> dict[str, Any]:
+    """Every entry point of ``src`` built by ``entry(source, name)`` (default: NVRTC through ``cupy``)."""
+    build = entry if entry is not None else (lambda s, name: compiler.function(cupy, s, name))
+    return {name: build(src, name) for name in src.entries}
+
+
 class ApplyKernel:
     """The apply kernels of a fused step, compiled when built (at plan time). Called with the
     frames of ``x``, the operands and the output (:func:`convpass.kernels.group_norm.frame`) and
@@ -263,8 +269,7 @@ class ApplyKernel:
                  entry: Callable[[compiler.KernelSource, str], Any] | None = None, threads: int = THREADS) -> None:
         self.kinds = tuple(kinds)
         self.source = source(group, self.kinds)
-        build = entry if entry is not None else (lambda src, name: compiler.function(cupy, src, name))
-        self.entries = {name: build(self.source, name) for name in self.source.entries}
+        self.entries = compile_entries(cupy, self.source, entry)
         self.sms = sms
         self.threads = threads
         self._plans: dict[tuple, Any] = {}

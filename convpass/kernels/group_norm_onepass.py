@@ -332,8 +332,7 @@ class OnePassKernel:
         self.eps = np.float32(eps)
         self.widths = widths(shape, groups, group.dtype)
         self.source = source(group, self.kinds, self.widths)
-        build = entry if entry is not None else (lambda src, name: compiler.function(cupy, src, name))
-        self.entries = {name: build(self.source, name) for name in self.source.entries}
+        self.entries = group_norm_apply.compile_entries(cupy, self.source, entry)
         self.sms = sms
         self.threads = threads
         self._plans: dict[tuple, Any] = {}
