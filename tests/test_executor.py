@@ -833,11 +833,27 @@ def test_a_plan_the_backend_replays_runs_outside_errstate():
     ex = Executor(model, device=backend)
     x = random_input([1, 3, 8, 8])
     first = ex.run(None, {"x": x})
-    assert backend.scopes == 1  # the plan is built inside it
+    assert backend.scopes == 2  # the plan is built inside it, then (not replayable) run inside it
     np.testing.assert_allclose(ex.run(None, {"x": x})[0], first[0])
-    assert backend.scopes == 2 and backend.replayed == 0  # not replayable: run inside it
+    assert backend.scopes == 3 and backend.replayed == 0  # not replayable: run inside it
     backend.replays = True
-    assert ex.run(None, {"x": x}) == ["replayed"] and backend.scopes == 2 and backend.replayed == 1
+    assert ex.run(None, {"x": x}) == ["replayed"] and backend.scopes == 3 and backend.replayed == 1
+
+
+def test_the_first_run_returns_what_the_plan_computes_not_the_recording_run():
+    """Building a plan runs the graph op by op once; the results a first run returns are the plan's
+    (on the GPU its warm-up: fused epilogues and engines as recorded), so that every run of a
+    signature computes the same thing, the first included."""
+    from convpass.kernels.backends import CpuBackend
+
+    class Replaying(CpuBackend):
+        def replay(self, plan, feeds):
+            return ["the plan's"]
+
+    ex = Executor(conv_model("Conv", [1, 3, 8, 8], [4, 3, 3, 3]), device=Replaying())
+    x = random_input([1, 3, 8, 8])
+    assert ex.run(None, {"x": x}) == ["the plan's"]
+    assert ex.run(None, {"x": x}) == ["the plan's"]
 
 
 def test_open_ahead_waits_for_nothing_on_the_host_and_never_raises(monkeypatch):

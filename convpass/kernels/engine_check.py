@@ -130,9 +130,10 @@ def relative_error(cp: Any, out: Any, ref: Any) -> float:
     for i in range(0, out.shape[0], step):
         o, r = out[i:i + step].astype(cp.float64), ref[i:i + step].astype(cp.float64)
         d = o - r
-        num = num + (d * d).sum()
-        den = den + (r * r).sum()
-    num, den = float(num), float(den)
+        # summed on the host: a Python float meeting a CuPy array in an operator imports cupyx
+        # and SciPy (convpass/ops/arrays.py), which a fresh process's first run must not pay
+        num += float((d * d).sum())
+        den += float((r * r).sum())
     if not math.isfinite(num):
         return 0.0 if not math.isfinite(den) else math.inf
     return math.sqrt(num) / max(math.sqrt(den), 1e-30)

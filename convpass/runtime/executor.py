@@ -184,16 +184,18 @@ class Executor:
         return plan
 
     def _plan_and_run(self, arrays: dict[str, Any], names: tuple[str, ...], run_cached: bool = True) -> tuple[Plan, list[Any]]:
-        """The plan for these inputs (built, and run once, on first use) and its results: the
-        results of running it when it was cached and ``run_cached`` (else none)."""
+        """The plan for these inputs (built on first use) and the results of running it when
+        ``run_cached`` (else none). Building runs the graph op by op once to record the plan; those
+        results are not returned: the plan's steps (fused epilogues, engines, their algorithms)
+        compute within rounding of them but not bit for bit, and every run, the first included,
+        returns what the plan computes."""
         signature = tuple((n, tuple(a.shape), str(a.dtype)) for n, a in sorted(arrays.items()))
         key = (signature, names)
         plan = self._plans.get(key)
         if plan is None:
             with self._backend.errstate():
-                plan, results = self._builder.build(key, arrays, names, self.fusions)
+                plan, _ = self._builder.build(key, arrays, names, self.fusions)
             self._plans[key] = plan
-            return plan, results
         if not run_cached:
             return plan, []
         results = self._backend.replay(plan, arrays)
