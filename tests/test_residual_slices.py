@@ -413,7 +413,8 @@ def test_the_fused_graph_of_a_residual_slice_key_reads_z_with_the_slices_strides
     plan = graph_api.EnginePlan(key, EngineConfig.parse("eng5", F))
     y = descriptor_params(key).y
     assert ("tensor", "z", tuple(y.dims), key.z_strides) in frontend.calls and plan.z_strides == key.z_strides
-    arrays = {name: np.zeros((2, 4), np.float32) for name in ("x", "w", "y", "b")}
+    arrays = {name: np.zeros((2, 4), np.float32) for name in ("w", "y", "b")}
+    arrays["x"] = _buffer(layout, channels=C)  # packed, as the plan of a key without an input slice reads it
     packed = _buffer(layout, channels=K)
     with pytest.raises(graph_api.ResidualRefused, match="not of the element strides its plan reads"):  # never read with strides it was not built for
         plan.execute(*(_ptr(arrays[n], 100 * i) for i, n in enumerate("xwy")), None, bias=_ptr(arrays["b"], 400), z=_ptr(packed, 500))
