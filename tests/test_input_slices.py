@@ -15,8 +15,8 @@ import types
 
 import numpy as np
 import pytest
-from conftest import fake_cuda, no_plan_side_car, offer_configs
-from test_residual_slices import _ptr
+from conftest import fake_cuda, offer_configs, plans_stood_in
+from test_residual_slices import _ptr, engine_convs  # noqa: F401  (its plans: this module's)
 from test_slice_reads import LAYOUTS, TOTAL, C, K, _buffer, _convs, _geometry, _weight, stand_in  # noqa: F401
 from test_slice_tuning import bench_stand_in  # noqa: F401
 
@@ -190,23 +190,7 @@ class _XPlan:
 
 @pytest.fixture
 def plans(monkeypatch):
-    monkeypatch.setattr(graph_api, "EnginePlan", _XPlan)
-    monkeypatch.setattr(_XPlan, "seen", [])
-    monkeypatch.setattr(_XPlan, "refusals", 0)
-    return _XPlan
-
-
-@pytest.fixture
-def engine_convs(stand_in, plans, monkeypatch):
-    """The executor's conv family over NumPy with the engine plan stood in for."""
-    no_plan_side_car(monkeypatch)
-    stand_in.cp.cuda = fake_cuda([])
-
-    def make(layout: str):
-        stand_in(layout)
-        return _convs(stand_in.cp)
-
-    return make
+    return plans_stood_in(monkeypatch, _XPlan)
 
 
 def _engine_call(layout: str, engine: str = "eng1", fusion: str = "", x_slice=XS) -> ConvCall:

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import csp_block_model, fake_cuda, no_plan_side_car, offer_configs, run_ort
+from conftest import csp_block_model, fake_cuda, no_plan_side_car, offer_configs, plans_stood_in, run_ort
 from test_slice_reads import LAYOUTS, TOTAL, C, K, _buffer, _convs, _geometry, _weight, stand_in  # noqa: F401
 from test_slice_tuning import bench_stand_in  # noqa: F401
 
@@ -155,10 +155,7 @@ class _Plan:
 
 @pytest.fixture
 def plans(monkeypatch):
-    monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
-    monkeypatch.setattr(_Plan, "seen", [])
-    monkeypatch.setattr(_Plan, "refusals", 0)
-    return _Plan
+    return plans_stood_in(monkeypatch, _Plan)
 
 
 def _zbench(z_slice=Z) -> ShapeBench:

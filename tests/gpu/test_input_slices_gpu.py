@@ -30,8 +30,6 @@ from convpass.core import annotation  # noqa: E402
 from convpass.core.algo import Algo  # noqa: E402
 from convpass.core.problem import InputSlice, ProblemKey  # noqa: E402
 from convpass.native.cudnn import as_layout, empty_like_layout, graph_api  # noqa: E402
-from convpass.tuning import harness  # noqa: E402
-from convpass.tuning.cache import TuningCache  # noqa: E402
 
 TOL = 5e-3  # relative error (norm) of a TF32 conv, as the other engine tests
 CONV = ((16, 96, 24, 24), (32, 96, 3, 3), {"pads": [1, 1, 1, 1]})  # a dense block's second conv: 96 channels of a 128-channel buffer
@@ -71,12 +69,8 @@ def test_every_configuration_reads_the_input_where_it_lies(layout, fusion):
             continue
         in_place += 1
         plan.execute(x, w, y, ws, bias=b)
-        got = cp.asnumpy(y).astype(np.float64)
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        if not err <= TOL:  # a configuration that ignores x's strides reads the NaN channels: the tuner's check must refuse it
-            tuner_err = harness.relative_error(y, cp.asarray(want.astype(np.float32)))
-            assert not tuner_err <= TOL, f"{config.algo} ({layout}): wrong ({err:.2e}) yet within the tuner's check ({tuner_err:.2e})"
-            wrong.append(f"{config.algo} {err:.1e}")
+        why = engines.wrong_but_refused(y, want, config.algo, layout, TOL)  # one ignoring x's strides reads the NaN channels
+        wrong += [why] if why else []
         with pytest.raises(graph_api.InputRefused, match="not of the element strides"):  # the executor copies x into the plan's strides
             plan.execute(xp, w, y, ws, bias=b)
     _report(f"{layout} {fusion or 'bare'}: {len(configs)} configurations offered for {key}, {in_place} built reading the slice "
@@ -87,20 +81,11 @@ def test_every_configuration_reads_the_input_where_it_lies(layout, fusion):
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     """The dense block tuned here once, NHWC, engines "all". Returns (cache path, model, tuned model)."""
-    why = graph_api.unavailable()  # asked here too: a module fixture runs before need_graph_api
-    if why is not None:
-        pytest.skip(why)
-    path = tmp_path_factory.mktemp("input_slices") / "c.db"
-    model = dense._dense_block()
-    tuned_model = convpass.optimize(model, cache=path, quiet=True, tf32="on", layout="nhwc", engines="all")
-    onnx.checker.check_model(tuned_model, full_check=True)
-    return path, model, tuned_model
+    return engines.tuned_here(tmp_path_factory, "input_slices", dense._dense_block())
 
 
 def _rows(path, key: ProblemKey) -> list:
-    with TuningCache(path) as cache:
-        [(device, _)] = cache.devices()
-        return [r for r in cache.get(device, key.shape) if r.key == key and r.method == "measure"]
+    return [r for r in engines.cached_rows(path, key) if r.method == "measure"]
 
 
 def _slice_convs(tuned_model) -> dict:
