@@ -523,6 +523,17 @@ def frontend(monkeypatch):
     return fe
 
 
+def plans_stood_in(monkeypatch, plan_class):
+    """``graph_api.EnginePlan`` replaced by ``plan_class`` (a test's stand-in with class lists
+    ``seen`` and counters ``refusals``), both reset; returns it."""
+    from convpass.native.cudnn import graph_api
+
+    monkeypatch.setattr(graph_api, "EnginePlan", plan_class)
+    monkeypatch.setattr(plan_class, "seen", [])
+    monkeypatch.setattr(plan_class, "refusals", 0)
+    return plan_class
+
+
 def offer_configs(monkeypatch, configs) -> None:
     """cuDNN's graph API stood in for: ``configs(key, fusion)`` gives the engine configurations
     the tuner enumerates for a key (or raises as enumeration would)."""

@@ -42,7 +42,10 @@ Rules
    Inputs ``x``: packed in the key's memory format, or where :attr:`ConvExec.input_strides` is
    ``"slice"`` a channel slice of a buffer packed in that format
    (:func:`~convpass.native.cudnn.arrays.channel_slice`: cuDNN's forward call, plain or fused,
-   takes the slice's strides). The tuner times the input the key names: packed, or where the key
+   takes the slice's strides), or where :attr:`ConvExec.input_slice_strides` names strides (a
+   graph-API plan of a key with an :class:`~convpass.core.problem.InputSlice`, built reading ``x``
+   with the slice's strides where cuDNN builds it so: :attr:`ConvExec.input_refusal` says why
+   not) a channel slice of exactly those. The tuner times the input the key names: packed, or where the key
    has an :class:`~convpass.core.problem.InputSlice` that slice of a wider buffer, read in place
    where the object reads slices and cuDNN takes them, else copied first as the executor copies it
    (:func:`refuses_slice`), the copy in the time; so for the output a key names as an
@@ -171,6 +174,8 @@ class ConvExec:
 
     output_strides = "packed"  # rule 3
     input_strides = "packed"  # rule 3
+    input_slice_strides: tuple[int, ...] | None = None  # rule 3: the element strides of the only x slice it reads in place (None: see input_strides)
+    input_refusal = ""  # rule 3: why an object of a key with an input slice reads a packed x where its family could read the slice
     residual_strides: tuple[int, ...] | None = None  # rule 3: the element strides of the z it reads (None: packed)
     contiguous_bias = False  # rule 2
 
@@ -366,12 +371,17 @@ class EngineConv(ConvExec):
         self.contiguous_bias = self.fused
         self.residual = self.fused and takes_residual(algo.fusion)  # its graph reads z (before or after its activation)
         self.residual_strides = key.z_strides if self.residual else None  # its plan reads z with the key's slice strides
+        # its plan reads x with the key's input slice strides, or packed where cuDNN did not build it so (a plan that names none: packed)
+        reads = getattr(plan, "x_strides", None)
+        self.input_slice_strides = reads if reads is not None and reads == key.x_strides else None
+        self.input_refusal = getattr(plan, "x_refusal", "") if key.x_strides is not None and self.input_slice_strides is None else ""
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
         ws = workspace if self.workspace_bytes > 0 else None
         odd = graph_api.misaligned(x=x, w=w, y=y, bias=bias if self.fused else None, z=z if self.residual else None)
         if odd:  # a view at an odd offset: refused as cuDNN refuses, never a misaligned read (a sticky CUDA error)
-            refused = graph_api.ResidualRefused if odd == ["z"] else graph_api.GraphApiError  # z alone: a copy of it may run
+            # x or z alone (x first where both): a copy of it, at an aligned start, may run
+            refused = {("z",): graph_api.ResidualRefused, ("x",): graph_api.InputRefused, ("x", "z"): graph_api.InputRefused}.get(tuple(odd), graph_api.GraphApiError)
             raise refused(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
         if fence_needed(self):
             stream_fence(self.cp)  # timed with the launch it guards: the tuner's rows hold it

@@ -21,10 +21,19 @@ Rules:
    is a channel slice of a Concat buffer stored in the conv's memory format (channels-last:
    channel stride 1; channels-first: samples the buffer's channels apart;
    :func:`~convpass.native.cudnn.arrays.channel_slice`) reads it in place through an input
-   descriptor with the slice's strides, counted in ``slice_reads``. Any other input not packed in
-   the conv's format is copied first (counted in ``layout_copies``), a slice too where a graph-API
-   engine (its plan is built for packed tensors), convpass's kernel, a 1-D conv's mapping or a
-   padded input reads it; a slice so copied is counted in ``slice_copies`` too.
+   descriptor with the slice's strides, counted in ``slice_reads``; so does a graph-API engine
+   step, bare or fused, whose decision's problem key names the input slice (``xslice``) and whose
+   plan was built reading ``x`` with those strides
+   (:attr:`~convpass.kernels.conv_exec.ConvExec.input_slice_strides`), for a slice of exactly
+   those strides (:func:`reads_in_place`). Any other input not as the object reads it is copied
+   first (counted in ``layout_copies``): into a packed buffer in the conv's format, or for a plan
+   built for the key's slice into the first channels of a buffer of those strides
+   (:func:`slice_copy`); a slice too where convpass's kernel, an engine's plan built for a packed
+   ``x`` (cuDNN did not build it for the slice: the tuner timed it with the copy), a 1-D conv's
+   mapping or a padded input reads it; a slice so copied is counted in ``slice_copies`` too. An
+   engine's plan refusing its slice in place (:class:`~convpass.native.cudnn.graph_api.InputRefused`:
+   ``x`` not aligned as the plan assumes) is a refusal as in rule 3: copied from then on, a
+   capture broken where it comes while capturing.
 3. **Refused slices.** cuDNN refuses a strided tensor with ``CUDNN_STATUS_NOT_SUPPORTED`` or
    ``BAD_PARAM`` (a strided output with any error:
    :func:`~convpass.kernels.conv_exec.refuses_slice`); a strided call that needs more workspace
@@ -70,8 +79,8 @@ from convpass.native.cuda import CaptureBreak, elements, first_line
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["priced", "remember_refusal", "remember_residual_refusal", "residual_copied", "residual_in_place", "residual_slice_copy", "said_if_unpriced",
-           "same_order", "slice_words", "unpriced_copy"]
+__all__ = ["copy_why", "priced", "reads_in_place", "remember_refusal", "remember_residual_refusal", "residual_copied", "residual_in_place",
+           "said_if_unpriced", "same_order", "slice_copy", "slice_words", "unpriced_copy"]
 
 
 def priced(want: tuple[int, ...] | None, a: Any) -> bool:
@@ -110,17 +119,33 @@ def residual_in_place(ex: Any, conv: Any, z: Any) -> bool:
     return want is not None and ex.strided_residual_ok and priced(want, z)
 
 
-def residual_slice_copy(z: Any, ex: Any) -> Any:
-    """Rule 5: ``z`` copied into the first channels of a new buffer as wide as the key's residual
-    slice's, in the conv's memory format: the strides a plan built for that slice reads, at an
-    aligned start (for ``z`` of other strides, or a slice the plan refused in place)."""
+def reads_in_place(conv: Any, x: Any) -> bool:
+    """Rule 2: whether the step's object ``conv`` reads the channel slice ``x`` itself: any such
+    slice where it reads slices (cuDNN's legacy calls), one of exactly its strides where it names
+    them (an engine's plan built for the key's input slice)."""
+    return conv.input_strides == "slice" or priced(conv.input_slice_strides, x)
+
+
+def copy_why(ex: Any, conv: Any) -> str:
+    """Rule 4: why the step's object ``conv`` of the resolution ``ex`` copies its input slice."""
+    if conv.input_slice_strides is not None:
+        return f"the plan of {ex.algo!r} reads only slices of its key's strides"
+    if conv.input_strides != "slice":
+        return f"its algorithm {ex.algo!r} reads packed inputs only"
+    return f"cuDNN refuses to read it with algorithm {ex.algo!r}"
+
+
+def slice_copy(a: Any, channels: int, layout: str) -> Any:
+    """Rules 2 and 5: ``a`` copied into the first channels of a new buffer of ``channels`` channels
+    in ``layout``: the strides a plan built for a slice of such a buffer reads (the key's input or
+    residual slice), at an aligned start (for an ``a`` of other strides, or a slice the plan
+    refused in place)."""
     from convpass.native import cudnn
     from convpass.native.cuda import copy_into
 
-    channels = ex.key.z_slice.channels if ex.key.z_slice is not None else z.shape[1]
-    z4 = cudnn.empty_like_layout((z.shape[0], channels, *z.shape[2:]), z.dtype, ex.layout)[:, :z.shape[1]]
-    copy_into(z4, z)
-    return z4
+    out = cudnn.empty_like_layout((a.shape[0], channels, *a.shape[2:]), a.dtype, layout)[:, :a.shape[1]]
+    copy_into(out, a)
+    return out
 
 
 def residual_copied(rt: Any, ex: Any, conv: Any, z: Any) -> None:

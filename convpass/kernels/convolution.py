@@ -109,14 +109,16 @@ from convpass.kernels.conv_exec import (
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.conv_slices import (
+    copy_why,
     priced,
+    reads_in_place,
     remember_refusal,
     remember_residual_refusal,
     residual_copied,
     residual_in_place,
-    residual_slice_copy,
     said_if_unpriced,
     same_order,
+    slice_copy,
     slice_words,
     unpriced_copy,
 )
@@ -125,7 +127,7 @@ from convpass.kernels.plan_steps import PlanSteps
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, copy_into, first_line, storage
 from convpass.native.cudnn import graph_api
-from convpass.native.cudnn.graph_api import GraphApiError, ResidualRefused
+from convpass.native.cudnn.graph_api import GraphApiError, InputRefused, ResidualRefused
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
 
@@ -305,12 +307,10 @@ class Convolutions:
         z4, z_read = (None, False) if z is None else self._residual(z, ex, conv)  # as the step's object reads it
         xp = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
         sliced = ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
-        read = read_ok and conv.input_strides == "slice" and sliced
-        if sliced and not read:
-            if ex.source == "recorded" and not priced(ex.key.x_strides, xp):
-                unpriced_copy(self.rt, ex, f"its algorithm {ex.algo!r} reads packed inputs only" if conv.input_strides != "slice"
-                              else f"cuDNN refuses to read it with algorithm {ex.algo!r}")
-        x4 = xp if read else self._in_layout(xp, ex)
+        read = read_ok and sliced and reads_in_place(conv, xp)
+        if sliced and not read and ex.source == "recorded" and not priced(ex.key.x_strides, xp):
+            unpriced_copy(self.rt, ex, copy_why(ex, conv))
+        x4 = xp if read else self._input(xp, ex, conv)
         direct = out is not None and ex.insert_axis is None and (
             conv.output_strides == "any"
             or (conv.output_strides == "same_order" and z is None and write_ok and same_order(out, ex.layout)))
@@ -323,6 +323,8 @@ class Convolutions:
             if z_read and isinstance(e, ResidualRefused):  # its residual slice refused: copied from now on
                 remember_residual_refusal(self.rt, ex, e)
                 return self._run(ex, x, w, b, relu, z, out, slices)
+            if read and isinstance(e, InputRefused):  # its plan refuses the input slice in place: copied from now on
+                return self._slices_refused(ex, e, True, False, x, w, b, relu, z, out)
             if isinstance(e, GraphApiError):
                 raise
             if (read or write) and refuses_slice(e, write):
@@ -448,12 +450,21 @@ class Convolutions:
         remember_refusal(ex, e, read, write)
         return self._run(ex, x, w, b, relu, z, out)
 
+    def _input(self, x: Any, ex: ConvResolution, conv: ConvExec) -> Any:
+        """The input ``x`` as the step's object ``conv`` reads it where not the slice itself (rule 2 of
+        :mod:`convpass.kernels.conv_slices`): in the conv's memory format, or for a plan built for
+        the key's input slice copied into a buffer of those strides (a counted layout copy)."""
+        if conv.input_slice_strides is None or ex.key.x_slice is None:
+            return self._in_layout(x, ex)
+        self.rt.counters["layout_copies"] += 1
+        return slice_copy(map_1d(x, ex.insert_axis), ex.key.x_slice.channels, ex.layout)
+
     def _residual(self, z: Any, ex: ConvResolution, conv: ConvExec) -> tuple[Any, bool]:
         """The residual ``z`` as the step's object ``conv`` reads it, and whether that is ``z``
         itself, read in place (rule 5 of :mod:`convpass.kernels.conv_slices`)."""
         if residual_in_place(ex, conv, z):
             return z, True
-        z4 = self._in_layout(z, ex) if conv.residual_strides is None else residual_slice_copy(z, ex)
+        z4 = self._in_layout(z, ex) if conv.residual_strides is None else slice_copy(z, ex.key.z_slice.channels if ex.key.z_slice else z.shape[1], ex.layout)
         if z4 is not map_1d(z, ex.insert_axis):
             residual_copied(self.rt, ex, conv, z)
         return z4, False

@@ -13,7 +13,8 @@ Rules:
    bare engine with its epilogue as one pass after it) of a recorded decision, once per node and
    plan: the first eager run of the plan (a captured plan's warm-up), never while a CUDA graph is
    captured. The backend's ``check_first_run`` turns it off.
-2. Against what: the same step computed apart, on the very arrays the launch read: cuDNN's legacy
+2. Against what: the same step computed apart, on the very arrays the launch read (an input
+   slice read in place with its strides): cuDNN's legacy
    forward call of the key (its memory format and math mode) with the decision's recorded legacy
    algorithm, else the first of ``implicit_precomp_gemm`` / ``implicit_gemm`` cuDNN accepts, then
    the step's epilogue (bias, residual, activation) over it with CuPy array operations.
@@ -37,7 +38,7 @@ from typing import Any
 
 from convpass.core.problem import TOLERANCE
 from convpass.native import cudnn
-from convpass.native.cuda import first_line
+from convpass.native.cuda import elements, first_line
 from convpass.native.cudnn import graph_api
 
 logger = logging.getLogger("convpass")
@@ -94,10 +95,11 @@ def _reference(cp: Any, resources: Any, conv: Any, legacy_algo: str, x: Any, w: 
     takes the key."""
     key = conv.key
     descs = resources.descriptors(key)
+    strided = {"x_strides": elements(x.strides, x.itemsize)} if cudnn.channel_slice(x, key.layout) else {}  # an input slice read in place
     for algo in dict.fromkeys([a for a in (legacy_algo, *REFERENCE_ALGOS) if a]):
         try:
             ref = cudnn.empty_like_layout(y.shape, y.dtype, key.layout)
-            cudnn.run(descs, "fwd", algo, x, w, ref)  # its workspace asked and allocated here, then freed
+            cudnn.run(descs, "fwd", algo, x, w, ref, **strided)  # its workspace asked and allocated here, then freed
         except (cudnn.CudnnError, ValueError) as e:
             logger.debug("%s: no reference with %r: %s", conv.algo, algo, e)
             continue

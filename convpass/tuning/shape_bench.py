@@ -16,6 +16,14 @@ timing of an execution object's launch, and the head-to-head of the close candid
   read cuDNN refuses (:func:`~convpass.kernels.conv_exec.refuses_slice`), is timed as the executor
   runs it then: the input copied into a packed buffer (the executor's copy,
   :func:`~convpass.native.cuda.copy_into`), then the launch, both in the time; its row's note says so.
+  A graph-API engine's plan is built reading ``x`` with the slice's strides
+  (:attr:`~convpass.kernels.conv_exec.ConvExec.input_slice_strides`; a configuration that ignores
+  them reads the NaN channels and fails the check) and gets the slice itself; one cuDNN does not
+  build so reads a packed ``x`` and is timed with the copy, and one whose plan refuses the slice
+  in place (:class:`~convpass.native.cudnn.graph_api.InputRefused`: its start misaligned) with
+  the executor's copy into a buffer of the slice's strides; the note names cuDNN's refusal. An
+  engine row timed before plans read slices (its note: the object reads packed inputs) is
+  :func:`superseded`: :func:`current` drops its key's rows of its graph, so they are timed again.
 * A key whose output is written into a channel slice (:class:`~convpass.core.problem.OutputSlice`:
   a Concat's buffer) is timed writing exactly that: each set's ``y`` is the slice view of a wider
   buffer in the key's memory format (its other channels NaN, and the check fails a candidate that
@@ -43,6 +51,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from convpass.core.algo import Algo
 from convpass.core.options import TuneOptions
 from convpass.core.problem import TOLERANCE, ChannelSlice, ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey, ResidualSlice
 from convpass.tuning import harness
@@ -52,7 +61,7 @@ from convpass.tuning.decide import allowed, bias_ms, cost_ms, epilogue_ms, resid
 logger = logging.getLogger("convpass")
 
 __all__ = ["HEAD_TO_HEAD_MARGIN", "HEAD_TO_HEAD_MAX", "HEAD_TO_HEAD_WORKSPACE_BYTES", "OUTPUT", "REFERENCE_ALGOS", "TOLERANCE",
-           "ShapeBench", "best_after", "make_row", "was_measured"]
+           "ShapeBench", "best_after", "current", "make_row", "superseded", "was_measured"]
 
 # Deterministic algorithms a reference can be computed with, in order of preference.
 REFERENCE_ALGOS = {
@@ -92,6 +101,25 @@ def was_measured(row: Measurement) -> bool:
     """Whether ``row`` ran and was measured (an early-stopped estimate was not; a late stop's
     groups were: :mod:`convpass.tuning.harness`)."""
     return row.status == "ok" and row.time_ms is not None and "early stop" not in row.note
+
+
+PACKED_READS = "the object reads packed inputs"  # why an input slice is copied for an object of a family that reads no slices
+
+
+def superseded(row: Measurement) -> bool:
+    """Whether ``row`` is a graph-API engine's of a key with an input slice timed with the copy of
+    the slice because engine plans read packed inputs then (module docstring): its note says so;
+    an engine's row now says it read the slice in place, or why cuDNN refused it."""
+    return f"input copied first ({PACKED_READS})" in row.note and row.key.x_slice is not None and Algo.parse(row.algo).is_engine
+
+
+def current(rows: Sequence[Measurement]) -> list[Measurement]:
+    """``rows`` without the engine rows of each key and graph (bare, or a fusion) that holds a
+    :func:`superseded` row: the tuner then finds them missing and times them again."""
+    stale = {(m.key, Algo.parse(m.algo).fusion) for m in rows if superseded(m)}
+    if not stale:
+        return list(rows)
+    return [m for m in rows if not (m.method == "measure" and Algo.parse(m.algo).is_engine and (m.key, Algo.parse(m.algo).fusion) in stale)]
 
 
 def best_after(best: float | None, row: Measurement) -> float | None:
@@ -358,14 +386,19 @@ class _Tensors:
 
     def __init__(self, key: ProblemKey, conv: Any, sets: list[dict], residual: bool = False) -> None:
         self.key, self.sets = key, sets
-        self.read = key.x_slice is not None and conv.input_strides == "slice"
+        # an engine's plan built for the slice reads exactly its strides
+        plan_reads = key.x_slice is not None and conv.input_slice_strides is not None and conv.input_slice_strides == key.x_strides
+        self.read = key.x_slice is not None and (conv.input_strides == "slice" or plan_reads)
+        # where the copy of x goes: the first channels of a buffer as wide as the slice's for a plan that reads its strides
+        self._x_channels = key.x_slice.channels if plan_reads and key.x_slice is not None else None
         self.write = key.y_slice is not None and conv.output_strides != "packed"
         self._slices = {"x": key.x_slice, "y": key.y_slice, "z": key.z_slice if residual else None}
         self._packed: dict[str, dict[int, Any]] = {"x": {}, "y": {}, "z": {}}
         self._notes: dict[str, str] = {}
         self._alone: list[tuple[bool, bool]] | None = None  # after a refusal of both: the states left to try
         z_read = self._slices["z"] is not None and conv.residual_strides == key.z_strides
-        for name, on, why in (("x", self.read, "the object reads packed inputs"), ("y", self.write, "the object writes packed outputs"),
+        x_why = f"cuDNN refuses the slice: {conv.input_refusal}" if key.x_slice is not None and conv.input_refusal else PACKED_READS
+        for name, on, why in (("x", self.read, x_why), ("y", self.write, "the object writes packed outputs"),
                               ("z", z_read, "the object reads a packed residual")):
             if self._slices[name] is None:
                 continue
@@ -385,7 +418,9 @@ class _Tensors:
 
         self._notes[name] = f"{self._NOTES[name][1]} ({why})"
         for group in self.sets:
-            self._packed[name][id(group)] = empty_like_layout(group[name].shape, self.key.shape.dtype, self.key.layout)
+            shape = group[name].shape
+            wide = self._x_channels if name == "x" and self._x_channels else shape[1]  # a plan's slice strides, at an aligned start
+            self._packed[name][id(group)] = empty_like_layout((shape[0], wide, *shape[2:]), self.key.shape.dtype, self.key.layout)[:, :shape[1]]
 
     def _in_place(self, name: str) -> None:
         """Launch on the set's own slice ``x`` / ``y`` / ``z`` from now on."""
@@ -434,10 +469,14 @@ class _Tensors:
         """Whether ``e`` is cuDNN refusing the launch's slices (:func:`~convpass.kernels.conv_exec.refuses_slice`):
         then the next launch runs as the executor's does next (module docstring)."""
         from convpass.kernels.conv_exec import refuses_slice
+        from convpass.native.cudnn.graph_api import InputRefused
 
         why = f"cuDNN refuses the slice: {str(e).splitlines()[0]}"
         if not (self.read or self.write):
             return False
+        if self.read and isinstance(e, InputRefused):  # an engine's plan refusing the slice in place: the executor's copy into its strides
+            self._state(False, self.write, why)
+            return True
         if self._alone is not None:  # trying each slice alone: any cuDNN error of the try moves on
             if not refuses_slice(e, write=True):
                 return False

@@ -31,6 +31,14 @@ Rules
   (never the output itself: :meth:`EnginePlan.execute` refuses ``z`` overlapping ``y``; for a key
   with a residual slice, ``zslice``, the slice's strides, and a ``z`` of others is refused: :class:`ResidualRefused`). A fused depthwise conv costs about what the bare conv does,
   which removes two passes over the output (the bias and the SiLU kernel).
+* **Input slices.** For a key whose input is a channel slice (``xslice``: a dense block's conv
+  reading a prefix of its Concat buffer), every graph, bare or fused, reads ``x`` with the
+  slice's strides (:attr:`~convpass.core.problem.ProblemKey.x_strides`), so a plan reads the
+  slice in place. A configuration cuDNN does not offer or build for those strides is built
+  reading a packed ``x`` (:func:`enumerate_configs` lists both graphs' configurations; a plan
+  tries the slice's strides first): :attr:`EnginePlan.x_strides` says which a plan reads,
+  :attr:`EnginePlan.x_refusal` why not the slice's, and :meth:`EnginePlan.execute` refuses an
+  ``x`` of other strides (:class:`InputRefused`: a copy of ``x`` into them may run).
 * **Legacy epilogues as fused graphs.** The legacy epilogues (:data:`convpass.core.fusion.LEGACY`)
   are graphs too, named the same: ``bias`` (conv -> add(bias)), ``bias+relu`` (-> ReLU),
   ``bias+add`` (-> add(z)) and ``bias+add+relu`` (-> add(z) -> ReLU: ``z`` before the ReLU, as
@@ -73,117 +81,18 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from convpass.core.algo import ENGINE_PREFIX, Algo
-from convpass.core.fusion import (
-    LEAKYRELU,
-    LEGACY,
-    SWISH,
-    adds_residual,
-    is_engine_fusion,
-    is_legacy,
-    leakyrelu_alpha,
-    leakyrelu_name,
-    parts,
-    takes_residual,
-    without_residual,
-)
+from convpass.core.fusion import is_engine_fusion, takes_residual
 from convpass.core.problem import ProblemKey, ResidualSlice
+from convpass.native.cudnn.graph_fusions import FUSION_COUNTERS, RESIDUAL_COUNTER, Fusion, fusion_of
 
-__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "ResidualRefused",
-           "enumerate_configs", "misaligned", "plan_id", "unavailable"]
+__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "RESIDUAL_COUNTER", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "InputRefused",
+           "ResidualRefused", "enumerate_configs", "misaligned", "plan_id", "unavailable"]
 
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
 PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
-
-
-@dataclasses.dataclass(frozen=True)
-class Fusion:
-    """A fused epilogue: what follows the conv in the graph, the frontend op of its activation
-    (called with ``frontend_args``; ``""``: none, the bias alone), and the activation itself over
-    an array module (NumPy or CuPy: the tuner's reference and the executor's fallback);
-    ``residual``: a residual Add follows the activation; ``residual_first``: one comes before it
-    (a legacy epilogue's ``+add``; :meth:`reference`)."""
-
-    name: str
-    frontend_op: str
-    apply: Callable[[Any, Any], Any]  # (xp, float array) -> the activation of it, same dtype
-    cuda: str  # the activation of a float ``v`` in CUDA C (the tuner times it as its own pass)
-    frontend_args: tuple[tuple[str, float], ...] = ()
-    counter: str = ""  # the executor's counter of launches that ran it fused (one per kind, any alpha)
-    residual: bool = False
-    residual_first: bool = False
-
-    @property
-    def takes_z(self) -> bool:
-        """Whether the graph reads a residual ``z``."""
-        return self.residual or self.residual_first
-
-    def reference(self, xp: Any, pre: Any, z: Any = None) -> Any:
-        """The fused epilogue over ``pre = conv + b``: ``act(pre)``, then ``+ z`` where the fusion
-        adds a residual after its activation, ``act(pre + z)`` where before it (``z`` of ``pre``'s
-        shape; ValueError without it). A new array."""
-        if self.takes_z and z is None:
-            raise ValueError(f"the fused epilogue {self.name} needs its residual z")
-        if self.residual_first:
-            return self.apply(xp, pre + z)
-        out = self.apply(xp, pre)
-        return out + z if self.residual else out
-
-
-def _leaky_relu(name: str, alpha: float) -> Fusion:
-    """``bias+leakyrelu<alpha>``: cuDNN's pointwise ``CUDNN_POINTWISE_RELU_FWD`` (100) with
-    ``CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE`` (5) = alpha, as the frontend's ``leaky_relu``
-    sets it from its ``negative_slope`` (lower clip 0, no upper clip): ``y if y > 0 else alpha *
-    y``, ONNX's LeakyRelu (equal at 0)."""
-    a32 = float(np.float32(alpha))
-    lit = f"{a32!r}f"  # a float literal that is exactly the float32 alpha
-
-    def apply(xp: Any, v: Any) -> Any:
-        return xp.where(v > 0, v, v * v.dtype.type(a32))
-
-    return Fusion(name, "leaky_relu", apply, f"(v > 0.0f ? v : {lit} * v)", (("negative_slope", a32),), "fused_bias_leakyrelu")
-
-
-def _legacy(name: str) -> Fusion:
-    """A legacy epilogue's graph (module rules): the bias, ``z`` where it adds one, then
-    ``CUDNN_POINTWISE_RELU_FWD`` (the frontend's ``relu``, no clip slope: ``max(v, 0)``) where it
-    ends with one; counted as ``fused_`` and its name's parts (``fused_bias_add_relu``)."""
-    residual, relu = parts(name)
-    counter = "fused_" + name.replace("+", "_")
-    if relu:
-        return Fusion(name, "relu", lambda xp, a: xp.maximum(a, a.dtype.type(0)), "fmaxf(v, 0.0f)", counter=counter, residual_first=residual)
-    return Fusion(name, "", lambda xp, a: a.copy(), "v", counter=counter, residual_first=residual)
-
-
-_SWISH = Fusion(SWISH, "swish", lambda xp, a: a / (a.dtype.type(1) + xp.exp(-a)), "v / (1.0f + expf(-v))", counter="fused_bias_swish")
-RESIDUAL_COUNTER = "_add"  # a fusion with its residual counts under its activation's counter + this
-# every Fusion.counter: the activations' (any alpha), with their residual, and the legacy epilogues' graphs
-FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu", "fused_bias_swish_add", "fused_bias_leakyrelu_add",
-                   *("fused_" + name.replace("+", "_") for name in LEGACY))
-
-
-@functools.lru_cache(maxsize=64)
-def fusion_of(name: str) -> Fusion:
-    """The fused epilogue ``name`` names (:mod:`convpass.core.fusion`: ``bias+swish``,
-    ``bias+leakyrelu<alpha>``, either with ``+add``, or a legacy epilogue); ValueError for any
-    other name. Made once per name (a launch's counters ask for it)."""
-    if is_legacy(name):
-        return _legacy(name)
-    if adds_residual(name):
-        f = fusion_of(without_residual(name))
-        return dataclasses.replace(f, name=name, counter=f.counter + RESIDUAL_COUNTER, residual=True)
-    if name == SWISH:
-        return _SWISH
-    alpha = leakyrelu_alpha(name)
-    if alpha is None:
-        raise ValueError(f"{name!r} is not a fused epilogue convpass knows ({SWISH}, {LEAKYRELU}<alpha> e.g. {leakyrelu_name(0.2)}, "
-                         f"either followed by +add; {', '.join(LEGACY)})")
-    return _leaky_relu(name, alpha)
 
 
 _NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
@@ -195,6 +104,10 @@ class GraphApiError(RuntimeError):
 
 class ResidualRefused(GraphApiError):
     """A plan refusing its residual ``z`` alone (misaligned, or not of its strides): a copy of ``z`` may run."""
+
+
+class InputRefused(GraphApiError):
+    """A plan refusing its input ``x`` (misaligned, or not of its strides): a copy of ``x`` may run."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -297,11 +210,12 @@ def _current(cp: Any) -> tuple[int, int]:
     return cp.cuda.Device().id, cp.cuda.get_current_stream().ptr
 
 
-def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any, dict[str, Any]]:
+def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "", x_strides: tuple[int, ...] | None = None) -> tuple[Any, dict[str, Any]]:
     """The operation graph ``y = conv(x, w)`` of ``key`` (forward only), or with ``fusion``
     ``y = act(conv(x, w) + b)`` (a legacy epilogue without a ReLU: no activation), ``+ z`` after
     the activation for a graph-API fusion with its residual, before it for a legacy epilogue with
-    one (``z``: the output's dims, and its strides or the key's residual slice's)."""
+    one (``z``: the output's dims, and its strides or the key's residual slice's); ``x`` read with
+    ``x_strides`` (None: packed)."""
     from convpass.native.cudnn.descriptors import descriptor_params
 
     if key.shape.direction != "fwd":
@@ -309,7 +223,7 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
     p = descriptor_params(key)
     dt = getattr(fe.data_type, _DATA_TYPES[key.shape.dtype])
     g = fe.pygraph(io_data_type=dt, intermediate_data_type=fe.data_type.FLOAT, compute_data_type=fe.data_type.FLOAT, handle=handle)
-    x = g.tensor(name="x", dim=list(p.x.dims), stride=list(p.x.strides), data_type=dt)
+    x = g.tensor(name="x", dim=list(p.x.dims), stride=list(x_strides or p.x.strides), data_type=dt)
     w = g.tensor(name="w", dim=list(p.w.dims), stride=list(p.w.strides), data_type=dt)
     y = g.conv_fprop(image=x, weight=w, padding=list(p.pads), stride=list(p.strides), dilation=list(p.dilations),
                      compute_data_type=fe.data_type.FLOAT, name="conv")
@@ -337,6 +251,14 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
     return g, tensors
 
 
+def _x_choices(key: ProblemKey) -> tuple[tuple[int, ...], ...]:
+    """The element strides a plan of ``key`` may read ``x`` with, in the order tried: its input
+    slice's where it has one, then packed (module rules, input slices)."""
+    from convpass.native.cudnn.descriptors import descriptor_params
+
+    return tuple(dict.fromkeys(s for s in (key.x_strides, descriptor_params(key).x.strides) if s is not None))
+
+
 def _z_strides(key: ProblemKey) -> tuple[int, ...]:
     """The element strides of the residual ``z`` a plan of ``key`` reads: its residual slice's, else packed like ``y``."""
     from convpass.native.cudnn.descriptors import descriptor_params
@@ -359,51 +281,70 @@ class Enumerated:
     """``key``'s operation graph (the bare conv, or ``fusion``'s) with cuDNN's configurations
     enumerated on it: plans of any of them are built on this one graph (:class:`EnginePlan`), so a
     tuner timing all of them enumerates once per key, not once per candidate (which was a third
-    of a ResNet-50's tuning time: docs/measurements/2026-11-24-tuning-time.md)."""
+    of a ResNet-50's tuning time: docs/measurements/2026-11-24-tuning-time.md). For a key with an
+    input slice, ``packed`` is the same graph over a packed ``x`` (module rules, input slices)."""
 
     key: ProblemKey
     fusion: str
     graph: Any
     tensors: dict[str, Any]
     names: list[str]  # plan name per plan index
+    x_strides: tuple[int, ...] = ()  # the element strides its graph reads x with
+    packed: Enumerated | None = None
+
+    def graphs(self) -> list[Enumerated]:
+        """This graph, then the packed one where there is one."""
+        return [self] if self.packed is None else [self, self.packed]
 
     def configs(self) -> list[EngineConfig]:
-        """The configurations, duplicates once, in cuDNN's order."""
-        found = [EngineConfig.parse(name, self.fusion) for name in self.names]
+        """The configurations, duplicates once, in cuDNN's order (the slice's graph's first)."""
+        found = [EngineConfig.parse(name, self.fusion) for e in self.graphs() for name in e.names]
         return list(dict.fromkeys(c for c in found if c.engine_id < PYTHON_ENGINE_ID_BASE))
 
 
 def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
     """Every backend engine configuration cuDNN offers for ``key``'s graph, the bare conv or the
-    ``fusion`` (:func:`fusion_of`; heuristic modes A and B, then the fallback list). None for
-    TF32 off (see the rules)."""
+    ``fusion`` (:func:`fusion_of`; heuristic modes A and B, then the fallback list): for a key
+    with an input slice, the graph reading the slice and the one reading a packed ``x`` (module
+    rules). None for TF32 off (see the rules)."""
     fe = _require()
     import cupy as cp
 
     device, _ = _current(cp)
     what = f"{key} + {fusion}" if fusion else str(key)
-    try:
-        g, tensors = _graph(fe, key, _handle(fe, device), fusion)
-        names = _enumerate(fe, g, key)
-    except GraphApiError:
-        raise
-    except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
-        raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(e)}") from e
-    return Enumerated(key, fusion, g, tensors, names)
+    found: list[Enumerated] = []
+    for strides in _x_choices(key):
+        try:
+            g, tensors = _graph(fe, key, _handle(fe, device), fusion, strides)
+            names = _enumerate(fe, g, key)
+        except GraphApiError:
+            raise
+        except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
+            failed = e
+            continue
+        found.append(Enumerated(key, fusion, g, tensors, names, strides))
+    if not found:
+        raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(failed)}") from failed
+    for graph, packed in zip(found, found[1:]):
+        graph.packed = packed
+    return found[0]
 
 
 class EnginePlan:
     """A built execution plan of one engine configuration for one problem key (its graph: the
-    bare conv, or the configuration's fusion).
+    bare conv, or the configuration's fusion; ``x`` read with :attr:`x_strides`).
 
     Built once (plan-compile time in the executor, once per candidate in the tuner), then
     :meth:`execute` enqueues the conv on CuPy's current stream: no allocation, no
     synchronization, so it can be captured into a CUDA graph.
     """
 
+    x_refusal = ""  # why a plan of a key with an input slice reads a packed x (module rules); "": it reads the slice's strides
+
     def __init__(self, key: ProblemKey, config: EngineConfig, enumerated: Enumerated | None = None) -> None:
         """``enumerated``: the key's graph with its configurations already enumerated on this
-        device (the tuner's), on which the plan is built; else a graph of the plan's own."""
+        device (the tuner's), on which the plan is built; else a graph of the plan's own. For a key
+        with an input slice, the graph reading the slice first, then the packed one (module rules)."""
         fe = _require()
         import cupy as cp
 
@@ -412,13 +353,35 @@ class EnginePlan:
         self._fe = fe
         self._device, _ = _current(cp)
         self._handle = _handle(fe, self._device)
+        *sliced, packed = _x_choices(key)
+        t = None
+        for strides in sliced:  # the key's input slice: read in place where cuDNN builds the plan so
+            try:
+                t = self._build(strides, enumerated)
+            except GraphApiError as e:
+                self.x_refusal = str(e).splitlines()[0]
+        self.x_strides = packed if t is None else sliced[0]
+        if t is None:
+            t = self._build(packed, enumerated)
+        self._uids = (t["x"], t["w"], t["y"])
+        self._bias_uid = t.get("b")
+        self._residual_uid = t.get("z")
+        self.z_strides = _z_strides(key)
+
+    def _build(self, x_strides: tuple[int, ...], enumerated: Enumerated | None) -> dict[str, Any]:
+        """Build the plan on the key's graph reading ``x`` with ``x_strides`` (``enumerated``'s where
+        it is the key's, else a graph of its own); the graph's tensors."""
+        fe, key, config = self._fe, self.key, self.config
         fusion = config.fusion
         what = f"{config.name} ({fusion})" if fusion else config.name
         try:
             if enumerated is not None and (enumerated.key, enumerated.fusion) == (key, fusion):
-                self._graph, t, names = enumerated.graph, enumerated.tensors, enumerated.names
+                mine = next((e for e in enumerated.graphs() if e.x_strides == x_strides), None)
+                if mine is None:
+                    raise GraphApiError(f"cuDNN offers no configuration of {key} reading x with the element strides {x_strides}")
+                self._graph, t, names = mine.graph, mine.tensors, mine.names
             else:
-                self._graph, t = _graph(fe, key, self._handle, fusion)
+                self._graph, t = _graph(fe, key, self._handle, fusion, x_strides)
                 # The configuration is found again among cuDNN's own for this graph, by name:
                 # rebuilding it from (engine id, knobs) through the frontend's knob enum gave
                 # configurations that cuDNN refused to finalize (the frontend's enum is not cuDNN's
@@ -431,7 +394,7 @@ class EnginePlan:
                 except Exception:  # noqa: BLE001  (mode A offers nothing for this graph: the full list below)
                     names = []
                 if config.name not in names:
-                    self._graph, t = _graph(fe, key, self._handle, fusion)
+                    self._graph, t = _graph(fe, key, self._handle, fusion, x_strides)
                     names = _enumerate(fe, self._graph, key)
             if config.name not in names:
                 raise GraphApiError(f"cuDNN does not offer {what} for {key} here")
@@ -440,10 +403,7 @@ class EnginePlan:
             self.workspace_bytes = int(self._graph.get_workspace_size_plan_at_index(self._index))
         except Exception as e:  # noqa: BLE001
             raise GraphApiError(f"cuDNN does not build {what} for {key}: {_why(e)}") from e
-        self._uids = (t["x"], t["w"], t["y"])
-        self._bias_uid = t.get("b")
-        self._residual_uid = t.get("z")
-        self.z_strides = _z_strides(key)
+        return t
 
     def serialize(self, verify: bool = True) -> bytes:
         """The built plan as bytes :meth:`load` reads back (module rules). ``verify``: load it here
@@ -458,7 +418,7 @@ class EnginePlan:
         extra = [t for t in (self._bias_uid, self._residual_uid) if t is not None]  # the bias, then the residual
         uids = [int(t.get_uid()) for t in (*self._uids, *extra)]
         header = {"format": PLAN_FORMAT, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
-                  "workspace": self.workspace_bytes}
+                  "workspace": self.workspace_bytes, "x_strides": list(self.x_strides)}
         data = json.dumps(header, sort_keys=True).encode() + b"\n" + blob
         if verify:
             _same_results(self, EnginePlan.load(self.key, self.config, data))
@@ -482,9 +442,13 @@ class EnginePlan:
         for field, want in here.items():
             if header.get(field) != want:
                 raise GraphApiError(f"the stored plan is for {field} {header.get(field)!r}, not {want!r}")
+        choices = _x_choices(key)  # a plan stored without them reads a packed x
+        x_strides = header.get("x_strides", list(choices[-1]))
+        if x_strides not in [list(s) for s in choices]:
+            raise GraphApiError(f"the stored plan reads x with the element strides {x_strides!r}, neither packed nor the key's input slice's")
         self = cls.__new__(cls)
         self.key, self.config, self._fe = key, config, fe
-        self.z_strides = _z_strides(key)
+        self.x_strides, self.z_strides = tuple(x_strides), _z_strides(key)
         self._device, _ = _current(cp)
         self._handle = _handle(fe, self._device)
         try:
@@ -507,11 +471,14 @@ class EnginePlan:
         return self
 
     def execute(self, x: Any, w: Any, y: Any, workspace: Any = None, bias: Any = None, z: Any = None) -> None:
-        """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format); for a
-        fused configuration ``y = act(conv(x, w) + bias)`` (``bias``: K contiguous values), ``+ z``
-        for one with its residual (``z``: of :attr:`z_strides`, ``y``'s or the key's slice's, apart from ``y``)."""
+        """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format, ``x`` of
+        :attr:`x_strides`: packed or the key's input slice's); for a fused configuration ``y =
+        act(conv(x, w) + bias)`` (``bias``: K contiguous values), ``+ z`` for one with its residual
+        (``z``: of :attr:`z_strides`, ``y``'s or the key's slice's, apart from ``y``)."""
         import cupy as cp
 
+        if not _has_strides(x, self.x_strides):
+            raise InputRefused(f"{self.config.algo}: the input x is not of the element strides its plan reads, {self.x_strides}")
         if (self._bias_uid is None) != (bias is None):
             raise GraphApiError(f"{self.config.algo} takes {'a' if self._bias_uid is not None else 'no'} bias")
         if (self._residual_uid is None) != (z is None):
@@ -583,7 +550,9 @@ def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
         a[...] = cp.sin(cp.arange(a.size, dtype=cp.float32) * 0.7 + phase).reshape(dims)
         return a
 
-    x, w = values(shape.x_shape, 0.0), values(shape.w_shape, 1.0)
+    # a plan reading an input slice reads x with its strides: the first channels of a buffer as wide (an aligned start)
+    x_channels = built.key.x_slice.channels if built.x_strides == built.key.x_strides and built.key.x_slice is not None else shape.c
+    x, w = values((shape.n, x_channels, *shape.spatial), 0.0)[:, :shape.c], values(shape.w_shape, 1.0)
     bias = cp.sin(cp.arange(shape.k, dtype=cp.float32) + 2.0).astype(shape.dtype) if built.config.fusion else None
     # a plan of a residual slice reads z with its strides: the first channels of a buffer as wide (an aligned start, whatever the key's first)
     s = built.key.z_slice or ResidualSlice(0, shape.k)
