@@ -353,7 +353,8 @@ def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=No
     channel slice of a shared buffer unless its costs hold it (``priced``: the module rules).
 
     (A value read by several consumers in the other format is counted once per consumer: the
-    executor may share one transposed copy, so this slightly over-estimates mixed plans.)
+    executor shares one copy among the convs that read a value in one format
+    (:mod:`convpass.runtime.cuda.shared_layouts`), so this over-estimates such plans.)
     """
     layouts = {n: fmt[n] for n in conv_costs}
     total = sum(conv_costs[n].get(layouts[n], INF) for n in layouts)
