@@ -26,7 +26,7 @@ from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, InputSlice
 from convpass.kernels import conv_exec
 from convpass.native.cuda import CaptureBreak, elements
-from convpass.native.cudnn import graph_api
+from convpass.native.cudnn import graph_api, graph_strides
 from convpass.native.cudnn.descriptors import descriptor_params
 from convpass.native.cudnn.graph_api import EngineConfig, InputRefused
 from convpass.ops.conv import ConvCall, conv_reference
@@ -134,7 +134,7 @@ def test_a_stored_plan_keeps_the_strides_it_reads_x_with(frontend, layout):
         return json.dumps(doc).encode() + b"\n" + blob
 
     assert graph_api.EnginePlan.load(key, config, stored()).x_strides == _packed(key)  # stored before plans read slices: packed
-    with pytest.raises(graph_api.GraphApiError, match="neither packed nor the key's input slice's"):
+    with pytest.raises(graph_api.GraphApiError, match="neither packed nor the key's slices'"):
         graph_api.EnginePlan.load(key, config, stored(x_strides=[1, 2, 3, 4]))
 
 
@@ -169,7 +169,7 @@ class _XPlan:
 
     def __init__(self, key, config, enumerated=None):
         self.key, self.config, self.workspace_bytes = key, config, 0
-        *sliced, packed = graph_api._x_choices(key)
+        *sliced, packed = graph_strides.x_choices(key)
         self.x_strides = packed if config.engine_id == 2 or not sliced else sliced[0]
         self.x_refusal = "cuDNN does not build eng2 for a strided x" if config.engine_id == 2 and sliced else ""
 
