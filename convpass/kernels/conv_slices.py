@@ -5,13 +5,21 @@ place, where it is copied, what is counted, and what is said (the execution is
 Rules:
 
 1. **Writing slices.** A conv whose step writes into a given array (rule 4 of
-   :mod:`convpass.core.concat_slices`: no residual, no epilogue fused into a graph-API engine;
-   DenseNet's convs) writes its output straight into its slice of a Concat buffer
-   (:mod:`convpass.runtime.cuda.memory`), channels-first or channels-last: cuDNN's legacy forward
-   call gets an output descriptor with the slice's strides (convpass's kernel writes any
-   strides), and the epilogue pass runs on the slice in place, in its memory order; counted in
-   ``slice_writes``. Where the object writes packed outputs (cuDNN's fused call, an engine's
-   plan), cuDNN refuses the strided output, the slice is in another memory format than the
+   :mod:`convpass.core.concat_slices`: no residual; DenseNet's convs, an ESRGAN dense block's
+   with their LeakyRelu fused into an engine) writes its output straight into its slice of a
+   Concat buffer (:mod:`convpass.runtime.cuda.memory`), channels-first or channels-last: cuDNN's
+   legacy forward call gets an output descriptor with the slice's strides (convpass's kernel
+   writes any strides), and the epilogue pass runs on the slice in place, in its memory order;
+   so does a graph-API engine step, bare or fused, whose decision's problem key names the output
+   slice (``yslice``) and whose plan was built writing ``y`` with those strides
+   (:attr:`~convpass.kernels.conv_exec.ConvExec.output_slice_strides`), for a slice of exactly
+   those strides (:func:`writes_in_place`); counted in ``slice_writes``. An engine's plan refusing
+   its slice in place (:class:`~convpass.native.cudnn.graph_api.OutputRefused`: ``y`` not aligned
+   as the plan assumes) is a refusal as in rule 3: from then on it writes the first channels of a
+   buffer of its strides, copied into the slice, a capture broken where it comes while capturing.
+   Where the object writes packed outputs (cuDNN's fused call, an engine's plan built for a
+   packed ``y``: cuDNN did not build it for the slice, the tuner timed it with the copy), cuDNN
+   refuses the strided output, the slice is in another memory format than the
    conv's (:func:`same_order`) or a 1-D conv's mapping runs, the conv writes a packed output that
    is copied into the slice; every copy of a conv's output into its slice (the reference
    convolution's, a fallback's too) is counted in ``slice_write_copies``. A ConvTranspose (a UNet's
@@ -79,7 +87,7 @@ from convpass.native.cuda import CaptureBreak, elements, first_line
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["copy_why", "priced", "reads_in_place", "remember_refusal", "remember_residual_refusal", "residual_copied", "residual_in_place",
+__all__ = ["copy_why", "priced", "reads_in_place", "writes_in_place", "remember_refusal", "remember_residual_refusal", "residual_copied", "residual_in_place",
            "said_if_unpriced", "same_order", "slice_copy", "slice_words", "unpriced_copy"]
 
 
@@ -124,6 +132,12 @@ def reads_in_place(conv: Any, x: Any) -> bool:
     slice where it reads slices (cuDNN's legacy calls), one of exactly its strides where it names
     them (an engine's plan built for the key's input slice)."""
     return conv.input_strides == "slice" or priced(conv.input_slice_strides, x)
+
+
+def writes_in_place(conv: Any, out: Any) -> bool:
+    """Rule 1: whether the step's object ``conv`` (an engine's plan built for the key's output
+    slice) writes the channel slice ``out`` itself: one of exactly its strides."""
+    return priced(conv.output_slice_strides, out)
 
 
 def copy_why(ex: Any, conv: Any) -> str:
@@ -173,7 +187,9 @@ def said_if_unpriced(rt: Any, ex: Any, conv: Any, out: Any) -> None:
     slices was refused them)."""
     if ex.source != "recorded" or ex.insert_axis is not None or not same_order(out, ex.layout) or priced(ex.key.y_strides, out):
         return
-    if conv.output_strides == "packed":
+    if conv.output_slice_strides is not None:
+        why = f"the plan of {ex.algo!r} writes only slices of its key's strides"
+    elif conv.output_strides == "packed":
         why = f"its algorithm {ex.algo!r} writes packed outputs only"
     else:
         why = f"cuDNN refuses to write it with algorithm {ex.algo!r}"
