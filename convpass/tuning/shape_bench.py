@@ -30,7 +30,15 @@ timing of an execution object's launch, and the head-to-head of the close candid
   writes any of them). A candidate whose object writes packed outputs (a fused call, an engine's
   plan), or whose strided output cuDNN refuses (any cuDNN error of a launch that wrote a slice, as
   the executor takes it), is timed as the executor runs it then: the launch into a packed buffer,
-  then its copy into the slice, both in the time; its row's note says so. A launch that read and
+  then its copy into the slice, both in the time; its row's note says so. A graph-API engine's
+  plan is built writing ``y`` with the slice's strides
+  (:attr:`~convpass.kernels.conv_exec.ConvExec.output_slice_strides`; a configuration that ignores
+  them writes the NaN channels and fails the check) and gets the slice itself; one cuDNN does not
+  build so writes a packed ``y`` and is timed with the copy, and one whose plan refuses the slice
+  in place (:class:`~convpass.native.cudnn.graph_api.OutputRefused`: its start misaligned) with
+  the executor's launch into a buffer of the slice's strides and its copy; the note names cuDNN's
+  refusal. An engine row timed before plans wrote slices (its note: the object writes packed
+  outputs) is :func:`superseded` as an input slice's is. A launch that read and
   wrote slices and was refused tries each alone, in the executor's order (the input packed, then
   the output packed), before both packed.
 * A key whose fused residual is read from a channel slice (:class:`~convpass.core.problem.ResidualSlice`:
@@ -104,13 +112,17 @@ def was_measured(row: Measurement) -> bool:
 
 
 PACKED_READS = "the object reads packed inputs"  # why an input slice is copied for an object of a family that reads no slices
+PACKED_WRITES = "the object writes packed outputs"  # why an output is copied into its slice for one of a family that writes none
 
 
 def superseded(row: Measurement) -> bool:
-    """Whether ``row`` is a graph-API engine's of a key with an input slice timed with the copy of
-    the slice because engine plans read packed inputs then (module docstring): its note says so;
-    an engine's row now says it read the slice in place, or why cuDNN refused it."""
-    return f"input copied first ({PACKED_READS})" in row.note and row.key.x_slice is not None and Algo.parse(row.algo).is_engine
+    """Whether ``row`` is a graph-API engine's of a key with an input (output) slice timed with the
+    copy of the slice because engine plans read packed inputs (wrote packed outputs) then (module
+    docstring): its note says so; an engine's row now says it read (wrote) the slice in place, or
+    why cuDNN refused it."""
+    stale = ((row.key.x_slice is not None and f"input copied first ({PACKED_READS})" in row.note)
+             or (row.key.y_slice is not None and f"output copied into its slice after ({PACKED_WRITES})" in row.note))
+    return stale and Algo.parse(row.algo).is_engine
 
 
 def current(rows: Sequence[Measurement]) -> list[Measurement]:
@@ -391,14 +403,17 @@ class _Tensors:
         self.read = key.x_slice is not None and (conv.input_strides == "slice" or plan_reads)
         # where the copy of x goes: the first channels of a buffer as wide as the slice's for a plan that reads its strides
         self._x_channels = key.x_slice.channels if plan_reads and key.x_slice is not None else None
-        self.write = key.y_slice is not None and conv.output_strides != "packed"
+        plan_writes = key.y_slice is not None and conv.output_slice_strides is not None and conv.output_slice_strides == key.y_strides
+        self.write = key.y_slice is not None and (conv.output_strides != "packed" or plan_writes)
+        self._y_channels = key.y_slice.channels if plan_writes and key.y_slice is not None else None  # likewise the launch's y
         self._slices = {"x": key.x_slice, "y": key.y_slice, "z": key.z_slice if residual else None}
         self._packed: dict[str, dict[int, Any]] = {"x": {}, "y": {}, "z": {}}
         self._notes: dict[str, str] = {}
         self._alone: list[tuple[bool, bool]] | None = None  # after a refusal of both: the states left to try
         z_read = self._slices["z"] is not None and conv.residual_strides == key.z_strides
         x_why = f"cuDNN refuses the slice: {conv.input_refusal}" if key.x_slice is not None and conv.input_refusal else PACKED_READS
-        for name, on, why in (("x", self.read, x_why), ("y", self.write, "the object writes packed outputs"),
+        y_why = f"cuDNN refuses the slice: {conv.output_refusal}" if key.y_slice is not None and conv.output_refusal else PACKED_WRITES
+        for name, on, why in (("x", self.read, x_why), ("y", self.write, y_why),
                               ("z", z_read, "the object reads a packed residual")):
             if self._slices[name] is None:
                 continue
@@ -419,7 +434,7 @@ class _Tensors:
         self._notes[name] = f"{self._NOTES[name][1]} ({why})"
         for group in self.sets:
             shape = group[name].shape
-            wide = self._x_channels if name == "x" and self._x_channels else shape[1]  # a plan's slice strides, at an aligned start
+            wide = {"x": self._x_channels, "y": self._y_channels}.get(name) or shape[1]  # a plan's slice strides, at an aligned start
             self._packed[name][id(group)] = empty_like_layout((shape[0], wide, *shape[2:]), self.key.shape.dtype, self.key.layout)[:, :shape[1]]
 
     def _in_place(self, name: str) -> None:
@@ -469,13 +484,16 @@ class _Tensors:
         """Whether ``e`` is cuDNN refusing the launch's slices (:func:`~convpass.kernels.conv_exec.refuses_slice`):
         then the next launch runs as the executor's does next (module docstring)."""
         from convpass.kernels.conv_exec import refuses_slice
-        from convpass.native.cudnn.graph_api import InputRefused
+        from convpass.native.cudnn.graph_api import InputRefused, OutputRefused
 
         why = f"cuDNN refuses the slice: {str(e).splitlines()[0]}"
         if not (self.read or self.write):
             return False
         if self.read and isinstance(e, InputRefused):  # an engine's plan refusing the slice in place: the executor's copy into its strides
             self._state(False, self.write, why)
+            return True
+        if self.write and isinstance(e, OutputRefused):  # likewise its output: a launch into a buffer of its strides, then the copy
+            self._state(self.read, False, why)
             return True
         if self._alone is not None:  # trying each slice alone: any cuDNN error of the try moves on
             if not refuses_slice(e, write=True):

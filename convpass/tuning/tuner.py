@@ -225,7 +225,7 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     ones ran, the skipped ones are timed too.
     """
     strategy, forced = options.strategy(problem.direction)
-    have = current(have)  # engine rows timed before plans read input slices: timed again
+    have = current(have)  # engine rows timed before plans read input (wrote output) slices: timed again
     harness.warm_clocks()
     legacy, engines = spaces(problem, options)
     own = own_space(problem, options, legacy)
