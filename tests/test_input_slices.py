@@ -9,7 +9,6 @@ plans read slices timed again, with cuDNN stood in for by NumPy."""
 
 from __future__ import annotations
 
-import json
 import logging
 import types
 
@@ -121,21 +120,7 @@ def test_a_slice_graph_without_any_engine_leaves_the_packed_graphs(frontend):
     assert plan.x_strides == _packed(key) and "no configuration" in plan.x_refusal
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_stored_plan_keeps_the_strides_it_reads_x_with(frontend, layout):
-    key, config = SHAPE.key(layout, "default", XS), EngineConfig.parse("eng5")
-    data = graph_api.EnginePlan(key, config).serialize(verify=False)
-    head, _, blob = data.partition(b"\n")
-    header = json.loads(head)
-    assert header["x_strides"] == list(key.x_strides) and graph_api.EnginePlan.load(key, config, data).x_strides == key.x_strides
-
-    def stored(**change):
-        doc = {k: v for k, v in header.items() if k != "x_strides"} | change
-        return json.dumps(doc).encode() + b"\n" + blob
-
-    assert graph_api.EnginePlan.load(key, config, stored()).x_strides == _packed(key)  # stored before plans read slices: packed
-    with pytest.raises(graph_api.GraphApiError, match="neither packed nor the key's slices'"):
-        graph_api.EnginePlan.load(key, config, stored(x_strides=[1, 2, 3, 4]))
+# stored plans keep the strides they read x with: tests/test_output_slices.py (with y's)
 
 
 def test_a_misaligned_input_slice_is_refused_as_the_input_alone():
@@ -353,14 +338,18 @@ def test_engine_rows_of_an_input_slice_key_timed_with_the_old_copy_are_timed_aga
     assert not any(shape_bench.superseded(r) for r in _rows(packed_key, OLD))
     own = Measurement(key, "convpass_depthwise_r1", "ok", 0.01, 0, True, 1.0, "measure", note=OLD)  # convpass's kernel still reads packed inputs
     assert not shape_bench.superseded(own)
+    engines_timed_again(monkeypatch, ConvProblem((SHAPE,), x_slice=XS), stale, fresh)
 
+
+def engines_timed_again(monkeypatch, problem, stale, fresh) -> None:
+    """The tuner finds ``problem`` incomplete with the ``stale`` rows, complete with the ``fresh``
+    ones, and given the stale ones times its engines again, not its legacy algorithms."""
     seen = []
     monkeypatch.setattr(harness, "warm_clocks", lambda: None)
     monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
     monkeypatch.setattr(tuner, "own_space", lambda problem, options, legacy=True: False)
     monkeypatch.setattr(tuner, "_measure", lambda problem, options, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, engines)) or [])
     options = TuneOptions(tf32="on", layout="nhwc")
-    problem = ConvProblem((SHAPE,), x_slice=XS)
     assert not tuner.problem_complete(stale, problem, options) and tuner.problem_complete(fresh, problem, options)
     tuner.measure_problem(problem, options, stale)
     assert seen == [(False, True)]  # the legacy rows stand; the engines are timed again

@@ -20,6 +20,7 @@ import pytest
 from conftest import _FakeTensor, fake_cuda, offer_configs, plans_stood_in
 from test_conv_slice_problems import C as DENSE_C
 from test_conv_slice_problems import G, _dense_block
+from test_input_slices import engines_timed_again
 from test_residual_slices import _ptr, engine_convs  # noqa: F401  (its plans: this module's)
 from test_slice_reads import LAYOUTS, TOTAL, C, K, _buffer, _geometry, _weight, stand_in  # noqa: F401
 from test_slice_tuning import bench_stand_in  # noqa: F401
@@ -35,7 +36,7 @@ from convpass.native.cudnn import graph_api, graph_strides
 from convpass.native.cudnn.descriptors import descriptor_params
 from convpass.native.cudnn.graph_api import EngineConfig, OutputRefused
 from convpass.ops.conv import ConvCall, conv_reference
-from convpass.tuning import harness, shape_bench, tuner
+from convpass.tuning import shape_bench
 from convpass.tuning.cache_rows import Measurement
 from convpass.tuning.candidates import Candidates
 from convpass.tuning.shape_bench import ShapeBench
@@ -150,20 +151,23 @@ def test_a_key_with_both_slices_tries_both_then_each_alone_then_neither(frontend
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_stored_plan_keeps_the_strides_it_writes_y_with(frontend, layout):
-    key, config = SHAPE.key(layout, "default", y_slice=YS), EngineConfig.parse("eng5")
+@pytest.mark.parametrize("which", ["x", "y"])
+def test_a_stored_plan_keeps_the_strides_it_reads_x_and_writes_y_with(frontend, layout, which):
+    key = SHAPE.key(layout, "default", XS) if which == "x" else SHAPE.key(layout, "default", y_slice=YS)
+    config, field = EngineConfig.parse("eng5"), f"{which}_strides"
+    sliced, packed = getattr(key, field), getattr(descriptor_params(key), which).strides
     data = graph_api.EnginePlan(key, config).serialize(verify=False)
     head, _, blob = data.partition(b"\n")
     header = json.loads(head)
-    assert header["y_strides"] == list(key.y_strides) and graph_api.EnginePlan.load(key, config, data).y_strides == key.y_strides
+    assert header[field] == list(sliced) and getattr(graph_api.EnginePlan.load(key, config, data), field) == sliced
 
     def stored(**change):
-        doc = {k: v for k, v in header.items() if k != "y_strides"} | change
+        doc = {k: v for k, v in header.items() if k != field} | change
         return json.dumps(doc).encode() + b"\n" + blob
 
-    assert graph_api.EnginePlan.load(key, config, stored()).y_strides == _packed(key)  # stored before plans wrote slices: packed
+    assert getattr(graph_api.EnginePlan.load(key, config, stored()), field) == packed  # stored before plans took slices: packed
     with pytest.raises(graph_api.GraphApiError, match="neither packed nor the key's slices'"):
-        graph_api.EnginePlan.load(key, config, stored(y_strides=[1, 2, 3, 4]))
+        graph_api.EnginePlan.load(key, config, stored(**{field: [1, 2, 3, 4]}))
 
 
 def test_a_misaligned_output_slice_is_refused_as_the_output_alone():
@@ -404,14 +408,4 @@ def test_engine_rows_of_an_output_slice_key_timed_with_the_old_copy_are_timed_ag
     assert not any(shape_bench.superseded(r) for r in _rows(SHAPE.key("nhwc", "default"), OLD))  # a packed key's never copied
     refused = OLD.replace("the object writes packed outputs", "cuDNN refuses the slice: a strided y")
     assert not any(shape_bench.superseded(r) for r in _rows(key, refused))  # timed with the copy since plans write slices
-
-    seen = []
-    monkeypatch.setattr(harness, "warm_clocks", lambda: None)
-    monkeypatch.setattr(tuner, "spaces", lambda problem, options: (True, True))
-    monkeypatch.setattr(tuner, "own_space", lambda problem, options, legacy=True: False)
-    monkeypatch.setattr(tuner, "_measure", lambda problem, options, keys, strategy, forced, legacy, engines, best, fusion, have=(), **own: seen.append((legacy, engines)) or [])
-    options = TuneOptions(tf32="on", layout="nhwc")
-    problem = ConvProblem((SHAPE,), y_slice=YS)
-    assert not tuner.problem_complete(stale, problem, options) and tuner.problem_complete(fresh, problem, options)
-    tuner.measure_problem(problem, options, stale)
-    assert seen == [(False, True)]  # the legacy rows stand; the engines are timed again
+    engines_timed_again(monkeypatch, ConvProblem((SHAPE,), y_slice=YS), stale, fresh)

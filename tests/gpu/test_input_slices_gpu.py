@@ -88,11 +88,11 @@ def _rows(path, key: ProblemKey) -> list:
     return [r for r in engines.cached_rows(path, key) if r.method == "measure"]
 
 
-def _slice_convs(tuned_model) -> dict:
-    """node -> (its decision record, its key) for the convs whose key names an input slice."""
+def _slice_convs(tuned_model, which: str = "x_slice") -> dict:
+    """node -> (its decision record, its key) for the convs whose key names an input slice (``which``: or another)."""
     records = {r["node"]: r for r in convpass.inspect(tuned_model)}
     keys = {n: ProblemKey.parse(r["problem_key"]) for n, r in records.items() if r["problem_key"]}
-    return {n: (records[n], k) for n, k in keys.items() if k.x_slice is not None}
+    return {n: (records[n], k) for n, k in keys.items() if getattr(k, which) is not None}
 
 
 def _engine_ok(rows) -> list:

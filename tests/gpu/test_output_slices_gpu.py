@@ -26,11 +26,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_graph_api")]
 cp = pytest.importorskip("cupy")
 
 import test_graph_api_gpu as engines  # noqa: E402
+import test_input_slices_gpu as inputs  # noqa: E402
 import test_slice_tuning_gpu as dense  # noqa: E402
 
-import convpass  # noqa: E402
 from convpass.core.algo import Algo  # noqa: E402
-from convpass.core.problem import OutputSlice, ProblemKey, keyed_slice  # noqa: E402
+from convpass.core.problem import OutputSlice, keyed_slice  # noqa: E402
 from convpass.native.cudnn import as_layout, empty_like_layout, graph_api  # noqa: E402
 
 TOL = 5e-3  # relative error (norm) of a TF32 conv, as the other engine tests
@@ -94,19 +94,9 @@ def tuned(tmp_path_factory):
     return engines.tuned_here(tmp_path_factory, "output_slices", dense._dense_block())
 
 
-def _rows(path, key: ProblemKey) -> list:
-    return [r for r in engines.cached_rows(path, key) if r.method == "measure"]
-
-
 def _writing_convs(tuned_model) -> dict:
     """node -> (its decision record, its key) for the convs whose key names an output slice."""
-    records = {r["node"]: r for r in convpass.inspect(tuned_model)}
-    keys = {n: ProblemKey.parse(r["problem_key"]) for n, r in records.items() if r["problem_key"]}
-    return {n: (records[n], k) for n, k in keys.items() if k.y_slice is not None}
-
-
-def _engine_ok(rows) -> list:
-    return sorted((r for r in rows if r.status == "ok" and Algo.parse(r.algo).is_engine), key=lambda r: r.time_ms)
+    return inputs._slice_convs(tuned_model, "y_slice")
 
 
 def _leaky_launches(graphed) -> list[str]:
@@ -122,8 +112,8 @@ def test_a_dense_block_tuned_here_writes_its_slices_in_place_with_its_leakyrelus
     may_copy, fused = 0, []
     for node, (record, key) in convs.items():
         assert record["fusion"] == L02 or not record["engine"], (node, record)  # the problem: the conv with its LeakyRelu
-        rows = _rows(path, key)
-        ok = _engine_ok(rows)
+        rows = inputs._rows(path, key)
+        ok = inputs._engine_ok(rows)
         assert ok, f"{node}: no engine row timed ({[(r.algo, r.status, r.note) for r in rows if Algo.parse(r.algo).is_engine][:3]})"
         assert all("output written into its slice in place" in r.note or "output copied into its slice after (cuDNN refuses the slice" in r.note
                    for r in ok), [r.note for r in ok][:3]
@@ -154,7 +144,7 @@ def test_the_block_forced_onto_fused_engines_writing_the_slices_runs_no_leakyrel
     chosen = {}
     for node_name, (_, key) in _writing_convs(tuned_model).items():
         node = next(n for n in forced.graph.node if n.name == node_name)
-        ok = [r for r in _engine_ok(_rows(path, key)) if "output written into its slice in place" in r.note and Algo.parse(r.algo).fusion == L02]
+        ok = [r for r in inputs._engine_ok(inputs._rows(path, key)) if "output written into its slice in place" in r.note and Algo.parse(r.algo).fusion == L02]
         if not ok:
             continue
         config = graph_api.EngineConfig.parse(ok[0].algo)
