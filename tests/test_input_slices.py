@@ -128,14 +128,30 @@ def test_a_stored_plan_keeps_the_strides_it_reads_x_with(frontend, layout):
     head, _, blob = data.partition(b"\n")
     header = json.loads(head)
     assert header["x_strides"] == list(key.x_strides) and graph_api.EnginePlan.load(key, config, data).x_strides == key.x_strides
+    assert header["format"] == graph_api.PLAN_FORMAT_SLICE != graph_api.PLAN_FORMAT  # a reader of packed plans only refuses it
 
     def stored(**change):
         doc = {k: v for k, v in header.items() if k != "x_strides"} | change
         return json.dumps(doc).encode() + b"\n" + blob
 
-    assert graph_api.EnginePlan.load(key, config, stored()).x_strides == _packed(key)  # stored before plans read slices: packed
+    with pytest.raises(graph_api.GraphApiError, match="does not fit the element strides"):
+        graph_api.EnginePlan.load(key, config, stored())  # a slice plan's format, packed strides
+    with pytest.raises(graph_api.GraphApiError, match="does not fit the element strides"):
+        graph_api.EnginePlan.load(key, config, stored(format=graph_api.PLAN_FORMAT, x_strides=list(key.x_strides)))
+    old = stored(format=graph_api.PLAN_FORMAT)  # stored before plans read slices: packed
+    assert graph_api.EnginePlan.load(key, config, old).x_strides == _packed(key)
     with pytest.raises(graph_api.GraphApiError, match="neither packed nor the key's input slice's"):
         graph_api.EnginePlan.load(key, config, stored(x_strides=[1, 2, 3, 4]))
+
+
+def test_a_plan_reading_a_packed_x_keeps_the_first_format(frontend):
+    key, config = SHAPE.key("nhwc", "default", XS), EngineConfig.parse("eng5")
+    _refusing_strided_x(frontend, key, not_offered=("eng5",))
+    plan = graph_api.EnginePlan(key, config)
+    assert plan.x_strides == _packed(key)
+    data = plan.serialize(verify=False)
+    assert json.loads(data.partition(b"\n")[0])["format"] == graph_api.PLAN_FORMAT
+    assert graph_api.EnginePlan.load(key, config, data).x_strides == _packed(key)
 
 
 def test_a_misaligned_input_slice_is_refused_as_the_input_alone():

@@ -60,8 +60,10 @@ Rules
   Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
   version, keeps a decision from being replayed on another.
 * **Stored plans.** A built plan serializes (:meth:`EnginePlan.serialize`: the frontend's own
-  form behind a JSON header naming the problem key, the configuration, the tensor uids and the
-  cuDNN and frontend versions) and loads back in another process in milliseconds
+  form behind a JSON header naming the problem key, the configuration, the tensor uids, the
+  strides it reads ``x`` with and the cuDNN and frontend versions; :data:`PLAN_FORMAT` for a plan
+  reading a packed ``x``, :data:`PLAN_FORMAT_SLICE` for one reading an input slice's strides, so
+  that a reader that knows only packed plans refuses it rather than running it on a packed copy) and loads back in another process in milliseconds
   (:meth:`EnginePlan.load`), against tenths of a second to build one that cuDNN compiles. A stored plan is only loaded by the cuDNN and frontend versions that wrote it, for the
   same key and configuration: anything else raises :class:`GraphApiError`, and the caller builds
   the plan instead. It runs through the frontend's ``execute`` (a loaded graph has no plan list
@@ -88,11 +90,12 @@ from convpass.core.fusion import is_engine_fusion, takes_residual
 from convpass.core.problem import ProblemKey, ResidualSlice
 from convpass.native.cudnn.graph_fusions import FUSION_COUNTERS, RESIDUAL_COUNTER, Fusion, fusion_of
 
-__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "RESIDUAL_COUNTER", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "InputRefused",
+__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "PLAN_FORMAT_SLICE", "RESIDUAL_COUNTER", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "InputRefused",
            "ResidualRefused", "enumerate_configs", "misaligned", "plan_id", "unavailable"]
 
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
-PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
+PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan reading a packed x (EnginePlan.serialize)
+PLAN_FORMAT_SLICE = "convpass.engine-plan/2"  # ... reading x with an input slice's strides (a reader of /1 only would copy it packed)
 
 
 _NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
@@ -417,7 +420,8 @@ class EnginePlan:
             raise GraphApiError(f"cuDNN does not serialize {self.config.algo} for {self.key}: {_why(e)}") from e
         extra = [t for t in (self._bias_uid, self._residual_uid) if t is not None]  # the bias, then the residual
         uids = [int(t.get_uid()) for t in (*self._uids, *extra)]
-        header = {"format": PLAN_FORMAT, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
+        packed = self.x_strides == _x_choices(self.key)[-1]
+        header = {"format": PLAN_FORMAT if packed else PLAN_FORMAT_SLICE, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
                   "workspace": self.workspace_bytes, "x_strides": list(self.x_strides)}
         data = json.dumps(header, sort_keys=True).encode() + b"\n" + blob
         if verify:
@@ -436,14 +440,16 @@ class EnginePlan:
             header = json.loads(head) if sep else None
         except ValueError:
             header = None
-        if not isinstance(header, dict) or header.get("format") != PLAN_FORMAT:
-            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT})")
+        if not isinstance(header, dict) or header.get("format") not in (PLAN_FORMAT, PLAN_FORMAT_SLICE):
+            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT} or {PLAN_FORMAT_SLICE})")
         here = {**versions(), "key": str(key), "algo": config.algo}
         for field, want in here.items():
             if header.get(field) != want:
                 raise GraphApiError(f"the stored plan is for {field} {header.get(field)!r}, not {want!r}")
         choices = _x_choices(key)  # a plan stored without them reads a packed x
         x_strides = header.get("x_strides", list(choices[-1]))
+        if (x_strides == list(choices[-1])) != (header["format"] == PLAN_FORMAT):
+            raise GraphApiError(f"the stored plan's format {header['format']} does not fit the element strides it reads x with, {x_strides!r}")
         if x_strides not in [list(s) for s in choices]:
             raise GraphApiError(f"the stored plan reads x with the element strides {x_strides!r}, neither packed nor the key's input slice's")
         self = cls.__new__(cls)
