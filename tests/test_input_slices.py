@@ -380,3 +380,22 @@ def test_engine_rows_of_an_input_slice_key_timed_with_the_old_copy_are_timed_aga
     assert not tuner.problem_complete(stale, problem, options) and tuner.problem_complete(fresh, problem, options)
     tuner.measure_problem(problem, options, stale)
     assert seen == [(False, True)]  # the legacy rows stand; the engines are timed again
+
+
+def test_one_sample_channels_first_slice_is_read_in_place_though_it_looks_packed(engine_convs, plans):
+    """At batch 1 a channels-first slice's strides are a packed tensor's (the sample stride aside):
+    the plan built for the slice reads it itself, as the tuner timed it, with no copy."""
+    from convpass.ops.conv import conv_geometry
+
+    g = conv_geometry("Conv", {"pads": [1, 1, 1, 1]}, (1, C, 5, 5), (K, C, 3, 3))
+    key = g.shapes[0].key("nchw", "default", XS)
+    d = annotation.ConvDecision(algo="implicit_gemm", engine="eng1", fusion="", memory_format="NCHW", math_mode="default", problem_key=str(key))
+    call = ConvCall("c1", g, d)
+    convs = engine_convs("nchw")
+    x = np.random.default_rng(2).standard_normal((1, TOTAL, 5, 5)).astype(np.float32)[:, 3:3 + C]
+    b = np.linspace(-1, 1, K).astype(np.float32)
+    want = np.maximum(conv_reference(np, np.ascontiguousarray(x), _weight(), None, g) + b.reshape(1, -1, 1, 1), 0)
+    for _ in range(2):
+        np.testing.assert_allclose(_run(convs, call, x, _weight(), b), want, rtol=1e-5, atol=1e-5)
+    assert [seen is x for seen in plans.seen] == [True, True]  # the slice itself, every run
+    assert convs.rt.counters["layout_copies"] == 0 and convs.rt.notes == []

@@ -25,7 +25,8 @@ Rules:
    step, bare or fused, whose decision's problem key names the input slice (``xslice``) and whose
    plan was built reading ``x`` with those strides
    (:attr:`~convpass.kernels.conv_exec.ConvExec.input_slice_strides`), for a slice of exactly
-   those strides (:func:`reads_in_place`). Any other input not as the object reads it is copied
+   those strides (:func:`reads_in_place`, by its strides alone: a one-sample channels-first slice
+   looks packed to :func:`~convpass.native.cudnn.arrays.channel_slice`). Any other input not as the object reads it is copied
    first (counted in ``layout_copies``): into a packed buffer in the conv's format, or for a plan
    built for the key's slice into the first channels of a buffer of those strides
    (:func:`slice_copy`); a slice too where convpass's kernel, an engine's plan built for a packed
