@@ -9,6 +9,7 @@ plans read slices timed again, with cuDNN stood in for by NumPy."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import types
@@ -380,6 +381,34 @@ def test_engine_rows_of_an_input_slice_key_timed_with_the_old_copy_are_timed_aga
     assert not tuner.problem_complete(stale, problem, options) and tuner.problem_complete(fresh, problem, options)
     tuner.measure_problem(problem, options, stale)
     assert seen == [(False, True)]  # the legacy rows stand; the engines are timed again
+
+
+def test_a_superseded_row_never_timed_again_stops_the_retiming_once_the_others_are(tmp_path):
+    """eng1 timed with the old copy (at t=1) and no longer offered: the engines timed again later
+    (t=2) stand, the superseded row itself is dropped, and the tuner and a decision made without a
+    GPU read the same rows."""
+    from convpass.core.device import DeviceFingerprint
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import current
+    from convpass.tuning.decide import CacheBackend
+
+    key = SHAPE.key("nhwc", "default", XS)
+    rows = [dataclasses.replace(r, measured_at=2.0) if r.algo == "engine:eng3" else r for r in _rows(key, OLD)]
+    rows.append(Measurement(key, "engine:eng4", "ok", 0.007, 0, True, 2.0, "measure", note="input slice read in place"))
+    kept = [r.algo for r in current(rows) if "engine" in r.algo]
+    assert kept == ["engine:eng3", "engine:eng1+bias+relu", "engine:eng4"]  # eng1 (superseded, fastest) gone
+    options = TuneOptions(tf32="on", layout="nhwc")
+    problem = ConvProblem((SHAPE,), x_slice=XS)
+    assert tuner.problem_complete(rows, problem, options)  # nothing timed again on every run
+    device = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
+    cache = TuningCache(tmp_path / "c.db")
+    cache.put(device, rows)
+    try:
+        backend = CacheBackend(cache, device)
+        [choice] = backend.decide([problem], options).values()
+        assert choice is not None and choice.algo != "engine:eng1" and not any(shape_bench.superseded(r) for r in backend.rows[problem])
+    finally:
+        cache.close()
 
 
 def test_one_sample_channels_first_slice_is_read_in_place_though_it_looks_packed(engine_convs, plans):
