@@ -253,9 +253,12 @@ def test_an_input_not_of_the_plans_strides_is_copied_into_them(engine_convs, pla
     assert seen is not x and elements(seen.strides, 4) == SHAPE.key(layout, "default", XS).x_strides  # a copy, of the plan's strides
     counters = convs.rt.counters
     assert (counters["slice_reads"], counters["slice_copies"], counters["layout_copies"]) == (0, int(channels != C), 1)
-    if channels != C:  # a slice of other strides than the key's: a copy no tuning timed, said
-        assert [tag for tag, _, _ in convs.rt.notes] == ["unpriced-copy:c1", "unpriced-copy"]
-        assert "reads only slices of its key's strides" in convs.rt.notes[0][1]
+    # a slice of other strides than the key's, or a packed x: a copy no tuning timed, said
+    assert [tag for tag, _, _ in convs.rt.notes] == ["unpriced-copy:c1", "unpriced-copy"]
+    assert "reads only slices of its key's strides" in convs.rt.notes[0][1]
+    assert ("its input is packed while" in convs.rt.notes[0][1]) == (channels == C)
+    _run(convs, call, x, w, b)
+    assert len(convs.rt.notes) == 2 and convs.rt.counters["layout_copies"] == 2  # copied again, said once
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

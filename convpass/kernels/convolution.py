@@ -313,6 +313,8 @@ class Convolutions:
         read = read_ok and (own or sliced) and reads_in_place(conv, xp)
         if sliced and not read and ex.source == "recorded" and not priced(ex.key.x_strides, xp):
             unpriced_copy(self.rt, ex, copy_why(ex, conv))
+        elif own and read_ok and not read and ex.source == "recorded":  # a packed x copied into the slice's strides
+            unpriced_copy(self.rt, ex, copy_why(ex, conv), packed=True)
         x4 = xp if read else self._input(xp, ex, conv)
         direct = out is not None and ex.insert_axis is None and (
             conv.output_strides == "any"
