@@ -120,6 +120,8 @@ def test_a_slice_graph_without_any_engine_leaves_the_packed_graphs(frontend):
     assert enumerated.x_strides == _packed(key) and enumerated.packed is None and len(enumerated.configs()) == 5
     plan = graph_api.EnginePlan(key, EngineConfig.parse("eng67_k2=16_k13=0"), enumerated)
     assert plan.x_strides == _packed(key) and "no configuration" in plan.x_refusal
+    assert enumerated.x_refusal and enumerated.x_refusal in plan.x_refusal  # cuDNN's own reason, kept
+    assert "cudnnGraphNotSupportedError" in plan.x_refusal
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

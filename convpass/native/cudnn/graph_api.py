@@ -294,6 +294,7 @@ class Enumerated:
     names: list[str]  # plan name per plan index
     x_strides: tuple[int, ...] = ()  # the element strides its graph reads x with
     packed: Enumerated | None = None
+    x_refusal: str = ""  # why cuDNN enumerated nothing for the graph reading the key's input slice ("": it did, or none)
 
     def graphs(self) -> list[Enumerated]:
         """This graph, then the packed one where there is one."""
@@ -316,6 +317,7 @@ def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
     device, _ = _current(cp)
     what = f"{key} + {fusion}" if fusion else str(key)
     found: list[Enumerated] = []
+    refusal = ""
     for strides in _x_choices(key):
         try:
             g, tensors = _graph(fe, key, _handle(fe, device), fusion, strides)
@@ -324,12 +326,15 @@ def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
             raise
         except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
             failed = e
+            refusal = refusal or _why(e)  # the slice's graph's, tried first
             continue
         found.append(Enumerated(key, fusion, g, tensors, names, strides))
     if not found:
         raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(failed)}") from failed
     for graph, packed in zip(found, found[1:]):
         graph.packed = packed
+    if found[0].x_strides != key.x_strides:
+        found[0].x_refusal = refusal
     return found[0]
 
 
@@ -381,7 +386,8 @@ class EnginePlan:
             if enumerated is not None and (enumerated.key, enumerated.fusion) == (key, fusion):
                 mine = next((e for e in enumerated.graphs() if e.x_strides == x_strides), None)
                 if mine is None:
-                    raise GraphApiError(f"cuDNN offers no configuration of {key} reading x with the element strides {x_strides}")
+                    why = f": {enumerated.x_refusal}" if enumerated.x_refusal else ""
+                    raise GraphApiError(f"cuDNN offers no configuration of {key} reading x with the element strides {x_strides}{why}")
                 self._graph, t, names = mine.graph, mine.tensors, mine.names
             else:
                 self._graph, t = _graph(fe, key, self._handle, fusion, x_strides)
