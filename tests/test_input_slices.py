@@ -9,6 +9,8 @@ plans read slices timed again, with cuDNN stood in for by NumPy."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import types
 
@@ -118,9 +120,21 @@ def test_a_slice_graph_without_any_engine_leaves_the_packed_graphs(frontend):
     assert enumerated.x_strides == _packed(key) and enumerated.packed is None and len(enumerated.configs()) == 5
     plan = graph_api.EnginePlan(key, EngineConfig.parse("eng67_k2=16_k13=0"), enumerated)
     assert plan.x_strides == _packed(key) and "no configuration" in plan.x_refusal
+    assert enumerated.x_refusal and enumerated.x_refusal in plan.x_refusal  # cuDNN's own reason, kept
+    assert "cudnnGraphNotSupportedError" in plan.x_refusal
 
 
-# stored plans keep the strides they read x with: tests/test_output_slices.py (with y's)
+# stored plans keep the strides they read x with, in the format saying so: tests/test_output_slices.py (with y's)
+
+
+def test_a_plan_reading_a_packed_x_keeps_the_first_format(frontend):
+    key, config = SHAPE.key("nhwc", "default", XS), EngineConfig.parse("eng5")
+    _refusing_strided_x(frontend, key, not_offered=("eng5",))
+    plan = graph_api.EnginePlan(key, config)
+    assert plan.x_strides == _packed(key)
+    data = plan.serialize(verify=False)
+    assert json.loads(data.partition(b"\n")[0])["format"] == graph_api.PLAN_FORMAT
+    assert graph_api.EnginePlan.load(key, config, data).x_strides == _packed(key)
 
 
 def test_a_misaligned_input_slice_is_refused_as_the_input_alone():
@@ -221,9 +235,12 @@ def test_an_input_not_of_the_plans_strides_is_copied_into_them(engine_convs, pla
     assert seen is not x and elements(seen.strides, 4) == SHAPE.key(layout, "default", XS).x_strides  # a copy, of the plan's strides
     counters = convs.rt.counters
     assert (counters["slice_reads"], counters["slice_copies"], counters["layout_copies"]) == (0, int(channels != C), 1)
-    if channels != C:  # a slice of other strides than the key's: a copy no tuning timed, said
-        assert [tag for tag, _, _ in convs.rt.notes] == ["unpriced-copy:c1", "unpriced-copy"]
-        assert "reads only slices of its key's strides" in convs.rt.notes[0][1]
+    # a slice of other strides than the key's, or a packed x: a copy no tuning timed, said
+    assert [tag for tag, _, _ in convs.rt.notes] == ["unpriced-copy:c1", "unpriced-copy"]
+    assert "reads only slices of its key's strides" in convs.rt.notes[0][1]
+    assert ("its input is packed while" in convs.rt.notes[0][1]) == (channels == C)
+    _run(convs, call, x, w, b)
+    assert len(convs.rt.notes) == 2 and convs.rt.counters["layout_copies"] == 2  # copied again, said once
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -353,3 +370,50 @@ def engines_timed_again(monkeypatch, problem, stale, fresh) -> None:
     assert not tuner.problem_complete(stale, problem, options) and tuner.problem_complete(fresh, problem, options)
     tuner.measure_problem(problem, options, stale)
     assert seen == [(False, True)]  # the legacy rows stand; the engines are timed again
+
+
+def test_a_superseded_row_never_timed_again_stops_the_retiming_once_the_others_are(tmp_path):
+    """eng1 timed with the old copy (at t=1) and no longer offered: the engines timed again later
+    (t=2) stand, the superseded row itself is dropped, and the tuner and a decision made without a
+    GPU read the same rows."""
+    from convpass.core.device import DeviceFingerprint
+    from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import current
+    from convpass.tuning.decide import CacheBackend
+
+    key = SHAPE.key("nhwc", "default", XS)
+    rows = [dataclasses.replace(r, measured_at=2.0) if r.algo == "engine:eng3" else r for r in _rows(key, OLD)]
+    rows.append(Measurement(key, "engine:eng4", "ok", 0.007, 0, True, 2.0, "measure", note="input slice read in place"))
+    kept = [r.algo for r in current(rows) if "engine" in r.algo]
+    assert kept == ["engine:eng3", "engine:eng1+bias+relu", "engine:eng4"]  # eng1 (superseded, fastest) gone
+    options = TuneOptions(tf32="on", layout="nhwc")
+    problem = ConvProblem((SHAPE,), x_slice=XS)
+    assert tuner.problem_complete(rows, problem, options)  # nothing timed again on every run
+    device = DeviceFingerprint("NVIDIA H200", "9.0", 132, 91900)
+    cache = TuningCache(tmp_path / "c.db")
+    cache.put(device, rows)
+    try:
+        backend = CacheBackend(cache, device)
+        [choice] = backend.decide([problem], options).values()
+        assert choice is not None and choice.algo != "engine:eng1" and not any(shape_bench.superseded(r) for r in backend.rows[problem])
+    finally:
+        cache.close()
+
+
+def test_one_sample_channels_first_slice_is_read_in_place_though_it_looks_packed(engine_convs, plans):
+    """At batch 1 a channels-first slice's strides are a packed tensor's (the sample stride aside):
+    the plan built for the slice reads it itself, as the tuner timed it, with no copy."""
+    from convpass.ops.conv import conv_geometry
+
+    g = conv_geometry("Conv", {"pads": [1, 1, 1, 1]}, (1, C, 5, 5), (K, C, 3, 3))
+    key = g.shapes[0].key("nchw", "default", XS)
+    d = annotation.ConvDecision(algo="implicit_gemm", engine="eng1", fusion="", memory_format="NCHW", math_mode="default", problem_key=str(key))
+    call = ConvCall("c1", g, d)
+    convs = engine_convs("nchw")
+    x = np.random.default_rng(2).standard_normal((1, TOTAL, 5, 5)).astype(np.float32)[:, 3:3 + C]
+    b = np.linspace(-1, 1, K).astype(np.float32)
+    want = np.maximum(conv_reference(np, np.ascontiguousarray(x), _weight(), None, g) + b.reshape(1, -1, 1, 1), 0)
+    for _ in range(2):
+        np.testing.assert_allclose(_run(convs, call, x, _weight(), b), want, rtol=1e-5, atol=1e-5)
+    assert [seen is x for seen in plans.seen] == [True, True]  # the slice itself, every run
+    assert convs.rt.counters["layout_copies"] == 0 and convs.rt.notes == []

@@ -20,7 +20,7 @@ import pytest
 from conftest import _FakeTensor, fake_cuda, offer_configs, plans_stood_in
 from test_conv_slice_problems import C as DENSE_C
 from test_conv_slice_problems import G, _dense_block
-from test_input_slices import engines_timed_again
+from test_input_slices import _refusing_strided_x, engines_timed_again
 from test_residual_slices import _ptr, engine_convs  # noqa: F401  (its plans: this module's)
 from test_slice_reads import LAYOUTS, TOTAL, C, K, _buffer, _geometry, _weight, stand_in  # noqa: F401
 from test_slice_tuning import bench_stand_in  # noqa: F401
@@ -138,6 +138,28 @@ def test_configurations_cuDNN_will_not_give_for_the_slice_write_a_packed_y_sayin
     assert objects["eng5"].output_slice_strides is None and "a strided y" in objects["eng5"].output_refusal
 
 
+ALL = ("eng5", "eng67_k2=16_k13=0", "eng20001", "eng13_k3=1", "eng0", "eng28_k2=4_k3=0")  # the stand-in's configurations
+
+
+def test_a_slice_graph_without_any_engine_keeps_cuDNNs_reason_over_the_graphs_tried(frontend, monkeypatch):
+    key = SHAPE.key("nhwc", "default", y_slice=YS)
+    _refusing_strided_y(frontend, monkeypatch, key, not_offered=ALL)
+    enumerated = graph_api.enumerate_configs(key)
+    assert enumerated.y_strides == _packed(key) and "cudnnGraphNotSupportedError" in enumerated.y_refusal and enumerated.x_refusal == ""
+    plan = graph_api.EnginePlan(key, EngineConfig.parse("eng5"), enumerated)
+    assert plan.y_strides == _packed(key) and "no configuration" in plan.y_refusal and enumerated.y_refusal in plan.y_refusal
+
+
+def test_an_x_refusal_survives_the_graphs_a_key_with_both_slices_tries(frontend):
+    key = SHAPE.key("nhwc", "default", XS, YS)
+    _refusing_strided_x(frontend, key, not_offered=ALL)  # neither graph reading the input slice has an engine
+    enumerated = graph_api.enumerate_configs(key)
+    assert (enumerated.x_strides, enumerated.y_strides) == (descriptor_params(key).x.strides, key.y_strides)
+    assert "cudnnGraphNotSupportedError" in enumerated.x_refusal and enumerated.y_refusal == ""
+    plan = graph_api.EnginePlan(key, EngineConfig.parse("eng5"), enumerated)
+    assert plan.y_strides == key.y_strides and plan.y_refusal == "" and enumerated.x_refusal in plan.x_refusal
+
+
 def test_a_key_with_both_slices_tries_both_then_each_alone_then_neither(frontend, monkeypatch):
     key = SHAPE.key("nhwc", "default", XS, YS)
     px, py = descriptor_params(key).x.strides, _packed(key)
@@ -160,14 +182,33 @@ def test_a_stored_plan_keeps_the_strides_it_reads_x_and_writes_y_with(frontend, 
     head, _, blob = data.partition(b"\n")
     header = json.loads(head)
     assert header[field] == list(sliced) and getattr(graph_api.EnginePlan.load(key, config, data), field) == sliced
+    assert header["format"] == graph_api.PLAN_FORMAT_SLICE != graph_api.PLAN_FORMAT  # a reader of packed plans only refuses it
 
     def stored(**change):
         doc = {k: v for k, v in header.items() if k != field} | change
         return json.dumps(doc).encode() + b"\n" + blob
 
-    assert getattr(graph_api.EnginePlan.load(key, config, stored()), field) == packed  # stored before plans took slices: packed
+    with pytest.raises(graph_api.GraphApiError, match="does not fit the element strides"):
+        graph_api.EnginePlan.load(key, config, stored())  # a slice plan's format, packed strides
+    with pytest.raises(graph_api.GraphApiError, match="does not fit the element strides"):
+        graph_api.EnginePlan.load(key, config, stored(format=graph_api.PLAN_FORMAT, **{field: list(sliced)}))
+    old = stored(format=graph_api.PLAN_FORMAT)  # stored before plans took slices: packed
+    assert getattr(graph_api.EnginePlan.load(key, config, old), field) == packed
     with pytest.raises(graph_api.GraphApiError, match="neither packed nor the key's slices'"):
         graph_api.EnginePlan.load(key, config, stored(**{field: [1, 2, 3, 4]}))
+
+
+def test_a_plan_is_stored_in_the_first_format_only_where_it_reads_and_writes_packed(frontend, monkeypatch):
+    both, alone = SHAPE.key("nhwc", "default", XS, YS), SHAPE.key("nhwc", "default", y_slice=YS)
+    _refusing_strided_y(frontend, monkeypatch, both)  # eng5: no strided y, a strided x built
+    config = EngineConfig.parse("eng5")
+    for key, want in ((both, graph_api.PLAN_FORMAT_SLICE), (alone, graph_api.PLAN_FORMAT)):
+        plan = graph_api.EnginePlan(key, config)
+        assert plan.y_strides == _packed(key) and (plan.x_strides == key.x_strides) == (key is both)
+        data = plan.serialize(verify=False)
+        assert json.loads(data.partition(b"\n")[0])["format"] == want
+        loaded = graph_api.EnginePlan.load(key, config, data)
+        assert (loaded.x_strides, loaded.y_strides) == (plan.x_strides, plan.y_strides)
 
 
 def test_a_misaligned_output_slice_is_refused_as_the_output_alone():

@@ -96,6 +96,23 @@ def test_a_tensor_already_in_the_readers_format_is_not_copied(numpy_cupy):
     assert len(out) == 4 and counters["layout_conversions"] == 0 and all(a is x for _, a in seen)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_a_channel_slice_in_the_readers_order_reaches_them_itself(numpy_cupy, layout):
+    """A Split's output (a channel-slice view) already stored in the readers' order: no copy, so
+    each reader may still read its slice in place."""
+    n, c, h, w = SHAPE
+    buffer = np.zeros((n, h, w, 3 * c), np.float32).transpose(0, 3, 1, 2) if layout == "nhwc" else np.zeros((n, 3 * c, h, w), np.float32)
+    x = buffer[:, c:2 * c]
+    assert cudnn.channel_slice(x, layout)
+    seen: list = []
+    launches = [_Producer(0, 0, x), _conv(1, 0, layout, seen=seen), _conv(2, 0, layout, seen=seen)]
+    counters = collections.Counter()
+    plan = _plan()
+    out, released = share_conversions(plan, launches, [(), (), ()], counters)
+    _run(out, released, len(plan.template))
+    assert counters["layout_conversions"] == 0 and [a is x for _, a in seen] == [True, True]
+
+
 @pytest.mark.parametrize("case", ["one reader per format", "conv transpose", "concat slice", "constant"])
 def test_no_conversion_is_shared_where_no_two_convs_would_copy(case):
     """One reader in each format (each converts, or not, as before), ConvTranspose readers, a
@@ -132,7 +149,9 @@ def test_the_layout_plan_charges_one_transpose_for_a_groupnorm_read_by_q_k_v():
     assert plan.cost_ms == pytest.approx(3 * 0.5 + 2 * 0.4)
 
 
-def test_the_qkv_model_matches_onnx_runtime_on_the_cpu():
+def test_the_qkv_test_model_itself_runs_as_onnx_runtime_does_on_the_cpu():
+    """The model the GPU test shares a conversion in (tests/gpu/test_shared_layouts_gpu.py) is
+    sound: the CPU executor has no layout conversions to share, so this checks only the model."""
     from conftest import run_ort
 
     from convpass.runtime import Executor

@@ -33,7 +33,8 @@ Rules:
    step, bare or fused, whose decision's problem key names the input slice (``xslice``) and whose
    plan was built reading ``x`` with those strides
    (:attr:`~convpass.kernels.conv_exec.ConvExec.input_slice_strides`), for a slice of exactly
-   those strides (:func:`reads_in_place`). Any other input not as the object reads it is copied
+   those strides (:func:`reads_in_place`, by its strides alone: a one-sample channels-first slice
+   looks packed to :func:`~convpass.native.cudnn.arrays.channel_slice`). Any other input not as the object reads it is copied
    first (counted in ``layout_copies``): into a packed buffer in the conv's format, or for a plan
    built for the key's slice into the first channels of a buffer of those strides
    (:func:`slice_copy`); a slice too where convpass's kernel, an engine's plan built for a packed
@@ -54,7 +55,8 @@ Rules:
 4. **Copies no tuning timed.** The tuner times the slices a decision's problem key names
    (``xslice``, ``yslice``: read or written in place, or with the copy the executor then makes).
    A recorded decision whose conv copies a slice of other strides than its key's (a packed key,
-   a wider buffer) makes a copy on every run that its tuning never priced: one warning per model
+   a wider buffer), or a packed input into the strides its plan reads (an engine's plan built for
+   its key's slice given a packed ``x``), makes a copy on every run that its tuning never priced: one warning per model
    and side (input, output) names the first such node, the backend's notes every one
    (:func:`unpriced_copy`, :func:`said_if_unpriced`). An output slice in another memory format
    than the conv's is a transpose the layout plan charges, and a 1-D conv's mapped output is
@@ -196,12 +198,14 @@ def said_if_unpriced(rt: Any, ex: Any, conv: Any, out: Any) -> None:
     unpriced_copy(rt, ex, why, "output")
 
 
-def unpriced_copy(rt: Any, ex: Any, why: str, which: str = "input") -> None:
+def unpriced_copy(rt: Any, ex: Any, why: str, which: str = "input", packed: bool = False) -> None:
     """Rule 4: a recorded decision's conv copies the channel slice it reads or writes (``which``;
     ``why``: cuDNN refuses the slice, the object takes packed tensors only, another format) while
     its tuning timed another tensor. Warned once per model and side (the first such node), every
-    node kept in ``rt``'s notes."""
-    message = f"node {ex.node!r}: its {which} is a channel slice that {why}: it is copied on every run, a copy its tuning did not time"
+    node kept in ``rt``'s notes. ``packed``: the tensor is packed while the object reads a slice's
+    strides only (an engine's plan built for its key's input slice): copied into a wider buffer."""
+    what = "packed while" if packed else "a channel slice that"
+    message = f"node {ex.node!r}: its {which} is {what} {why}: it is copied on every run, a copy its tuning did not time"
     tag = "unpriced-copy" if which == "input" else "unpriced-write-copy"
     rt.note_once(f"{tag}:{ex.node}", message, warn=False)
     rt.note_once(tag, message + " (other convs so copied are in the executor's notes)")

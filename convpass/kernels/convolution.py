@@ -308,9 +308,14 @@ class Convolutions:
         z4, z_read = (None, False) if z is None else self._residual(z, ex, conv)  # as the step's object reads it
         xp = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
         sliced = ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
-        read = read_ok and sliced and reads_in_place(conv, xp)
+        # an engine's plan built for the key's slice reads any x of those strides (by strides: at
+        # batch 1 a channels-first slice looks packed); legacy calls read any channel slice
+        own = ex.insert_axis is None and conv.input_slice_strides is not None
+        read = read_ok and (own or sliced) and reads_in_place(conv, xp)
         if sliced and not read and ex.source == "recorded" and not priced(ex.key.x_strides, xp):
             unpriced_copy(self.rt, ex, copy_why(ex, conv))
+        elif own and read_ok and not read and ex.source == "recorded":  # a packed x copied into the slice's strides
+            unpriced_copy(self.rt, ex, copy_why(ex, conv), packed=True)
         x4 = xp if read else self._input(xp, ex, conv)
         direct = out is not None and ex.insert_axis is None and (
             conv.output_strides == "any"

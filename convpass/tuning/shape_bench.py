@@ -23,7 +23,8 @@ timing of an execution object's launch, and the head-to-head of the close candid
   in place (:class:`~convpass.native.cudnn.graph_api.InputRefused`: its start misaligned) with
   the executor's copy into a buffer of the slice's strides; the note names cuDNN's refusal. An
   engine row timed before plans read slices (its note: the object reads packed inputs) is
-  :func:`superseded`: :func:`current` drops its key's rows of its graph, so they are timed again.
+  :func:`~convpass.tuning.cache_rows.superseded`: :func:`~convpass.tuning.cache_rows.current`
+  drops it and, until they are timed again, its key's rows of its graph.
 * A key whose output is written into a channel slice (:class:`~convpass.core.problem.OutputSlice`:
   a Concat's buffer) is timed writing exactly that: each set's ``y`` is the slice view of a wider
   buffer in the key's memory format (its other channels NaN, and the check fails a candidate that
@@ -38,7 +39,7 @@ timing of an execution object's launch, and the head-to-head of the close candid
   in place (:class:`~convpass.native.cudnn.graph_api.OutputRefused`: its start misaligned) with
   the executor's launch into a buffer of the slice's strides and its copy; the note names cuDNN's
   refusal. An engine row timed before plans wrote slices (its note: the object writes packed
-  outputs) is :func:`superseded` as an input slice's is. A launch that read and
+  outputs) is :func:`~convpass.tuning.cache_rows.superseded` as an input slice's is. A launch that read and
   wrote slices and was refused tries each alone, in the executor's order (the input packed, then
   the output packed), before both packed.
 * A key whose fused residual is read from a channel slice (:class:`~convpass.core.problem.ResidualSlice`:
@@ -59,11 +60,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from convpass.core.algo import Algo
 from convpass.core.options import TuneOptions
 from convpass.core.problem import TOLERANCE, ChannelSlice, ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey, ResidualSlice
 from convpass.tuning import harness
-from convpass.tuning.cache_rows import Measurement
+from convpass.tuning.cache_rows import PACKED_READS, PACKED_WRITES, Measurement, current, superseded  # current, superseded: the tuner's, there
 from convpass.tuning.decide import allowed, bias_ms, cost_ms, epilogue_ms, residual_ms
 
 logger = logging.getLogger("convpass")
@@ -109,29 +109,6 @@ def was_measured(row: Measurement) -> bool:
     """Whether ``row`` ran and was measured (an early-stopped estimate was not; a late stop's
     groups were: :mod:`convpass.tuning.harness`)."""
     return row.status == "ok" and row.time_ms is not None and "early stop" not in row.note
-
-
-PACKED_READS = "the object reads packed inputs"  # why an input slice is copied for an object of a family that reads no slices
-PACKED_WRITES = "the object writes packed outputs"  # why an output is copied into its slice for one of a family that writes none
-
-
-def superseded(row: Measurement) -> bool:
-    """Whether ``row`` is a graph-API engine's of a key with an input (output) slice timed with the
-    copy of the slice because engine plans read packed inputs (wrote packed outputs) then (module
-    docstring): its note says so; an engine's row now says it read (wrote) the slice in place, or
-    why cuDNN refused it."""
-    stale = ((row.key.x_slice is not None and f"input copied first ({PACKED_READS})" in row.note)
-             or (row.key.y_slice is not None and f"output copied into its slice after ({PACKED_WRITES})" in row.note))
-    return stale and Algo.parse(row.algo).is_engine
-
-
-def current(rows: Sequence[Measurement]) -> list[Measurement]:
-    """``rows`` without the engine rows of each key and graph (bare, or a fusion) that holds a
-    :func:`superseded` row: the tuner then finds them missing and times them again."""
-    stale = {(m.key, Algo.parse(m.algo).fusion) for m in rows if superseded(m)}
-    if not stale:
-        return list(rows)
-    return [m for m in rows if not (m.method == "measure" and Algo.parse(m.algo).is_engine and (m.key, Algo.parse(m.algo).fusion) in stale)]
 
 
 def best_after(best: float | None, row: Measurement) -> float | None:

@@ -55,11 +55,11 @@ from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.kernels import depthwise
 from convpass.tuning import harness
 from convpass.tuning.cache import TuningCache
-from convpass.tuning.cache_rows import Measurement
+from convpass.tuning.cache_rows import Measurement, current
 from convpass.tuning.candidates import Candidates
 from convpass.tuning.decide import EPILOGUE_METHOD, Choice, cached_rows, choice_from, cost_ms, epilogue_ms, select
 from convpass.tuning.prune import PRUNED, History, Pruner, needs_fallback
-from convpass.tuning.shape_bench import ShapeBench, best_after, current, make_row, was_measured
+from convpass.tuning.shape_bench import ShapeBench, best_after, make_row, was_measured
 
 logger = logging.getLogger("convpass")
 

@@ -69,8 +69,10 @@ Rules
   Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
   version, keeps a decision from being replayed on another.
 * **Stored plans.** A built plan serializes (:meth:`EnginePlan.serialize`: the frontend's own
-  form behind a JSON header naming the problem key, the configuration, the tensor uids and the
-  cuDNN and frontend versions) and loads back in another process in milliseconds
+  form behind a JSON header naming the problem key, the configuration, the tensor uids, the
+  strides it reads ``x`` and writes ``y`` with and the cuDNN and frontend versions; :data:`PLAN_FORMAT` for a plan
+  reading a packed ``x`` and writing a packed ``y``, :data:`PLAN_FORMAT_SLICE` for one reading or writing a slice's strides, so
+  that a reader that knows only packed plans refuses it rather than running it on a packed copy) and loads back in another process in milliseconds
   (:meth:`EnginePlan.load`), against tenths of a second to build one that cuDNN compiles. A stored plan is only loaded by the cuDNN and frontend versions that wrote it, for the
   same key and configuration: anything else raises :class:`GraphApiError`, and the caller builds
   the plan instead. It runs through the frontend's ``execute`` (a loaded graph has no plan list
@@ -101,11 +103,12 @@ from convpass.native.cudnn.graph_strides import has_strides as _has_strides
 from convpass.native.cudnn.graph_strides import overlap as _overlap
 from convpass.native.cudnn.graph_strides import z_strides as _z_strides
 
-__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "RESIDUAL_COUNTER", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "InputRefused",
+__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "PLAN_FORMAT_SLICE", "RESIDUAL_COUNTER", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "InputRefused",
            "OutputRefused", "ResidualRefused", "enumerate_configs", "misaligned", "plan_id", "unavailable"]
 
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
-PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
+PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan reading a packed x and writing a packed y (EnginePlan.serialize)
+PLAN_FORMAT_SLICE = "convpass.engine-plan/2"  # ... reading x or writing y with a slice's strides (a reader of /1 only would copy it packed)
 
 
 _NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
@@ -297,6 +300,8 @@ class Enumerated:
     x_strides: tuple[int, ...] = ()  # the element strides its graph reads x with
     packed: Enumerated | None = None
     y_strides: tuple[int, ...] = ()  # the element strides its graph writes y with
+    x_refusal: str = ""  # why cuDNN enumerated nothing for the first graph reading the key's input slice ("": it did, or none)
+    y_refusal: str = ""  # ... writing the key's output slice
 
     def graphs(self) -> list[Enumerated]:
         """This graph, then the ones over the next strides tried (``packed``), in order."""
@@ -319,6 +324,7 @@ def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
     device, _ = _current(cp)
     what = f"{key} + {fusion}" if fusion else str(key)
     found: list[Enumerated] = []
+    x_refusal = y_refusal = ""
     for xs, ys in io_choices(key):
         try:
             g, tensors = _graph(fe, key, _handle(fe, device), fusion, xs, ys)
@@ -327,12 +333,16 @@ def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
             raise
         except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
             failed = e
+            x_refusal = x_refusal or (_why(e) if xs == key.x_strides else "")  # the slices' graphs are tried first
+            y_refusal = y_refusal or (_why(e) if ys == key.y_strides else "")
             continue
         found.append(Enumerated(key, fusion, g, tensors, names, xs, y_strides=ys))
     if not found:
         raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(failed)}") from failed
     for graph, packed in zip(found, found[1:]):
         graph.packed = packed
+    found[0].x_refusal = "" if found[0].x_strides == key.x_strides else x_refusal
+    found[0].y_refusal = "" if found[0].y_strides == key.y_strides else y_refusal
     return found[0]
 
 
@@ -394,8 +404,10 @@ class EnginePlan:
             if enumerated is not None and (enumerated.key, enumerated.fusion) == (key, fusion):
                 mine = next((e for e in enumerated.graphs() if (e.x_strides, e.y_strides) == (x_strides, y_strides)), None)
                 if mine is None:
+                    why = dict.fromkeys(r for r, mine in ((enumerated.x_refusal, x_strides == key.x_strides),
+                                                          (enumerated.y_refusal, y_strides == key.y_strides)) if r and mine)
                     raise GraphApiError(f"cuDNN offers no configuration of {key} reading x with the element strides {x_strides} "
-                                        f"and writing y with {y_strides}")
+                                        f"and writing y with {y_strides}" + "".join(f": {r}" for r in why))
                 self._graph, t, names = mine.graph, mine.tensors, mine.names
             else:
                 self._graph, t = _graph(fe, key, self._handle, fusion, x_strides, y_strides)
@@ -434,9 +446,9 @@ class EnginePlan:
             raise GraphApiError(f"cuDNN does not serialize {self.config.algo} for {self.key}: {_why(e)}") from e
         extra = [t for t in (self._bias_uid, self._residual_uid) if t is not None]  # the bias, then the residual
         uids = [int(t.get_uid()) for t in (*self._uids, *extra)]
-        header = {"format": PLAN_FORMAT, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
-                  "workspace": self.workspace_bytes, "x_strides": list(self.x_strides),
-                  "y_strides": list(self.y_strides)}
+        packed = (self.x_strides, self.y_strides) == io_choices(self.key)[-1]
+        header = {"format": PLAN_FORMAT if packed else PLAN_FORMAT_SLICE, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
+                  "workspace": self.workspace_bytes, "x_strides": list(self.x_strides), "y_strides": list(self.y_strides)}
         data = json.dumps(header, sort_keys=True).encode() + b"\n" + blob
         if verify:
             _same_results(self, EnginePlan.load(self.key, self.config, data))
@@ -454,14 +466,17 @@ class EnginePlan:
             header = json.loads(head) if sep else None
         except ValueError:
             header = None
-        if not isinstance(header, dict) or header.get("format") != PLAN_FORMAT:
-            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT})")
+        if not isinstance(header, dict) or header.get("format") not in (PLAN_FORMAT, PLAN_FORMAT_SLICE):
+            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT} or {PLAN_FORMAT_SLICE})")
         here = {**versions(), "key": str(key), "algo": config.algo}
         for field, want in here.items():
             if header.get(field) != want:
                 raise GraphApiError(f"the stored plan is for {field} {header.get(field)!r}, not {want!r}")
-        packed = io_choices(key)[-1]  # a plan stored without them reads a packed x, writes a packed y
-        strides = [header.get(f"{t}_strides", list(packed[i])) for i, t in enumerate("xy")]
+        packed = [list(s) for s in io_choices(key)[-1]]  # a plan stored without them reads a packed x, writes a packed y
+        strides = [header.get(f"{t}_strides", packed[i]) for i, t in enumerate("xy")]
+        if (strides == packed) != (header["format"] == PLAN_FORMAT):
+            raise GraphApiError(f"the stored plan's format {header['format']} does not fit the element strides it reads x with, "
+                                f"{strides[0]!r}, and writes y with, {strides[1]!r}")
         if strides not in [[list(x), list(y)] for x, y in io_choices(key)]:
             raise GraphApiError(f"the stored plan reads x with the element strides {strides[0]!r} and writes y with {strides[1]!r}, "
                                 f"neither packed nor the key's slices'")

@@ -17,8 +17,10 @@ Rules (:func:`share_conversions`, on a compiled plan's launches once they are pr
 2. A tensor that at least two such readers want in one format gets one conversion launch
    (:class:`LayoutLaunch`) just before the first of them, into a slot of its own; those readers
    read that slot, and it is released after the last of them. The conversion is
-   :func:`convpass.native.cudnn.as_layout`: nothing when the tensor already is in that format
-   (the launch then only names it), else one copy, counted in ``layout_conversions``.
+   :func:`convpass.native.cudnn.as_layout`: nothing when the tensor already is in that format or
+   is a channel slice stored in that order (a Split's output, a Concat member's view:
+   :func:`convpass.native.cudnn.channel_slice`, which its readers may read in place; the launch
+   then only names it), else one copy, counted in ``layout_conversions``.
 3. A tensor written into a Concat slice (its producer has a placement) is left to its readers:
    a conv may read its slice in place (:mod:`convpass.kernels.conv_slices`).
 
@@ -53,7 +55,7 @@ class LayoutLaunch(Launch):
 
     def run(self, env: list[Any]) -> None:
         x = env[self.inputs[0]]
-        y = cudnn.as_layout(x, self.layout)
+        y = x if cudnn.channel_slice(x, self.layout) else cudnn.as_layout(x, self.layout)  # a slice in order: read in place
         if y is not x:
             self.counters[COUNTER] += 1
         env[self.outputs[0]] = y
