@@ -108,7 +108,7 @@ def leaky_model(x_shape: Sequence[int] = (2, 8, 12, 12), alphas: Sequence[float 
     """Conv 3x3 (bias) -> LeakyRelu(alphas[0]) ("c1" -> "l1"), Conv 3x3 of that (bias) ->
     LeakyRelu(alphas[1]) ("c2" -> "l2"; None: no alpha attribute, ONNX's 0.01), both activations
     joined by ``join`` ("j"; the first one read twice): ``"Add"``, or ``"Concat"`` (ESRGAN's dense
-    block, where neither conv absorbs its LeakyRelu: a fused step writes no Concat slice), then a 1x1
+    block, where each conv's fused step writes its LeakyRelu's Concat slice), then a 1x1
     Conv whose output is the graph's. Weights scaled so about half of each conv's outputs are negative."""
     rng = np.random.default_rng(seed)
     c = x_shape[1]
@@ -521,6 +521,17 @@ def frontend(monkeypatch):
     monkeypatch.setattr(graph_api, "unavailable", lambda: None)
     monkeypatch.setattr(graph_api._handles, "by_device", {}, raising=False)
     return fe
+
+
+def plans_stood_in(monkeypatch, plan_class):
+    """``graph_api.EnginePlan`` replaced by ``plan_class`` (a test's stand-in with class lists
+    ``seen`` and counters ``refusals``), both reset; returns it."""
+    from convpass.native.cudnn import graph_api
+
+    monkeypatch.setattr(graph_api, "EnginePlan", plan_class)
+    monkeypatch.setattr(plan_class, "seen", [])
+    monkeypatch.setattr(plan_class, "refusals", 0)
+    return plan_class
 
 
 def offer_configs(monkeypatch, configs) -> None:

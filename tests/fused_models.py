@@ -207,3 +207,18 @@ def unit_reference64(model, form: str, act: str, groups: int, values: dict[str, 
     if names & {"z", "z_nhwc"}:
         y = y + values["z"].astype(np.float64)
     return y
+
+
+def qkv(shape=(2, 8, 6, 5), groups: int = 4, seed: int = 0):
+    """An attention block's input side: x -> GroupNorm (``gn17``) -> three 1x1 convs q, k, v that
+    read its output -> y = q * k + v: one tensor read by several convs."""
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    nodes, inits, t = norm("gn17", "norm", "x", c, groups, rng)
+    for name in ("q", "k", "v"):
+        nodes.append(N("Conv", [t, f"{name}_w", f"{name}_b"], [name], name=name))
+        inits += [const(f"{name}_w", rng.standard_normal((c, c, 1, 1)) / math.sqrt(c)), const(f"{name}_b", rng.standard_normal(c) * 0.1)]
+    nodes += [N("Mul", ["q", "k"], ["qk"], name="mul"), N("Add", ["qk", "v"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

@@ -213,6 +213,53 @@ def test_a_check_that_cannot_run_leaves_the_step_unchecked_and_warns(convs, monk
     assert len(noted) == 1  # once: the step counts as checked
 
 
+def _refusing_strided(convs, monkeypatch, packed_too=False):
+    """cuDNN's legacy calls refusing an x read with a slice's strides (every one, with
+    ``packed_too``); the check's reference calls are kept in ``convs.legacy`` as (algo, strided)."""
+    def run(descs, direction, algo, x, w, y, workspace=None, **kw):
+        if "x_strides" in kw or packed_too:
+            raise cudnn.CudnnError(3000, "CUDNN_STATUS_NOT_SUPPORTED")
+        convs.legacy.append(algo)
+        y[...] = _conv(x, w)
+
+    monkeypatch.setattr(cudnn, "run", run)
+
+
+def _slice_of_wider(x):
+    """``x`` (NHWC) as channels 2.. of a channels-last buffer 5 channels wider."""
+    n, c, h, w = x.shape
+    buffer = np.zeros((n, h, w, c + 5), x.dtype).transpose(0, 3, 1, 2)
+    view = buffer[:, 2:2 + c]
+    view[...] = x
+    assert cudnn.channel_slice(view, "nhwc")
+    return view
+
+
+def test_a_slice_every_legacy_algorithm_refuses_is_checked_on_a_packed_copy(convs, monkeypatch):
+    """The engine read a slice in place; the legacy reference refuses its strides: the check runs
+    on a packed copy and finds the wrong step (it does not pass it unchecked)."""
+    _refusing_strided(convs, monkeypatch)
+    _Plan.wrong = True
+    name = "bias+add+relu"
+    x, w, b, z, want = _inputs(name)
+    check = engine_check.check_step(convs.cp, convs.resources, types.SimpleNamespace(key=KEY, algo="engine:eng4_k24=2+" + name, epilogue=name),
+                                    "implicit_precomp_gemm", _slice_of_wider(x), w, np.zeros(want.shape, np.float32), b, z)
+    assert check is not None and "differs from cuDNN's legacy 'implicit_precomp_gemm'" in check
+    assert convs.legacy == ["implicit_precomp_gemm"]  # on the packed copy, after the strided tries
+
+
+def test_a_step_nothing_can_check_is_said_once(convs, monkeypatch):
+    noted = []
+    convs.rt.note_once = lambda tag, message, warn=True: noted.append((tag, message, warn))
+    _refusing_strided(convs, monkeypatch, packed_too=True)
+    name = "bias+add+relu"
+    x, w, b, z, want = _inputs(name)
+    for _ in range(2):
+        np.testing.assert_allclose(_run(convs, name, x, w, b, z), want, rtol=1e-4, atol=1e-4)  # the engine's own
+    assert noted == [("engine-check:res3", "node 'res3': the first run of engine:eng4_k24=2+bias+add+relu was not checked "
+                                           "(no legacy algorithm of cuDNN computes its problem); it runs as recorded, unverified", False)]
+
+
 def test_no_check_while_a_graph_is_captured_nor_when_turned_off(convs):
     _Plan.wrong = True
     name = "bias+add+relu"

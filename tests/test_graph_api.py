@@ -447,7 +447,7 @@ def test_an_engine_plan_cuDNN_compiled_at_start_up_is_counted_as_a_compilation(m
     for node, engine in (("dw1", "eng5"), ("pw1", "eng0")):
         call = types.SimpleNamespace(node_name=node, geometry=geometry)
         ex = convs.resolver._engine_exec(call, annotation.ConvDecision(algo="implicit_gemm", engine=engine), SHAPE.key("nhwc", "default"))
-        assert ex.algo == "engine:" + engine and ex.engine is not None and not ex.strided_output_ok
+        assert ex.algo == "engine:" + engine and ex.engine is not None and ex.conv.output_slice_strides is None  # a packed key: a packed output
     assert [n for n, _, _ in convs.engine_builds] == ["dw1", "pw1"]
     assert len(conv_resolve.ENGINE_COMPILATIONS) == 1 and conv_resolve.ENGINE_COMPILATIONS[0].startswith("cuDNN plan eng5 of 'dw1'")
 

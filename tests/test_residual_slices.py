@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import csp_block_model, fake_cuda, no_plan_side_car, offer_configs, run_ort
+from conftest import csp_block_model, fake_cuda, no_plan_side_car, offer_configs, plans_stood_in, run_ort
 from test_slice_reads import LAYOUTS, TOTAL, C, K, _buffer, _convs, _geometry, _weight, stand_in  # noqa: F401
 from test_slice_tuning import bench_stand_in  # noqa: F401
 
@@ -155,10 +155,7 @@ class _Plan:
 
 @pytest.fixture
 def plans(monkeypatch):
-    monkeypatch.setattr(graph_api, "EnginePlan", _Plan)
-    monkeypatch.setattr(_Plan, "seen", [])
-    monkeypatch.setattr(_Plan, "refusals", 0)
-    return _Plan
+    return plans_stood_in(monkeypatch, _Plan)
 
 
 def _zbench(z_slice=Z) -> ShapeBench:
@@ -413,7 +410,8 @@ def test_the_fused_graph_of_a_residual_slice_key_reads_z_with_the_slices_strides
     plan = graph_api.EnginePlan(key, EngineConfig.parse("eng5", F))
     y = descriptor_params(key).y
     assert ("tensor", "z", tuple(y.dims), key.z_strides) in frontend.calls and plan.z_strides == key.z_strides
-    arrays = {name: np.zeros((2, 4), np.float32) for name in ("x", "w", "y", "b")}
+    arrays = {name: np.zeros((2, 4), np.float32) for name in ("w", "y", "b")}
+    arrays["x"] = _buffer(layout, channels=C)  # packed, as the plan of a key without an input slice reads it
     packed = _buffer(layout, channels=K)
     with pytest.raises(graph_api.ResidualRefused, match="not of the element strides its plan reads"):  # never read with strides it was not built for
         plan.execute(*(_ptr(arrays[n], 100 * i) for i, n in enumerate("xwy")), None, bias=_ptr(arrays["b"], 400), z=_ptr(packed, 500))

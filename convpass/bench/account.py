@@ -135,6 +135,7 @@ def account(model: Any, cache: Any = None, *, torch: bool = True, measure_missin
     from convpass.runtime import Executor
     from convpass.runtime.in_place import check_in_place
     from convpass.tuning.cache import TuningCache
+    from convpass.tuning.cache_rows import current
     from convpass.tuning.tuner import measure_problem
 
     device = device_mod.detect()
@@ -157,11 +158,11 @@ def account(model: Any, cache: Any = None, *, torch: bool = True, measure_missin
             row: dict[str, Any] = {"node": s.node, "profile": profile, "problem_key": str(key), "algo": s.algo,
                                    "memory_format": s.memory_format, "tuned_ms": s.time_ms, "in_place_ms": placed[s.node].in_place_ms,
                                    "in_place_raw_ms": placed[s.node].raw_ms, "floor_ms": placed[s.node].floor_ms}
-            found = store.get(device, key.shape)
+            found = current(store.get(device, key.shape))
             if measure_missing and not any(m.method == "measure" and m.key.math == key.math and m.key.x_slice == key.x_slice and m.key.y_slice == key.y_slice and m.key.z_slice == key.z_slice for m in found):
                 options = TuneOptions(tf32="on" if key.tf32 else "off", layout="per-conv")
                 store.put(device, measure_problem(ConvProblem((key.shape,), x_slice=key.x_slice, y_slice=key.y_slice, z_slice=key.z_slice), options, found))
-                found = store.get(device, key.shape)
+                found = current(store.get(device, key.shape))
             for layout in ("nchw", "nhwc"):
                 lk = ProblemKey(key.shape, layout, key.math, key.x_slice, key.y_slice, key.z_slice)
                 if lk not in routes_of:

@@ -23,7 +23,9 @@ Rules:
    in no family and aliasable; the Pad's output is then ``u``'s array itself.
 4. **A conv's step writes into a given array** (:func:`conv_step_writes_slice`) when it is a
    Conv or ConvTranspose whose epilogue (:mod:`convpass.core.fusion` names) is none, ``bias``,
-   ``relu`` or ``bias+relu``: a residual Add or a fused graph-API epilogue writes a packed output.
+   ``relu`` or ``bias+relu``, or a forward Conv whose epilogue is a graph-API activation alone
+   (``bias+leakyrelu<alpha>``, ``bias+swish``: an engine's plan writes the slice with its strides,
+   :mod:`convpass.kernels.conv_slices`); a residual Add (legacy or fused) writes a packed output.
    A forward Conv so placed writes its output into its channel slice (:func:`output_slices`).
 5. **Channel slices** (:func:`channel_slices`), of a family on axis 1 whose root has ``T`` channels:
    a member Concat that is not the root reads as channels ``[offset, offset + length)`` of ``T``;
@@ -38,7 +40,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from convpass.core.fusion import legacy_name
+from convpass.core.fusion import adds_residual, is_graph_fusion, legacy_name
 from convpass.core.problem import InputSlice, OutputSlice
 
 __all__ = ["ConcatFamily", "ConcatInfo", "Placed", "SplitInfo", "channel_slices", "conv_step_writes_slice", "families", "output_slices",
@@ -158,6 +160,8 @@ class Placed:
 def conv_step_writes_slice(op_type: str, epilogue: str) -> bool:
     """Rule 4: whether the step of a conv (``op_type``) running ``epilogue`` after it writes its
     output into a given array (a Concat's slice)."""
+    if is_graph_fusion(epilogue):
+        return op_type == "Conv" and not adds_residual(epilogue)
     return op_type in ("Conv", "ConvTranspose") and epilogue in _WRITES_SLICE
 
 

@@ -274,8 +274,9 @@ def absorbed(g: StepGraph, conv: Any, *, residual: bool = True, graph_fusions: b
     3. The graph-API fusions, when ``graph_fusions`` (their engines are candidates):
        ``bias+swish`` when the output is read only by ``Mul(y, Sigmoid(y))``, the Sigmoid by
        nothing else; ``bias+leakyrelu<alpha>`` when its only reader is a one-input
-       ``LeakyRelu`` (its ``alpha``, ONNX's 0.01 when it has none, in the name); either only when
-       no Concat reads the activation's output (:func:`_read_by_concat`). Then, when
+       ``LeakyRelu`` (its ``alpha``, ONNX's 0.01 when it has none, in the name); a Concat reading
+       the activation's output is no bar (the engine writes its slice: rule 4 of
+       :mod:`convpass.core.concat_slices`). Then, when
        ``residual``, the activation's ``+add`` (:func:`residual_fusion`) when the activation's
        output is no graph output and its only reader is a residual Add (:func:`_residual_add`)
        whose output no Concat reads; the step then writes the Add's output (a graph output, or
@@ -327,10 +328,10 @@ def _legacy_residual(g: StepGraph, add: Any, z: Any) -> Absorbed:
 def _graph_activation(g: StepGraph, y: Any) -> Absorbed | None:
     """Rule 3's activation of the conv output ``y``, absorbed without a residual; None when there is none."""
     pair = _swish_readers(g, y)
-    if pair is not None and not _read_by_concat(g, g.outputs(pair[1])[0]):
+    if pair is not None:
         return Absorbed(SWISH, pair, output=g.outputs(pair[1])[0])
     leaky = _only_reader(g, y, "LeakyRelu")
-    if leaky is not None and not _read_by_concat(g, g.outputs(leaky)[0]):
+    if leaky is not None:
         alpha = float(g.attribute(leaky, "alpha", ONNX_LEAKYRELU_ALPHA))
         if np.isfinite(np.float32(alpha)):
             return Absorbed(leakyrelu_name(alpha), (leaky,), output=g.outputs(leaky)[0])
@@ -353,9 +354,9 @@ def _residual_add(g: StepGraph, conv: Any, y: Any, value: Any) -> tuple[Any, Any
 
 
 def _read_by_concat(g: StepGraph, value: Any) -> bool:
-    """Whether a Concat reads ``value``. A graph-API fused step writes a packed output, which the
-    plan then copies into the Concat's buffer (a copy the tuner does not time), where the
-    activation's own pass writes its slice of the buffer directly: such a step is not fused."""
+    """Whether a Concat reads ``value``. A step whose residual Add a Concat reads is not fused: the
+    Add's own pass writes its slice of the buffer directly, where the fused step would write a
+    packed output the plan copies into it (rule 4 of :mod:`convpass.core.concat_slices`)."""
     return any(g.op(r) == "Concat" for r in g.readers(value))
 
 

@@ -38,11 +38,17 @@ Rules
    and never sharing its memory: the launch refuses ``y`` aliasing ``z``).
 3. Outputs: packed in the key's memory format, or where :attr:`ConvExec.output_strides` allows a
    slice of a larger buffer (a Concat's): ``"same_order"`` in the key's memory order (cuDNN's
-   forward call takes the slice's strides), ``"any"`` with any strides (convpass's kernel).
-   Inputs ``x``: packed in the key's memory format, or where :attr:`ConvExec.input_strides` is
+   forward call takes the slice's strides), ``"any"`` with any strides (convpass's kernel), or
+   where :attr:`ConvExec.output_slice_strides` names strides (a graph-API plan of a key with an
+   :class:`~convpass.core.problem.OutputSlice`, bare or fused, built writing ``y`` with the slice's
+   strides where cuDNN builds it so: :attr:`ConvExec.output_refusal` says why not) a channel slice
+   of exactly those. Inputs ``x``: packed in the key's memory format, or where :attr:`ConvExec.input_strides` is
    ``"slice"`` a channel slice of a buffer packed in that format
    (:func:`~convpass.native.cudnn.arrays.channel_slice`: cuDNN's forward call, plain or fused,
-   takes the slice's strides). The tuner times the input the key names: packed, or where the key
+   takes the slice's strides), or where :attr:`ConvExec.input_slice_strides` names strides (a
+   graph-API plan of a key with an :class:`~convpass.core.problem.InputSlice`, built reading ``x``
+   with the slice's strides where cuDNN builds it so: :attr:`ConvExec.input_refusal` says why
+   not) a channel slice of exactly those. The tuner times the input the key names: packed, or where the key
    has an :class:`~convpass.core.problem.InputSlice` that slice of a wider buffer, read in place
    where the object reads slices and cuDNN takes them, else copied first as the executor copies it
    (:func:`refuses_slice`), the copy in the time; so for the output a key names as an
@@ -171,6 +177,10 @@ class ConvExec:
 
     output_strides = "packed"  # rule 3
     input_strides = "packed"  # rule 3
+    input_slice_strides: tuple[int, ...] | None = None  # rule 3: the element strides of the only x slice it reads in place (None: see input_strides)
+    input_refusal = ""  # rule 3: why an object of a key with an input slice reads a packed x where its family could read the slice
+    output_slice_strides: tuple[int, ...] | None = None  # rule 3: the element strides of the only y slice it writes in place (None: see output_strides)
+    output_refusal = ""  # rule 3: why an object of a key with an output slice writes a packed y where its family could write the slice
     residual_strides: tuple[int, ...] | None = None  # rule 3: the element strides of the z it reads (None: packed)
     contiguous_bias = False  # rule 2
 
@@ -366,12 +376,21 @@ class EngineConv(ConvExec):
         self.contiguous_bias = self.fused
         self.residual = self.fused and takes_residual(algo.fusion)  # its graph reads z (before or after its activation)
         self.residual_strides = key.z_strides if self.residual else None  # its plan reads z with the key's slice strides
+        # its plan reads x with the key's input slice strides, or packed where cuDNN did not build it so (a plan that names none: packed)
+        reads = getattr(plan, "x_strides", None)
+        self.input_slice_strides = reads if reads is not None and reads == key.x_strides else None
+        self.input_refusal = getattr(plan, "x_refusal", "") if key.x_strides is not None and self.input_slice_strides is None else ""
+        writes = getattr(plan, "y_strides", None)  # likewise y and the key's output slice
+        self.output_slice_strides = writes if writes is not None and writes == key.y_strides else None
+        self.output_refusal = getattr(plan, "y_refusal", "") if key.y_strides is not None and self.output_slice_strides is None else ""
 
     def _launch(self, x: Any, w: Any, y: Any, workspace: Any, bias: Any, z: Any) -> None:
         ws = workspace if self.workspace_bytes > 0 else None
         odd = graph_api.misaligned(x=x, w=w, y=y, bias=bias if self.fused else None, z=z if self.residual else None)
         if odd:  # a view at an odd offset: refused as cuDNN refuses, never a misaligned read (a sticky CUDA error)
-            refused = graph_api.ResidualRefused if odd == ["z"] else graph_api.GraphApiError  # z alone: a copy of it may run
+            # x, y or z (the first of them; w and the bias aligned): a copy of it, at an aligned start, may run
+            refusals = {"x": graph_api.InputRefused, "y": graph_api.OutputRefused, "z": graph_api.ResidualRefused}
+            refused = refusals.get(odd[0], graph_api.GraphApiError) if set(odd) <= set(refusals) else graph_api.GraphApiError
             raise refused(f"{self.algo}: {', '.join(odd)} not {graph_api.ALIGNMENT}-byte aligned, as its plan assumes")
         if fence_needed(self):
             stream_fence(self.cp)  # timed with the launch it guards: the tuner's rows hold it

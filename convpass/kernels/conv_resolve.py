@@ -250,9 +250,7 @@ class ConvResolver:
             return None
         conv = conv_exec(key, plan.config.algo, plan.config.fusion, cp=self.cp, plan=plan)
         legacy = d.algo if d.algo != annotation.AUTO and Algo.parse(d.algo).bare_of("legacy") else ""
-        ex = ConvResolution(call.node_name, g.op_type, g, conv, _insert_axis(g, key), "recorded", legacy_algo=legacy)
-        ex.strided_output_ok = False  # the plan was built for a packed output
-        return ex
+        return ConvResolution(call.node_name, g.op_type, g, conv, _insert_axis(g, key), "recorded", legacy_algo=legacy)
 
     def legacy_instead(self, ex: ConvResolution) -> ConvResolution | None:
         """The resolution of a recorded engine's legacy algorithm (its problem, memory format and

@@ -109,23 +109,26 @@ from convpass.kernels.conv_exec import (
 from convpass.kernels.conv_resolve import ENGINE_BUILD_NOTE_S, ENGINE_COMPILATIONS, REFERENCE, ConvResolution, ConvResolver, describe_exec, summarize
 from convpass.kernels.conv_resources import ConvResources, map_1d
 from convpass.kernels.conv_slices import (
+    copy_why,
     priced,
+    reads_in_place,
     remember_refusal,
     remember_residual_refusal,
     residual_copied,
     residual_in_place,
-    residual_slice_copy,
     said_if_unpriced,
     same_order,
+    slice_copy,
     slice_words,
     unpriced_copy,
+    writes_in_place,
 )
 from convpass.kernels.launch import Launch
 from convpass.kernels.plan_steps import PlanSteps
 from convpass.native import cudnn
 from convpass.native.cuda import CaptureBreak, copy_into, first_line, storage
 from convpass.native.cudnn import graph_api
-from convpass.native.cudnn.graph_api import GraphApiError, ResidualRefused
+from convpass.native.cudnn.graph_api import GraphApiError, InputRefused, OutputRefused, ResidualRefused
 from convpass.ops import conv as conv_kernels
 from convpass.ops.conv import ConvCall, ConvGeometry
 
@@ -305,17 +308,21 @@ class Convolutions:
         z4, z_read = (None, False) if z is None else self._residual(z, ex, conv)  # as the step's object reads it
         xp = self._prepad(x, g, ex.layout) if any(g.extra_pads) else x
         sliced = ex.insert_axis is None and cudnn.channel_slice(xp, ex.layout)
-        read = read_ok and conv.input_strides == "slice" and sliced
-        if sliced and not read:
-            if ex.source == "recorded" and not priced(ex.key.x_strides, xp):
-                unpriced_copy(self.rt, ex, f"its algorithm {ex.algo!r} reads packed inputs only" if conv.input_strides != "slice"
-                              else f"cuDNN refuses to read it with algorithm {ex.algo!r}")
-        x4 = xp if read else self._in_layout(xp, ex)
+        # an engine's plan built for the key's slice reads any x of those strides (by strides: at
+        # batch 1 a channels-first slice looks packed); legacy calls read any channel slice
+        own = ex.insert_axis is None and conv.input_slice_strides is not None
+        read = read_ok and (own or sliced) and reads_in_place(conv, xp)
+        if sliced and not read and ex.source == "recorded" and not priced(ex.key.x_strides, xp):
+            unpriced_copy(self.rt, ex, copy_why(ex, conv))
+        elif own and read_ok and not read and ex.source == "recorded":  # a packed x copied into the slice's strides
+            unpriced_copy(self.rt, ex, copy_why(ex, conv), packed=True)
+        x4 = xp if read else self._input(xp, ex, conv)
         direct = out is not None and ex.insert_axis is None and (
             conv.output_strides == "any"
-            or (conv.output_strides == "same_order" and z is None and write_ok and same_order(out, ex.layout)))
-        write = direct and conv.output_strides == "same_order"  # cuDNN writes the slice
-        y = out if direct else cudnn.empty_like_layout(g.output_shape, x.dtype, ex.layout)
+            or (conv.output_strides == "same_order" and z is None and write_ok and same_order(out, ex.layout))
+            or (write_ok and writes_in_place(conv, out)))
+        write = direct and conv.output_strides != "any"  # cuDNN writes the slice (its legacy call, or an engine's plan)
+        y = out if direct else self._output(g.output_shape, x.dtype, ex, conv)
         y4 = map_1d(y, ex.insert_axis)
         try:
             self._launch(conv, x4, wk, y4, ws, b, z4)
@@ -323,6 +330,12 @@ class Convolutions:
             if z_read and isinstance(e, ResidualRefused):  # its residual slice refused: copied from now on
                 remember_residual_refusal(self.rt, ex, e)
                 return self._run(ex, x, w, b, relu, z, out, slices)
+            # its plan refuses the input slice, or the output slice, in place: copied from now on
+            plan_refused = (read and isinstance(e, InputRefused), write and isinstance(e, OutputRefused))
+            if any(plan_refused):
+                if slices is not None:
+                    raise
+                return self._slices_refused(ex, e, *plan_refused, x, w, b, relu, z, out)
             if isinstance(e, GraphApiError):
                 raise
             if (read or write) and refuses_slice(e, write):
@@ -344,9 +357,12 @@ class Convolutions:
             self.rt.counters["slice_copies"] += 1
         if direct:
             self.rt.counters["slice_writes"] += 1
-        elif out is not None:
+            return y
+        if out is not None:
             said_if_unpriced(self.rt, ex, conv, out)
-        return y if direct else self._into(y, out)
+        elif conv.output_slice_strides is not None:  # a plan writing a slice's strides, its output wanted packed
+            return self._in_layout(y, ex)
+        return self._into(y, out)
 
     def _run_transpose(self, ex: ConvResolution, x: Any, wk: Any, b: Any, relu: bool, ws: Any, out: Any) -> Any:
         """A ConvTranspose: cuDNN's backward data into a buffer of the uncropped size, its bias
@@ -441,19 +457,36 @@ class Convolutions:
         for alone in ((False, True), (True, False)) if read and write else ():
             try:
                 y = self._run(ex, x, w, b, relu, z, out, slices=alone)
-            except cudnn.CudnnError:
+            except (cudnn.CudnnError, GraphApiError):  # cuDNN's refusal, or an engine plan's (InputRefused, OutputRefused)
                 continue
             remember_refusal(ex, e, not alone[0], not alone[1])
             return y
         remember_refusal(ex, e, read, write)
         return self._run(ex, x, w, b, relu, z, out)
 
+    def _output(self, shape: tuple[int, ...], dtype: Any, ex: ConvResolution, conv: ConvExec) -> Any:
+        """A new output of ``shape`` as the step's object ``conv`` writes it where not the slice itself
+        (rule 1 of :mod:`convpass.kernels.conv_slices`): packed in the conv's memory format, or for a
+        plan built for the key's output slice the first channels of a buffer of those strides."""
+        if conv.output_slice_strides is None or ex.key.y_slice is None:
+            return cudnn.empty_like_layout(shape, dtype, ex.layout)
+        return cudnn.empty_like_layout((shape[0], ex.key.y_slice.channels, *shape[2:]), dtype, ex.layout)[:, :shape[1]]
+
+    def _input(self, x: Any, ex: ConvResolution, conv: ConvExec) -> Any:
+        """The input ``x`` as the step's object ``conv`` reads it where not the slice itself (rule 2 of
+        :mod:`convpass.kernels.conv_slices`): in the conv's memory format, or for a plan built for
+        the key's input slice copied into a buffer of those strides (a counted layout copy)."""
+        if conv.input_slice_strides is None or ex.key.x_slice is None:
+            return self._in_layout(x, ex)
+        self.rt.counters["layout_copies"] += 1
+        return slice_copy(map_1d(x, ex.insert_axis), ex.key.x_slice.channels, ex.layout)
+
     def _residual(self, z: Any, ex: ConvResolution, conv: ConvExec) -> tuple[Any, bool]:
         """The residual ``z`` as the step's object ``conv`` reads it, and whether that is ``z``
         itself, read in place (rule 5 of :mod:`convpass.kernels.conv_slices`)."""
         if residual_in_place(ex, conv, z):
             return z, True
-        z4 = self._in_layout(z, ex) if conv.residual_strides is None else residual_slice_copy(z, ex)
+        z4 = self._in_layout(z, ex) if conv.residual_strides is None else slice_copy(z, ex.key.z_slice.channels if ex.key.z_slice else z.shape[1], ex.layout)
         if z4 is not map_1d(z, ex.insert_axis):
             residual_copied(self.rt, ex, conv, z)
         return z4, False

@@ -13,15 +13,17 @@ Rules:
    bare engine with its epilogue as one pass after it) of a recorded decision, once per node and
    plan: the first eager run of the plan (a captured plan's warm-up), never while a CUDA graph is
    captured. The backend's ``check_first_run`` turns it off.
-2. Against what: the same step computed apart, on the very arrays the launch read: cuDNN's legacy
+2. Against what: the same step computed apart, on the very arrays the launch read (an input
+   slice read in place with its strides): cuDNN's legacy
    forward call of the key (its memory format and math mode) with the decision's recorded legacy
-   algorithm, else the first of ``implicit_precomp_gemm`` / ``implicit_gemm`` cuDNN accepts, then
-   the step's epilogue (bias, residual, activation) over it with CuPy array operations.
+   algorithm, else the first of ``implicit_precomp_gemm`` / ``implicit_gemm`` cuDNN accepts (where
+   every one refuses the input slice's strides, on a packed copy of it: the check runs outside
+   capture), then the step's epilogue (bias, residual, activation) over it with CuPy array operations.
 3. Judged: normwise relative error (sums in float64, a few samples at a time); wrong above twice the
    tuner's :data:`~convpass.core.problem.TOLERANCE` for the key's data and math type (each side
    may be that far from the exact result), or non-finite where the reference is finite. A step
-   whose reference cannot be computed (no legacy algorithm for the key, another storage dtype) is
-   not judged; one whose check fails to run (out of memory, say) runs unchecked, warned once. A wrong
+   of another storage dtype is not judged; one whose reference no legacy algorithm computes runs
+   unchecked, said once (not warned); one whose check fails to run (out of memory, say) runs unchecked, warned once. A wrong
    step is reported by :func:`first_run` as the engine failing: the executor's warned fallback
    then runs instead, from that run on.
 4. Cost, once per node: one legacy conv of the key into a scratch output (with its own
@@ -37,12 +39,12 @@ from typing import Any
 
 from convpass.core.problem import TOLERANCE
 from convpass.native import cudnn
-from convpass.native.cuda import first_line
+from convpass.native.cuda import elements, first_line
 from convpass.native.cudnn import graph_api
 
 logger = logging.getLogger("convpass")
 
-__all__ = ["REFERENCE_ALGOS", "check_step", "first_run", "relative_error"]
+__all__ = ["REFERENCE_ALGOS", "Unchecked", "check_step", "first_run", "relative_error"]
 
 # legacy forward algorithms the reference is computed with when the decision records none
 REFERENCE_ALGOS = ("implicit_precomp_gemm", "implicit_gemm")
@@ -60,6 +62,10 @@ def first_run(convs: Any, ex: Any, conv: Any, x: Any, w: Any, y: Any, b: Any, z:
     bias = convs.resources.bias(b) if b is not None and conv.contiguous_bias else b
     try:
         why = check_step(convs.cp, convs.resources, conv, ex.legacy_algo, x, w, y, bias, z)
+    except Unchecked as e:  # nothing to check it against: it runs as recorded, said once
+        rt.note_once(f"engine-check:{ex.node}", f"node {ex.node!r}: the first run of {conv.algo} was not checked ({e}); "
+                                                f"it runs as recorded, unverified", warn=False)
+        return
     except Exception as e:  # noqa: BLE001  (the check itself failed: the step runs unchecked, said once)
         rt.note_once(f"engine-check:{ex.node}", f"node {ex.node!r}: the first run of {conv.algo} was not checked ({first_line(e)}); "
                                                 f"it runs as recorded, unverified", warn=True)
@@ -70,16 +76,19 @@ def first_run(convs: Any, ex: Any, conv: Any, x: Any, w: Any, y: Any, b: Any, z:
 
 def check_step(cp: Any, resources: Any, conv: Any, legacy_algo: str, x: Any, w: Any, y: Any, bias: Any, z: Any) -> str | None:
     """Why the engine step ``conv`` computed ``y`` wrongly from ``x``, ``w``, ``bias`` and ``z`` (the
-    arrays its launch was given, after it ran), or None when it is right or cannot be judged
-    (module rules). ``resources``: the backend's :class:`~convpass.kernels.conv_resources.ConvResources`."""
+    arrays its launch was given, after it ran), or None when it is right or its storage dtype
+    cannot be judged; :class:`Unchecked` where no legacy algorithm computes the reference (module
+    rules). ``resources``: the backend's :class:`~convpass.kernels.conv_resources.ConvResources`."""
     key = conv.key
     dtype = key.shape.dtype
     if dtype not in ("float32", "float16") or str(getattr(y, "dtype", "")) != dtype:
         return None
     with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # scratch apart from the plan's pool
         made = _reference(cp, resources, conv, legacy_algo, x, w, y, bias, z)
+        if made is None and cudnn.channel_slice(x, key.layout):  # every algorithm refuses the slice: a packed copy
+            made = _reference(cp, resources, conv, legacy_algo, cudnn.as_layout(x, key.layout), w, y, bias, z)
         if made is None:
-            return None
+            raise Unchecked("no legacy algorithm of cuDNN computes its problem")
         ref, algo = made
         err = relative_error(cp, y, ref)
     tol = 2 * TOLERANCE[(dtype, key.math)]
@@ -89,15 +98,20 @@ def check_step(cp: Any, resources: Any, conv: Any, legacy_algo: str, x: Any, w: 
             f"{err:.2e} (> {tol:.0e})")
 
 
+class Unchecked(Exception):
+    """No reference for an engine step: nothing checks it (rule 3)."""
+
+
 def _reference(cp: Any, resources: Any, conv: Any, legacy_algo: str, x: Any, w: Any, y: Any, bias: Any, z: Any) -> tuple[Any, str] | None:
     """The step computed apart (rule 2), with the algorithm used; None when no legacy algorithm
     takes the key."""
     key = conv.key
     descs = resources.descriptors(key)
+    strided = {"x_strides": elements(x.strides, x.itemsize)} if cudnn.channel_slice(x, key.layout) else {}  # an input slice read in place
     for algo in dict.fromkeys([a for a in (legacy_algo, *REFERENCE_ALGOS) if a]):
         try:
             ref = cudnn.empty_like_layout(y.shape, y.dtype, key.layout)
-            cudnn.run(descs, "fwd", algo, x, w, ref)  # its workspace asked and allocated here, then freed
+            cudnn.run(descs, "fwd", algo, x, w, ref, **strided)  # its workspace asked and allocated here, then freed
         except (cudnn.CudnnError, ValueError) as e:
             logger.debug("%s: no reference with %r: %s", conv.algo, algo, e)
             continue

@@ -4,7 +4,10 @@ stored form; a transpose timing's row; a fusion unit's stored timings; the error
 A measurement is one candidate algorithm for one problem key on one device, and what happened to
 it (:mod:`convpass.tuning.cache` says what the store holds). Every field is checked when a
 :class:`Measurement` is made, so a stored row or an imported entry that is not a valid
-measurement is refused with a message naming the field (:func:`check_field`).
+measurement is refused with a message naming the field (:func:`check_field`). Which stored rows
+every decision reads, the tuner's and those made without a GPU alike, is :func:`current`: engine
+rows timed before engine plans read input slices or wrote output slices (:func:`superseded`) are no
+decision's.
 
 The errors live here, below the store (:mod:`convpass.tuning.cache`, :mod:`convpass.tuning.cache_file`)
 and the exchange format (:mod:`convpass.tuning.cache_exchange`), which all raise them.
@@ -18,6 +21,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from convpass.core import json_text
+from convpass.core.algo import Algo
 from convpass.core.device import DeviceFingerprint
 from convpass.core.errors import ConvpassError
 from convpass.core.problem import ProblemKey
@@ -25,18 +29,22 @@ from convpass.core.problem import ProblemKey
 __all__ = [
     "COLUMNS",
     "METHODS",
+    "PACKED_READS",
+    "PACKED_WRITES",
     "STATUSES",
     "TRANSPOSE_DTYPES",
     "CacheError",
     "CacheWarning",
     "Measurement",
     "check_field",
+    "current",
     "dims_text",
     "fusion_times",
     "is_int",
     "is_real",
     "short",
     "stored_row",
+    "superseded",
     "transpose_row",
     "valid_transpose",
 ]
@@ -236,3 +244,38 @@ def fusion_times(stored: object, required: Collection[str] = ()) -> dict[str, fl
     if missing:
         raise ValueError(f"times has no {', '.join(missing)}")
     return {str(k): float(v) for k, v in times.items()}
+
+
+PACKED_READS = "the object reads packed inputs"  # why an input slice is copied for an object of a family that reads no slices
+PACKED_WRITES = "the object writes packed outputs"  # why an output is copied into its slice for one of a family that writes none
+
+
+def superseded(row: Measurement) -> bool:
+    """Whether ``row`` is a graph-API engine's of a key with an input (output) slice timed with the
+    copy of the slice because engine plans read packed inputs (wrote packed outputs) then: its note
+    says so; an engine's row now says it read (wrote) the slice in place, or why cuDNN refused it."""
+    stale = ((row.key.x_slice is not None and f"input copied first ({PACKED_READS})" in row.note)
+             or (row.key.y_slice is not None and f"output copied into its slice after ({PACKED_WRITES})" in row.note))
+    return stale and Algo.parse(row.algo).is_engine
+
+
+def current(rows: Iterable[Measurement]) -> list[Measurement]:
+    """``rows`` as every decision reads them (the tuner's, and those made without a GPU): without
+    :func:`superseded` rows, and without the engine rows of each key and graph (bare, or a
+    fusion) whose newest superseded row no engine row of it is newer than (``measured_at``): the
+    tuner then finds them missing and times them again. Once they are, a superseded row of a
+    configuration no longer offered (never timed again) no longer makes them stale."""
+    rows = list(rows)
+    newest: dict[tuple[ProblemKey, str], float] = {}
+    for m in rows:
+        if superseded(m):
+            graph = (m.key, Algo.parse(m.algo).fusion)
+            newest[graph] = max(newest.get(graph, m.measured_at), m.measured_at)
+    if not newest:
+        return rows
+
+    def engine_graph(m: Measurement) -> tuple[ProblemKey, str] | None:
+        return (m.key, Algo.parse(m.algo).fusion) if m.method == "measure" and Algo.parse(m.algo).is_engine else None
+
+    retimed = {g for m in rows if (g := engine_graph(m)) in newest and not superseded(m) and m.measured_at > newest[g]}
+    return [m for m in rows if not superseded(m) and not ((g := engine_graph(m)) in newest and g not in retimed)]

@@ -45,6 +45,7 @@ from convpass.core.device import DeviceFingerprint
 from convpass.core.fusion import LEGACY, RESIDUAL_PASS, adds_residual, is_engine_fusion, is_legacy, without_residual
 from convpass.core.options import TuneOptions
 from convpass.core.problem import ConvProblem, ProblemKey
+from convpass.tuning.cache_rows import current
 
 if TYPE_CHECKING:
     from convpass.tuning.cache import TuningCache
@@ -278,7 +279,8 @@ class CacheBackend:
     def decide(self, problems: Sequence[ConvProblem], options: TuneOptions) -> dict[ConvProblem, Choice | None]:
         out: dict[ConvProblem, Choice | None] = {}
         for problem in problems:
-            rows = cached_rows(self.cache, self.device, problem) if self.cache is not None and self.device is not None else []
+            # as the tuner reads them (cache_rows.current): rows it would time again are no decision's
+            rows = current(cached_rows(self.cache, self.device, problem)) if self.cache is not None and self.device is not None else []
             self.rows[problem] = rows
             chosen = select(rows, problem, options)
             out[problem] = None if chosen is None else choice_from(chosen, "cache", rows, problem)

@@ -16,13 +16,30 @@ timing of an execution object's launch, and the head-to-head of the close candid
   read cuDNN refuses (:func:`~convpass.kernels.conv_exec.refuses_slice`), is timed as the executor
   runs it then: the input copied into a packed buffer (the executor's copy,
   :func:`~convpass.native.cuda.copy_into`), then the launch, both in the time; its row's note says so.
+  A graph-API engine's plan is built reading ``x`` with the slice's strides
+  (:attr:`~convpass.kernels.conv_exec.ConvExec.input_slice_strides`; a configuration that ignores
+  them reads the NaN channels and fails the check) and gets the slice itself; one cuDNN does not
+  build so reads a packed ``x`` and is timed with the copy, and one whose plan refuses the slice
+  in place (:class:`~convpass.native.cudnn.graph_api.InputRefused`: its start misaligned) with
+  the executor's copy into a buffer of the slice's strides; the note names cuDNN's refusal. An
+  engine row timed before plans read slices (its note: the object reads packed inputs) is
+  :func:`~convpass.tuning.cache_rows.superseded`: :func:`~convpass.tuning.cache_rows.current`
+  drops it and, until they are timed again, its key's rows of its graph.
 * A key whose output is written into a channel slice (:class:`~convpass.core.problem.OutputSlice`:
   a Concat's buffer) is timed writing exactly that: each set's ``y`` is the slice view of a wider
   buffer in the key's memory format (its other channels NaN, and the check fails a candidate that
   writes any of them). A candidate whose object writes packed outputs (a fused call, an engine's
   plan), or whose strided output cuDNN refuses (any cuDNN error of a launch that wrote a slice, as
   the executor takes it), is timed as the executor runs it then: the launch into a packed buffer,
-  then its copy into the slice, both in the time; its row's note says so. A launch that read and
+  then its copy into the slice, both in the time; its row's note says so. A graph-API engine's
+  plan is built writing ``y`` with the slice's strides
+  (:attr:`~convpass.kernels.conv_exec.ConvExec.output_slice_strides`; a configuration that ignores
+  them writes the NaN channels and fails the check) and gets the slice itself; one cuDNN does not
+  build so writes a packed ``y`` and is timed with the copy, and one whose plan refuses the slice
+  in place (:class:`~convpass.native.cudnn.graph_api.OutputRefused`: its start misaligned) with
+  the executor's launch into a buffer of the slice's strides and its copy; the note names cuDNN's
+  refusal. An engine row timed before plans wrote slices (its note: the object writes packed
+  outputs) is :func:`~convpass.tuning.cache_rows.superseded` as an input slice's is. A launch that read and
   wrote slices and was refused tries each alone, in the executor's order (the input packed, then
   the output packed), before both packed.
 * A key whose fused residual is read from a channel slice (:class:`~convpass.core.problem.ResidualSlice`:
@@ -46,13 +63,13 @@ from typing import Any
 from convpass.core.options import TuneOptions
 from convpass.core.problem import TOLERANCE, ChannelSlice, ConvProblem, ConvShape, InputSlice, OutputSlice, ProblemKey, ResidualSlice
 from convpass.tuning import harness
-from convpass.tuning.cache_rows import Measurement
+from convpass.tuning.cache_rows import PACKED_READS, PACKED_WRITES, Measurement, current, superseded  # current, superseded: the tuner's, there
 from convpass.tuning.decide import allowed, bias_ms, cost_ms, epilogue_ms, residual_ms
 
 logger = logging.getLogger("convpass")
 
 __all__ = ["HEAD_TO_HEAD_MARGIN", "HEAD_TO_HEAD_MAX", "HEAD_TO_HEAD_WORKSPACE_BYTES", "OUTPUT", "REFERENCE_ALGOS", "TOLERANCE",
-           "ShapeBench", "best_after", "make_row", "was_measured"]
+           "ShapeBench", "best_after", "current", "make_row", "superseded", "was_measured"]
 
 # Deterministic algorithms a reference can be computed with, in order of preference.
 REFERENCE_ALGOS = {
@@ -358,14 +375,22 @@ class _Tensors:
 
     def __init__(self, key: ProblemKey, conv: Any, sets: list[dict], residual: bool = False) -> None:
         self.key, self.sets = key, sets
-        self.read = key.x_slice is not None and conv.input_strides == "slice"
-        self.write = key.y_slice is not None and conv.output_strides != "packed"
+        # an engine's plan built for the slice reads exactly its strides
+        plan_reads = key.x_slice is not None and conv.input_slice_strides is not None and conv.input_slice_strides == key.x_strides
+        self.read = key.x_slice is not None and (conv.input_strides == "slice" or plan_reads)
+        # where the copy of x goes: the first channels of a buffer as wide as the slice's for a plan that reads its strides
+        self._x_channels = key.x_slice.channels if plan_reads and key.x_slice is not None else None
+        plan_writes = key.y_slice is not None and conv.output_slice_strides is not None and conv.output_slice_strides == key.y_strides
+        self.write = key.y_slice is not None and (conv.output_strides != "packed" or plan_writes)
+        self._y_channels = key.y_slice.channels if plan_writes and key.y_slice is not None else None  # likewise the launch's y
         self._slices = {"x": key.x_slice, "y": key.y_slice, "z": key.z_slice if residual else None}
         self._packed: dict[str, dict[int, Any]] = {"x": {}, "y": {}, "z": {}}
         self._notes: dict[str, str] = {}
         self._alone: list[tuple[bool, bool]] | None = None  # after a refusal of both: the states left to try
         z_read = self._slices["z"] is not None and conv.residual_strides == key.z_strides
-        for name, on, why in (("x", self.read, "the object reads packed inputs"), ("y", self.write, "the object writes packed outputs"),
+        x_why = f"cuDNN refuses the slice: {conv.input_refusal}" if key.x_slice is not None and conv.input_refusal else PACKED_READS
+        y_why = f"cuDNN refuses the slice: {conv.output_refusal}" if key.y_slice is not None and conv.output_refusal else PACKED_WRITES
+        for name, on, why in (("x", self.read, x_why), ("y", self.write, y_why),
                               ("z", z_read, "the object reads a packed residual")):
             if self._slices[name] is None:
                 continue
@@ -385,7 +410,9 @@ class _Tensors:
 
         self._notes[name] = f"{self._NOTES[name][1]} ({why})"
         for group in self.sets:
-            self._packed[name][id(group)] = empty_like_layout(group[name].shape, self.key.shape.dtype, self.key.layout)
+            shape = group[name].shape
+            wide = {"x": self._x_channels, "y": self._y_channels}.get(name) or shape[1]  # a plan's slice strides, at an aligned start
+            self._packed[name][id(group)] = empty_like_layout((shape[0], wide, *shape[2:]), self.key.shape.dtype, self.key.layout)[:, :shape[1]]
 
     def _in_place(self, name: str) -> None:
         """Launch on the set's own slice ``x`` / ``y`` / ``z`` from now on."""
@@ -434,10 +461,17 @@ class _Tensors:
         """Whether ``e`` is cuDNN refusing the launch's slices (:func:`~convpass.kernels.conv_exec.refuses_slice`):
         then the next launch runs as the executor's does next (module docstring)."""
         from convpass.kernels.conv_exec import refuses_slice
+        from convpass.native.cudnn.graph_api import InputRefused, OutputRefused
 
         why = f"cuDNN refuses the slice: {str(e).splitlines()[0]}"
         if not (self.read or self.write):
             return False
+        if self.read and isinstance(e, InputRefused):  # an engine's plan refusing the slice in place: the executor's copy into its strides
+            self._state(False, self.write, why)
+            return True
+        if self.write and isinstance(e, OutputRefused):  # likewise its output: a launch into a buffer of its strides, then the copy
+            self._state(self.read, False, why)
+            return True
         if self._alone is not None:  # trying each slice alone: any cuDNN error of the try moves on
             if not refuses_slice(e, write=True):
                 return False

@@ -55,7 +55,7 @@ from convpass.core.problem import ConvProblem, ProblemKey
 from convpass.kernels import depthwise
 from convpass.tuning import harness
 from convpass.tuning.cache import TuningCache
-from convpass.tuning.cache_rows import Measurement
+from convpass.tuning.cache_rows import Measurement, current
 from convpass.tuning.candidates import Candidates
 from convpass.tuning.decide import EPILOGUE_METHOD, Choice, cached_rows, choice_from, cost_ms, epilogue_ms, select
 from convpass.tuning.prune import PRUNED, History, Pruner, needs_fallback
@@ -128,7 +128,7 @@ class CudnnTuner:
 
     def _decide_one(self, problem: ConvProblem, options: TuneOptions) -> Choice | None:
         strategy, _ = options.strategy(problem.direction)
-        rows = cached_rows(self.cache, self.device, problem)
+        rows = current(cached_rows(self.cache, self.device, problem))
         from_cache = problem_complete(rows, problem, options)
         if from_cache:
             self.summary.cached += 1
@@ -225,6 +225,7 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
     ones ran, the skipped ones are timed too.
     """
     strategy, forced = options.strategy(problem.direction)
+    have = current(have)  # engine rows timed before plans read input (wrote output) slices: timed again
     harness.warm_clocks()
     legacy, engines = spaces(problem, options)
     own = own_space(problem, options, legacy)
@@ -254,7 +255,9 @@ def measure_problem(problem: ConvProblem, options: TuneOptions, have: Sequence[M
 
 def problem_complete(rows: list[Measurement], problem: ConvProblem, options: TuneOptions) -> bool:
     """Whether ``rows`` (e.g. the cache's for this problem) hold everything :func:`measure_problem`
-    would measure under ``options``: then nothing needs timing."""
+    would measure under ``options``: then nothing needs timing (rows :func:`~convpass.tuning.shape_bench.current`
+    drops do not count)."""
+    rows = current(rows)
     strategy, forced = options.strategy(problem.direction)
     legacy, engines = spaces(problem, options)
     fusion = problem.fusion if (engines and not epilogue.is_legacy(problem.fusion)) or (legacy and epilogue.is_legacy(problem.fusion)) else ""

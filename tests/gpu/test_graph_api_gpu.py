@@ -144,6 +144,43 @@ def _check(outs, refs, tol, what):
         assert err <= tol, f"{what}: relative error {err:.2e}"
 
 
+def wrong_but_refused(y, want, algo: str, layout: str, tol: float) -> str:
+    """"" where ``y`` (a plan's output) matches the float64 ``want`` within ``tol``; else what is
+    wrong with it, after asserting that the tuner's check refuses it too (a configuration that
+    ignores a slice's strides reads its buffer's NaN channels)."""
+    got = cp.asnumpy(y).astype(np.float64)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    if err <= tol:
+        return ""
+    from convpass.tuning import harness
+
+    tuner_err = harness.relative_error(y, cp.asarray(want.astype(np.float32)))
+    assert not tuner_err <= tol, f"{algo} ({layout}): wrong ({err:.2e}) yet within the tuner's check ({tuner_err:.2e})"
+    return f"{algo} {err:.1e}"
+
+
+def tuned_here(tmp_path_factory, name: str, model) -> tuple:
+    """``model`` tuned here once (a module fixture's: NHWC, engines "all", TF32 on) into a cache
+    of its own: (cache path, model, tuned model); skipped, saying why, where the graph API is
+    unusable (a module fixture runs before ``need_graph_api``)."""
+    why = graph_api.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    path = tmp_path_factory.mktemp(name) / "c.db"
+    tuned = convpass.optimize(model, cache=path, quiet=True, tf32="on", layout="nhwc", engines="all")
+    onnx.checker.check_model(tuned, full_check=True)
+    return path, model, tuned
+
+
+def cached_rows(path, key) -> list:
+    """The rows of ``key`` in the cache at ``path`` (of its one device)."""
+    from convpass.tuning.cache import TuningCache
+
+    with TuningCache(path) as cache:
+        [(device, _)] = cache.devices()
+        return [r for r in cache.get(device, key.shape) if r.key == key]
+
+
 def run_eager_and_captured(model, tuned, shape, tol, seed):
     """``tuned`` run eagerly (the plan-recording run, then a plan run) and captured (3 replays) on
     an input of ``shape`` (named ``x``), every output checked against ONNX Runtime CPU at ``tol``;

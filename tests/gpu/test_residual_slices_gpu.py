@@ -31,8 +31,7 @@ from convpass.core.algo import Algo  # noqa: E402
 from convpass.core.options import TuneOptions  # noqa: E402
 from convpass.core.problem import ConvProblem, ProblemKey, ResidualSlice  # noqa: E402
 from convpass.native.cudnn import as_layout, empty_like_layout, graph_api  # noqa: E402
-from convpass.tuning import decide, harness  # noqa: E402
-from convpass.tuning.cache import TuningCache  # noqa: E402
+from convpass.tuning import decide  # noqa: E402
 
 P = "bias+leakyrelu0.01"
 F = P + "+add"
@@ -69,12 +68,8 @@ def test_every_fused_configuration_reads_the_residual_where_it_lies(layout):
         y = as_layout(cp.full(shape.y_shape, cp.nan, dtype=cp.float32), layout)
         ws = cp.empty(max(plan.workspace_bytes, 1), cp.uint8)
         plan.execute(x, w, y, ws, bias=b, z=z)
-        got = cp.asnumpy(y).astype(np.float64)
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        if not err <= TOL:  # a configuration that ignores z's strides reads the NaN half: the tuner's check must refuse it
-            tuner_err = harness.relative_error(y, cp.asarray(want.astype(np.float32)))
-            assert not tuner_err <= TOL, f"{config.algo} ({layout}): wrong ({err:.2e}) yet within the tuner's check ({tuner_err:.2e})"
-            wrong.append(f"{config.algo} {err:.1e}")
+        why = engines.wrong_but_refused(y, want, config.algo, layout, TOL)  # one ignoring z's strides reads the NaN half
+        wrong += [why] if why else []
         with pytest.raises(graph_api.ResidualRefused, match="not of the element strides"):  # refused as z alone: the executor copies it
             plan.execute(x, w, y, ws, bias=b, z=as_layout(cp.asarray(zh), layout))
     if not built:  # offered, none built with a strided z: the tuner's rows say so per configuration, a normal outcome
@@ -88,20 +83,10 @@ def test_every_fused_configuration_reads_the_residual_where_it_lies(layout):
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     """The stage tuned here once, NHWC, engines "all". Returns (cache path, model, tuned model)."""
-    why = graph_api.unavailable()  # asked here too: a module fixture runs before need_graph_api
-    if why is not None:
-        pytest.skip(why)
-    path = tmp_path_factory.mktemp("residual_slices") / "c.db"
-    model = csp_block_model(X, stage=True)
-    tuned_model = convpass.optimize(model, cache=path, quiet=True, tf32="on", layout="nhwc", engines="all")
-    onnx.checker.check_model(tuned_model, full_check=True)
-    return path, model, tuned_model
+    return engines.tuned_here(tmp_path_factory, "residual_slices", csp_block_model(X, stage=True))
 
 
-def _rows(path, key: ProblemKey) -> list:
-    with TuningCache(path) as cache:
-        [(device, _)] = cache.devices()
-        return [r for r in cache.get(device, key.shape) if r.key == key]
+_rows = engines.cached_rows
 
 
 def _fused_ok(rows) -> list:

@@ -25,7 +25,8 @@ Rules:
   ``node.meta[X_SLICE_KEY]``, so the decisions' pass finds the same problem.
 * A forward Conv whose step writes its output into its channel slice of a Concat family's buffer
   (rules 3 and 4 of :mod:`convpass.core.concat_slices`, the rule the runtime's memory planner
-  places it by: its step's epilogue none, a bias or a ReLU, its output placed in the family; a
+  places it by: its step's epilogue none, a bias, a ReLU or a graph-API activation alone
+  (``bias+leakyrelu0.2``: ESRGAN's dense blocks), its output placed in the family; a
   zero-width Pad between them whose widths are constants here passes the slice on) is a problem
   with its ``y_slice``, which the tuner times writing into that slice (or with the copy it
   needs). Only a conv of its own 2-D or 3-D geometry (no 1-D mapping: the executor copies its

@@ -353,7 +353,10 @@ def _evaluate(graph, fmt, conv_costs, transpose_ms, families=None, unit_costs=No
     channel slice of a shared buffer unless its costs hold it (``priced``: the module rules).
 
     (A value read by several consumers in the other format is counted once per consumer: the
-    executor may share one transposed copy, so this slightly over-estimates mixed plans.)
+    executor shares one copy among the plain 2-D Conv readers of a value in one format that
+    read it in their own launch (:mod:`convpass.runtime.cuda.shared_layouts`, rule 1: not
+    ConvTranspose, 1-D or padded convs, nor values written into a Concat slice), so this
+    over-estimates plans where such readers share it.)
     """
     layouts = {n: fmt[n] for n in conv_costs}
     total = sum(conv_costs[n].get(layouts[n], INF) for n in layouts)

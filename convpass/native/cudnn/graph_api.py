@@ -31,6 +31,23 @@ Rules
   (never the output itself: :meth:`EnginePlan.execute` refuses ``z`` overlapping ``y``; for a key
   with a residual slice, ``zslice``, the slice's strides, and a ``z`` of others is refused: :class:`ResidualRefused`). A fused depthwise conv costs about what the bare conv does,
   which removes two passes over the output (the bias and the SiLU kernel).
+* **Input slices.** For a key whose input is a channel slice (``xslice``: a dense block's conv
+  reading a prefix of its Concat buffer), every graph, bare or fused, reads ``x`` with the
+  slice's strides (:attr:`~convpass.core.problem.ProblemKey.x_strides`), so a plan reads the
+  slice in place. A configuration cuDNN does not offer or build for those strides is built
+  reading a packed ``x`` (:func:`enumerate_configs` lists both graphs' configurations; a plan
+  tries the slice's strides first): :attr:`EnginePlan.x_strides` says which a plan reads,
+  :attr:`EnginePlan.x_refusal` why not the slice's, and :meth:`EnginePlan.execute` refuses an
+  ``x`` of other strides (:class:`InputRefused`: a copy of ``x`` into them may run).
+* **Output slices.** Likewise for a key whose output is written into a channel slice
+  (``yslice``: a dense block's conv, its LeakyRelu fused, writing its slice of the Concat
+  buffer): every graph writes ``y`` with the slice's strides
+  (:attr:`~convpass.core.problem.ProblemKey.y_strides`) where cuDNN builds it so, else a packed
+  ``y`` (:attr:`EnginePlan.y_strides`, :attr:`EnginePlan.y_refusal`); :meth:`EnginePlan.execute`
+  refuses, for such a key, a ``y`` of other strides (:class:`OutputRefused`: the launch into a
+  buffer of the plan's strides, then a copy, may run). A key with both slices tries both, then
+  each alone, then neither (:func:`~convpass.native.cudnn.graph_strides.io_choices`), one graph
+  each.
 * **Legacy epilogues as fused graphs.** The legacy epilogues (:data:`convpass.core.fusion.LEGACY`)
   are graphs too, named the same: ``bias`` (conv -> add(bias)), ``bias+relu`` (-> ReLU),
   ``bias+add`` (-> add(z)) and ``bias+add+relu`` (-> add(z) -> ReLU: ``z`` before the ReLU, as
@@ -52,8 +69,10 @@ Rules
   Engine ids are not stable across cuDNN versions; the device fingerprint, which names the cuDNN
   version, keeps a decision from being replayed on another.
 * **Stored plans.** A built plan serializes (:meth:`EnginePlan.serialize`: the frontend's own
-  form behind a JSON header naming the problem key, the configuration, the tensor uids and the
-  cuDNN and frontend versions) and loads back in another process in milliseconds
+  form behind a JSON header naming the problem key, the configuration, the tensor uids, the
+  strides it reads ``x`` and writes ``y`` with and the cuDNN and frontend versions; :data:`PLAN_FORMAT` for a plan
+  reading a packed ``x`` and writing a packed ``y``, :data:`PLAN_FORMAT_SLICE` for one reading or writing a slice's strides, so
+  that a reader that knows only packed plans refuses it rather than running it on a packed copy) and loads back in another process in milliseconds
   (:meth:`EnginePlan.load`), against tenths of a second to build one that cuDNN compiles. A stored plan is only loaded by the cuDNN and frontend versions that wrote it, for the
   same key and configuration: anything else raises :class:`GraphApiError`, and the caller builds
   the plan instead. It runs through the frontend's ``execute`` (a loaded graph has no plan list
@@ -73,117 +92,23 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from convpass.core.algo import ENGINE_PREFIX, Algo
-from convpass.core.fusion import (
-    LEAKYRELU,
-    LEGACY,
-    SWISH,
-    adds_residual,
-    is_engine_fusion,
-    is_legacy,
-    leakyrelu_alpha,
-    leakyrelu_name,
-    parts,
-    takes_residual,
-    without_residual,
-)
+from convpass.core.fusion import is_engine_fusion, takes_residual
 from convpass.core.problem import ProblemKey, ResidualSlice
+from convpass.native.cudnn.graph_fusions import FUSION_COUNTERS, RESIDUAL_COUNTER, Fusion, fusion_of
+from convpass.native.cudnn.graph_strides import ALIGNMENT, io_choices, misaligned
+from convpass.native.cudnn.graph_strides import has_strides as _has_strides
+from convpass.native.cudnn.graph_strides import overlap as _overlap
+from convpass.native.cudnn.graph_strides import z_strides as _z_strides
 
-__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "ResidualRefused",
-           "enumerate_configs", "misaligned", "plan_id", "unavailable"]
+__all__ = ["ALIGNMENT", "FUSION_COUNTERS", "PLAN_FORMAT", "PLAN_FORMAT_SLICE", "RESIDUAL_COUNTER", "EngineConfig", "Fusion", "fusion_of", "EnginePlan", "Enumerated", "GraphApiError", "InputRefused",
+           "OutputRefused", "ResidualRefused", "enumerate_configs", "misaligned", "plan_id", "unavailable"]
 
 PYTHON_ENGINE_ID_BASE = 20000  # the frontend's Python-implemented engines (see the rules)
-PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan (EnginePlan.serialize)
-
-
-@dataclasses.dataclass(frozen=True)
-class Fusion:
-    """A fused epilogue: what follows the conv in the graph, the frontend op of its activation
-    (called with ``frontend_args``; ``""``: none, the bias alone), and the activation itself over
-    an array module (NumPy or CuPy: the tuner's reference and the executor's fallback);
-    ``residual``: a residual Add follows the activation; ``residual_first``: one comes before it
-    (a legacy epilogue's ``+add``; :meth:`reference`)."""
-
-    name: str
-    frontend_op: str
-    apply: Callable[[Any, Any], Any]  # (xp, float array) -> the activation of it, same dtype
-    cuda: str  # the activation of a float ``v`` in CUDA C (the tuner times it as its own pass)
-    frontend_args: tuple[tuple[str, float], ...] = ()
-    counter: str = ""  # the executor's counter of launches that ran it fused (one per kind, any alpha)
-    residual: bool = False
-    residual_first: bool = False
-
-    @property
-    def takes_z(self) -> bool:
-        """Whether the graph reads a residual ``z``."""
-        return self.residual or self.residual_first
-
-    def reference(self, xp: Any, pre: Any, z: Any = None) -> Any:
-        """The fused epilogue over ``pre = conv + b``: ``act(pre)``, then ``+ z`` where the fusion
-        adds a residual after its activation, ``act(pre + z)`` where before it (``z`` of ``pre``'s
-        shape; ValueError without it). A new array."""
-        if self.takes_z and z is None:
-            raise ValueError(f"the fused epilogue {self.name} needs its residual z")
-        if self.residual_first:
-            return self.apply(xp, pre + z)
-        out = self.apply(xp, pre)
-        return out + z if self.residual else out
-
-
-def _leaky_relu(name: str, alpha: float) -> Fusion:
-    """``bias+leakyrelu<alpha>``: cuDNN's pointwise ``CUDNN_POINTWISE_RELU_FWD`` (100) with
-    ``CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE`` (5) = alpha, as the frontend's ``leaky_relu``
-    sets it from its ``negative_slope`` (lower clip 0, no upper clip): ``y if y > 0 else alpha *
-    y``, ONNX's LeakyRelu (equal at 0)."""
-    a32 = float(np.float32(alpha))
-    lit = f"{a32!r}f"  # a float literal that is exactly the float32 alpha
-
-    def apply(xp: Any, v: Any) -> Any:
-        return xp.where(v > 0, v, v * v.dtype.type(a32))
-
-    return Fusion(name, "leaky_relu", apply, f"(v > 0.0f ? v : {lit} * v)", (("negative_slope", a32),), "fused_bias_leakyrelu")
-
-
-def _legacy(name: str) -> Fusion:
-    """A legacy epilogue's graph (module rules): the bias, ``z`` where it adds one, then
-    ``CUDNN_POINTWISE_RELU_FWD`` (the frontend's ``relu``, no clip slope: ``max(v, 0)``) where it
-    ends with one; counted as ``fused_`` and its name's parts (``fused_bias_add_relu``)."""
-    residual, relu = parts(name)
-    counter = "fused_" + name.replace("+", "_")
-    if relu:
-        return Fusion(name, "relu", lambda xp, a: xp.maximum(a, a.dtype.type(0)), "fmaxf(v, 0.0f)", counter=counter, residual_first=residual)
-    return Fusion(name, "", lambda xp, a: a.copy(), "v", counter=counter, residual_first=residual)
-
-
-_SWISH = Fusion(SWISH, "swish", lambda xp, a: a / (a.dtype.type(1) + xp.exp(-a)), "v / (1.0f + expf(-v))", counter="fused_bias_swish")
-RESIDUAL_COUNTER = "_add"  # a fusion with its residual counts under its activation's counter + this
-# every Fusion.counter: the activations' (any alpha), with their residual, and the legacy epilogues' graphs
-FUSION_COUNTERS = ("fused_bias_swish", "fused_bias_leakyrelu", "fused_bias_swish_add", "fused_bias_leakyrelu_add",
-                   *("fused_" + name.replace("+", "_") for name in LEGACY))
-
-
-@functools.lru_cache(maxsize=64)
-def fusion_of(name: str) -> Fusion:
-    """The fused epilogue ``name`` names (:mod:`convpass.core.fusion`: ``bias+swish``,
-    ``bias+leakyrelu<alpha>``, either with ``+add``, or a legacy epilogue); ValueError for any
-    other name. Made once per name (a launch's counters ask for it)."""
-    if is_legacy(name):
-        return _legacy(name)
-    if adds_residual(name):
-        f = fusion_of(without_residual(name))
-        return dataclasses.replace(f, name=name, counter=f.counter + RESIDUAL_COUNTER, residual=True)
-    if name == SWISH:
-        return _SWISH
-    alpha = leakyrelu_alpha(name)
-    if alpha is None:
-        raise ValueError(f"{name!r} is not a fused epilogue convpass knows ({SWISH}, {LEAKYRELU}<alpha> e.g. {leakyrelu_name(0.2)}, "
-                         f"either followed by +add; {', '.join(LEGACY)})")
-    return _leaky_relu(name, alpha)
+PLAN_FORMAT = "convpass.engine-plan/1"  # the header of a stored plan reading a packed x and writing a packed y (EnginePlan.serialize)
+PLAN_FORMAT_SLICE = "convpass.engine-plan/2"  # ... reading x or writing y with a slice's strides (a reader of /1 only would copy it packed)
 
 
 _NAME = re.compile(r"eng(\d+)((?:_k\d+=-?\d+)*)")
@@ -195,6 +120,14 @@ class GraphApiError(RuntimeError):
 
 class ResidualRefused(GraphApiError):
     """A plan refusing its residual ``z`` alone (misaligned, or not of its strides): a copy of ``z`` may run."""
+
+
+class InputRefused(GraphApiError):
+    """A plan refusing its input ``x`` (misaligned, or not of its strides): a copy of ``x`` may run."""
+
+
+class OutputRefused(GraphApiError):
+    """A plan refusing its output ``y`` (misaligned, or not of its strides): a launch into a buffer of its strides, then a copy, may run."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -297,11 +230,13 @@ def _current(cp: Any) -> tuple[int, int]:
     return cp.cuda.Device().id, cp.cuda.get_current_stream().ptr
 
 
-def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any, dict[str, Any]]:
+def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "", x_strides: tuple[int, ...] | None = None,
+           y_strides: tuple[int, ...] | None = None) -> tuple[Any, dict[str, Any]]:
     """The operation graph ``y = conv(x, w)`` of ``key`` (forward only), or with ``fusion``
     ``y = act(conv(x, w) + b)`` (a legacy epilogue without a ReLU: no activation), ``+ z`` after
     the activation for a graph-API fusion with its residual, before it for a legacy epilogue with
-    one (``z``: the output's dims, and its strides or the key's residual slice's)."""
+    one (``z``: the output's dims, and its strides or the key's residual slice's); ``x`` read with
+    ``x_strides``, ``y`` written with ``y_strides`` (None: packed)."""
     from convpass.native.cudnn.descriptors import descriptor_params
 
     if key.shape.direction != "fwd":
@@ -309,7 +244,7 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
     p = descriptor_params(key)
     dt = getattr(fe.data_type, _DATA_TYPES[key.shape.dtype])
     g = fe.pygraph(io_data_type=dt, intermediate_data_type=fe.data_type.FLOAT, compute_data_type=fe.data_type.FLOAT, handle=handle)
-    x = g.tensor(name="x", dim=list(p.x.dims), stride=list(p.x.strides), data_type=dt)
+    x = g.tensor(name="x", dim=list(p.x.dims), stride=list(x_strides or p.x.strides), data_type=dt)
     w = g.tensor(name="w", dim=list(p.w.dims), stride=list(p.w.strides), data_type=dt)
     y = g.conv_fprop(image=x, weight=w, padding=list(p.pads), stride=list(p.strides), dilation=list(p.dilations),
                      compute_data_type=fe.data_type.FLOAT, name="conv")
@@ -331,17 +266,11 @@ def _graph(fe: Any, key: ProblemKey, handle: Any, fusion: str = "") -> tuple[Any
         if f.residual:
             y = g.add(a=y, b=tensors["z"], name="residual")
     tensors["y"] = y
-    y.set_output(True).set_dim(list(p.y.dims)).set_stride(list(p.y.strides)).set_data_type(dt)
+    y.set_output(True).set_dim(list(p.y.dims)).set_stride(list(y_strides or p.y.strides)).set_data_type(dt)
     g.validate()
     g.build_operation_graph()
     return g, tensors
 
-
-def _z_strides(key: ProblemKey) -> tuple[int, ...]:
-    """The element strides of the residual ``z`` a plan of ``key`` reads: its residual slice's, else packed like ``y``."""
-    from convpass.native.cudnn.descriptors import descriptor_params
-
-    return key.z_strides or descriptor_params(key).y.strides
 
 
 def _enumerate(fe: Any, g: Any, key: ProblemKey, modes: tuple[str, ...] = ("A", "B", "FALLBACK")) -> list[str]:
@@ -359,51 +288,80 @@ class Enumerated:
     """``key``'s operation graph (the bare conv, or ``fusion``'s) with cuDNN's configurations
     enumerated on it: plans of any of them are built on this one graph (:class:`EnginePlan`), so a
     tuner timing all of them enumerates once per key, not once per candidate (which was a third
-    of a ResNet-50's tuning time: docs/measurements/2026-11-24-tuning-time.md)."""
+    of a ResNet-50's tuning time: docs/measurements/2026-11-24-tuning-time.md). For a key with an
+    input or output slice, ``packed`` is the same graph over the next strides tried (a packed ``x``
+    and / or ``y``: module rules, input and output slices)."""
 
     key: ProblemKey
     fusion: str
     graph: Any
     tensors: dict[str, Any]
     names: list[str]  # plan name per plan index
+    x_strides: tuple[int, ...] = ()  # the element strides its graph reads x with
+    packed: Enumerated | None = None
+    y_strides: tuple[int, ...] = ()  # the element strides its graph writes y with
+    x_refusal: str = ""  # why cuDNN enumerated nothing for the first graph reading the key's input slice ("": it did, or none)
+    y_refusal: str = ""  # ... writing the key's output slice
+
+    def graphs(self) -> list[Enumerated]:
+        """This graph, then the ones over the next strides tried (``packed``), in order."""
+        return [self] if self.packed is None else [self, *self.packed.graphs()]
 
     def configs(self) -> list[EngineConfig]:
-        """The configurations, duplicates once, in cuDNN's order."""
-        found = [EngineConfig.parse(name, self.fusion) for name in self.names]
+        """The configurations, duplicates once, in cuDNN's order (the slice's graph's first)."""
+        found = [EngineConfig.parse(name, self.fusion) for e in self.graphs() for name in e.names]
         return list(dict.fromkeys(c for c in found if c.engine_id < PYTHON_ENGINE_ID_BASE))
 
 
 def enumerate_configs(key: ProblemKey, fusion: str = "") -> Enumerated:
     """Every backend engine configuration cuDNN offers for ``key``'s graph, the bare conv or the
-    ``fusion`` (:func:`fusion_of`; heuristic modes A and B, then the fallback list). None for
-    TF32 off (see the rules)."""
+    ``fusion`` (:func:`fusion_of`; heuristic modes A and B, then the fallback list): for a key
+    with an input or output slice, one graph per strides tried, those cuDNN offers any
+    configuration of (module rules). None for TF32 off (see the rules)."""
     fe = _require()
     import cupy as cp
 
     device, _ = _current(cp)
     what = f"{key} + {fusion}" if fusion else str(key)
-    try:
-        g, tensors = _graph(fe, key, _handle(fe, device), fusion)
-        names = _enumerate(fe, g, key)
-    except GraphApiError:
-        raise
-    except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
-        raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(e)}") from e
-    return Enumerated(key, fusion, g, tensors, names)
+    found: list[Enumerated] = []
+    x_refusal = y_refusal = ""
+    for xs, ys in io_choices(key):
+        try:
+            g, tensors = _graph(fe, key, _handle(fe, device), fusion, xs, ys)
+            names = _enumerate(fe, g, key)
+        except GraphApiError:
+            raise
+        except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and friends: no engine for this graph)
+            failed = e
+            x_refusal = x_refusal or (_why(e) if xs == key.x_strides else "")  # the slices' graphs are tried first
+            y_refusal = y_refusal or (_why(e) if ys == key.y_strides else "")
+            continue
+        found.append(Enumerated(key, fusion, g, tensors, names, xs, y_strides=ys))
+    if not found:
+        raise GraphApiError(f"cuDNN's graph API has no engine for {what}: {_why(failed)}") from failed
+    for graph, packed in zip(found, found[1:]):
+        graph.packed = packed
+    found[0].x_refusal = "" if found[0].x_strides == key.x_strides else x_refusal
+    found[0].y_refusal = "" if found[0].y_strides == key.y_strides else y_refusal
+    return found[0]
 
 
 class EnginePlan:
     """A built execution plan of one engine configuration for one problem key (its graph: the
-    bare conv, or the configuration's fusion).
+    bare conv, or the configuration's fusion; ``x`` read with :attr:`x_strides`).
 
     Built once (plan-compile time in the executor, once per candidate in the tuner), then
     :meth:`execute` enqueues the conv on CuPy's current stream: no allocation, no
     synchronization, so it can be captured into a CUDA graph.
     """
 
+    x_refusal = ""  # why a plan of a key with an input slice reads a packed x (module rules); "": it reads the slice's strides
+    y_refusal = ""  # why a plan of a key with an output slice writes a packed y; "": it writes the slice's strides
+
     def __init__(self, key: ProblemKey, config: EngineConfig, enumerated: Enumerated | None = None) -> None:
         """``enumerated``: the key's graph with its configurations already enumerated on this
-        device (the tuner's), on which the plan is built; else a graph of the plan's own."""
+        device (the tuner's), on which the plan is built; else a graph of the plan's own. For a key
+        with an input or output slice, the strides tried in order (module rules)."""
         fe = _require()
         import cupy as cp
 
@@ -412,13 +370,47 @@ class EnginePlan:
         self._fe = fe
         self._device, _ = _current(cp)
         self._handle = _handle(fe, self._device)
+        *sliced, packed = io_choices(key)
+        t = None
+        for xs, ys in sliced:  # the key's slices, read and written in place where cuDNN builds the plan so
+            try:
+                t = self._build(xs, ys, enumerated)
+            except GraphApiError as e:
+                why = str(e).splitlines()[0]
+                self.x_refusal = self.x_refusal or (why if xs == key.x_strides else "")
+                self.y_refusal = self.y_refusal or (why if ys == key.y_strides else "")
+                continue
+            self.x_strides, self.y_strides = xs, ys
+            break
+        if t is None:
+            self.x_strides, self.y_strides = packed
+            t = self._build(*packed, enumerated)
+        if self.x_strides == key.x_strides:
+            self.x_refusal = ""
+        if self.y_strides == key.y_strides:
+            self.y_refusal = ""
+        self._uids = (t["x"], t["w"], t["y"])
+        self._bias_uid = t.get("b")
+        self._residual_uid = t.get("z")
+        self.z_strides = _z_strides(key)
+
+    def _build(self, x_strides: tuple[int, ...], y_strides: tuple[int, ...], enumerated: Enumerated | None) -> dict[str, Any]:
+        """Build the plan on the key's graph reading ``x`` with ``x_strides`` and writing ``y`` with
+        ``y_strides`` (``enumerated``'s where it is the key's, else a graph of its own); the graph's tensors."""
+        fe, key, config = self._fe, self.key, self.config
         fusion = config.fusion
         what = f"{config.name} ({fusion})" if fusion else config.name
         try:
             if enumerated is not None and (enumerated.key, enumerated.fusion) == (key, fusion):
-                self._graph, t, names = enumerated.graph, enumerated.tensors, enumerated.names
+                mine = next((e for e in enumerated.graphs() if (e.x_strides, e.y_strides) == (x_strides, y_strides)), None)
+                if mine is None:
+                    why = dict.fromkeys(r for r, mine in ((enumerated.x_refusal, x_strides == key.x_strides),
+                                                          (enumerated.y_refusal, y_strides == key.y_strides)) if r and mine)
+                    raise GraphApiError(f"cuDNN offers no configuration of {key} reading x with the element strides {x_strides} "
+                                        f"and writing y with {y_strides}" + "".join(f": {r}" for r in why))
+                self._graph, t, names = mine.graph, mine.tensors, mine.names
             else:
-                self._graph, t = _graph(fe, key, self._handle, fusion)
+                self._graph, t = _graph(fe, key, self._handle, fusion, x_strides, y_strides)
                 # The configuration is found again among cuDNN's own for this graph, by name:
                 # rebuilding it from (engine id, knobs) through the frontend's knob enum gave
                 # configurations that cuDNN refused to finalize (the frontend's enum is not cuDNN's
@@ -431,7 +423,7 @@ class EnginePlan:
                 except Exception:  # noqa: BLE001  (mode A offers nothing for this graph: the full list below)
                     names = []
                 if config.name not in names:
-                    self._graph, t = _graph(fe, key, self._handle, fusion)
+                    self._graph, t = _graph(fe, key, self._handle, fusion, x_strides, y_strides)
                     names = _enumerate(fe, self._graph, key)
             if config.name not in names:
                 raise GraphApiError(f"cuDNN does not offer {what} for {key} here")
@@ -440,10 +432,7 @@ class EnginePlan:
             self.workspace_bytes = int(self._graph.get_workspace_size_plan_at_index(self._index))
         except Exception as e:  # noqa: BLE001
             raise GraphApiError(f"cuDNN does not build {what} for {key}: {_why(e)}") from e
-        self._uids = (t["x"], t["w"], t["y"])
-        self._bias_uid = t.get("b")
-        self._residual_uid = t.get("z")
-        self.z_strides = _z_strides(key)
+        return t
 
     def serialize(self, verify: bool = True) -> bytes:
         """The built plan as bytes :meth:`load` reads back (module rules). ``verify``: load it here
@@ -457,8 +446,9 @@ class EnginePlan:
             raise GraphApiError(f"cuDNN does not serialize {self.config.algo} for {self.key}: {_why(e)}") from e
         extra = [t for t in (self._bias_uid, self._residual_uid) if t is not None]  # the bias, then the residual
         uids = [int(t.get_uid()) for t in (*self._uids, *extra)]
-        header = {"format": PLAN_FORMAT, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
-                  "workspace": self.workspace_bytes}
+        packed = (self.x_strides, self.y_strides) == io_choices(self.key)[-1]
+        header = {"format": PLAN_FORMAT if packed else PLAN_FORMAT_SLICE, **versions(), "key": str(self.key), "algo": self.config.algo, "uids": uids,
+                  "workspace": self.workspace_bytes, "x_strides": list(self.x_strides), "y_strides": list(self.y_strides)}
         data = json.dumps(header, sort_keys=True).encode() + b"\n" + blob
         if verify:
             _same_results(self, EnginePlan.load(self.key, self.config, data))
@@ -476,15 +466,23 @@ class EnginePlan:
             header = json.loads(head) if sep else None
         except ValueError:
             header = None
-        if not isinstance(header, dict) or header.get("format") != PLAN_FORMAT:
-            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT})")
+        if not isinstance(header, dict) or header.get("format") not in (PLAN_FORMAT, PLAN_FORMAT_SLICE):
+            raise GraphApiError(f"not a stored cuDNN plan of convpass ({PLAN_FORMAT} or {PLAN_FORMAT_SLICE})")
         here = {**versions(), "key": str(key), "algo": config.algo}
         for field, want in here.items():
             if header.get(field) != want:
                 raise GraphApiError(f"the stored plan is for {field} {header.get(field)!r}, not {want!r}")
+        packed = [list(s) for s in io_choices(key)[-1]]  # a plan stored without them reads a packed x, writes a packed y
+        strides = [header.get(f"{t}_strides", packed[i]) for i, t in enumerate("xy")]
+        if (strides == packed) != (header["format"] == PLAN_FORMAT):
+            raise GraphApiError(f"the stored plan's format {header['format']} does not fit the element strides it reads x with, "
+                                f"{strides[0]!r}, and writes y with, {strides[1]!r}")
+        if strides not in [[list(x), list(y)] for x, y in io_choices(key)]:
+            raise GraphApiError(f"the stored plan reads x with the element strides {strides[0]!r} and writes y with {strides[1]!r}, "
+                                f"neither packed nor the key's slices'")
         self = cls.__new__(cls)
         self.key, self.config, self._fe = key, config, fe
-        self.z_strides = _z_strides(key)
+        self.x_strides, self.y_strides, self.z_strides = tuple(strides[0]), tuple(strides[1]), _z_strides(key)
         self._device, _ = _current(cp)
         self._handle = _handle(fe, self._device)
         try:
@@ -507,11 +505,17 @@ class EnginePlan:
         return self
 
     def execute(self, x: Any, w: Any, y: Any, workspace: Any = None, bias: Any = None, z: Any = None) -> None:
-        """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format); for a
-        fused configuration ``y = act(conv(x, w) + bias)`` (``bias``: K contiguous values), ``+ z``
-        for one with its residual (``z``: of :attr:`z_strides`, ``y``'s or the key's slice's, apart from ``y``)."""
+        """``y = conv(x, w)`` on the current CuPy stream (arrays in the key's memory format, ``x`` of
+        :attr:`x_strides`: packed or the key's input slice's; ``y``, for a key with an output slice,
+        of :attr:`y_strides`: packed or that slice's); for a fused configuration ``y =
+        act(conv(x, w) + bias)`` (``bias``: K contiguous values), ``+ z`` for one with its residual
+        (``z``: of :attr:`z_strides`, ``y``'s or the key's slice's, apart from ``y``)."""
         import cupy as cp
 
+        if not _has_strides(x, self.x_strides):
+            raise InputRefused(f"{self.config.algo}: the input x is not of the element strides its plan reads, {self.x_strides}")
+        if self.key.y_slice is not None and not _has_strides(y, self.y_strides):
+            raise OutputRefused(f"{self.config.algo}: the output y is not of the element strides its plan writes, {self.y_strides}")
         if (self._bias_uid is None) != (bias is None):
             raise GraphApiError(f"{self.config.algo} takes {'a' if self._bias_uid is not None else 'no'} bias")
         if (self._residual_uid is None) != (z is None):
@@ -536,39 +540,6 @@ class EnginePlan:
             raise GraphApiError(f"{self.config.algo} failed to execute for {self.key}: {_why(e)}") from e
 
 
-ALIGNMENT = 16  # bytes: the cudnn frontend's default tensor alignment, which the plans are built with
-
-
-def misaligned(**arrays: Any) -> list[str]:
-    """The names of the given device arrays (None: absent) whose data pointer is not
-    :data:`ALIGNMENT`-byte aligned: a view at an odd offset (a batch or channel slice) that a plan
-    built for aligned tensors would read with misaligned vector loads, a sticky CUDA error."""
-    ptrs = {name: getattr(getattr(a, "data", None), "ptr", None) for name, a in arrays.items() if a is not None}
-    return [name for name, ptr in ptrs.items() if ptr is not None and int(ptr) % ALIGNMENT]  # host arrays (CPU stand-ins) have none
-
-
-def _has_strides(a: Any, want: tuple[int, ...]) -> bool:
-    """Whether the device array ``a`` has the element strides ``want`` (unit axes aside; a host stand-in passes)."""
-    have, shape = getattr(a, "strides", None), getattr(a, "shape", None)
-    return have is None or shape is None or all(int(h) // a.itemsize == w for h, w, d in zip(have, want, shape) if d > 1)
-
-
-def _overlap(a: Any, b: Any) -> bool:
-    """Whether two device arrays' memory spans (first to last byte their strides reach) overlap."""
-    def span(v: Any) -> tuple[int, int]:
-        start = int(v.data.ptr)
-        shape, strides = getattr(v, "shape", None), getattr(v, "strides", None)
-        if shape is None or strides is None:
-            return start, start + max(int(getattr(v, "nbytes", 0)), 1)
-        if 0 in shape:
-            return start, start
-        low = sum((d - 1) * s for d, s in zip(shape, strides) if s < 0)
-        high = sum((d - 1) * s for d, s in zip(shape, strides) if s > 0) + v.itemsize
-        return start + low, start + high
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
 
 def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
     """Run both plans on the same random inputs; :class:`GraphApiError` unless bit for bit equal."""
@@ -583,15 +554,19 @@ def _same_results(built: EnginePlan, loaded: EnginePlan) -> None:
         a[...] = cp.sin(cp.arange(a.size, dtype=cp.float32) * 0.7 + phase).reshape(dims)
         return a
 
-    x, w = values(shape.x_shape, 0.0), values(shape.w_shape, 1.0)
+    # a plan reading an input slice reads x with its strides: the first channels of a buffer as wide (an aligned start)
+    x_channels = built.key.x_slice.channels if built.x_strides == built.key.x_strides and built.key.x_slice is not None else shape.c
+    x, w = values((shape.n, x_channels, *shape.spatial), 0.0)[:, :shape.c], values(shape.w_shape, 1.0)
     bias = cp.sin(cp.arange(shape.k, dtype=cp.float32) + 2.0).astype(shape.dtype) if built.config.fusion else None
     # a plan of a residual slice reads z with its strides: the first channels of a buffer as wide (an aligned start, whatever the key's first)
     s = built.key.z_slice or ResidualSlice(0, shape.k)
     z = values((shape.n, s.channels, *shape.output_spatial), 3.0)[:, :shape.k] if takes_residual(built.config.fusion) else None
     ws = cp.empty(max(built.workspace_bytes, loaded.workspace_bytes, 1), dtype=cp.uint8)
+    # a plan writing an output slice writes y with its strides: the first channels of a buffer as wide
+    y_channels = built.key.y_slice.channels if built.y_strides == built.key.y_strides and built.key.y_slice is not None else shape.k
     outs = []
     for plan in (built, loaded):
-        y = empty_like_layout(shape.y_shape, shape.dtype, layout)
+        y = empty_like_layout((shape.n, y_channels, *shape.output_spatial), shape.dtype, layout)[:, :shape.k]
         y.fill(0)
         plan.execute(x, w, y, ws, bias=bias, z=z)
         outs.append(y)

@@ -71,7 +71,7 @@ def launch_counters() -> collections.Counter[str]:
     yet counts from 0 instead of failing the run)."""
     return collections.Counter({
         "cudnn_calls": 0, "fused_relu": 0, "fused_identity": 0, "fused_residual_relu": 0, "fused_residual_identity": 0,
-        "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "slice_reads": 0, "slice_copies": 0, "slice_writes": 0, "slice_write_copies": 0,
+        "reference_convs": 0, "graph_replays": 0, "layout_copies": 0, "layout_conversions": 0, "slice_reads": 0, "slice_copies": 0, "slice_writes": 0, "slice_write_copies": 0,
         "residual_slice_reads": 0, "residual_copies": 0, "fused_elementwise": 0, "graph_api_calls": 0, "programmatic_edges_rewritten": 0,
         "own_kernel_calls": 0, EPILOGUE_PASSES: 0, **dict.fromkeys(FUSION_COUNTERS, 0),
     })

@@ -13,7 +13,9 @@ preference (a step claimed by an earlier family is not offered to a later one):
    inference mode joins them);
 4. every other step: the op library over CuPy (:class:`OpLaunch`; element-wise ops on the
    channels-last storage of channels-last inputs, so their outputs keep that format);
-5. then the memory plan (:mod:`convpass.runtime.cuda.memory`): Concats share buffers and producers write into them.
+5. then the memory plan (:mod:`convpass.runtime.cuda.memory`): Concats share buffers and producers write into them;
+6. once every launch is prepared, one layout conversion for the convs that read one tensor in a format it is not
+   stored in (:mod:`convpass.runtime.cuda.shared_layouts`), instead of a copy inside each conv's launch.
 
 Every launch is prepared here — kernels compiled, conv algorithms resolved, weights converted,
 tables uploaded, workspaces sized — so that running the plan needs none of that and can be
@@ -33,7 +35,7 @@ from convpass.native import cublas as blas
 from convpass.native import nvrtc as compiler
 from convpass.native.cuda import ELEMENTWISE, first_line
 from convpass.ops.registry import OpContext
-from convpass.runtime.cuda import memory
+from convpass.runtime.cuda import memory, shared_layouts
 from convpass.runtime.cuda.runner import CompiledPlan
 
 __all__ = ["OpLaunch", "compile_plan"]
@@ -189,6 +191,8 @@ def compile_plan(rt: Any, plan: Any) -> CompiledPlan:
     for launch in launches:
         if launch is not None:
             launch.prepare()
+    # 6. one layout conversion per tensor several convs read in another format
+    launches, free = shared_layouts.share_conversions(plan, launches, free, rt.counters)
     _conv_notes(rt, plan, launches)
     blockers = [s.node for s in steps if s.node.impl is not None and s.node.impl.data_dependent_shape]
     capturable = rt.cuda_graph and not blockers
