@@ -286,6 +286,44 @@ def test_relative_error_sums_every_sample_and_says_inf_for_unwritten_output(monk
     assert engine_check.relative_error(np, np.float32(3.0) * np.ones(5, np.float32), 3 * np.ones(5, np.float32)) == 0.0  # 1-D outputs
 
 
+class _NoScalarOperators(np.ndarray):
+    """An array that refuses to meet a Python scalar in an operator, as CuPy's does at a cost: its
+    operator path with a scalar imports cupyx and SciPy (convpass/ops/arrays.py)."""
+
+    def _refuse(self, other):
+        if isinstance(other, (int, float)):
+            raise AssertionError(f"a Python scalar {other!r} met an array in an operator")
+        return NotImplemented
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+
+
+def test_relative_error_never_adds_a_python_float_to_a_device_array():
+    """The first run of a fresh process checks its engine steps with this function: a float meeting
+    a CuPy array there imported cupyx and SciPy at start-up (0.3 s)."""
+    class Xp:
+        float64 = np.float64
+
+    ref = (np.arange(24, dtype=np.float32) + 1).reshape(2, 3, 4)
+    out = ref * np.float32(1.01)
+    sums = []
+
+    def sum_of(a):
+        s = np.asarray(np.sum(np.asarray(a))).view(_NoScalarOperators)  # a 0-d device array, as CuPy's sum gives
+        sums.append(s)
+        return s
+
+    class Arr(np.ndarray):
+        def astype(self, dtype):
+            return np.asarray(self).astype(dtype).view(Arr)
+
+        def sum(self):
+            return sum_of(self)
+
+    err = engine_check.relative_error(Xp, out.view(Arr), ref.view(Arr))
+    assert sums and err == pytest.approx(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64)))
+
+
 # ---------------------------------------------------------------------------------------------
 # a captured plan's first replay against its eager warm-up
 

@@ -143,6 +143,8 @@ def test_graph_api_plans_are_loaded_from_the_side_car_not_built(tmp_path):
     info, outs = _fresh(out, feeds, tmp_path / "fresh")
     assert info["engines"] >= len(engines) and info["plans_built"] == [] and info["compilations"] == [], info
     assert not [w for w in info["warnings"] if "start-up" in w], info["warnings"]
+    # the first run checks each engine step against a legacy algorithm: without importing cupyx / SciPy
+    assert info["slow_imports"] == [], "start-up imported cupyx / SciPy (see convpass/runtime/ops.py on comparisons)"
     _check(outs, refs, 5e-3, "plans from the side-car")
     info, outs = _fresh(out, feeds, tmp_path / "none", kernels="none")
     assert len(info["plans_built"]) >= len(engines), info
