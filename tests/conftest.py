@@ -309,6 +309,38 @@ def recorded_call(node: str, shape, key, fusion: str, engine: str = "eng5_k2=1")
     return ConvCall(node, CallGeometry("Conv", 2, (shape,)), d)  # type: ignore[arg-type]
 
 
+def annotated(model: onnx.ModelProto, decisions: dict[str, list], profiles=()) -> onnx.ModelProto:
+    """``model`` with its conv nodes annotated by hand (``decisions``: node name -> its
+    :class:`~convpass.core.annotation.ConvDecision` s), the way the annotate pass does, through
+    convpass.core.annotation (a model tuned on an H200)."""
+    from convpass.core import annotation
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    used = set()
+    for node in model.graph.node:
+        if node.name in decisions:
+            node.domain = annotation.DOMAIN
+            for name, value in annotation.decision_attributes(decisions[node.name]).items():
+                node.attribute.append(helper.make_attribute(name, value))
+            used.add(node.op_type)
+    for op in sorted(used):
+        model.functions.append(annotation.conv_function(op, opset))
+    model.opset_import.append(helper.make_opsetid(annotation.DOMAIN, annotation.DOMAIN_VERSION))
+    info = annotation.ModelInfo(
+        schema_version=annotation.SCHEMA_VERSION,
+        convpass_version="test",
+        device="NVIDIA H200|sm_9.0|132sm|cudnn91900",
+        cudnn_version="9.19.0",
+        mode="measure",
+        profiles=tuple(profiles),
+        matmul_allow_tf32=False,
+        options={},
+    )
+    helper.set_model_props(model, annotation.metadata_entries(info))
+    return model
+
+
 def steady_run(tuned: onnx.ModelProto, feeds: dict) -> tuple[list, dict[str, int]]:
     """``tuned`` on the cuda backend without a CUDA graph, run op by op, then as the compiled
     plan's first run (the refusals it meets learned), then once more: that run's outputs and what

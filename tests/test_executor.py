@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import MODELS, conv_model, random_input, run_ort
+from conftest import MODELS, annotated, conv_model, random_input, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from convpass.core import annotation
@@ -237,41 +237,13 @@ def test_batchnorm_fold_can_be_disabled():
 # tuned models (domain ai.convpass)
 
 
-def _annotate(model: onnx.ModelProto, decisions: dict[str, list[annotation.ConvDecision]], profiles=()) -> onnx.ModelProto:
-    """Annotate conv nodes by hand, the way the annotate pass does, through convpass.core.annotation."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    used = set()
-    for node in model.graph.node:
-        if node.name in decisions:
-            node.domain = annotation.DOMAIN
-            for name, value in annotation.decision_attributes(decisions[node.name]).items():
-                node.attribute.append(helper.make_attribute(name, value))
-            used.add(node.op_type)
-    for op in sorted(used):
-        model.functions.append(annotation.conv_function(op, opset))
-    model.opset_import.append(helper.make_opsetid(annotation.DOMAIN, annotation.DOMAIN_VERSION))
-    info = annotation.ModelInfo(
-        schema_version=annotation.SCHEMA_VERSION,
-        convpass_version="test",
-        device="NVIDIA H200|sm_9.0|132sm|cudnn91900",
-        cudnn_version="9.19.0",
-        mode="measure",
-        profiles=tuple(profiles),
-        matmul_allow_tf32=False,
-        options={},
-    )
-    helper.set_model_props(model, annotation.metadata_entries(info))
-    return model
-
-
 def test_annotated_model_runs_and_reports_decisions():
     base = conv_model("Conv", (1, 4, 8, 8), (6, 4, 3, 3), pads=[1, 1, 1, 1])
     decision = annotation.ConvDecision(
         algo="implicit_precomp_gemm", memory_format="NHWC", math_mode="fma", workspace_bytes=1024, time_ms=0.01,
         problem_key="fwd|n=1|c=4|k=6|in=8x8|ker=3x3|pad=1x1|str=1x1|dil=1x1|g=1|float32|nhwc|fma", source="measure",
     )
-    model = _annotate(base, {"conv": [decision]})
+    model = annotated(base, {"conv": [decision]})
     onnx.checker.check_model(model, full_check=True)
     x = random_input((1, 4, 8, 8))
     ex = _compare(model, {"x": x})
@@ -291,7 +263,7 @@ def test_annotated_model_picks_the_decision_of_the_matching_profile():
     d1 = annotation.ConvDecision(algo="algo_1", memory_format="NCHW", math_mode="default", source="measure")
     d8 = annotation.ConvDecision(algo="fft_tiling", memory_format="NHWC", math_mode="fma", source="cache")
     profiles = [annotation.Profile("b1", {"x": (1, 4, 5, 5)}), annotation.Profile("b8", {"x": (8, 4, 5, 5)})]
-    model = _annotate(base, {"conv": [d1, d8]}, profiles)
+    model = annotated(base, {"conv": [d1, d8]}, profiles)
     ex = Executor(model)
     before = ex.plan_summary()
     assert before[0].algo == "algo_1" and before[0].problem is None

@@ -7,12 +7,13 @@ executor's choice for a fused decision."""
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from conftest import leaky_model, numpy_candidates, offer_configs, recorded_call, run_ort
+from conftest import annotated, leaky_model, numpy_candidates, offer_configs, recorded_call, run_ort
 from onnx import helper
 
 import convpass
@@ -346,3 +347,61 @@ def test_a_decision_for_another_alpha_than_the_plan_s_warns_and_runs_the_legacy_
     assert (ex.algo, ex.engine) == ("implicit_gemm", None)
     [message] = convs.warned
     assert "'c1'" in message and f"fused graph conv + {L02}" in message and "'implicit_gemm' instead" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# the lowering of a recorded engine, of models tuned before and after a Concat's activation was absorbed
+
+def _engine_tuned(join: str, fusions: dict[str, str]) -> onnx.ModelProto:
+    """leaky_model(join=...) with c1 and c2 recorded as the engine eng5_k2=1 with ``fusions[node]``
+    (c3, whose output is the graph's, left untuned)."""
+    def decision(fusion):
+        return annotation.ConvDecision(algo="implicit_gemm", engine="eng5_k2=1", fusion=fusion, memory_format="NHWC", math_mode="default",
+                                       problem_key=str(KEY), source="measure")
+    return annotated(leaky_model(join=join), {node: [decision(f)] for node, f in fusions.items()})
+
+
+def _launches(tuned: onnx.ModelProto, convs) -> tuple[dict[str, Any], dict[int, str]]:
+    """The conv launches of ``tuned``'s plan by node name (lower_convs, fusion on), and the plan's step names."""
+    from convpass.kernels.convolution import lower_convs
+    from convpass.runtime import Executor
+
+    ex = Executor(tuned, device="cpu")
+    ex.run(None, {"x": np.zeros(X, np.float32)})
+    [plan] = ex._plans.values()
+    names = {i: st.node.name for i, st in enumerate(plan.steps)}
+    return {names[i]: launch for i, launch in lower_convs(plan, convs, fuse=True, fuse_residual=True).items()}, names
+
+
+def test_a_model_tuned_before_a_concat_s_leakyrelu_was_absorbed_runs_its_engine_s_conv_and_bias(convs):
+    """Before a graph-API activation that a Concat reads was absorbed, c1's and c2's steps were conv +
+    bias, and a tuned model recorded the engine's fused conv + bias graph: that graph runs (no
+    warning, no legacy algorithm), the LeakyRelus as the plan's own steps."""
+    tuned = _engine_tuned("Concat", {"c1": "bias", "c2": "bias"})
+    launches, _ = _launches(tuned, convs)
+    for node in ("c1", "c2"):
+        launch = launches[node]
+        assert (launch.epilogue, launch.fusion, launch.absorbs) == (None, "bias", ()), node
+        ex = convs.resolve(launch.call, np.float32, launch.fusion)
+        assert (ex.algo, ex.conv.fused, ex.conv.epilogue) == ("engine:eng5_k2=1+bias", True, "bias"), node
+    assert convs.warned == []
+    x = np.random.default_rng(4).standard_normal(X).astype(np.float32)
+    want = run_ort(leaky_model(join="Concat"), {"x": x})[0]
+    np.testing.assert_allclose(convpass.Executor(tuned, device="cpu").run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_ort(tuned, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("join", ["Concat", "Add"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fused_or_bare_engine_of_a_leakyrelu_step_is_lowered_as_it_was_recorded(convs, join, fused):
+    """A model tuned with the activation in c1's step, whether a Concat reads it or not: the fused
+    graph absorbs the LeakyRelu; the bare engine (no fusion) runs the conv, the bias and the
+    LeakyRelu as the plan's own steps."""
+    launches, names = _launches(_engine_tuned(join, {"c1": L02 if fused else ""}), convs)
+    c1 = launches["c1"]
+    if fused:
+        assert (c1.epilogue, c1.fusion, [names[k] for k in c1.absorbs]) == (("engine", L02, None), L02, ["l1"])
+    else:
+        assert (c1.epilogue, c1.fusion, c1.absorbs) == (None, "", ())
+    assert convs.resolve(c1.call, np.float32, c1.fusion).algo == (FUSED if fused else "engine:eng5_k2=1")
+    assert convs.warned == []

@@ -41,7 +41,9 @@ memory format, copied there if it is not, or a channel slice read in place where
 key names it: :mod:`convpass.kernels.conv_slices`; the launch writes the Add's output), or, where the decision
 is the activation's graph alone, the Add stays the plan's own step. When the plan does not offer the epilogue (fusion off, another graph) the recorded legacy
 ``algo`` runs, with one warning; when the fused plan cannot be built, the same, and the epilogue's
-steps run as usual.
+steps run as usual. A decision of the engine's conv + bias graph (``fusion`` ``bias``: a model
+tuned while an activation a Concat reads stayed out of the conv's step) runs that graph, and the
+activation's steps as the plan's own, with no warning.
 
 Slices of shared buffers (:mod:`convpass.kernels.conv_slices`): a conv reads a channel slice of a
 Concat buffer, and writes its output into its slice of one, and a fused step reads its residual
@@ -575,6 +577,16 @@ def _epilogue_name(epilogue: Any) -> str:
     return epilogue[1] if epilogue[0] == "engine" else legacy_name(True, epilogue[2] == "relu")
 
 
+def _declined_graph_fusion(d: annotation.ConvDecision | None) -> str:
+    """The ``fusion`` of a launch whose graph-API fusion does not run fused (its activation's nodes
+    run as the plan's own steps): ``bias``, the only epilogue the launch owns without the
+    activation, where the decision records an engine's fused graph of it, else ``""``. A model
+    tuned while a graph-API activation that a Concat reads was not absorbed records such a conv
+    so (its step was ``bias``): its engine's conv + bias graph runs, as it was timed."""
+    bias = legacy_name(False, False)
+    return bias if d is not None and d.engine and d.fusion == bias else ""
+
+
 def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool) -> dict[int, ConvLaunch]:
     """A launch per Conv / ConvTranspose step of ``plan``, each absorbing what
     :func:`convpass.core.fusion.absorbed` gives its step (the rule the tuner timed); the steps they
@@ -586,8 +598,9 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
     that fused graph and its plan builds here; a step with its residual whose decision is the
     shorter graph (the activation's alone) runs that, the Add as the plan's own step; otherwise the
     conv runs with its bias and the activation's nodes (Sigmoid and Mul, the LeakyRelu, the Add)
-    run as the plan's own steps. A step that absorbs the Add writes the Add's output slot (the
-    conv's own output is never stored)."""
+    run as the plan's own steps; the launch's ``fusion`` is then ``bias`` where the decision records
+    an engine's fused conv + bias graph (:func:`_declined_graph_fusion`), so that graph runs. A step
+    that absorbs the Add writes the Add's output slot (the conv's own output is never stored)."""
     steps = plan.steps
     taken: set[int] = set()
     view = PlanSteps(plan, taken)
@@ -607,6 +620,8 @@ def lower_convs(plan: Any, convs: Convolutions, fuse: bool, fuse_residual: bool)
                 form = next((f for f in (a, a.shorter) if f is not None and d is not None and d.fusion == f.epilogue), None)
                 if form is not None and x is not None and _runs_fused(convs.resolve(node.prepared, x[1], form.epilogue)):
                     epilogue, out, absorbs, fusion = ("engine", form.epilogue, form.z), form.output, form.nodes, form.epilogue
+                else:
+                    fusion = _declined_graph_fusion(d)
             elif a.epilogue in ("bias+add", "bias+add+relu"):
                 epilogue, out, absorbs = ("residual", a.z, "relu" if a.epilogue.endswith("+relu") else "identity"), a.output, a.nodes
             elif a.epilogue in ("bias+relu", "relu"):
