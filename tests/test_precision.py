@@ -358,3 +358,24 @@ def test_retuning_without_precision_drops_the_old_precision_record(cache, tmp_pa
     assert "convpass.precision" not in {p.key for p in again.metadata_props}
 
 
+
+
+def test_the_record_holds_the_predicted_cost_of_the_plan_and_of_its_two_bounds(cache):
+    predicted = _record(_optimize(cache, precision="auto", max_error=1e-2))["predicted_ms"]
+    assert set(predicted) == {"plan", "float16", "wide"}
+    # float16 is the faster rate here: the first plan is the whole region, within budget at once
+    assert predicted["plan"] == pytest.approx(predicted["float16"]) and predicted["float16"] < predicted["wide"]
+
+
+def test_a_plan_that_keeps_float32_says_what_the_float16_region_would_have_cost(tmp_path, capsys):
+    path = tmp_path / "slow-fp16.db"
+    rates = {**SLOW, ("float16", "default"): SLOW[("float32", "default")] / 2}  # float16 slower than TF32
+    synthetic_cache(path, onnx.load(MODEL), rates=rates)
+    tuned = convpass.optimize(str(MODEL), cache=str(path), device_name="Synthetic", kernels=False, precision="auto", max_error=1e-2)
+    record = _record(tuned)
+    assert {r["precision"] for r in inspect(tuned)} == {"tf32"} and record["rounds"] == 0
+    predicted = record["predicted_ms"]
+    assert predicted["plan"] == pytest.approx(predicted["wide"]) and predicted["float16"] > predicted["wide"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"no conv runs in float16: by the measured timings the float16 region costs {predicted['float16']:.4f} ms "
+            f"(conv steps and casts) against {predicted['wide']:.4f} ms without it") in err

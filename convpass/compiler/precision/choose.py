@@ -157,9 +157,23 @@ class GraphPlanner:
         plan = self._cut({node: {REDUCED: self.costs[name].get(REDUCED, 0.0)} for name, node in self.all_nodes.items()})
         return dataclasses.replace(plan, precisions={c: (p if c in plan.reduced else self.levels[-1]) for c, p in plan.precisions.items()})
 
+    def predicted(self) -> dict[str, float | None]:
+        """The cost by the measured timings (conv steps and casts, ms) of the two plans the loop's
+        first one lies between: ``wide``, no float16 region (every conv at its cheapest wide level);
+        ``float16``, every conv with a float16 timing in the region, the others at their cheapest
+        wide level. None where such a plan cannot be formed (a conv the region cannot hold)."""
+        wide = {self.all_nodes[n]: {p: t for p, t in self.costs[n].items() if p != REDUCED} for n in self.convs}
+        half = {node: ({REDUCED: self.costs[n][REDUCED]} if REDUCED in self.costs[n] else wide[node])
+                for n, node in self.all_nodes.items() if n in self.convs}
+        return {"wide": _finite(self._cut(wide).cost_ms), "float16": _finite(self._cut(half).cost_ms)}
+
     def _cut(self, allowed: Mapping[ir.Node, Mapping[str, float]]) -> Assignment:
         plan = plan_precision(self.graph, allowed, REDUCED, self.cast_ms, self.types)
         return Assignment({n.name: p for n, p in plan.precisions.items()}, frozenset(n.name for n in plan.reduced), plan.cost_ms, plan.casts)
+
+
+def _finite(ms: float | None) -> float | None:
+    return ms if ms is not None and math.isfinite(ms) else None
 
 
 def levels_for(options: TuneOptions) -> tuple[str, ...]:

@@ -143,7 +143,10 @@ def optimize_precision(steps: Steps, model: ir.Model, options: TuneOptions, shap
     else:
         result = budget.measure_plan(planner, candidates.error, planner.forced(options.precision), options.max_error)
     report.precision = _record(result, options, sets, evaluator)
-    report.notes.extend(_notes(result, sets, planner, casts, evaluator))
+    predicted = planner.predicted() if options.precision == "auto" else None
+    if predicted is not None:
+        report.precision["predicted_ms"] = {"plan": result.assignment.cost_ms, **predicted}
+    report.notes.extend(_notes(result, sets, planner, casts, evaluator, predicted))
     errors = {c: (result.contribution(c), result.sensitivity.get(c, {}).get(budget.REDUCED)) for c in result.assignment.precisions}
     if tuned is not None:  # the tuner's counts of the problems this run decided, not of every candidate's look-ups
         backend.summary = tuned
@@ -219,10 +222,15 @@ def _record(result: budget.BudgetResult, options: TuneOptions, sets, evaluator) 
     }
 
 
-def _notes(result: budget.BudgetResult, sets, planner: GraphPlanner, casts: CastCosts, evaluator) -> list[str]:
+def _notes(result: budget.BudgetResult, sets, planner: GraphPlanner, casts: CastCosts, evaluator,
+           predicted: dict[str, float | None] | None = None) -> list[str]:
     notes = []
     if result.message:
         notes.append(result.message)
+    half, wide = (predicted or {}).get("float16"), (predicted or {}).get("wide")
+    if half is not None and wide is not None and not result.assignment.reduced and result.rounds == 0:
+        notes.append(f"no conv runs in float16: by the measured timings the float16 region costs {half:.4f} ms "
+                     f"(conv steps and casts) against {wide:.4f} ms without it")
     if any(s.random for s in sets.values()):
         notes.append("the errors were measured on random-normal inputs: real inputs (--calibration, --holdout .npz files) "
                      "measure what the model will see")
