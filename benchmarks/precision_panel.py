@@ -190,7 +190,8 @@ def bench_case(path: Path, batch: int, cache: str, work: Path, runs: int, warmup
         case[label] = {"ms": ms, "error": model_error([outs], [ref], "max-rel"), "tuning_s": time.perf_counter() - t0,
                        "convs": record.get("convs"), "casts": record.get("casts"),
                        "calibration_error": record.get("calibration", {}).get("error"),
-                       "holdout_error": record.get("holdout", {}).get("error"), "within_budget": record.get("within_budget")}
+                       "holdout_error": record.get("holdout", {}).get("error"), "within_budget": record.get("within_budget"),
+                       "rounds": record.get("rounds"), "evaluations": record.get("evaluations"), "predicted_ms": record.get("predicted_ms")}
     if with_peers:
         reason = ort_contender.ort_unavailable_reason()
         if reason is None:
@@ -216,8 +217,18 @@ def _row(c: dict[str, Any]) -> str:
 
     speed = c["tf32"]["ms"] / c["auto-1e-2"]["ms"]
     return (f"{c['model']:<28} b{c['batch']:<3} fp32 {cell('fp32')} | tf32 {cell('tf32')} | auto1e-2 {cell('auto-1e-2')} "
-            f"({speed:.2f}x tf32, {c['auto-1e-2']['convs']}) | auto1e-3 {cell('auto-1e-3')} ({c['auto-1e-3']['ms'] / c['fp32']['ms']:.2f} of fp32) "
+            f"({speed:.2f}x tf32, {c['auto-1e-2']['convs']}{_predicted(c['auto-1e-2'])}) | auto1e-3 {cell('auto-1e-3')} ({c['auto-1e-3']['ms'] / c['fp32']['ms']:.2f} of fp32) "
             f"| ort fp16 {cell('ort_fp16')} | torch.compile fp16 {cell('torch_compile_fp16')}")
+
+
+def _predicted(entry: dict[str, Any]) -> str:
+    """The plan's predicted costs (conv steps and casts by the measured timings) and its rounds, where recorded."""
+    p = entry.get("predicted_ms") or {}
+    ms = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    if not p:
+        return ""
+    return (f"; predicted: plan {ms(p.get('plan'))} ms, fp16 region {ms(p.get('float16'))}, none {ms(p.get('wide'))}; "
+            f"{entry.get('rounds')} rounds")
 
 
 def summarize(cases: list[dict[str, Any]]) -> list[str]:

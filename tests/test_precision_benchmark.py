@@ -157,6 +157,9 @@ def test_a_case_built_as_on_the_gpu_is_written_as_json(monkeypatch, tmp_path):
     assert set(case["torch_compile_fp16"]) == {"skipped"}  # no torch with CUDA here
     row = precision_panel._row(case)
     assert row.startswith("residual_cnn") and f"ort fp16 {peer['ms']:.3f} ms" in row
+    predicted, rounds = case["auto-1e-2"]["predicted_ms"], case["auto-1e-2"]["rounds"]  # why the plan is what it is
+    assert set(predicted) == {"plan", "float16", "wide"} and isinstance(rounds, int)
+    assert f"predicted: plan {predicted['plan']:.3f} ms, fp16 region {predicted['float16']:.3f}, none {predicted['wide']:.3f}; {rounds} rounds" in row
 
 
 def test_the_out_file_is_written_after_every_case_and_keeps_them_when_the_run_is_cut_off(monkeypatch, tmp_path):
@@ -184,3 +187,15 @@ def test_the_out_file_is_written_after_every_case_and_keeps_them_when_the_run_is
     assert precision_panel.main(["--model", str(MODEL), "--batches", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["complete"] is True and doc["cases"] == [finished]
+
+
+def test_the_cost_table_shows_what_the_plan_weighs_from_a_cache(tmp_path, capsys):
+    costs = benchmark_script("precision_costs")
+    cache = tmp_path / "c.db"
+    # float16 made slower than TF32 on every conv: the table says so per conv, and the first plan keeps float32
+    synthetic_cache(cache, onnx.load(MODEL), rates={**SLOW, ("float16", "default"): SLOW[("float32", "default")] / 2})
+    assert costs.main(["--model", str(MODEL), "--cache", str(cache), "--device-name", "Synthetic"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[1:] if "implicit_gemm" in line]
+    assert len(rows) == 6 and all(float(r[3]) > 1.0 for r in rows)  # fp16/tf32 per conv
+    assert out[-1].startswith("first plan of the loop: 0 fp16 conv(s), 0 cast(s)")
