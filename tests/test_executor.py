@@ -805,26 +805,32 @@ def test_a_plan_the_backend_replays_runs_outside_errstate():
     ex = Executor(model, device=backend)
     x = random_input([1, 3, 8, 8])
     first = ex.run(None, {"x": x})
-    assert backend.scopes == 2  # the plan is built inside it, then (not replayable) run inside it
+    assert backend.scopes == 1  # the plan is built inside it (nothing compiled: the recording run is the plan's)
     np.testing.assert_allclose(ex.run(None, {"x": x})[0], first[0])
-    assert backend.scopes == 3 and backend.replayed == 0  # not replayable: run inside it
+    assert backend.scopes == 2 and backend.replayed == 0  # not replayable: run inside it
     backend.replays = True
-    assert ex.run(None, {"x": x}) == ["replayed"] and backend.scopes == 3 and backend.replayed == 1
+    assert ex.run(None, {"x": x}) == ["replayed"] and backend.scopes == 2 and backend.replayed == 1
 
 
-def test_the_first_run_returns_what_the_plan_computes_not_the_recording_run():
-    """Building a plan runs the graph op by op once; the results a first run returns are the plan's
-    (on the GPU its warm-up: fused epilogues and engines as recorded), so that every run of a
-    signature computes the same thing, the first included."""
+@pytest.mark.parametrize("compiles", [True, False])
+def test_the_first_run_returns_what_the_plan_computes_not_the_recording_run(compiles):
+    """Building a plan runs the graph op by op once; where the backend compiles the plan (the GPU:
+    fused epilogues and engines as recorded) the results a first run returns are the compiled
+    plan's (its warm-up), so that every run of a signature computes the same thing, the first
+    included; where it compiles nothing, the recording run was the plan's steps, returned as they are."""
     from convpass.kernels.backends import CpuBackend
 
     class Replaying(CpuBackend):
+        def compile_plan(self, plan):
+            plan.backend_state = "compiled" if compiles else None
+
         def replay(self, plan, feeds):
             return ["the plan's"]
 
     ex = Executor(conv_model("Conv", [1, 3, 8, 8], [4, 3, 3, 3]), device=Replaying())
     x = random_input([1, 3, 8, 8])
-    assert ex.run(None, {"x": x}) == ["the plan's"]
+    first = ex.run(None, {"x": x})
+    assert (first == ["the plan's"]) if compiles else isinstance(first[0], np.ndarray)
     assert ex.run(None, {"x": x}) == ["the plan's"]
 
 

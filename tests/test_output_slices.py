@@ -339,6 +339,20 @@ def test_an_output_not_of_the_plans_strides_is_written_into_them_and_copied(engi
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_plan_built_for_the_slice_whose_output_is_wanted_packed_says_its_untimed_copy(engine_convs, plans, layout):
+    """A decision tuned writing its Concat slice, run where the plan stores its output packed (a bare
+    engine whose activation runs as the plan's own step): the copy out of the slice-strided buffer
+    is one its tuning did not time, said as the other unpriced copies are."""
+    convs = engine_convs(layout)
+    x, w, b, _, want = _inputs(layout, L02, channels=TOTAL + 6)
+    packed = _run(convs, _engine_call(layout, fusion=L02), x, w, b, None)
+    np.testing.assert_allclose(packed, want, rtol=1e-5, atol=1e-5)
+    assert convs.rt.counters["layout_copies"] == 1
+    assert [tag for tag, _, _ in convs.rt.notes] == ["unpriced-write-copy:c1", "unpriced-write-copy"]
+    assert "writes its Concat slice's strides only" in convs.rt.notes[0][1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_plan_cuDNN_built_for_a_packed_y_writes_it_and_the_copy_as_timed(engine_convs, plans, layout):
     convs = engine_convs(layout)
     x, w, b, out, want = _inputs(layout, L02)

@@ -71,7 +71,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "--summary",
         action="store_true",
         help="also print whether the plan runs as one CUDA graph (and if not, which node stops it and why) and each conv's decision "
-        "(algo, memory format, math); on cuda the model runs twice so that the plan is captured",
+        "(algo, memory format, math)",
     )
     add_json_options(p, SCHEMA)
     p.set_defaults(func=run_command)
@@ -171,8 +171,6 @@ def run_command(args: argparse.Namespace) -> int:
     outputs = executor.get_outputs()
     targets = _targets(outputs, args.output_dir, [(str(args.model), "the model")] + [(spec.partition("=")[2] or spec, "an input") for spec in args.input])
     results, times = _timed(executor, arrays, args.runs, args.warmup)
-    if args.summary and executor.device == "cuda" and executor.cuda_graph:
-        executor.run(None, arrays)  # the second run captures the plan: the summary says whether it could
     results = [np.asarray(v) for v in results]
     records = []
     for o, value in zip(outputs, results):

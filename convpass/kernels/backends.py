@@ -42,8 +42,8 @@ beyond ``xp = cupy``:
   dtype per slot) and ``plan.template`` (constants, uploaded once) are what a preallocating,
   graph-capturing runner needs; set ``plan.backend_state`` and implement
   ``run_plan(plan, feeds) -> outputs`` to take over execution; ``plan.matmul_allow_tf32`` is the
-  model's Gemm / MatMul TF32 switch. The first run of a signature executes eagerly (it builds
-  the plan): a natural warm-up before capture.
+  model's Gemm / MatMul TF32 switch. The first run of a signature executes op by op eagerly (it builds
+  the plan), then runs the compiled plan: its warm-up and capture.
 * ``graph_status(plan)``: a :class:`convpass.kernels.plan.GraphStatus` — whether the compiled plan
   replays as one CUDA graph and, if not, which node stopped it and why.
 """

@@ -363,6 +363,9 @@ class Convolutions:
         if out is not None:
             said_if_unpriced(self.rt, ex, conv, out)
         elif conv.output_slice_strides is not None:  # a plan writing a slice's strides, its output wanted packed
+            if ex.source == "recorded":  # tuned writing the slice in place (a bare engine whose activation runs as its own step)
+                unpriced_copy(self.rt, ex, "its engine's plan writes its Concat slice's strides only, and the activation after it "
+                              "runs as the plan's own step", which="output", packed=True)
             return self._in_layout(y, ex)
         return self._into(y, out)
 

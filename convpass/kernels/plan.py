@@ -143,7 +143,7 @@ class GraphStatus:
 
     ``captured``: True (replays one graph), False (runs eagerly or in pieces: ``reason`` says which
     node and why), None (not applicable: CPU backend or ``cuda_graph=False``; or not known yet:
-    the plan has not run twice).
+    the plan has not run yet).
     """
 
     captured: bool | None

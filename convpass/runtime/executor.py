@@ -160,7 +160,9 @@ class Executor:
         return self._backend
 
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[Any]:
-        """Run the model: ``feeds`` maps input names to arrays; returns the outputs in order."""
+        """Run the model: ``feeds`` maps input names to arrays; returns the outputs in order. The
+        first call with inputs of new shapes or dtypes builds their plan (on the GPU: and warms it up
+        and captures it, which :meth:`prepare` does ahead of time); later calls replay it."""
         names = check_output_names(output_names, self._output_names)
         arrays = check_feeds(feeds, self._graph, self._backend)
         xp = self._backend.xp
@@ -185,17 +187,21 @@ class Executor:
 
     def _plan_and_run(self, arrays: dict[str, Any], names: tuple[str, ...], run_cached: bool = True) -> tuple[Plan, list[Any]]:
         """The plan for these inputs (built on first use) and the results of running it when
-        ``run_cached`` (else none). Building runs the graph op by op once to record the plan; those
-        results are not returned: the plan's steps (fused epilogues, engines, their algorithms)
-        compute within rounding of them but not bit for bit, and every run, the first included,
-        returns what the plan computes."""
+        ``run_cached`` (else none). Building runs the graph op by op once to record the plan; where
+        the backend compiled the plan (the GPU: fused epilogues, engines, their algorithms, which
+        compute within rounding of the op-by-op run but not bit for bit) those results are dropped
+        and the plan runs at once (warm-up and capture in the first call), so every run, the first
+        included, returns what the plan computes; where it compiled nothing, the recording run was
+        the plan's steps and its results are returned."""
         signature = tuple((n, tuple(a.shape), str(a.dtype)) for n, a in sorted(arrays.items()))
         key = (signature, names)
         plan = self._plans.get(key)
         if plan is None:
             with self._backend.errstate():
-                plan, _ = self._builder.build(key, arrays, names, self.fusions)
+                plan, results = self._builder.build(key, arrays, names, self.fusions)
             self._plans[key] = plan
+            if plan.backend_state is None and run_cached:  # nothing compiled (the host): its steps are what just ran
+                return plan, results
         if not run_cached:
             return plan, []
         results = self._backend.replay(plan, arrays)
@@ -230,8 +236,8 @@ class Executor:
 
     def graph_status(self) -> GraphStatus:
         """Whether the last plan runs as one captured CUDA graph, and if not, which node stopped it
-        and why (:class:`~convpass.kernels.plan.GraphStatus`). Known from the second run of a plan on
-        (the first builds it, the second warms it up and captures it)."""
+        and why (:class:`~convpass.kernels.plan.GraphStatus`). Known from the first run of a plan on
+        (it builds the plan, then warms it up and captures it)."""
         if self._last_plan is None:
             return GraphStatus(None, "no plan has run yet")
         return self._backend.graph_status(self._last_plan)

@@ -12,8 +12,8 @@ feeds' names, shapes and dtypes, and the requested outputs).
    (liveness), which is all "buffer reuse" means on numpy; the plan records every value's shape
    and dtype so a device backend can preallocate (:meth:`Backend.compile_plan`).
 
-The plan is built by running its nodes once on the backend, so building also gives the first
-run's results.
+The plan is built by running its nodes once on the backend, so building also gives that run's
+results (the first run's where the backend compiles nothing; :meth:`Executor.run`).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class CompiledPlan:
             return GraphStatus(True, self.note)
         if self.mode in ("eager", "segmented"):
             return GraphStatus(False, self.note, self.break_node)
-        return GraphStatus(None, "not captured yet: the plan has run once (the warm-up comes with the second run)")
+        return GraphStatus(None, "not captured yet: the plan is built, its warm-up and capture come with its first run")
 
     def launch_list(self) -> list[Launch]:
         return [launch for launch in self.launches if launch is not None]
