@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import stat
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from convpass.compiler.passes import manager
 from convpass.compiler.passes.resolve_shapes import VALUE_TYPES_KEY
@@ -23,6 +25,7 @@ from convpass.compiler.pipeline import OptimizeReport, build_options, prepare_mo
 from convpass.compiler.precision.budget import REDUCED
 from convpass.compiler.precision.choose import CastCosts, GraphPlanner, conv_costs, half_problem, levels_for, own_problems
 from convpass.compiler.precision.flow import name_nodes
+from convpass.core.errors import ConvpassError
 from convpass.core.model_io import load_model
 from convpass.tuning.cache import TuningCache
 from convpass.tuning.decide import CacheBackend, select
@@ -41,6 +44,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cache", required=True)
     p.add_argument("--device-name", required=True)
     args = p.parse_args(argv)
+    cache_path = Path(args.cache)
+    try:
+        if not stat.S_ISREG(cache_path.stat().st_mode):
+            p.error(f"--cache {args.cache}: not a regular file")
+    except OSError as e:  # never create an empty cache where the one asked for is missing
+        p.error(f"--cache {args.cache}: {e.strerror}")
+    try:
+        return _report(args)
+    except ConvpassError as e:
+        print(f"precision_costs: {e}", file=sys.stderr)
+        return 2
+
+
+def _report(args: argparse.Namespace) -> int:
     options = build_options({"precision": "auto", "max_error": 1e-2})
     model = load_model(args.model)
     name_nodes(model)
@@ -64,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cell = lambda v: f"{v:9.4f}" if v is not None else f"{'-':>9}"  # noqa: E731
         sources = "-" if first is None else f"{_pick(backend, half_problem(first), plain)} | {_pick(backend, first, tf32)}"
         print(f"{node.name[:44]:<44} {cell(half)} {cell(wide)} {ratio}  {sources}")
+    if not any(costs.values()):
+        print("no conv of this model has a timing in the cache for these shapes (tune it there first)", file=sys.stderr)
+        return 1
     print("sums (conv steps, ms): " + ", ".join(f"{level} {t:.4f}" for level, t in totals.items()))
     planner = GraphPlanner(model.graph, costs, CastCosts(model, backend), levels, model.meta.get(VALUE_TYPES_KEY, {}))
     plan = planner.plan({c: levels[0] for c in planner.convs})

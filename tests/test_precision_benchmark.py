@@ -199,3 +199,18 @@ def test_the_cost_table_shows_what_the_plan_weighs_from_a_cache(tmp_path, capsys
     rows = [line.split() for line in out[1:] if "implicit_gemm" in line]
     assert len(rows) == 6 and all(float(r[3]) > 1.0 for r in rows)  # fp16/tf32 per conv
     assert out[-1].startswith("first plan of the loop: 0 fp16 conv(s), 0 cast(s)")
+
+
+def test_precision_costs_refuses_a_missing_or_odd_cache_and_says_when_nothing_is_timed(tmp_path, capsys):
+    costs = benchmark_script("precision_costs")
+    missing = tmp_path / "missing.db"
+    with pytest.raises(SystemExit) as e:
+        costs.main(["--model", str(MODEL), "--cache", str(missing), "--device-name", "Synthetic"])
+    assert e.value.code == 2 and not missing.exists()  # no empty cache made where the one asked for is missing
+    with pytest.raises(SystemExit):
+        costs.main(["--model", str(MODEL), "--cache", str(tmp_path), "--device-name", "Synthetic"])  # a folder
+    assert "not a regular file" in capsys.readouterr().err
+    cache = tmp_path / "c.db"
+    synthetic_cache(cache, onnx.load(MODEL), rates=SLOW)
+    assert costs.main(["--model", str(MODEL), "--cache", str(cache), "--device-name", "nothing-like-it"]) == 2
+    assert "no device matching" in capsys.readouterr().err
